@@ -1,0 +1,197 @@
+"""Public entry points: validate at the boundary, then dispatch to a backend.
+
+Backends: ``"reference"`` (plain PyTorch, any device), ``"triton"`` (CUDA tensors, or CPU
+tensors under ``TRITON_INTERPRET=1``), ``"auto"`` (triton for CUDA tensors, reference
+otherwise). The ``FP8_QUANT_BACKEND`` environment variable overrides ``"auto"``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+from .formats import FP8Format
+
+_BACKENDS = ("auto", "reference", "triton")
+
+
+def resolve_backend(x: torch.Tensor, backend: str) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = os.environ.get("FP8_QUANT_BACKEND", "auto")
+        if backend not in _BACKENDS:
+            raise ValueError(
+                f"FP8_QUANT_BACKEND must be one of {_BACKENDS}, got {backend!r}"
+            )
+    if backend == "auto":
+        return "triton" if x.is_cuda else "reference"
+    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "the triton backend needs a CUDA tensor; for CPU tensors set TRITON_INTERPRET=1 "
+            "before importing triton, or use backend='reference'"
+        )
+    return backend
+
+
+def check_input(x: torch.Tensor, name: str = "x") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(
+            f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}"
+        )
+
+
+def check_group_size(group_size: int) -> None:
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, int)
+        or group_size <= 0
+        or group_size & (group_size - 1)
+    ):
+        raise ValueError(f"group_size must be a positive power of two, got {group_size!r}")
+
+
+def _triton_ops():
+    # Imported lazily so that the reference backend works where triton is not installed.
+    from . import ops
+
+    return ops
+
+
+def group_amax(x: torch.Tensor, group_size: int = 16, *, backend: str = "auto") -> torch.Tensor:
+    """Max of ``|x|`` per group of ``group_size`` along the last dim (fp32).
+
+    Shape ``x.shape[:-1] + (ceil(x.shape[-1] / group_size),)``. Group scaling: reduce this
+    G-times smaller tensor (``.amax()``) instead of ``x`` to get a per-tensor amax.
+    """
+    check_input(x)
+    check_group_size(group_size)
+    if resolve_backend(x, backend) == "triton":
+        return _triton_ops().group_amax(x, group_size)
+    return reference.group_amax(x, group_size)
+
+
+def quantize_per_tensor(
+    x: torch.Tensor,
+    fmt: FP8Format | str = FP8Format.E4M3,
+    *,
+    amax: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` (any shape, float) with one fp32 scale. Returns ``(q, scale)``.
+
+    ``q`` has ``x``'s shape and the FP8 dtype of ``fmt``; ``scale`` is a 0-dim fp32 tensor
+    with ``x ~= q.float() * scale``. Pass ``amax`` (e.g. ``group_amax(x).amax()``) to skip
+    the reduction pass.
+
+    >>> q, s = quantize_per_tensor(torch.randn(4, 32), "e4m3")
+    """
+    check_input(x)
+    fmt = FP8Format.parse(fmt)
+    if amax is not None:
+        check_input(amax, "amax")
+        if amax.numel() != 1:
+            raise ValueError(f"amax must hold one value, got shape {tuple(amax.shape)}")
+    if resolve_backend(x, backend) == "triton":
+        return _triton_ops().quantize_per_tensor(x, fmt, amax)
+    return reference.quantize_per_tensor(x, fmt, amax)
+
+
+def quantize_per_tensor_transpose(
+    x: torch.Tensor,
+    fmt: FP8Format | str = FP8Format.E4M3,
+    *,
+    amax: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor quantize a 2-D ``(M, N)`` tensor and emit its transpose in the same pass.
+
+    Returns ``(q (M, N), q_t (N, M) contiguous, scale 0-dim fp32)``.
+    """
+    check_input(x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (M, N), got shape {tuple(x.shape)}: reshape it first")
+    fmt = FP8Format.parse(fmt)
+    if resolve_backend(x, backend) == "triton":
+        return _triton_ops().quantize_per_tensor_transpose(x, fmt, amax)
+    return reference.quantize_per_tensor_transpose(x, fmt, amax)
+
+
+def quantize_per_group(
+    x: torch.Tensor,
+    group_size: int = 16,
+    fmt: FP8Format | str = FP8Format.E4M3,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each run of ``group_size`` elements along the last dim with its own scale.
+
+    Returns ``(q, scales)``: ``q`` like ``x`` in FP8, ``scales`` fp32 of shape
+    ``x.shape[:-1] + (ceil(x.shape[-1] / group_size),)``. A partial last group is fine.
+
+    >>> q, s = quantize_per_group(torch.randn(8, 100), 16)   # s.shape == (8, 7)
+    """
+    check_input(x)
+    check_group_size(group_size)
+    fmt = FP8Format.parse(fmt)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension for per-group quantization")
+    if resolve_backend(x, backend) == "triton":
+        return _triton_ops().quantize_per_group(x, group_size, fmt)
+    return reference.quantize_per_group(x, group_size, fmt)
+
+
+def quantize_per_block(
+    x: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    fmt: FP8Format | str = FP8Format.E4M3,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D ``(M, N)`` tensor with one scale per ``block`` tile.
+
+    Returns ``(q, scales)`` with ``scales`` fp32 of shape ``(ceil(M/bm), ceil(N/bn))``.
+    """
+    check_input(x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (M, N), got shape {tuple(x.shape)}")
+    if len(block) != 2:
+        raise ValueError(f"block must be (rows, cols), got {block!r}")
+    for b in block:
+        check_group_size(b)
+    fmt = FP8Format.parse(fmt)
+    if resolve_backend(x, backend) == "triton":
+        return _triton_ops().quantize_per_block(x, tuple(block), fmt)
+    return reference.quantize_per_block(x, tuple(block), fmt)
+
+
+def dequantize_per_tensor(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``q.float() * scale`` cast to ``dtype``."""
+    return reference.dequantize_per_tensor(q, scale, dtype)
+
+
+def dequantize_per_group(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of ``quantize_per_group``: each group times its scale, cast to ``dtype``."""
+    check_group_size(group_size)
+    return reference.dequantize_per_group(q, scales, group_size, dtype)
+
+
+def dequantize_per_block(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of ``quantize_per_block``."""
+    return reference.dequantize_per_block(q, scales, tuple(block), dtype)

@@ -1,0 +1,152 @@
+"""Plain-PyTorch reference of every fp8_quant op.
+
+This module is the CPU backend, the oracle the Triton kernels are tested against bit for bit,
+and the baseline of the benchmarks. It works on any device and favours clarity over speed.
+
+Semantics shared by every quantizer (the Triton kernels compute exactly the same bits):
+
+* ``scale = amax / fmt.max`` in fp32, where ``amax`` is the max of ``|x|`` over the tensor,
+  group or block;
+* ``q = fp8(clamp(x.float() / scale, -fmt.max, fmt.max))`` with round-to-nearest-even;
+* an all-zero group (or one whose ``amax / fmt.max`` underflows fp32) gets ``scale = 1`` so
+  that ``q = 0`` and dequantization stays finite;
+* NaN or +-inf anywhere in a group makes that group's scale NaN or inf, so every value of the
+  group dequantizes to NaN: the corruption stays visible in that group and never spreads to
+  other groups.
+
+Dequantization is ``q.float() * scale`` cast to the requested dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import FP8Format
+
+
+def scale_from_amax(amax: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """fp32 scale(s) for the given fp32 amax(es): ``amax / fmt.max``, 1 where that is 0."""
+    scale = amax.float() / fmt.max
+    # NaN == 0 and inf == 0 are False, so non-finite amaxes flow through unchanged.
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def _cast(y: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    y = (y.float() / scale).clamp(-fmt.max, fmt.max)
+    return y.to(fmt.torch_dtype)
+
+
+def _split_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """View the last dim as (ngroups, group_size), zero-padding a partial last group."""
+    last = x.shape[-1]
+    pad = (-last) % group_size
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], (last + pad) // group_size, group_size)
+
+
+# ---------------------------------------------------------------------------------- amax
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """0-dim fp32 max of ``|x|`` (NaN if any element is NaN)."""
+    return x.detach().abs().amax().float()
+
+
+def group_amax(x: torch.Tensor, group_size: int = 16) -> torch.Tensor:
+    """fp32 max of ``|x|`` over each group of ``group_size`` along the last dim.
+
+    Shape ``x.shape[:-1] + (ceil(x.shape[-1] / group_size),)``. The max of the result is the
+    tensor's amax: the tiny second reduction of group scaling.
+    """
+    return _split_groups(x.detach().abs().float(), group_size).amax(dim=-1)
+
+
+# ---------------------------------------------------------------------------- per tensor
+def quantize_per_tensor(
+    x: torch.Tensor, fmt: FP8Format = FP8Format.E4M3, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize with one scale for the whole tensor. Returns ``(q, scale)``, scale 0-dim fp32.
+
+    ``amax`` may be given (e.g. reduced from ``group_amax``) to skip the reduction pass.
+    """
+    if amax is None:
+        amax = tensor_amax(x)
+    scale = scale_from_amax(amax.reshape(()), fmt)
+    return _cast(x, scale, fmt), scale
+
+
+def quantize_per_tensor_transpose(
+    x: torch.Tensor, fmt: FP8Format = FP8Format.E4M3, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor quantize a 2-D ``(M, N)`` tensor and also return its contiguous transpose.
+
+    Returns ``(q (M, N), q_t (N, M), scale)``; ``q_t`` is the layout the weight-gradient
+    GEMM wants.
+    """
+    q, scale = quantize_per_tensor(x, fmt, amax)
+    return q, q.t().contiguous(), scale
+
+
+def dequantize_per_tensor(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)
+
+
+# ----------------------------------------------------------------------------- per group
+def quantize_per_group(
+    x: torch.Tensor, group_size: int = 16, fmt: FP8Format = FP8Format.E4M3
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each group of ``group_size`` consecutive elements of the last dim.
+
+    Returns ``(q, scales)``: ``q`` has ``x``'s shape, ``scales`` is fp32 of shape
+    ``x.shape[:-1] + (ceil(x.shape[-1] / group_size),)``.
+    """
+    last = x.shape[-1]
+    g = _split_groups(x.float(), group_size)
+    scales = scale_from_amax(g.abs().amax(dim=-1), fmt)
+    q = _cast(g, scales.unsqueeze(-1), fmt)
+    q = q.reshape(*x.shape[:-1], -1)[..., :last]
+    return q.contiguous(), scales
+
+
+def dequantize_per_group(
+    q: torch.Tensor, scales: torch.Tensor, group_size: int = 16, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    last = q.shape[-1]
+    g = _split_groups(q.float(), group_size) * scales.unsqueeze(-1)
+    return g.reshape(*q.shape[:-1], -1)[..., :last].to(dtype)
+
+
+# ----------------------------------------------------------------------------- per block
+def _split_blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """View a 2-D tensor as (Mb, bm, Nb, bn) blocks, zero-padding partial blocks."""
+    bm, bn = block
+    m, n = x.shape
+    x = torch.nn.functional.pad(x, (0, (-n) % bn, 0, (-m) % bm))
+    return x.reshape(x.shape[0] // bm, bm, x.shape[1] // bn, bn)
+
+
+def quantize_per_block(
+    x: torch.Tensor, block: tuple[int, int] = (128, 128), fmt: FP8Format = FP8Format.E4M3
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D tensor with one scale per ``block`` tile (DeepSeek-style weights).
+
+    Returns ``(q, scales)`` with scales fp32 of shape ``(ceil(M / bm), ceil(N / bn))``.
+    """
+    m, n = x.shape
+    b = _split_blocks(x.float(), block)
+    scales = scale_from_amax(b.abs().amax(dim=(1, 3)), fmt)
+    q = _cast(b, scales[:, None, :, None], fmt)
+    q = q.reshape(q.shape[0] * q.shape[1], q.shape[2] * q.shape[3])[:m, :n]
+    return q.contiguous(), scales
+
+
+def dequantize_per_block(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    m, n = q.shape
+    b = _split_blocks(q.float(), block) * scales[:, None, :, None]
+    return b.reshape(b.shape[0] * b.shape[1], b.shape[2] * b.shape[3])[:m, :n].to(dtype)
