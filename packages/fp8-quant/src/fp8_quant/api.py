@@ -55,6 +55,23 @@ def check_group_size(group_size: int) -> None:
         raise ValueError(f"group_size must be a positive power of two, got {group_size!r}")
 
 
+def check_amax(x: torch.Tensor, amax: torch.Tensor | None) -> None:
+    if amax is None:
+        if x.numel() == 0:
+            raise ValueError("x is empty, so it has no amax: pass amax= to choose the scale")
+        return
+    check_input(amax, "amax")
+    if amax.numel() != 1:
+        raise ValueError(f"amax must hold one value, got shape {tuple(amax.shape)}")
+
+
+def _check_has_last_dim(x: torch.Tensor) -> None:
+    if x.dim() == 0:
+        raise ValueError(
+            "x must have at least one dimension for per-group work: reshape a scalar to (1,)"
+        )
+
+
 def _triton_ops():
     # Imported lazily so that the reference backend works where triton is not installed.
     from . import ops
@@ -70,6 +87,7 @@ def group_amax(x: torch.Tensor, group_size: int = 16, *, backend: str = "auto") 
     """
     check_input(x)
     check_group_size(group_size)
+    _check_has_last_dim(x)
     if resolve_backend(x, backend) == "triton":
         return _triton_ops().group_amax(x, group_size)
     return reference.group_amax(x, group_size)
@@ -92,10 +110,7 @@ def quantize_per_tensor(
     """
     check_input(x)
     fmt = FP8Format.parse(fmt)
-    if amax is not None:
-        check_input(amax, "amax")
-        if amax.numel() != 1:
-            raise ValueError(f"amax must hold one value, got shape {tuple(amax.shape)}")
+    check_amax(x, amax)
     if resolve_backend(x, backend) == "triton":
         return _triton_ops().quantize_per_tensor(x, fmt, amax)
     return reference.quantize_per_tensor(x, fmt, amax)
@@ -116,6 +131,7 @@ def quantize_per_tensor_transpose(
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (M, N), got shape {tuple(x.shape)}: reshape it first")
     fmt = FP8Format.parse(fmt)
+    check_amax(x, amax)
     if resolve_backend(x, backend) == "triton":
         return _triton_ops().quantize_per_tensor_transpose(x, fmt, amax)
     return reference.quantize_per_tensor_transpose(x, fmt, amax)
@@ -138,8 +154,7 @@ def quantize_per_group(
     check_input(x)
     check_group_size(group_size)
     fmt = FP8Format.parse(fmt)
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension for per-group quantization")
+    _check_has_last_dim(x)
     if resolve_backend(x, backend) == "triton":
         return _triton_ops().quantize_per_group(x, group_size, fmt)
     return reference.quantize_per_group(x, group_size, fmt)

@@ -7,12 +7,21 @@ Semantics shared by every quantizer (the Triton kernels compute exactly the same
 
 * ``scale = amax / fmt.max`` in fp32, where ``amax`` is the max of ``|x|`` over the tensor,
   group or block;
-* ``q = fp8(clamp(x.float() / scale, -fmt.max, fmt.max))`` with round-to-nearest-even;
-* an all-zero group (or one whose ``amax / fmt.max`` underflows fp32) gets ``scale = 1`` so
-  that ``q = 0`` and dequantization stays finite;
+* ``q = fp8(clamp(x.float() * (1 / scale), -fmt.max, fmt.max))`` with round-to-nearest-even
+  (subnormals included, signed zeros kept). Multiplying by the reciprocal rather than
+  dividing element by element keeps the kernels memory-bound (a correctly rounded fp32
+  division costs about ten GPU instructions, a product one); it moves the scaled value by at
+  most an fp32 ulp, far below FP8 resolution;
+* ``amax / fmt.max`` and ``1 / scale`` are IEEE fp32 divisions, the product an IEEE fp32
+  product, so every device gives the same bits;
+* an all-zero group, or one whose ``amax / fmt.max`` underflows (is below 2^-126, the
+  smallest normal fp32: amax < 5.3e-36 for E4M3, < 6.7e-34 for E5M2), gets ``scale = 1``,
+  so ``q = 0`` and dequantization stays finite (``1 / scale`` could overflow otherwise);
 * NaN or +-inf anywhere in a group makes that group's scale NaN or inf, so every value of the
   group dequantizes to NaN: the corruption stays visible in that group and never spreads to
-  other groups.
+  other groups. Within such a group ``q`` is NaN (always the code 0x7F) where
+  ``x * (1 / scale)`` is NaN (at the NaN and inf inputs, and everywhere when the scale is
+  NaN) and +-0 at the finite inputs of an inf group (x * 0).
 
 Dequantization is ``q.float() * scale`` cast to the requested dtype.
 """
@@ -23,16 +32,26 @@ import torch
 
 from .formats import FP8Format
 
+_FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126
+
 
 def scale_from_amax(amax: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    """fp32 scale(s) for the given fp32 amax(es): ``amax / fmt.max``, 1 where that is 0."""
-    scale = amax.float() / fmt.max
-    # NaN == 0 and inf == 0 are False, so non-finite amaxes flow through unchanged.
-    return torch.where(scale == 0, torch.ones_like(scale), scale)
+    """fp32 scale(s) for the given amax(es): ``amax / fmt.max``, 1 where that is below 2^-126."""
+    # Divide by a tensor, not a Python float: on CUDA, torch turns ``t / 448.0`` into
+    # ``t * (1 / 448.0)``, which is not always the correctly rounded quotient.
+    fmt_max = torch.full((), fmt.max, dtype=torch.float32, device=amax.device)
+    scale = amax.float() / fmt_max
+    # NaN < tiny and inf < tiny are False, so non-finite amaxes flow through unchanged.
+    return torch.where(scale < _FP32_TINY, torch.ones_like(scale), scale)
 
 
 def _cast(y: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    y = (y.float() / scale).clamp(-fmt.max, fmt.max)
+    # ones / scale, not 1 / scale: the latter is torch.reciprocal, whose rounding torch does
+    # not promise; tensor division is IEEE on every device.
+    inv_scale = torch.ones_like(scale) / scale
+    y = (y.float() * inv_scale).clamp(-fmt.max, fmt.max)
+    # One NaN code (0x7F): the sign of a NaN out of arithmetic differs between CPUs and GPUs.
+    y = torch.where(y.isnan(), torch.full_like(y, float("nan")), y)
     return y.to(fmt.torch_dtype)
 
 
@@ -70,7 +89,8 @@ def quantize_per_tensor(
     """
     if amax is None:
         amax = tensor_amax(x)
-    scale = scale_from_amax(amax.reshape(()), fmt)
+    # On x's device: a 0-dim CPU scale would make CUDA divide by its reciprocal instead.
+    scale = scale_from_amax(amax.reshape(()).to(x.device), fmt)
     return _cast(x, scale, fmt), scale
 
 

@@ -1,0 +1,132 @@
+"""One Llama-shaped decoder layer as three COAT blocks, written once against an op set.
+
+The blocks (paper section 2; ``../shared/COAT.md``):
+
+1. ``RMSNorm -> Q, K, V projections``: the norm saves its input in FP8 (1x16 groups) and
+   hands one per-tensor FP8 copy of its output to the three GEMMs, which save exactly that
+   copy (one quantize pass, one saved tensor for three GEMMs).
+2. ``attention output projection + residual add``: the residual stream stays in the
+   model's dtype; the residual add saves nothing.
+3. ``RMSNorm -> gate, up -> SwiGLU -> down + residual add``: SwiGLU saves gate and up in FP8
+   (1x16) and hands a per-tensor FP8 output to the down GEMM.
+
+RoPE and attention run in the model's dtype through the model's own attention
+implementation (``config._attn_implementation``: SDPA, flash attention, eager, ...).
+
+``ops`` supplies ``rms_norm(x, weight, eps, config)``, ``linear(x, weight, bias, config)``,
+``swiglu(gate, up, config)`` and ``residual_add(x, residual, config)``: ``FP8_OPS`` are
+fp8_activations' functional ops (each saves FP8 and hands its output's FP8 form or group
+maxima to the next op), ``coat_models.reference`` the model's exact arithmetic.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from types import SimpleNamespace
+
+import fp8_activations as fa
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+FP8_OPS = SimpleNamespace(
+    rms_norm=fa.rms_norm, linear=fa.fp8_linear, swiglu=fa.swiglu, residual_add=fa.residual_add
+)
+
+
+def norm_eps(norm: nn.Module) -> float:
+    """The epsilon of a Llama-style RMSNorm module (``variance_epsilon`` or ``eps``)."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
+
+
+def model_function(module: nn.Module, name: str) -> Callable | None:
+    """``name`` from the modeling file that defines ``type(module)`` (e.g. its RoPE helper)."""
+    return getattr(sys.modules[type(module).__module__], name, None)
+
+
+def _project(ops, x, lin: nn.Linear, config):
+    return ops.linear(x, lin.weight, lin.bias, config)
+
+
+def attention(
+    ops,
+    attn: nn.Module,
+    normed,
+    shape: tuple[int, ...],
+    attention_mask: torch.Tensor | None,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    cache,
+    config,
+    attn_kwargs: dict,
+) -> torch.Tensor:
+    """Q/K/V GEMMs on ``normed``, RoPE + the model's attention, output projection.
+
+    ``shape`` is ``(batch, seq)``; returns the output projection ``(batch, seq, hidden)``
+    before the residual add.
+    """
+    hidden_shape = (*shape, -1, attn.head_dim)
+    q = _project(ops, normed, attn.q_proj, config).view(hidden_shape).transpose(1, 2)
+    k = _project(ops, normed, attn.k_proj, config).view(hidden_shape).transpose(1, 2)
+    v = _project(ops, normed, attn.v_proj, config).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = model_function(attn, "apply_rotary_pos_emb")(q, k, cos, sin)
+    if cache is not None:
+        k, v = cache.update(k, v, attn.layer_idx)
+    attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(
+        attn.config._attn_implementation, model_function(attn, "eager_attention_forward")
+    )
+    # Mistral reads the window from the config, Qwen2 per layer from the module.
+    sliding_window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+    out, _ = attention_fn(
+        attn,
+        q,
+        k,
+        v,
+        attention_mask,
+        dropout=attn.attention_dropout if attn.training else 0.0,
+        scaling=attn.scaling,
+        sliding_window=sliding_window,
+        **attn_kwargs,
+    )
+    # Under autocast SDPA returns the autocast dtype; the residual stream keeps its own.
+    out = out.reshape(*shape, -1).to(normed.dtype).contiguous()
+    return _project(ops, out, attn.o_proj, config)
+
+
+def mlp(ops, mlp: nn.Module, normed, config):
+    """gate/up GEMMs on ``normed``, SwiGLU, down GEMM."""
+    gate = _project(ops, normed, mlp.gate_proj, config)
+    up = _project(ops, normed, mlp.up_proj, config)
+    return _project(ops, ops.swiglu(gate, up, config), mlp.down_proj, config)
+
+
+def decoder_layer(
+    ops,
+    layer: nn.Module,
+    hidden_states: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    cache=None,
+    config=None,
+    attn_kwargs: dict | None = None,
+) -> torch.Tensor:
+    """A pre-norm Llama decoder layer: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``.
+
+    ``hidden_states (batch, seq, hidden)`` in the model's dtype; returns the same shape and
+    dtype. ``attn_kwargs`` go to the attention implementation (``position_ids``, flash
+    attention's packing arguments, ...).
+    """
+    attn, norm1, norm2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    shape = hidden_states.shape[:-1]
+    normed = ops.rms_norm(hidden_states, norm1.weight, norm_eps(norm1), config)
+    out = attention(
+        ops, attn, normed, shape, attention_mask, position_embeddings, cache, config,
+        attn_kwargs or {},
+    )
+    hidden_states = ops.residual_add(out, hidden_states, config)
+    normed = ops.rms_norm(hidden_states, norm2.weight, norm_eps(norm2), config)
+    return ops.residual_add(mlp(ops, layer.mlp, normed, config), hidden_states, config)

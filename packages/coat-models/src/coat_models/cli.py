@@ -1,0 +1,409 @@
+"""``coat-train``: train a Llama-family causal LM with BF16 and/or COAT FP8 and compare.
+
+    coat-train --preset tiny --compare bf16,coat --out runs/demo
+
+See the "coat-train" section of packages/coat-models/README.md for every option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .data import STDLIB_MAX_BYTES, DataError, load_data
+from .plot import loss_plot_png
+from .presets import (
+    MODEL_DIR_DEFAULTS,
+    PRESETS,
+    ModelError,
+    build_model,
+    model_dir_config,
+    model_dir_tokenizer,
+    preset_config,
+)
+from .train import (
+    MASTER_DTYPES,
+    MODES,
+    TRAIN_LOSS_WINDOW,
+    Trainer,
+    TrainConfig,
+    TrainError,
+    fmt_bytes,
+    latest_checkpoint,
+    write_atomic_bytes,
+    write_atomic_text,
+)
+
+PROG = "coat-train"
+
+
+class UsageError(ValueError):
+    """Bad command line; the message says what to change."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Train a Llama-family causal LM with BF16 and/or COAT FP8 (activations and "
+        "optimizer states) on the same data, seed and schedule, and compare loss, speed and "
+        "memory. Defaults: --preset tiny on the Python standard library's own source.",
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--preset", choices=None, metavar="{" + ",".join(PRESETS) + "}",
+                   help="Llama shape built in code, random init (default: tiny)")
+    m.add_argument("--model-dir", help="Hugging Face config or checkpoint directory on disk")
+    m.add_argument("--vocab-size", type=int,
+                   help="override a preset's vocabulary (default: 32000, tiny: the data's)")
+    r = p.add_argument_group("precision")
+    r.add_argument("--mode", choices=list(MODES), help="one precision mode (default: bf16)")
+    r.add_argument("--compare", metavar="MODES",
+                   help="comma-separated modes trained one after another, e.g. bf16,coat")
+    r.add_argument("--master-dtype", choices=list(MASTER_DTYPES), default="fp32",
+                   help="master weights; bf16 needs CoatAdamW (modes coat, coat-optim); in "
+                   "--compare, modes with torch AdamW keep fp32")
+    d = p.add_argument_group("data")
+    d.add_argument("--data", help="text file, or token ids in .npy / .bin (default: the "
+                   "interpreter's stdlib .py source, byte-level)")
+    d.add_argument("--data-dtype", default="uint16", choices=["uint16", "int32"],
+                   help="dtype of a .bin token file (default uint16)")
+    d.add_argument("--val-fraction", type=float, default=0.05,
+                   help="held-out tail of a --data file (default 0.05)")
+    d.add_argument("--corpus-mib", type=float, default=STDLIB_MAX_BYTES / 2**20,
+                   help="cap on the embedded corpus size (default %(default)g)")
+    t = p.add_argument_group("training (defaults come from the preset)")
+    t.add_argument("--batch-size", type=int, help="sequences per micro-batch")
+    t.add_argument("--seq-len", type=int)
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    t.add_argument("--steps", type=int, help="optimizer steps")
+    t.add_argument("--lr", type=float, help="peak learning rate")
+    t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor / peak lr")
+    t.add_argument("--warmup", type=int, help="linear warmup steps")
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm; 0: off")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--eval-every", type=int, help="steps between validation passes")
+    t.add_argument("--eval-batches", type=int, help="validation batches per pass")
+    o = p.add_argument_group("output and checkpoints")
+    o.add_argument("--out", default="runs/coat-train", help="output directory")
+    o.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps; 0: off")
+    o.add_argument("--keep-checkpoints", type=int, default=2, help="newest N kept per mode")
+    o.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
+                   help="continue from each mode's newest checkpoint under --out, or from the "
+                   "given checkpoint directory (single mode)")
+    o.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    o.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    return p
+
+
+def _modes(args) -> list[str]:
+    if args.mode and args.compare:
+        raise UsageError("use --mode or --compare, not both")
+    names = [s.strip() for s in (args.compare or args.mode or "bf16").split(",") if s.strip()]
+    bad = [n for n in names if n not in MODES]
+    if bad or not names:
+        raise UsageError(f"unknown mode {', '.join(bad)!s}: choose from {', '.join(MODES)}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--compare lists a mode twice: {args.compare}")
+    return names
+
+
+def _device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
+        raise UsageError(f"--device cuda: no CUDA device is available (torch {torch.__version__}"
+                         f" is {built}): use --device cpu")  # fmt: skip
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def _master_dtype(mode: str, requested: str, compare: bool) -> str:
+    """bf16 master weights only where CoatAdamW's stochastic rounding is used; TrainConfig
+    rejects the other combinations for a single --mode."""
+    return requested if MODES[mode][1] or not compare else "fp32"
+
+
+def _static_bytes_per_param(mode: str, master: str) -> int:
+    """Lower bound of weights + gradients + optimizer state per parameter."""
+    w = 4 if master == "fp32" else 2
+    return 2 * w + (2 if MODES[mode][1] else 8)  # CoatAdamW ~2.08 B, torch AdamW 8 B
+
+
+def _check_fits(n_params: int, modes, masters, device: torch.device, label: str):
+    """Refuse up front a model whose weights, gradients and optimizer state alone exceed the
+    device's memory (CPU: physical RAM), instead of being killed half-way."""
+    if device.type == "cuda":
+        total, where = torch.cuda.get_device_properties(device).total_memory, "the GPU"
+    else:
+        total, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
+    for mode, master in zip(modes, masters, strict=True):
+        need = n_params * _static_bytes_per_param(mode, master)
+        if need > total:
+            raise UsageError(
+                f"{label} has {n_params / 1e9:.2f} B parameters: mode {mode} ({master} master) "
+                f"needs at least {fmt_bytes(need)} for weights, gradients and optimizer state, "
+                f"but {where} has {fmt_bytes(total)}: choose a smaller model, or a COAT mode "
+                f"with --master-dtype bf16"
+            )
+
+
+def _count_params(config) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _settings(args):
+    """(preset defaults, model label) for --preset or --model-dir."""
+    if args.preset and args.model_dir:
+        raise UsageError("use --preset or --model-dir, not both")
+    if args.model_dir:
+        if args.vocab_size:
+            raise UsageError("--vocab-size applies to presets; a --model-dir has its own")
+        return MODEL_DIR_DEFAULTS, f"model dir {args.model_dir}"
+    name = args.preset or "tiny"
+    if name not in PRESETS:
+        raise UsageError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return PRESETS[name], f"preset {name}"
+
+
+def _train_config(args, defaults, mode: str, master: str) -> TrainConfig:
+    pick = lambda v, d: d if v is None else v
+    try:
+        return TrainConfig(
+            mode=mode,
+            master_dtype=master,
+            batch_size=pick(args.batch_size, defaults.batch_size),
+            seq_len=pick(args.seq_len, defaults.seq_len),
+            grad_accum=args.grad_accum,
+            steps=pick(args.steps, defaults.steps),
+            lr=pick(args.lr, defaults.lr),
+            min_lr_ratio=args.min_lr_ratio,
+            warmup=pick(args.warmup, defaults.warmup),
+            weight_decay=args.weight_decay,
+            grad_clip=args.grad_clip,
+            seed=args.seed,
+            eval_every=pick(args.eval_every, defaults.eval_every),
+            eval_batches=pick(args.eval_batches, defaults.eval_batches),
+            save_every=args.save_every,
+            keep_checkpoints=args.keep_checkpoints,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _resume_point(args, mode_dir: Path, single: bool) -> Path | None:
+    ckpts = mode_dir / "checkpoints"
+    if args.resume is None:
+        if latest_checkpoint(ckpts) is not None:
+            raise UsageError(
+                f"{mode_dir} holds checkpoints of an earlier run: pass --resume to continue "
+                f"it, or another --out (or delete {ckpts})"
+            )
+        return None
+    if args.resume != "latest":
+        if not single:
+            raise UsageError("--resume CHECKPOINT needs a single --mode; with --compare use "
+                             "plain --resume (each mode's newest checkpoint)")  # fmt: skip
+        path = Path(args.resume)
+        if not path.is_dir():
+            raise UsageError(f"--resume {path}: no such checkpoint directory")
+        return path
+    found = latest_checkpoint(ckpts)
+    if found is None:
+        print(f"{PROG}: no checkpoint in {ckpts}: mode starts from step 0", file=sys.stderr)
+    return found
+
+
+def _free(device: torch.device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+    )
+
+
+def run(args) -> int:
+    modes = _modes(args)
+    device = _device(args.device)
+    compare = args.compare is not None
+    masters = [_master_dtype(m, args.master_dtype, compare) for m in modes]
+    defaults, label = _settings(args)
+    cfgs = [_train_config(args, defaults, m, d) for m, d in zip(modes, masters, strict=True)]
+    if args.corpus_mib <= 0:
+        raise UsageError("--corpus-mib must be > 0")
+
+    # Model config first (cheap), then data (the tokenizer may come from the model dir).
+    weights_dir = tokenizer = None
+    if args.model_dir:
+        config, has_weights = model_dir_config(args.model_dir)
+        weights_dir = args.model_dir if has_weights else None
+        tokenizer = model_dir_tokenizer(args.model_dir)
+    data = load_data(args.data, bin_dtype=args.data_dtype, val_fraction=args.val_fraction,
+                     max_bytes=int(args.corpus_mib * 2**20), tokenizer=tokenizer)  # fmt: skip
+    if not args.model_dir:
+        config = preset_config(args.preset or "tiny", data.vocab_size, args.vocab_size,
+                               max(c.seq_len for c in cfgs))  # fmt: skip
+    data.check_fits(config.vocab_size)
+    n_params = _count_params(config)
+    _check_fits(n_params, modes, masters, device, label)
+    describe = {"model": label, "params": n_params, "vocab_size": config.vocab_size}
+
+    out = Path(args.out)
+    c0 = cfgs[0]
+    print(f"{PROG}: {label} ({n_params / 1e6:.2f} M params, vocab {config.vocab_size}) on "
+          f"{device.type}; data: {data.source}, {len(data.train):,} train / {len(data.val):,} "
+          f"val tokens; {c0.steps} steps x {c0.batch_size} x {c0.seq_len} tokens"
+          + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
+          + f"; modes: {', '.join(modes)}", flush=True)  # fmt: skip
+
+    summaries, curves = [], {}
+    for cfg in cfgs:
+        mode_dir = out / cfg.mode
+        resume = _resume_point(args, mode_dir, single=len(modes) == 1)
+        if resume is None:  # a fresh run replaces what an earlier one left here
+            shutil.rmtree(mode_dir, ignore_errors=True)
+        for stale in (mode_dir / "checkpoints").glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a killed run: never complete
+        t0 = time.perf_counter()
+        trainer = oom = None
+        try:
+            model = build_model(config, device=device, master_dtype=MASTER_DTYPES[cfg.master_dtype],
+                                seed=cfg.seed, weights_dir=weights_dir)  # fmt: skip
+            trainer = Trainer(model, data, cfg, device=device, out_dir=mode_dir,
+                              progress=not args.no_progress, describe=describe)  # fmt: skip
+            del model
+            summary = trainer.fit(resume)
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            if not _is_oom(e):
+                raise
+            oom = True
+        finally:
+            if trainer is not None:
+                trainer.close()
+            trainer = None
+            _free(device)
+        if oom:
+            raise TrainError(
+                f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
+                f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise --grad-accum "
+                f"to keep the batch) or --seq-len"
+            )
+        summary["wall_s"] = time.perf_counter() - t0
+        summaries.append(summary)
+        write_atomic_text(mode_dir / "summary.json", json.dumps(summary, indent=1))
+        curves[cfg.mode] = _curves(mode_dir / "metrics.jsonl")
+        print(f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
+              f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}", flush=True)
+
+    png = out / "loss.png"
+    write_atomic_bytes(png, loss_plot_png(curves))
+    result = {"argv": sys.argv[1:], "device": device.type, "model": describe,
+              "data": data.source, "runs": summaries, "plot": str(png)}  # fmt: skip
+    write_atomic_text(out / "summary.json", json.dumps(result, indent=1))
+    print()
+    print(format_table(summaries))
+    print()
+    print(f"loss curves: {png}")
+    print(f"metrics:     {', '.join(str(out / s['mode'] / 'metrics.jsonl') for s in summaries)}")
+    print(f"summary:     {out / 'summary.json'}")
+    return 0
+
+
+def _curves(path: Path) -> dict:
+    train, val = ([], []), ([], [])
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        dst, key = (train, "loss") if rec["type"] == "train" else (val, "val_loss")
+        dst[0].append(rec["step"])
+        dst[1].append(rec[key])
+    return {"train": train, "val": val}
+
+
+def format_table(summaries: list[dict]) -> str:
+    """Side-by-side table of runs; with two or more, ratios against the first run."""
+    mem = [s["memory"] for s in summaries]
+    cuda = mem[0]["measured_peak"] is not None
+    steps = summaries[0]["steps"]
+    rows = [
+        (f"train loss (mean of last {summaries[0]['train_loss_window']} steps)",
+         [s["train_loss"] for s in summaries], "loss"),
+        ("val loss", [s["val_loss"] for s in summaries], "loss"),
+        (f"tokens/s (steps 2-{steps})" if steps > 1 else "tokens/s",
+         [s["tokens_per_s"] for s in summaries], "rate"),
+        ("peak memory (cuda max_memory_allocated)" if cuda else
+         "peak memory (tracked tensors; cpu)", [m["measured_peak" if cuda else "tracked_peak"]
+                                                for m in mem], "bytes"),
+        ("  weights", [m["weights"] for m in mem], "bytes"),
+        ("  gradients", [m["gradients"] for m in mem], "bytes"),
+        ("  optimizer state", [m["optimizer_state"] for m in mem], "bytes"),
+        ("  activations (saved for backward)",
+         [m["activations"] + m["weight_copies"] for m in mem], "bytes"),
+        ("    of which weight copies", [m["weight_copies"] for m in mem], "bytes"),
+    ]  # fmt: skip
+    if cuda:
+        rows.append(("  other (peak - tracked: temporaries)", [m["other"] for m in mem], "bytes"))
+    fmt = {
+        "loss": lambda v: "n/a" if v is None else f"{v:.4f}",
+        "rate": lambda v: "n/a" if v is None else f"{v:,.0f}",
+        "bytes": fmt_bytes,
+    }
+    base = summaries[0]["mode"]
+    head = [""] + [f"{s['mode']} ({s['master_dtype']} master)" for s in summaries]
+    head += [f"{s['mode']}/{base}" for s in summaries[1:]]
+    body = []
+    for name, vals, kind in rows:
+        cells = [name] + [fmt[kind](v) for v in vals]
+        for v in vals[1:]:
+            if vals[0] in (None, 0) or v is None:
+                cells.append("")
+            elif kind == "loss":
+                cells.append(f"{(v / vals[0] - 1) * 100:+.2f}%")
+            else:
+                cells.append(f"{v / vals[0]:.2f}x")
+        body.append(cells)
+    widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                       enumerate(zip(r, widths, strict=True))) for r in [head] + body]  # fmt: skip
+    note = ("memory: peak is torch.cuda.max_memory_allocated; the parts are tensor bytes at "
+            "their joint peak; other = peak - their sum" if cuda else
+            "memory: CPU keeps no allocator statistics; peak = weights + gradients + optimizer "
+            "state + saved activations, tensor bytes at their joint peak (within 15% of the "
+            "process's measured resident-set growth in our tests)")  # fmt: skip
+    return "\n".join(lines + ["", note, f"train loss: mean of the last {TRAIN_LOSS_WINDOW} "
+                                        "steps; val loss: fixed held-out split"])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (UsageError, DataError, ModelError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except TrainError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted; completed checkpoints (if any) are under {args.out}",
+              file=sys.stderr)  # fmt: skip
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Token data for coat-train: the embedded corpus, user files, and a deterministic batch sampler.
+
+The default corpus needs no download: it is the Python standard library's own ``.py`` source
+of the running interpreter (sorted paths, test suites and site-packages left out, capped
+size), tokenized byte-level. One file in every 20 (by sorted path) is held out for
+validation, so the split is fixed and spread over the whole library.
+
+User data (``--data``): a text file (byte-level tokens, or the tokenizer of ``--model-dir``
+if it ships one), or pre-tokenized ids in ``.npy`` (any integer dtype) or raw ``.bin``
+(``uint16`` by default, as nanoGPT writes them; or ``int32``). The last ``val_fraction`` of
+the tokens is the validation split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BYTE_EOS = 256  # document separator of the byte-level tokenizer
+BYTE_VOCAB = 257  # 256 byte values + EOS
+STDLIB_MAX_BYTES = 32 * 2**20
+STDLIB_VAL_EVERY = 20  # every 20th file (sorted by path) is validation: 5%
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+BIN_DTYPES = {"uint16": np.uint16, "int32": np.int32}
+
+
+class DataError(ValueError):
+    """Unusable data input; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class TokenData:
+    """1-D token id arrays for training and validation, and where they came from."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int  # every id is < vocab_size
+    source: str  # one line for the run header
+    fingerprint: str  # sha256 prefix over both splits: resume refuses other data
+
+    def check_fits(self, model_vocab: int) -> None:
+        if self.vocab_size > model_vocab:
+            raise DataError(
+                f"the data has token id {self.vocab_size - 1} but the model's vocabulary has "
+                f"{model_vocab} entries: use a model with a larger vocab_size "
+                f"(or --vocab-size with a preset)"
+            )
+
+
+def byte_encode(text: bytes) -> np.ndarray:
+    """Byte-level tokenization: one token per byte, ids 0..255 (uint16)."""
+    return np.frombuffer(text, dtype=np.uint8).astype(np.uint16)
+
+
+def stdlib_sources(max_bytes: int = STDLIB_MAX_BYTES) -> list[tuple[str, bytes]]:
+    """(relative path, contents) of the interpreter's own stdlib ``.py`` files, sorted by path,
+    until ``max_bytes`` are collected. Deterministic for a given Python build."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        paths += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
+    out, total = [], 0
+    for path in sorted(paths, key=lambda p: p.relative_to(root).as_posix()):
+        if total >= max_bytes:
+            break
+        blob = path.read_bytes()[: max_bytes - total]
+        out.append((path.relative_to(root).as_posix(), blob))
+        total += len(blob)
+    return out
+
+
+def _join_docs(docs: list[np.ndarray], eos: int) -> np.ndarray:
+    if not docs:
+        return np.zeros(0, dtype=np.uint16)
+    sep = np.array([eos], dtype=docs[0].dtype)
+    return np.concatenate([part for d in docs for part in (d, sep)])
+
+
+def _fingerprint(train: np.ndarray, val: np.ndarray) -> str:
+    h = hashlib.sha256()
+    for arr in (train, val):
+        h.update(str(arr.dtype).encode() + str(arr.shape).encode())
+        h.update(np.ascontiguousarray(arr).view(np.uint8))
+    return h.hexdigest()[:16]
+
+
+def load_stdlib_corpus(max_bytes: int = STDLIB_MAX_BYTES, tokenizer=None) -> TokenData:
+    """The embedded default corpus (see the module docstring)."""
+    files = stdlib_sources(max_bytes)
+    if not files:
+        raise DataError("found no standard-library .py files to train on: pass --data FILE")
+    encode, eos, vocab = _encoder(tokenizer)
+    train = _join_docs([encode(b) for i, (_, b) in enumerate(files) if i % STDLIB_VAL_EVERY], eos)
+    val = _join_docs([encode(b) for i, (_, b) in enumerate(files) if not i % STDLIB_VAL_EVERY], eos)
+    nbytes = sum(len(b) for _, b in files)
+    py = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    source = f"{py} stdlib source ({len(files)} files, {nbytes / 2**20:.1f} MiB)"
+    return TokenData(train, val, vocab, source, _fingerprint(train, val))
+
+
+def _encoder(tokenizer):
+    """(encode: bytes -> ids, eos id, vocab size) for byte-level or a Hugging Face tokenizer."""
+    if tokenizer is None:
+        return byte_encode, BYTE_EOS, BYTE_VOCAB
+
+    def encode(blob: bytes) -> np.ndarray:
+        ids = tokenizer(blob.decode("utf-8", errors="replace"), add_special_tokens=False)
+        return np.asarray(ids["input_ids"], dtype=np.int32)
+
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return encode, eos, len(tokenizer)
+
+
+def load_token_file(path: str | os.PathLike, bin_dtype: str = "uint16") -> np.ndarray:
+    """Pre-tokenized ids from ``.npy`` (memory-mapped, any integer dtype, flattened) or raw
+    ``.bin`` (``bin_dtype``: uint16 or int32)."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        try:
+            ids = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as e:
+            raise DataError(f"{path}: not a plain .npy array ({e})") from None
+    else:
+        if bin_dtype not in BIN_DTYPES:
+            raise DataError(f"--data-dtype must be one of {sorted(BIN_DTYPES)}, got {bin_dtype!r}")
+        dtype = np.dtype(BIN_DTYPES[bin_dtype])
+        if path.stat().st_size % dtype.itemsize:
+            raise DataError(
+                f"{path}: size {path.stat().st_size} bytes is not a multiple of "
+                f"{dtype.itemsize} ({bin_dtype}): pass the right --data-dtype"
+            )
+        ids = np.memmap(path, dtype=dtype, mode="r")
+    if ids.dtype.kind not in "iu":
+        raise DataError(f"{path}: token ids must be integers, found dtype {ids.dtype}")
+    ids = ids.reshape(-1)
+    if ids.size and int(ids.min()) < 0:
+        raise DataError(f"{path}: negative token id {int(ids.min())}")
+    return ids
+
+
+def load_data(
+    path: str | os.PathLike | None = None,
+    *,
+    bin_dtype: str = "uint16",
+    val_fraction: float = 0.05,
+    max_bytes: int = STDLIB_MAX_BYTES,
+    tokenizer=None,
+) -> TokenData:
+    """Training data: the embedded stdlib corpus when ``path`` is None, else a user file."""
+    if path is None:
+        return load_stdlib_corpus(max_bytes, tokenizer)
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"--data {path}: no such file")
+    if not 0 < val_fraction < 1:
+        raise DataError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+    if path.suffix in (".npy", ".bin"):
+        ids = load_token_file(path, bin_dtype)
+        vocab = int(ids.max()) + 1 if ids.size else 0
+        kind = f"{ids.size:,} token ids ({ids.dtype})"
+    else:
+        encode, _, vocab = _encoder(tokenizer)
+        ids = encode(path.read_bytes())
+        kind = f"text, {path.stat().st_size / 2**20:.2f} MiB"
+    n_val = int(len(ids) * val_fraction)
+    train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
+    return TokenData(train, val, vocab, f"{path} ({kind})", _fingerprint(train, val))
+
+
+class BatchSampler:
+    """Random windows of ``seq_len`` tokens from the training split.
+
+    The batch of (step, micro-step) depends only on (seed, step, micro-step): every mode of a
+    comparison sees the same tokens, and a resumed run needs only the step number to continue
+    exactly where it stopped.
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
+        if len(tokens) <= seq_len:
+            raise DataError(
+                f"the training split has {len(tokens)} tokens, fewer than --seq-len {seq_len} + 1"
+            )
+        self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
+
+    def batch(self, step: int, micro: int = 0) -> torch.Tensor:
+        """int64 ids ``[batch_size, seq_len]`` for optimizer step ``step``, micro-batch ``micro``."""
+        rng = np.random.default_rng([self.seed, step, micro])
+        starts = rng.integers(0, len(self.tokens) - self.seq_len + 1, size=self.batch_size)
+        rows = [np.asarray(self.tokens[s : s + self.seq_len], dtype=np.int64) for s in starts]
+        return torch.from_numpy(np.stack(rows))
+
+
+def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int):
+    """The fixed validation set: the first ``max_batches`` batches of consecutive
+    non-overlapping windows of the validation split (fewer if the split is short)."""
+    n_windows = min(len(tokens) // seq_len, batch_size * max_batches)
+    if n_windows == 0:
+        raise DataError(
+            f"the validation split has {len(tokens)} tokens, fewer than --seq-len {seq_len}: "
+            f"use more data, a larger --val-fraction or a shorter --seq-len"
+        )
+    windows = np.asarray(tokens[: n_windows * seq_len], dtype=np.int64).reshape(n_windows, seq_len)
+    return [torch.from_numpy(windows[i : i + batch_size]) for i in range(0, n_windows, batch_size)]

@@ -1,0 +1,730 @@
+"""Multi-GPU COAT: FSDP2 / DDP wrapping, FP8 optimizer states on DTensor shards, DCP checkpoints.
+
+Run one process per GPU under ``torchrun --nproc-per-node N``::
+
+    from coat_models import apply_coat, create_optimizer
+    from coat_models.distributed import init_distributed, shard_model, shard_optimizer
+
+    init_distributed()                      # reads torchrun's env; nccl on GPUs, gloo on CPU
+    apply_coat(model)                       # before sharding: COAT swaps layer classes
+    shard_model(model)                      # FSDP2: fully_shard per decoder layer, then root
+    optimizer = shard_optimizer(create_optimizer(model, lr=3e-4))
+    ...
+    save_checkpoint("ckpt/step100", model, optimizer, extra={"step": 100})
+    extra = load_checkpoint("ckpt/step100", model, optimizer)   # any number of ranks
+
+See ``docs/DISTRIBUTED_NOTES.md`` for the design (why FP8 states stay shard-invariant).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "CheckpointMismatchError",
+    "ShardedOptimizer",
+    "decoder_layers",
+    "init_distributed",
+    "enable_activation_checkpointing",
+    "load_checkpoint",
+    "save_checkpoint",
+    "shard_layout",
+    "shard_model",
+    "shard_optimizer",
+    "wrap_ddp",
+]
+
+
+# --------------------------------------------------------------------------- process group
+def init_distributed() -> torch.device:
+    """Join the process group ``torchrun`` describes and return this rank's device.
+
+    NCCL and ``cuda:LOCAL_RANK`` where CUDA is available, gloo and CPU otherwise. Calling it
+    again (or after your own ``init_process_group``) only returns the device.
+    """
+    if not dist.is_initialized() and "RANK" not in os.environ:
+        raise RuntimeError(
+            "init_distributed() needs the environment torchrun sets (RANK, WORLD_SIZE, "
+            "MASTER_ADDR, ...): launch with `torchrun --nproc-per-node N ...`"
+        )
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def _require_process_group(what: str) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{what} needs torch.distributed: call coat_models.distributed.init_distributed() "
+            "(or torch.distributed.init_process_group) first, under torchrun"
+        )
+
+
+# ------------------------------------------------------------------------- model wrapping
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of a Hugging Face model: the modules whose class is in
+    ``model._no_split_modules`` (``LlamaDecoderLayer`` for Llama), in order."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if m is not model and _class_names(m) & names]
+    if not layers:
+        raise ValueError(
+            f"found no decoder layers in {type(model).__name__}: expected a Hugging Face model "
+            "whose _no_split_modules names its decoder layer class (LlamaForCausalLM, ...)"
+        )
+    return layers
+
+
+def _class_names(module: nn.Module) -> set[str]:
+    # apply_coat and fully_shard subclass the layer class; match the original name too.
+    return {cls.__name__ for cls in type(module).__mro__}
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer in backward (non-reentrant ``torch.utils.checkpoint``).
+
+    Uses the model's own switch so that FSDP2's hooks stay outside the recomputed region.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ValueError(
+            f"{type(model).__name__} has no activation_checkpointing_enable(): pass "
+            "activation_checkpointing=False or checkpoint its layers yourself"
+        )
+
+
+def _mp_policy(mp_policy):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if isinstance(mp_policy, MixedPrecisionPolicy):
+        return mp_policy
+    if mp_policy in (None, "fp32"):
+        return MixedPrecisionPolicy()
+    if mp_policy == "bf16":
+        # bf16 compute and all-gathers, fp32 gradient reduction: sums of many bf16
+        # gradients would lose the low bits that AdamW's second moment needs.
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    raise ValueError(f"mp_policy must be 'bf16', 'fp32', None or a MixedPrecisionPolicy, got {mp_policy!r}")
+
+
+def shard_model(
+    model: nn.Module,
+    mesh=None,
+    *,
+    mp_policy="bf16",
+    reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
+    reduce_scatter_unused_params: bool = False,
+) -> nn.Module:
+    """FSDP2: ``fully_shard`` every decoder layer, then the root; in place, returns ``model``.
+
+    Parameters become ``DTensor`` s sharded on dim 0 over ``mesh`` (default: all ranks, on
+    ``cuda`` where available, else ``cpu`` with gloo). ``mp_policy``: ``"bf16"`` (bf16 compute,
+    fp32 gradient reduce-scatter; master weights keep their dtype), ``"fp32"``/``None`` or a
+    ``MixedPrecisionPolicy``. ``reduce_scatter_unused_params=True`` lets ranks skip different
+    parameters in forward (zeros are reduced for them; needs torch >= 2.13).
+
+    Call ``apply_coat`` before this and build the optimizer after it (on the sharded
+    parameters), then wrap it with ``shard_optimizer``.
+
+    >>> shard_model(model, activation_checkpointing=True)
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _require_process_group("shard_model")
+    if mesh is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    policy = _mp_policy(mp_policy)
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if reduce_scatter_unused_params:
+        if not hasattr(model, "set_reduce_scatter_unused_params"):
+            raise RuntimeError(
+                f"torch {torch.__version__} FSDP2 cannot reduce unused parameters: upgrade to "
+                "torch >= 2.13, or make every rank use every parameter in forward"
+            )
+        model.set_reduce_scatter_unused_params(True)
+    return model
+
+
+def wrap_ddp(
+    model: nn.Module,
+    device: torch.device | None = None,
+    *,
+    activation_checkpointing: bool = False,
+    find_unused_parameters: bool = False,
+) -> nn.Module:
+    """DDP: move ``model`` to ``device`` (default: this rank's GPU, else CPU) and return a
+    ``DistributedDataParallel`` wrapper. Every rank keeps the full model and the full FP8
+    optimizer state; use ``torch.autocast`` for bf16 compute.
+
+    >>> ddp = wrap_ddp(model); optimizer = create_optimizer(ddp.module)
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    _require_process_group("wrap_ddp")
+    if device is None:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    model.to(device)
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=find_unused_parameters,
+        gradient_as_bucket_view=True,  # gradients live in the buckets: one copy, not two
+    )
+
+
+
+# ------------------------------------------------------------ FP8 optimizer on DTensor shards
+# CoatAdamW state names by layout (fp8_optim.optimizer): codes shaped like the parameter,
+# per-group numbers one per group of the flattened parameter, a 0-dim step.
+_PER_GROUP_SUFFIXES = ("_amax", "_k")
+
+
+def _is_per_group(name: str) -> bool:
+    return name.endswith(_PER_GROUP_SUFFIXES)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _chunk(n: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, end)`` of rank ``rank`` when ``n`` rows are split like ``torch.chunk``
+    (what FSDP2 and DTensor ``Shard(0)`` do: ``ceil(n / world)`` rows each, the last ranks
+    may get fewer or none)."""
+    size = _ceil_div(n, world)
+    start = min(rank * size, n)
+    return start, min(start + size, n)
+
+
+def shard_layout(shape: tuple[int, ...], world: int, group_size: int) -> str:
+    """How CoatAdamW runs on a parameter of global ``shape`` split on dim 0 over ``world``
+    ranks, with groups of ``group_size`` consecutive elements of the flattened tensor.
+
+    * ``"rows"``: a row holds whole groups (``prod(shape[1:]) % group_size == 0``): every
+      shard starts on a group boundary, per-group numbers shard by rows like the parameter.
+    * ``"flat"``: rows hold partial groups but every shard still starts on a group boundary
+      and the per-group numbers split over ranks exactly like ``torch.chunk``.
+    * ``"full"``: some shard would start inside a group. The rank then all-gathers this
+      (small) parameter and its gradient and runs the update on the full tensor, with the
+      full state replicated, so that no group is ever cut by a shard boundary.
+
+    In every case the states are bit for bit those of the unsharded tensor.
+    """
+    rows = shape[0]
+    cols = 1
+    for d in shape[1:]:
+        cols *= d
+    if cols % group_size == 0:
+        return "rows"
+    ngroups = _ceil_div(rows * cols, group_size)
+    for r in range(world):
+        start, end = _chunk(rows, world, r)
+        if start == end:
+            continue
+        if (start * cols) % group_size:
+            return "full"
+        if (start * cols // group_size, _ceil_div(end * cols, group_size)) != _chunk(ngroups, world, r):
+            return "full"
+    return "flat"
+
+
+def _canonical_group_shape(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
+    """Checkpoint shape of a per-group tensor: ``(rows, groups per row)`` when rows hold
+    whole groups (so it shards like the parameter), else ``(groups,)``."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if len(shape) >= 2 and (numel // shape[0]) % group_size == 0:
+        return (shape[0], numel // shape[0] // group_size)
+    return (_ceil_div(numel, group_size),)
+
+
+def _gather(t):
+    """``DTensor.full_tensor()`` that also works for FP8 over gloo (moved as bytes)."""
+    from torch.distributed.tensor import DTensor
+
+    if t.dtype.itemsize == 1 and t.is_floating_point():
+        as_bytes = DTensor.from_local(
+            t.to_local().view(torch.uint8), t.device_mesh, t.placements,
+            shape=t.shape, stride=t.stride(), run_check=False,
+        )
+        return as_bytes.full_tensor().view(t.dtype)
+    return t.full_tensor()
+
+
+class _Shard:
+    """One DTensor parameter: where this rank's local shard sits in the full tensor, and
+    the plain tensor (``handle``) the inner CoatAdamW updates in its place."""
+
+    def __init__(self, param, group_size: int):
+        from torch.distributed.tensor import Replicate, Shard
+
+        mesh, placements = param.device_mesh, param.placements
+        shard_dims = [i for i, pl in enumerate(placements) if pl != Replicate()]
+        if param.dim() == 0 or len(shard_dims) != 1 or placements[shard_dims[0]] != Shard(0):
+            raise ValueError(
+                f"CoatAdamW shards support DTensor parameters sharded on dim 0 (FSDP2's "
+                f"fully_shard, HSDP), got placements {placements} for shape "
+                f"{tuple(param.shape)}; tensor-parallel layouts are not supported"
+            )
+        self.param = param
+        self.shape = tuple(param.shape)
+        self.group_size = group_size
+        mesh_dim = shard_dims[0]
+        self.world = mesh.size(mesh_dim)
+        self.rank = mesh.get_local_rank(mesh_dim)
+        self.start, self.end = _chunk(self.shape[0], self.world, self.rank)
+        local = param._local_tensor
+        if local.shape[0] != self.end - self.start:
+            raise ValueError(
+                f"unexpected dim-0 shard: rank {self.rank} of {self.world} holds "
+                f"{local.shape[0]} rows of {self.shape[0]}, expected {self.end - self.start}"
+            )
+        self.cols = 1
+        for d in self.shape[1:]:
+            self.cols *= d
+        self.layout = shard_layout(self.shape, self.world, group_size)
+        if self.layout == "full":
+            self.handle = torch.zeros(self.shape, dtype=param.dtype, device=local.device)
+        else:
+            self.handle = torch.empty(0, dtype=param.dtype, device=local.device)
+            self.rebind()
+        self.group_shape = _canonical_group_shape(self.shape, group_size)
+
+    @property
+    def element_offset(self) -> int:
+        return 0 if self.layout == "full" else self.start * self.cols
+
+    @torch.no_grad()
+    def rebind(self) -> None:
+        # FSDP2 may swap the local tensor behind a sharded parameter (lazy init, to_empty,
+        # load_state_dict(assign=True)); alias the current one, no copy.
+        local = self.param._local_tensor
+        if self.handle.untyped_storage().data_ptr() != local.untyped_storage().data_ptr() or (
+            self.handle.shape != local.shape
+        ) or self.handle.storage_offset() != local.storage_offset():
+            self.handle.set_(local.untyped_storage(), local.storage_offset(), local.shape, local.stride())
+
+    # -------------------------------------------------------------- state conversion
+    def export(self, name: str, value):
+        """Inner (local or full) state tensor -> what goes into a checkpoint."""
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value  # step: equal on every rank
+        per_group = _is_per_group(name)
+        if self.layout == "full":
+            return value.reshape(self.group_shape if per_group else self.shape)
+        mesh, placements = self.param.device_mesh, self.param.placements
+        if per_group:
+            shape = self.group_shape
+            local = value.reshape((self.end - self.start, *shape[1:])) if self.layout == "rows" else value
+        else:
+            shape, local = self.shape, value.reshape((self.end - self.start, *self.shape[1:]))
+        return DTensor.from_local(
+            local, mesh, placements, shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(), run_check=False,
+        )
+
+    def import_(self, name: str, value):
+        """Checkpoint value (DTensor, full tensor or scalar) -> the inner state tensor."""
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        per_group = _is_per_group(name)
+        if isinstance(value, DTensor):
+            if self.layout != "full" and value.placements == self.param.placements:
+                return value.to_local().reshape(-1 if per_group else self.handle.shape)
+            value = _gather(value)
+        if self.layout == "full":
+            return value.reshape(-1 if per_group else self.shape)
+        if not per_group:
+            return value.reshape(self.shape)[self.start : self.end]
+        if self.layout == "rows":
+            return value.reshape(self.group_shape)[self.start : self.end].reshape(-1)
+        g0, g1 = _chunk(self.group_shape[0], self.world, self.rank)
+        return value.reshape(-1)[g0:g1]
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """``CoatAdamW`` over FSDP2 (DTensor) parameters: each rank updates its own shard.
+
+    Build it with ``shard_optimizer(CoatAdamW(model.parameters(), ...))`` after
+    ``shard_model``. Its ``param_groups`` hold the DTensor parameters (LR schedulers, DCP's
+    ``get_state_dict`` and ``zero_grad`` see them as usual); an inner ``CoatAdamW``
+    (``.optimizer``) runs on plain tensors aliasing the local shards, so the fused kernel
+    and the FP8 state format are unchanged.
+
+    Shard invariance: groups of ``group_size`` are taken over the flattened *global*
+    parameter. Where every shard starts on a group boundary (``shard_layout`` "rows" or
+    "flat": every Llama weight), the local update is the unsharded update restricted to
+    the shard, bit for bit, including stochastic rounding (the inner optimizer draws its
+    bits by global element index). Elsewhere ("full": e.g. a 64-element norm weight on 2
+    ranks) the rank all-gathers that parameter and its gradient, updates it whole with a
+    replicated state and keeps its slice. So states never depend on the number of ranks.
+
+    ``state_dict()`` gives per-parameter states as DTensors (codes sharded like the
+    parameter, per-group numbers sharded by row) or, for "full" parameters, plain
+    replicated tensors: DCP saves them sharded and loads them on any number of ranks.
+    """
+
+    def __init__(self, optimizer):
+        from fp8_optim import CoatAdamW
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(optimizer, CoatAdamW):
+            raise TypeError(
+                f"shard_optimizer wraps a fp8_optim.CoatAdamW, got {type(optimizer).__name__}: "
+                "torch optimizers take FSDP2's DTensor parameters as they are"
+            )
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        sharded = any(isinstance(p, DTensor) for p in params)
+        if sharded and optimizer.state:
+            raise ValueError(
+                "shard_optimizer needs a CoatAdamW that has not stepped yet: wrap it right "
+                "after building it (load checkpoints through load_checkpoint afterwards)"
+            )
+        group_size = optimizer.config.group_size
+        self._shards: dict[torch.Tensor, _Shard] = {}
+        if sharded:
+            inner_groups = []
+            for group in optimizer.param_groups:
+                handles = []
+                for p in group["params"]:
+                    if isinstance(p, DTensor):
+                        self._shards[p] = _Shard(p, group_size)
+                        handles.append(self._shards[p].handle)
+                    else:
+                        handles.append(p)
+                inner_groups.append({**group, "params": handles})
+            inner = CoatAdamW(inner_groups, config=optimizer.config, **optimizer.defaults)
+            for shard in self._shards.values():
+                inner.set_element_offset(shard.handle, shard.element_offset)
+        else:  # DDP / one process: nothing to shard; only the checkpoint layout changes
+            inner = optimizer
+        self.optimizer = inner
+        self._inner_of = {}
+        for outer_group, inner_group in zip(optimizer.param_groups, inner.param_groups, strict=True):
+            self._inner_of.update(zip(outer_group["params"], inner_group["params"], strict=True))
+        self._group_size = group_size
+        super().__init__(
+            [{k: v for k, v in g.items()} for g in optimizer.param_groups], optimizer.defaults
+        )
+        self._refresh_state()
+
+    # ---------------------------------------------------------------------------- step
+    def _sync_hyperparameters(self) -> None:
+        # LR schedulers and users edit the outer groups; the inner optimizer reads its own.
+        for outer, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
+            for key, value in outer.items():
+                if key != "params":
+                    inner[key] = value
+
+    def _refresh_state(self) -> None:
+        self.state = defaultdict(dict)
+        for p, handle in self._inner_of.items():
+            if handle in self.optimizer.state and self.optimizer.state[handle]:
+                self.state[p] = self.optimizer.state[handle]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One CoatAdamW step on every shard with a gradient. Returns ``closure()``'s loss."""
+        from torch.distributed.tensor import DTensor
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparameters()
+        full = []
+        for p, shard in self._shards.items():
+            grad = p.grad
+            if grad is None:
+                shard.handle.grad = None
+                continue
+            if not isinstance(grad, DTensor):
+                raise TypeError("a DTensor parameter has a plain-tensor gradient: expected FSDP2's")
+            if shard.layout == "full":
+                shard.handle.copy_(_gather(p))
+                shard.handle.grad = _gather(grad)
+                full.append(shard)
+            else:
+                shard.rebind()
+                shard.handle.grad = grad.to_local()
+        self.optimizer.step()
+        for shard in full:
+            shard.param._local_tensor.copy_(shard.handle[shard.start : shard.end])
+        for shard in self._shards.values():
+            shard.handle.grad = None  # drop the alias: FSDP2 frees gradients on zero_grad
+        self._refresh_state()
+        return loss
+
+    def nonfinite_groups(self, reset: bool = False) -> int:
+        """Groups skipped for non-finite values on this rank (see CoatAdamW)."""
+        return self.optimizer.nonfinite_groups(reset)
+
+    # --------------------------------------------------------------------- state dicts
+    def state_dict(self) -> dict:
+        """torch optimizer format; states of DTensor parameters as DTensors (see class doc)."""
+        self._sync_hyperparameters()
+        inner = self.optimizer.state_dict()
+        outer_params = [p for g in self.param_groups for p in g["params"]]
+        state = {}
+        for index, pstate in inner["state"].items():
+            shard = self._shards.get(outer_params[index])
+            state[index] = {
+                name: self._export(shard, outer_params[index], name, value)
+                for name, value in pstate.items()
+            }
+        groups = []
+        for outer, saved in zip(self.param_groups, inner["param_groups"], strict=True):
+            groups.append({**{k: v for k, v in outer.items() if k != "params"}, "params": saved["params"]})
+        return {"state": state, "param_groups": groups}
+
+    def _export(self, shard, param, name, value):
+        if shard is not None:
+            return shard.export(name, value)
+        if _is_per_group(name) and isinstance(value, torch.Tensor):
+            return value.reshape(_canonical_group_shape(tuple(param.shape), self._group_size))
+        return value
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict from ``state_dict()`` of any number of ranks (or CoatAdamW's own)."""
+        outer_params = [p for g in self.param_groups for p in g["params"]]
+        index_of = {}
+        for saved, group in zip(state_dict["param_groups"], self.param_groups, strict=True):
+            index_of.update(zip(saved["params"], range(len(index_of), len(index_of) + len(group["params"]))))
+        state = {}
+        for pid, pstate in state_dict["state"].items():
+            # DCP's unflattening gives {} for states a parameter did not have when saved.
+            pstate = {k: v for k, v in pstate.items() if not (isinstance(v, dict) and not v)}
+            if not pstate:
+                continue
+            param = outer_params[index_of[pid]]
+            shard = self._shards.get(param)
+            state[pid] = {
+                name: (shard.import_(name, v) if shard is not None else self._import(param, name, v))
+                for name, v in pstate.items()
+            }
+        groups = [{**g} for g in state_dict["param_groups"]]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        for outer, loaded in zip(self.param_groups, groups, strict=True):
+            outer.update({k: v for k, v in loaded.items() if k != "params"})
+        self._refresh_state()
+
+    def _import(self, param, name, value):
+        if _is_per_group(name) and isinstance(value, torch.Tensor) and value.dim() > 0:
+            from torch.distributed.tensor import DTensor
+
+            if isinstance(value, DTensor):
+                value = _gather(value)
+            return value.reshape(-1)
+        return value
+
+
+def shard_optimizer(optimizer) -> ShardedOptimizer:
+    """Wrap a ``CoatAdamW`` built on a ``shard_model``-ed (FSDP2) model's parameters so that
+    each rank quantizes and updates its own shards (see ``ShardedOptimizer``). Wrap it before
+    creating an LR scheduler. Under DDP or in one process it changes nothing but the
+    checkpoint layout (so DCP checkpoints move between FSDP2, DDP and single-process runs).
+
+    >>> optimizer = shard_optimizer(create_optimizer(model, lr=3e-4))
+    """
+    return ShardedOptimizer(optimizer)
+
+
+# ------------------------------------------------------------------------ DCP checkpoints
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not fit the model/optimizer it is loaded into (names, shapes, dtypes)."""
+
+
+def _dcp_state(model: nn.Module, optimizer) -> dict:
+    """``{"model": ..., "optim": ...}`` with flat keys (``state.<fqn>.<name>``): DTensors for
+    sharded tensors, plain tensors for replicated ones, so DCP can reshard on load."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+    )
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    if optimizer is None:
+        return {"model": get_model_state_dict(model, options=options)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _as_sharded(optimizer):
+    if optimizer is None or isinstance(optimizer, ShardedOptimizer):
+        return optimizer
+    return ShardedOptimizer(optimizer)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def save_checkpoint(path, model: nn.Module, optimizer=None, *, extra: dict | None = None) -> None:
+    """Save model and optimizer (FP8 states included) sharded with ``torch.distributed.checkpoint``.
+
+    Every rank calls it. ``path`` is a directory; it appears only once complete (written
+    as ``<path>.partial`` and renamed), replacing an older one. ``extra`` (step, scheduler
+    state, RNG states, ...: anything ``torch.load(weights_only=True)`` reads back) is
+    returned by ``load_checkpoint``. Works for FSDP2, DDP and single-process models alike.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = os.fspath(path)
+    partial = path + ".partial"
+    state = _dcp_state(model, _as_sharded(optimizer))
+    if extra is not None:
+        buffer = io.BytesIO()
+        torch.save(extra, buffer)
+        buffer.seek(0)
+        state["extra"] = buffer
+    if _is_rank0() and os.path.exists(partial):
+        shutil.rmtree(partial)
+    _barrier()
+    dcp.save(state, checkpoint_id=partial)
+    _barrier()
+    if _is_rank0():
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(partial, path)
+    _barrier()
+
+
+def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = True) -> dict | None:
+    """Load what ``save_checkpoint`` wrote into ``model`` (and ``optimizer``), on any number of
+    ranks: DCP reads each rank's shard. Every rank calls it; returns ``extra`` (or ``None``).
+
+    The checkpoint is checked against the model and optimizer first: a missing or extra
+    tensor, or a shape or dtype that differs (another model size, another optimizer or FP8
+    format, another group size) raises ``CheckpointMismatchError`` naming them, and nothing
+    is loaded. ``strict=False`` skips the model keys the checkpoint lacks.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    path = os.fspath(path)
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        hint = " (an interrupted save left only <path>.partial)" if os.path.exists(path + ".partial") else ""
+        raise FileNotFoundError(f"no checkpoint at {path!r}{hint}: expected a directory written by save_checkpoint")
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    optimizer = _as_sharded(optimizer)
+    state = _dcp_state(model, optimizer)
+    unsaved = _check_against(saved, state, path, strict)
+    for key in unsaved:  # parameters without optimizer state when saved (no gradient yet)
+        del state["optim"][key]
+    extra = io.BytesIO() if "extra" in saved else None
+    if extra is not None:
+        state["extra"] = extra
+    dcp.load(state, checkpoint_id=path)
+    options = StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state["model"], options=options)
+    else:
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+            options=options,
+        )
+    if extra is None:
+        return None
+    extra.seek(0)
+    return torch.load(extra, weights_only=True)
+
+
+def _check_against(saved: dict, state: dict, path: str, strict: bool) -> list[str]:
+    """Compare the checkpoint's metadata with the state we would load into; raise
+    ``CheckpointMismatchError`` listing every difference. Returns the optimizer-state keys of
+    parameters that had no state when saved (they are left without state on load)."""
+    problems: list[str] = []
+
+    def describe(meta) -> str:
+        size = getattr(meta, "size", None)
+        if size is None:
+            return "a non-tensor value"
+        return f"{tuple(size)} {meta.properties.dtype}"
+
+    def compare(key: str, value) -> None:
+        meta = saved.get(key)
+        if meta is None:
+            problems.append(f"{key}: missing from the checkpoint")
+        elif isinstance(value, torch.Tensor):
+            want = f"{tuple(value.shape)} {value.dtype}"
+            if describe(meta) != want:
+                problems.append(f"{key}: checkpoint has {describe(meta)}, this run expects {want}")
+
+    for name, value in state["model"].items():
+        if strict or f"model.{name}" in saved:
+            compare(f"model.{name}", value)
+    expected = {f"model.{name}" for name in state["model"]}
+    unsaved: list[str] = []
+    if "optim" in state:
+        expected |= {f"optim.{name}" for name in state["optim"]}
+        by_param: dict[str, list[str]] = {}
+        for name in state["optim"]:
+            if name.startswith("state."):
+                by_param.setdefault(_state_owner(name), []).append(name)
+        for names in by_param.values():
+            if not any(f"optim.{n}" in saved for n in names):
+                unsaved.extend(names)
+        for name, value in state["optim"].items():
+            if name not in unsaved:
+                compare(f"optim.{name}", value)
+        if not any(key.startswith("optim.") for key in saved):
+            problems.append("the checkpoint holds no optimizer state (saved without optimizer)")
+    for key in saved:
+        if key.startswith(("model.", "optim.")) and key not in expected:
+            if key.startswith("model.") and not strict:
+                continue
+            problems.append(f"{key}: in the checkpoint but not in this model/optimizer")
+    if problems:
+        shown = "\n  ".join(problems[:12])
+        more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
+        raise CheckpointMismatchError(
+            f"checkpoint {path!r} does not match this model/optimizer ({len(problems)} "
+            f"differences; another model config, optimizer or FP8 state format?):\n  {shown}{more}"
+        )
+    return unsaved
+
+
+def _state_owner(flat_key: str) -> str:
+    """``state.model.layers.0.mlp.up_proj.weight.exp_avg`` -> the parameter's prefix."""
+    return flat_key.rsplit(".", 1)[0]

@@ -1,0 +1,320 @@
+"""Run Hugging Face Llama-shaped models with COAT's FP8 blocks, reversibly and in place.
+
+``apply_coat`` gives each decoder layer (and a causal-LM head) a subclass of its own class
+whose ``forward`` takes the COAT path while the module trains and the plain path otherwise.
+No module is replaced and no parameter renamed, so the state dict, ``save_pretrained``,
+hooks, ``isinstance`` checks and gradient checkpointing behave as before;
+``revert_coat`` restores the original classes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from fp8_activations import FP8Config
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from . import blocks, reference
+from .loss import linear_cross_entropy
+
+SUPPORTED = (
+    "Llama-shaped decoder-only transformers models (LlamaForCausalLM, LlamaModel, "
+    "MistralForCausalLM, Qwen2ForCausalLM, ... of transformers>=5.17): each decoder layer "
+    "is x + self_attn(input_layernorm(x)) then h + mlp(post_attention_layernorm(h)) with "
+    "RMSNorm norms, RoPE attention with nn.Linear q_proj/k_proj/v_proj/o_proj and a SwiGLU "
+    "MLP with nn.Linear gate_proj/up_proj/down_proj"
+)
+_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj"}
+# Config fields of causal LMs whose head is more than ``hidden @ lm_head.weight.T``.
+_HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+# ------------------------------------------------------------------------------ detection
+def _children(module: nn.Module) -> set[str]:
+    return {name for name, _ in module.named_children()}
+
+
+def _layer_problem(layer: nn.Module) -> str | None:
+    """Why ``layer`` is not a Llama-shaped decoder layer, or ``None`` if it is (by structure)."""
+    if _children(layer) != _LAYER_CHILDREN:
+        return f"its sub-modules are {sorted(_children(layer))}, expected {sorted(_LAYER_CHILDREN)}"
+    attn, mlp = layer.self_attn, layer.mlp
+    if _children(attn) != _ATTN_CHILDREN:
+        return f"self_attn has sub-modules {sorted(_children(attn))}, expected {sorted(_ATTN_CHILDREN)}"
+    if not _MLP_CHILDREN <= _children(mlp) or _children(mlp) - _MLP_CHILDREN - {"act_fn"}:
+        return f"mlp has sub-modules {sorted(_children(mlp))}, expected {sorted(_MLP_CHILDREN)}"
+    for owner, names in ((attn, _ATTN_CHILDREN), (mlp, _MLP_CHILDREN)):
+        for name in sorted(names):
+            if type(getattr(owner, name)) is not nn.Linear:
+                return f"{name} is a {type(getattr(owner, name)).__name__}, not an nn.Linear"
+    for attr in ("head_dim", "scaling", "layer_idx", "config", "attention_dropout"):
+        if not hasattr(attn, attr):
+            return f"self_attn has no attribute {attr!r}"
+    for fn in ("apply_rotary_pos_emb", "eager_attention_forward"):
+        if blocks.model_function(attn, fn) is None:
+            return f"the modeling file of {type(attn).__name__} defines no {fn}"
+    probe = torch.linspace(-6, 6, 97)
+    act = getattr(mlp, "act_fn", None)
+    if not callable(act) or not torch.allclose(act(probe), F.silu(probe), rtol=1e-5, atol=1e-6):
+        return "the MLP activation is not SiLU (SwiGLU needed)"
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        norm = getattr(layer, name)
+        weight = getattr(norm, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(norm, "bias", None) is not None:
+            return f"{name} is not an RMSNorm with one weight vector and no bias"
+        if getattr(norm, "variance_epsilon", getattr(norm, "eps", None)) is None:
+            return f"{name} has no variance_epsilon/eps attribute"
+    return None
+
+
+@torch.no_grad()
+def _layer_mismatch(base: nn.Module, layer: nn.Module) -> str | None:
+    """Run ``layer`` and ``blocks.decoder_layer`` with the exact ops on one short random
+    sequence; a Llama-shaped layer gives the same output. Catches layers that match by
+    structure but compute something else (Gemma's ``1 + weight`` norm, Granite's residual
+    multiplier, ...). Skipped when the weights are not materialized (meta, sharded)."""
+    params = list(layer.parameters())
+    if any(type(p.data) is not torch.Tensor or p.is_meta for p in params):
+        return None
+    weight = layer.input_layernorm.weight
+    x = torch.randn(1, 8, weight.shape[0], device=weight.device, dtype=params[0].dtype,
+                    generator=torch.Generator(weight.device).manual_seed(0))
+    position_ids = torch.arange(8, device=weight.device)[None]
+    cos_sin = base.rotary_emb(x, position_ids)
+    was_training = layer.training
+    layer.eval()
+    try:
+        want = layer(x, attention_mask=None, position_embeddings=cos_sin, position_ids=position_ids)
+        got = blocks.decoder_layer(reference, layer, x, attention_mask=None,
+                                   position_embeddings=cos_sin, attn_kwargs={"position_ids": position_ids})
+    finally:
+        layer.train(was_training)
+    if isinstance(want, tuple):
+        want = want[0]
+    tol = 1e-4 if x.dtype in (torch.float32, torch.float64) else 2e-2
+    err = (want.float() - got.float()).abs().max().item()
+    if not err <= tol * want.float().abs().max().item():
+        return f"its forward computes something else (max |difference| {err:.3g} on a probe input)"
+    return None
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    base = getattr(model, "base_model", model)
+    for attr in ("layers", "rotary_emb"):
+        if not hasattr(base, attr):
+            raise TypeError(
+                f"apply_coat supports {SUPPORTED}; {type(model).__name__} has no "
+                f"{'base model ' if base is not model else ''}attribute {attr!r}"
+            )
+    return base
+
+
+# ------------------------------------------------------------------------------ subclasses
+def _bind(cls: type, args: tuple, kwargs: dict) -> dict:
+    """Name every argument of a call to ``cls.forward`` (``**kwargs`` flattened)."""
+    bound = inspect.signature(cls.forward).bind(None, *args, **kwargs).arguments
+    bound.pop(next(iter(bound)))  # self
+    for name, param in inspect.signature(cls.forward).parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            bound.update(bound.pop(name, {}))
+    return bound
+
+
+class _CoatDecoderLayer:
+    """Mixed in before a decoder layer's class: training runs ``blocks.decoder_layer``."""
+
+    coat_config = None
+
+    def forward(self, hidden_states, *args, **kwargs):
+        # Reentrant gradient checkpointing runs its first forward without grad: take the COAT
+        # path there too, so that the recomputation in backward computes the same function.
+        checkpointing = getattr(self, "gradient_checkpointing", False)
+        if not (self.training and (torch.is_grad_enabled() or checkpointing)):
+            return super().forward(hidden_states, *args, **kwargs)
+        if args:
+            kwargs = _bind(self._coat_original_class, (hidden_states, *args), kwargs)
+            hidden_states = kwargs.pop("hidden_states")
+        kwargs.pop("use_cache", None)
+        # transformers 5.17 calls the cache past_key_values, later versions cache.
+        cache = kwargs.pop("cache", None)
+        cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        return blocks.decoder_layer(
+            blocks.FP8_OPS,
+            self,
+            hidden_states,
+            attention_mask=kwargs.pop("attention_mask", None),
+            position_embeddings=kwargs.pop("position_embeddings"),
+            cache=cache,
+            config=self.coat_config,
+            attn_kwargs=kwargs,
+        )
+
+    def extra_repr(self) -> str:
+        return f"coat={self.coat_config}"
+
+
+class _CoatCausalLM:
+    """Mixed in before a causal LM's class: training with labels computes the loss in
+    chunks straight from the last hidden states (no full logits tensor, no fp32 copy of it)
+    and returns ``logits=None``."""
+
+    def forward(self, *args, **kwargs):
+        if not (self.training and torch.is_grad_enabled()):
+            return super().forward(*args, **kwargs)
+        named = _bind(self._coat_original_class, args, kwargs)
+        labels = named.pop("labels", None)
+        shift_labels = named.pop("shift_labels", None)
+        if (labels is None and shift_labels is None) or not _is_zero(named.pop("logits_to_keep", 0)):
+            return super().forward(*args, **kwargs)
+        return_dict = named.pop("return_dict", None)
+        num_items = named.get("num_items_in_batch")
+        ignore_index = named.pop("ignore_index", -100)
+        outputs = self.base_model(**named)
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        hidden = outputs.last_hidden_state
+        loss = linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]),
+            self.lm_head.weight,
+            shift_labels.reshape(-1).to(hidden.device),
+            ignore_index=ignore_index,
+            num_items=num_items,
+        )
+        out = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+        out = CausalLMOutputWithPast(loss=loss, logits=None, **out)
+        if return_dict is False:
+            return out.to_tuple()
+        return out
+
+
+def _is_zero(logits_to_keep) -> bool:
+    return isinstance(logits_to_keep, int) and logits_to_keep == 0
+
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def _coat_class(mixin: type, cls: type) -> type:
+    """``mixin`` + ``cls`` under ``cls``'s name, so that ``save_pretrained`` writes the
+    original architecture name into config.json."""
+    key = (mixin, cls)
+    if key not in _SUBCLASSES:
+
+        def forward(self, *args, **kwargs):
+            return mixin.forward(self, *args, **kwargs)
+
+        # Trainer (which dataset columns to keep) and generate() read the signature.
+        forward.__signature__ = inspect.signature(cls.forward)
+        forward.__doc__ = cls.forward.__doc__
+        attrs = {"_coat_original_class": cls, "forward": forward}
+        sub = type(cls.__name__, (mixin, cls), attrs)
+        sub.__qualname__ = cls.__qualname__
+        sub.__module__ = cls.__module__
+        _SUBCLASSES[key] = sub
+    return _SUBCLASSES[key]
+
+
+def _original_class(module: nn.Module) -> type:
+    return getattr(type(module), "_coat_original_class", type(module))
+
+
+def _head_supported(model: nn.Module) -> bool:
+    head = getattr(model, "lm_head", None)
+    loss_fn = getattr(model, "loss_function", None)
+    config = getattr(model, "config", None)
+    return (
+        type(head) is nn.Linear
+        and head.bias is None
+        and getattr(loss_fn, "__name__", "") == "ForCausalLMLoss"
+        and not any(getattr(config, name, None) for name in _HEAD_EXTRAS)
+    )
+
+
+# ------------------------------------------------------------------------------ public API
+def apply_coat(
+    model: nn.Module,
+    config=None,
+    *,
+    fused_loss: bool = True,
+    layer_filter: Callable[[int, nn.Module], bool] | None = None,
+) -> nn.Module:
+    """Convert a Llama-shaped Hugging Face model to COAT FP8 training, in place.
+
+    While ``model.training`` and autograd is on, each decoder layer runs the three COAT
+    blocks (``coat_models.blocks``) with FP8 GEMMs and FP8 activations saved for backward;
+    ``model.eval()`` or ``torch.no_grad()`` runs the original code, bit for bit. The
+    embedding, final norm and LM head stay in the model's dtype. Parameters, buffers and the
+    state dict are untouched: ``save_pretrained`` writes a standard checkpoint and
+    ``from_pretrained`` weights can be loaded before or after conversion.
+
+    Args:
+        model: ``LlamaForCausalLM``, ``LlamaModel`` or another Llama-shaped model (Mistral,
+            Qwen2, ...) of transformers 5.17+, on any device and in any float dtype.
+        config: ``fp8_activations.FP8Config`` (group size, formats, weight cache, backend);
+            ``None`` takes its defaults.
+        fused_loss: for ``*ForCausalLM`` models, compute the training loss (when ``labels``
+            are passed) chunk by chunk from the hidden states instead of building the full
+            ``(batch, seq, vocab)`` logits and their fp32 copy; such calls return
+            ``logits=None``.
+        layer_filter: ``(index, layer) -> bool``; layers for which it is false stay plain.
+
+    Returns the same ``model``. Raises ``TypeError`` naming what is supported otherwise.
+
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=256, ...))
+    >>> apply_coat(model).train()
+    >>> model(input_ids, labels=input_ids).loss.backward()
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_coat takes a torch.nn.Module, got {type(model).__name__}")
+    if config is None:
+        config = FP8Config()
+    if not isinstance(config, FP8Config):
+        raise TypeError(f"config must be an fp8_activations.FP8Config or None, got {type(config).__name__}")
+    base = _base_model(model)
+    layers = list(base.layers)
+    if not layers:
+        raise TypeError(f"apply_coat: {type(model).__name__} has no decoder layers")
+    for index, layer in enumerate(layers):
+        problem = _layer_problem(layer)
+        if problem is None and index == 0:
+            # One probe suffices: every layer runs the same forward code.
+            problem = _layer_mismatch(base, layer)
+        if problem is not None:
+            raise TypeError(
+                f"apply_coat supports {SUPPORTED}; layer {index} of {type(model).__name__} "
+                f"({type(layer).__name__}) is not supported: {problem}"
+            )
+    for index, layer in enumerate(layers):
+        original = _original_class(layer)
+        if layer_filter is not None and not layer_filter(index, layer):
+            layer.__class__ = original
+            continue
+        layer.__class__ = _coat_class(_CoatDecoderLayer, original)
+        layer.coat_config = config
+    original = _original_class(model)
+    if fused_loss and _head_supported(model):
+        model.__class__ = _coat_class(_CoatCausalLM, original)
+    else:
+        model.__class__ = original
+    return model
+
+
+def revert_coat(model: nn.Module) -> nn.Module:
+    """Undo ``apply_coat`` in place: every module gets its original class back."""
+    for module in model.modules():
+        original = _original_class(module)
+        if original is not type(module):
+            module.__class__ = original
+        module.__dict__.pop("coat_config", None)
+    return model
+
+
+def is_coat(module: nn.Module) -> bool:
+    """True for a model (or layer) that ``apply_coat`` converted."""
+    return any(hasattr(type(m), "_coat_original_class") for m in module.modules())

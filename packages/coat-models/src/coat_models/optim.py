@@ -1,0 +1,42 @@
+"""``create_optimizer``: CoatAdamW (FP8 optimizer states) with the usual LLM parameter groups."""
+
+from __future__ import annotations
+
+import torch
+from fp8_optim import CoatAdamW, CoatAdamWConfig
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: decay for parameters with two or more dims (linear weights, embeddings
+    and the LM head), none for one-dim ones (norm weights, biases), the grouping of
+    transformers' ``Trainer`` and nanoGPT. Parameters with ``requires_grad=False`` are left
+    out; tied parameters appear once."""
+    decay, no_decay = [], []
+    for p in model.parameters():  # deduplicates tied weights
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def create_optimizer(
+    model: nn.Module,
+    lr: float = 3e-4,
+    weight_decay: float = 0.1,
+    betas: tuple[float, float] = (0.9, 0.95),
+    config: CoatAdamWConfig | None = None,
+    **kw,
+) -> CoatAdamW:
+    """``fp8_optim.CoatAdamW`` (FP8 moments with Dynamic Range Expansion) over
+    ``param_groups(model, weight_decay)``.
+
+    ``config`` (``fp8_optim.CoatAdamWConfig``: state formats, group size) and ``kw``
+    (``eps``, ...) go to ``CoatAdamW``. Defaults are the usual LLM pretraining ones
+    (lr 3e-4, weight decay 0.1, betas (0.9, 0.95)).
+
+    >>> optimizer = create_optimizer(model, lr=1e-4)
+    """
+    return CoatAdamW(param_groups(model, weight_decay), lr=lr, betas=betas, config=config, **kw)

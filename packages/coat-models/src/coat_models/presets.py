@@ -1,0 +1,127 @@
+"""Model presets for coat-train: Llama shapes built in code (random init), or a Hugging Face
+config/checkpoint directory on disk."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+class ModelError(ValueError):
+    """Unusable model choice; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A Llama shape plus the training defaults that suit it."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    mlp: int
+    vocab: int | None  # None: the data's vocabulary, rounded up to a multiple of 64
+    # training defaults (each can be overridden on the command line)
+    batch_size: int
+    seq_len: int
+    steps: int
+    lr: float
+    warmup: int
+    eval_every: int
+    eval_batches: int
+
+
+PRESETS = {
+    # ~0.9 M params: learns byte-level Python visibly in ~150 CPU steps (seconds).
+    "tiny": Preset(128, 4, 4, 4, 352, None, 16, 128, 150, 3e-3, 15, 50, 4),
+    "125m": Preset(768, 12, 12, 12, 2048, 32000, 16, 1024, 2000, 6e-4, 100, 200, 16),
+    "350m": Preset(1024, 24, 16, 16, 2816, 32000, 16, 1024, 2000, 3e-4, 100, 200, 16),
+    # the 1.2 B shape of ../shared/COAT.md's optimizer benchmark (16 layers, untied head)
+    "1b": Preset(2048, 16, 16, 16, 8192, 32000, 8, 2048, 2000, 3e-4, 100, 200, 8),
+    "llama2-7b": Preset(4096, 32, 32, 32, 11008, 32000, 1, 2048, 1000, 1e-4, 50, 200, 4),
+    "llama2-13b": Preset(5120, 40, 40, 40, 13824, 32000, 1, 2048, 1000, 1e-4, 50, 200, 4),
+}
+
+# Training defaults for --model-dir (no preset).
+MODEL_DIR_DEFAULTS = PRESETS["125m"]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return math.ceil(n / multiple) * multiple
+
+
+def preset_config(name: str, data_vocab: int, vocab_size: int | None = None, max_seq: int = 2048):
+    """LlamaConfig of preset ``name``; ``vocab_size`` overrides the preset's vocabulary."""
+    from transformers import LlamaConfig
+
+    if name not in PRESETS:
+        raise ModelError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    p = PRESETS[name]
+    vocab = vocab_size or p.vocab or round_up(data_vocab, 64)
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=p.hidden,
+        intermediate_size=p.mlp,
+        num_hidden_layers=p.layers,
+        num_attention_heads=p.heads,
+        num_key_value_heads=p.kv_heads,
+        max_position_embeddings=max(max_seq, 4096),
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def model_dir_config(path: str):
+    """(config, has_weights) of a Hugging Face model directory; nothing is downloaded."""
+    from transformers import AutoConfig
+
+    d = Path(path)
+    if not (d / "config.json").is_file():
+        raise ModelError(f"--model-dir {path}: no config.json there (need a Hugging Face model dir)")
+    try:
+        config = AutoConfig.from_pretrained(d, local_files_only=True)
+    except (ValueError, OSError) as e:
+        raise ModelError(f"--model-dir {path}: cannot read config.json ({e})") from None
+    return config, any((d / f).is_file() for f in _WEIGHT_FILES)
+
+
+def model_dir_tokenizer(path: str):
+    """The tokenizer shipped in a model directory, or None (then data is byte-level)."""
+    if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights_dir=None):
+    """A causal LM from ``config`` on ``device``: random init seeded with ``seed`` (the same
+    weights for every mode of a comparison), or the checkpoint in ``weights_dir``; parameters
+    in ``master_dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    try:
+        if weights_dir is not None:
+            model = AutoModelForCausalLM.from_pretrained(
+                weights_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+            ).to(device)
+        else:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(
+                    config, dtype=torch.float32, attn_implementation="sdpa"
+                )
+    except ValueError as e:  # e.g. a config transformers has no causal LM for
+        raise ModelError(f"cannot build a causal LM from this config: {e}") from None
+    # Init in fp32 then cast, so fp32- and bf16-master runs start from the same weights.
+    return model.to(master_dtype).train()

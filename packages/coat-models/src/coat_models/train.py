@@ -1,0 +1,675 @@
+"""The coat-train training loop: one precision mode, one run, with memory accounting,
+metrics, progress, evaluation and atomic checkpoints that resume bit-exactly.
+
+Modes (FP8 activations, FP8 optimizer states):
+
+==========  ===============================  =====================================
+mode        activations                      optimizer
+==========  ===============================  =====================================
+bf16        bf16 autocast                    torch.optim.AdamW (fp32 states)
+coat        ``apply_coat`` (FP8, COAT)       ``create_optimizer`` -> CoatAdamW
+coat-optim  bf16 autocast                    CoatAdamW
+coat-act    ``apply_coat``                   torch.optim.AdamW
+==========  ===============================  =====================================
+
+All modes run under bf16 autocast with master weights in ``master_dtype`` (fp32 by default;
+bf16 only with CoatAdamW, whose stochastic rounding keeps small updates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .data import BatchSampler, TokenData, val_batches
+
+MODES = {  # mode -> (FP8 activations, FP8 optimizer states)
+    "bf16": (False, False),
+    "coat": (True, True),
+    "coat-optim": (False, True),
+    "coat-act": (True, False),
+}
+MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TRAIN_LOSS_WINDOW = 10  # the summary's train loss is the mean of the last 10 steps
+CHECKPOINT_FILES = ("model.pt", "optimizer.pt", "trainer.pt")
+
+
+class TrainError(RuntimeError):
+    """A run that cannot go on; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides the numbers of a run (and a few things that do not)."""
+
+    mode: str = "bf16"
+    master_dtype: str = "fp32"
+    batch_size: int = 16  # sequences per micro-batch
+    seq_len: int = 128
+    grad_accum: int = 1  # micro-batches per optimizer step
+    steps: int = 150  # optimizer steps
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup: int = 15
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
+    seed: int = 0
+    # Not part of the numbers: may change when resuming.
+    eval_every: int = 50
+    eval_batches: int = 4
+    save_every: int = 0  # 0: no checkpoints
+    keep_checkpoints: int = 2
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}: choose one of {', '.join(MODES)}")
+        if self.master_dtype not in MASTER_DTYPES:
+            raise ValueError(f"--master-dtype must be fp32 or bf16, got {self.master_dtype!r}")
+        if self.master_dtype == "bf16" and not MODES[self.mode][1]:
+            raise ValueError(
+                f"--master-dtype bf16 needs CoatAdamW's stochastic rounding (modes coat, "
+                f"coat-optim); mode {self.mode} uses torch AdamW, whose bf16 updates round "
+                f"away every change below 1/256 of a weight: use --master-dtype fp32"
+            )
+        for name in ("batch_size", "seq_len", "grad_accum", "steps", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("warmup", "eval_every", "save_every", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.grad_clip >= 0):
+            raise ValueError("need --lr > 0, 0 <= --min-lr-ratio <= 1 and --grad-clip >= 0")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len * self.grad_accum
+
+    def numerics(self) -> dict:
+        """The fields a resumed run must share with the run that wrote the checkpoint."""
+        skip = {"eval_every", "eval_batches", "save_every", "keep_checkpoints"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+
+
+def lr_factor(step: int, *, warmup: int, steps: int, min_ratio: float) -> float:
+    """LR multiplier for 0-based ``step``: linear warmup to 1, then cosine to ``min_ratio``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory accounting
+
+
+def _storages(t: torch.Tensor):
+    """[(key, bytes)] of the memory a tensor holds; wrapper subclasses (FP8 data + scales)
+    are opened up into their inner tensors."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [s for n in names for s in _storages(getattr(t, n))]
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return [(("tensor", id(t)), t.nelement() * t.element_size())]
+    return [((st.device.type, st.device.index, st.data_ptr()), st.nbytes())]
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (shared storage counted once)."""
+    return sum(dict(s for t in tensors for s in _storages(t)).values())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return tensor_bytes(
+        v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+    )
+
+
+_COPY_OR_VIEW = {
+    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+    "UnsafeViewBackward0", "ExpandBackward0", "CloneBackward0", "AliasBackward0",
+}  # fmt: skip
+
+
+def _is_weight_copy(t: torch.Tensor) -> bool:
+    """True for a cast or view of a parameter (e.g. autocast's bf16 copy of an fp32 weight)."""
+    fn = t.grad_fn
+    for _ in range(4):
+        if fn is None:
+            return False
+        if type(fn).__name__ == "AccumulateGrad":
+            return True
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if type(fn).__name__ not in _COPY_OR_VIEW or len(nxt) != 1:
+            return False
+        fn = nxt[0]
+    return False
+
+
+class _Saved:
+    """What autograd keeps for a saved tensor while the tracker is active: the tensor itself
+    (no copy) and a callback that returns its bytes when autograd frees it."""
+
+    __slots__ = ("tensor", "keys", "release")
+
+    def __init__(self, tensor, keys, release):
+        self.tensor, self.keys, self.release = tensor, keys, release
+
+    def __del__(self):
+        self.release(self.keys)
+
+
+class MemoryTracker:
+    """Live bytes of weights, gradients, optimizer state and tensors saved for backward, and
+    their values at the moment their sum peaked.
+
+    - weights: parameters and buffers (constant);
+    - gradients: ``.grad`` tensors, counted when autograd first writes them in a step;
+    - optimizer state: tensors in ``optimizer.state``, counted after each step;
+    - activations: tensors autograd saves for backward (``saved_tensors_hooks``), each storage
+      once, parameters excluded, counted until autograd frees them; ``weight_copies`` is the
+      part of them that is a cast or view of a parameter (autocast's bf16 weight copies).
+    It sees tensors only through these routes: temporaries that are not saved (e.g. the fp32
+    logits inside the loss) and caches kept elsewhere are in ``measured - tracked``.
+    """
+
+    KINDS = ("weights", "gradients", "optimizer_state", "activations", "weight_copies")
+
+    def __init__(self, model: torch.nn.Module):
+        self.live = dict.fromkeys(self.KINDS, 0)
+        self.at_peak = dict(self.live)
+        self.peak = 0
+        tensors = list(model.parameters()) + list(model.buffers())
+        self._param_keys = {k for t in tensors for k, _ in _storages(t)}
+        self.live["weights"] = tensor_bytes(tensors)
+        self._saved: dict = {}  # storage key -> [refs, bytes, kind]
+        self._grads_seen: set[int] = set()
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            for p in model.parameters()
+            if p.requires_grad
+        ]
+        self._update()
+
+    def close(self):
+        for h in self._handles:
+            h.remove()
+
+    def saving(self):
+        """Context manager: count tensors saved for backward by the code inside."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda s: s.tensor)
+
+    def _pack(self, t):
+        keys = []
+        for key, nbytes in _storages(t):
+            if key in self._param_keys:
+                continue
+            ref = self._saved.get(key)
+            if ref is None:
+                kind = "weight_copies" if _is_weight_copy(t) else "activations"
+                self._saved[key] = ref = [0, nbytes, kind]
+                self.live[kind] += nbytes
+            ref[0] += 1
+            keys.append(key)
+        self._update()
+        return _Saved(t, keys, self._release)
+
+    def _release(self, keys):
+        for key in keys:
+            ref = self._saved[key]
+            ref[0] -= 1
+            if ref[0] == 0:
+                self.live[ref[2]] -= ref[1]
+                del self._saved[key]
+
+    def _on_grad(self, p):
+        if id(p) not in self._grads_seen:
+            self._grads_seen.add(id(p))
+            self.live["gradients"] += tensor_bytes([p.grad])
+            self._update()
+
+    def after_optimizer_step(self, optimizer):
+        """Call after ``optimizer.step()``, before the gradients are dropped."""
+        self.live["optimizer_state"] = optimizer_state_bytes(optimizer)
+        self._update()
+
+    def grads_dropped(self):
+        self.live["gradients"] = 0
+        self._grads_seen.clear()
+
+    def _update(self):
+        total = sum(self.live.values())
+        if total > self.peak:
+            self.peak, self.at_peak = total, dict(self.live)
+
+    def reset_peak(self):
+        self.peak, self.at_peak = 0, dict(self.live)
+        self._update()
+
+
+def device_peak_bytes(device: torch.device) -> int | None:
+    """Allocator-measured peak (CUDA); None where torch keeps no allocator statistics (CPU)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def memory_report(tracker: MemoryTracker, measured: int | None, device: torch.device) -> dict:
+    """The breakdown at the tracked peak. On CUDA ``other = measured - tracked``: temporaries
+    and caches the tracker cannot see. On CPU there is no allocator peak; the tracked peak
+    stands in for it (tests check it against the process's resident-set growth)."""
+    return {
+        "device": device.type,
+        "measured_peak": measured,
+        "tracked_peak": tracker.peak,
+        **tracker.at_peak,
+        "other": None if measured is None else measured - tracker.peak,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Model and optimizer per mode
+
+
+def _coat_api(name: str):
+    """``coat_models.<name>`` (apply_coat / create_optimizer), imported only by the modes that
+    need it so that bf16 runs work without the FP8 packages."""
+    import coat_models
+
+    fn = getattr(coat_models, name, None)
+    if fn is None:
+        raise TrainError(f"this mode needs coat_models.{name}, which this install does not have")
+    return fn
+
+
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW param groups: decay on matrices, none on norms and biases (1-D tensors)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def prepare(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
+    """(model, optimizer) for ``cfg.mode``: FP8 activations and/or CoatAdamW as the mode says."""
+    fp8_act, fp8_optim = MODES[cfg.mode]
+    if fp8_act:
+        model = _coat_api("apply_coat")(model)
+    if fp8_optim:
+        opt = _coat_api("create_optimizer")(
+            model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas
+        )
+    else:
+        fused = device.type == "cuda"  # the baseline users run on GPUs
+        opt = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
+                                fused=fused)  # fmt: skip
+    return model, opt
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress line
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}" if abs(n) < 100 * size else f"{n / size:.0f} {unit}"
+    return f"{n} B"
+
+
+class Progress:
+    """One stderr status line: rewritten in place on a terminal, else printed every 10%."""
+
+    def __init__(self, label: str, total: int, stream=None, enabled: bool = True):
+        self.label, self.total, self.enabled = label, total, enabled
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.every = 1 if self.tty else max(1, total // 10)
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, fields: dict, first_step: int = 1):
+        if not self.enabled or (step % self.every and step != self.total):
+            return
+        elapsed = time.perf_counter() - self.t0
+        done = step - first_step + 1
+        eta = elapsed / max(done, 1) * (self.total - step)
+        width = 20
+        fill = round(width * step / self.total)
+        bar = "#" * fill + "-" * (width - fill)
+        text = "  ".join(f"{k} {v}" for k, v in fields.items())
+        line = f"[{self.label}] {step:>{len(str(self.total))}}/{self.total} |{bar}| {text}"
+        line += f"  eta {eta:.0f}s"
+        if self.tty:
+            self.stream.write("\r" + line.ljust(getattr(self, "_width", 0)))
+            self._width = len(line)
+            if step == self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+
+
+def _set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] and torch.cuda.is_available() and len(s["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    name, keys, *rest = s["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    random.setstate((s["python"][0], tuple(s["python"][1]), s["python"][2]))
+
+
+def _fsync_save(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest complete checkpoint: only fully written ones carry a step_NNNNNNN name."""
+    if not ckpt_dir.is_dir():
+        return None
+    done = sorted(
+        d for d in ckpt_dir.iterdir()
+        if d.is_dir() and d.name.startswith("step_") and d.name[5:].isdigit()
+    )  # fmt: skip
+    return done[-1] if done else None
+
+
+def write_atomic_text(path: Path, text: str) -> None:
+    """Write to a temporary name, then rename: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_atomic_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+class Trainer:
+    """Train one mode: ``Trainer(...).fit()`` returns the summary; ``run_step`` is the unit the
+    benchmarks time."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        data: TokenData,
+        cfg: TrainConfig,
+        *,
+        device: torch.device,
+        out_dir: Path | None = None,
+        progress: bool = True,
+        describe: dict | None = None,
+    ):
+        self.cfg, self.device, self.data = cfg, device, data
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.describe = describe or {}
+        self.model, self.optimizer = prepare(model, cfg, device)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            partial(lr_factor, warmup=cfg.warmup, steps=cfg.steps, min_ratio=cfg.min_lr_ratio),
+        )
+        self.sampler = BatchSampler(data.train, cfg.batch_size, cfg.seq_len, cfg.seed)
+        self.val = val_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+        self.tracker = MemoryTracker(self.model)
+        self.step = 0  # optimizer steps done
+        self.totals = {"timed_tokens": 0, "timed_time": 0.0, "measured_peak": 0,
+                       "tracked_peak": 0, "memory": None}  # fmt: skip
+        self.train_losses: list[float] = []
+        self.val_loss: float | None = None
+        self.progress = Progress(cfg.mode, cfg.steps, enabled=progress)
+
+    # -- one optimizer step ----------------------------------------------------------------
+    def run_step(self) -> dict:
+        """Forward/backward over ``grad_accum`` micro-batches, clip, optimizer step."""
+        cfg, step = self.cfg, self.step + 1
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), device=self.device)
+        with self.tracker.saving():
+            for micro in range(cfg.grad_accum):
+                ids = self.sampler.batch(step, micro).to(self.device, non_blocking=True)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                    loss = self.model(input_ids=ids, labels=ids).loss
+                (loss / cfg.grad_accum).backward()
+                loss_sum += loss.detach().float()
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.tracker.after_optimizer_step(self.optimizer)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.tracker.grads_dropped()
+        loss_value = (loss_sum / cfg.grad_accum).item()  # syncs: the step time below is real
+        dt = time.perf_counter() - t0
+        self.step = step
+        if not math.isfinite(loss_value):
+            raise TrainError(
+                f"mode {cfg.mode}: the loss became {loss_value} at step {step}: "
+                f"lower --lr (now {cfg.lr:g}) or raise --warmup"
+            )
+        return {
+            "step": step,
+            "loss": loss_value,
+            "lr": float(lr),
+            "grad_norm": float(grad_norm),
+            "tokens": cfg.tokens_per_step,
+            "step_time_s": dt,
+            "tokens_per_s": cfg.tokens_per_step / dt,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the fixed validation batches (plain path: ``model.eval()``)."""
+        self.model.eval()
+        total, n = 0.0, 0
+        for ids in self.val:
+            ids = ids.to(self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                loss = self.model(input_ids=ids, labels=ids).loss
+            total += float(loss) * len(ids)
+            n += len(ids)
+        self.model.train()
+        return total / n
+
+    # -- checkpoints -------------------------------------------------------------------------
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    def save_checkpoint(self) -> Path:
+        """Write model, optimizer (its FP8 states included), scheduler, step, RNG states and
+        data position into a temporary directory, then rename it: a ``step_*`` directory is
+        always complete."""
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        final = self.ckpt_dir / checkpoint_name(self.step)
+        tmp = self.ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        _fsync_save(self.model.state_dict(), tmp / "model.pt")
+        _fsync_save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        _fsync_save(
+            {
+                "format": 1,
+                "step": self.step,
+                "scheduler": self.scheduler.state_dict(),
+                "rng": _rng_state(),
+                # The sampler is a pure function of (seed, step): the step is the position.
+                "data": {"next_step": self.step + 1, "fingerprint": self.data.fingerprint},
+                "config": self.cfg.numerics(),
+                "describe": self.describe,
+                "totals": self.totals,
+                "train_losses": self.train_losses,
+            },
+            tmp / "trainer.pt",
+        )
+        if final.exists():  # a re-run after resuming from an earlier checkpoint
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fd = os.open(self.ckpt_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        old = sorted(d for d in self.ckpt_dir.iterdir() if d.name.startswith("step_"))
+        for d in old[: max(0, len(old) - self.cfg.keep_checkpoints)]:
+            shutil.rmtree(d)
+        return final
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore everything ``save_checkpoint`` wrote; refuses a checkpoint of other
+        numerics (mode, schedule, batch, data, ...), which could not continue exactly."""
+        missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file()]
+        if missing:
+            raise TrainError(f"{path} is not a complete checkpoint (missing {', '.join(missing)})")
+        load = partial(torch.load, map_location=self.device, weights_only=True)
+        state = load(path / "trainer.pt")
+        diff = {
+            k: (v, self.cfg.numerics().get(k))
+            for k, v in state["config"].items()
+            if _plain(self.cfg.numerics().get(k)) != _plain(v)
+        }
+        if state["data"]["fingerprint"] != self.data.fingerprint:
+            diff["data"] = (state["data"]["fingerprint"], self.data.fingerprint)
+        if state["describe"] != self.describe:
+            diff["model"] = (state["describe"], self.describe)
+        if diff:
+            said = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise TrainError(f"cannot resume from {path}: settings differ ({said})")
+        self.model.load_state_dict(load(path / "model.pt"))
+        self.optimizer.load_state_dict(load(path / "optimizer.pt"))
+        self.scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+        self.step = state["step"]
+        self.totals = state["totals"]
+        self.train_losses = list(state["train_losses"])
+
+    # -- the whole run -----------------------------------------------------------------------
+    def fit(self, resume: Path | None = None) -> dict:
+        """Train ``cfg.steps`` steps (from ``resume`` if given), evaluating, logging metrics to
+        ``out_dir/metrics.jsonl``, checkpointing; returns the summary."""
+        cfg = self.cfg
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path = self.out_dir / "metrics.jsonl"
+        if resume is not None:
+            self.load_checkpoint(resume)
+            kept = _metrics_until(metrics_path, self.step)
+            write_atomic_text(metrics_path, "".join(kept))
+        else:
+            metrics_path.write_text("")
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.tracker.reset_peak()
+        first = self.step + 1
+        with open(metrics_path, "a") as log:
+
+            def emit(record):
+                log.write(json.dumps({"mode": cfg.mode, **record}) + "\n")
+                log.flush()
+
+            while self.step < cfg.steps:
+                rec = self.run_step()
+                if self.step > first:  # the first step of a process warms up (kernels, caches)
+                    self.totals["timed_tokens"] += rec["tokens"]
+                    self.totals["timed_time"] += rec["step_time_s"]
+                measured = device_peak_bytes(self.device)
+                rec["mem_tracked_peak"] = self.tracker.peak
+                rec["mem_measured_peak"] = measured
+                emit({"type": "train", **rec})
+                self.train_losses.append(rec["loss"])
+                fields = {"loss": f"{rec['loss']:.4f}", "lr": f"{rec['lr']:.2e}",
+                          "tok/s": f"{rec['tokens_per_s']:,.0f}",
+                          "mem": fmt_bytes(measured or self.tracker.peak)}  # fmt: skip
+                if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
+                    self.val_loss = self.evaluate()
+                    emit({"type": "eval", "step": self.step, "val_loss": self.val_loss})
+                    fields["val"] = f"{self.val_loss:.4f}"
+                if self.step == cfg.steps or (cfg.save_every and self.step % cfg.save_every == 0):
+                    self._record_memory()
+                if cfg.save_every and self.step % cfg.save_every == 0:
+                    self.save_checkpoint()
+                self.progress.update(self.step, fields, first)
+        if self.val_loss is None:  # resumed at the final step: nothing trained in this process
+            self.val_loss = self.evaluate()
+        return self.summary()
+
+    def _record_memory(self):
+        """Keep the breakdown of the highest peak seen by this run (across resumes)."""
+        measured = device_peak_bytes(self.device)
+        report = memory_report(self.tracker, measured, self.device)
+        best = self.totals["memory"]
+        key = "measured_peak" if measured is not None else "tracked_peak"
+        if best is None or (report[key] or 0) >= (best[key] or 0):
+            self.totals["memory"] = report
+
+    def summary(self) -> dict:
+        t = self.totals
+        window = self.train_losses[-TRAIN_LOSS_WINDOW:]
+        return {
+            "mode": self.cfg.mode,
+            "master_dtype": self.cfg.master_dtype,
+            "steps": self.step,
+            "tokens_per_step": self.cfg.tokens_per_step,
+            "train_loss": sum(window) / len(window) if window else None,
+            "train_loss_window": len(window),
+            "val_loss": self.val_loss,
+            "tokens_per_s": t["timed_tokens"] / t["timed_time"] if t["timed_time"] else None,
+            "params": sum(p.numel() for p in self.model.parameters()),
+            "memory": t["memory"],
+        }
+
+    def close(self):
+        self.tracker.close()
+
+
+def _plain(v):
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _metrics_until(path: Path, step: int) -> list[str]:
+    """Lines of a metrics file up to ``step`` (a resumed run rewrites what came after)."""
+    if not path.is_file():
+        return []
+    return [line for line in path.read_text().splitlines(True)
+            if line.strip() and json.loads(line)["step"] <= step]  # fmt: skip

@@ -1,0 +1,220 @@
+"""COAT for VILA / LLaVA-style vision-language models (``LlavaForConditionalGeneration``).
+
+A LLaVA model is a vision tower (SigLIP or CLIP), a multimodal projector (linear, GELU,
+linear) and a Llama-shaped language model. ``apply_coat_vlm`` converts it in place:
+
+- the language model gets the fused COAT decoder blocks (``coat_models.apply_coat``);
+- the projector, and with ``vision=True`` the vision tower, get FP8 activations
+  (``fp8_activations.convert_to_fp8_activations``: linear, LayerNorm, GELU);
+- ``freeze_vision=True`` sets ``requires_grad=False`` on the tower, as VILA's stage-3 SFT does.
+
+Parameter names and the state dict do not change, and ``model.eval()`` / ``generate()`` run
+the plain path. In transformers 5.17+ the parts live at ``model.model.vision_tower``,
+``model.model.multi_modal_projector`` and ``model.model.language_model`` (a ``LlamaModel``);
+the LM head is ``model.lm_head``.
+
+No image processor is needed: feed ``pixel_values`` fp32 ``(images, 3, S, S)`` with ``S`` the
+tower's ``image_size``, normalized as ``(rgb / 255 - mean) / std``: SigLIP ``mean = std = 0.5``
+(values in [-1, 1]); CLIP ``coat_models.vl_data.CLIP_MEAN`` / ``CLIP_STD``. Each image takes
+``vl_data.num_image_tokens(config)`` placeholder ids ``config.image_token_id`` in ``input_ids``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from fp8_activations import convert_to_fp8_activations, revert_fp8_activations
+from torch import nn
+
+from .llama import apply_coat, revert_coat
+from .presets import round_up
+from .vl_data import IMAGE_TOKEN_ID, VL_VOCAB, num_image_tokens
+
+SUPPORTED = (
+    "LLaVA-style models: transformers' LlavaForConditionalGeneration or LlavaModel (5.17+), or "
+    "any module whose .model (or itself) has vision_tower, multi_modal_projector and a "
+    "Llama-shaped language_model"
+)
+_PARTS = ("vision_tower", "multi_modal_projector", "language_model")
+
+
+def _llava_parts(model: nn.Module) -> nn.Module:
+    """The module holding ``vision_tower``, ``multi_modal_projector`` and ``language_model``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_coat_vlm takes a torch.nn.Module, got {type(model).__name__}")
+    for inner in (model, getattr(model, "model", None)):
+        if isinstance(inner, nn.Module) and all(
+            isinstance(getattr(inner, p, None), nn.Module) for p in _PARTS
+        ):
+            return inner
+    hint = ""
+    if hasattr(model, "layers") or hasattr(getattr(model, "model", None), "layers"):
+        hint = "; for a language-only model use coat_models.apply_coat"
+    raise TypeError(
+        f"apply_coat_vlm supports {SUPPORTED}; {type(model).__name__} has no "
+        f"vision_tower/multi_modal_projector/language_model{hint}"
+    )
+
+
+def _gelus_to_torch(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Replace transformers' GELU activation modules under ``root`` (the projector's
+    ``GELUActivation``, SigLIP's ``GELUTanh``, ...) by the ``nn.GELU`` that computes the same
+    (checked on a probe), which ``convert_to_fp8_activations`` knows; returns ``(fqn,
+    original)`` pairs for ``revert_coat_vlm`` to put back. Other activations (CLIP's
+    QuickGELU) stay as they are, in high precision."""
+    probe = torch.linspace(-8, 8, 161)
+    swapped = []
+    for fqn, m in list(root.named_modules()):
+        if type(m).__module__ != "transformers.activations":
+            continue
+        for approximate in ("none", "tanh"):
+            if torch.allclose(m(probe), F.gelu(probe, approximate=approximate), atol=1e-6):
+                parent, _, name = fqn.rpartition(".")
+                setattr(root.get_submodule(parent), name, nn.GELU(approximate).train(m.training))
+                swapped.append((fqn, m))
+                break
+    return swapped
+
+
+def apply_coat_vlm(
+    model: nn.Module, config=None, *, vision: bool = False, freeze_vision: bool = False
+) -> nn.Module:
+    """Convert a LLaVA-style model to COAT FP8 training, in place; returns ``model``.
+
+    Args:
+        model: ``LlavaForConditionalGeneration`` / ``LlavaModel`` (or the same composition)
+            with a Llama-shaped language model; any device, any float dtype.
+        config: ``FP8Config`` for every converted part (``None``: defaults).
+        vision: also give the vision tower FP8 activations (its linears, LayerNorms, GELUs;
+            attention and the patch embedding stay as they are).
+        freeze_vision: ``requires_grad=False`` on every vision-tower parameter (undone by
+            ``revert_coat_vlm``). A frozen tower saves nothing for backward, so ``vision``
+            then only changes its forward numerics.
+
+    Converting an already converted model first reverts it. Raises ``TypeError`` for other
+    models (the message names what is supported) or a language model ``apply_coat`` rejects.
+
+    >>> model = LlavaForConditionalGeneration(llava_tiny_config())
+    >>> apply_coat_vlm(model, freeze_vision=True).train()
+    >>> model(input_ids=ids, pixel_values=pixels, labels=labels).loss.backward()
+    """
+    parts = _llava_parts(model)
+    if is_coat_vlm(model):
+        revert_coat_vlm(model)
+    try:
+        apply_coat(parts.language_model, config)
+    except TypeError as e:
+        raise TypeError(f"apply_coat_vlm: the language model is not supported: {e}") from None
+    converted = ["multi_modal_projector"] + (["vision_tower"] if vision else [])
+    gelus = []
+    for name in converted:
+        gelus += [(f"{name}.{fqn}", m) for fqn, m in _gelus_to_torch(getattr(parts, name))]
+        convert_to_fp8_activations(getattr(parts, name), config=config)
+    frozen = []
+    if freeze_vision:
+        for name, p in parts.vision_tower.named_parameters():
+            if p.requires_grad:
+                p.requires_grad_(False)
+                frozen.append(name)
+    # A plain attribute: not a buffer, so the state dict does not see it.
+    model._coat_vlm = {"converted": converted, "gelus": gelus, "frozen": frozen}
+    return model
+
+
+def revert_coat_vlm(model: nn.Module) -> nn.Module:
+    """Undo ``apply_coat_vlm`` in place (modules, and the tower's ``requires_grad``)."""
+    parts = _llava_parts(model)
+    state = model.__dict__.pop("_coat_vlm", None)
+    if state is None:
+        return model
+    revert_coat(parts.language_model)
+    for name in state["converted"]:
+        revert_fp8_activations(getattr(parts, name))
+    for fqn, original in state["gelus"]:
+        parent, _, name = fqn.rpartition(".")
+        setattr(parts.get_submodule(parent), name, original)
+    params = dict(parts.vision_tower.named_parameters())
+    for name in state["frozen"]:
+        params[name].requires_grad_(True)
+    return model
+
+
+def is_coat_vlm(model: nn.Module) -> bool:
+    """True for a model ``apply_coat_vlm`` converted (and ``revert_coat_vlm`` did not undo)."""
+    return "_coat_vlm" in model.__dict__
+
+
+# --------------------------------------------------------------------------- configs in code
+def llava_tiny_config(
+    *,
+    vision_hidden: int = 32,
+    vision_layers: int = 2,
+    hidden: int = 64,
+    layers: int = 2,
+    image_size: int = 32,
+    patch_size: int = 8,
+):
+    """A tiny LLaVA for CPU tests and demos, random init, on ``vl_data``'s byte vocabulary.
+
+    SigLIP-like tower (``vision_hidden`` wide, 2 heads, MLP 2x, GELU-tanh, no pooling head;
+    32x32 images in 8x8 patches: 16 image tokens), GELU projector, Llama LM (``hidden`` wide,
+    4 heads with 2 KV heads, SwiGLU MLP 2.75x rounded to a multiple of 16, untied head).
+    Vocabulary: ``vl_data.VL_VOCAB`` rounded up to 64 (320); image token ``IMAGE_TOKEN_ID``.
+    """
+    from transformers import LlamaConfig, SiglipVisionConfig
+
+    for name, value in (("vision_hidden", vision_hidden), ("hidden", hidden)):
+        if value % 16:
+            raise ValueError(f"{name} must be a multiple of 16 (FP8 groups of 16), got {value}")
+    vision = SiglipVisionConfig(
+        hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+        num_hidden_layers=vision_layers, num_attention_heads=2, image_size=image_size,
+        patch_size=patch_size, vision_use_head=False,
+    )  # fmt: skip
+    text = LlamaConfig(
+        vocab_size=round_up(VL_VOCAB, 64), hidden_size=hidden,
+        intermediate_size=round_up(hidden * 11 // 4, 16), num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    return _llava_config(vision, text, IMAGE_TOKEN_ID, vision_feature_layer=-1)
+
+
+def vila7b_config():
+    """VILA1.5-7B shapes, random init (nothing is downloaded).
+
+    Vision: SigLIP-so400m-like (hidden 1152, 27 layers, 16 heads, MLP 4304, patch 14, image
+    384: 729 tokens per image; GELU-tanh; no pooling head), features of the second-to-last
+    layer (VILA's ``mm_vision_select_layer=-2``), all tokens (SigLIP has no class token).
+    Projector: linear 1152->4096, GELU, linear 4096->4096. LM: Llama-2-7B (hidden 4096,
+    32 layers, 32 heads, MLP 11008, RMSNorm eps 1e-5) with llava-1.5's vocabulary of 32064
+    (Llama-2's 32000 padded; image token 32000). 7.17 B parameters: tower 0.413 B,
+    projector 0.022 B, LM with head 6.739 B.
+    """
+    from transformers import LlamaConfig, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(
+        hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+        image_size=384, patch_size=14, vision_use_head=False,
+    )  # fmt: skip
+    text = LlamaConfig(
+        vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=None,
+    )  # fmt: skip
+    return _llava_config(vision, text, 32000, vision_feature_layer=-2)
+
+
+def _llava_config(vision, text, image_token_id: int, *, vision_feature_layer: int):
+    from transformers import LlavaConfig
+
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=image_token_id,
+        projector_hidden_act="gelu", vision_feature_layer=vision_feature_layer,
+        vision_feature_select_strategy="full", multimodal_projector_bias=True,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    config.image_seq_length = num_image_tokens(config)
+    return config

@@ -1,0 +1,223 @@
+"""An embedded image-caption task for vision-language training: coloured shapes, drawn with numpy.
+
+Each image holds one shape (circle, square or triangle) in one of four colours, small or
+large, on the left, in the middle or on the right of a noisy dark background; its caption
+says so: ``"a small red circle on the left"``. 72 captions, endless images (position, size,
+background and noise jitter). A model that reads the image can get the caption right; one
+that does not can only learn the template and guess (``ln 72 = 4.28`` nats per caption), so
+the loss measures image understanding.
+
+Tokens are byte-level, like ``coat_models.data``: ids 0..255 are UTF-8 bytes,
+``BYTE_EOS`` (256) separates and ends captions, and one more id is the image placeholder:
+
+    [EOS] [IMG] x num_image_tokens  a   _ s m a l l ... l e f t [EOS] [EOS] (padding) ...
+    labels: -100 on EOS/IMG/padding, the caption bytes and the EOS that ends it.
+
+Padding comes after each sequence's last EOS and is never attended to by a labelled token
+(causal attention), so batches need no attention mask.
+
+``pixel_values`` are fp32 ``(images, 3, image_size, image_size)`` normalized as
+``(rgb / 255 - mean) / std`` with SigLIP's ``mean = std = 0.5`` (range [-1, 1]); pass CLIP's
+``CLIP_MEAN`` / ``CLIP_STD`` for a CLIP tower.
+
+Everything is a function of ``(seed, split, index)``: the same batches on every run and
+machine, and the validation images are never trained on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .data import BYTE_EOS, BYTE_VOCAB
+
+IMAGE_TOKEN_ID = BYTE_VOCAB  # 257: the id after the byte-level tokenizer's ids
+VL_VOCAB = BYTE_VOCAB + 1  # ids the task uses: 256 bytes, EOS, IMG
+IGNORE_INDEX = -100
+
+SHAPES = ("circle", "square", "triangle")
+COLOURS = {
+    "red": (220, 50, 40),
+    "green": (40, 190, 70),
+    "blue": (50, 90, 230),
+    "yellow": (235, 215, 40),
+}
+SIZES = {"small": 0.11, "large": 0.18}  # radius / image size
+POSITIONS = {"on the left": 0.22, "in the middle": 0.5, "on the right": 0.78}  # x / image size
+SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+_SPLITS = {"train": 0, "val": 1}
+
+
+def caption(size: str, colour: str, shape: str, position: str) -> str:
+    return f"a {size} {colour} {shape} {position}"
+
+
+CAPTIONS = [caption(*c) for c in itertools.product(SIZES, COLOURS, SHAPES, POSITIONS)]
+MAX_CAPTION_BYTES = max(len(c.encode()) for c in CAPTIONS)
+
+
+def num_image_tokens(config) -> int:
+    """Placeholder tokens one image takes in a ``LlavaConfig``'s language model: the vision
+    tower's patch count, plus CLIP's class token, minus one with the ``"default"`` feature
+    strategy (which drops the first token, meant to be CLIP's class token)."""
+    vision = config.vision_config
+    image, patch = vision.image_size, vision.patch_size
+    if not (isinstance(image, int) and isinstance(patch, int)):
+        raise ValueError(f"square images only: image_size {image!r}, patch_size {patch!r}")
+    n = (image // patch) ** 2 + (vision.model_type == "clip_vision_model")
+    return n - (config.vision_feature_select_strategy == "default")
+
+
+def render(
+    size: str, colour: str, shape: str, position: str, image_size: int, rng: np.random.Generator
+) -> np.ndarray:
+    """uint8 RGB ``(image_size, image_size, 3)``; ``rng`` draws the jitter and the noise."""
+    s = image_size
+    r = SIZES[size] * s * rng.uniform(0.92, 1.08)
+    cx = POSITIONS[position] * s + rng.uniform(-0.03, 0.03) * s
+    cy = s / 2 + rng.uniform(-0.15, 0.15) * s
+    y, x = np.mgrid[0:s, 0:s] + 0.5  # pixel centres
+    if shape == "circle":
+        inside = (x - cx) ** 2 + (y - cy) ** 2 <= r * r
+    elif shape == "square":
+        inside = (np.abs(x - cx) <= 0.85 * r) & (np.abs(y - cy) <= 0.85 * r)
+    else:  # triangle, apex up: half-width grows linearly from 0 at the apex to r at the base
+        top, base = cy - r, cy + 0.8 * r
+        inside = (y >= top) & (y <= base) & (np.abs(x - cx) <= (y - top) / (base - top) * r)
+    background = rng.uniform(15, 60)
+    img = np.full((s, s, 3), background) + rng.normal(0, 6, (s, s, 3))
+    img[inside] = np.asarray(COLOURS[colour]) + rng.normal(0, 6, (int(inside.sum()), 3))
+    return np.clip(img, 0, 255).round().astype(np.uint8)
+
+
+@dataclass(frozen=True)
+class Sample:
+    image: np.ndarray  # uint8 (H, W, 3)
+    caption: str
+
+
+def sample(seed: int, split: str, index: int, image_size: int) -> Sample:
+    """Sample ``index`` of ``split`` ("train" or "val"): a pure function of its arguments."""
+    rng = np.random.default_rng([seed, _SPLITS[split], index])
+    attrs = (
+        list(SIZES)[rng.integers(len(SIZES))],
+        list(COLOURS)[rng.integers(len(COLOURS))],
+        SHAPES[rng.integers(len(SHAPES))],
+        list(POSITIONS)[rng.integers(len(POSITIONS))],
+    )
+    return Sample(render(*attrs, image_size, rng), caption(*attrs))
+
+
+class ShapesCaptions:
+    """Batches of the shapes task shaped for a ``LlavaForConditionalGeneration``.
+
+    Args:
+        image_size: side of the square images (the vision tower's ``image_size``).
+        image_tokens: placeholders per image (``num_image_tokens(llava_config)``).
+        image_token_id: the config's ``image_token_id`` (``IMAGE_TOKEN_ID`` for the presets
+            built on this byte-level vocabulary; a larger vocab, e.g. 32064, may use any id).
+        images_per_sample: image-caption pairs per sequence.
+        seq_len: pad every sequence to this length (default: the shortest that fits).
+        seed: data seed; ``val_size``: images in the fixed validation set.
+
+    >>> data = ShapesCaptions(32, 16, IMAGE_TOKEN_ID)
+    >>> b = data.batch(step=0, batch_size=8)
+    >>> b["input_ids"].shape, b["pixel_values"].shape  # (8, 55), (8, 3, 32, 32)
+    """
+
+    def __init__(
+        self,
+        image_size: int,
+        image_tokens: int,
+        image_token_id: int = IMAGE_TOKEN_ID,
+        *,
+        images_per_sample: int = 1,
+        seq_len: int | None = None,
+        seed: int = 0,
+        val_size: int = 256,
+        mean=SIGLIP_MEAN,
+        std=SIGLIP_STD,
+    ):
+        if image_token_id < IMAGE_TOKEN_ID:
+            raise ValueError(
+                f"image_token_id {image_token_id} collides with a byte or the EOS id: use "
+                f"an id >= {IMAGE_TOKEN_ID}"
+            )
+        if images_per_sample < 1:
+            raise ValueError(f"images_per_sample must be >= 1, got {images_per_sample}")
+        need = 1 + images_per_sample * (image_tokens + MAX_CAPTION_BYTES + 1)
+        if seq_len is not None and seq_len < need:
+            raise ValueError(
+                f"seq_len {seq_len} is too short: {images_per_sample} image(s) of {image_tokens} "
+                f"tokens and their captions need {need}; pass seq_len >= {need} or None"
+            )
+        self.image_size, self.image_tokens = image_size, image_tokens
+        self.image_token_id = image_token_id
+        self.images_per_sample, self.seq_len = images_per_sample, seq_len or need
+        self.seed, self.val_size = seed, val_size
+        self.mean = np.asarray(mean, dtype=np.float32)
+        self.std = np.asarray(std, dtype=np.float32)
+
+    @property
+    def vocab_size(self) -> int:
+        """Every id of the batches is below this."""
+        return max(VL_VOCAB, self.image_token_id + 1)
+
+    def _sequence(self, samples: list[Sample]) -> tuple[np.ndarray, np.ndarray]:
+        ids, labels = [BYTE_EOS], [IGNORE_INDEX]
+        for s in samples:
+            text = list(s.caption.encode()) + [BYTE_EOS]
+            ids += [self.image_token_id] * self.image_tokens + text
+            labels += [IGNORE_INDEX] * self.image_tokens + text
+        pad = self.seq_len - len(ids)
+        ids, labels = ids + [BYTE_EOS] * pad, labels + [IGNORE_INDEX] * pad
+        return np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+
+    def collate(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        """``input_ids``/``labels`` int64 ``(B, seq_len)`` and ``pixel_values`` fp32
+        ``(B * images_per_sample, 3, S, S)``, from ``B * images_per_sample`` samples in order."""
+        k = self.images_per_sample
+        if len(samples) % k:
+            raise ValueError(f"{len(samples)} samples do not fill sequences of {k} images")
+        rows = [self._sequence(samples[i : i + k]) for i in range(0, len(samples), k)]
+        pixels = np.stack([s.image for s in samples]).astype(np.float32) / 255
+        pixels = ((pixels - self.mean) / self.std).transpose(0, 3, 1, 2)
+        return {
+            "input_ids": torch.from_numpy(np.stack([r[0] for r in rows])),
+            "labels": torch.from_numpy(np.stack([r[1] for r in rows])),
+            "pixel_values": torch.from_numpy(np.ascontiguousarray(pixels)),
+        }
+
+    def batch(self, step: int, batch_size: int, micro: int = 0) -> dict[str, torch.Tensor]:
+        """Training batch of optimizer step ``step``, micro-batch ``micro``: a function of
+        ``(seed, step, micro)`` only, so every mode of a comparison sees the same data."""
+        n = batch_size * self.images_per_sample
+        first = (step * 2**16 + micro) * n  # disjoint index ranges per (step, micro)
+        size = self.image_size
+        return self.collate([sample(self.seed, "train", first + i, size) for i in range(n)])
+
+    def val_batches(self, batch_size: int) -> list[dict[str, torch.Tensor]]:
+        """The fixed validation set (``val_size`` images) in batches of ``batch_size`` sequences."""
+        samples = [sample(self.seed, "val", i, self.image_size) for i in range(self.val_size)]
+        n = batch_size * self.images_per_sample
+        usable = len(samples) - len(samples) % self.images_per_sample
+        return [self.collate(samples[i : min(i + n, usable)]) for i in range(0, usable, n)]
+
+    def tokens_per_batch(self, batch_size: int) -> int:
+        return batch_size * self.seq_len
+
+
+def decode(ids) -> str:
+    """Text of byte ids (EOS as newline, image placeholders and other ids left out)."""
+    out = bytearray()
+    for i in (int(t) for t in ids):
+        if i < 256:
+            out.append(i)
+        elif i == BYTE_EOS:
+            out += b"\n"
+    return out.decode("utf-8", errors="replace")

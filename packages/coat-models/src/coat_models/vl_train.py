@@ -1,0 +1,305 @@
+"""Vision-language training for coat-train: ``train_vlm`` trains a LLaVA preset on the embedded
+shapes-caption task (``vl_data``) in one precision mode and returns the summary that
+``coat_models.train.Trainer.fit`` returns, with the same ``metrics.jsonl`` records, so the
+CLI's compare table, memory breakdown and loss plot work unchanged.
+
+Modes as in ``train.py``: ``bf16`` (autocast + torch AdamW, fp32 master weights), ``coat``
+(``apply_coat_vlm`` + ``create_optimizer``), ``coat-act``, ``coat-optim``; everything runs
+under bf16 autocast. Checkpoints and ``--resume`` are not supported here yet.
+
+>>> summary = train_vlm("llava-tiny", vl_train_config("llava-tiny", "coat", steps=50))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from .train import (
+    MASTER_DTYPES,
+    MODES,
+    TRAIN_LOSS_WINDOW,
+    MemoryTracker,
+    Progress,
+    TrainConfig,
+    TrainError,
+    decay_groups,
+    device_peak_bytes,
+    fmt_bytes,
+    lr_factor,
+    memory_report,
+)
+from .vila import _llava_parts, apply_coat_vlm, llava_tiny_config, vila7b_config
+from .vl_data import IGNORE_INDEX, MAX_CAPTION_BYTES, ShapesCaptions, num_image_tokens
+
+
+@dataclass(frozen=True)
+class VLPreset:
+    """A LLaVA shape, how it is trained, and the training defaults that suit it (the field
+    names of ``presets.Preset`` that the CLI reads, so its option handling applies as is)."""
+
+    config: object  # () -> LlavaConfig
+    images_per_sample: int
+    freeze_vision: bool  # VILA stage 3: the tower is frozen, projector + LM train
+    vision_fp8: bool  # FP8 activations in the tower too (coat, coat-act)
+    batch_size: int
+    seq_len: int  # padded length; must fit images_per_sample images and captions
+    steps: int
+    lr: float
+    warmup: int
+    eval_every: int
+    eval_batches: int
+
+
+def _min_seq_len(config, images: int) -> int:
+    return 1 + images * (num_image_tokens(config) + MAX_CAPTION_BYTES + 1)
+
+
+VL_PRESETS = {
+    # 0.16 M params, 16 image tokens + caption = 55 tokens: trains end to end (tower included)
+    # on CPU in seconds; learns the captions' template in ~30 steps, the images in ~300.
+    "llava-tiny": VLPreset(llava_tiny_config, 1, False, True,
+                           32, _min_seq_len(llava_tiny_config(), 1), 300, 3e-3, 20, 50, 4),
+    # VILA1.5-7B shapes (7.17 B params), stage-3 SFT: tower frozen; 2 images of 729 tokens
+    # and their captions in 2048 tokens.
+    "vila-7b": VLPreset(vila7b_config, 2, True, False, 1, 2048, 200, 2e-5, 20, 50, 2),
+}  # fmt: skip
+
+
+def vl_train_config(preset: str, mode: str = "bf16", **overrides) -> TrainConfig:
+    """``TrainConfig`` with ``preset``'s training defaults, ``overrides`` (field=value) on top."""
+    p = _preset(preset)
+    names = ("batch_size", "seq_len", "steps", "lr", "warmup", "eval_every", "eval_batches")
+    fields = {k: getattr(p, k) for k in names}
+    return TrainConfig(mode=mode, **{**fields, **overrides})
+
+
+def _preset(name: str) -> VLPreset:
+    if name not in VL_PRESETS:
+        raise ValueError(
+            f"unknown vision-language preset {name!r}: choose one of {', '.join(VL_PRESETS)}"
+        )
+    return VL_PRESETS[name]
+
+
+def vl_param_count(preset: str) -> int:
+    """Parameters of ``preset`` (counted on the meta device: nothing allocated)."""
+    from transformers import LlavaForConditionalGeneration
+
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(_preset(preset).config())
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_vlm(config, *, device, master_dtype: torch.dtype = torch.float32, seed: int = 0):
+    """``LlavaForConditionalGeneration(config)``, random init seeded with ``seed`` in fp32 on
+    ``device`` (the same weights for every mode), then cast to ``master_dtype``."""
+    from transformers import LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlavaForConditionalGeneration(config)
+    return model.to(master_dtype).train()
+
+
+def prepare_vlm(
+    model,
+    mode: str,
+    *,
+    lr: float,
+    weight_decay: float = 0.1,
+    betas=(0.9, 0.95),
+    vision: bool = False,
+    freeze_vision: bool = False,
+):
+    """(model, optimizer) for ``mode``: ``apply_coat_vlm`` for FP8 activations,
+    ``create_optimizer`` (CoatAdamW) for FP8 optimizer states, else bf16 autocast's plain
+    modules and torch AdamW (fused on CUDA). A frozen tower gets no optimizer state."""
+    fp8_act, fp8_opt = MODES[mode]
+    if fp8_act:
+        apply_coat_vlm(model, vision=vision, freeze_vision=freeze_vision)
+    elif freeze_vision:
+        _llava_parts(model).vision_tower.requires_grad_(False)
+    if fp8_opt:
+        from .optim import create_optimizer
+
+        return model, create_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas)
+    groups = decay_groups(model, weight_decay)
+    fused = next(model.parameters()).is_cuda  # the baseline users run on GPUs
+    return model, torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+
+
+def vlm_loss(model, batch: dict, device) -> torch.Tensor:
+    """Mean caption-token loss of one batch under bf16 autocast."""
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        return model(**batch).loss
+
+
+@torch.no_grad()
+def evaluate_vlm(model, batches: list[dict], device) -> tuple[float, float]:
+    """(mean loss, caption accuracy) over ``batches`` on the plain path (``model.eval()``).
+
+    Caption accuracy: the share of captions whose every token (caption bytes and the closing
+    EOS) is the argmax prediction under teacher forcing, i.e. size, colour, shape and
+    position all read off the image. Chance is 1/72.
+    """
+    was_training = model.training
+    model.eval()
+    loss_sum = tokens = right = captions = 0
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = model(**batch)
+        labels = batch["labels"][:, 1:]
+        mask = labels != IGNORE_INDEX
+        n = int(mask.sum())
+        loss_sum += float(out.loss) * n
+        tokens += n
+        hit = out.logits[:, :-1].argmax(-1) == labels
+        # A caption is a run of labelled positions (bytes and EOS); unlabelled ones (image
+        # tokens, padding) separate runs, so a cumulative count of them numbers the captions.
+        run = torch.cumsum((~mask).long(), dim=1)
+        run = (run + torch.arange(len(run), device=device)[:, None] * (run.shape[1] + 1))[mask]
+        misses = torch.zeros(int(run.max()) + 1, dtype=torch.long, device=device)
+        misses.index_add_(0, run, (~hit[mask]).long())
+        runs = run.unique()
+        right += int((misses[runs] == 0).sum())
+        captions += runs.numel()
+    model.train(was_training)
+    return loss_sum / tokens, right / captions
+
+
+def train_vlm(
+    preset: str = "llava-tiny",
+    cfg: TrainConfig | None = None,
+    *,
+    device: torch.device | str | None = None,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    vision: bool | None = None,
+    freeze_vision: bool | None = None,
+) -> dict:
+    """Train ``preset`` (``VL_PRESETS``) with ``cfg`` (default ``vl_train_config(preset)``).
+
+    ``vision`` / ``freeze_vision`` default to the preset's (FP8 activations in the tower; a
+    frozen tower). Writes ``out_dir/metrics.jsonl`` when ``out_dir`` is given (``train``
+    records per step, ``eval`` records with ``val_loss`` and ``val_caption_acc``). Returns
+    ``Trainer.summary()``'s dict plus ``preset``, ``val_caption_acc``, ``vision_fp8``,
+    ``freeze_vision``, ``seq_len`` and ``losses`` (every step's training loss).
+    Raises ``TrainError`` for settings it cannot run (checkpoints, a too short ``seq_len``,
+    a non-finite loss).
+    """
+    p = _preset(preset)
+    cfg = cfg or vl_train_config(preset)
+    if cfg.save_every:
+        raise TrainError("checkpoints (--save-every/--resume) are not supported for "
+                         "vision-language presets yet: use --save-every 0")  # fmt: skip
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    vision = p.vision_fp8 if vision is None else vision
+    freeze_vision = p.freeze_vision if freeze_vision is None else freeze_vision
+    config = p.config()
+    try:
+        task = ShapesCaptions(config.vision_config.image_size, num_image_tokens(config),
+                              config.image_token_id, images_per_sample=p.images_per_sample,
+                              seq_len=cfg.seq_len, seed=cfg.seed)  # fmt: skip
+    except ValueError as e:
+        raise TrainError(f"preset {preset}: {e}") from None
+    model = build_vlm(config, device=device, master_dtype=MASTER_DTYPES[cfg.master_dtype],
+                      seed=cfg.seed)  # fmt: skip
+    model, optimizer = prepare_vlm(
+        model, cfg.mode, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
+        vision=vision, freeze_vision=freeze_vision,
+    )  # fmt: skip
+    schedule = partial(lr_factor, warmup=cfg.warmup, steps=cfg.steps, min_ratio=cfg.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    val = task.val_batches(cfg.batch_size)[: cfg.eval_batches]
+    tracker = MemoryTracker(model)
+    bar = Progress(cfg.mode, cfg.steps, enabled=progress)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    losses, timed_tokens, timed_time, val_loss, val_acc = [], 0, 0.0, None, None
+    with contextlib.ExitStack() as stack:
+        stack.callback(tracker.close)
+        log = None
+        if out_dir is not None:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            log = stack.enter_context(open(Path(out_dir) / "metrics.jsonl", "w"))
+        for step in range(1, cfg.steps + 1):
+            rec = _train_step(model, optimizer, scheduler, tracker, task, cfg, step, device)
+            losses.append(rec["loss"])
+            if step > 1:  # the first step warms up (kernels, caches, optimizer state)
+                timed_tokens += rec["tokens"]
+                timed_time += rec["step_time_s"]
+            _emit(log, cfg.mode, rec)
+            fields = {"loss": f"{rec['loss']:.4f}", "tok/s": f"{rec['tokens_per_s']:,.0f}",
+                      "mem": fmt_bytes(rec["mem_measured_peak"] or tracker.peak)}  # fmt: skip
+            if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                val_loss, val_acc = evaluate_vlm(model, val, device)
+                _emit(log, cfg.mode, {"type": "eval", "step": step, "val_loss": val_loss,
+                                      "val_caption_acc": val_acc})  # fmt: skip
+                fields["val"] = f"{val_loss:.4f}"
+                fields["caption acc"] = f"{val_acc:.2f}"
+            bar.update(step, fields)
+        memory = memory_report(tracker, device_peak_bytes(device), device)
+    window = losses[-TRAIN_LOSS_WINDOW:]
+    return {
+        "mode": cfg.mode,
+        "master_dtype": cfg.master_dtype,
+        "steps": cfg.steps,
+        "tokens_per_step": cfg.tokens_per_step,
+        "train_loss": sum(window) / len(window),
+        "train_loss_window": len(window),
+        "val_loss": val_loss,
+        "tokens_per_s": timed_tokens / timed_time if timed_time else None,
+        "params": sum(q.numel() for q in model.parameters()),
+        "memory": memory,
+        "preset": preset,
+        "val_caption_acc": val_acc,
+        "vision_fp8": vision and MODES[cfg.mode][0],
+        "freeze_vision": freeze_vision,
+        "seq_len": cfg.seq_len,
+        "losses": losses,
+    }
+
+
+def _train_step(model, optimizer, scheduler, tracker, task, cfg, step, device) -> dict:
+    """One optimizer step over ``cfg.grad_accum`` micro-batches; its ``train`` record."""
+    t0 = time.perf_counter()
+    loss_sum = torch.zeros((), device=device)
+    with tracker.saving():
+        for micro in range(cfg.grad_accum):
+            loss = vlm_loss(model, task.batch(step, cfg.batch_size, micro), device)
+            (loss / cfg.grad_accum).backward()
+            loss_sum += loss.detach().float()
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    trained = [q for q in model.parameters() if q.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(trained, max_norm)
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    tracker.after_optimizer_step(optimizer)
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    tracker.grads_dropped()
+    loss = (loss_sum / cfg.grad_accum).item()  # syncs: the step time below is real
+    dt = time.perf_counter() - t0
+    if not math.isfinite(loss):
+        raise TrainError(f"mode {cfg.mode}: the loss became {loss} at step {step}: "
+                         f"lower --lr (now {cfg.lr:g}) or raise --warmup")  # fmt: skip
+    return {"type": "train", "step": step, "loss": loss, "lr": float(lr),
+            "grad_norm": float(grad_norm), "tokens": cfg.tokens_per_step, "step_time_s": dt,
+            "tokens_per_s": cfg.tokens_per_step / dt, "mem_tracked_peak": tracker.peak,
+            "mem_measured_peak": device_peak_bytes(device)}  # fmt: skip
+
+
+def _emit(log, mode: str, record: dict) -> None:
+    if log is not None:
+        log.write(json.dumps({"mode": mode, **record}) + "\n")
+        log.flush()

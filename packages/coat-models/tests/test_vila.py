@@ -1,0 +1,396 @@
+"""apply_coat_vlm on a tiny LLaVA built in code (SigLIP-like tower, GELU projector, Llama LM):
+numerics against the unconverted model, 50 training steps against BF16, checkpoints both
+ways, eval/generate, revert, freezing the tower, the error for other models; the generated
+shapes-caption task and ``train_vlm``. CPU only."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers import LlavaForConditionalGeneration
+
+from coat_models.optim import param_groups
+from coat_models.vila import (
+    apply_coat_vlm,
+    is_coat_vlm,
+    llava_tiny_config,
+    revert_coat_vlm,
+    vila7b_config,
+)
+from coat_models.vl_data import (
+    CAPTIONS,
+    IGNORE_INDEX,
+    IMAGE_TOKEN_ID,
+    ShapesCaptions,
+    decode,
+    num_image_tokens,
+    sample,
+)
+from coat_models.vl_train import evaluate_vlm, train_vlm, vl_train_config
+
+STEPS = 50
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tiny model's matrices are ~100 x 100: one thread is fastest, and spares the
+    OpenMP spin-wait that makes 2 threads 50x slower on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_llava(seed: int = 0) -> LlavaForConditionalGeneration:
+    torch.manual_seed(seed)
+    return LlavaForConditionalGeneration(llava_tiny_config()).train()
+
+
+def shapes_batch(batch: int = 8, seed: int = 1) -> dict[str, torch.Tensor]:
+    config = llava_tiny_config()
+    task = ShapesCaptions(32, num_image_tokens(config), config.image_token_id, seed=seed)
+    return task.batch(0, batch)
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``x`` against ``ref`` in dB."""
+    ref, x = ref.double(), x.double()
+    return 10 * math.log10(ref.pow(2).sum().item() / (ref - x).pow(2).sum().item())
+
+
+def logits_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), grads
+
+
+def module_types(model) -> dict[str, type]:
+    return {name: type(m) for name, m in model.named_modules()}
+
+
+# SQNR floors (dB), fp32 model, one shapes batch (8 x 55 tokens), measured with seeds 0-7
+# (the interim FP8 ops of coat_models.fp8ops in the LM, fp8_activations elsewhere). One E4M3
+# rounding costs ~31 dB, one E5M2 ~25 dB; errors of the ~7 roundings per LM layer add up.
+# - logits: measured 20.3-27.0 dB.
+# - LM, head and projector gradients: measured >= 16.8 dB (E5M2 output gradients in every
+#   FP8 GEMM, plus the error carried back through the later layers).
+# - vision-tower gradients: the tower's input gradient arrives through all of the above
+#   (even with the tower unconverted): measured >= 15.0 dB.
+# - tower q/k projections: the softmax backward subtracts each row's mean
+#   (dS = P * (dP - rowsum(P * dP))) and at init the attention is near uniform, so dS is a
+#   small difference of large terms and the relative error of dP grows: measured >= 10.1 dB.
+# - the tower's k_proj.bias has an exact gradient of zero (softmax ignores a shift shared by
+#   all keys): its reference gradient is rounding noise, no SQNR is defined.
+# Floors sit ~3 dB under the worst measured value.
+LOGITS_FLOOR_DB = 17.0
+GRAD_FLOOR_DB = {"lm": 13.5, "tower": 12.0, "tower_qk": 7.0}
+
+
+def _grad_group(name: str) -> str | None:
+    if "vision_tower" not in name:
+        return "lm"
+    if "k_proj.bias" in name:
+        return None
+    return "tower_qk" if ".q_proj." in name or ".k_proj." in name else "tower"
+
+
+@pytest.mark.parametrize("vision", [False, True], ids=["lm-projector", "lm-projector-tower"])
+def test_logits_and_every_gradient_match_unconverted(vision):
+    ref = tiny_llava()
+    model = apply_coat_vlm(copy.deepcopy(ref), vision=vision).train()
+    batch = shapes_batch()
+    want_logits, want_grads = logits_and_grads(ref, batch)
+    got_logits, got_grads = logits_and_grads(model, batch)
+    assert not torch.equal(got_logits, want_logits)  # the FP8 path did run
+    assert sqnr(want_logits, got_logits) >= LOGITS_FLOOR_DB
+    # Same parameters get gradients (the unused post_layernorm gets none in either).
+    assert want_grads.keys() == got_grads.keys()
+    assert "model.vision_tower.post_layernorm.weight" not in want_grads
+    for name, want in want_grads.items():
+        group = _grad_group(name)
+        if group is not None:
+            assert sqnr(want, got_grads[name]) >= GRAD_FLOOR_DB[group], name
+
+
+def test_conversion_covers_tower_and_projector():
+    from fp8_activations import FP8GELU, FP8LayerNorm, FP8Linear
+
+    model = apply_coat_vlm(tiny_llava(), vision=True)
+    tower, projector = model.model.vision_tower, model.model.multi_modal_projector
+    assert isinstance(projector.linear_1, FP8Linear) and isinstance(projector.act, FP8GELU)
+    layer = tower.encoder.layers[0]
+    assert isinstance(layer.self_attn.q_proj, FP8Linear) and isinstance(layer.mlp.fc1, FP8Linear)
+    assert isinstance(layer.layer_norm1, FP8LayerNorm)
+    # SigLIP's GELU is the tanh approximation; the projector's the exact one.
+    assert layer.mlp.activation_fn.approximate == "tanh" and projector.act.approximate == "none"
+    assert not isinstance(apply_coat_vlm(tiny_llava()).model.vision_tower.encoder.layers[0].mlp.fc1,
+                          FP8Linear)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ training
+# Half the preset's lr: at 3e-3 and batch 8, BF16 itself has one-step loss spikes (seed 0,
+# step 9: +0.44 nats, gone the next step) that no per-step comparison can follow.
+TRAIN = dict(steps=STEPS, batch_size=8, warmup=10, lr=1.5e-3)
+
+
+def _run(mode: str) -> dict:
+    cfg = vl_train_config("llava-tiny", mode, **TRAIN)
+    return train_vlm("llava-tiny", cfg, device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bf16")
+    cfg = vl_train_config("llava-tiny", "bf16", **TRAIN, eval_every=25)
+    summary = train_vlm("llava-tiny", cfg, device="cpu", out_dir=out, progress=False)
+    return summary, out
+
+
+# Per-step tolerance against BF16 (bf16 autocast + torch AdamW, same data and init):
+# |loss - loss_bf16| <= 0.02 + 2% of loss_bf16. Measured worst over seeds 0-3: coat-act
+# 0.0183 nats (0.56%, step 23 of seed 0, where 0.085 was allowed); the FP8 error is a few
+# percent of each update (the SQNR floors above) and compounds slowly. The margin leaves room
+# for CoatAdamW's FP8 moments in mode coat. A broken backward (a missing gradient, a wrong
+# scale) stays near the initial 5.8 while BF16 falls to ~2.4: far outside.
+TOL_ABS, TOL_REL = 0.02, 0.02
+
+
+@pytest.mark.parametrize("mode", ["coat-act", "coat"])
+def test_50_steps_track_bf16_at_every_step(bf16_run, mode):
+    if mode == "coat":
+        try:
+            from fp8_optim import CoatAdamW  # noqa: F401
+        except ImportError:
+            pytest.skip("fp8_optim.CoatAdamW is not available yet (create_optimizer needs it)")
+    want = bf16_run[0]["losses"]
+    got = _run(mode)["losses"]
+    assert len(got) == len(want) == STEPS
+    for step, (w, g) in enumerate(zip(want, got, strict=True), 1):
+        assert abs(g - w) <= TOL_ABS + TOL_REL * w, f"step {step}: {mode} {g:.4f} vs bf16 {w:.4f}"
+
+
+def test_train_vlm_learns_and_writes_the_cli_records(bf16_run):
+    summary, out = bf16_run
+    losses = summary["losses"]
+    # The template is learnt first: from ~ln(320) = 5.8 to under a third of it in 50 steps.
+    assert losses[0] > 5.0 and sum(losses[-5:]) / 5 < losses[0] / 3
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["type"] == "train"]
+    evals = [r for r in records if r["type"] == "eval"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in evals] == [25, 50] and evals[-1]["val_loss"] == summary["val_loss"]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "mem_tracked_peak"} <= train[0].keys()
+    assert 0 <= summary["val_caption_acc"] <= 1 and summary["tokens_per_s"] > 0
+    # Same summary shape as coat_models.train.Trainer: the CLI's table takes it as is.
+    from coat_models.cli import format_table
+
+    assert "val loss" in format_table([summary, summary])
+
+
+# ---------------------------------------------------------------------- state dict, eval
+def test_state_dict_names_unchanged_and_loads_both_ways():
+    ref = tiny_llava(seed=3)
+    model = apply_coat_vlm(copy.deepcopy(ref), vision=True)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    want, got = ref.state_dict(), model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    # A plain state dict into a converted model, and a converted one into a plain model.
+    other = apply_coat_vlm(tiny_llava(seed=4), vision=True)
+    other.load_state_dict(ref.state_dict(), strict=True)
+    plain = tiny_llava(seed=5)
+    plain.load_state_dict(model.state_dict(), strict=True)
+    for m in (other, plain):
+        assert all(torch.equal(want[k], v) for k, v in m.state_dict().items())
+
+
+def test_save_pretrained_round_trips_both_ways(tmp_path):
+    model = apply_coat_vlm(tiny_llava(seed=6), vision=True)
+    model.save_pretrained(tmp_path / "coat")
+    loaded = LlavaForConditionalGeneration.from_pretrained(tmp_path / "coat")
+    assert loaded.config.architectures == ["LlavaForConditionalGeneration"]
+    assert not is_coat_vlm(loaded)
+    want = model.state_dict()
+    assert all(torch.equal(want[k], v) for k, v in loaded.state_dict().items())
+    plain = tiny_llava(seed=7)
+    plain.save_pretrained(tmp_path / "plain")
+    converted = apply_coat_vlm(LlavaForConditionalGeneration.from_pretrained(tmp_path / "plain"))
+    want = plain.state_dict()
+    assert all(torch.equal(want[k], v) for k, v in converted.state_dict().items())
+
+
+def test_eval_and_generate_are_the_original_model():
+    ref = tiny_llava().eval()
+    model = apply_coat_vlm(copy.deepcopy(ref), vision=True).eval()
+    batch = shapes_batch(batch=2)
+    assert torch.equal(model(**batch).logits, ref(**batch).logits)
+    prompt = {"input_ids": batch["input_ids"][:, :20], "pixel_values": batch["pixel_values"]}
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(**prompt, **kw), ref.generate(**prompt, **kw))
+
+
+def test_revert_restores_modules_and_numerics():
+    ref = tiny_llava()
+    model = copy.deepcopy(ref)
+    types = module_types(model)
+    apply_coat_vlm(model, vision=True, freeze_vision=True)
+    assert is_coat_vlm(model) and module_types(model) != types
+    assert revert_coat_vlm(model) is model
+    assert module_types(model) == types and not is_coat_vlm(model)
+    assert all(p.requires_grad for p in model.parameters())
+    batch = shapes_batch()
+    want_logits, want_grads = logits_and_grads(ref, batch)
+    got_logits, got_grads = logits_and_grads(model, batch)
+    assert torch.equal(got_logits, want_logits)
+    assert want_grads.keys() == got_grads.keys()
+    assert all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+    assert revert_coat_vlm(model) is model  # reverting a plain model does nothing
+
+
+def test_converting_twice_reverts_first():
+    ref = tiny_llava()
+    types = module_types(ref)
+    model = apply_coat_vlm(copy.deepcopy(ref), vision=True, freeze_vision=True)
+    apply_coat_vlm(model)  # new flags: tower plain and trainable again
+    assert all(p.requires_grad for p in model.model.vision_tower.parameters())
+    assert module_types(model.model.vision_tower) == module_types(ref.model.vision_tower)
+    revert_coat_vlm(model)
+    assert module_types(model) == types
+
+
+def test_freeze_vision():
+    model = apply_coat_vlm(tiny_llava(), vision=True, freeze_vision=True)
+    tower = model.model.vision_tower
+    assert not any(p.requires_grad for p in tower.parameters())
+    _, grads = logits_and_grads(model, shapes_batch())
+    assert not any(n.startswith("model.vision_tower.") for n in grads)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == set(grads)  # projector, LM and head all get gradients
+    in_optimizer = {id(p) for g in param_groups(model, 0.1) for p in g["params"]}
+    assert not any(id(p) in in_optimizer for p in tower.parameters())
+    # Parameters frozen before the conversion stay frozen after revert.
+    model = tiny_llava()
+    model.model.vision_tower.embeddings.patch_embedding.weight.requires_grad_(False)
+    revert_coat_vlm(apply_coat_vlm(model, freeze_vision=True))
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == ["model.vision_tower.embeddings.patch_embedding.weight"]
+
+
+def test_non_llava_models_get_a_clear_error():
+    llama = transformers.LlamaForCausalLM(llava_tiny_config().text_config)
+    with pytest.raises(TypeError, match=r"supports LLaVA-style.*use coat_models.apply_coat"):
+        apply_coat_vlm(llama)
+    with pytest.raises(TypeError, match="supports LLaVA-style"):
+        apply_coat_vlm(torch.nn.Linear(16, 16))
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        apply_coat_vlm("llava")
+    # A LLaVA whose language model is not Llama-shaped: apply_coat's reason, nothing changed.
+    config = llava_tiny_config()
+    config.text_config = transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=1, n_head=4)
+    gpt2_llava = LlavaForConditionalGeneration(config)
+    types = module_types(gpt2_llava)
+    with pytest.raises(TypeError, match="language model is not supported.*Llama-shaped"):
+        apply_coat_vlm(gpt2_llava)
+    assert module_types(gpt2_llava) == types and not is_coat_vlm(gpt2_llava)
+
+
+# ------------------------------------------------------------------------------- configs
+def test_configs():
+    tiny = llava_tiny_config()
+    assert num_image_tokens(tiny) == tiny.image_seq_length == 16
+    assert tiny.image_token_id == IMAGE_TOKEN_ID < tiny.text_config.vocab_size == 320
+    vila = vila7b_config()
+    v, t = vila.vision_config, vila.text_config
+    assert (v.hidden_size, v.num_hidden_layers, v.num_attention_heads, v.intermediate_size,
+            v.patch_size, v.image_size) == (1152, 27, 16, 4304, 14, 384)  # fmt: skip
+    assert (t.hidden_size, t.num_hidden_layers, t.intermediate_size) == (4096, 32, 11008)
+    assert vila.image_seq_length == 729 and vila.vision_feature_layer == -2
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(vila)
+    assert sum(p.numel() for p in model.parameters()) == 7_173_431_152
+    clip = llava_tiny_config()
+    clip.vision_config = transformers.CLIPVisionConfig(image_size=32, patch_size=8)
+    clip.vision_feature_select_strategy = "default"  # drops CLIP's class token
+    assert num_image_tokens(clip) == 16
+    with pytest.raises(ValueError, match="multiple of 16"):
+        llava_tiny_config(hidden=40)
+
+
+# ----------------------------------------------------------------------------------- data
+def test_task_is_deterministic_and_split():
+    a, b = ShapesCaptions(32, 16, seed=0), ShapesCaptions(32, 16, seed=0)
+    for key, value in a.batch(3, 4).items():
+        assert torch.equal(value, b.batch(3, 4)[key])
+    assert not torch.equal(a.batch(3, 4)["pixel_values"], a.batch(4, 4)["pixel_values"])
+    assert not torch.equal(a.batch(3, 4)["pixel_values"], a.batch(3, 4, micro=1)["pixel_values"])
+    assert not torch.equal(a.batch(0, 4)["pixel_values"], ShapesCaptions(32, 16, seed=1).batch(0, 4)["pixel_values"])
+    train = {sample(0, "train", i, 32).image.tobytes() for i in range(200)}
+    assert not any(sample(0, "val", i, 32).image.tobytes() in train for i in range(200))
+    val = a.val_batches(batch_size=100)
+    assert [len(v["input_ids"]) for v in val] == [100, 100, 56]
+    assert torch.equal(val[0]["input_ids"], a.val_batches(batch_size=100)[0]["input_ids"])
+
+
+def test_sequence_layout_and_labels():
+    task = ShapesCaptions(32, 16, images_per_sample=2, seq_len=120)
+    b = task.batch(0, 3)
+    ids, labels, pixels = b["input_ids"], b["labels"], b["pixel_values"]
+    assert ids.shape == labels.shape == (3, 120) and pixels.shape == (6, 3, 32, 32)
+    assert pixels.dtype == torch.float32 and -1 <= pixels.min() < pixels.max() <= 1
+    assert ((ids == IMAGE_TOKEN_ID).sum(1) == 32).all()
+    # Loss only on caption bytes and the EOS closing each caption, in order.
+    texts = [decode(row[row != IGNORE_INDEX]) for row in labels]
+    for i, text in enumerate(texts):
+        captions = text.splitlines()
+        assert captions == [sample(0, "train", 2 * i + j, 32).caption for j in range(2)]
+        assert all(c in CAPTIONS for c in captions)
+    assert (labels[ids == IMAGE_TOKEN_ID] == IGNORE_INDEX).all()
+    with pytest.raises(ValueError, match="seq_len 50 is too short"):
+        ShapesCaptions(32, 16, seq_len=50)
+    with pytest.raises(ValueError, match="collides"):
+        ShapesCaptions(32, 16, image_token_id=65)
+
+
+def test_rendering():
+    s = sample(0, "train", 0, 64)
+    assert s.image.shape == (64, 64, 3) and s.image.dtype == np.uint8
+    assert len(CAPTIONS) == len(set(CAPTIONS)) == 72
+    # The shape's colour is in the image, on the side the caption says.
+    red = [sample(0, "train", i, 64) for i in range(60)]
+    red = [r for r in red if " red " in r.caption and "large" in r.caption][0]
+    mask = (red.image[..., 0] > 150) & (red.image[..., 1] < 120)
+    x = np.nonzero(mask)[1].mean() / 64
+    side = {"on the left": x < 0.4, "in the middle": 0.35 < x < 0.65, "on the right": x > 0.6}
+    assert side[red.caption.split(" ", 4)[-1]]
+
+
+def test_caption_accuracy_counts_whole_captions():
+    class Oracle(torch.nn.Module):
+        """Predicts every label exactly, except where told to be wrong."""
+
+        def __init__(self, wrong=()):
+            super().__init__()
+            self.wrong = wrong
+
+        def forward(self, input_ids, labels, pixel_values):
+            logits = torch.zeros(*labels.shape, 320)
+            nxt = labels[:, 1:].clamp(min=0)
+            logits[:, :-1].scatter_(2, nxt[..., None], 1.0)
+            for row, col in self.wrong:
+                logits[row, col] = 0
+                logits[row, col, 0] = 1.0
+            return transformers.modeling_outputs.CausalLMOutput(loss=torch.tensor(0.0), logits=logits)
+
+    task = ShapesCaptions(32, 16, images_per_sample=2)
+    batches = [task.batch(0, 2)]
+    assert evaluate_vlm(Oracle(), batches, torch.device("cpu"))[1] == 1.0
+    # One wrong byte in the first caption of row 0: 3 of 4 captions right.
+    first = int((batches[0]["labels"][0] != IGNORE_INDEX).nonzero()[0]) - 1
+    assert evaluate_vlm(Oracle([(0, first + 2)]), batches, torch.device("cpu"))[1] == 0.75

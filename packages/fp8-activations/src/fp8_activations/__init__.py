@@ -1,0 +1,31 @@
+"""fp8_activations: autograd ops and modules that keep activations saved for backward in FP8
+(COAT's mixed-granularity activation quantization and FP8 precision flow)."""
+
+from .config import FP8Config
+from .convert import convert_to_fp8_activations, revert_fp8_activations
+from .functional import fp8_linear, gelu, layer_norm, residual_add, rms_norm, silu, swiglu
+from .modules import FP8GELU, FP8LayerNorm, FP8Linear, FP8RMSNorm, FP8SiLU
+from .tensor import FP8Tensor, Granularity, handed_over
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FP8GELU",
+    "FP8Config",
+    "FP8LayerNorm",
+    "FP8Linear",
+    "FP8RMSNorm",
+    "FP8SiLU",
+    "FP8Tensor",
+    "Granularity",
+    "convert_to_fp8_activations",
+    "fp8_linear",
+    "gelu",
+    "handed_over",
+    "layer_norm",
+    "residual_add",
+    "revert_fp8_activations",
+    "rms_norm",
+    "silu",
+    "swiglu",
+]

@@ -1,0 +1,65 @@
+"""FP8Config: how the FP8 ops quantize, which kernels they run, and what they hand over."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fp8_quant import FP8Format
+
+_BACKENDS = ("auto", "reference", "triton")
+_GEMMS = ("auto", "scaled_mm", "emulated")
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Config:
+    """Settings shared by every op and module of ``fp8_activations``.
+
+    Attributes:
+        group_size: elements per scale when a non-linear op saves its input (1 x G groups
+            along the last dim). Must be a power of two; 16 is the paper's choice.
+        fwd_format: format of saved activations and of GEMM operands in forward (E4M3).
+        grad_format: format of the output gradient fed to the backward GEMMs (E5M2).
+        weight_cache: cast each weight to FP8 once per weight version (``weight._version``,
+            bumped by the optimizer's in-place update) and keep the copy (1 byte/param per
+            layout, two layouts). ``False`` re-casts on the fly in forward and again in
+            backward: less memory, one more pass over the weight per use.
+        backend: quantize/element-wise kernels: ``"triton"`` (CUDA, or CPU under
+            ``TRITON_INTERPRET=1``), ``"reference"`` (plain PyTorch) or ``"auto"``
+            (triton for CUDA tensors, reference otherwise).
+        gemm: FP8 GEMMs: ``"scaled_mm"`` (``torch._scaled_mm``), ``"emulated"`` (dequantize and
+            multiply in fp32: same function, any device) or ``"auto"`` (scaled_mm on CUDA
+            GPUs with FP8 tensor cores, compute capability >= 8.9; emulated elsewhere).
+        precision_flow: let an op hand its output's FP8 form (or its per-group maxima) to the
+            next FP8 op, which then skips its own quantization pass. Results are bit-identical
+            either way; ``False`` only costs time.
+    """
+
+    group_size: int = 16
+    fwd_format: FP8Format = FP8Format.E4M3
+    grad_format: FP8Format = FP8Format.E5M2
+    weight_cache: bool = True
+    backend: str = "auto"
+    gemm: str = "auto"
+    precision_flow: bool = True
+
+    def __post_init__(self):
+        g = self.group_size
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g & (g - 1):
+            raise ValueError(f"group_size must be a positive power of two (e.g. 16), got {g!r}")
+        # Accept "e4m3"/"e5m2" strings for convenience, store the enum.
+        object.__setattr__(self, "fwd_format", FP8Format.parse(self.fwd_format))
+        object.__setattr__(self, "grad_format", FP8Format.parse(self.grad_format))
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.gemm not in _GEMMS:
+            raise ValueError(f"gemm must be one of {_GEMMS}, got {self.gemm!r}")
+        for name in ("weight_cache", "precision_flow"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def replace(self, **changes) -> FP8Config:
+        """A copy with some fields changed: ``cfg.replace(backend="reference")``."""
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_CONFIG = FP8Config()

@@ -1,0 +1,111 @@
+"""Swap a model's modules for their FP8 twins in place, and back.
+
+Converted: ``nn.Linear`` (both dims multiples of 16, what FP8 GEMMs take; others stay in
+high precision), ``nn.LayerNorm`` and ``nn.RMSNorm`` over the last dim, Hugging Face
+``*RMSNorm`` classes that compute ``weight * x / sqrt(mean(x^2) + eps)`` (checked on a
+probe input, so Gemma's ``(1 + weight)`` variant is left alone), ``nn.SiLU`` and ``nn.GELU``.
+Subclasses that override ``forward`` (LoRA layers, say) are left alone. Parameter names do
+not change, so state dicts load into either form.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .config import FP8Config
+from .functional import _config
+from .modules import FP8GELU, FP8LayerNorm, FP8Linear, FP8RMSNorm, FP8SiLU, _FP8Module
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+def _plain(m: nn.Module, cls: type) -> bool:
+    """``m`` is a ``cls`` whose forward is ``cls``'s own (not overridden)."""
+    return isinstance(m, cls) and type(m).forward is cls.forward
+
+
+def _hf_rms_norm_ok(m: nn.Module) -> bool:
+    w = getattr(m, "weight", None)
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    if not (isinstance(w, nn.Parameter) and w.dim() == 1 and isinstance(eps, float)):
+        return False
+    if w.is_meta or next(m.children(), None) is not None:
+        return w.is_meta
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    x = torch.randn(4, w.shape[0], generator=gen, device=w.device).to(w.dtype)
+    with torch.no_grad():
+        got = m(x).float()
+        want = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * w.float()
+    if torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+        return True
+    warnings.warn(
+        f"{type(m).__name__} does not compute weight * x / rms(x); left in high precision",
+        stacklevel=3,
+    )
+    return False
+
+
+def _fp8_twin(m: nn.Module, config: FP8Config) -> nn.Module | None:
+    if _plain(m, nn.Linear):
+        if m.in_features % 16 or m.out_features % 16:
+            return None  # FP8 GEMMs need multiples of 16
+        return FP8Linear.from_float(m, config)
+    if _plain(m, nn.LayerNorm):
+        return FP8LayerNorm.from_float(m, config) if len(m.normalized_shape) == 1 else None
+    if _plain(m, nn.RMSNorm):
+        return FP8RMSNorm.from_float(m, config) if len(m.normalized_shape) == 1 else None
+    if type(m).__name__.endswith("RMSNorm") and _hf_rms_norm_ok(m):
+        return FP8RMSNorm.from_float(m, config)
+    if _plain(m, nn.SiLU):
+        return FP8SiLU.from_float(m, config)
+    if _plain(m, nn.GELU):
+        return FP8GELU.from_float(m, config)
+    return None
+
+
+def _swap(module: nn.Module, fqn: str, fn: Callable[[nn.Module, str], nn.Module | None]):
+    new = fn(module, fqn)
+    if new is not None:
+        return new
+    for name, child in list(module.named_children()):
+        new_child = _swap(child, f"{fqn}.{name}" if fqn else name, fn)
+        if new_child is not child:
+            setattr(module, name, new_child)
+    return module
+
+
+def convert_to_fp8_activations(
+    model: nn.Module, module_filter_fn: FilterFn | None = None, config: FP8Config | None = None
+) -> nn.Module:
+    """Replace supported modules of ``model`` by FP8 modules, in place; returns the model
+    (a new object only when ``model`` itself is a supported module).
+
+    ``module_filter_fn(module, fqn) -> bool``: convert only where it returns True, e.g.
+    ``lambda m, fqn: "lm_head" not in fqn``.
+
+    >>> model = convert_to_fp8_activations(nn.Sequential(nn.Linear(64, 64), nn.GELU()))
+    """
+    config = _config(config)
+
+    def fn(m, fqn):
+        if isinstance(m, _FP8Module) or (module_filter_fn and not module_filter_fn(m, fqn)):
+            return None
+        return _fp8_twin(m, config)
+
+    return _swap(model, "", fn)
+
+
+def revert_fp8_activations(model: nn.Module, module_filter_fn: FilterFn | None = None) -> nn.Module:
+    """Inverse of ``convert_to_fp8_activations``: FP8 modules back to the originals (sharing
+    the current Parameters), in place."""
+
+    def fn(m, fqn):
+        if not isinstance(m, _FP8Module) or (module_filter_fn and not module_filter_fn(m, fqn)):
+            return None
+        return m.to_float()
+
+    return _swap(model, "", fn)

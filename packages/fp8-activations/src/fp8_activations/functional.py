@@ -1,0 +1,289 @@
+"""Public functional ops: validate at the boundary, reshape to rows, run the autograd op,
+and hand the output's FP8 form (or group maxima) to the next op (see ``tensor.py``).
+
+Every op takes and returns ordinary tensors of the input's dtype, so autograd composes
+with anything. What is saved for backward is FP8: 1 x G E4M3 groups for non-linear ops,
+the per-tensor E4M3 transposed input for the linear.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import DEFAULT_CONFIG, FP8Config
+from .ops import (
+    FP8LinearFunction,
+    GELUFunction,
+    LayerNormFunction,
+    ResidualAddFunction,
+    RMSNormFunction,
+    SiLUFunction,
+    SwiGLUFunction,
+)
+from .ops.linear import use_scaled_mm, weight_fp8
+from .tensor import FP8Tensor, Granularity, attach, take_fp8, take_group_amax
+
+Tensor = torch.Tensor
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------------- validation
+def _config(config: FP8Config | None) -> FP8Config:
+    if config is None:
+        return DEFAULT_CONFIG
+    if not isinstance(config, FP8Config):
+        raise TypeError(f"config must be an FP8Config or None, got {type(config).__name__}")
+    return config
+
+
+def _check_float(x, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(
+            f"{name} must be bfloat16, float16, float32 or float64, got {x.dtype}"
+            + (
+                "; pass the high-precision tensor (FP8Tensor.dequantize())"
+                if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+                else ""
+            )  # fmt: skip
+        )
+
+
+def _check_like(x: Tensor, other: Tensor, name: str, other_name: str) -> None:
+    """``other`` must match ``x`` in shape, dtype and device (no broadcasting)."""
+    _check_float(other, other_name)
+    if other.shape != x.shape:
+        raise ValueError(
+            f"{other_name} shape {tuple(other.shape)} != {name} shape {tuple(x.shape)}"
+        )
+    if other.dtype != x.dtype:
+        raise TypeError(f"{other_name} dtype {other.dtype} != {name} dtype {x.dtype}: cast one")
+    if other.device != x.device:
+        raise ValueError(f"{other_name} is on {other.device} but {name} on {x.device}")
+
+
+def _check_param(p: Tensor | None, x: Tensor, name: str, size: int) -> None:
+    if p is None:
+        return
+    _check_float(p, name)
+    if tuple(p.shape) != (size,):
+        raise ValueError(
+            f"{name} must have shape ({size},) to match x's last dim, got {tuple(p.shape)}"
+        )
+    if p.device != x.device:
+        raise ValueError(f"{name} is on {p.device} but x on {x.device}")
+
+
+# --------------------------------------------------------------------- plumbing
+def _rows(x: Tensor) -> Tensor:
+    """2-D contiguous ``(rows, last dim)`` view (a copy only for non-contiguous input)."""
+    return (x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)).contiguous()
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _emit(cfg: FP8Config, mode: str) -> str:
+    return mode if cfg.precision_flow and not torch.compiler.is_compiling() else "none"
+
+
+def _handed_fp8(x: Tensor, cfg: FP8Config):
+    """``(q, scales)`` rows of x's handed-over FP8 form, or None (then the op quantizes)."""
+    if not cfg.precision_flow:
+        return None
+    f = take_fp8(x, cfg.fwd_format, cfg.group_size)
+    return None if f is None else (_rows(f.data), f.scale.reshape(-1, f.scale.shape[-1]))
+
+
+def _hand_over(y: Tensor, shape: torch.Size, cfg: FP8Config, mode: str, y_q, y_s, y_a) -> Tensor:
+    y = y.view(shape)
+    if mode == "fp8" and len(shape):
+        lead = (*shape[:-1], -1)
+        fp8 = FP8Tensor(y_q.view(shape), y_s.view(lead), Granularity.PER_GROUP,
+                        cfg.group_size, cfg.fwd_format)  # fmt: skip
+        attach(y, fp8=fp8)
+    elif mode == "amax" and len(shape):
+        attach(y, group_amax=y_a.view(*shape[:-1], -1))
+    return y
+
+
+# ------------------------------------------------------------------------- ops
+def fp8_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, config: FP8Config | None = None
+) -> Tensor:
+    """``x @ weight.T + bias`` with FP8 GEMMs (E4M3 operands, E5M2 output gradient).
+
+    x: ``(..., in)``, weight: ``(out, in)``, bias: ``(out,)`` or None; any float dtypes
+    (e.g. bf16 activations with fp32 master weights). Returns ``(..., out)`` in x's dtype;
+    saves only x's FP8 transpose and its scale for backward.
+
+    >>> y = fp8_linear(torch.randn(8, 64, requires_grad=True), torch.randn(32, 64))
+    """
+    cfg = _config(config)
+    _check_float(x, "x")
+    _check_float(weight, "weight")
+    if weight.dim() != 2:
+        raise ValueError(
+            f"weight must be 2-D (out_features, in_features), got {tuple(weight.shape)}"
+        )
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x's last dim must equal weight.shape[1] = {weight.shape[1]} (in_features), "
+            f"got x of shape {tuple(x.shape)}"
+        )
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device} but x on {x.device}")
+    _check_param(bias, x, "bias", weight.shape[0])
+    if x.numel() == 0:
+        b = None if bias is None else bias.to(x.dtype)
+        return torch.nn.functional.linear(x, weight.to(x.dtype), b)
+    amax = take_group_amax(x) if cfg.precision_flow else None
+    cache = cfg.weight_cache and not torch.compiler.is_compiling()
+    y = FP8LinearFunction.apply(
+        x.reshape(-1, x.shape[-1]),
+        weight,
+        bias,
+        None if amax is None else amax.amax(),
+        weight_fp8(weight, cfg.fwd_format, cfg.backend) if cache else None,
+        cfg.fwd_format.value,
+        cfg.grad_format.value,
+        cfg.backend,
+        use_scaled_mm(x, weight, cfg.gemm),
+    )
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor | None, eps: float | None = 1e-6, config: FP8Config | None = None
+) -> Tensor:
+    """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * weight``.
+
+    x: ``(..., N)`` float; weight: ``(N,)`` or None (no scaling); eps None means
+    ``torch.finfo(x.dtype).eps`` (as ``nn.RMSNorm``). Saves x as 1 x G FP8 only; hands its
+    per-group output maxima to a following ``fp8_linear``.
+
+    >>> y = rms_norm(torch.randn(2, 8, 64), torch.ones(64), 1e-6)
+    """
+    cfg = _config(config)
+    _check_float(x, "x")
+    n = x.shape[-1] if x.dim() else 1
+    _check_param(weight, x, "weight", n)
+    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    w = weight if weight is not None else x.new_ones(n)
+    if x.numel() == 0:
+        return torch.nn.functional.rms_norm(x, (n,), w, eps)
+    mode = _emit(cfg, "amax")
+    y, *hand = RMSNormFunction.apply(
+        _rows(x), w, _handed_fp8(x, cfg), _needs_grad(x, weight), eps, cfg.group_size,
+        cfg.fwd_format.value, mode, cfg.backend,
+    )  # fmt: skip
+    return _hand_over(y, x.shape, cfg, mode, *hand)
+
+
+def layer_norm(
+    x: Tensor,
+    normalized_shape: int | tuple[int, ...] | torch.Size,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    config: FP8Config | None = None,
+) -> Tensor:
+    """LayerNorm over the last dim (``normalized_shape == (x.shape[-1],)``), weight and bias
+    optional, as ``torch.nn.functional.layer_norm``. Saves x as 1 x G FP8 only.
+
+    >>> y = layer_norm(torch.randn(4, 64), 64, torch.ones(64), torch.zeros(64))
+    """
+    cfg = _config(config)
+    _check_float(x, "x")
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if x.dim() == 0 or shape != (x.shape[-1],):
+        raise ValueError(
+            f"normalized_shape must be ({x.shape[-1] if x.dim() else '?'},): only the last dim "
+            f"is supported, got {normalized_shape!r}; use torch.nn.functional.layer_norm otherwise"
+        )
+    _check_param(weight, x, "weight", shape[0])
+    _check_param(bias, x, "bias", shape[0])
+    if x.numel() == 0:
+        return torch.nn.functional.layer_norm(x, shape, weight, bias, eps)
+    mode = _emit(cfg, "amax")
+    y, *hand = LayerNormFunction.apply(
+        _rows(x), weight, bias, _handed_fp8(x, cfg), _needs_grad(x, weight, bias), float(eps),
+        cfg.group_size, cfg.fwd_format.value, mode, cfg.backend,
+    )  # fmt: skip
+    return _hand_over(y, x.shape, cfg, mode, *hand)
+
+
+def silu(x: Tensor, config: FP8Config | None = None) -> Tensor:
+    """``x * sigmoid(x)``, saving x as 1 x G FP8.
+
+    >>> y = silu(torch.randn(4, 64))
+    """
+    cfg = _config(config)
+    _check_float(x, "x")
+    if x.numel() == 0:
+        return torch.nn.functional.silu(x)
+    mode = _emit(cfg, "amax")
+    y, *hand = SiLUFunction.apply(
+        _rows(x), _handed_fp8(x, cfg), _needs_grad(x), cfg.group_size, cfg.fwd_format.value,
+        mode, cfg.backend,
+    )  # fmt: skip
+    return _hand_over(y, x.shape, cfg, mode, *hand)
+
+
+def gelu(x: Tensor, approximate: str = "none", config: FP8Config | None = None) -> Tensor:
+    """GELU, exact (``"none"``) or tanh-approximated (``"tanh"``), saving x as 1 x G FP8.
+
+    >>> y = gelu(torch.randn(4, 64), approximate="tanh")
+    """
+    cfg = _config(config)
+    _check_float(x, "x")
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    if x.numel() == 0:
+        return torch.nn.functional.gelu(x, approximate=approximate)
+    mode = _emit(cfg, "amax")
+    y, *hand = GELUFunction.apply(
+        _rows(x), _handed_fp8(x, cfg), _needs_grad(x), approximate, cfg.group_size,
+        cfg.fwd_format.value, mode, cfg.backend,
+    )  # fmt: skip
+    return _hand_over(y, x.shape, cfg, mode, *hand)
+
+
+def swiglu(gate: Tensor, up: Tensor, config: FP8Config | None = None) -> Tensor:
+    """``silu(gate) * up`` for two tensors of one shape and dtype, saving both as 1 x G FP8
+    (2.1 B/elem; eager BF16 saves 6). Hands its group maxima to a following ``fp8_linear``.
+
+    >>> y = swiglu(torch.randn(4, 64), torch.randn(4, 64))
+    """
+    cfg = _config(config)
+    _check_float(gate, "gate")
+    _check_like(gate, up, "gate", "up")
+    if gate.numel() == 0:
+        return torch.nn.functional.silu(gate) * up
+    mode = _emit(cfg, "amax")
+    y, *hand = SwiGLUFunction.apply(
+        _rows(gate), _rows(up), _handed_fp8(gate, cfg), _handed_fp8(up, cfg),
+        _needs_grad(gate, up), cfg.group_size, cfg.fwd_format.value, mode, cfg.backend,
+    )  # fmt: skip
+    return _hand_over(y, gate.shape, cfg, mode, *hand)
+
+
+def residual_add(x: Tensor, residual: Tensor, config: FP8Config | None = None) -> Tensor:
+    """``x + residual`` (same shape and dtype) that also writes the sum's 1 x G FP8 form,
+    which the next ``rms_norm``/``layer_norm`` saves instead of quantizing it again.
+
+    >>> h = residual_add(torch.randn(4, 64), torch.randn(4, 64))
+    """
+    cfg = _config(config)
+    _check_float(x, "x")
+    _check_like(x, residual, "x", "residual")
+    if x.numel() == 0:
+        return x + residual
+    # The FP8 copy only pays off when the next norm will save it for backward.
+    mode = _emit(cfg, "fp8") if _needs_grad(x, residual) else "none"
+    y, *hand = ResidualAddFunction.apply(
+        _rows(x), _rows(residual), cfg.group_size, cfg.fwd_format.value, mode, cfg.backend
+    )
+    return _hand_over(y, x.shape, cfg, mode, *hand)

@@ -1,0 +1,21 @@
+"""One file per op: Triton kernels, their launchers, the ``torch.library`` custom ops that
+wrap them (so ``torch.compile`` sees opaque nodes) and one ``autograd.Function``."""
+
+from .gelu import GELUFunction
+from .layer_norm import LayerNormFunction
+from .linear import FP8LinearFunction, quantize_t
+from .residual_add import ResidualAddFunction
+from .rms_norm import RMSNormFunction
+from .silu import SiLUFunction
+from .swiglu import SwiGLUFunction
+
+__all__ = [
+    "FP8LinearFunction",
+    "GELUFunction",
+    "LayerNormFunction",
+    "RMSNormFunction",
+    "ResidualAddFunction",
+    "SiLUFunction",
+    "SwiGLUFunction",
+    "quantize_t",
+]

@@ -1,0 +1,165 @@
+"""FP8 linear ``y = x @ weight.T + bias`` with per-tensor E4M3 operands and E5M2 gradients.
+
+Three GEMMs, each FP8 x FP8 with fp32 accumulation (``torch._scaled_mm`` on GPUs with FP8
+tensor cores, the same function emulated elsewhere):
+
+    forward   y  = x_q  @ w_q.T        a: x_q  (M, K) row-major,  b: w_q.T  column-major
+    dinput    dx = dy_q @ w_q          a: dy_q (M, N) row-major,  b: w_t.T  column-major
+    dweight   dw = dy_q.T @ x_q        a: dy_t (N, M) row-major,  b: x_t.T  column-major
+
+``_scaled_mm`` wants its first operand row-major and its second column-major, so forward
+quantizes x once and writes both x_q and its transpose x_t (fp8_quant's fused kernel):
+x_q feeds the forward GEMM and is freed, x_t (1 B/elem) plus its scale is all that is saved.
+The weight's two FP8 layouts come from a cache (one cast per weight version) or are cast on
+the fly in forward and again in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from fp8_quant import FP8Format, quantize_per_tensor_transpose
+
+from .. import reference
+
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("fp8_activations::quantize_t", mutates_args=())
+def quantize_t(
+    x: Tensor, fmt: str, amax: Tensor | None, backend: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-tensor quantize a 2-D ``x``: ``(q, q.T contiguous, scale)`` in one pass.
+
+    ``amax`` (0-dim) skips the reduction pass: group scaling hands it over.
+    """
+    return quantize_per_tensor_transpose(x, fmt, amax=amax, backend=backend)
+
+
+@quantize_t.register_fake
+def _(x, fmt, amax, backend):
+    dtype = FP8Format.parse(fmt).torch_dtype
+    m, n = x.shape
+    return x.new_empty((m, n), dtype=dtype), x.new_empty((n, m), dtype=dtype), \
+        x.new_empty((), dtype=torch.float32)  # fmt: skip
+
+
+_SCALED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _mm(a, b, scale_a, scale_b, bias, out_dtype, use_scaled_mm, fast_accum=False):
+    """``(a * scale_a) @ (b * scale_b) (+ bias)`` with FP8 ``a``, ``b``, fp32 accumulation."""
+    if not use_scaled_mm or out_dtype not in _SCALED_MM_DTYPES:
+        return reference.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)
+    fused_bias = bias if bias is not None and bias.dtype == out_dtype != torch.float32 else None
+    out = torch._scaled_mm(
+        a, b, scale_a, scale_b, bias=fused_bias, out_dtype=out_dtype, use_fast_accum=fast_accum
+    )
+    if bias is not None and fused_bias is None:
+        out = (out.float() + bias.float()).to(out_dtype)
+    return out
+
+
+def _pad_inner(t: Tensor, multiple: int = 16) -> Tensor:
+    """Zero-pad the columns of an FP8 matrix to a multiple of 16 (``_scaled_mm``'s K rule);
+    zero columns add nothing to the product. Padded as uint8: same bits, any torch."""
+    pad = (-t.shape[1]) % multiple
+    if not pad:
+        return t
+    return torch.nn.functional.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
+
+
+class FP8LinearFunction(torch.autograd.Function):
+    """``(x (M, K), weight (N, K), bias, x_amax, w_fp8, fwd_fmt, grad_fmt, backend,
+    use_scaled_mm) -> y (M, N)`` in x's dtype.
+
+    ``x_amax``: 0-dim max |x| handed over by the producer (group scaling), or None.
+    ``w_fp8``: ``(w_q, w_t, w_scale)`` from the weight cache, or None to cast on the fly.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, x_amax, w_fp8, fwd_fmt, grad_fmt, backend, use_scaled_mm):
+        x_q, x_t, x_s = quantize_t(x, fwd_fmt, x_amax, backend)
+        cached = w_fp8 is not None
+        w_q, w_t, w_s = w_fp8 if cached else quantize_t(weight.detach(), fwd_fmt, None, backend)
+        y = _mm(x_q, w_q.t(), x_s, w_s, bias, x.dtype, use_scaled_mm, fast_accum=True)
+        # Saved: x_t and its scale (never x), the weight Parameter itself, and the cached
+        # w_t (already held by the cache: no new memory) when there is a cache.
+        ctx.save_for_backward(x_t, x_s, weight, *((w_t, w_s) if cached else (None, None)))
+        ctx.fmts, ctx.backend, ctx.use_scaled_mm = (fwd_fmt, grad_fmt), backend, use_scaled_mm
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_t, x_s, weight, w_t, w_s = ctx.saved_tensors
+        fwd_fmt, grad_fmt = ctx.fmts
+        dy = dy.contiguous()
+        dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, None, ctx.backend)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            if w_t is None:
+                _, w_t, w_s = quantize_t(weight.detach(), fwd_fmt, None, ctx.backend)
+            dx = _mm(dy_q, w_t.t(), dy_s, w_s, None, dy.dtype, ctx.use_scaled_mm)
+        if ctx.needs_input_grad[1]:
+            a, b = (_pad_inner(dy_t), _pad_inner(x_t)) if ctx.use_scaled_mm else (dy_t, x_t)
+            dw = _mm(a, b.t(), dy_s, x_s, None, weight.dtype, ctx.use_scaled_mm)
+        if ctx.needs_input_grad[2]:
+            db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+# ------------------------------------------------------------ launch-time decisions
+_CACHE_ATTR = "_fp8_weight_cache"
+
+
+def weight_fp8(weight: Tensor, fmt: FP8Format, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``(w_q, w_t, scale)`` of ``weight``, cast once per weight version.
+
+    The copy lives on the weight tensor itself and is keyed on ``weight._version`` (bumped by
+    every in-place update: optimizer steps, ``load_state_dict``, ``zero_``) and on its
+    storage (``.data =`` swaps, ``.to()``), so it never goes stale; micro-batches between two
+    optimizer steps reuse it.
+    """
+    key = (weight._version, weight.data_ptr(), weight.dtype, fmt)
+    hit = getattr(weight, _CACHE_ATTR, None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    w = quantize_t(weight.detach(), fmt.value, None, backend)
+    setattr(weight, _CACHE_ATTR, (key, w))
+    return w
+
+
+_SCALED_MM_PROBE: dict[str, bool] = {}
+
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    """FP8 tensor cores on CUDA (compute capability >= 8.9); elsewhere whether this torch
+    runs ``torch._scaled_mm`` at all (2.13 does on CPU, older versions may not)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    if device.type not in _SCALED_MM_PROBE:
+        a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn, device=device)
+        one = torch.ones((), device=device)
+        try:
+            torch._scaled_mm(a, a.t(), one, one, out_dtype=torch.bfloat16)
+            _SCALED_MM_PROBE[device.type] = True
+        except (RuntimeError, NotImplementedError):
+            _SCALED_MM_PROBE[device.type] = False
+    return _SCALED_MM_PROBE[device.type]
+
+
+def use_scaled_mm(x: Tensor, weight: Tensor, gemm: str) -> bool:
+    """Whether this call's GEMMs go through ``torch._scaled_mm`` (else emulated, same math).
+
+    Dims that are not multiples of 16 (a ``_scaled_mm`` rule) fall back to emulation rather
+    than fail; ``convert_to_fp8_activations`` leaves such layers in high precision anyway.
+    """
+    if gemm == "emulated" or (gemm == "auto" and not x.is_cuda):
+        return False
+    supported = scaled_mm_supported(x.device)
+    if gemm == "scaled_mm" and not supported:
+        raise ValueError(
+            f"gemm='scaled_mm' but torch._scaled_mm does not run on {x.device} with this torch "
+            f"({torch.__version__}); use gemm='auto' or gemm='emulated'"
+        )
+    return supported and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0

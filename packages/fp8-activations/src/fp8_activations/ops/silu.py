@@ -1,0 +1,125 @@
+"""SiLU ``y = x * sigmoid(x)`` that saves its input as 1 x G FP8 (1.06 B/elem, BF16 saves 2)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from fp8_quant import FP8Format
+
+from .. import reference
+from ._common import (
+    EMIT_CODES,
+    cast_out,
+    codes,
+    emit_buffers,
+    emit_groups,
+    load_groups,
+    quant_buffers,
+    store_groups,
+    tile,
+    tile_block,
+    use_triton,
+)
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def _silu_fwd_kernel(
+    X, Y, XQ, XS, YQ, YS, YA, M, N,
+    BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
+    QUANT_X: tl.constexpr, EMIT: tl.constexpr,
+):  # fmt: skip
+    # One read of x gives y, x's FP8 copy and y's hand-over: 2 + 2 + 1.06 (+ 1.06) B/elem.
+    offs, mask, s_offs, s_mask = tile(tl.program_id(0), tl.program_id(1), M, N, BM, BN, G)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    y = cast_out(x * tl.sigmoid(x), Y)
+    tl.store(Y + offs, y, mask=mask)
+    if QUANT_X:
+        store_groups(x, XQ, XS, offs, mask, s_offs, s_mask, BM, BN, G, FMT)
+    emit_groups(y.to(tl.float32), YQ, YS, YA, offs, mask, s_offs, s_mask, BM, BN, G, FMT, EMIT)
+
+
+@triton.jit
+def _silu_bwd_kernel(DY, XQ, XS, DX, M, N, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
+    offs, mask, s_offs, s_mask = tile(tl.program_id(0), tl.program_id(1), M, N, BM, BN, G)
+    x = load_groups(XQ, XS, offs, mask, s_offs, s_mask, BM, BN, G)
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(x)
+    tl.store(DX + offs, cast_out(dy * s * (1.0 + x * (1.0 - s)), DX), mask=mask)
+
+
+def _grid(x: Tensor, group_size: int):
+    bm, bn, warps = tile_block(x.shape[1], group_size)
+    return (triton.cdiv(x.shape[0], bm), triton.cdiv(x.shape[1], bn)), bm, bn, warps
+
+
+@torch.library.custom_op("fp8_activations::silu_fwd", mutates_args=())
+def silu_fwd(
+    x: Tensor, group_size: int, fmt: str, quant_x: bool, emit: str, backend: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(y, x_q, x_s, y_q, y_s, y_amax)`` for a 2-D contiguous ``x``."""
+    f = FP8Format.parse(fmt)
+    if not use_triton(x, backend):
+        return reference.silu_fwd(x, group_size, f, quant_x, emit)
+    y = torch.empty_like(x)
+    x_q, x_s = quant_buffers(x, group_size, f, quant_x)
+    y_q, y_s, y_a = emit_buffers(y, group_size, f, emit)
+    grid, bm, bn, warps = _grid(x, group_size)
+    _silu_fwd_kernel[grid](
+        x, y, codes(x_q), x_s, codes(y_q), y_s, y_a, *x.shape,
+        BM=bm, BN=bn, G=group_size, FMT=f.value, QUANT_X=quant_x, EMIT=EMIT_CODES[emit],
+        num_warps=warps,
+    )  # fmt: skip
+    return y, x_q, x_s, y_q, y_s, y_a
+
+
+@silu_fwd.register_fake
+def _(x, group_size, fmt, quant_x, emit, backend):
+    f = FP8Format.parse(fmt)
+    return (
+        torch.empty_like(x),
+        *quant_buffers(x, group_size, f, quant_x),
+        *emit_buffers(x, group_size, f, emit),
+    )
+
+
+@torch.library.custom_op("fp8_activations::silu_bwd", mutates_args=())
+def silu_bwd(dy: Tensor, x_q: Tensor, x_s: Tensor, group_size: int, backend: str) -> Tensor:
+    if not use_triton(dy, backend):
+        return reference.silu_bwd(dy, x_q, x_s, group_size)
+    dx = torch.empty_like(dy)
+    grid, bm, bn, warps = _grid(dy, group_size)
+    _silu_bwd_kernel[grid](dy, x_q, x_s, dx, *dy.shape, BM=bm, BN=bn, G=group_size, num_warps=warps)
+    return dx
+
+
+@silu_bwd.register_fake
+def _(dy, x_q, x_s, group_size, backend):
+    return torch.empty_like(dy)
+
+
+class SiLUFunction(torch.autograd.Function):
+    """``(x, x_fp8, quant, group_size, fmt, emit, backend) -> (y, y_q, y_s, y_amax)``.
+
+    ``x_fp8``: ``(q, scales)`` of x handed over by the previous op (saved as is), or None:
+    then the kernel quantizes x while reading it, if ``quant`` (False when nothing will
+    need a gradient, e.g. under ``torch.no_grad``).
+    """
+
+    @staticmethod
+    def forward(ctx, x, x_fp8, quant, group_size, fmt, emit, backend):
+        y, x_q, x_s, y_q, y_s, y_a = silu_fwd(
+            x, group_size, fmt, quant and x_fp8 is None, emit, backend
+        )
+        ctx.save_for_backward(*(x_fp8 if x_fp8 is not None else (x_q, x_s)))
+        ctx.group_size, ctx.backend = group_size, backend
+        ctx.mark_non_differentiable(y_q, y_s, y_a)
+        return y, y_q, y_s, y_a
+
+    @staticmethod
+    def backward(ctx, dy, *_):
+        x_q, x_s = ctx.saved_tensors
+        dx = silu_bwd(dy.contiguous(), x_q, x_s, ctx.group_size, ctx.backend)
+        return dx, None, None, None, None, None, None

@@ -1,0 +1,148 @@
+"""FP8Tensor, the value passed between ops, and the hand-over that attaches it to a tensor.
+
+Hand-over (the FP8 precision flow, see README.md): a producing op returns an ordinary
+tensor ``y`` and, in eager mode, attaches to it what its kernel computed for free about
+``y``: either ``y``'s 1x16 FP8 form (an ``FP8Tensor``) or ``y``'s per-group maxima. A
+consuming op that wants exactly that takes it instead of running its own quantization pass,
+and saves the handed-over FP8 data for backward. The attachment is checked before use (same
+object, same ``_version``, shape, format and group size), so an in-place change of ``y``, a
+reshape (new object) or a different config simply falls back to quantizing ``y``, which
+gives the same bits. Nothing is attached while ``torch.compile`` traces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+from fp8_quant import FP8Format, dequantize_per_group, dequantize_per_tensor
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class Granularity(enum.Enum):
+    PER_TENSOR = "per_tensor"
+    PER_GROUP = "per_group"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FP8Tensor:
+    """FP8 data plus fp32 scales: ``value ~= data.float() * scale``.
+
+    * ``PER_TENSOR``: ``scale`` is 0-dim.
+    * ``PER_GROUP``: ``scale`` has shape ``data.shape[:-1] + (ceil(data.shape[-1] / G),)``,
+      one scale per run of ``group_size`` elements of the last dim.
+
+    It carries no autograd history: gradients flow through the high-precision tensor it
+    was made from (see the module docstring).
+
+    >>> t = FP8Tensor.quantize(torch.randn(4, 32), Granularity.PER_GROUP, group_size=16)
+    >>> t.dequantize(torch.bfloat16).shape
+    torch.Size([4, 32])
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    granularity: Granularity
+    group_size: int | None
+    fmt: FP8Format
+
+    def __post_init__(self):
+        if self.data.dtype != self.fmt.torch_dtype:
+            raise TypeError(
+                f"data must be {self.fmt.torch_dtype} for {self.fmt}, got {self.data.dtype}"
+            )
+        if self.scale.dtype != torch.float32:
+            raise TypeError(f"scale must be float32, got {self.scale.dtype}")
+        if self.granularity is Granularity.PER_TENSOR:
+            if self.scale.dim() != 0:
+                raise ValueError(
+                    f"a per-tensor scale is 0-dim, got shape {tuple(self.scale.shape)}"
+                )
+        else:
+            g = self.group_size
+            if not g or self.data.dim() == 0:
+                raise ValueError("per-group FP8Tensor needs group_size and at least 1-D data")
+            want = (*self.data.shape[:-1], -(-self.data.shape[-1] // g))
+            if tuple(self.scale.shape) != want:
+                raise ValueError(
+                    f"per-group scale must have shape {want}, got {tuple(self.scale.shape)}"
+                )
+
+    @classmethod
+    def quantize(
+        cls,
+        x: torch.Tensor,
+        granularity: Granularity = Granularity.PER_GROUP,
+        fmt: FP8Format | str = FP8Format.E4M3,
+        group_size: int = 16,
+        backend: str = "auto",
+    ) -> FP8Tensor:
+        """Quantize a float tensor per tensor or per 1 x ``group_size`` group (fp8_quant)."""
+        import fp8_quant
+
+        fmt = FP8Format.parse(fmt)
+        if Granularity(granularity) is Granularity.PER_TENSOR:
+            q, s = fp8_quant.quantize_per_tensor(x, fmt, backend=backend)
+            return cls(q, s, Granularity.PER_TENSOR, None, fmt)
+        q, s = fp8_quant.quantize_per_group(x, group_size, fmt, backend=backend)
+        return cls(q, s, Granularity.PER_GROUP, group_size, fmt)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.granularity is Granularity.PER_TENSOR:
+            return dequantize_per_tensor(self.data, self.scale, dtype)
+        return dequantize_per_group(self.data, self.scale, self.group_size, dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: 1 per element plus 4 per scale."""
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HandOver:
+    """What a producing op attached to its output; valid while ``tensor._version == version``."""
+
+    version: int
+    fp8: FP8Tensor | None = None  # the output, 1x16 per-group quantized
+    group_amax: torch.Tensor | None = None  # fp32 max |output| per 1xG group
+
+
+_ATTR = "_fp8_hand_over"
+
+
+def attach(y: torch.Tensor, fp8: FP8Tensor | None = None, group_amax: torch.Tensor | None = None):
+    """Attach a producing op's FP8 form or group maxima of ``y`` to ``y`` (eager mode only)."""
+    setattr(y, _ATTR, HandOver(y._version, fp8, group_amax))
+
+
+def handed_over(x: torch.Tensor) -> HandOver | None:
+    """The hand-over attached to ``x`` if it is still valid (``x`` not modified since)."""
+    if torch.compiler.is_compiling():
+        return None
+    h = getattr(x, _ATTR, None)
+    if h is None or h.version != x._version:
+        return None
+    return h
+
+
+def take_fp8(x: torch.Tensor, fmt: FP8Format, group_size: int) -> FP8Tensor | None:
+    """The handed-over per-group FP8 form of ``x``, if one matches ``fmt`` and ``group_size``."""
+    h = handed_over(x)
+    if h is None or h.fp8 is None:
+        return None
+    f = h.fp8
+    if f.fmt is not fmt or f.group_size != group_size or f.shape != x.shape:
+        return None
+    return f
+
+
+def take_group_amax(x: torch.Tensor) -> torch.Tensor | None:
+    """The handed-over per-group maxima of ``|x|`` (any group size: only their max is used)."""
+    h = handed_over(x)
+    return None if h is None else h.group_amax

@@ -1,0 +1,164 @@
+"""Modules and conversion: what is swapped, parameter names and state dicts both ways,
+eval mode is the plain high-precision forward, revert gives back the original modules."""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+import fp8_activations as fa
+from fp8_activations import (
+    FP8GELU,
+    FP8LayerNorm,
+    FP8Linear,
+    FP8RMSNorm,
+    FP8SiLU,
+    convert_to_fp8_activations,
+    revert_fp8_activations,
+)
+
+
+class LlamaLikeRMSNorm(nn.Module):
+    """The Hugging Face Llama formula: weight * (x / rms(x)) cast back first."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+class GemmaLikeRMSNorm(LlamaLikeRMSNorm):
+    """(1 + weight) scaling: must not be converted."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return super().forward(x) / self.weight * (1 + self.weight)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        OrderedDict(
+            fc1=nn.Linear(32, 64),
+            ln=nn.LayerNorm(64),
+            act=nn.GELU(approximate="tanh"),
+            fc2=nn.Linear(64, 48, bias=False),
+            rms=nn.RMSNorm(48),
+            hf=LlamaLikeRMSNorm(48),
+            silu=nn.SiLU(),
+            odd=nn.Linear(48, 10),  # 10 is not a multiple of 16: stays high precision
+        )
+    )
+
+
+EXPECTED = {
+    "fc1": FP8Linear,
+    "ln": FP8LayerNorm,
+    "act": FP8GELU,
+    "fc2": FP8Linear,
+    "rms": FP8RMSNorm,
+    "hf": FP8RMSNorm,
+    "silu": FP8SiLU,
+    "odd": nn.Linear,
+}
+
+
+def test_convert_swaps_supported_modules_and_keeps_names():
+    model = _model()
+    params = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    convert_to_fp8_activations(model)
+    for name, cls in EXPECTED.items():
+        assert type(getattr(model, name)) is cls, name
+    assert list(model.state_dict()) == keys
+    assert all(p is params[n] for n, p in model.named_parameters())  # shared, not copied
+    assert model.act.approximate == "tanh" and model.hf.eps == 1e-6
+
+
+def test_state_dicts_load_both_ways():
+    fp8 = convert_to_fp8_activations(_model())
+    with torch.no_grad():
+        for p in fp8.parameters():
+            p.add_(torch.randn_like(p))
+    plain = _model()
+    plain.load_state_dict(fp8.state_dict(), strict=True)
+    back = convert_to_fp8_activations(_model())
+    back.load_state_dict(plain.state_dict(), strict=True)
+    for (n, a), (_, b) in zip(fp8.state_dict().items(), back.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
+
+
+def test_eval_mode_is_the_plain_forward_and_train_mode_is_close():
+    plain = _model()
+    fp8 = convert_to_fp8_activations(copy.deepcopy(plain))
+    x = torch.randn(4, 7, 32)
+    plain.eval()
+    fp8.eval()
+    torch.testing.assert_close(fp8(x), plain(x), rtol=0, atol=0)
+    fp8.train()
+    y, ref = fp8(x), plain(x)
+    assert 10 * torch.log10(ref.pow(2).sum() / (y - ref).pow(2).sum()) > 20
+
+
+def test_revert_restores_original_modules():
+    model = _model()
+    originals = dict(model.named_children())
+    x = torch.randn(3, 32)
+    before = model(x)
+    convert_to_fp8_activations(model)
+    with torch.no_grad():
+        model.fc1.weight.mul_(0.5)  # training happened: revert must carry the new values
+    revert_fp8_activations(model)
+    for name, mod in model.named_children():
+        assert mod is originals[name], name  # the very same objects, HF class included
+    assert model.fc1.weight.data_ptr() == originals["fc1"].weight.data_ptr()
+    model.fc1.weight.data.mul_(2)
+    torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+
+
+def test_filter_and_gemma_style_norm_skipped():
+    model = _model()
+    model.add_module("gemma", GemmaLikeRMSNorm(10))
+    with pytest.warns(UserWarning, match="left in high precision"):
+        convert_to_fp8_activations(model, module_filter_fn=lambda m, fqn: fqn != "fc2")
+    assert type(model.fc2) is nn.Linear and type(model.gemma) is GemmaLikeRMSNorm
+    assert type(model.fc1) is FP8Linear
+
+
+def test_single_module_and_direct_construction():
+    lin = convert_to_fp8_activations(nn.Linear(32, 16))
+    assert isinstance(lin, FP8Linear) and isinstance(lin, nn.Linear)
+    direct = FP8Linear(32, 16)
+    assert type(direct.to_float()) is nn.Linear and direct.to_float().weight is direct.weight
+    norm = FP8LayerNorm(16, bias=False)
+    y = norm(torch.randn(2, 16, requires_grad=True))
+    y.sum().backward()
+    assert norm.weight.grad is not None and type(norm.to_float()) is nn.LayerNorm
+
+
+def test_hugging_face_llama_rms_norm():
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    block = nn.Sequential(llama.LlamaRMSNorm(64, eps=1e-5))
+    convert_to_fp8_activations(block)
+    assert type(block[0]) is FP8RMSNorm and block[0].eps == 1e-5
+    revert_fp8_activations(block)
+    assert type(block[0]) is llama.LlamaRMSNorm
+
+
+def test_converted_model_deepcopies_and_trains():
+    model = copy.deepcopy(convert_to_fp8_activations(_model()))
+    model(torch.randn(5, 32)).square().mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert isinstance(model.fc1.config, fa.FP8Config)

@@ -1,0 +1,119 @@
+"""The FP8 precision flow: a producer hands its output's FP8 form (or group maxima) to the
+next op, which saves exactly that and skips its own quantization pass. Results must be
+bit-identical to the same chain without the hand-over, and the BF16 output freeable."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import fp8_activations as fa
+from fp8_activations import FP8Config
+from fp8_activations.tensor import handed_over
+
+N = 64
+
+
+def _leaves(*shapes, dtype=torch.bfloat16):
+    return [torch.randn(s, dtype=dtype, requires_grad=True) for s in shapes]
+
+
+def _grads(ts):
+    return [t.grad.clone() for t in ts]
+
+
+def _llama_mlp_half(cfg, x, r, w_norm, w_gate, w_up, w_down):
+    """residual add -> RMSNorm -> gate/up linears -> SwiGLU -> down linear."""
+    h = fa.residual_add(x, r, cfg)
+    n = fa.rms_norm(h, w_norm, 1e-6, cfg)
+    s = fa.swiglu(fa.fp8_linear(n, w_gate, None, cfg), fa.fp8_linear(n, w_up, None, cfg), cfg)
+    return fa.fp8_linear(s, w_down, None, cfg)
+
+
+def test_chain_bit_identical_with_and_without_hand_over(saved):
+    leaves = _leaves((2, 8, N), (2, 8, N), (N,), (96, N), (96, N), (N, 96))
+    outs, grads, records = [], [], []
+    for flow in (True, False):
+        rec = type(saved)()
+        with rec.record():
+            y = _llama_mlp_half(FP8Config(precision_flow=flow), *leaves)
+        y.backward(torch.ones_like(y))
+        outs.append(y)
+        grads.append(_grads(leaves))
+        records.append(rec)
+        for t in leaves:
+            t.grad = None
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # Same bytes saved either way: the hand-over replaces a pass, not what is kept.
+    params = leaves[2:]
+    assert records[0].activation_bytes(*params) == records[1].activation_bytes(*params)
+
+
+def test_norm_saves_the_handed_over_tensor(saved):
+    x, r, w = _leaves((4, N), (4, N), (N,))
+    h = fa.residual_add(x, r)
+    fp8 = handed_over(h).fp8
+    assert fp8 is not None and fp8.group_size == 16 and fp8.data.shape == h.shape
+    with saved.record():
+        fa.rms_norm(h, w, 1e-6)
+    ptrs = {t.data_ptr() for t in saved}
+    assert fp8.data.data_ptr() in ptrs and fp8.scale.data_ptr() in ptrs
+
+
+@pytest.mark.parametrize("producer", ["rms_norm", "swiglu", "gelu"])
+def test_linear_uses_handed_over_group_maxima(producer, monkeypatch):
+    """The linear's per-tensor scale comes from the producer's per-group maxima: the
+    quantizer is called with amax given (no reduction pass over x)."""
+    x, w_lin = _leaves((4, N), (32, N))
+    make = {
+        "rms_norm": lambda: fa.rms_norm(x, None, 1e-6),
+        "swiglu": lambda: fa.swiglu(x, x * 2),
+        "gelu": lambda: fa.gelu(x),
+    }[producer]
+    y = make()
+    group_amax = handed_over(y).group_amax
+    assert group_amax.shape == (4, N // 16)
+    torch.testing.assert_close(group_amax.amax(), y.detach().abs().amax().float(), rtol=0, atol=0)
+    import fp8_activations.ops.linear as lin
+
+    seen = []
+    real = lin.quantize_per_tensor_transpose
+    monkeypatch.setattr(
+        lin,
+        "quantize_per_tensor_transpose",
+        lambda t, f, amax, backend: seen.append(amax) or real(t, f, amax=amax, backend=backend),
+    )
+    fa.fp8_linear(y, w_lin, None, FP8Config(weight_cache=False))
+    assert seen[0] is not None and seen[1] is None  # x: handed over; weight: reduced
+
+
+def test_in_place_change_or_other_config_falls_back(saved):
+    x, r, w = _leaves((4, N), (4, N), (N,))
+    h = fa.residual_add(x, r)
+    with torch.no_grad():
+        h.mul_(2)  # bumps _version: the attached FP8 copy is stale
+    assert handed_over(h) is None
+    h2 = fa.residual_add(x, r)
+    assert handed_over(h2).fp8 is not None
+    with saved.record():
+        fa.rms_norm(h2, w, 1e-6, FP8Config(group_size=32))  # wants 1x32 groups: quantizes
+    assert handed_over(h2).fp8.data.data_ptr() not in {t.data_ptr() for t in saved}
+
+
+def test_bf16_output_is_freed_after_its_consumers():
+    """Nothing keeps the high-precision intermediates alive: only FP8 copies are saved."""
+    x, r, w, w_lin = _leaves((8, N), (8, N), (N,), (32, N))
+    h = fa.residual_add(x, r)
+    n = fa.rms_norm(h, w, 1e-6)
+    y = fa.fp8_linear(n, w_lin)
+    refs = [weakref.ref(h), weakref.ref(n)]
+    del h, n
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    y.sum().backward()  # the graph still works from the FP8 copies alone
+    assert x.grad is not None and w.grad is not None and w_lin.grad is not None

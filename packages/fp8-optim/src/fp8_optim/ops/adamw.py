@@ -1,0 +1,422 @@
+"""Fused multi-tensor CoatAdamW step: dequantize, AdamW update and DRE requantize in one pass.
+
+Two launches per bucket of parameters (same device, param dtype and grad dtype), whatever
+the number of parameters, and no host-device synchronization:
+
+1. ``_hyper_kernel``, one lane per tensor: ``step += 1`` on the device, then the bias
+   corrections in fp64 (``lr / (1 - b1^t)``, ``1 / sqrt(1 - b2^t)``, ``1 - lr * wd``) and the
+   stochastic-rounding key of the tensor, into a small ``[T, 4]`` scratch table.
+2. ``_adamw_kernel``, one program per chunk of ``BLOCK_G`` whole groups of one tensor. A
+   chunk table (``tensor << 32 | first group``) maps programs to tensors; a tensor table
+   holds, per tensor, the element offsets of its param, grad and state tensors from the
+   bucket's first tensors (``(t.data_ptr() - base.data_ptr()) / itemsize``), so one launch
+   addresses every tensor without a pointer array. Both tables are built once and cached
+   while the tensors stay where they are.
+
+Traffic per element with fp32 params and grads: read p, g (8 B), m, v codes (2 B), write
+p, m, v (6 B), plus 10 B per group of 128 for the per-group numbers: 16.08 B, the floor of
+the memory-bound step. A group lives in registers from load to store: the update, the
+group's max and min non-zero, k, and the requantization need no second pass.
+
+GPU math: ``lg2``/``ex2`` are the hardware approximations (one MUFU op each, about 2^-22
+relative error) rather than Triton's ~20-instruction accurate ``log2``: the result is
+re-rounded to 3 (E4M3) or 2 (E5M2) mantissa bits anyway. Under the interpreter the same
+code uses numpy, which the reference mirrors, so CPU runs match the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from fp8_quant.ops import fp8_encode
+
+from .. import reference as ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Tensor-table columns (int64 each): element offsets of param, grad, m codes, v codes, m
+# amax, v amax, m k, v k and step from the launch's first tensors; numel; SR stream; SR
+# element offset.
+C_P, C_G, C_M, C_V, C_MA, C_VA, C_MK, C_VK, C_STEP, C_NUMEL, C_STREAM, C_SROFF = (
+    tl.constexpr(i) for i in range(12)
+)
+NCOL = tl.constexpr(12)
+
+# GPU defaults (a program = BLOCK_G groups = BLOCK_G * 128 elements). The interpreter runs
+# a program as numpy ops on the whole tile, so there bigger programs are faster.
+BLOCK_G = 8
+NUM_WARPS = 4
+INTERPRET_BLOCK_G = 16
+
+
+# ------------------------------------------------------------------------------ helpers
+@triton.jit
+def _log2(x, PTX: tl.constexpr):
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _exp2(x, PTX: tl.constexpr):
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _mix32(x):
+    # lowbias32 integer hash on uint32 (reference.mix32).
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _dequant(codes, amax, k16, FMT: tl.constexpr, FMAX: tl.constexpr, LOG2_FMAX: tl.constexpr,
+             PTX: tl.constexpr):
+    # x = amax * (|q| / fmax)^(1/k) = exp2(log2|q| / k + log2(amax) - log2(fmax) / k):
+    # two MUFU ops per element instead of a pow. |q| == fmax is the group's max: exact.
+    if FMT == "e4m3":
+        q = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        q = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+    a = tl.abs(q)
+    inv_k = tl.math.div_rn(tl.full(k16.shape, 16.0, tl.float32), k16.to(tl.float32))
+    off = _log2(amax, PTX) - LOG2_FMAX * inv_k
+    r = _exp2(_log2(a, PTX) * inv_k[:, None] + off[:, None], PTX)
+    r = tl.where(a == FMAX, amax[:, None], r)
+    return tl.where(q < 0.0, -r, r)
+
+
+@triton.jit
+def _quant(x, FMT: tl.constexpr, DRE: tl.constexpr, FMAX: tl.constexpr,
+           LOG2_FMAX: tl.constexpr, C16: tl.constexpr, PTX: tl.constexpr):
+    # Returns (uint8 codes, amax, k16 uint8) of a [BLOCK_G, G] tile (reference.quantize_groups).
+    a = tl.abs(x)
+    a = tl.where(a < 1.1754943508222875e-38, 0.0, a)  # fp32 subnormals count as zero
+    amax = tl.max(a, axis=1)
+    lmx = _log2(amax, PTX)
+    if DRE:
+        amin = tl.min(tl.where(a > 0.0, a, float("inf")), axis=1)
+        log2_range = lmx - _log2(amin, PTX)
+        # Per group, not per element: the exact division costs nothing here and keeps k
+        # identical on every backend except where log2 itself differs.
+        k16 = tl.floor(tl.math.div_rn(tl.full(log2_range.shape, C16, tl.float32), log2_range))
+        k16 = tl.minimum(tl.maximum(k16, 16.0), 255.0)
+    else:
+        k16 = tl.full(amax.shape, 16.0, tl.float32)
+    k = k16 * 0.0625
+    off = LOG2_FMAX - tl.where(amax > 0.0, lmx, 0.0) * k
+    y = _exp2(_log2(a, PTX) * k[:, None] + off[:, None], PTX)
+    y = tl.where(x < 0.0, -y, y)
+    if PTX:
+        # cvt.rn.satfinite: round to nearest even and saturate, one instruction per pair.
+        if FMT == "e4m3":
+            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            code = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        # The interpreter's fp32 -> fp8 cast truncates; fp8_encode gives the same bits.
+        code = fp8_encode(y, FMT)
+    return code, amax, k16.to(tl.uint8)
+
+
+# ------------------------------------------------------------------------------ kernels
+@triton.jit
+def _hyper_kernel(
+    table_ptr, step_base, hyper_ptr, lr_ptr, T,
+    lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, wd_hi, wd_lo,
+    LR_TENSOR: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask = i < T
+    row = table_ptr + i * NCOL
+    s_ptrs = step_base + tl.load(row + C_STEP, mask=mask, other=0)
+    t = tl.load(s_ptrs, mask=mask, other=0.0) + 1.0
+    tl.store(s_ptrs, t, mask=mask)
+    n = t.to(tl.int64)
+    if LR_TENSOR:
+        lr = tl.load(lr_ptr).to(tl.float64)
+    else:  # scalar float arguments: tl.cast, not .to (the interpreter passes Python floats)
+        lr = tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)
+    b1 = tl.cast(b1_hi, tl.float64) + tl.cast(b1_lo, tl.float64)
+    b2 = tl.cast(b2_hi, tl.float64) + tl.cast(b2_lo, tl.float64)
+    wd = tl.cast(wd_hi, tl.float64) + tl.cast(wd_lo, tl.float64)
+    # b^t by squaring in fp64: exact enough, no fp64 pow on the GPU, same bits as reference.
+    pw1 = tl.full([BLOCK_T], 1.0, tl.float64)
+    pw2 = tl.full([BLOCK_T], 1.0, tl.float64)
+    sq1 = pw1 * b1
+    sq2 = pw2 * b2
+    for j in tl.static_range(25):
+        bit = ((n >> j) & 1) == 1
+        pw1 = tl.where(bit, pw1 * sq1, pw1)
+        pw2 = tl.where(bit, pw2 * sq2, pw2)
+        sq1 = sq1 * sq1
+        sq2 = sq2 * sq2
+    bc1 = 1.0 - pw1
+    bc2 = 1.0 - pw2
+    step_size = (lr / bc1).to(tl.float32)
+    inv_sqrt_bc2 = (1.0 / tl.sqrt(bc2)).to(tl.float32)
+    decay = (1.0 - lr * wd + tl.zeros([BLOCK_T], tl.float64)).to(tl.float32)
+    stream = tl.load(row + C_STREAM, mask=mask, other=0).to(tl.uint32)
+    key = _mix32(stream ^ n.to(tl.uint32))
+    out = hyper_ptr + i * 4
+    tl.store(out + 0, step_size.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(out + 1, inv_sqrt_bc2.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(out + 2, decay.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(out + 3, key.to(tl.int32, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _adamw_kernel(
+    chunk_ptr, table_ptr, hyper_ptr, bad_ptr,
+    p_base, g_base, m_base, v_base, ma_base, va_base, mk_base, vk_base,
+    omb1, b2, omb2, eps,
+    G: tl.constexpr, BLOCK_G: tl.constexpr,
+    M_FMT: tl.constexpr, M_DRE: tl.constexpr, M_FMAX: tl.constexpr, M_LOG2: tl.constexpr,
+    M_C16: tl.constexpr,
+    V_FMT: tl.constexpr, V_DRE: tl.constexpr, V_FMAX: tl.constexpr, V_LOG2: tl.constexpr,
+    V_C16: tl.constexpr,
+    HP: tl.constexpr, SR: tl.constexpr, MAXIMIZE: tl.constexpr, EVEN: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    ent = tl.load(chunk_ptr + tl.program_id(0))
+    t = (ent >> 32).to(tl.int32)
+    g0 = ent & 0xFFFFFFFF
+    row = table_ptr + t * NCOL
+    e0 = g0 * G
+    rem = tl.minimum(tl.load(row + C_NUMEL) - e0, BLOCK_G * G).to(tl.int32)
+    p_off = tl.load(row + C_P) + e0
+    g_off = tl.load(row + C_G) + e0
+    m_off = tl.load(row + C_M) + e0
+    v_off = tl.load(row + C_V) + e0
+    if EVEN:
+        # Every offset and size of this launch is a multiple of 16 elements (checked on the
+        # host): lets Triton use 16-byte loads and stores with whole-vector masks.
+        rem = tl.multiple_of(rem, 16)
+        p_off = tl.multiple_of(p_off, 16)
+        g_off = tl.multiple_of(g_off, 16)
+        m_off = tl.multiple_of(m_off, 16)
+        v_off = tl.multiple_of(v_off, 16)
+
+    hrow = hyper_ptr + t * 4
+    step_size = tl.load(hrow + 0).to(tl.float32, bitcast=True)
+    inv_sqrt_bc2 = tl.load(hrow + 1).to(tl.float32, bitcast=True)
+    decay = tl.load(hrow + 2).to(tl.float32, bitcast=True)
+
+    rg = tl.arange(0, BLOCK_G)
+    local = rg[:, None] * G + tl.arange(0, G)[None, :]
+    emask = local < rem
+    gmask = rg * G < rem
+    # Access the FP8 codes 4 per thread, as the fp32 data: same register layout, no shared
+    # memory round trip to convert between a 16-per-thread uint8 and a 4-per-thread layout.
+    local8 = tl.max_contiguous(local, 4)
+
+    p_ptrs = p_base + p_off + local
+    p = tl.load(p_ptrs, mask=emask, other=0.0).to(tl.float32)
+    g = tl.load(g_base + g_off + local, mask=emask, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    m_ptrs = m_base + m_off + local8
+    v_ptrs = v_base + v_off + local8
+    if HP:
+        m = tl.load(m_ptrs, mask=emask, other=0.0)
+        v = tl.load(v_ptrs, mask=emask, other=0.0)
+    else:
+        ma_ptrs = ma_base + (tl.load(row + C_MA) + g0) + rg
+        va_ptrs = va_base + (tl.load(row + C_VA) + g0) + rg
+        mk_ptrs = mk_base + (tl.load(row + C_MK) + g0) + rg
+        vk_ptrs = vk_base + (tl.load(row + C_VK) + g0) + rg
+        m = _dequant(
+            tl.load(m_ptrs, mask=emask, other=0), tl.load(ma_ptrs, mask=gmask, other=0.0),
+            tl.load(mk_ptrs, mask=gmask, other=16), M_FMT, M_FMAX, M_LOG2, PTX,
+        )
+        v = _dequant(
+            tl.load(v_ptrs, mask=emask, other=0), tl.load(va_ptrs, mask=gmask, other=0.0),
+            tl.load(vk_ptrs, mask=gmask, other=16), V_FMT, V_FMAX, V_LOG2, PTX,
+        )
+
+    m = m + (g - m) * omb1
+    v = v * b2 + (g * g) * omb2
+    denom = tl.sqrt(v) * inv_sqrt_bc2 + eps
+    p = p * decay - (m / denom) * step_size
+
+    # Non-finite policy: a group with any NaN/inf in its new p or v is not written at all
+    # (its old p, m, v and per-group numbers stay bit for bit) and is counted. A non-finite
+    # m always makes p non-finite; NaN-propagating max: one reduction for the group.
+    gok = tl.reduce(tl.abs(p) + v, 1, _nan_max) < float("inf")
+    smask = emask & gok[:, None]
+    n_bad = tl.sum((gmask & (gok == 0)).to(tl.int32), axis=0)
+    if n_bad > 0:
+        tl.atomic_add(bad_ptr, n_bad)
+
+    if p_base.dtype.element_ty == tl.bfloat16:
+        # fp32 -> bf16 through the bits: add 16 random bits (stochastic) or 0x7FFF + lsb
+        # (nearest even) below the kept mantissa, then truncate.
+        bits = p.to(tl.uint32, bitcast=True)
+        if SR:
+            key = tl.load(hrow + 3).to(tl.uint32, bitcast=True)
+            elem0 = (e0 + tl.load(row + C_SROFF)).to(tl.uint32)
+            rnd = _mix32(key + (elem0 + local.to(tl.uint32))) >> 16
+        else:
+            rnd = 0x7FFF + ((bits >> 16) & 1)
+        p_out = ((bits + rnd) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        tl.store(p_ptrs, p_out, mask=smask)
+    else:
+        tl.store(p_ptrs, p, mask=smask)
+
+    if HP:
+        tl.store(m_ptrs, m, mask=smask)
+        tl.store(v_ptrs, v, mask=smask)
+    else:
+        gs = gmask & gok
+        qm, ma, mk = _quant(m, M_FMT, M_DRE, M_FMAX, M_LOG2, M_C16, PTX)
+        tl.store(m_ptrs, qm, mask=smask)
+        tl.store(ma_ptrs, ma, mask=gs)
+        tl.store(mk_ptrs, mk, mask=gs)
+        qv, va, vk = _quant(v, V_FMT, V_DRE, V_FMAX, V_LOG2, V_C16, PTX)
+        tl.store(v_ptrs, qv, mask=smask)
+        tl.store(va_ptrs, va, mask=gs)
+        tl.store(vk_ptrs, vk, mask=gs)
+
+
+# ----------------------------------------------------------------------------- launcher
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_amax", "exp_avg_sq_amax", "exp_avg_k",
+               "exp_avg_sq_k")
+
+
+@dataclass
+class Plan:
+    """Device tables of one bucket; valid while its tensors keep their addresses."""
+
+    chunks: torch.Tensor  # int64 [n_chunks]: tensor index << 32 | first group
+    table: torch.Tensor  # int64 [T, NCOL]
+    hyper: torch.Tensor  # int32 [T, 4] scratch written by _hyper_kernel
+    n_tensors: int
+    even: bool
+    block_g: int
+
+
+def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], bool]:
+    base = tensors[0].data_ptr()
+    size = tensors[0].element_size()
+    offs = []
+    for t in tensors:
+        d = t.data_ptr() - base
+        assert d % size == 0, "tensors of one launch must be aligned to their element size"
+        offs.append(d // size)
+    return offs, all(o % 16 == 0 for o in offs)
+
+
+def make_plan(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict],
+    streams: list[int],
+    sr_offsets: list[int],
+    *,
+    group_size: int,
+    high_precision: bool,
+    block_g: int | None = None,
+) -> Plan:
+    """Build the chunk and tensor tables of one bucket (all tensors contiguous, one device)."""
+    if block_g is None:
+        block_g = INTERPRET_BLOCK_G if INTERPRET else BLOCK_G
+    device = params[0].device
+    cols = [params, grads]
+    keys = _STATE_KEYS[:2] if high_precision else _STATE_KEYS
+    cols += [[s[k] for s in states] for k in keys]
+    if high_precision:
+        cols += [params] * 4  # unused columns
+    cols.append([s["step"] for s in states])
+    offs, aligned = zip(*(_offsets(c) for c in cols), strict=True)
+    numels = [p.numel() for p in params]
+    even = all(aligned[:4]) and all(n % 16 == 0 for n in numels)
+    rows = [
+        [*(o[i] for o in offs[:9]), numels[i], streams[i], sr_offsets[i]]
+        for i in range(len(params))
+    ]
+    table = torch.tensor(rows, dtype=torch.int64)
+    groups = [ref.num_groups(n, group_size) for n in numels]
+    per = torch.tensor([-(-ng // block_g) for ng in groups])
+    tidx = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int64), per)
+    start = torch.arange(int(per.sum()), dtype=torch.int64) - torch.repeat_interleave(
+        torch.cumsum(per, 0) - per, per
+    )
+    chunks = (tidx << 32) | (start * block_g)
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+        chunks = chunks.pin_memory().to(device, non_blocking=True)
+    hyper = torch.empty((len(params), 4), dtype=torch.int32, device=device)
+    return Plan(chunks, table, hyper, len(params), even, block_g)
+
+
+def fused_adamw_step_(
+    plan: Plan,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict],
+    bad_count: torch.Tensor,
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+    m_format,
+    v_format,
+    m_dre: bool,
+    v_dre: bool,
+    group_size: int,
+    high_precision: bool,
+    stochastic_rounding: bool,
+    num_warps: int | None = None,
+) -> None:
+    """One step of every tensor of ``plan`` (same semantics as ``reference.adamw_step_``)."""
+    s0 = states[0]
+    lr_tensor = isinstance(lr, torch.Tensor)
+    lr_hi, lr_lo = (0.0, 0.0) if lr_tensor else ref.split_f64(lr)
+    _hyper_kernel[(triton.cdiv(plan.n_tensors, 128),)](
+        plan.table, s0["step"], plan.hyper, lr if lr_tensor else plan.hyper, plan.n_tensors,
+        lr_hi, lr_lo, *ref.split_f64(beta1), *ref.split_f64(beta2),
+        *ref.split_f64(weight_decay),
+        LR_TENSOR=lr_tensor, BLOCK_T=128,
+    )
+    if high_precision:
+        moments = [s0["exp_avg"], s0["exp_avg_sq"]]
+        meta = [params[0]] * 4
+    else:  # codes through uint8 views: the kernel stores bit patterns, not numbers
+        moments = [s0["exp_avg"].view(torch.uint8), s0["exp_avg_sq"].view(torch.uint8)]
+        meta = [s0[k] for k in _STATE_KEYS[2:]]
+    mf, ml, mc = ref.format_constants(m_format)
+    vf, vl, vc = ref.format_constants(v_format)
+    _adamw_kernel[(plan.chunks.numel(),)](
+        plan.chunks, plan.table, plan.hyper, bad_count,
+        params[0], grads[0], *moments, *meta,
+        ref.fp32(1.0 - beta1), ref.fp32(beta2), ref.fp32(1.0 - beta2), ref.fp32(eps),
+        G=group_size, BLOCK_G=plan.block_g,
+        M_FMT=m_format.value, M_DRE=m_dre, M_FMAX=mf, M_LOG2=ml, M_C16=mc,
+        V_FMT=v_format.value, V_DRE=v_dre, V_FMAX=vf, V_LOG2=vl, V_C16=vc,
+        HP=high_precision, SR=stochastic_rounding, MAXIMIZE=maximize, EVEN=plan.even,
+        PTX=not INTERPRET,
+        num_warps=num_warps or NUM_WARPS, enable_fp_fusion=True,
+    )

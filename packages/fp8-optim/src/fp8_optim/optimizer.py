@@ -1,0 +1,424 @@
+"""CoatAdamW: drop-in ``torch.optim.AdamW`` with FP8 moments and Dynamic Range Expansion."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from itertools import chain
+
+import torch
+
+from fp8_quant import FP8Format
+
+from . import reference
+from .config import CoatAdamWConfig
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16)
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP8_FORMATS = {f.torch_dtype: f for f in FP8Format}
+# Keys torch.optim.AdamW puts in its param groups that mean nothing here.
+_ADAMW_ONLY_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "fused",
+                    "decoupled_weight_decay")
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class CoatAdamW(torch.optim.Optimizer):
+    """AdamW whose moments are stored in FP8 with Dynamic Range Expansion (COAT).
+
+    Same constructor and behaviour as ``torch.optim.AdamW`` (param groups, float or tensor
+    ``lr``, LR schedulers, closures, ``zero_grad``, parameters without ``.grad`` skipped),
+    plus ``config`` (``CoatAdamWConfig``) for the state format. Parameters: fp32 or bf16,
+    any shape; gradients: fp32, bf16 or fp16. ``foreach``, ``fused`` and ``capturable`` are
+    accepted for compatibility and ignored: a step is always one fused pass per bucket of
+    parameters (device, dtypes) with no host-device synchronization.
+
+    State per parameter (``optimizer.state[p]``): ``step`` (0-dim fp32 on p's device),
+    ``exp_avg`` / ``exp_avg_sq`` (FP8 codes shaped like p), ``exp_avg_amax`` /
+    ``exp_avg_sq_amax`` (fp32, one per group) and ``exp_avg_k`` / ``exp_avg_sq_k`` (uint8
+    ``16 * k`` per group): 2.078 bytes per element at group size 128. With
+    ``high_precision_states`` it is exactly torch's: ``step``, fp32 ``exp_avg``,
+    ``exp_avg_sq``.
+
+    Non-finite values: a group (``group_size`` elements of one parameter) whose update
+    would produce a NaN or inf in ``p``, ``m`` or ``v`` is skipped: its parameter values and
+    states stay bit for bit as they were, and ``nonfinite_groups()`` counts it. The
+    parameter's ``step`` still advances. Use a GradScaler to skip whole steps instead.
+
+    >>> model = torch.nn.Linear(64, 64)
+    >>> opt = CoatAdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    >>> model(torch.randn(8, 64)).square().mean().backward()
+    >>> opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        config: CoatAdamWConfig | None = None,
+    ):
+        if amsgrad:
+            raise ValueError(
+                "CoatAdamW does not support amsgrad=True (it would need a third state); "
+                "use torch.optim.AdamW(amsgrad=True) for those parameters"
+            )
+        if differentiable:
+            raise ValueError("CoatAdamW does not support differentiable=True")
+        if config is None:
+            config = CoatAdamWConfig()
+        if not isinstance(config, CoatAdamWConfig):
+            raise TypeError(f"config must be a CoatAdamWConfig, got {type(config).__name__}")
+        self.config = config
+        self._param_index: dict[torch.Tensor, int] = {}
+        self._sr_offset: dict[torch.Tensor, int] = {}
+        self._plans: dict = {}
+        self._bad: dict[torch.device, torch.Tensor] = {}
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ validation
+    def add_param_group(self, param_group: dict) -> None:
+        _check_hyper({**self.defaults, **param_group})
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            _check_param(p)
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            self._param_index[p] = len(self._param_index)
+
+    def set_element_offset(self, param: torch.Tensor, offset: int) -> None:
+        """Index of ``param``'s first element in the full tensor it is a shard of.
+
+        Stochastic rounding draws its bits from (seed, parameter index, step, element
+        index + offset), so a dim-0 shard then rounds exactly like the unsharded tensor.
+        """
+        if param not in self._param_index:
+            raise ValueError("param is not managed by this optimizer")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset must be a non-negative int, got {offset!r}")
+        self._sr_offset[param] = offset
+        self._plans.clear()
+
+    # ------------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step of every parameter with a gradient. Returns ``closure()``'s loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            buckets: dict[tuple, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                _check_grad(p, p.grad)
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, state)
+                key = (self._backend(p), p.device, p.dtype, p.grad.dtype)
+                buckets.setdefault(key, []).append(p)
+            for key, ps in buckets.items():
+                if key[0] == "reference":
+                    self._step_reference(group, ps)
+                else:
+                    self._step_triton(gi, group, key, ps)
+        return loss
+
+    def _backend(self, p: torch.Tensor) -> str:
+        backend = self.config.backend
+        if backend == "auto":
+            return "triton" if p.is_cuda else "reference"
+        if backend == "triton" and not p.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "backend='triton' needs CUDA parameters; for CPU parameters set "
+                "TRITON_INTERPRET=1 before importing triton, or use backend='reference'"
+            )
+        return backend
+
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        cfg = self.config
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        if cfg.high_precision_states:
+            for name in _MOMENTS:
+                state[name] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            return
+        ng = reference.num_groups(p.numel(), cfg.group_size)
+        for name, fmt in zip(_MOMENTS, (cfg.m_format, cfg.v_format), strict=True):
+            state[name] = torch.zeros(p.shape, dtype=fmt.torch_dtype, device=p.device)
+            state[name + "_amax"] = torch.zeros(ng, dtype=torch.float32, device=p.device)
+            state[name + "_k"] = torch.full((ng,), 16, dtype=torch.uint8, device=p.device)
+
+    def _options(self, group: dict, p: torch.Tensor) -> dict:
+        cfg = self.config
+        sr = cfg.stochastic_rounding
+        return dict(
+            lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+            weight_decay=group["weight_decay"], maximize=group["maximize"],
+            m_format=cfg.m_format, v_format=cfg.v_format, m_dre=cfg.m_dre, v_dre=cfg.v_dre,
+            group_size=cfg.group_size, high_precision=cfg.high_precision_states,
+            stochastic_rounding=p.dtype == torch.bfloat16 and (sr is None or sr),
+        )
+
+    def _bad_counter(self, device: torch.device) -> torch.Tensor:
+        if device not in self._bad:
+            self._bad[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._bad[device]
+
+    def _step_reference(self, group: dict, params: list[torch.Tensor]) -> None:
+        bad = self._bad_counter(params[0].device)
+        for p in params:
+            n_bad = reference.adamw_step_(
+                p, p.grad, self.state[p], **self._options(group, p), seed=self.config.seed,
+                param_index=self._param_index[p], sr_offset=self._sr_offset.get(p, 0),
+            )
+            bad.add_(n_bad)
+
+    def _step_triton(self, gi: int, group: dict, key: tuple, params: list[torch.Tensor]) -> None:
+        from . import ops  # Triton is needed only here
+
+        work = [p if p.is_contiguous() else p.contiguous() for p in params]
+        grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
+        states = [self.state[p] for p in params]
+        opts = self._options(group, params[0])
+        lr = opts["lr"]
+        if isinstance(lr, torch.Tensor) and lr.device != params[0].device:
+            if lr.device.type != "cpu":
+                raise ValueError(f"lr is a tensor on {lr.device}, parameters are on {params[0].device}")
+            opts["lr"] = lr.item()  # a CPU tensor: no device sync
+        ptrs = tuple(t.data_ptr() for t in chain(work, grads))
+        cached = self._plans.get((gi, key))
+        if cached is None or cached[0] != ptrs:
+            plan = ops.make_plan(
+                work, grads, states,
+                [reference.sr_stream(self.config.seed, self._param_index[p]) for p in params],
+                [self._sr_offset.get(p, 0) for p in params],
+                group_size=self.config.group_size,
+                high_precision=self.config.high_precision_states,
+            )
+            self._plans[(gi, key)] = (ptrs, plan)
+        else:
+            plan = cached[1]
+        ops.fused_adamw_step_(plan, work, grads, states, self._bad_counter(params[0].device), **opts)
+        for w, p in zip(work, params, strict=True):
+            if w is not p:
+                p.copy_(w)
+        torch.autograd.graph.increment_version([w for w in work])
+
+    def nonfinite_groups(self, reset: bool = False) -> int:
+        """Groups skipped for non-finite values since construction or the last reset.
+
+        Reads device counters (a host-device sync): call it every N steps, not every step.
+        """
+        total = sum(int(c.item()) for c in self._bad.values())
+        if reset:
+            for c in self._bad.values():
+                c.zero_()
+        return total
+
+    # ------------------------------------------------------------------ state dicts
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a ``CoatAdamW`` or a ``torch.optim.AdamW`` state dict.
+
+        Tensors go to each parameter's device without changing a bit when the saved format
+        matches this optimizer's config; otherwise the moments are converted (AdamW's fp32
+        moments quantized, FP8 moments of another format or group size re-quantized, FP8
+        moments dequantized for ``high_precision_states``).
+        """
+        groups, saved = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved):
+            raise ValueError(
+                f"state dict has {len(saved)} parameter groups, this optimizer {len(groups)}"
+            )
+        for i, (g, s) in enumerate(zip(groups, saved, strict=True)):
+            if len(g["params"]) != len(s["params"]):
+                raise ValueError(
+                    f"parameter group {i} has {len(g['params'])} parameters, "
+                    f"the state dict's has {len(s['params'])}"
+                )
+        id_map = dict(
+            zip(
+                chain.from_iterable(s["params"] for s in saved),
+                chain.from_iterable(g["params"] for g in groups),
+                strict=True,
+            )
+        )
+        new_state: defaultdict = defaultdict(dict)
+        for pid, pstate in state_dict["state"].items():
+            if pid not in id_map:
+                raise ValueError(f"state dict has state for unknown parameter id {pid!r}")
+            p = id_map[pid]
+            new_state[p] = self._import_state(p, pstate)
+        new_groups = []
+        for g, s in zip(groups, saved, strict=True):
+            if s.get("amsgrad", False):
+                raise ValueError("cannot load an amsgrad=True AdamW state dict into CoatAdamW")
+            ng = {k: v for k, v in s.items() if k not in _ADAMW_ONLY_KEYS}
+            ng.setdefault("maximize", False)
+            ng["params"] = g["params"]
+            _check_hyper(ng)
+            new_groups.append(ng)
+        self.state = new_state
+        self.param_groups = new_groups
+        self._plans.clear()
+
+    def load_adamw_state_dict(self, state_dict: dict) -> None:
+        """Load a ``torch.optim.AdamW`` state dict (its fp32 moments get quantized)."""
+        for pstate in state_dict["state"].values():
+            if "exp_avg_amax" in pstate:
+                raise ValueError("this is a CoatAdamW state dict: use load_state_dict")
+        self.load_state_dict(state_dict)
+
+    def to_adamw_state_dict(self) -> dict:
+        """This optimizer's state as a ``torch.optim.AdamW`` state dict (fp32 moments).
+
+        ``torch.optim.AdamW(params, ...).load_state_dict(opt.to_adamw_state_dict())`` then
+        continues from the dequantized moments.
+        """
+        sd = self.state_dict()
+        index_of = {}
+        for g_saved, g in zip(sd["param_groups"], self.param_groups, strict=True):
+            index_of.update(zip(g_saved["params"], g["params"], strict=True))
+        state = {}
+        for idx, s in sd["state"].items():
+            p = index_of[idx]
+            out = {"step": s["step"].detach().to("cpu", torch.float32).clone()}
+            for name in _MOMENTS:
+                out[name] = self._moment_fp32(p, s, name).clone()
+            state[idx] = out
+        groups = [{**g, "amsgrad": False} for g in sd["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def _moment_fp32(self, p: torch.Tensor, s: dict, name: str) -> torch.Tensor:
+        x = s[name]
+        if name + "_amax" not in s:
+            return x.detach().float().reshape(p.shape)
+        fmt = _FP8_FORMATS.get(x.dtype)
+        if fmt is None:
+            raise TypeError(f"state {name} holds {x.dtype}, expected an FP8 dtype")
+        amax, k16 = _group_numbers(s, name)
+        gs = _infer_group_size(p.numel(), amax.numel(), self.config.group_size)
+        return reference.dequantize(x, amax.to(x.device), k16.to(x.device), fmt, gs).reshape(p.shape)
+
+    def _import_state(self, p: torch.Tensor, s: dict) -> dict:
+        if "max_exp_avg_sq" in s:
+            raise ValueError("cannot load amsgrad state (max_exp_avg_sq) into CoatAdamW")
+        cfg = self.config
+        out = {"step": torch.as_tensor(s.get("step", 0.0)).to(torch.float32).reshape(()).to(p.device).clone()}
+        for name in _MOMENTS:
+            if name not in s:
+                raise ValueError(f"state of a parameter lacks {name!r}")
+            x = s[name]
+            if x.numel() != p.numel():
+                raise ValueError(
+                    f"state {name} has {x.numel()} elements, its parameter {tuple(p.shape)} "
+                    f"has {p.numel()}"
+                )
+            fmt = cfg.m_format if name == "exp_avg" else cfg.v_format
+            same = (
+                not cfg.high_precision_states
+                and name + "_amax" in s
+                and x.dtype == fmt.torch_dtype
+                and s[name + "_amax"].numel() == reference.num_groups(p.numel(), cfg.group_size)
+            )
+            if same:  # bit-exact copy
+                amax, k16 = _group_numbers(s, name)
+                out[name] = x.detach().to(p.device).reshape(p.shape).clone()
+                out[name + "_amax"] = amax.detach().to(p.device).clone()
+                out[name + "_k"] = k16.detach().to(p.device).clone()
+                continue
+            val = self._moment_fp32(p, s, name).to(p.device, torch.float32)
+            if cfg.high_precision_states:
+                out[name] = val.clone()
+            else:
+                dre = cfg.m_dre if name == "exp_avg" else cfg.v_dre
+                codes, amax, k16 = reference.quantize(val, fmt, cfg.group_size, dre)
+                out[name], out[name + "_amax"], out[name + "_k"] = codes, amax, k16
+        return out
+
+
+# ----------------------------------------------------------------------- checks
+def _check_param(p) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"params must be tensors, got {type(p).__name__}")
+    if p.is_complex():
+        raise TypeError("CoatAdamW does not support complex parameters; view them as real "
+                        "(torch.view_as_real) first")
+    if p.dtype not in _PARAM_DTYPES:
+        raise TypeError(
+            f"CoatAdamW updates float32 or bfloat16 parameters, got {p.dtype} (shape "
+            f"{tuple(p.shape)}): keep fp32 master weights, or bf16 with stochastic rounding"
+        )
+    if p.is_sparse:
+        raise TypeError("CoatAdamW does not support sparse parameters")
+
+
+def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    if g.is_sparse:
+        raise RuntimeError("CoatAdamW does not support sparse gradients; use torch.optim.SparseAdam")
+    if g.dtype not in _GRAD_DTYPES:
+        raise TypeError(
+            f"gradients must be float32, bfloat16 or float16, got {g.dtype} for a parameter "
+            f"of shape {tuple(p.shape)}"
+        )
+    if g.shape != p.shape or g.device != p.device:
+        raise ValueError(
+            f"gradient {tuple(g.shape)} on {g.device} does not match its parameter "
+            f"{tuple(p.shape)} on {p.device}"
+        )
+
+
+def _check_hyper(group: dict) -> None:
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or not lr.is_floating_point():
+            raise ValueError("a tensor lr must hold one floating-point value")
+    elif isinstance(lr, bool) or not isinstance(lr, int | float) or not lr >= 0.0:
+        raise ValueError(f"lr must be a float >= 0 or a 1-element tensor, got {lr!r}")
+    betas = group["betas"]
+    if (
+        not isinstance(betas, tuple | list)
+        or len(betas) != 2
+        or not all(isinstance(b, int | float) and not isinstance(b, bool) for b in betas)
+    ):
+        raise ValueError(f"betas must be a pair of floats, got {betas!r}")
+    for i, b in enumerate(betas):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
+    for name in ("eps", "weight_decay"):
+        x = group[name]
+        if isinstance(x, bool) or not isinstance(x, int | float) or not (0.0 <= x < math.inf):
+            raise ValueError(f"{name} must be a finite float >= 0, got {x!r}")
+    if not isinstance(group["maximize"], bool):
+        raise ValueError(f"maximize must be True or False, got {group['maximize']!r}")
+
+
+def _group_numbers(s: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    amax, k16 = s[name + "_amax"], s[name + "_k"]
+    if amax.dtype != torch.float32 or k16.dtype != torch.uint8 or amax.shape != k16.shape:
+        raise TypeError(f"state {name}_amax must be float32 and {name}_k uint8, one per group")
+    return amax, k16
+
+
+def _infer_group_size(numel: int, ngroups: int, preferred: int) -> int:
+    # Groups of G elements from element 0: for powers of two G < numel, ceil(numel / G)
+    # differs for every G, so the number of groups tells the saved group size.
+    if ngroups == reference.num_groups(numel, preferred):
+        return preferred
+    if ngroups == 1:
+        return max(16, 1 << max(numel - 1, 0).bit_length())
+    for e in range(4, 31):
+        if reference.num_groups(numel, 1 << e) == ngroups:
+            return 1 << e
+    raise ValueError(f"{ngroups} groups do not fit a parameter of {numel} elements")

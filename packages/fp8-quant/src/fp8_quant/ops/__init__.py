@@ -1,0 +1,25 @@
+"""Triton kernels (CUDA; CPU under ``TRITON_INTERPRET=1``), one module per op.
+
+Launchers take already-validated arguments (``fp8_quant.api`` checks them) and return the
+same bits as the matching ``fp8_quant.reference`` function. The ``@triton.jit`` building
+blocks in ``fp8_round`` are public: other packages' kernels import them from here.
+"""
+
+from .fp8_round import abs_max, fp8_encode, fp8_scale, round_to_fp8_grid
+from .quantize_per_block import quantize_per_block
+from .quantize_per_group import group_amax, quantize_per_group
+from .quantize_per_tensor import quantize_per_tensor, tensor_amax
+from .quantize_per_tensor_transpose import quantize_per_tensor_transpose
+
+__all__ = [
+    "abs_max",
+    "fp8_encode",
+    "fp8_scale",
+    "group_amax",
+    "quantize_per_block",
+    "quantize_per_group",
+    "quantize_per_tensor",
+    "quantize_per_tensor_transpose",
+    "round_to_fp8_grid",
+    "tensor_amax",
+]

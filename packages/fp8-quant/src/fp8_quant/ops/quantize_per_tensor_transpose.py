@@ -1,0 +1,62 @@
+"""Per-tensor quantization of a 2-D tensor that writes ``q`` and ``q^T`` in the same pass.
+
+The weight-gradient GEMM wants the FP8 activation transposed; quantizing once and writing
+both layouts reads ``x`` once instead of twice (quantize, then transpose ``q``). Each
+program quantizes a ``[BM, BN]`` tile; Triton stages the transposed tile through shared
+memory so that both stores stay coalesced.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import FP8Format
+from .fp8_round import fp8_encode, fp8_scale
+from .quantize_per_tensor import resolve_amax
+
+_BM = 128
+_BN = 128  # 16K elements per program: 64 per thread at 8 warps
+
+
+@triton.jit
+def _per_tensor_transpose_kernel(
+    x_ptr, q_ptr, qt_ptr, amax_ptr, scale_ptr,
+    M, N, stride_xm, stride_xn,
+    FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    n_nblocks = tl.maximum(tl.cdiv(N, BN), 1)  # N == 0 still runs program 0 (scale)
+    rows = (pid // n_nblocks) * BM + tl.arange(0, BM)
+    cols = (pid % n_nblocks) * BN + tl.arange(0, BN)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    scale = fp8_scale(tl.load(amax_ptr), FMT)
+    tl.store(scale_ptr, scale, mask=pid == 0)
+
+    # int64: a transposed view has stride_xn == M, and N * M can pass 2^31.
+    x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols.to(tl.int64)[None, :] * stride_xn
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    q = fp8_encode(tl.math.div_rn(x, scale), FMT)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], q, mask=mask)
+    qt_offs = cols.to(tl.int64)[:, None] * M + rows[None, :]
+    tl.store(qt_ptr + qt_offs, tl.trans(q), mask=tl.trans(mask))
+
+
+def quantize_per_tensor_transpose(
+    x: torch.Tensor, fmt: FP8Format, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of ``reference.quantize_per_tensor_transpose`` (same bits).
+
+    ``x`` is 2-D with any strides (read in place); ``q`` and ``q_t`` come out contiguous.
+    """
+    amax = resolve_amax(x, amax)
+    m, n = x.shape
+    q = torch.empty((m, n), device=x.device, dtype=fmt.torch_dtype)
+    qt = torch.empty((n, m), device=x.device, dtype=fmt.torch_dtype)
+    scale = torch.empty((), device=x.device, dtype=torch.float32)
+    grid = (max(1, triton.cdiv(m, _BM) * triton.cdiv(n, _BN)),)  # >= 1: it writes scale
+    _per_tensor_transpose_kernel[grid](
+        x, q.view(torch.uint8), qt.view(torch.uint8), amax, scale,
+        m, n, x.stride(0), x.stride(1),
+        FMT=fmt.value, BM=_BM, BN=_BN, num_warps=8,
+    )  # fmt: skip
+    return q, qt, scale
