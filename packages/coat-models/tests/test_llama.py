@@ -19,6 +19,15 @@ from coat_models import apply_coat, is_coat, linear_cross_entropy, revert_coat
 VOCAB = 256
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These models are tiny: one thread is faster than two, and far faster on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     """2 layers, hidden 64 (4 heads of 16, GQA with 2 KV heads), MLP 176 (11 x 16)."""
     kw = dict(
@@ -356,8 +365,9 @@ def test_50_steps_track_fp32_adamw():
     lr, betas, wd = 3e-3, (0.9, 0.95), 0.1
     want = train_losses(ref, torch.optim.AdamW(coat_models.param_groups(ref, wd), lr=lr, betas=betas), stream)
     got = train_losses(model, coat_models.create_optimizer(model, lr=lr, betas=betas, weight_decay=wd), stream)
-    assert want[-1] < want[0] - 2.5  # the run learns something
+    assert want[-1] < want[0] - 1.5  # the run learns something
     diff = (got - want).abs()
+    print("max |COAT - fp32| loss difference", diff.max().item(), "at step", diff.argmax().item())
     assert diff.max() <= TRAIN_TOLERANCE, f"step {diff.argmax()}: {got[diff.argmax()]} vs {want[diff.argmax()]}"
 
 
@@ -375,13 +385,13 @@ def test_hf_trainer(tmp_path, monkeypatch):
     """Trainer with ``optimizers=(create_optimizer(model, ...), None)``: trains through the
     COAT layers with the fused loss, evaluates through the plain path."""
     pytest.importorskip("accelerate")
+    model = apply_coat(tiny_llama())
     calls = []
     decoder_layer = coat_models.blocks.decoder_layer
     monkeypatch.setattr(coat_models.blocks, "decoder_layer", lambda *a, **k: calls.append(1) or decoder_layer(*a, **k))
     stream = token_stream(6, batch=4)
     train = [{"input_ids": x, "labels": x} for x in stream[:5].reshape(-1, stream.shape[-1])]
     evaluation = [{"input_ids": x, "labels": x} for x in stream[5]]
-    model = apply_coat(tiny_llama())
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=4, learning_rate=3e-3,
         weight_decay=0.1, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",

@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from transformers import LlavaForConditionalGeneration
-
 from coat_models.optim import param_groups
 from coat_models.vila import (
     apply_coat_vlm,
@@ -33,6 +31,7 @@ from coat_models.vl_data import (
     sample,
 )
 from coat_models.vl_train import evaluate_vlm, train_vlm, vl_train_config
+from transformers import LlavaForConditionalGeneration
 
 STEPS = 50
 
@@ -155,12 +154,12 @@ def bf16_run(tmp_path_factory):
 
 
 # Per-step tolerance against BF16 (bf16 autocast + torch AdamW, same data and init):
-# |loss - loss_bf16| <= 0.02 + 2% of loss_bf16. Measured worst over seeds 0-3: coat-act
-# 0.0183 nats (0.56%, step 23 of seed 0, where 0.085 was allowed); the FP8 error is a few
-# percent of each update (the SQNR floors above) and compounds slowly. The margin leaves room
-# for CoatAdamW's FP8 moments in mode coat. A broken backward (a missing gradient, a wrong
-# scale) stays near the initial 5.8 while BF16 falls to ~2.4: far outside.
-TOL_ABS, TOL_REL = 0.02, 0.02
+# |loss - loss_bf16| <= 0.01 + 1% of loss_bf16. Measured worst over seeds 0-3: coat 0.0201
+# nats (seed 0, step 23, loss 3.28: 47% of the 0.0428 allowed there), coat-act 0.0108. The FP8
+# error is a few percent of each update (the SQNR floors above) plus CoatAdamW's FP8 moments,
+# and compounds slowly. A broken backward (a missing gradient, a wrong scale) stays near the
+# initial 5.8 while BF16 falls to ~2.4: far outside.
+TOL_ABS, TOL_REL = 0.01, 0.01
 
 
 @pytest.mark.parametrize("mode", ["coat-act", "coat"])
@@ -180,8 +179,9 @@ def test_50_steps_track_bf16_at_every_step(bf16_run, mode):
 def test_train_vlm_learns_and_writes_the_cli_records(bf16_run):
     summary, out = bf16_run
     losses = summary["losses"]
-    # The template is learnt first: from ~ln(320) = 5.8 to under a third of it in 50 steps.
-    assert losses[0] > 5.0 and sum(losses[-5:]) / 5 < losses[0] / 3
+    # The captions' template is learnt first: from ~ln(320) = 5.8 to under half of it (2.42
+    # measured) in 50 steps; reading the images takes a few hundred more.
+    assert losses[0] > 5.0 and sum(losses[-5:]) / 5 < losses[0] / 2
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["type"] == "train"]
     evals = [r for r in records if r["type"] == "eval"]
@@ -330,7 +330,9 @@ def test_task_is_deterministic_and_split():
         assert torch.equal(value, b.batch(3, 4)[key])
     assert not torch.equal(a.batch(3, 4)["pixel_values"], a.batch(4, 4)["pixel_values"])
     assert not torch.equal(a.batch(3, 4)["pixel_values"], a.batch(3, 4, micro=1)["pixel_values"])
-    assert not torch.equal(a.batch(0, 4)["pixel_values"], ShapesCaptions(32, 16, seed=1).batch(0, 4)["pixel_values"])
+    assert not torch.equal(
+        a.batch(0, 4)["pixel_values"], ShapesCaptions(32, 16, seed=1).batch(0, 4)["pixel_values"]
+    )
     train = {sample(0, "train", i, 32).image.tobytes() for i in range(200)}
     assert not any(sample(0, "val", i, 32).image.tobytes() in train for i in range(200))
     val = a.val_batches(batch_size=100)
@@ -386,7 +388,9 @@ def test_caption_accuracy_counts_whole_captions():
             for row, col in self.wrong:
                 logits[row, col] = 0
                 logits[row, col, 0] = 1.0
-            return transformers.modeling_outputs.CausalLMOutput(loss=torch.tensor(0.0), logits=logits)
+            return transformers.modeling_outputs.CausalLMOutput(
+                loss=torch.tensor(0.0), logits=logits
+            )
 
     task = ShapesCaptions(32, 16, images_per_sample=2)
     batches = [task.batch(0, 2)]

@@ -11,11 +11,10 @@ SQNR floors (dB), bf16/fp32 x of shape (4, 16, 128) ~N(0, 1) with outliers, weig
 
 from __future__ import annotations
 
+import fp8_activations as fa
 import pytest
 import torch
 import torch.nn.functional as F
-
-import fp8_activations as fa
 from fp8_activations import FP8Config
 from fp8_activations.ops.linear import _CACHE_ATTR, scaled_mm_supported
 

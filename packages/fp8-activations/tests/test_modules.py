@@ -6,11 +6,9 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 
+import fp8_activations as fa
 import pytest
 import torch
-from torch import nn
-
-import fp8_activations as fa
 from fp8_activations import (
     FP8GELU,
     FP8LayerNorm,
@@ -20,6 +18,7 @@ from fp8_activations import (
     convert_to_fp8_activations,
     revert_fp8_activations,
 )
+from torch import nn
 
 
 class LlamaLikeRMSNorm(nn.Module):

@@ -7,10 +7,9 @@ from __future__ import annotations
 import gc
 import weakref
 
+import fp8_activations as fa
 import pytest
 import torch
-
-import fp8_activations as fa
 from fp8_activations import FP8Config
 from fp8_activations.tensor import handed_over
 

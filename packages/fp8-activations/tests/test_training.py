@@ -1,26 +1,28 @@
 """Convergence: a converted model and its high-precision twin, same init and data, trained
 side by side; the loss must stay within a stated tolerance of the twin's at every step.
 
-Tolerance: |loss_fp8 - loss_ref| <= 0.05 * loss_ref + 0.01 per step. Reasoning: forward
-outputs carry ~29 dB SQNR (3.5% relative RMS error) through the FP8 GEMMs, and the
-per-step gradient error (~25 dB) feeds back into the weights; the measured worst step
-was 1.0-1.5% (printed on failure), so 5% leaves ~3x margin yet fails on any real bug (a
-wrong gradient stalls or diverges the loss within a few steps).
+Tolerance: |loss_fp8 - loss_ref| <= 0.05 * loss_ref + 0.01 at each of 20 AdamW steps, and
+the FP8 model's loss must fall below 0.7x its start. Reasoning: forward outputs carry
+~29 dB SQNR (3.5% relative RMS error) through the FP8 GEMMs and the gradients ~25 dB, so
+a few percent of loss gap is the expected cost; measured worst |gap| / loss over 25 steps
+(printed with -s): MLP 2.0%, block 3.6% (modules) / 3.3% (precision flow), bf16 block
+4.3% (late steps, where the loss is ~0.1 and the 0.01 absolute term dominates). A wrong
+gradient (sign, scale, missing term) diverges or stalls the loss within a few steps and
+fails both checks.
 """
 
 from __future__ import annotations
 
 import copy
 
+import fp8_activations as fa
 import pytest
 import torch
 import torch.nn.functional as F
+from fp8_activations import FP8Config, convert_to_fp8_activations
 from torch import nn
 
-import fp8_activations as fa
-from fp8_activations import FP8Config, convert_to_fp8_activations
-
-STEPS = 25
+STEPS = 20
 
 
 def _mlp():
@@ -82,6 +84,7 @@ def _train_side_by_side(make, x, target, lr=3e-3, config=None):
     bad = [(i, r, f) for i, (r, f) in enumerate(losses) if abs(f - r) > 0.05 * r + 0.01]
     assert not bad, f"steps off tolerance (step, ref, fp8): {bad}; worst rel {worst:.4f}"
     assert losses[-1][1] < 0.7 * losses[0][1], f"FP8 model did not learn: {losses}"
+    print(f"worst relative loss gap {worst:.4f}, loss {losses[0][0]:.4f} -> {losses[-1][0]:.4f}")
     return losses
 
 

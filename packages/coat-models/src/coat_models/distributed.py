@@ -650,9 +650,8 @@ def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = Tr
     unsaved = _check_against(saved, state, path, strict)
     for key in unsaved:  # parameters without optimizer state when saved (no gradient yet)
         del state["optim"][key]
-    extra = io.BytesIO() if "extra" in saved else None
-    if extra is not None:
-        state["extra"] = extra
+    if "extra" in saved:
+        state["extra"] = io.BytesIO()
     dcp.load(state, checkpoint_id=path)
     options = StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
     if optimizer is None:
@@ -664,8 +663,9 @@ def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = Tr
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
             options=options,
         )
-    if extra is None:
+    if "extra" not in state:
         return None
+    extra = state["extra"]  # DCP puts a new BytesIO in the dict
     extra.seek(0)
     return torch.load(extra, weights_only=True)
 

@@ -302,7 +302,7 @@ def adamw_step_(
     denom = _sqrt(v) * inv_sqrt_bc2 + fp32(eps)
     p = p_old * decay - (m / denom) * step_size
 
-    bad = ~((p.abs() + v).amax(dim=1) < math.inf)  # [ng]; amax propagates NaN
+    bad = ~(torch.fmin(p.abs() + v, torch.tensor(math.inf)).amax(dim=1) < math.inf)  # [ng]
     keep = bad[:, None]
 
     if param.dtype == torch.bfloat16:

@@ -10,8 +10,8 @@ Semantics shared by every quantizer (the Triton kernels compute exactly the same
 * ``q = fp8(clamp(x.float() * (1 / scale), -fmt.max, fmt.max))`` with round-to-nearest-even
   (subnormals included, signed zeros kept). Multiplying by the reciprocal rather than
   dividing element by element keeps the kernels memory-bound (a correctly rounded fp32
-  division costs about ten GPU instructions, a product one); it moves the scaled value by at
-  most an fp32 ulp, far below FP8 resolution;
+  division costs about ten GPU instructions, a product one); it moves the scaled value by
+  less than 2^-23 relative, far below FP8 resolution (2^-4 for E4M3);
 * ``amax / fmt.max`` and ``1 / scale`` are IEEE fp32 divisions, the product an IEEE fp32
   product, so every device gives the same bits;
 * an all-zero group, or one whose ``amax / fmt.max`` underflows (is below 2^-126, the

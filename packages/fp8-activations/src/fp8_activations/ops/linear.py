@@ -32,7 +32,10 @@ def quantize_t(
 
     ``amax`` (0-dim) skips the reduction pass: group scaling hands it over.
     """
-    return quantize_per_tensor_transpose(x, fmt, amax=amax, backend=backend)
+    q, q_t, scale = quantize_per_tensor_transpose(x.contiguous(), fmt, amax=amax, backend=backend)
+    if q_t.data_ptr() == q.data_ptr():  # one row (or column): q.T is q; outputs may not alias
+        q_t = q_t.clone()
+    return q, q_t, scale
 
 
 @quantize_t.register_fake

@@ -50,7 +50,7 @@ NCOL = tl.constexpr(12)
 # a program as numpy ops on the whole tile, so there bigger programs are faster.
 BLOCK_G = 8
 NUM_WARPS = 4
-INTERPRET_BLOCK_G = 16
+INTERPRET_BLOCK_G = 64
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -75,11 +75,6 @@ def _exp2(x, PTX: tl.constexpr):
 
 
 @triton.jit
-def _nan_max(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _mix32(x):
     # lowbias32 integer hash on uint32 (reference.mix32).
     x = x ^ (x >> 16)
@@ -87,6 +82,13 @@ def _mix32(x):
     x = x ^ (x >> 15)
     x = x * 0x846CA68B
     return x ^ (x >> 16)
+
+
+@triton.jit
+def _bc(per_group):
+    # [BLOCK_G] -> [1, BLOCK_G, 1], to broadcast over a tile. Expanding the last axis first
+    # mirrors the reductions (axis 0, then 1), so no layout conversion is needed.
+    return per_group[:, None][None, :, :]
 
 
 @triton.jit
@@ -101,21 +103,28 @@ def _dequant(codes, amax, k16, FMT: tl.constexpr, FMAX: tl.constexpr, LOG2_FMAX:
     a = tl.abs(q)
     inv_k = tl.math.div_rn(tl.full(k16.shape, 16.0, tl.float32), k16.to(tl.float32))
     off = _log2(amax, PTX) - LOG2_FMAX * inv_k
-    r = _exp2(_log2(a, PTX) * inv_k[:, None] + off[:, None], PTX)
-    r = tl.where(a == FMAX, amax[:, None], r)
+    r = _exp2(_log2(a, PTX) * _bc(inv_k) + _bc(off), PTX)
+    r = tl.where(a == FMAX, _bc(amax), r)
     return tl.where(q < 0.0, -r, r)
 
 
 @triton.jit
 def _quant(x, FMT: tl.constexpr, DRE: tl.constexpr, FMAX: tl.constexpr,
            LOG2_FMAX: tl.constexpr, C16: tl.constexpr, PTX: tl.constexpr):
-    # Returns (uint8 codes, amax, k16 uint8) of a [BLOCK_G, G] tile (reference.quantize_groups).
+    # Returns (uint8 codes, amax, k16 uint8) of a tile (reference.quantize_groups).
+    # fp32 subnormals (< 2^-126) count as zero. On the GPU lg2.approx.ftz already maps
+    # them to -inf (so y = 0) and only the per-group numbers need the rule: two
+    # instructions per element saved against an explicit flush.
+    FLUSH: tl.constexpr = 1.1754943508222875e-38
     a = tl.abs(x)
-    a = tl.where(a < 1.1754943508222875e-38, 0.0, a)  # fp32 subnormals count as zero
-    amax = tl.max(a, axis=1)
+    if not PTX:
+        a = tl.where(a < FLUSH, 0.0, a)
+    amax = tl.max(tl.max(a, axis=0), axis=1)
+    amax = tl.where(amax < FLUSH, 0.0, amax)
     lmx = _log2(amax, PTX)
     if DRE:
-        amin = tl.min(tl.where(a > 0.0, a, float("inf")), axis=1)
+        amin = tl.where(a >= FLUSH, a, float("inf"))
+        amin = tl.min(tl.min(amin, axis=0), axis=1)
         log2_range = lmx - _log2(amin, PTX)
         # Per group, not per element: the exact division costs nothing here and keeps k
         # identical on every backend except where log2 itself differs.
@@ -125,7 +134,7 @@ def _quant(x, FMT: tl.constexpr, DRE: tl.constexpr, FMAX: tl.constexpr,
         k16 = tl.full(amax.shape, 16.0, tl.float32)
     k = k16 * 0.0625
     off = LOG2_FMAX - tl.where(amax > 0.0, lmx, 0.0) * k
-    y = _exp2(_log2(a, PTX) * k[:, None] + off[:, None], PTX)
+    y = _exp2(_log2(a, PTX) * _bc(k) + _bc(off), PTX)
     y = tl.where(x < 0.0, -y, y)
     if PTX:
         # cvt.rn.satfinite: round to nearest even and saturate, one instruction per pair.
@@ -222,13 +231,20 @@ def _adamw_kernel(
     inv_sqrt_bc2 = tl.load(hrow + 1).to(tl.float32, bitcast=True)
     decay = tl.load(hrow + 2).to(tl.float32, bitcast=True)
 
+    # Tile [J, BLOCK_G, I], element (j, g, i) at g * G + j * I + i: Triton spreads the I
+    # contiguous elements over I / 4 threads (16-byte accesses) and the groups over the
+    # rest of the warp, so a thread holds J * 4 elements of one group (16 at G = 128):
+    # the per-group work (reductions, k, scales) is shared by 8 threads instead of 32.
+    I: tl.constexpr = 32 if G >= 32 else G
+    J: tl.constexpr = G // I
     rg = tl.arange(0, BLOCK_G)
-    local = rg[:, None] * G + tl.arange(0, G)[None, :]
+    local = (rg[None, :, None] * G + tl.arange(0, J)[:, None, None] * I
+             + tl.arange(0, I)[None, None, :])
     emask = local < rem
     gmask = rg * G < rem
     # Access the FP8 codes 4 per thread, as the fp32 data: same register layout, no shared
     # memory round trip to convert between a 16-per-thread uint8 and a 4-per-thread layout.
-    local8 = tl.max_contiguous(local, 4)
+    local8 = tl.max_contiguous(local, [1, 1, 4])
 
     p_ptrs = p_base + p_off + local
     p = tl.load(p_ptrs, mask=emask, other=0.0).to(tl.float32)
@@ -261,9 +277,10 @@ def _adamw_kernel(
 
     # Non-finite policy: a group with any NaN/inf in its new p or v is not written at all
     # (its old p, m, v and per-group numbers stay bit for bit) and is counted. A non-finite
-    # m always makes p non-finite; NaN-propagating max: one reduction for the group.
-    gok = tl.reduce(tl.abs(p) + v, 1, _nan_max) < float("inf")
-    smask = emask & gok[:, None]
+    # m always makes p non-finite. min(NaN, inf) = inf (minNum), then a plain max.
+    bad = tl.minimum(tl.abs(p) + v, float("inf"))
+    gok = tl.max(tl.max(bad, axis=0), axis=1) < float("inf")
+    smask = emask & _bc(gok)
     n_bad = tl.sum((gmask & (gok == 0)).to(tl.int32), axis=0)
     if n_bad > 0:
         tl.atomic_add(bad_ptr, n_bad)

@@ -10,7 +10,9 @@ format as a constexpr string, ``FMT="e4m3"`` or ``"e5m2"`` (``FP8Format.value``)
 * ``round_to_fp8_grid(y, FMT)``: the same rounding, but returns the fp32 value of the FP8
   number (NaN stays NaN). Use it for in-register math on quantized values; a later
   ``.to(tl.float8e4nv)`` of its result is exact on a GPU.
-* ``fp8_scale(amax, FMT)``: ``amax / fmt.max`` correctly rounded, 1 where that is 0.
+* ``fp8_scale(amax, FMT)``: ``(scale, inv_scale)``: ``amax / fmt.max`` correctly rounded
+  (1 for a zero or underflowing group) and its correctly rounded reciprocal. The quantized
+  value is ``fp8_encode(x * inv_scale, FMT)``, as in ``fp8_quant.reference``.
 * ``abs_max(x, axis)``: max of ``|x|`` along ``axis`` that propagates NaN like ``torch.amax``
   (combine partial results with ``tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)``).
 
@@ -20,9 +22,10 @@ instead of rounding to nearest even, drops the carry when rounding crosses a pow
 and GPU disagree. Everything here is plain fp32 and int32 arithmetic whose results IEEE 754
 fixes exactly, so the interpreter (numpy) and a GPU give the same bits.
 
-Why ``tl.math.div_rn``: Triton lowers an fp32 ``/`` to ``div.full.f32`` on NVIDIA GPUs
-(up to 2 ulp off), while torch divides correctly rounded; ``div_rn`` is ``div.rn.f32`` (no
-flush-to-zero) on the GPU and numpy's IEEE division in the interpreter.
+Why ``tl.math.div_rn`` for the two per-group divisions: Triton lowers an fp32 ``/`` to
+``div.full.f32`` on NVIDIA GPUs (up to 2 ulp off), while torch divides correctly rounded;
+``div_rn`` is ``div.rn.f32`` (no flush-to-zero) on the GPU and numpy's IEEE division in the
+interpreter. Per element there is only a product, ``x * inv_scale``, exact IEEE everywhere.
 """
 
 import triton
@@ -43,17 +46,21 @@ def abs_max(x, axis):
 
 @triton.jit
 def fp8_scale(amax, FMT: tl.constexpr):
-    """fp32 scale for fp32 ``amax``: ``amax / fmt.max`` rounded correctly, 1 where that is 0.
+    """``(scale, inv_scale)`` for fp32 ``amax``, exactly as ``reference.scale_from_amax``.
 
-    A zero group gets scale 1 so that it quantizes to 0 and dequantizes to 0; NaN and inf
-    amaxes pass through (the whole group then dequantizes to NaN).
+    ``scale = amax / fmt.max`` correctly rounded, replaced by 1 where it is below 2^-126 (a
+    zero group: it quantizes to 0 and dequantizes to 0; an underflowing one: its reciprocal
+    could overflow). ``inv_scale = 1 / scale`` correctly rounded; quantize with
+    ``fp8_encode(x * inv_scale, FMT)``. NaN and inf amaxes pass through (the whole group then
+    dequantizes to NaN).
     """
     if FMT == "e4m3":
         MAX: tl.constexpr = 448.0
     else:
         MAX: tl.constexpr = 57344.0
     scale = tl.math.div_rn(amax, tl.full(amax.shape, MAX, tl.float32))
-    return tl.where(scale == 0.0, 1.0, scale)
+    scale = tl.where(scale < 2.0**-126, 1.0, scale)
+    return scale, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
 
 
 @triton.jit

@@ -16,6 +16,15 @@ _MAX_TILE = 16384  # elements of a sub-tile: 64 per thread at 8 warps
 
 
 @triton.jit
+def _load_tile(x_ptr, rows, cols, M, N, stride_xm, stride_xn):
+    """fp32 tile ``x[rows][:, cols]`` (zeros outside the tensor) and its in-bounds mask."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    # int64: rows * stride, and cols * stride of a transposed view, can pass 2^31.
+    offs = rows.to(tl.int64)[:, None] * stride_xm + cols.to(tl.int64)[None, :] * stride_xn
+    return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), mask
+
+
+@triton.jit
 def _per_block_kernel(
     x_ptr, q_ptr, s_ptr,
     M, N, stride_xm, stride_xn,
@@ -28,32 +37,25 @@ def _per_block_kernel(
     col0 = (pid % nb_n) * BLOCK_N
     rows = row0 + tl.arange(0, TM)
     cols = col0 + tl.arange(0, TN)
-    # int64 offsets: rows * stride, and cols * stride of a transposed view, can pass 2^31.
-    x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols.to(tl.int64)[None, :] * stride_xn
-    q_base = q_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
 
     if TM == BLOCK_M and TN == BLOCK_N:  # the block fits in registers: one read
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        x = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
-        scale = fp8_scale(abs_max(abs_max(x, 1), 0), FMT)
-        tl.store(q_base, fp8_encode(tl.math.div_rn(x, scale), FMT), mask=mask)
+        x, mask = _load_tile(x_ptr, rows, cols, M, N, stride_xm, stride_xn)
+        scale, inv_scale = fp8_scale(abs_max(abs_max(x, 1), 0), FMT)
+        q_offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(q_ptr + q_offs, fp8_encode(x * inv_scale, FMT), mask=mask)
     else:
         amax = tl.zeros([], dtype=tl.float32)
         for i in range(0, BLOCK_M, TM):
             for j in range(0, BLOCK_N, TN):
-                mask = (rows + i < M)[:, None] & (cols + j < N)[None, :]
-                x_offs = i.to(tl.int64) * stride_xm + j.to(tl.int64) * stride_xn
-                x = tl.load(x_base + x_offs, mask=mask, other=0.0)
+                x, mask = _load_tile(x_ptr, rows + i, cols + j, M, N, stride_xm, stride_xn)
                 tile_max = abs_max(abs_max(x, 1), 0)
                 amax = tl.maximum(amax, tile_max, propagate_nan=tl.PropagateNan.ALL)
-        scale = fp8_scale(amax, FMT)
+        scale, inv_scale = fp8_scale(amax, FMT)
         for i in range(0, BLOCK_M, TM):
             for j in range(0, BLOCK_N, TN):
-                mask = (rows + i < M)[:, None] & (cols + j < N)[None, :]
-                x_offs = i.to(tl.int64) * stride_xm + j.to(tl.int64) * stride_xn
-                x = tl.load(x_base + x_offs, mask=mask, other=0.0)
-                q = fp8_encode(tl.math.div_rn(x.to(tl.float32), scale), FMT)
-                tl.store(q_base + (i.to(tl.int64) * N + j), q, mask=mask)
+                x, mask = _load_tile(x_ptr, rows + i, cols + j, M, N, stride_xm, stride_xn)
+                q_offs = (rows + i).to(tl.int64)[:, None] * N + (cols + j)[None, :]
+                tl.store(q_ptr + q_offs, fp8_encode(x * inv_scale, FMT), mask=mask)
     tl.store(s_ptr + pid, scale)
 
 

@@ -46,8 +46,8 @@ def _group_kernel(
         x = tl.load(x_row + cols0[None, :, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
         amax = abs_max(x, 2)
         if QUANTIZE:
-            scale = fp8_scale(amax, FMT)
-            q = fp8_encode(tl.math.div_rn(x, scale[:, :, None]), FMT)
+            scale, inv_scale = fp8_scale(amax, FMT)
+            q = fp8_encode(x * inv_scale[:, :, None], FMT)
             tl.store(q_row + cols0[None, :, :], q, mask=mask)
     else:  # huge groups: a max pass, then a quantize pass over the same (cached) chunks
         amax = tl.zeros([BM, BG], dtype=tl.float32)
@@ -57,12 +57,12 @@ def _group_kernel(
             x = tl.load(x_row + cols[None, :, :] * stride_xn, mask=mask, other=0.0)
             amax = tl.maximum(amax, abs_max(x, 2), propagate_nan=tl.PropagateNan.ALL)
         if QUANTIZE:
-            scale = fp8_scale(amax, FMT)
+            scale, inv_scale = fp8_scale(amax, FMT)
             for c in range(0, G, CHUNK):
                 cols = cols0 + c
                 mask = row_ok[:, None, None] & (cols < N)[None, :, :]
                 x = tl.load(x_row + cols[None, :, :] * stride_xn, mask=mask, other=0.0)
-                q = fp8_encode(tl.math.div_rn(x.to(tl.float32), scale[:, :, None]), FMT)
+                q = fp8_encode(x.to(tl.float32) * inv_scale[:, :, None], FMT)
                 tl.store(q_row + cols[None, :, :], q, mask=mask)
 
     out = amax

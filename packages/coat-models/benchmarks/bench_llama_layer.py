@@ -1,0 +1,170 @@
+"""One Llama-2-7B decoder layer (hidden 4096, MLP 11008, 32 heads, batch 4, seq 2048, SDPA,
+bf16): activation memory and forward+backward time, side by side.
+
+Variants: BF16 eager, BF16 + torch.compile, torchao float8 tensorwise + torch.compile (when
+torchao is importable) and COAT (``apply_coat``). Targets for COAT: activation memory
+<= 640 MB and fwd+bwd <= 12.0 ms (MB = 10^6 bytes).
+
+* Activation memory: ``memory_allocated`` after forward minus before it (weights, input
+  and, for COAT, the persistent FP8 weight cache already allocated), minus the output. For
+  COAT the output also carries its 1x16 FP8 form, handed to the next layer's RMSNorm, which
+  saves it instead of quantizing again: that is the next layer's activation, subtracted too
+  (and reported). The FP8 weight cache (2 bytes/parameter, kept between steps) is reported
+  apart.
+* Time: median of fwd+bwd with a CUDA synchronize, parameter grads reset in between. For
+  COAT each weight's version is bumped before every timed round, as an optimizer step does,
+  so the timed forward includes casting the weights to FP8.
+
+Run: ``pytest -o python_files='bench_*.py' --benchmark-only packages/coat-models/benchmarks``;
+prints a table; ``BENCH_OUT=path.json`` also writes the results as JSON.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+BATCH, SEQ, HIDDEN, MLP, HEADS = 4, 2048, 4096, 11008, 32
+DEVICE = "cuda"
+TARGET_MB, TARGET_MS = 640.0, 12.0
+VARIANTS = ["bf16_eager", "bf16_compile", "torchao_float8_compile", "coat"]
+RESULTS: dict[str, dict] = {}
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _model():
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(
+        hidden_size=HIDDEN, intermediate_size=MLP, num_attention_heads=HEADS,
+        num_key_value_heads=HEADS, num_hidden_layers=1, vocab_size=128,
+        max_position_embeddings=SEQ, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaModel(config).to(DEVICE, torch.bfloat16).train()
+
+
+def _layer(variant: str):
+    """``(forward(x) -> out, the layer module)``."""
+    model = _model()
+    layer = model.layers[0]
+    x0 = torch.zeros(1, SEQ, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
+    pos = model.rotary_emb(x0, torch.arange(SEQ, device=DEVICE)[None])
+    if variant == "coat":
+        from coat_models import apply_coat
+
+        apply_coat(model)
+    elif variant == "torchao_float8_compile":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(layer, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    run = layer
+    if variant.endswith("compile"):
+        run = torch.compile(layer)
+
+    def forward(x):
+        return run(x, attention_mask=None, position_embeddings=pos)
+
+    return forward, layer
+
+
+def _handed_over_bytes(out) -> int:
+    from fp8_activations import handed_over
+
+    h = handed_over(out)
+    if h is None or h.fp8 is None:
+        return 0
+    return h.fp8.nbytes
+
+
+def _weight_cache_bytes(layer) -> int:
+    total = 0
+    for p in layer.parameters():
+        hit = getattr(p, "_fp8_weight_cache", None)
+        if hit is not None:
+            total += sum(t.numel() * t.element_size() for t in hit[1])
+    return total
+
+
+def _bump_versions(layer):
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.mul_(1)  # in place: bumps p._version like optimizer.step()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    if not RESULTS:
+        return
+    head = f"{'variant':<24}{'act MB':>10}{'act MiB':>10}{'fwd+bwd ms':>12}"
+    lines = [head, "-" * len(head)]
+    for name, r in RESULTS.items():
+        lines.append(f"{name:<24}{r['act_MB']:>10.1f}{r['act_MiB']:>10.1f}{r['fwd_bwd_ms']:>12.3f}")
+    if "coat" in RESULTS:
+        r = RESULTS["coat"]
+        lines.append(
+            f"coat: handed-over FP8 of the output {r['handed_over_MB']:.1f} MB, FP8 weight cache "
+            f"{r['weight_cache_MB']:.1f} MB; targets <= {TARGET_MB} MB: "
+            f"{'met' if r['act_MB'] <= TARGET_MB else 'NOT met'}, <= {TARGET_MS} ms: "
+            f"{'met' if r['fwd_bwd_ms'] <= TARGET_MS else 'NOT met'}"
+        )
+    print("\n" + "\n".join(lines))
+    if os.environ.get("BENCH_OUT"):
+        meta = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "shape": {"batch": BATCH, "seq": SEQ, "hidden": HIDDEN, "mlp": MLP, "heads": HEADS},
+            "targets": {"act_MB": TARGET_MB, "fwd_bwd_ms": TARGET_MS},
+        }
+        with open(os.environ["BENCH_OUT"], "w") as f:
+            json.dump({"meta": meta, "results": RESULTS}, f, indent=2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_llama2_7b_layer(benchmark, variant):
+    if variant == "torchao_float8_compile" and importlib.util.find_spec("torchao") is None:
+        pytest.skip("torchao is not installed")
+    forward, layer = _layer(variant)
+    x = torch.randn(BATCH, SEQ, HIDDEN, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def step():
+        forward(x).backward(grad)
+        torch.cuda.synchronize()
+
+    def setup(bump=True):
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        if bump and variant == "coat":
+            _bump_versions(layer)
+
+    for _ in range(3):  # compile, autotune, allocate the weight cache
+        setup()
+        step()
+
+    # Activation memory; the FP8 weight cache of the last warm-up round is still valid.
+    setup(bump=False)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = forward(x)
+    torch.cuda.synchronize()
+    handed = _handed_over_bytes(out)
+    act = torch.cuda.memory_allocated() - before - out.numel() * out.element_size() - handed
+    out.backward(grad)
+    del out
+
+    benchmark.pedantic(step, setup=setup, rounds=20, warmup_rounds=2, iterations=1)
+    RESULTS[variant] = {
+        "act_MB": act / 1e6,
+        "act_MiB": act / 2**20,
+        "fwd_bwd_ms": benchmark.stats.stats.median * 1e3,
+        "handed_over_MB": handed / 1e6,
+        "weight_cache_MB": _weight_cache_bytes(layer) / 1e6,
+    }

@@ -1,0 +1,118 @@
+"""Bad input gets a clear error at the public function; odd but valid input just works."""
+
+from __future__ import annotations
+
+import fp8_activations as fa
+import pytest
+import torch
+from fp8_activations import FP8Config, FP8Tensor, Granularity
+
+X = torch.randn(4, 32)
+W = torch.randn(16, 32)
+
+UNARY = {
+    "silu": lambda x, c=None: fa.silu(x, c),
+    "gelu": lambda x, c=None: fa.gelu(x, "none", c),
+    "rms_norm": lambda x, c=None: fa.rms_norm(x, None, 1e-6, c),
+    "layer_norm": lambda x, c=None: fa.layer_norm(x, x.shape[-1], None, None, 1e-5, c),
+    "swiglu": lambda x, c=None: fa.swiglu(x, x, c),
+    "residual_add": lambda x, c=None: fa.residual_add(x, x, c),
+    "fp8_linear": lambda x, c=None: fa.fp8_linear(x, W, None, c),
+}
+
+
+@pytest.mark.parametrize("op", UNARY)
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (torch.ones(4, 32, dtype=torch.int32), "must be bfloat16, float16, float32 or float64"),
+        (X.to(torch.float8_e4m3fn), "FP8Tensor.dequantize"),
+        (X.numpy(), "must be a torch.Tensor"),
+    ],
+    ids=["int32", "fp8", "numpy"],
+)
+def test_wrong_dtype_or_type(op, bad, match):
+    with pytest.raises(TypeError, match=match):
+        UNARY[op](bad)
+
+
+@pytest.mark.parametrize("op", UNARY)
+def test_wrong_config_type(op):
+    with pytest.raises(TypeError, match="FP8Config"):
+        UNARY[op](X, {"group_size": 16})
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: fa.fp8_linear(X, torch.randn(16, 31)), ValueError, r"weight.shape\[1\] = 31"),
+        (lambda: fa.fp8_linear(X, torch.randn(16)), ValueError, "must be 2-D"),
+        (lambda: fa.fp8_linear(X, W, torch.randn(15)), ValueError, r"bias must have shape \(16,\)"),
+        (lambda: fa.fp8_linear(X, W.to("meta")), ValueError, "weight is on meta"),
+        (lambda: fa.rms_norm(X, torch.ones(31), 1e-6), ValueError, r"weight must have shape \(32"),
+        (lambda: fa.layer_norm(X, (4, 32)), ValueError, "only the last dim"),
+        (lambda: fa.swiglu(X, torch.randn(4, 16)), ValueError, "up shape"),
+        (lambda: fa.swiglu(X, X.double()), TypeError, "up dtype"),
+        (lambda: fa.residual_add(X, X[:2]), ValueError, "residual shape"),
+        (lambda: fa.gelu(X, "erf"), ValueError, "'none' or 'tanh'"),
+        (lambda: FP8Config(group_size=12), ValueError, "power of two"),
+        (lambda: FP8Config(backend="cuda"), ValueError, "backend must be one of"),
+        (lambda: FP8Config(gemm="cublas"), ValueError, "gemm must be one of"),
+        (lambda: FP8Config(fwd_format="e3m4"), ValueError, "unknown FP8 format"),
+        (lambda: FP8Config(weight_cache="true"), TypeError, "must be a bool"),
+    ],
+    ids=[
+        "linear-in", "linear-weight-1d", "linear-bias", "linear-device", "rms-weight",
+        "ln-shape", "swiglu-shape", "swiglu-dtype", "residual-shape", "gelu-approx",
+        "group-size", "backend", "gemm", "format", "string-bool",
+    ],
+)  # fmt: skip
+def test_clear_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_scaled_mm_requested_where_it_cannot_run(monkeypatch):
+    import fp8_activations.ops.linear as lin
+
+    monkeypatch.setitem(lin._SCALED_MM_PROBE, "cpu", False)
+    with pytest.raises(ValueError, match="gemm='auto' or gemm='emulated'"):
+        fa.fp8_linear(X, W, None, FP8Config(gemm="scaled_mm"))
+
+
+@pytest.mark.parametrize("op", UNARY)
+def test_non_contiguous_input_works(op):
+    """Transposed/strided inputs give the same bits as their contiguous copies."""
+    base = torch.randn(32, 8).t()  # (8, 32), non-contiguous
+    a = base.clone().requires_grad_()
+    b = base.contiguous().requires_grad_()
+    assert not base.is_contiguous()
+    xa = a.t().contiguous().t()  # a non-contiguous leaf-derived view
+    ya, yb = UNARY[op](xa), UNARY[op](b)
+    torch.testing.assert_close(ya, yb, rtol=0, atol=0)
+    ya.sum().backward()
+    yb.sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", UNARY)
+@pytest.mark.parametrize("shape", [(0, 32), (32,), (1, 1, 32)], ids=["empty", "1d", "3d"])
+def test_odd_shapes_work(op, shape):
+    x = torch.randn(shape, requires_grad=True)
+    y = UNARY[op](x)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_fp8_tensor_validation_and_roundtrip():
+    t = FP8Tensor.quantize(X, Granularity.PER_GROUP, "e4m3", 16)
+    assert t.scale.shape == (4, 2) and t.nbytes == X.numel() + 4 * 8
+    assert (t.dequantize() - X).abs().max() <= X.abs().max() / 16
+    p = FP8Tensor.quantize(X, Granularity.PER_TENSOR, "e5m2")
+    assert p.scale.dim() == 0 and p.data.dtype == torch.float8_e5m2
+    with pytest.raises(ValueError, match="per-group scale must have shape"):
+        FP8Tensor(t.data, t.scale[:, :1], Granularity.PER_GROUP, 16, t.fmt)
+    with pytest.raises(TypeError, match="data must be"):
+        FP8Tensor(t.data, t.scale, Granularity.PER_GROUP, 16, fa.FP8Config().grad_format)
+    with pytest.raises(ValueError, match="0-dim"):
+        FP8Tensor(t.data, t.scale, Granularity.PER_TENSOR, None, t.fmt)

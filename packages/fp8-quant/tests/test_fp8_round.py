@@ -1,0 +1,114 @@
+"""The reusable Triton helpers (fp8_quant.ops.fp8_round) against torch, exhaustively.
+
+Every bf16 and every fp16 bit pattern, every FP8 value, every midpoint between neighbours
+and the fp32 numbers either side of it, and random fp32 over 30 binades: ``fp8_encode`` must
+give torch's ``.to(float8)`` bits after clamping (NaN as 0x7F), ``round_to_fp8_grid`` the
+same number in fp32, on the interpreter and on the GPU.
+"""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fp8_quant import FP8Format
+from fp8_quant.ops import abs_max, fp8_encode, fp8_scale, round_to_fp8_grid
+from fp8_quant.reference import scale_from_amax
+
+_BLOCK = 65536  # one interpreter program handles a whole input set at once
+
+
+@triton.jit
+def _round_kernel(y_ptr, code_ptr, grid_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(y_ptr + offs, mask=mask)
+    tl.store(code_ptr + offs, fp8_encode(y, FMT), mask=mask)
+    tl.store(grid_ptr + offs, round_to_fp8_grid(y, FMT), mask=mask)
+
+
+@triton.jit
+def _scale_kernel(x_ptr, amax_ptr, scale_ptr, inv_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    tl.store(amax_ptr, abs_max(x, 0))
+    scale, inv_scale = fp8_scale(x, FMT)  # elementwise: every x as an amax
+    tl.store(scale_ptr + offs, scale, mask=mask)
+    tl.store(inv_ptr + offs, inv_scale, mask=mask)
+
+
+def _inputs(fmt: FP8Format) -> torch.Tensor:
+    every16 = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.torch_dtype).float()
+    grid = codes[codes.isfinite()].unique()  # sorted; +0 and -0 collapse to one
+    mids = (grid[1:] + grid[:-1]) / 2  # exact in fp32
+    inf = torch.tensor(float("inf"))
+    magnitudes = 2.0 ** torch.randint(-30, 18, (100_000,)).float()
+    return torch.cat([
+        every16.view(torch.bfloat16).float(),
+        every16.view(torch.float16).float(),
+        grid, -grid, mids, -mids,
+        torch.nextafter(mids, inf), torch.nextafter(mids, -inf),
+        torch.randn(100_000) * magnitudes,
+        torch.tensor([fmt.max * 1.0625, fmt.max * 2, 1e38, -1e38, 2.0**-149]),
+    ])  # fmt: skip
+
+
+def _torch_encode(y: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    y = torch.where(y.isnan(), float("nan"), y.clamp(-fmt.max, fmt.max))
+    return y.to(fmt.torch_dtype)
+
+
+def _check_round(device, fmt, assert_same_bits):
+    y = _inputs(fmt).to(device)
+    n = y.numel()
+    code = torch.empty(n, dtype=torch.uint8, device=device)
+    grid = torch.empty(n, dtype=torch.float32, device=device)
+    _round_kernel[(triton.cdiv(n, _BLOCK),)](y, code, grid, n, FMT=fmt.value, BLOCK=_BLOCK)
+    expected = _torch_encode(y.cpu(), fmt)
+    assert_same_bits(code.cpu().view(fmt.torch_dtype), expected)
+    assert_same_bits(grid.cpu(), expected.float())
+
+
+def _check_scale(device, fmt, assert_same_bits):
+    x = torch.cat([
+        torch.tensor([0.0, -0.0, 1e-40, 5e-36, 6e-36, 7e-34, 1e38, 3.4e38, float("inf"),
+                      float("nan")]),
+        torch.rand(1000) * 10.0 ** torch.randint(-30, 30, (1000,)).float(),
+    ])  # fmt: skip
+    n = x.numel()
+    block = triton.next_power_of_2(n)
+    amax = torch.empty((), device=device)
+    scale = torch.empty(n, device=device)
+    inv = torch.empty(n, device=device)
+    _scale_kernel[(1,)](x.to(device), amax, scale, inv, n, FMT=fmt.value, BLOCK=block)
+    assert amax.isnan()
+    expected = scale_from_amax(x, fmt)
+    assert_same_bits(scale.cpu(), expected)
+    assert_same_bits(inv.cpu(), torch.ones_like(expected) / expected)
+
+
+def test_encode_and_grid_match_torch(interpreter, fmt, assert_same_bits):
+    _check_round("cpu", fmt, assert_same_bits)
+
+
+def test_scale_matches_reference(interpreter, fmt, assert_same_bits):
+    _check_scale("cpu", fmt, assert_same_bits)
+
+
+def test_abs_max_of_negative_values_and_signed_zero(interpreter):
+    x = torch.tensor([-3.0, 2.0, -0.0])
+    amax = torch.empty(())
+    _scale_kernel[(1,)](x, amax, torch.empty(3), torch.empty(3), 3, FMT="e4m3", BLOCK=4)
+    assert amax.item() == 3.0
+
+
+@pytest.mark.gpu
+def test_encode_and_grid_match_torch_gpu(cuda, fmt, assert_same_bits):
+    _check_round(cuda, fmt, assert_same_bits)
+
+
+@pytest.mark.gpu
+def test_scale_matches_reference_gpu(cuda, fmt, assert_same_bits):
+    _check_scale(cuda, fmt, assert_same_bits)

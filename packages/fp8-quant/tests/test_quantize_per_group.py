@@ -1,0 +1,112 @@
+"""quantize_per_group: Triton (interpreter on CPU, compiled on GPU) vs the reference, bit for bit."""
+
+import pytest
+import torch
+
+from fp8_quant import dequantize_per_group, quantize_per_group
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+SHAPES = [(1,), (13,), (67,), (4097,), (3, 5, 67), (16, 64)]
+GROUPS = [1, 16, 128]
+
+
+def _shape_id(shape):
+    return "x".join(map(str, shape))
+
+
+def _check(x, group, fmt, assert_same_bits):
+    q, s = quantize_per_group(x, group, fmt, backend="triton")
+    q_ref, s_ref = quantize_per_group(x.cpu(), group, fmt, backend="reference")
+    assert_same_bits(q.cpu(), q_ref)
+    assert_same_bits(s.cpu(), s_ref)
+
+
+@pytest.mark.parametrize("group", GROUPS, ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+def test_random(interpreter, shape, group, dtype, fmt, assert_same_bits):
+    x = (torch.randn(shape) * 3).to(dtype)
+    _check(x, group, fmt, assert_same_bits)
+
+
+@pytest.mark.parametrize("group", GROUPS, ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("n", [13, 67, 4097], ids=lambda n: f"N{n}")
+def test_adversarial(interpreter, n, group, dtype, fmt, adversarial, assert_same_bits):
+    """Rounding across powers of two, ties, subnormals, +-max, zero / constant / tiny /
+    NaN / inf groups, partial last groups."""
+    x = adversarial(3, n, dtype, fmt, group)
+    _check(x, group, fmt, assert_same_bits)
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        pytest.param(lambda x: x[:, 3:70], id="column-slice"),
+        pytest.param(lambda x: x.t(), id="transposed"),
+        pytest.param(lambda x: x.reshape(4, 20, 96).permute(1, 0, 2)[:, :, ::2], id="3d-strided"),
+    ],
+)
+def test_non_contiguous(interpreter, view, fmt, adversarial, assert_same_bits):
+    x = view(adversarial(80, 96, torch.bfloat16, fmt, 16))
+    assert not x.is_contiguous()
+    _check(x, 16, fmt, assert_same_bits)
+
+
+def test_group_larger_than_a_register_tile(interpreter, fmt, assert_same_bits):
+    """Groups over 4096 elements are walked in chunks (a max pass, then a quantize pass)."""
+    x = torch.randn(2, 9000)
+    x[1, 8500] = 1e4  # the last, partial group's max sits in its second chunk
+    _check(x, 8192, fmt, assert_same_bits)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_nan_and_inf_stay_in_their_group(backend, fmt, request):
+    if backend == "triton":
+        request.getfixturevalue("interpreter")
+    x = torch.randn(4, 32)
+    x[1, 3] = float("nan")
+    x[2, 20] = float("inf")
+    x[3, 0] = -float("inf")
+    q, s = quantize_per_group(x, 16, fmt, backend=backend)
+    nan_code = torch.tensor(0x7F, dtype=torch.uint8)
+    # NaN group: scale NaN, every code NaN.
+    assert s[1, 0].isnan() and (q[1, :16].view(torch.uint8) == nan_code).all()
+    # inf groups: scale inf; the inf itself is NaN (inf * 0), finite values +-0.
+    assert s[2, 1].isinf() and s[3, 0].isinf()
+    assert q[2, 20].view(torch.uint8) == nan_code and q[3, 0].view(torch.uint8) == nan_code
+    assert (q[2, 16:20].float() == 0).all() and (q[3, 1:16].float() == 0).all()
+    # ... so the whole corrupted group dequantizes to NaN, and no other group is touched.
+    deq = dequantize_per_group(q, s, 16)
+    bad = torch.zeros(4, 32, dtype=torch.bool)
+    bad[1, :16] = bad[2, 16:] = bad[3, :16] = True
+    assert deq[bad].isnan().all() and deq[~bad].isfinite().all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_zero_and_underflowing_groups_get_scale_one(backend, fmt, request):
+    if backend == "triton":
+        request.getfixturevalue("interpreter")
+    x = torch.zeros(3, 16)
+    x[0, 5] = -0.0
+    x[1] = 1e-37  # amax / fmt.max is below 2^-126: treated as a zero group
+    x[2] = torch.randn(16)
+    q, s = quantize_per_group(x, 16, fmt, backend=backend)
+    assert s[0, 0] == 1 and s[1, 0] == 1 and s[2, 0] != 1
+    assert (q[:2].float() == 0).all()
+    assert dequantize_per_group(q, s, 16)[:2].eq(0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [16, 128], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("shape", [(4097,), (3, 257, 1000), (512, 4096)], ids=_shape_id)
+def test_random_gpu(cuda, shape, group, dtype, fmt, assert_same_bits):
+    x = (torch.randn(shape, device=cuda) * 3).to(dtype)
+    _check(x, group, fmt, assert_same_bits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 16, 8192], ids=lambda g: f"G{g}")
+def test_adversarial_gpu(cuda, group, dtype, fmt, adversarial, assert_same_bits):
+    x = adversarial(5, 9001, dtype, fmt, group).to(cuda)
+    _check(x, group, fmt, assert_same_bits)
+    _check(x.t(), 16, fmt, assert_same_bits)
