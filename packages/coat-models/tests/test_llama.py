@@ -7,14 +7,13 @@ from __future__ import annotations
 import copy
 import math
 
+import coat_models
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
-
-import coat_models
 from coat_models import apply_coat, is_coat, linear_cross_entropy, revert_coat
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 VOCAB = 256
 
@@ -28,16 +27,21 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+# 2 layers, hidden 64 (4 heads of 16, GQA with 2 KV heads), MLP 176 (11 x 16).
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    """2 layers, hidden 64 (4 heads of 16, GQA with 2 KV heads), MLP 176 (11 x 16)."""
-    kw = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
-    kw.update(overrides)
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**kw))
+    return LlamaForCausalLM(LlamaConfig(**{**TINY, "attn_implementation": "sdpa", **overrides}))
 
 
 def tokens(batch: int = 4, seq: int = 64, seed: int = 1) -> torch.Tensor:
@@ -51,7 +55,9 @@ def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
 
 
 def causal_lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1)
+    )
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -82,7 +88,9 @@ GRAD_FLOOR_DB = 15.0
     [
         pytest.param({}, id="gqa-sdpa"),
         pytest.param({"num_key_value_heads": 4, "attn_implementation": "eager"}, id="mha-eager"),
-        pytest.param({"tie_word_embeddings": True, "mlp_bias": True, "attention_bias": True}, id="tied-bias"),
+        pytest.param(
+            {"tie_word_embeddings": True, "mlp_bias": True, "attention_bias": True}, id="tied-bias"
+        ),
     ],
 )
 def test_logits_and_every_gradient_match_unconverted(overrides):
@@ -118,7 +126,9 @@ def test_state_dict_and_names_unchanged():
     want, got = ref.state_dict(), model.state_dict()
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want)
-    assert isinstance(model.model.layers[0], transformers.models.llama.modeling_llama.LlamaDecoderLayer)
+    assert isinstance(
+        model.model.layers[0], transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    )
 
 
 def test_coat_checkpoint_loads_in_vanilla_transformers(tmp_path):
@@ -182,6 +192,45 @@ def test_base_model_without_head():
     assert all(p.grad is not None for p in model.parameters() if p is not model.embed_tokens.weight)
 
 
+def test_sequence_classification_head():
+    """Other heads over a Llama base model: the layers convert, the head stays plain."""
+    ref = transformers.LlamaForSequenceClassification(
+        LlamaConfig(**{**tiny_llama().config.to_dict(), "num_labels": 3, "pad_token_id": 0})
+    ).train()
+    model = apply_coat(copy.deepcopy(ref)).train()
+    assert is_coat(model.model.layers[0]) and not is_coat(model.score)
+    ids, labels = tokens(seed=4).clamp(min=1), torch.tensor([0, 2, 1, 1])
+    want, got = ref(ids, labels=labels), model(ids, labels=labels)
+    assert sqnr(want.logits, got.logits) >= LOGITS_FLOOR_DB
+    got.loss.backward()
+    assert model.score.weight.grad is not None
+
+
+def test_llava_goes_through_apply_coat_vlm_with_fused_loss():
+    from coat_models import vila, vl_data
+
+    cfg = vila.llava_tiny_config()
+    torch.manual_seed(0)
+    ref = transformers.LlavaForConditionalGeneration(cfg)
+    model = apply_coat(copy.deepcopy(ref)).train()
+    assert vila.is_coat_vlm(model) and is_coat(model.model.language_model.layers[0])
+    n, size = vl_data.num_image_tokens(cfg), cfg.vision_config.image_size
+    ids = tokens(batch=2, seq=24).clamp(max=200)
+    ids[:, :n] = cfg.image_token_id
+    labels = ids.masked_fill(ids == cfg.image_token_id, -100)
+    pixels = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(2))
+    got = model(input_ids=ids, pixel_values=pixels, labels=labels)
+    unfused = apply_coat(copy.deepcopy(model), fused_loss=False).train()
+    want = unfused(input_ids=ids, pixel_values=pixels, labels=labels)
+    assert got.logits is None and want.logits is not None
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
+    revert_coat(model)
+    assert not is_coat(model) and not vila.is_coat_vlm(model)
+    with torch.no_grad():
+        ref_logits = ref.eval()(input_ids=ids, pixel_values=pixels).logits
+        assert torch.equal(model.eval()(input_ids=ids, pixel_values=pixels).logits, ref_logits)
+
+
 # ------------------------------------------------------------------------ fused loss
 def test_fused_loss_matches_logits_loss():
     """Training with labels: the loss comes from the hidden states in chunks, no logits."""
@@ -224,7 +273,9 @@ def test_linear_cross_entropy_chunks(rows):
 
 def test_linear_cross_entropy_bad_shapes():
     with pytest.raises(ValueError, match="flatten"):
-        linear_cross_entropy(torch.randn(2, 3, 8), torch.randn(5, 8), torch.zeros(6, dtype=torch.long))
+        linear_cross_entropy(
+            torch.randn(2, 3, 8), torch.randn(5, 8), torch.zeros(6, dtype=torch.long)
+        )
 
 
 # --------------------------------------------------------------- gradient checkpointing
@@ -269,13 +320,13 @@ def test_gradient_checkpointing_reentrant():
 
 # --------------------------------------------------------------- other Llama-shaped models
 def _tiny(family: str):
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
     if family == "mistral":
-        return transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=32))
+        return transformers.MistralForCausalLM(
+            transformers.MistralConfig(**TINY, sliding_window=32)
+        )
     if family == "qwen2":  # q/k/v biases
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY))
     raise ValueError(family)
 
 
@@ -293,22 +344,22 @@ def test_other_llama_shaped_models(family):
 
 
 def _unsupported():
-    small = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4)
-    yield "gpt2", transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, bos_token_id=0,
-                                eos_token_id=0)), "attribute 'layers'"
-    yield "gemma", transformers.GemmaForCausalLM(transformers.GemmaConfig(
-        **small, intermediate_size=176, num_hidden_layers=1, num_key_value_heads=2, head_dim=16)), "SiLU"
-    yield "qwen3", transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        **small, intermediate_size=176, num_hidden_layers=1, num_key_value_heads=2, head_dim=16)), "q_norm"
+    one = {**TINY, "num_hidden_layers": 1, "head_dim": 16}
+    gpt2 = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0
+    )
+    yield "gpt2", transformers.GPT2LMHeadModel(gpt2), "attribute 'layers'"
+    yield "gemma", transformers.GemmaForCausalLM(transformers.GemmaConfig(**one)), "SiLU"
+    yield "qwen3", transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**one)), "q_norm"
     # Same modules as Llama, different forward (residual multiplier): caught by the probe.
-    yield "granite", transformers.GraniteForCausalLM(transformers.GraniteConfig(
-        **small, intermediate_size=176, num_hidden_layers=1, num_key_value_heads=2,
-        residual_multiplier=0.5)), "computes something else"
+    granite = transformers.GraniteConfig(**one, residual_multiplier=0.5)
+    yield "granite", transformers.GraniteForCausalLM(granite), "computes something else"
     yield "linear", torch.nn.Linear(4, 4), "attribute 'layers'"
 
 
-@pytest.mark.parametrize("name, model, match", list(_unsupported()), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "name, model, match", list(_unsupported()), ids=lambda v: v if isinstance(v, str) else ""
+)
 def test_unsupported_models_get_a_clear_error(name, model, match):
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(TypeError, match="supports Llama-shaped") as err:
@@ -338,11 +389,13 @@ def token_stream(steps: int, batch: int = 4, seq: int = 32, seed: int = 0) -> to
     return x.view(steps, batch, seq)
 
 
-def train_losses(model, optimizer, stream) -> torch.Tensor:
+def train_losses(model, optimizer, stream, autocast: bool = False) -> torch.Tensor:
+    """Loss per step; ``autocast``: bf16 autocast on the stream's device."""
     model.train()
     losses = []
     for ids in stream:
-        loss = model(ids, labels=ids).loss
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -363,12 +416,18 @@ def test_50_steps_track_fp32_adamw():
     ref = tiny_llama()
     model = apply_coat(copy.deepcopy(ref))
     lr, betas, wd = 3e-3, (0.9, 0.95), 0.1
-    want = train_losses(ref, torch.optim.AdamW(coat_models.param_groups(ref, wd), lr=lr, betas=betas), stream)
-    got = train_losses(model, coat_models.create_optimizer(model, lr=lr, betas=betas, weight_decay=wd), stream)
+    want = train_losses(
+        ref, torch.optim.AdamW(coat_models.param_groups(ref, wd), lr=lr, betas=betas), stream
+    )
+    got = train_losses(
+        model, coat_models.create_optimizer(model, lr=lr, betas=betas, weight_decay=wd), stream
+    )
     assert want[-1] < want[0] - 1.5  # the run learns something
     diff = (got - want).abs()
     print("max |COAT - fp32| loss difference", diff.max().item(), "at step", diff.argmax().item())
-    assert diff.max() <= TRAIN_TOLERANCE, f"step {diff.argmax()}: {got[diff.argmax()]} vs {want[diff.argmax()]}"
+    assert diff.max() <= TRAIN_TOLERANCE, (
+        f"step {diff.argmax()}: {got[diff.argmax()]} vs {want[diff.argmax()]}"
+    )
 
 
 def test_create_optimizer_groups():
@@ -376,7 +435,9 @@ def test_create_optimizer_groups():
     opt = coat_models.create_optimizer(model, lr=1e-3, weight_decay=0.05)
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
-    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert all(p.dim() == 2 for p in decay["params"]) and all(
+        p.dim() == 1 for p in no_decay["params"]
+    )
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
     assert any(p is model.model.embed_tokens.weight for p in decay["params"])  # tied once
 
@@ -388,18 +449,37 @@ def test_hf_trainer(tmp_path, monkeypatch):
     model = apply_coat(tiny_llama())
     calls = []
     decoder_layer = coat_models.blocks.decoder_layer
-    monkeypatch.setattr(coat_models.blocks, "decoder_layer", lambda *a, **k: calls.append(1) or decoder_layer(*a, **k))
+    monkeypatch.setattr(
+        coat_models.blocks,
+        "decoder_layer",
+        lambda *a, **k: calls.append(1) or decoder_layer(*a, **k),
+    )
     stream = token_stream(6, batch=4)
     train = [{"input_ids": x, "labels": x} for x in stream[:5].reshape(-1, stream.shape[-1])]
     evaluation = [{"input_ids": x, "labels": x} for x in stream[5]]
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=4, learning_rate=3e-3,
-        weight_decay=0.1, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-        report_to="none", use_cpu=True, disable_tqdm=True,
+        output_dir=str(tmp_path),
+        max_steps=5,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
     )
-    optimizer = coat_models.create_optimizer(model, lr=args.learning_rate, weight_decay=args.weight_decay)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
-                                   optimizers=(optimizer, None))
+    optimizer = coat_models.create_optimizer(
+        model, lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        optimizers=(optimizer, None),
+    )
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses) == 5 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
@@ -415,8 +495,13 @@ def test_hf_trainer(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_gpu_bf16_logits_and_gradients():
-    ref = tiny_llama(hidden_size=256, intermediate_size=688, num_attention_heads=8,
-                     num_key_value_heads=4).to("cuda", torch.bfloat16).train()
+    ref = (
+        tiny_llama(
+            hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=4
+        )
+        .to("cuda", torch.bfloat16)
+        .train()
+    )
     model = apply_coat(copy.deepcopy(ref)).train()
     ids = tokens().cuda()
     fp32 = copy.deepcopy(ref).float()
@@ -427,17 +512,44 @@ def test_gpu_bf16_logits_and_gradients():
     floor = min(LOGITS_FLOOR_DB, sqnr(want_logits, bf16_logits) - 6)
     assert sqnr(want_logits, got_logits) >= floor
     for name, want in want_grads.items():
-        assert sqnr(want, got_grads[name].float()) >= min(GRAD_FLOOR_DB, sqnr(want, bf16_grads[name].float()) - 6), name
+        assert sqnr(want, got_grads[name].float()) >= min(
+            GRAD_FLOOR_DB, sqnr(want, bf16_grads[name].float()) - 6
+        ), name
     assert torch.equal(model.eval()(ids).logits, ref.eval()(ids).logits)
+
+
+@pytest.mark.gpu
+def test_gpu_50_steps_track_bf16_adamw():
+    """On the GPU kernels, fp32 master weights under bf16 autocast (the coat-train setup):
+    COAT + CoatAdamW against plain + torch AdamW."""
+    stream = token_stream(50).cuda()
+    ref = tiny_llama().cuda()
+    model = apply_coat(copy.deepcopy(ref))
+    lr, betas, wd = 3e-3, (0.9, 0.95), 0.1
+    adamw = torch.optim.AdamW(coat_models.param_groups(ref, wd), lr=lr, betas=betas)
+    want = train_losses(ref, adamw, stream, autocast=True)
+    coat = coat_models.create_optimizer(model, lr=lr, betas=betas, weight_decay=wd)
+    got = train_losses(model, coat, stream, autocast=True)
+    assert want[-1] < want[0] - 1.5
+    assert (got - want).abs().max() <= TRAIN_TOLERANCE
 
 
 @pytest.mark.gpu
 def test_gpu_activation_memory_and_checkpointing():
     """Peak memory of forward+backward: COAT under plain BF16, checkpointing under both."""
-    cfg = dict(hidden_size=1024, intermediate_size=2752, num_attention_heads=16,
-               num_key_value_heads=16, num_hidden_layers=4, vocab_size=4096)
+    cfg = dict(
+        hidden_size=1024,
+        intermediate_size=2752,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_hidden_layers=4,
+        vocab_size=4096,
+    )
 
     def peak(model, ids):
+        # Warm-up first: COAT's FP8 weight cache (2 B/param, kept across steps) then exists.
+        model(ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

@@ -134,6 +134,20 @@ def test_conversion_covers_tower_and_projector():
                           FP8Linear)  # fmt: skip
 
 
+def test_config_reaches_every_converted_part():
+    from fp8_activations import FP8Config
+
+    config = FP8Config(weight_cache=False)
+    model = apply_coat_vlm(tiny_llava(), config, vision=True)
+    fp8 = [m for m in model.modules() if type(m).__name__.startswith("FP8")]
+    layers = model.model.language_model.layers
+    # projector: 2 linears + GELU; tower: 2 layers x (4 attention linears, 2 LayerNorms, fc1,
+    # fc2, GELU) + post_layernorm. Attention itself and the patch embedding stay plain.
+    assert len(fp8) == 3 + 2 * 9 + 1
+    assert all(m.config is config for m in fp8)
+    assert all(layer.coat_config is config for layer in layers)
+
+
 # ------------------------------------------------------------------------------ training
 # Half the preset's lr: at 3e-3 and batch 8, BF16 itself has one-step loss spikes (seed 0,
 # step 9: +0.44 nats, gone the next step) that no per-step comparison can follow.

@@ -112,8 +112,7 @@ def _run(case, inputs, backend, saved):
     xs = [t.detach().clone().requires_grad_() for t in inputs]
     with saved.record():
         y = case.fp8(FP8Config(backend=backend))(*xs)
-    torch.manual_seed(1)
-    y.backward(torch.randn_like(y))
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y))
     inputs = {t.untyped_storage().data_ptr() for t in xs}
     kept = [t for t in saved if t.untyped_storage().data_ptr() not in inputs]
     return y, [t.grad for t in xs], handed_over(y), kept
@@ -123,21 +122,15 @@ def _bits(t):
     return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
-@pytest.mark.parametrize("name", CASES)
-@pytest.mark.parametrize(
-    "shape", [(3, 67), (2, 5, 48), (33, 16)], ids=["M3-N67", "B2-M5-N48", "M33-N16"]
-)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_matches_reference(name, shape, dtype, saved, triton_available):
-    """Triton (interpreter on CPU) vs reference: the saved FP8 inputs and their scales are
+def _compare_backends(name, shape, dtype, device, recorder):
+    """Triton vs reference on the same inputs: the saved FP8 inputs and their scales are
     bit-identical; outputs and gradients within 1 ulp of the output dtype (fp32 sums and
     sigmoid/erf/sqrt run in another order); what is handed over is bit-identical to
     quantizing that backend's own output."""
     case = CASES[name]
-    inputs = case.inputs(shape, dtype)
-    ref_saved, tri_saved = type(saved)(), type(saved)()
-    y_r, g_r, _, fp8_r = _run(case, inputs, "reference", ref_saved)
-    y_t, g_t, hand, fp8_t = _run(case, inputs, "triton", tri_saved)
+    inputs = [t.to(device) for t in case.inputs(shape, dtype)]
+    y_r, g_r, _, fp8_r = _run(case, inputs, "reference", recorder())
+    y_t, g_t, hand, fp8_t = _run(case, inputs, "triton", recorder())
     tol = dict(rtol=2**-7, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(y_t, y_r, **tol)
     for a, b in zip(g_t, g_r, strict=True):
@@ -153,6 +146,34 @@ def test_triton_matches_reference(name, shape, dtype, saved, triton_available):
         q, s = qref.quantize_per_group(y2, 16)
         torch.testing.assert_close(_bits(hand.fp8.data.reshape(q.shape)), _bits(q), rtol=0, atol=0)
         torch.testing.assert_close(hand.fp8.scale.reshape(s.shape), s, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize(
+    "shape", [(3, 67), (2, 5, 48), (33, 16)], ids=["M3-N67", "B2-M5-N48", "M33-N16"]
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_matches_reference(name, shape, dtype, triton_available, saved):
+    """Under the interpreter on CPU; see ``_compare_backends``."""
+    _compare_backends(name, shape, dtype, "cpu", type(saved))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize(
+    "shape", [(3, 67), (1024, 4096), (96, 11008)], ids=["M3-N67", "M1024-N4096", "M96-N11008"]
+)
+def test_cuda_triton_matches_reference(name, shape, saved):
+    """Compiled kernels on the GPU vs the reference on the same GPU tensors."""
+    _compare_backends(name, shape, torch.bfloat16, "cuda", type(saved))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CASES)
+def test_cuda_sqnr_vs_float64_autograd(name, check_sqnr):
+    case = CASES[name]
+    inputs = [t.cuda() for t in case.inputs((256, 4096), torch.bfloat16)]
+    check_sqnr(case.fp8(FP8Config(backend="triton")), case.ref, inputs, case.floors)
 
 
 @pytest.mark.parametrize("name", CASES)

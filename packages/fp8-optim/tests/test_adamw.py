@@ -176,27 +176,28 @@ def test_dre_edge_groups(fmt, dre):
         torch.where(torch.arange(g) % 3 == 0, 0.0, ramp),  # zeros inside
         torch.zeros(g).index_fill(0, torch.tensor([17]), -4.0),  # a single non-zero
         torch.cat([torch.full((g // 2,), 1e-38), torch.full((g // 2,), 3.0)]),  # subnormals
-        torch.logspace(-20, 20, g),  # range 1e40 > any format: k = 1
+        torch.logspace(-20, 20, g),  # range 1e40 > any format: compressed, k < 1
         ramp * torch.where(torch.arange(g) % 2 == 0, 1.0, -1.0),
     )
     codes, amax, k16 = reference.quantize_groups(x, fmt, dre)
     y = reference.dequantize_groups(codes, amax, k16, fmt)
     assert torch.isfinite(y).all() and torch.isfinite(amax).all()
-    assert ((k16 >= 16) & (k16 <= 255)).all()
+    assert ((k16 >= 1) & (k16 <= 255)).all()
     assert torch.equal(y[0], x[0]) and torch.equal(y[1], x[1])  # constant groups exact
     assert torch.equal(y[2], x[2])  # zero group
     assert torch.equal(y[3] == 0, x[3] == 0)  # zeros stay zeros, non-zeros stay non-zero
     assert torch.equal(y[4], x[4])  # single non-zero exact
     assert (y[5][: g // 2] == 0).all() and (y[5][g // 2:] == 3.0).all()  # fp32 subnormals -> 0
-    assert k16[6] == 16  # k >= 1: a range beyond the format is not compressed
     for r in (0, 3, 4, 7):  # the max element of a group is exact
         i = x[r].abs().argmax()
         assert y[r, i] == x[r, i]
     if dre:
         assert k16[0] == k16[1] == 255  # R = 1 would give an infinite k
         assert k16[3] > 16  # expansion used where the range allows it
+        assert k16[6] < 16 and (y[6] != 0).all()  # compressed: no value flushed to zero
     else:
         assert (k16 == 16).all()
+        assert (y[6] == 0).any()  # plain scaling loses the bottom of a 1e40 range
     # away from the flushed/underflowing extremes, every value keeps its precision
     mask = x[7].abs() > 1e-2
     rel = ((y[7] - x[7]) / x[7])[mask].abs().max().item()
@@ -206,14 +207,14 @@ def test_dre_edge_groups(fmt, dre):
 
 def test_dre_beats_plain_scaling_on_a_wide_group():
     # One group whose values span 1e3 (typical first moment): DRE spreads them over the
-    # whole format (k ~ 3 for E4M3), so the relative error falls well below plain scaling.
+    # format (k = 26/16 for E4M3), so the mean relative error falls by about that factor.
     x = torch.logspace(-3, 0, 128)[None, :] * torch.where(torch.arange(128) % 2 == 0, 1.0, -1.0)
     errs = {}
     for dre in (True, False):
         q = reference.quantize_groups(x, FP8Format.E4M3, dre)
         y = reference.dequantize_groups(*q, FP8Format.E4M3)
         errs[dre] = ((y - x) / x).abs().mean().item()
-    assert errs[True] < errs[False] / 3, errs
+    assert errs[True] < errs[False] / 1.4, errs
 
 
 def test_kernel_edge_groups_match_reference(needs_triton, h, make_pair):

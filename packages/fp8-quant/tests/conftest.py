@@ -9,11 +9,9 @@ import os
 
 import pytest
 import torch
-
 from fp8_quant import FP8Format
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
 
 
 @pytest.fixture(params=list(FP8Format), ids=lambda f: f.value)
@@ -22,9 +20,7 @@ def fmt(request) -> FP8Format:
     return request.param
 
 
-@pytest.fixture(
-    params=[torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
-)
+@pytest.fixture(params=[torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def dtype(request) -> torch.dtype:
     """Each supported input dtype in turn."""
     return request.param

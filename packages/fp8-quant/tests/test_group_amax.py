@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from fp8_quant import group_amax, quantize_per_tensor
 
 

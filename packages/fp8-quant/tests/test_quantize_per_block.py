@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from fp8_quant import quantize_per_block
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -48,7 +47,9 @@ def test_block_larger_than_a_register_tile(interpreter, fmt, assert_same_bits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block", [(128, 128), (1, 16), (256, 256)], ids=lambda b: f"B{b[0]}x{b[1]}")
+@pytest.mark.parametrize(
+    "block", [(128, 128), (1, 16), (256, 256)], ids=lambda b: f"B{b[0]}x{b[1]}"
+)
 def test_random_gpu(cuda, block, dtype, fmt, adversarial, assert_same_bits):
     x = (torch.randn(1000, 1030, device=cuda) * 3).to(dtype)
     _check(x, block, fmt, assert_same_bits)

@@ -1,8 +1,7 @@
-"""quantize_per_group: Triton (interpreter on CPU, compiled on GPU) vs the reference, bit for bit."""
+"""quantize_per_group: Triton (interpreter on CPU, compiled on GPU) vs the reference, bitwise."""
 
 import pytest
 import torch
-
 from fp8_quant import dequantize_per_group, quantize_per_group
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")

@@ -1,8 +1,7 @@
-"""quantize_per_tensor: Triton (interpreter on CPU, compiled on GPU) vs the reference, bit for bit."""
+"""quantize_per_tensor: Triton (interpreter on CPU, compiled on GPU) vs the reference, bitwise."""
 
 import pytest
 import torch
-
 from fp8_quant import dequantize_per_tensor, quantize_per_tensor
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from fp8_quant import quantize_per_tensor_transpose
 
 SHAPES = [(1, 1), (13, 67), (67, 13), (130, 257)]

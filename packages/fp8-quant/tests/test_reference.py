@@ -4,7 +4,6 @@ FP8 ulp of the scaled value."""
 
 import pytest
 import torch
-
 from fp8_quant import (
     dequantize_per_block,
     dequantize_per_group,
@@ -61,7 +60,9 @@ def test_reference_is_torch_cast_after_scaling_and_clamping(dtype, fmt):
             assert s[r, g].item() == scale.item()
             expected = (xs * (torch.tensor(1.0) / scale)).clamp(-fmt.max, fmt.max)
             expected = expected.to(fmt.torch_dtype)
-            assert torch.equal(q[r, 16 * g : 16 * g + 16].view(torch.uint8), expected.view(torch.uint8))
+            assert torch.equal(
+                q[r, 16 * g : 16 * g + 16].view(torch.uint8), expected.view(torch.uint8)
+            )
 
 
 def test_scale_formula(fmt):
@@ -121,3 +122,21 @@ def test_dequantize_returns_the_requested_dtype(fmt):
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     q, s = quantize_per_block(x, (2, 16), fmt, backend="reference")
     assert dequantize_per_block(q, s, (2, 16), torch.float16).dtype == torch.float16
+
+
+@pytest.mark.gpu
+def test_reference_gives_the_same_bits_on_cuda_and_cpu(
+    cuda, dtype, fmt, adversarial, assert_same_bits
+):
+    """The reference is device-independent: IEEE divisions (no scalar-reciprocal shortcut),
+    one NaN code, and torch's own fp8 cast on both devices."""
+    x = adversarial(64, 300, dtype, fmt, 16)
+    x[:, 150:] = (torch.randn(64, 150) * 10.0 ** torch.randint(-8, 8, (64, 1)).float()).to(dtype)
+    for quantize in (
+        lambda t: quantize_per_group(t, 16, fmt, backend="reference"),
+        lambda t: quantize_per_tensor(t[:, 150:], fmt, backend="reference"),
+        lambda t: quantize_per_tensor_transpose(t[:, 150:], fmt, backend="reference"),
+        lambda t: quantize_per_block(t, (32, 64), fmt, backend="reference"),
+    ):
+        for on_gpu, on_cpu in zip(quantize(x.to(cuda)), quantize(x), strict=True):
+            assert_same_bits(on_gpu.cpu(), on_cpu)

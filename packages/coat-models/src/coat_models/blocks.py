@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-
 from types import SimpleNamespace
 
 import fp8_activations as fa
@@ -96,11 +95,11 @@ def attention(
     return _project(ops, out, attn.o_proj, config)
 
 
-def mlp(ops, mlp: nn.Module, normed, config):
+def mlp(ops, module: nn.Module, normed, config):
     """gate/up GEMMs on ``normed``, SwiGLU, down GEMM."""
-    gate = _project(ops, normed, mlp.gate_proj, config)
-    up = _project(ops, normed, mlp.up_proj, config)
-    return _project(ops, ops.swiglu(gate, up, config), mlp.down_proj, config)
+    gate = _project(ops, normed, module.gate_proj, config)
+    up = _project(ops, normed, module.up_proj, config)
+    return _project(ops, ops.swiglu(gate, up, config), module.down_proj, config)
 
 
 def decoder_layer(
@@ -124,7 +123,14 @@ def decoder_layer(
     shape = hidden_states.shape[:-1]
     normed = ops.rms_norm(hidden_states, norm1.weight, norm_eps(norm1), config)
     out = attention(
-        ops, attn, normed, shape, attention_mask, position_embeddings, cache, config,
+        ops,
+        attn,
+        normed,
+        shape,
+        attention_mask,
+        position_embeddings,
+        cache,
+        config,
         attn_kwargs or {},
     )
     hidden_states = ops.residual_add(out, hidden_states, config)

@@ -18,22 +18,30 @@ See ``docs/DISTRIBUTED_NOTES.md`` for the design (why FP8 states stay shard-inva
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
+import warnings
 from collections import defaultdict
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "STRATEGIES",
     "CheckpointMismatchError",
     "ShardedOptimizer",
+    "all_ranks_max",
+    "all_ranks_mean",
+    "as_float",
     "decoder_layers",
-    "init_distributed",
     "enable_activation_checkpointing",
+    "init_distributed",
     "load_checkpoint",
+    "prepare_data_parallel",
     "save_checkpoint",
     "shard_layout",
     "shard_model",
@@ -43,11 +51,12 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- process group
-def init_distributed() -> torch.device:
+def init_distributed(timeout: timedelta | None = None) -> torch.device:
     """Join the process group ``torchrun`` describes and return this rank's device.
 
-    NCCL and ``cuda:LOCAL_RANK`` where CUDA is available, gloo and CPU otherwise. Calling it
-    again (or after your own ``init_process_group``) only returns the device.
+    NCCL and ``cuda:LOCAL_RANK`` where CUDA is available, gloo and CPU otherwise. ``timeout``:
+    how long a collective may wait before the job fails (torch's default: 10 minutes).
+    Calling it again (or after your own ``init_process_group``) only returns the device.
     """
     if not dist.is_initialized() and "RANK" not in os.environ:
         raise RuntimeError(
@@ -60,7 +69,11 @@ def init_distributed() -> torch.device:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if timeout is None:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     return device
 
 
@@ -119,7 +132,9 @@ def _mp_policy(mp_policy):
         # bf16 compute and all-gathers, fp32 gradient reduction: sums of many bf16
         # gradients would lose the low bits that AdamW's second moment needs.
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    raise ValueError(f"mp_policy must be 'bf16', 'fp32', None or a MixedPrecisionPolicy, got {mp_policy!r}")
+    raise ValueError(
+        f"mp_policy must be 'bf16', 'fp32', None or a MixedPrecisionPolicy, got {mp_policy!r}"
+    )
 
 
 def shard_model(
@@ -154,6 +169,7 @@ def shard_model(
     policy = _mp_policy(mp_policy)
     if activation_checkpointing:
         enable_activation_checkpointing(model)
+    _disable_weight_cache(model)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
@@ -165,6 +181,23 @@ def shard_model(
             )
         model.set_reduce_scatter_unused_params(True)
     return model
+
+
+def _disable_weight_cache(model: nn.Module) -> None:
+    """Turn off the FP8 weight cache of COAT layers (``FP8Config.weight_cache``).
+
+    The cache is keyed on ``(weight._version, weight.data_ptr())``. FSDP2 all-gathers each
+    step into the unsharded weight's storage without bumping its version, so when the
+    allocator hands back the same address (the CUDA caching allocator usually does) the
+    cache serves last step's FP8 weights: measured on CPU, the losses leave the
+    single-process run's within 2-4 steps. Unsharded FP8 copies of every layer would also
+    cost 2 bytes per parameter on every rank, undoing the sharding. Without the cache the
+    weight is cast where it is used (one extra read of it per GEMM).
+    """
+    for module in model.modules():
+        config = getattr(module, "coat_config", None)
+        if getattr(config, "weight_cache", False):
+            module.coat_config = config.replace(weight_cache=False)
 
 
 def wrap_ddp(
@@ -198,7 +231,6 @@ def wrap_ddp(
         find_unused_parameters=find_unused_parameters,
         gradient_as_bucket_view=True,  # gradients live in the buckets: one copy, not two
     )
-
 
 
 # ------------------------------------------------------------ FP8 optimizer on DTensor shards
@@ -251,7 +283,9 @@ def shard_layout(shape: tuple[int, ...], world: int, group_size: int) -> str:
             continue
         if (start * cols) % group_size:
             return "full"
-        if (start * cols // group_size, _ceil_div(end * cols, group_size)) != _chunk(ngroups, world, r):
+        if (start * cols // group_size, _ceil_div(end * cols, group_size)) != _chunk(
+            ngroups, world, r
+        ):
             return "full"
     return "flat"
 
@@ -273,8 +307,12 @@ def _gather(t):
 
     if t.dtype.itemsize == 1 and t.is_floating_point():
         as_bytes = DTensor.from_local(
-            t.to_local().view(torch.uint8), t.device_mesh, t.placements,
-            shape=t.shape, stride=t.stride(), run_check=False,
+            t.to_local().view(torch.uint8),
+            t.device_mesh,
+            t.placements,
+            shape=t.shape,
+            stride=t.stride(),
+            run_check=False,
         )
         return as_bytes.full_tensor().view(t.dtype)
     return t.full_tensor()
@@ -328,10 +366,14 @@ class _Shard:
         # FSDP2 may swap the local tensor behind a sharded parameter (lazy init, to_empty,
         # load_state_dict(assign=True)); alias the current one, no copy.
         local = self.param._local_tensor
-        if self.handle.untyped_storage().data_ptr() != local.untyped_storage().data_ptr() or (
-            self.handle.shape != local.shape
-        ) or self.handle.storage_offset() != local.storage_offset():
-            self.handle.set_(local.untyped_storage(), local.storage_offset(), local.shape, local.stride())
+        if (
+            self.handle.untyped_storage().data_ptr() != local.untyped_storage().data_ptr()
+            or (self.handle.shape != local.shape)
+            or self.handle.storage_offset() != local.storage_offset()
+        ):
+            self.handle.set_(
+                local.untyped_storage(), local.storage_offset(), local.shape, local.stride()
+            )
 
     # -------------------------------------------------------------- state conversion
     def export(self, name: str, value):
@@ -346,12 +388,20 @@ class _Shard:
         mesh, placements = self.param.device_mesh, self.param.placements
         if per_group:
             shape = self.group_shape
-            local = value.reshape((self.end - self.start, *shape[1:])) if self.layout == "rows" else value
+            local = (
+                value.reshape((self.end - self.start, *shape[1:]))
+                if self.layout == "rows"
+                else value
+            )
         else:
             shape, local = self.shape, value.reshape((self.end - self.start, *self.shape[1:]))
         return DTensor.from_local(
-            local, mesh, placements, shape=torch.Size(shape),
-            stride=torch.empty(shape, device="meta").stride(), run_check=False,
+            local,
+            mesh,
+            placements,
+            shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(),
+            run_check=False,
         )
 
     def import_(self, name: str, value):
@@ -433,12 +483,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             inner = optimizer
         self.optimizer = inner
         self._inner_of = {}
-        for outer_group, inner_group in zip(optimizer.param_groups, inner.param_groups, strict=True):
+        for outer_group, inner_group in zip(
+            optimizer.param_groups, inner.param_groups, strict=True
+        ):
             self._inner_of.update(zip(outer_group["params"], inner_group["params"], strict=True))
         self._group_size = group_size
         super().__init__(
             [{k: v for k, v in g.items()} for g in optimizer.param_groups], optimizer.defaults
         )
+        self._built = True
         self._refresh_state()
 
     # ---------------------------------------------------------------------------- step
@@ -492,6 +545,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Groups skipped for non-finite values on this rank (see CoatAdamW)."""
         return self.optimizer.nonfinite_groups(reset)
 
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_built", False):  # Optimizer.__init__ adds the initial groups
+            raise NotImplementedError(
+                "add the parameter group to the CoatAdamW before shard_optimizer wraps it"
+            )
+        super().add_param_group(param_group)
+
     # --------------------------------------------------------------------- state dicts
     def state_dict(self) -> dict:
         """torch optimizer format; states of DTensor parameters as DTensors (see class doc)."""
@@ -507,7 +567,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             }
         groups = []
         for outer, saved in zip(self.param_groups, inner["param_groups"], strict=True):
-            groups.append({**{k: v for k, v in outer.items() if k != "params"}, "params": saved["params"]})
+            groups.append(
+                {**{k: v for k, v in outer.items() if k != "params"}, "params": saved["params"]}
+            )
         return {"state": state, "param_groups": groups}
 
     def _export(self, shard, param, name, value):
@@ -520,19 +582,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict from ``state_dict()`` of any number of ranks (or CoatAdamW's own)."""
         outer_params = [p for g in self.param_groups for p in g["params"]]
-        index_of = {}
-        for saved, group in zip(state_dict["param_groups"], self.param_groups, strict=True):
-            index_of.update(zip(saved["params"], range(len(index_of), len(index_of) + len(group["params"]))))
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        if len(saved_ids) != len(outer_params):
+            raise ValueError(
+                f"state dict has {len(saved_ids)} parameters, this optimizer {len(outer_params)}"
+            )
+        param_of = dict(zip(saved_ids, outer_params, strict=True))
         state = {}
         for pid, pstate in state_dict["state"].items():
             # DCP's unflattening gives {} for states a parameter did not have when saved.
             pstate = {k: v for k, v in pstate.items() if not (isinstance(v, dict) and not v)}
             if not pstate:
                 continue
-            param = outer_params[index_of[pid]]
+            param = param_of[pid]
             shard = self._shards.get(param)
             state[pid] = {
-                name: (shard.import_(name, v) if shard is not None else self._import(param, name, v))
+                name: (
+                    shard.import_(name, v) if shard is not None else self._import(param, name, v)
+                )
                 for name, v in pstate.items()
             }
         groups = [{**g} for g in state_dict["param_groups"]]
@@ -562,6 +629,88 @@ def shard_optimizer(optimizer) -> ShardedOptimizer:
     return ShardedOptimizer(optimizer)
 
 
+# ----------------------------------------------------------------- coat-train under torchrun
+STRATEGIES = ("fsdp", "ddp")
+
+
+def prepare_data_parallel(
+    model: nn.Module,
+    strategy: str,
+    *,
+    fp8_activations: bool,
+    fp8_optimizer: bool,
+    lr: float,
+    weight_decay: float = 0.1,
+    betas: tuple[float, float] = (0.9, 0.95),
+    activation_checkpointing: bool = False,
+):
+    """``coat-train``'s ``prepare`` for one rank of a ``torchrun`` job: returns
+    ``(model, optimizer)``.
+
+    ``apply_coat`` (if ``fp8_activations``), then ``strategy``: ``"fsdp"`` (``shard_model``
+    with the bf16 policy) or ``"ddp"`` (``wrap_ddp``; run forward under bf16 autocast), then
+    the optimizer on what this rank updates: ``create_optimizer`` (CoatAdamW, through
+    ``shard_optimizer`` for FSDP2) if ``fp8_optimizer``, else ``torch.optim.AdamW`` (fused on
+    CUDA) with the same decay / no-decay groups. Each rank should train on its own
+    micro-batches (e.g. micro-batch ``micro * world_size + rank`` of a step): then N ranks
+    with ``grad_accum = A`` see the tokens of one process with ``grad_accum = N * A``.
+
+    >>> model, optimizer = prepare_data_parallel(model, "fsdp", fp8_activations=True,
+    ...                                          fp8_optimizer=True, lr=3e-4)
+    """
+    from .llama import apply_coat
+    from .optim import create_optimizer, param_groups
+
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if fp8_activations:
+        apply_coat(model)
+    if strategy == "fsdp":
+        shard_model(model, activation_checkpointing=activation_checkpointing)
+        target = model
+    else:
+        model = wrap_ddp(model, activation_checkpointing=activation_checkpointing)
+        target = model.module
+    if fp8_optimizer:
+        optimizer = create_optimizer(target, lr=lr, weight_decay=weight_decay, betas=betas)
+        if strategy == "fsdp":
+            optimizer = shard_optimizer(optimizer)
+    else:
+        fused = next(target.parameters()).is_cuda
+        optimizer = torch.optim.AdamW(
+            param_groups(target, weight_decay), lr=lr, betas=betas, fused=fused
+        )
+    return model, optimizer
+
+
+def _all_reduce_number(value: float, op) -> float:
+    if not dist.is_initialized():
+        return float(value)
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def all_ranks_mean(value: float) -> float:
+    """Mean of a Python number over all ranks (float64 all-reduce), e.g. the logged loss;
+    the value itself without a process group."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return _all_reduce_number(value, dist.ReduceOp.SUM) / world
+
+
+def all_ranks_max(value: float) -> float:
+    """Max of a Python number over all ranks, e.g. per-GPU peak memory."""
+    return _all_reduce_number(value, dist.ReduceOp.MAX)
+
+
+def as_float(value) -> float:
+    """``float()`` of a 0-dim tensor or DTensor (FSDP2's ``clip_grad_norm_`` returns one)."""
+    full_tensor = getattr(value, "full_tensor", None)
+    return float(full_tensor() if full_tensor is not None else value)
+
+
 # ------------------------------------------------------------------------ DCP checkpoints
 class CheckpointMismatchError(ValueError):
     """A checkpoint does not fit the model/optimizer it is loaded into (names, shapes, dtypes)."""
@@ -584,9 +733,22 @@ def _dcp_state(model: nn.Module, optimizer) -> dict:
 
 
 def _as_sharded(optimizer):
-    if optimizer is None or isinstance(optimizer, ShardedOptimizer):
-        return optimizer
-    return ShardedOptimizer(optimizer)
+    """CoatAdamW goes through ShardedOptimizer (checkpoint layout); torch optimizers as they
+    are (their states are elementwise: DTensors under FSDP2 already)."""
+    from fp8_optim import CoatAdamW
+
+    if isinstance(optimizer, CoatAdamW):
+        return ShardedOptimizer(optimizer)
+    return optimizer
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    # DCP warns that it "assumes the intent is to save/load in a single process" whenever no
+    # process group exists: that is exactly the intent here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _barrier() -> None:
@@ -619,7 +781,8 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, *, extra: dict | Non
     if _is_rank0() and os.path.exists(partial):
         shutil.rmtree(partial)
     _barrier()
-    dcp.save(state, checkpoint_id=partial)
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=partial)
     _barrier()
     if _is_rank0():
         if os.path.exists(path):
@@ -642,8 +805,14 @@ def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = Tr
 
     path = os.fspath(path)
     if not os.path.exists(os.path.join(path, ".metadata")):
-        hint = " (an interrupted save left only <path>.partial)" if os.path.exists(path + ".partial") else ""
-        raise FileNotFoundError(f"no checkpoint at {path!r}{hint}: expected a directory written by save_checkpoint")
+        hint = (
+            " (an interrupted save left only <path>.partial)"
+            if os.path.exists(path + ".partial")
+            else ""
+        )
+        raise FileNotFoundError(
+            f"no checkpoint at {path!r}{hint}: expected a directory written by save_checkpoint"
+        )
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     optimizer = _as_sharded(optimizer)
     state = _dcp_state(model, optimizer)
@@ -652,7 +821,8 @@ def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = Tr
         del state["optim"][key]
     if "extra" in saved:
         state["extra"] = io.BytesIO()
-    dcp.load(state, checkpoint_id=path)
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=path)
     options = StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -660,7 +830,10 @@ def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = Tr
         set_model_state_dict(model, state["model"], options=options)
     else:
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
             options=options,
         )
     if "extra" not in state:

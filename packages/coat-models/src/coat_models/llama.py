@@ -9,6 +9,7 @@ hooks, ``isinstance`` checks and gradient checkpointing behave as before;
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 
@@ -46,7 +47,8 @@ def _layer_problem(layer: nn.Module) -> str | None:
         return f"its sub-modules are {sorted(_children(layer))}, expected {sorted(_LAYER_CHILDREN)}"
     attn, mlp = layer.self_attn, layer.mlp
     if _children(attn) != _ATTN_CHILDREN:
-        return f"self_attn has sub-modules {sorted(_children(attn))}, expected {sorted(_ATTN_CHILDREN)}"
+        names = sorted(_children(attn))
+        return f"self_attn has sub-modules {names}, expected {sorted(_ATTN_CHILDREN)}"
     if not _MLP_CHILDREN <= _children(mlp) or _children(mlp) - _MLP_CHILDREN - {"act_fn"}:
         return f"mlp has sub-modules {sorted(_children(mlp))}, expected {sorted(_MLP_CHILDREN)}"
     for owner, names in ((attn, _ATTN_CHILDREN), (mlp, _MLP_CHILDREN)):
@@ -66,7 +68,11 @@ def _layer_problem(layer: nn.Module) -> str | None:
     for name in ("input_layernorm", "post_attention_layernorm"):
         norm = getattr(layer, name)
         weight = getattr(norm, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(norm, "bias", None) is not None:
+        if (
+            not isinstance(weight, torch.Tensor)
+            or weight.dim() != 1
+            or getattr(norm, "bias", None) is not None
+        ):
             return f"{name} is not an RMSNorm with one weight vector and no bias"
         if getattr(norm, "variance_epsilon", getattr(norm, "eps", None)) is None:
             return f"{name} has no variance_epsilon/eps attribute"
@@ -83,16 +89,28 @@ def _layer_mismatch(base: nn.Module, layer: nn.Module) -> str | None:
     if any(type(p.data) is not torch.Tensor or p.is_meta for p in params):
         return None
     weight = layer.input_layernorm.weight
-    x = torch.randn(1, 8, weight.shape[0], device=weight.device, dtype=params[0].dtype,
-                    generator=torch.Generator(weight.device).manual_seed(0))
+    x = torch.randn(
+        1,
+        8,
+        weight.shape[0],
+        device=weight.device,
+        dtype=params[0].dtype,
+        generator=torch.Generator(weight.device).manual_seed(0),
+    )
     position_ids = torch.arange(8, device=weight.device)[None]
     cos_sin = base.rotary_emb(x, position_ids)
     was_training = layer.training
     layer.eval()
     try:
         want = layer(x, attention_mask=None, position_embeddings=cos_sin, position_ids=position_ids)
-        got = blocks.decoder_layer(reference, layer, x, attention_mask=None,
-                                   position_embeddings=cos_sin, attn_kwargs={"position_ids": position_ids})
+        got = blocks.decoder_layer(
+            reference,
+            layer,
+            x,
+            attention_mask=None,
+            position_embeddings=cos_sin,
+            attn_kwargs={"position_ids": position_ids},
+        )
     finally:
         layer.train(was_training)
     if isinstance(want, tuple):
@@ -102,6 +120,15 @@ def _layer_mismatch(base: nn.Module, layer: nn.Module) -> str | None:
     if not err <= tol * want.float().abs().max().item():
         return f"its forward computes something else (max |difference| {err:.3g} on a probe input)"
     return None
+
+
+def _is_vlm(model: nn.Module) -> bool:
+    """A LLaVA-style model (``coat_models.vila``): vision tower, projector, language model."""
+    parts = ("vision_tower", "multi_modal_projector", "language_model")
+    return any(
+        isinstance(inner, nn.Module) and all(hasattr(inner, p) for p in parts)
+        for inner in (model, getattr(model, "model", None))
+    )
 
 
 def _base_model(model: nn.Module) -> nn.Module:
@@ -170,7 +197,9 @@ class _CoatCausalLM:
         named = _bind(self._coat_original_class, args, kwargs)
         labels = named.pop("labels", None)
         shift_labels = named.pop("shift_labels", None)
-        if (labels is None and shift_labels is None) or not _is_zero(named.pop("logits_to_keep", 0)):
+        if (labels is None and shift_labels is None) or not _is_zero(
+            named.pop("logits_to_keep", 0)
+        ):
             return super().forward(*args, **kwargs)
         return_dict = named.pop("return_dict", None)
         num_items = named.get("num_items_in_batch")
@@ -186,11 +215,15 @@ class _CoatCausalLM:
             ignore_index=ignore_index,
             num_items=num_items,
         )
-        out = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+        # The standard fields only (a VLM's base model adds e.g. image_hidden_states).
+        out = {k: v for k, v in outputs.items() if k in _OUTPUT_FIELDS}
         out = CausalLMOutputWithPast(loss=loss, logits=None, **out)
         if return_dict is False:
             return out.to_tuple()
         return out
+
+
+_OUTPUT_FIELDS = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} - {"loss", "logits"}
 
 
 def _is_zero(logits_to_keep) -> bool:
@@ -224,6 +257,16 @@ def _original_class(module: nn.Module) -> type:
     return getattr(type(module), "_coat_original_class", type(module))
 
 
+def set_fused_loss(model: nn.Module, enabled: bool = True) -> bool:
+    """Turn the chunked training loss of a causal LM on or off (``apply_coat``'s
+    ``fused_loss``); returns whether it is on. Models whose head is not a plain bias-free
+    ``lm_head`` with transformers' ``ForCausalLMLoss`` keep their own loss."""
+    original = _original_class(model)
+    on = enabled and _head_supported(model)
+    model.__class__ = _coat_class(_CoatCausalLM, original) if on else original
+    return on
+
+
 def _head_supported(model: nn.Module) -> bool:
     head = getattr(model, "lm_head", None)
     loss_fn = getattr(model, "loss_function", None)
@@ -239,7 +282,7 @@ def _head_supported(model: nn.Module) -> bool:
 # ------------------------------------------------------------------------------ public API
 def apply_coat(
     model: nn.Module,
-    config=None,
+    config: FP8Config | None = None,
     *,
     fused_loss: bool = True,
     layer_filter: Callable[[int, nn.Module], bool] | None = None,
@@ -255,7 +298,10 @@ def apply_coat(
 
     Args:
         model: ``LlamaForCausalLM``, ``LlamaModel`` or another Llama-shaped model (Mistral,
-            Qwen2, ...) of transformers 5.17+, on any device and in any float dtype.
+            Qwen2, ...) of transformers 5.17+, on any device and in any float dtype. A
+            LLaVA-style model (``LlavaForConditionalGeneration``) goes to
+            ``coat_models.vila.apply_coat_vlm`` (language model and projector), plus the
+            fused loss here; ``layer_filter`` does not apply to it.
         config: ``fp8_activations.FP8Config`` (group size, formats, weight cache, backend);
             ``None`` takes its defaults.
         fused_loss: for ``*ForCausalLM`` models, compute the training loss (when ``labels``
@@ -272,18 +318,28 @@ def apply_coat(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_coat takes a torch.nn.Module, got {type(model).__name__}")
+    if _is_vlm(model):
+        from .vila import apply_coat_vlm  # vila builds on this module
+
+        apply_coat_vlm(model, config)
+        set_fused_loss(model, fused_loss)
+        return model
     if config is None:
         config = FP8Config()
     if not isinstance(config, FP8Config):
-        raise TypeError(f"config must be an fp8_activations.FP8Config or None, got {type(config).__name__}")
+        raise TypeError(
+            f"config must be an fp8_activations.FP8Config or None, got {type(config).__name__}"
+        )
     base = _base_model(model)
     layers = list(base.layers)
     if not layers:
         raise TypeError(f"apply_coat: {type(model).__name__} has no decoder layers")
+    probed = set()
     for index, layer in enumerate(layers):
         problem = _layer_problem(layer)
-        if problem is None and index == 0:
-            # One probe suffices: every layer runs the same forward code.
+        if problem is None and _original_class(layer) not in probed:
+            # One probe per layer class: its layers run the same forward code.
+            probed.add(_original_class(layer))
             problem = _layer_mismatch(base, layer)
         if problem is not None:
             raise TypeError(
@@ -297,16 +353,16 @@ def apply_coat(
             continue
         layer.__class__ = _coat_class(_CoatDecoderLayer, original)
         layer.coat_config = config
-    original = _original_class(model)
-    if fused_loss and _head_supported(model):
-        model.__class__ = _coat_class(_CoatCausalLM, original)
-    else:
-        model.__class__ = original
+    set_fused_loss(model, fused_loss)
     return model
 
 
 def revert_coat(model: nn.Module) -> nn.Module:
     """Undo ``apply_coat`` in place: every module gets its original class back."""
+    if _is_vlm(model):
+        from .vila import revert_coat_vlm
+
+        revert_coat_vlm(model)
     for module in model.modules():
         original = _original_class(module)
         if original is not type(module):

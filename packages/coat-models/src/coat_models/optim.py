@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from fp8_optim import CoatAdamW, CoatAdamWConfig
 from torch import nn
 

@@ -153,7 +153,7 @@ def _is_weight_copy(t: torch.Tensor) -> bool:
         if fn is None:
             return False
         if type(fn).__name__ == "AccumulateGrad":
-            return True
+            return isinstance(fn.variable, torch.nn.Parameter)
         nxt = [f for f, _ in fn.next_functions if f is not None]
         if type(fn).__name__ not in _COPY_OR_VIEW or len(nxt) != 1:
             return False
@@ -262,17 +262,30 @@ class MemoryTracker:
         self._update()
 
 
-def device_peak_bytes(device: torch.device) -> int | None:
-    """Allocator-measured peak (CUDA); None where torch keeps no allocator statistics (CPU)."""
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+class PeakMeter:
+    """Measured peak memory since ``reset``: ``torch.cuda.max_memory_allocated`` on CUDA;
+    ``None`` on CPU, where torch keeps no allocator statistics (the tests compare the tracked
+    bytes with the process's resident-set growth instead, see README)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.label = "cuda max_memory_allocated" if device.type == "cuda" else None
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
 
 
-def memory_report(tracker: MemoryTracker, measured: int | None, device: torch.device) -> dict:
-    """The breakdown at the tracked peak. On CUDA ``other = measured - tracked``: temporaries
-    and caches the tracker cannot see. On CPU there is no allocator peak; the tracked peak
-    stands in for it (tests check it against the process's resident-set growth)."""
+def memory_report(tracker: MemoryTracker, meter: PeakMeter) -> dict:
+    """The breakdown at the tracked peak, and ``other = measured - tracked``: temporaries
+    inside ops, caches and (CPU) allocator slack, which the tracker cannot see."""
+    measured = meter.peak()
     return {
-        "device": device.type,
+        "device": meter.device.type,
+        "measured_by": meter.label,
         "measured_peak": measured,
         "tracked_peak": tracker.peak,
         **tracker.at_peak,
@@ -454,8 +467,8 @@ class Trainer:
         self.val = val_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
         self.tracker = MemoryTracker(self.model)
         self.step = 0  # optimizer steps done
-        self.totals = {"timed_tokens": 0, "timed_time": 0.0, "measured_peak": 0,
-                       "tracked_peak": 0, "memory": None}  # fmt: skip
+        self.meter = PeakMeter(device)
+        self.totals = {"timed_tokens": 0, "timed_time": 0.0, "memory": None}
         self.train_losses: list[float] = []
         self.val_loss: float | None = None
         self.progress = Progress(cfg.mode, cfg.steps, enabled=progress)
@@ -598,9 +611,9 @@ class Trainer:
             write_atomic_text(metrics_path, "".join(kept))
         else:
             metrics_path.write_text("")
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+            torch.manual_seed(cfg.seed)  # whatever setup drew, every mode starts alike
         self.tracker.reset_peak()
+        self.meter.reset()
         first = self.step + 1
         with open(metrics_path, "a") as log:
 
@@ -613,7 +626,7 @@ class Trainer:
                 if self.step > first:  # the first step of a process warms up (kernels, caches)
                     self.totals["timed_tokens"] += rec["tokens"]
                     self.totals["timed_time"] += rec["step_time_s"]
-                measured = device_peak_bytes(self.device)
+                measured = self.meter.peak()
                 rec["mem_tracked_peak"] = self.tracker.peak
                 rec["mem_measured_peak"] = measured
                 emit({"type": "train", **rec})
@@ -636,10 +649,9 @@ class Trainer:
 
     def _record_memory(self):
         """Keep the breakdown of the highest peak seen by this run (across resumes)."""
-        measured = device_peak_bytes(self.device)
-        report = memory_report(self.tracker, measured, self.device)
+        report = memory_report(self.tracker, self.meter)
         best = self.totals["memory"]
-        key = "measured_peak" if measured is not None else "tracked_peak"
+        key = "measured_peak" if report["measured_peak"] is not None else "tracked_peak"
         if best is None or (report[key] or 0) >= (best[key] or 0):
             self.totals["memory"] = report
 

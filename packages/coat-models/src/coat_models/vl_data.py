@@ -4,8 +4,9 @@ Each image holds one shape (circle, square or triangle) in one of four colours, 
 large, on the left, in the middle or on the right of a noisy dark background; its caption
 says so: ``"a small red circle on the left"``. 72 captions, endless images (position, size,
 background and noise jitter). A model that reads the image can get the caption right; one
-that does not can only learn the template and guess (``ln 72 = 4.28`` nats per caption), so
-the loss measures image understanding.
+that does not can only learn the template and guess: ``ln 72 = 4.28`` nats per caption, i.e.
+0.125 nats per labelled token (34.17 on average). Validation loss below 0.125 therefore
+means the model reads the images.
 
 Tokens are byte-level, like ``coat_models.data``: ids 0..255 are UTF-8 bytes,
 ``BYTE_EOS`` (256) separates and ends captions, and one more id is the image placeholder:

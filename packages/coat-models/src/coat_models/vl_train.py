@@ -27,11 +27,11 @@ from .train import (
     MODES,
     TRAIN_LOSS_WINDOW,
     MemoryTracker,
+    PeakMeter,
     Progress,
     TrainConfig,
     TrainError,
     decay_groups,
-    device_peak_bytes,
     fmt_bytes,
     lr_factor,
     memory_report,
@@ -63,8 +63,9 @@ def _min_seq_len(config, images: int) -> int:
 
 
 VL_PRESETS = {
-    # 0.16 M params, 16 image tokens + caption = 55 tokens: trains end to end (tower included)
-    # on CPU in seconds; learns the captions' template in ~30 steps, the images in ~300.
+    # 0.16 M params, 16 image tokens + caption = 55 tokens, trained end to end (tower too).
+    # bf16 on CPU: val loss 0.67 nats/token at step 50 (template), 0.049 and caption accuracy
+    # 0.32 at step 300 (template-only floor 0.125, chance 1/72): the images are read.
     "llava-tiny": VLPreset(llava_tiny_config, 1, False, True,
                            32, _min_seq_len(llava_tiny_config(), 1), 300, 3e-3, 20, 50, 4),
     # VILA1.5-7B shapes (7.17 B params), stage-3 SFT: tower frozen; 2 images of 729 tokens
@@ -118,13 +119,15 @@ def prepare_vlm(
     betas=(0.9, 0.95),
     vision: bool = False,
     freeze_vision: bool = False,
+    fp8_config=None,
 ):
-    """(model, optimizer) for ``mode``: ``apply_coat_vlm`` for FP8 activations,
-    ``create_optimizer`` (CoatAdamW) for FP8 optimizer states, else bf16 autocast's plain
-    modules and torch AdamW (fused on CUDA). A frozen tower gets no optimizer state."""
+    """(model, optimizer) for ``mode``: ``apply_coat_vlm`` (with ``fp8_config``, an
+    ``fp8_activations.FP8Config``) for FP8 activations, ``create_optimizer`` (CoatAdamW) for
+    FP8 optimizer states, else bf16 autocast's plain modules and torch AdamW (fused on CUDA).
+    A frozen tower gets no optimizer state."""
     fp8_act, fp8_opt = MODES[mode]
     if fp8_act:
-        apply_coat_vlm(model, vision=vision, freeze_vision=freeze_vision)
+        apply_coat_vlm(model, fp8_config, vision=vision, freeze_vision=freeze_vision)
     elif freeze_vision:
         _llava_parts(model).vision_tower.requires_grad_(False)
     if fp8_opt:
@@ -186,13 +189,15 @@ def train_vlm(
     progress: bool = True,
     vision: bool | None = None,
     freeze_vision: bool | None = None,
+    fp8_config=None,
 ) -> dict:
     """Train ``preset`` (``VL_PRESETS``) with ``cfg`` (default ``vl_train_config(preset)``).
 
     ``vision`` / ``freeze_vision`` default to the preset's (FP8 activations in the tower; a
-    frozen tower). Writes ``out_dir/metrics.jsonl`` when ``out_dir`` is given (``train``
-    records per step, ``eval`` records with ``val_loss`` and ``val_caption_acc``). Returns
-    ``Trainer.summary()``'s dict plus ``preset``, ``val_caption_acc``, ``vision_fp8``,
+    frozen tower); ``fp8_config`` (``fp8_activations.FP8Config``) goes to ``apply_coat_vlm``.
+    Writes ``out_dir/metrics.jsonl`` when ``out_dir`` is given (``train`` records per step,
+    ``eval`` records with ``val_loss`` and ``val_caption_acc``). Returns the dict of
+    ``Trainer.summary()`` plus ``preset``, ``val_caption_acc``, ``vision_fp8``,
     ``freeze_vision``, ``seq_len`` and ``losses`` (every step's training loss).
     Raises ``TrainError`` for settings it cannot run (checkpoints, a too short ``seq_len``,
     a non-finite loss).
@@ -216,15 +221,16 @@ def train_vlm(
                       seed=cfg.seed)  # fmt: skip
     model, optimizer = prepare_vlm(
         model, cfg.mode, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
-        vision=vision, freeze_vision=freeze_vision,
+        vision=vision, freeze_vision=freeze_vision, fp8_config=fp8_config,
     )  # fmt: skip
     schedule = partial(lr_factor, warmup=cfg.warmup, steps=cfg.steps, min_ratio=cfg.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     val = task.val_batches(cfg.batch_size)[: cfg.eval_batches]
-    tracker = MemoryTracker(model)
+    tracker, meter = MemoryTracker(model), PeakMeter(device)
     bar = Progress(cfg.mode, cfg.steps, enabled=progress)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(cfg.seed)  # whatever setup drew, every mode starts alike
+    tracker.reset_peak()
+    meter.reset()
     losses, timed_tokens, timed_time, val_loss, val_acc = [], 0, 0.0, None, None
     with contextlib.ExitStack() as stack:
         stack.callback(tracker.close)
@@ -234,6 +240,7 @@ def train_vlm(
             log = stack.enter_context(open(Path(out_dir) / "metrics.jsonl", "w"))
         for step in range(1, cfg.steps + 1):
             rec = _train_step(model, optimizer, scheduler, tracker, task, cfg, step, device)
+            rec["mem_tracked_peak"], rec["mem_measured_peak"] = tracker.peak, meter.peak()
             losses.append(rec["loss"])
             if step > 1:  # the first step warms up (kernels, caches, optimizer state)
                 timed_tokens += rec["tokens"]
@@ -248,7 +255,7 @@ def train_vlm(
                 fields["val"] = f"{val_loss:.4f}"
                 fields["caption acc"] = f"{val_acc:.2f}"
             bar.update(step, fields)
-        memory = memory_report(tracker, device_peak_bytes(device), device)
+        memory = memory_report(tracker, meter)
     window = losses[-TRAIN_LOSS_WINDOW:]
     return {
         "mode": cfg.mode,
@@ -295,8 +302,7 @@ def _train_step(model, optimizer, scheduler, tracker, task, cfg, step, device) -
                          f"lower --lr (now {cfg.lr:g}) or raise --warmup")  # fmt: skip
     return {"type": "train", "step": step, "loss": loss, "lr": float(lr),
             "grad_norm": float(grad_norm), "tokens": cfg.tokens_per_step, "step_time_s": dt,
-            "tokens_per_s": cfg.tokens_per_step / dt, "mem_tracked_peak": tracker.peak,
-            "mem_measured_peak": device_peak_bytes(device)}  # fmt: skip
+            "tokens_per_s": cfg.tokens_per_step / dt}  # fmt: skip
 
 
 def _emit(log, mode: str, record: dict) -> None:

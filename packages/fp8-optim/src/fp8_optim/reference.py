@@ -19,11 +19,13 @@ element, constant groups and all-zero groups are exact.
 
 Dynamic Range Expansion (COAT section 1) picks ``k`` per group: ``x -> (|x| / c) ** k`` with
 ``c = sqrt(amax * amin)`` maps the group's range ``R = amax / amin`` (non-zero entries) onto
-``R ** k``; ``k = floor(16 * log2(fmax**2 / 2) / log2(R)) / 16``, clamped to ``[1, 255/16]``
-(``R = 1`` would give an infinite ``k``; ``k < 1`` would compress). ``c`` cancels out of the
-stored code: ``q = fp8(fmax * (|x| / amax) ** k)``, which is what both backends compute, as
+``R ** k``; ``k = floor(16 * log2(fmax**2 / 2) / log2(R)) / 16``, clamped to ``[1/16, 255/16]``:
+``R = 1`` (a constant group) would give an infinite ``k``, and a range wider than the format
+gets ``k < 1`` (compressed) rather than its small values flushed to zero, which for the
+second moment would turn ``m / sqrt(v)`` into ``m / eps``. ``c`` cancels out of the stored
+code: ``q = fp8(fmax * (|x| / amax) ** k)``, which is what both backends compute, as
 ``exp2(k * log2|x| + (log2 fmax - k * log2 amax))``. fp32 subnormals (``|x| < 2**-126``) are
-treated as zeros. With DRE off, ``k = 1`` for every group.
+treated as zeros. With DRE off, ``k = 1`` for every group (plain absmax scaling).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ import torch
 from fp8_quant import FP8Format
 
 FLUSH_BELOW = 2.0**-126  # smallest normal fp32; smaller magnitudes quantize to zero
-K16_MIN, K16_MAX = 16, 255  # k in [1, 15.9375], stored as uint8 16 * k
+K16_MIN, K16_MAX = 1, 255  # k in [1/16, 15.9375], stored as uint8 16 * k
+K16_PLAIN = 16  # k = 1: DRE off
 SR_KEY_MUL = 0x9E3779B9  # odd constant (golden ratio) spreading the parameter index
 
 _M32 = 0xFFFFFFFF
@@ -113,7 +116,7 @@ def quantize_groups(
         log2_range = lmx - _log2(amin)  # +0 for a constant group, -inf for an all-zero one
         k16 = torch.floor(_div(c16, log2_range)).clamp(K16_MIN, K16_MAX)
     else:
-        k16 = torch.full_like(amax, float(K16_MIN))
+        k16 = torch.full_like(amax, float(K16_PLAIN))
     k = k16 * 0.0625
     off = log2_fmax - torch.where(amax > 0, lmx, torch.zeros_like(lmx)) * k
     y = _exp2(_log2(a) * k[:, None] + off[:, None])

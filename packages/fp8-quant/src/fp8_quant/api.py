@@ -23,9 +23,7 @@ def resolve_backend(x: torch.Tensor, backend: str) -> str:
     if backend == "auto":
         backend = os.environ.get("FP8_QUANT_BACKEND", "auto")
         if backend not in _BACKENDS:
-            raise ValueError(
-                f"FP8_QUANT_BACKEND must be one of {_BACKENDS}, got {backend!r}"
-            )
+            raise ValueError(f"FP8_QUANT_BACKEND must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if x.is_cuda else "reference"
     if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -40,9 +38,7 @@ def check_input(x: torch.Tensor, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise TypeError(
-            f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}"
-        )
+        raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}")
 
 
 def check_group_size(group_size: int) -> None:

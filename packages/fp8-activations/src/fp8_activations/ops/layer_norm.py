@@ -14,11 +14,11 @@ from .. import reference
 from ._common import (
     EMIT_CODES,
     cast_out,
-    codes,
     emit_buffers,
     emit_groups,
     load_groups,
     num_row_programs,
+    out_args,
     quant_buffers,
     row_block,
     store_groups,
@@ -105,7 +105,7 @@ def layer_norm_fwd(
     bm, bn, warps = row_block(n, group_size)
     _layer_norm_fwd_kernel[(triton.cdiv(m, bm),)](
         x, weight if weight is not None else x, bias if bias is not None else x, y,
-        codes(x_q), x_s, codes(y_q), y_s, y_a, m, n, eps,
+        *out_args(y, x_q, x_s, y_q, y_s, y_a), m, n, eps,
         BM=bm, BN=bn, G=group_size, FMT=f.value, HAS_W=weight is not None,
         HAS_B=bias is not None, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], num_warps=warps,
     )  # fmt: skip

@@ -16,9 +16,9 @@ from .. import reference
 from ._common import (
     EMIT_CODES,
     cast_out,
-    codes,
     emit_buffers,
     emit_groups,
+    out_args,
     tile,
     tile_block,
     use_triton,
@@ -53,7 +53,7 @@ def residual_add_fwd(
     m, n = x.shape
     bm, bn, warps = tile_block(n, group_size)
     _residual_add_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, residual, y, codes(y_q), y_s, y_a, m, n,
+        x, residual, y, *out_args(y, y_q, y_s, y_a), m, n,
         BM=bm, BN=bn, G=group_size, FMT=f.value, EMIT=EMIT_CODES[emit], num_warps=warps,
     )  # fmt: skip
     return y, y_q, y_s, y_a

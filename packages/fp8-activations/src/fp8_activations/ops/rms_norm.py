@@ -15,11 +15,11 @@ from .. import reference
 from ._common import (
     EMIT_CODES,
     cast_out,
-    codes,
     emit_buffers,
     emit_groups,
     load_groups,
     num_row_programs,
+    out_args,
     quant_buffers,
     row_block,
     store_groups,
@@ -89,7 +89,7 @@ def rms_norm_fwd(
     m, n = x.shape
     bm, bn, warps = row_block(n, group_size)
     _rms_norm_fwd_kernel[(triton.cdiv(m, bm),)](
-        x, weight, y, codes(x_q), x_s, codes(y_q), y_s, y_a, m, n, eps,
+        x, weight, y, *out_args(y, x_q, x_s, y_q, y_s, y_a), m, n, eps,
         BM=bm, BN=bn, G=group_size, FMT=f.value, QUANT_X=quant_x, EMIT=EMIT_CODES[emit],
         num_warps=warps,
     )  # fmt: skip

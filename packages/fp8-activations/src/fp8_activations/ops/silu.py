@@ -11,10 +11,10 @@ from .. import reference
 from ._common import (
     EMIT_CODES,
     cast_out,
-    codes,
     emit_buffers,
     emit_groups,
     load_groups,
+    out_args,
     quant_buffers,
     store_groups,
     tile,
@@ -68,7 +68,7 @@ def silu_fwd(
     y_q, y_s, y_a = emit_buffers(y, group_size, f, emit)
     grid, bm, bn, warps = _grid(x, group_size)
     _silu_fwd_kernel[grid](
-        x, y, codes(x_q), x_s, codes(y_q), y_s, y_a, *x.shape,
+        x, y, *out_args(y, x_q, x_s, y_q, y_s, y_a), *x.shape,
         BM=bm, BN=bn, G=group_size, FMT=f.value, QUANT_X=quant_x, EMIT=EMIT_CODES[emit],
         num_warps=warps,
     )  # fmt: skip

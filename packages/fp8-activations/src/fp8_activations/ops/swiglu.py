@@ -15,10 +15,10 @@ from .. import reference
 from ._common import (
     EMIT_CODES,
     cast_out,
-    codes,
     emit_buffers,
     emit_groups,
     load_groups,
+    out_args,
     quant_buffers,
     store_groups,
     tile,
@@ -80,7 +80,7 @@ def swiglu_fwd(
     y_q, y_s, y_a = emit_buffers(y, group_size, f, emit)
     grid, bm, bn, warps = _grid(gate, group_size)
     _swiglu_fwd_kernel[grid](
-        gate, up, y, codes(g_q), g_s, codes(u_q), u_s, codes(y_q), y_s, y_a, *gate.shape,
+        gate, up, y, *out_args(y, g_q, g_s, u_q, u_s, y_q, y_s, y_a), *gate.shape,
         BM=bm, BN=bn, G=group_size, FMT=f.value, QUANT_GATE=quant_gate, QUANT_UP=quant_up,
         EMIT=EMIT_CODES[emit], num_warps=warps,
     )  # fmt: skip

@@ -129,7 +129,7 @@ def _quant(x, FMT: tl.constexpr, DRE: tl.constexpr, FMAX: tl.constexpr,
         # Per group, not per element: the exact division costs nothing here and keeps k
         # identical on every backend except where log2 itself differs.
         k16 = tl.floor(tl.math.div_rn(tl.full(log2_range.shape, C16, tl.float32), log2_range))
-        k16 = tl.minimum(tl.maximum(k16, 16.0), 255.0)
+        k16 = tl.minimum(tl.maximum(k16, 1.0), 255.0)
     else:
         k16 = tl.full(amax.shape, 16.0, tl.float32)
     k = k16 * 0.0625

@@ -19,7 +19,9 @@ _AMAX_GROUP = 4096  # partial maxima are 4096x smaller than x: their reduction i
 
 
 @triton.jit
-def _per_tensor_kernel(x_ptr, q_ptr, amax_ptr, scale_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr):
+def _per_tensor_kernel(
+    x_ptr, q_ptr, amax_ptr, scale_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr
+):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n

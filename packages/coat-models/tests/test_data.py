@@ -1,0 +1,108 @@
+"""coat_models.data: the embedded stdlib corpus, user text / .npy / .bin files, the sampler."""
+
+import numpy as np
+import pytest
+import torch
+
+from coat_models.data import (
+    BYTE_EOS,
+    BYTE_VOCAB,
+    STDLIB_VAL_EVERY,
+    BatchSampler,
+    DataError,
+    load_data,
+    stdlib_sources,
+    val_batches,
+)
+
+
+def test_stdlib_corpus_is_real_deterministic_and_split_by_file():
+    files = stdlib_sources(2**20)
+    assert [p for p, _ in files] == sorted(p for p, _ in files)
+    assert not any(part in p.split("/") for p, _ in files for part in ("test", "site-packages"))
+    assert sum(len(b) for _, b in files) == 2**20  # capped exactly (the last file is cut)
+    a, b = load_data(max_bytes=2**20), load_data(max_bytes=2**20)
+    assert a.fingerprint == b.fingerprint and np.array_equal(a.train, b.train)
+    assert a.vocab_size == BYTE_VOCAB and int(a.train.max()) < BYTE_VOCAB
+    # one EOS per file; every 20th file (sorted) is validation
+    n_val = len(range(0, len(files), STDLIB_VAL_EVERY))
+    assert int((a.val == BYTE_EOS).sum()) == n_val
+    assert int((a.train == BYTE_EOS).sum()) == len(files) - n_val
+    first_val = files[0][1]
+    assert bytes(a.val[: len(first_val)].astype(np.uint8)) == first_val
+    assert b"def " in bytes(a.train[:200_000].astype(np.uint8))  # real Python source
+
+
+def test_text_file_is_byte_tokenized_with_tail_validation(tmp_path):
+    text = ("hello world. " * 200).encode() + "é\n".encode()
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(text)
+    d = load_data(path, val_fraction=0.1)
+    ids = np.concatenate([d.train, d.val]).astype(np.uint8)
+    assert bytes(ids) == text
+    assert len(d.val) == int(len(text) * 0.1)
+    assert d.vocab_size == BYTE_VOCAB
+
+
+@pytest.mark.parametrize(
+    "suffix,dtype", [(".npy", np.uint16), (".npy", np.int32), (".bin", np.uint16),
+                     (".bin", np.int32)], ids=["npy-u16", "npy-i32", "bin-u16", "bin-i32"],
+)  # fmt: skip
+def test_token_files(tmp_path, suffix, dtype):
+    ids = (np.arange(5000) * 7919 % 1000).astype(dtype)
+    path = tmp_path / f"ids{suffix}"
+    if suffix == ".npy":
+        np.save(path, ids)
+    else:
+        ids.tofile(path)
+    d = load_data(path, bin_dtype=np.dtype(dtype).name, val_fraction=0.05)
+    assert np.array_equal(np.concatenate([d.train, d.val]), ids)
+    assert d.vocab_size == 1000 and len(d.val) == 250
+    d.check_fits(1000)
+    with pytest.raises(DataError, match="token id 999 but the model's vocabulary has 512"):
+        d.check_fits(512)
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda p: np.save(p / "x.npy", np.zeros(10, np.float32)), "must be integers"),
+        (lambda p: np.save(p / "x.npy", np.array([1, -2, 3])), "negative token id"),
+        (lambda p: (p / "x.bin").write_bytes(b"\0" * 7), "not a multiple of 2"),
+    ],
+    ids=["float-npy", "negative-id", "odd-bin"],
+)
+def test_bad_token_files(tmp_path, make, match):
+    make(tmp_path)
+    (path,) = tmp_path.iterdir()
+    with pytest.raises(DataError, match=match):
+        load_data(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        load_data(tmp_path / "nope.txt")
+
+
+def test_sampler_is_a_pure_function_of_seed_and_step():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    s = BatchSampler(tokens, batch_size=4, seq_len=16, seed=3)
+    b = s.batch(5, 1)
+    assert b.dtype == torch.int64 and b.shape == (4, 16)
+    assert torch.equal(b, BatchSampler(tokens, 4, 16, seed=3).batch(5, 1))
+    assert not torch.equal(b, s.batch(6, 1)) and not torch.equal(b, s.batch(5, 0))
+    assert not torch.equal(b, BatchSampler(tokens, 4, 16, seed=4).batch(5, 1))
+    # each row is a contiguous window of the data
+    assert torch.equal(b[:, 1:] - b[:, :-1], torch.ones(4, 15, dtype=torch.int64))
+    with pytest.raises(DataError, match="fewer than --seq-len"):
+        BatchSampler(tokens[:16], 4, 16, seed=0)
+
+
+def test_val_batches_are_fixed_windows():
+    tokens = np.arange(1000, dtype=np.uint16)
+    batches = val_batches(tokens, batch_size=4, seq_len=10, max_batches=3)
+    assert [len(b) for b in batches] == [4, 4, 4]
+    assert torch.equal(torch.cat(batches).flatten(), torch.arange(120))
+    assert sum(len(b) for b in val_batches(tokens[:55], 4, 10, 3)) == 5  # short split: fewer
+    with pytest.raises(DataError, match="validation split has 5 tokens"):
+        val_batches(tokens[:5], 4, 10, 3)

@@ -1,0 +1,160 @@
+"""coat_models.train: LR schedule, memory accounting (against the OS and the CUDA allocator),
+mode setup."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from coat_models.train import MemoryTracker, TrainConfig, lr_factor
+
+
+def _coat_available() -> bool:
+    try:
+        from coat_models import apply_coat, create_optimizer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# Skips only while apply_coat / create_optimizer cannot be imported.
+needs_coat = pytest.mark.skipif(not _coat_available(), reason="coat_models.apply_coat missing")
+MODES = ["bf16", pytest.param("coat", marks=needs_coat)]
+
+
+def test_lr_schedule_warmup_then_cosine():
+    f = lambda s: lr_factor(s, warmup=10, steps=110, min_ratio=0.1)
+    assert [f(s) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert f(10) == 1.0
+    assert math.isclose(f(60), 0.55)  # half way through the cosine
+    assert math.isclose(f(110), 0.1) and math.isclose(f(500), 0.1)
+    assert all(f(s) >= f(s + 1) for s in range(10, 120))
+
+
+def test_config_rejects_bf16_master_with_torch_adamw():
+    with pytest.raises(ValueError, match="needs CoatAdamW's stochastic rounding"):
+        TrainConfig(mode="bf16", master_dtype="bf16")
+    with pytest.raises(ValueError, match="unknown mode"):
+        TrainConfig(mode="fp4")
+    TrainConfig(mode="coat-optim", master_dtype="bf16")
+
+
+def test_tracker_counts_each_saved_storage_once():
+    lin = torch.nn.Linear(64, 32, bias=False)
+    tracker = MemoryTracker(lin)
+    assert tracker.live["weights"] == 64 * 32 * 4
+    x = torch.randn(16, 64, requires_grad=True)
+    with tracker.saving():
+        y = lin(x)  # saves x; the weight is a parameter: in "weights", not again
+        z = (y * y).sum()  # saves y twice: one storage
+    assert tracker.live["activations"] == x.nbytes + y.nbytes
+    with tracker.saving(), torch.autocast("cpu", dtype=torch.bfloat16):
+        lin(x).sum()  # saves bf16 casts of x (activation) and of the weight (a weight cast)
+    assert tracker.live["weight_copies"] == 0  # that graph is already gone
+    z.backward()
+    assert tracker.live["activations"] == 0  # freed by backward
+    assert tracker.live["gradients"] == 64 * 32 * 4
+    # the peak was during the autocast forward, with the first graph still alive
+    assert tracker.at_peak["activations"] == x.nbytes + y.nbytes + x.nbytes // 2
+    assert tracker.at_peak["weight_copies"] == 64 * 32 * 2
+    tracker.grads_dropped()
+    assert tracker.live["gradients"] == 0
+    tracker.close()
+
+
+# Runs in a fresh interpreter: glibc told to give every block >= 64 KiB back to the OS at
+# once, so that the resident set follows the tensors (the default keeps freed memory).
+_RSS_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from coat_models.data import load_data
+    from coat_models.presets import build_model, preset_config
+    from coat_models.train import Trainer, TrainConfig
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    data = load_data(max_bytes=2**20)
+    cfg = TrainConfig(mode=sys.argv[1], steps=10, batch_size=16, seq_len=128, eval_batches=1)
+    cpu = torch.device("cpu")
+    model = build_model(preset_config("tiny", data.vocab_size), device=cpu,
+                        master_dtype=torch.float32, seed=0)
+    tr = Trainer(model, data, cfg, device=cpu, progress=False)
+    for _ in range(2):  # optimizer state, kernel caches
+        tr.run_step()
+    trk = tr.tracker
+    trk.reset_peak()
+    resident = sum(trk.live.values())
+    rss0 = status("VmRSS")
+    open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+    ids = tr.sampler.batch(3)
+    with trk.saving(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = tr.model(input_ids=ids, labels=ids).loss
+    fwd = {"tracked": sum(trk.live.values()) - resident, "rss": status("VmRSS") - rss0}
+    with trk.saving():
+        loss.backward()
+    del loss
+    tr.optimizer.step()
+    trk.after_optimizer_step(tr.optimizer)
+    step = {"tracked": trk.peak, "measured": resident + status("VmHWM") - rss0}
+    print(json.dumps({"forward": fwd, "step": step}))
+    """
+)
+# Largest share of the step's measured peak that the tracker may miss (temporaries inside
+# ops): measured 9.3% for bf16 and 42.5% for COAT's plain-PyTorch CPU path (fp32 dequantized
+# copies inside its ops) on torch 2.13.
+PEAK_TOLERANCE = {"bf16": 0.15, "coat": 0.50}
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc")
+@pytest.mark.parametrize("mode", MODES)
+def test_tracked_memory_matches_resident_set(mode):
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0",
+               PYTHONPATH=os.pathsep.join(sys.path))  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, mode], env=env, check=True,
+                         capture_output=True, text=True, timeout=600).stdout  # fmt: skip
+    r = json.loads(out.strip().splitlines()[-1])
+    fwd, step = r["forward"], r["step"]
+    # After forward only saved tensors (and the loss) are alive: within 5% of the OS's count.
+    assert abs(fwd["tracked"] - fwd["rss"]) <= 0.05 * fwd["tracked"], fwd
+    # Over the whole step the OS also sees temporaries: never less than the tracked bytes
+    # (2% slack for page rounding), at most PEAK_TOLERANCE more.
+    assert step["tracked"] <= 1.02 * step["measured"], step
+    assert step["tracked"] >= (1 - PEAK_TOLERANCE[mode]) * step["measured"], step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_breakdown_vs_cuda_allocator_peak(mode, capsys):
+    from coat_models.data import load_data
+    from coat_models.presets import build_model, preset_config
+    from coat_models.train import Trainer, memory_report
+
+    data = load_data(max_bytes=4 * 2**20)
+    cuda = torch.device("cuda")
+    cfg = TrainConfig(mode=mode, steps=4, batch_size=64, seq_len=1024, eval_batches=1)
+    model = build_model(preset_config("tiny", data.vocab_size, max_seq=1024), device=cuda,
+                        master_dtype=torch.float32, seed=0)  # fmt: skip
+    tr = Trainer(model, data, cfg, device=cuda, progress=False)
+    tr.run_step()
+    tr.tracker.reset_peak()
+    tr.meter.reset()
+    for _ in range(2):
+        tr.run_step()
+    rep = memory_report(tr.tracker, tr.meter)
+    with capsys.disabled():
+        print(f"\n{mode}: {json.dumps(rep)}")
+    parts = sum(rep[k] for k in MemoryTracker.KINDS)
+    assert parts == rep["tracked_peak"]
+    # The caching allocator rounds every block up to 512 bytes: measured >= tracked.
+    assert rep["tracked_peak"] <= rep["measured_peak"]
+    # Temporaries (SDPA workspace, the loss's fp32 logits, GEMM outputs being consumed) are
+    # the rest: at most 25% of the peak at this activation-heavy shape.
+    assert rep["other"] <= 0.25 * rep["measured_peak"], rep

@@ -1,0 +1,140 @@
+"""The public boundary: clear errors for bad input, and the backend switch."""
+
+import fp8_quant
+import pytest
+import torch
+from fp8_quant import (
+    E4M3,
+    E5M2,
+    FP8Format,
+    group_amax,
+    quantize_per_block,
+    quantize_per_group,
+    quantize_per_tensor,
+    quantize_per_tensor_transpose,
+)
+
+ALL_QUANTIZERS = [
+    pytest.param(lambda x: group_amax(x), id="group_amax"),
+    pytest.param(lambda x: quantize_per_tensor(x), id="per_tensor"),
+    pytest.param(lambda x: quantize_per_tensor_transpose(x), id="per_tensor_transpose"),
+    pytest.param(lambda x: quantize_per_group(x), id="per_group"),
+    pytest.param(lambda x: quantize_per_block(x), id="per_block"),
+]
+
+
+@pytest.mark.parametrize("call", ALL_QUANTIZERS)
+@pytest.mark.parametrize(
+    ("x", "message"),
+    [
+        pytest.param(
+            torch.ones(4, 16, dtype=torch.int32), "float32, bfloat16, float16", id="int32"
+        ),
+        pytest.param(torch.ones(4, 16, dtype=torch.bool), "float32, bfloat16, float16", id="bool"),
+        pytest.param(
+            torch.ones(4, 16).to(torch.float8_e4m3fn), "float32, bfloat16, float16", id="float8"
+        ),
+        pytest.param([[1.0] * 16] * 4, "must be a torch.Tensor", id="list"),
+    ],
+)
+def test_non_float_input_is_a_type_error(call, x, message):
+    with pytest.raises(TypeError, match=message):
+        call(x)
+
+
+@pytest.mark.parametrize("group_size", [0, -16, 3, 24, 16.0, True], ids=repr)
+def test_bad_group_size_says_power_of_two(group_size):
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="positive power of two"):
+        quantize_per_group(x, group_size)
+    with pytest.raises(ValueError, match="positive power of two"):
+        group_amax(x, group_size)
+    with pytest.raises(ValueError, match="positive power of two"):
+        quantize_per_block(x, (group_size, 16))
+
+
+@pytest.mark.parametrize("fmt", ["e3m4", "fp8", "", None, 8], ids=repr)
+def test_unknown_format_lists_the_accepted_ones(fmt):
+    with pytest.raises(ValueError, match="e4m3.*e5m2"):
+        quantize_per_group(torch.randn(4, 32), 16, fmt)
+
+
+def test_format_names_and_enum_are_interchangeable():
+    x = torch.randn(4, 32)
+    for a, b in ((E4M3, "e4m3"), (E5M2, "E5M2"), (FP8Format.E5M2, "e5m2")):
+        qa, sa = quantize_per_group(x, 16, a)
+        qb, sb = quantize_per_group(x, 16, b)
+        assert qa.dtype == FP8Format.parse(b).torch_dtype
+        assert torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)) and torch.equal(sa, sb)
+    assert E4M3.max == 448.0 and E5M2.max == 57344.0
+
+
+def test_shape_errors_are_value_errors():
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_per_tensor_transpose(torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_per_block(torch.randn(8))
+    with pytest.raises(ValueError, match="rows, cols"):
+        quantize_per_block(torch.randn(8, 8), (8,))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        quantize_per_group(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        group_amax(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="one value"):
+        quantize_per_tensor(torch.randn(8), amax=torch.ones(2))
+    with pytest.raises(ValueError, match="one value"):
+        quantize_per_tensor_transpose(torch.randn(8, 8), amax=torch.ones(2))
+    with pytest.raises(ValueError, match="empty"):
+        quantize_per_tensor(torch.randn(0, 8))
+
+
+def test_shapes_and_dtypes_out():
+    x = torch.randn(2, 3, 100, dtype=torch.bfloat16)
+    q, s = quantize_per_group(x, 16, "e5m2")
+    assert q.shape == x.shape and q.dtype == torch.float8_e5m2
+    assert s.shape == (2, 3, 7) and s.dtype == torch.float32
+    q, s = quantize_per_tensor(x)
+    assert q.shape == x.shape and s.shape == () and s.dtype == torch.float32
+    q, qt, s = quantize_per_tensor_transpose(x[0])
+    assert q.shape == (3, 100) and qt.shape == (100, 3) and qt.is_contiguous()
+    q, s = quantize_per_block(x[0], (2, 64))
+    assert q.shape == (3, 100) and s.shape == (2, 2)
+    assert group_amax(x, 32).shape == (2, 3, 4)
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        quantize_per_group(torch.randn(4, 16), backend="cuda")
+
+
+def test_env_var_picks_the_auto_backend(monkeypatch):
+    calls = []
+    monkeypatch.setattr(fp8_quant.reference, "group_amax", lambda *a: calls.append("ref"))
+    monkeypatch.setenv("FP8_QUANT_BACKEND", "reference")
+    group_amax(torch.randn(4, 16))
+    assert calls == ["ref"]
+    monkeypatch.setenv("FP8_QUANT_BACKEND", "tpu")
+    with pytest.raises(ValueError, match="FP8_QUANT_BACKEND"):
+        group_amax(torch.randn(4, 16))
+
+
+def test_auto_backend_is_reference_on_cpu(monkeypatch):
+    monkeypatch.delenv("FP8_QUANT_BACKEND", raising=False)
+    monkeypatch.setattr(fp8_quant.api, "_triton_ops", lambda: pytest.fail("triton used on CPU"))
+    quantize_per_group(torch.randn(4, 16))
+
+
+def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        quantize_per_group(torch.randn(4, 16), backend="triton")
+
+
+@pytest.mark.gpu
+def test_auto_backend_is_triton_on_cuda(cuda, monkeypatch):
+    monkeypatch.delenv("FP8_QUANT_BACKEND", raising=False)
+    calls = []
+    ops = fp8_quant.api._triton_ops()
+    monkeypatch.setattr(fp8_quant.api, "_triton_ops", lambda: calls.append(1) or ops)
+    quantize_per_group(torch.randn(4, 16, device=cuda))
+    assert calls == [1]
