@@ -31,8 +31,8 @@ PER_RANK = 2  # sequences per rank and step
 SEQ = 32
 VOCAB = 256
 LR = 1e-2
-LOSS_RTOL = 0.0  # TEMP
-GRAD_RTOL = 0.0  # TEMP
+LOSS_RTOL = 1e-6  # see the module docstring: expected 0
+GRAD_RTOL = 1e-6
 
 
 # ----------------------------------------------------------------------------------- shared
@@ -268,7 +268,7 @@ def runs(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={WORLD}", __file__, str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         pytest.fail(
             f"the {WORLD}-process run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -313,6 +313,29 @@ def test_fsdp_gradients_match_single_process(runs):
     for name, g in ref["fsdp_grads"].items():
         diff = (got["fsdp_grads"][name] - g).norm() / g.norm()
         assert diff <= GRAD_RTOL, (name, diff.item())
+
+
+def test_fsdp_bf16_policy_gradients_as_close_to_fp32_as_autocast(runs):
+    """FSDP2's bf16 policy (bf16 parameters) is not the single-GPU recipe (bf16 autocast
+    over fp32 parameters): against plain fp32 gradients of the unconverted model, the
+    2-rank COAT gradients are within 1.25x the error of single-process COAT + autocast
+    (measured: max relative error over parameters 0.116 vs 0.111; COAT's FP8 noise
+    dominates both)."""
+    _, _, got = runs
+
+    def grads(model, autocast: bool) -> dict[str, torch.Tensor]:
+        for rank in range(WORLD):
+            ids = batch(1, rank)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad / WORLD for n, p in model.named_parameters()}
+
+    def error(g: dict, ref: dict) -> float:
+        return max(((g[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref)
+
+    fp32 = grads(tiny_llama(coat=False), autocast=False)
+    autocast = grads(tiny_llama(), autocast=True)
+    assert error(got["fsdp_grads"], fp32) <= 1.25 * error(autocast, fp32)
 
 
 def test_fsdp_losses_match_single_process(runs):

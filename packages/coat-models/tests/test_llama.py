@@ -72,14 +72,15 @@ def logits_and_grads(model, ids):
 
 
 # SQNR floors (dB). One E4M3 rounding of Gaussian-like data costs ~31 dB (3 mantissa bits),
-# one E5M2 rounding ~25 dB. The logits see ~7 E4M3 roundings per layer (norm output, SwiGLU
-# output, the GEMM operands) over 2 layers: independent noises add, 31 - 10*log10(14) = 19.5 dB
-# expected worst, measured higher because the residual stream itself is never quantized.
-# Each weight gradient is a GEMM of an E5M2 output gradient (25 dB) with an E4M3 input whose
-# upstream error also enters, and the gradients reaching layer 0 went through the FP8
-# backward of layer 1: measured 17.8-23.7 dB with the interim ops (min over parameters,
-# seeds 0-3); the floors sit ~3 dB under the worst measured value.
-LOGITS_FLOOR_DB = 24.0
+# one E5M2 rounding ~25 dB (2 bits). The logits see ~7 E4M3 roundings per layer (norm output,
+# SwiGLU output, GEMM operands) over 2 layers; independent noises add in power, so the worst
+# case is 31 - 10*log10(14) = 19.5 dB, and the measured values are higher because the
+# residual stream itself is never quantized: 29.1-31.2 dB (4 seeds x 3 variants). Each weight
+# gradient is a GEMM of an E5M2 output gradient (25 dB) with an E4M3 input, plus the error
+# carried from the layers above: measured 17.6-19.1 dB (min over all parameters; the norm
+# weights are the worst, their gradient is a sum over tokens of products of both errors).
+# Floors: about 3 dB under the worst measured value.
+LOGITS_FLOOR_DB = 26.0
 GRAD_FLOOR_DB = 15.0
 
 
@@ -103,6 +104,22 @@ def test_logits_and_every_gradient_match_unconverted(overrides):
     assert sqnr(want_logits, got_logits) >= LOGITS_FLOOR_DB
     assert want_grads.keys() == got_grads.keys()
     for name, want in want_grads.items():
+        assert sqnr(want, got_grads[name]) >= GRAD_FLOOR_DB, name
+
+
+def test_autocast_with_fp32_master_weights():
+    """coat-train's setup: fp32 parameters, bf16 autocast. The COAT layers run in bf16 and
+    return the residual stream's dtype; gradients land in fp32 like the plain model's."""
+    ref = tiny_llama().train()
+    model = apply_coat(copy.deepcopy(ref)).train()
+    ids = tokens()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_logits, want_grads = logits_and_grads(ref, ids)
+        got_logits, got_grads = logits_and_grads(model, ids)
+    assert got_logits.dtype == want_logits.dtype
+    assert sqnr(want_logits.float(), got_logits.float()) >= LOGITS_FLOOR_DB
+    for name, want in want_grads.items():
+        assert got_grads[name].dtype == torch.float32
         assert sqnr(want, got_grads[name]) >= GRAD_FLOOR_DB, name
 
 
@@ -403,12 +420,13 @@ def train_losses(model, optimizer, stream, autocast: bool = False) -> torch.Tens
     return torch.tensor(losses)
 
 
-# COAT (FP8 activations + FP8 optimizer states) vs fp32 + torch AdamW, same init and data,
-# lr 3e-3. Measured: max |difference| 0.0067 over the 50 steps with torch AdamW under the
-# FP8 activations alone, XXX with CoatAdamW; plain BF16 autocast on the same run deviates
-# 0.0014. 0.03 is ~4x the measured COAT deviation and under 1% of the loss at every step,
-# while the loss itself falls by more than 2.5.
-TRAIN_TOLERANCE = 0.03
+# COAT (FP8 activations + CoatAdamW) vs fp32 + torch AdamW, same init and data, lr 3e-3,
+# loss falling by 2.0-2.1 over the 50 steps. Max |loss difference| over the steps, seeds
+# 0/1/2: COAT 0.0157/0.0283/0.0326 (FP8 activations with torch AdamW alone
+# 0.0142/0.0234/0.0218), plain BF16 autocast 0.0068/0.0055/0.0044. The tolerance is 1.5x the
+# worst COAT value, about 1% of the loss; a CoatAdamW that lost Adam's update bound on
+# sparse embedding gradients (since fixed) was 0.198 off.
+TRAIN_TOLERANCE = 0.05
 
 
 def test_50_steps_track_fp32_adamw():

@@ -68,7 +68,8 @@ def logits_and_grads(model, batch):
     out = model(**batch)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach(), grads
+    logits = None if out.logits is None else out.logits.detach()  # None: the fused loss ran
+    return logits, grads
 
 
 def module_types(model) -> dict[str, type]:
@@ -104,7 +105,7 @@ def _grad_group(name: str) -> str | None:
 @pytest.mark.parametrize("vision", [False, True], ids=["lm-projector", "lm-projector-tower"])
 def test_logits_and_every_gradient_match_unconverted(vision):
     ref = tiny_llava()
-    model = apply_coat_vlm(copy.deepcopy(ref), vision=vision).train()
+    model = apply_coat_vlm(copy.deepcopy(ref), vision=vision, fused_loss=False).train()
     batch = shapes_batch()
     want_logits, want_grads = logits_and_grads(ref, batch)
     got_logits, got_grads = logits_and_grads(model, batch)
@@ -132,6 +133,32 @@ def test_conversion_covers_tower_and_projector():
     assert layer.mlp.activation_fn.approximate == "tanh" and projector.act.approximate == "none"
     assert not isinstance(apply_coat_vlm(tiny_llava()).model.vision_tower.encoder.layers[0].mlp.fc1,
                           FP8Linear)  # fmt: skip
+
+
+def test_fused_loss_matches_the_logits_loss():
+    """Training with labels: the LLaVA head's loss comes from the hidden states in chunks."""
+    base = apply_coat_vlm(tiny_llava(), fused_loss=False)
+    fused = apply_coat_vlm(copy.deepcopy(base))
+    batch = shapes_batch()
+    want, got = base(**batch), fused(**batch)
+    assert want.logits is not None and got.logits is None
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
+    want.loss.backward()
+    got.loss.backward()
+    for (name, p), q in zip(base.named_parameters(), fused.parameters(), strict=True):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_apply_coat_hands_llava_to_apply_coat_vlm():
+    from coat_models import apply_coat, revert_coat
+
+    ref = tiny_llava()
+    types = module_types(ref)
+    model = apply_coat(copy.deepcopy(ref))
+    assert is_coat_vlm(model) and module_types(model) != types
+    revert_coat(model)
+    assert not is_coat_vlm(model) and module_types(model) == types
 
 
 def test_config_reaches_every_converted_part():

@@ -100,8 +100,9 @@ def _measure(benchmark, name, variant, fn, inputs, params=(), module=None):
 def test_op(benchmark, name, variant):
     fp8, plain, make = _ops()[name]
     fn = {"fp8": fp8, "eager": plain, "compile": torch.compile(plain)}[variant]
-    params = (1, 2) if name.endswith("norm") else ()
-    _measure(benchmark, name, variant, fn, make(), params)
+    inputs = make()
+    params = tuple(range(1, len(inputs))) if name.endswith("norm") else ()  # weight, bias
+    _measure(benchmark, name, variant, fn, inputs, params)
 
 
 @pytest.mark.parametrize("variant", ["fp8", "bf16", "torchao"])
@@ -125,15 +126,17 @@ def _report(request):
     yield
     if not RESULTS:
         return
-    write = request.config.pluginmanager.get_plugin("terminalreporter").write_line
     base = {r["op"]: r for r in RESULTS if r["variant"] in ("eager", "bf16")}
-    write(f"{'op':<20}{'variant':<10}{'fwd+bwd ms':>12}{'saved MB':>10}{'x eager t':>11}")
+    lines = [f"{'op':<20}{'variant':<10}{'fwd+bwd ms':>12}{'saved MB':>10}{'x eager t':>11}"]
     for r in RESULTS:
         b = base.get(r["op"])
         speed = f"{b['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}" if b else "-"
-        write(
+        lines.append(
             f"{r['op']:<20}{r['variant']:<10}{r['fwd_bwd_ms']:>12.4f}{r['saved_MB']:>10.2f}{speed:>11}"
         )
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print("\n" + "\n".join(lines))
     if os.environ.get("BENCH_OUT"):
         with open(os.environ["BENCH_OUT"], "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "results": RESULTS}, f, indent=1)

@@ -171,16 +171,27 @@ class _CoatDecoderLayer:
         # transformers 5.17 calls the cache past_key_values, later versions cache.
         cache = kwargs.pop("cache", None)
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
-        return blocks.decoder_layer(
-            blocks.FP8_OPS,
-            self,
-            hidden_states,
-            attention_mask=kwargs.pop("attention_mask", None),
-            position_embeddings=kwargs.pop("position_embeddings"),
-            cache=cache,
-            config=self.coat_config,
-            attn_kwargs=kwargs,
-        )
+        dtype, device = hidden_states.dtype, hidden_states.device.type
+        cos_sin = kwargs.pop("position_embeddings")
+        if torch.is_autocast_enabled(device):
+            # fp32 master weights under autocast: run the whole layer in the autocast dtype,
+            # residual stream included (COAT keeps it in BF16), rather than in fp32 with bf16
+            # GEMM outputs; the output goes back to the stream's dtype.
+            compute = torch.get_autocast_dtype(device)
+            hidden_states = hidden_states.to(compute)
+            cos_sin = tuple(t.to(compute) for t in cos_sin)
+        with torch.autocast(device, enabled=False):
+            out = blocks.decoder_layer(
+                blocks.FP8_OPS,
+                self,
+                hidden_states,
+                attention_mask=kwargs.pop("attention_mask", None),
+                position_embeddings=cos_sin,
+                cache=cache,
+                config=self.coat_config,
+                attn_kwargs=kwargs,
+            )
+        return out.to(dtype)
 
     def extra_repr(self) -> str:
         return f"coat={self.coat_config}"

@@ -6,7 +6,9 @@ linear) and a Llama-shaped language model. ``apply_coat_vlm`` converts it in pla
 - the language model gets the fused COAT decoder blocks (``coat_models.apply_coat``);
 - the projector, and with ``vision=True`` the vision tower, get FP8 activations
   (``fp8_activations.convert_to_fp8_activations``: linear, LayerNorm, GELU);
-- ``freeze_vision=True`` sets ``requires_grad=False`` on the tower, as VILA's stage-3 SFT does.
+- ``freeze_vision=True`` sets ``requires_grad=False`` on the tower, as VILA's stage-3 SFT does;
+- the training loss is computed from the LM's hidden states chunk by chunk (no full logits).
+``coat_models.apply_coat`` hands LLaVA models to ``apply_coat_vlm``.
 
 Parameter names and the state dict do not change, and ``model.eval()`` / ``generate()`` run
 the plain path. In transformers 5.17+ the parts live at ``model.model.vision_tower``,
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from fp8_activations import convert_to_fp8_activations, revert_fp8_activations
 from torch import nn
 
-from .llama import apply_coat, revert_coat
+from .llama import apply_coat, revert_coat, set_fused_loss
 from .presets import round_up
 from .vl_data import IMAGE_TOKEN_ID, VL_VOCAB, num_image_tokens
 
@@ -77,7 +79,12 @@ def _gelus_to_torch(root: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def apply_coat_vlm(
-    model: nn.Module, config=None, *, vision: bool = False, freeze_vision: bool = False
+    model: nn.Module,
+    config=None,
+    *,
+    vision: bool = False,
+    freeze_vision: bool = False,
+    fused_loss: bool = True,
 ) -> nn.Module:
     """Convert a LLaVA-style model to COAT FP8 training, in place; returns ``model``.
 
@@ -90,6 +97,9 @@ def apply_coat_vlm(
         freeze_vision: ``requires_grad=False`` on every vision-tower parameter (undone by
             ``revert_coat_vlm``). A frozen tower saves nothing for backward, so ``vision``
             then only changes its forward numerics.
+        fused_loss: training calls with ``labels`` compute the loss chunk by chunk from the
+            LM's hidden states (``coat_models.llama.set_fused_loss``: no full logits tensor, no fp32
+            copy of it) and return ``logits=None``; eval calls are unaffected.
 
     Converting an already converted model first reverts it. Raises ``TypeError`` for other
     models (the message names what is supported) or a language model ``apply_coat`` rejects.
@@ -116,6 +126,7 @@ def apply_coat_vlm(
             if p.requires_grad:
                 p.requires_grad_(False)
                 frozen.append(name)
+    set_fused_loss(model, fused_loss)
     # A plain attribute: not a buffer, so the state dict does not see it.
     model._coat_vlm = {"converted": converted, "gelus": gelus, "frozen": frozen}
     return model
@@ -127,6 +138,7 @@ def revert_coat_vlm(model: nn.Module) -> nn.Module:
     state = model.__dict__.pop("_coat_vlm", None)
     if state is None:
         return model
+    set_fused_loss(model, False)
     revert_coat(parts.language_model)
     for name in state["converted"]:
         revert_fp8_activations(getattr(parts, name))

@@ -9,6 +9,8 @@ come out of the same registers that hold the values: no second pass over the ten
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -19,14 +21,38 @@ from fp8_quant.ops import abs_max, fp8_encode, fp8_scale
 EMIT_CODES = {"none": 0, "amax": 1, "fp8": 2}
 
 
+def custom_op(name: str):
+    """``torch.library.custom_op("fp8_activations::<name>")`` that eager code calls directly.
+
+    Under ``torch.compile`` the registered op is traced (an opaque graph node with a fake
+    implementation). In eager mode the op's dispatcher would only add host time, tens of
+    microseconds per call, which is as long as a whole memory-bound kernel on an H200.
+    """
+
+    def wrap(fn):
+        op = torch.library.custom_op(f"fp8_activations::{name}", fn, mutates_args=())
+
+        @functools.wraps(fn)
+        def call(*args):
+            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+
+        call.register_fake = op.register_fake
+        return call
+
+    return wrap
+
+
 def num_row_programs(x: torch.Tensor, rows: int) -> int:
     """Programs of a backward kernel that loops over rows and accumulates a weight gradient:
     enough to fill the GPU, few enough that the partial sums (programs x N fp32) stay small."""
     if x.is_cuda:
-        return max(
-            1, min(rows, 2 * torch.cuda.get_device_properties(x.device).multi_processor_count)
-        )
+        return max(1, min(rows, 2 * _multiprocessors(x.device.index)))
     return max(1, min(rows, 4))  # the interpreter runs programs one after another
+
+
+@functools.cache
+def _multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def use_triton(x: torch.Tensor, backend: str) -> bool:

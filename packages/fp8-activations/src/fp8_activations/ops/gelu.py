@@ -11,6 +11,7 @@ from .. import reference
 from ._common import (
     EMIT_CODES,
     cast_out,
+    custom_op,
     emit_buffers,
     emit_groups,
     load_groups,
@@ -72,7 +73,7 @@ def _grid(x: Tensor, group_size: int):
     return (triton.cdiv(x.shape[0], bm), triton.cdiv(x.shape[1], bn)), bm, bn, warps
 
 
-@torch.library.custom_op("fp8_activations::gelu_fwd", mutates_args=())
+@custom_op("gelu_fwd")
 def gelu_fwd(
     x: Tensor, approximate: str, group_size: int, fmt: str, quant_x: bool, emit: str, backend: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -102,7 +103,7 @@ def _(x, approximate, group_size, fmt, quant_x, emit, backend):
     )
 
 
-@torch.library.custom_op("fp8_activations::gelu_bwd", mutates_args=())
+@custom_op("gelu_bwd")
 def gelu_bwd(
     dy: Tensor, x_q: Tensor, x_s: Tensor, approximate: str, group_size: int, backend: str
 ) -> Tensor:

@@ -14,6 +14,7 @@ from .. import reference
 from ._common import (
     EMIT_CODES,
     cast_out,
+    custom_op,
     emit_buffers,
     emit_groups,
     load_groups,
@@ -89,7 +90,7 @@ def _layer_norm_bwd_kernel(
     tl.store(DB + pid * N + cols, db, mask=cols < N)
 
 
-@torch.library.custom_op("fp8_activations::layer_norm_fwd", mutates_args=())
+@custom_op("layer_norm_fwd")
 def layer_norm_fwd(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group_size: int, fmt: str,
     quant_x: bool, emit: str, backend: str,
@@ -122,7 +123,7 @@ def _(x, weight, bias, eps, group_size, fmt, quant_x, emit, backend):
     )
 
 
-@torch.library.custom_op("fp8_activations::layer_norm_bwd", mutates_args=())
+@custom_op("layer_norm_bwd")
 def layer_norm_bwd(
     dy: Tensor, x_q: Tensor, x_s: Tensor, weight: Tensor | None, eps: float, group_size: int,
     backend: str,

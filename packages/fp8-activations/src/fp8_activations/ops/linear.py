@@ -20,11 +20,12 @@ import torch
 from fp8_quant import FP8Format, quantize_per_tensor_transpose
 
 from .. import reference
+from ._common import custom_op
 
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("fp8_activations::quantize_t", mutates_args=())
+@custom_op("quantize_t")
 def quantize_t(
     x: Tensor, fmt: str, amax: Tensor | None, backend: str
 ) -> tuple[Tensor, Tensor, Tensor]:

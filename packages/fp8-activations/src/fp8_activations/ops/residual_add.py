@@ -16,6 +16,7 @@ from .. import reference
 from ._common import (
     EMIT_CODES,
     cast_out,
+    custom_op,
     emit_buffers,
     emit_groups,
     out_args,
@@ -40,7 +41,7 @@ def _residual_add_kernel(
     emit_groups(y.to(tl.float32), YQ, YS, YA, offs, mask, s_offs, s_mask, BM, BN, G, FMT, EMIT)
 
 
-@torch.library.custom_op("fp8_activations::residual_add_fwd", mutates_args=())
+@custom_op("residual_add_fwd")
 def residual_add_fwd(
     x: Tensor, residual: Tensor, group_size: int, fmt: str, emit: str, backend: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -15,6 +15,7 @@ from .. import reference
 from ._common import (
     EMIT_CODES,
     cast_out,
+    custom_op,
     emit_buffers,
     emit_groups,
     load_groups,
@@ -74,7 +75,7 @@ def _rms_norm_bwd_kernel(
     tl.store(DW + pid * N + cols, dw, mask=cols < N)
 
 
-@torch.library.custom_op("fp8_activations::rms_norm_fwd", mutates_args=())
+@custom_op("rms_norm_fwd")
 def rms_norm_fwd(
     x: Tensor, weight: Tensor, eps: float, group_size: int, fmt: str, quant_x: bool, emit: str,
     backend: str,
@@ -106,7 +107,7 @@ def _(x, weight, eps, group_size, fmt, quant_x, emit, backend):
     )
 
 
-@torch.library.custom_op("fp8_activations::rms_norm_bwd", mutates_args=())
+@custom_op("rms_norm_bwd")
 def rms_norm_bwd(
     dy: Tensor, x_q: Tensor, x_s: Tensor, weight: Tensor, eps: float, group_size: int,
     backend: str,

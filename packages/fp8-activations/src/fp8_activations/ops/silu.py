@@ -11,6 +11,7 @@ from .. import reference
 from ._common import (
     EMIT_CODES,
     cast_out,
+    custom_op,
     emit_buffers,
     emit_groups,
     load_groups,
@@ -55,7 +56,7 @@ def _grid(x: Tensor, group_size: int):
     return (triton.cdiv(x.shape[0], bm), triton.cdiv(x.shape[1], bn)), bm, bn, warps
 
 
-@torch.library.custom_op("fp8_activations::silu_fwd", mutates_args=())
+@custom_op("silu_fwd")
 def silu_fwd(
     x: Tensor, group_size: int, fmt: str, quant_x: bool, emit: str, backend: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -85,7 +86,7 @@ def _(x, group_size, fmt, quant_x, emit, backend):
     )
 
 
-@torch.library.custom_op("fp8_activations::silu_bwd", mutates_args=())
+@custom_op("silu_bwd")
 def silu_bwd(dy: Tensor, x_q: Tensor, x_s: Tensor, group_size: int, backend: str) -> Tensor:
     if not use_triton(dy, backend):
         return reference.silu_bwd(dy, x_q, x_s, group_size)

@@ -15,6 +15,7 @@ from .. import reference
 from ._common import (
     EMIT_CODES,
     cast_out,
+    custom_op,
     emit_buffers,
     emit_groups,
     load_groups,
@@ -65,7 +66,7 @@ def _grid(x: Tensor, group_size: int):
     return (triton.cdiv(x.shape[0], bm), triton.cdiv(x.shape[1], bn)), bm, bn, warps
 
 
-@torch.library.custom_op("fp8_activations::swiglu_fwd", mutates_args=())
+@custom_op("swiglu_fwd")
 def swiglu_fwd(
     gate: Tensor, up: Tensor, group_size: int, fmt: str, quant_gate: bool, quant_up: bool,
     emit: str, backend: str,
@@ -98,7 +99,7 @@ def _(gate, up, group_size, fmt, quant_gate, quant_up, emit, backend):
     )
 
 
-@torch.library.custom_op("fp8_activations::swiglu_bwd", mutates_args=())
+@custom_op("swiglu_bwd")
 def swiglu_bwd(
     dy: Tensor, gate_q: Tensor, gate_s: Tensor, up_q: Tensor, up_s: Tensor, group_size: int,
     backend: str,

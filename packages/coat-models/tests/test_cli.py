@@ -1,0 +1,240 @@
+"""coat-train end to end on CPU: compare table, metrics, plot, resume, bad input."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from coat_models import cli
+from coat_models.plot import COLOURS, decode_png
+from coat_models.train import Trainer
+
+
+def _coat_available() -> bool:
+    try:
+        from coat_models import apply_coat, create_optimizer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# Skips only while apply_coat / create_optimizer cannot be imported.
+needs_coat = pytest.mark.skipif(not _coat_available(), reason="coat_models.apply_coat missing")
+
+# Small enough for seconds per run on CPU; the tiny preset's shape.
+FAST = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "64", "--eval-batches", "2",
+        "--corpus-mib", "1", "--no-progress"]  # fmt: skip
+
+
+def run(argv, capsys):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def check_run_dir(out, mode, steps, eval_every):
+    recs = read_jsonl(out / mode / "metrics.jsonl")
+    train = [r for r in recs if r["type"] == "train"]
+    evals = [r for r in recs if r["type"] == "eval"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert [r["step"] for r in evals] == list(range(eval_every, steps + 1, eval_every))
+    assert all(r["mode"] == mode and np.isfinite(r["loss"]) and r["tokens_per_s"] > 0
+               for r in train)  # fmt: skip
+    summary = json.loads((out / mode / "summary.json").read_text())
+    assert summary["val_loss"] == evals[-1]["val_loss"]
+    assert summary["train_loss"] == pytest.approx(np.mean([r["loss"] for r in train[-10:]]))
+    return train, evals, summary
+
+
+def check_png(path, n_runs):
+    img = decode_png(path.read_bytes())
+    assert img.shape == (560, 900, 3)
+    colours = {tuple(c) for c in np.unique(img.reshape(-1, 3), axis=0).tolist()}
+    assert all(c in colours for c in COLOURS[:n_runs])  # one line colour per run
+    assert (img == 0).all(axis=2).sum() > 2000  # axes, ticks and labels in black
+
+
+@pytest.mark.parametrize("modes", ["bf16", pytest.param("bf16,coat", marks=needs_coat)])
+def test_end_to_end(tmp_path, capsys, modes):
+    out = tmp_path / "run"
+    code, stdout, stderr = run(["--compare", modes, "--steps", 8, "--eval-every", 4,
+                                "--out", out, *FAST], capsys)  # fmt: skip
+    assert code == 0, stderr
+    names = modes.split(",")
+    for mode in names:
+        check_run_dir(out, mode, steps=8, eval_every=4)
+    check_png(out / "loss.png", len(names))
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["mode"] for r in summary["runs"]] == names
+    # the table: one column per mode, the rows of the brief, the plot's path
+    header = next(line for line in stdout.splitlines() if "(fp32 master)" in line)
+    assert all(f"{m} (fp32 master)" in header for m in names)
+    for row in ("train loss", "val loss", "tokens/s", "peak memory", "weights", "gradients",
+                "optimizer state", "activations (saved for backward)"):  # fmt: skip
+        assert row in stdout
+    assert f"loss curves: {out / 'loss.png'}" in stdout
+    if len(names) == 2:
+        assert "coat/bf16" in header
+        mem = [r["memory"] for r in summary["runs"]]
+        assert mem[1]["optimizer_state"] < mem[0]["optimizer_state"] / 3  # FP8 m and v
+        assert mem[1]["activations"] < mem[0]["activations"]
+
+
+def test_tiny_preset_learns_quickly(tmp_path, capsys):
+    """The demo's preset and batch: a clear drop of the loss in 30 CPU steps."""
+    code, stdout, stderr = run(["--preset", "tiny", "--steps", 30, "--eval-every", 30,
+                                "--corpus-mib", 2, "--out", tmp_path], capsys)  # fmt: skip
+    assert code == 0, stderr
+    train, evals, _ = check_run_dir(tmp_path, "bf16", steps=30, eval_every=30)
+    assert train[0]["loss"] > 5.5  # ln(320) = 5.77 at init
+    assert evals[-1]["val_loss"] < 3.6
+    # progress lines on stderr (not a terminal: every 10% of the steps)
+    lines = [line for line in stderr.splitlines() if line.startswith("[bf16]")]
+    assert len(lines) == 10 and "30/30" in lines[-1] and "tok/s" in lines[-1]
+
+
+def interrupt_before(step):
+    """A Trainer.run_step that raises KeyboardInterrupt before optimizer step ``step``."""
+    orig = Trainer.run_step
+
+    def run_step(trainer):
+        if trainer.step + 1 == step:
+            raise KeyboardInterrupt
+        return orig(trainer)
+
+    return run_step
+
+
+@pytest.mark.parametrize(
+    "mode,master",
+    [("bf16", "fp32"), pytest.param("coat", "fp32", marks=needs_coat),
+     pytest.param("coat", "bf16", marks=needs_coat)],
+    ids=["bf16", "coat", "coat-bf16-master"],
+)  # fmt: skip
+def test_resume_reproduces_losses_bit_for_bit(tmp_path, capsys, monkeypatch, mode, master):
+    args = ["--mode", mode, "--master-dtype", master, "--steps", 4, "--grad-accum", 2,
+            "--eval-every", 2, "--save-every", 2, *FAST]  # fmt: skip
+    code, *_ = run([*args, "--out", tmp_path / "a"], capsys)
+    assert code == 0
+    # B: killed before step 4 (after the step-2 checkpoint and a logged step 3), resumed.
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "run_step", interrupt_before(4))
+        code, _, err = run([*args, "--out", tmp_path / "b"], capsys)
+    assert code == 130 and "interrupted" in err
+    ckpts = tmp_path / "b" / mode / "checkpoints"
+    assert [p.name for p in ckpts.iterdir()] == ["step_0000002"]
+    assert len(read_jsonl(tmp_path / "b" / mode / "metrics.jsonl")) == 4  # steps 1-3, eval 2
+    code, _, err = run([*args, "--out", tmp_path / "b", "--resume"], capsys)
+    assert code == 0, err
+    a = read_jsonl(tmp_path / "a" / mode / "metrics.jsonl")
+    b = read_jsonl(tmp_path / "b" / mode / "metrics.jsonl")
+    key = lambda r: (r["type"], r["step"], r.get("loss"), r.get("val_loss"), r.get("lr"),
+                     r.get("grad_norm"))  # fmt: skip
+    assert [key(r) for r in a] == [key(r) for r in b]  # exact floats, no duplicated steps
+    sa = torch.load(tmp_path / "a" / mode / "checkpoints" / "step_0000004" / "model.pt")
+    sb = torch.load(ckpts / "step_0000004" / "model.pt")
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_checkpoints_are_atomic(tmp_path, capsys, monkeypatch):
+    args = ["--steps", 4, "--save-every", 2, "--eval-every", 4, "--out", tmp_path, *FAST]
+    calls = []
+
+    def failing_save(obj, f, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # the second file of the first checkpoint
+            raise OSError("disk full")
+        return torch_save(obj, f, *a, **k)
+
+    torch_save = torch.save
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        cli.main([str(a) for a in args])
+    ckpts = tmp_path / "bf16" / "checkpoints"
+    assert [p.name for p in ckpts.iterdir()] == [f".tmp-step_0000002-{os.getpid()}"]
+    monkeypatch.setattr(torch, "save", torch_save)
+    # the half-written directory is not a checkpoint: no resume point, and it is cleaned up
+    code, _, err = run([*args, "--resume"], capsys)
+    assert code == 0, err
+    assert "no checkpoint" in err
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000002", "step_0000004"]
+    files = sorted(p.name for p in (ckpts / "step_0000004").iterdir())
+    assert files == ["model.pt", "optimizer.pt", "trainer.pt"]
+
+
+def _npy_with_big_ids(tmp_path):
+    np.save(tmp_path / "ids.npy", np.arange(5000, dtype=np.int32))
+    return tmp_path / "ids.npy"
+
+
+def _ram_bytes():
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+BAD_INPUTS = [
+    (["--preset", "huge"], "unknown preset 'huge': choose one of tiny, 125m"),
+    (["--compare", "bf16,fp4"], "unknown mode fp4"),
+    (["--mode", "bf16", "--compare", "bf16,coat"], "use --mode or --compare, not both"),
+    (["--mode", "bf16", "--master-dtype", "bf16"], "needs CoatAdamW's stochastic rounding"),
+    (["--data", "{tmp}/missing.txt"], "no such file"),
+    (["--model-dir", "{tmp}"], "no config.json"),
+    (["--preset", "tiny", "--model-dir", "{tmp}"], "use --preset or --model-dir, not both"),
+    (["--data", "{npy}", "--vocab-size", "1024"], "token id 4999 but the model's vocabulary"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--seq-len", "100000", "--corpus-mib", "0.05"], "fewer than --seq-len 100000"),
+    (["--resume", "{tmp}/nope"], "no such checkpoint directory"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[m[:24] for _, m in BAD_INPUTS])
+def test_bad_input_gives_one_clear_line(tmp_path, capsys, argv, message):
+    npy = _npy_with_big_ids(tmp_path)
+    argv = [a.format(tmp=tmp_path, npy=npy) for a in argv]
+    code, _, err = run([*argv, "--out", tmp_path / "out", "--no-progress"], capsys)
+    assert code == 2
+    assert err.startswith("coat-train: error: ") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")
+def test_cuda_option_without_cuda(tmp_path, capsys):
+    code, _, err = run(["--device", "cuda", "--out", tmp_path], capsys)
+    assert code == 2 and "--device cuda: no CUDA device is available" in err
+
+
+@pytest.mark.skipif(_ram_bytes() > 200e9, reason="this machine could hold it")
+def test_model_too_large_for_memory(tmp_path, capsys):
+    code, _, err = run(["--preset", "llama2-13b", "--device", "cpu", "--out", tmp_path], capsys)
+    assert code == 2
+    assert "llama2-13b has 13.02 B parameters: mode bf16 (fp32 master) needs at least" in err
+
+
+@pytest.mark.parametrize(
+    "error",
+    [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+     RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")],
+    ids=["cuda", "cpu"],
+)  # fmt: skip
+def test_out_of_memory_is_one_clear_line(tmp_path, capsys, monkeypatch, error):
+    def boom(self):
+        raise error
+
+    monkeypatch.setattr(Trainer, "run_step", boom)
+    code, _, err = run(["--steps", 2, "--out", tmp_path, *FAST], capsys)
+    assert code == 1 and "Traceback" not in err
+    assert "out of memory in mode bf16 with micro-batch 4 x 64 tokens on cpu: lower" in err
+
+
+def test_checkpoints_of_an_earlier_run_are_not_overwritten(tmp_path, capsys):
+    args = ["--steps", 2, "--save-every", 2, "--eval-every", 2, "--out", tmp_path, *FAST]
+    assert run(args, capsys)[0] == 0
+    code, _, err = run(args, capsys)
+    assert code == 2 and "holds checkpoints of an earlier run: pass --resume" in err
+    code, _, err = run([*args, "--lr", "1e-2", "--resume"], capsys)
+    assert code == 1 and "settings differ (lr: checkpoint 0.003, now 0.01)" in err
