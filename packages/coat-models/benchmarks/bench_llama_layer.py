@@ -108,11 +108,12 @@ def _report():
         lines.append(f"{name:<24}{r['act_MB']:>10.1f}{r['act_MiB']:>10.1f}{r['fwd_bwd_ms']:>12.3f}")
     if "coat" in RESULTS:
         r = RESULTS["coat"]
+        met = lambda ok: "met" if ok else "NOT met"
         lines.append(
             f"coat: handed-over FP8 of the output {r['handed_over_MB']:.1f} MB, FP8 weight cache "
-            f"{r['weight_cache_MB']:.1f} MB; targets <= {TARGET_MB} MB: "
-            f"{'met' if r['act_MB'] <= TARGET_MB else 'NOT met'}, <= {TARGET_MS} ms: "
-            f"{'met' if r['fwd_bwd_ms'] <= TARGET_MS else 'NOT met'}"
+            f"{r['weight_cache_MB']:.1f} MB; target {TARGET_MB} MB: {met(r['act_MB'] <= TARGET_MB)}"
+            f" ({met(r['act_MiB'] <= TARGET_MB)} if read as MiB), target {TARGET_MS} ms: "
+            f"{met(r['fwd_bwd_ms'] <= TARGET_MS)}"
         )
     print("\n" + "\n".join(lines))
     if os.environ.get("BENCH_OUT"):

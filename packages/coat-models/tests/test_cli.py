@@ -6,7 +6,6 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from coat_models import cli
 from coat_models.plot import COLOURS, decode_png
 from coat_models.train import Trainer
@@ -24,8 +23,19 @@ def _coat_available() -> bool:
 needs_coat = pytest.mark.skipif(not _coat_available(), reason="coat_models.apply_coat missing")
 
 # Small enough for seconds per run on CPU; the tiny preset's shape.
-FAST = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "64", "--eval-batches", "2",
-        "--corpus-mib", "1", "--no-progress"]  # fmt: skip
+FAST = [
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "64",
+    "--eval-batches",
+    "2",
+    "--corpus-mib",
+    "1",
+    "--no-progress",
+]
 
 
 def run(argv, capsys):
@@ -44,8 +54,9 @@ def check_run_dir(out, mode, steps, eval_every):
     evals = [r for r in recs if r["type"] == "eval"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     assert [r["step"] for r in evals] == list(range(eval_every, steps + 1, eval_every))
-    assert all(r["mode"] == mode and np.isfinite(r["loss"]) and r["tokens_per_s"] > 0
-               for r in train)  # fmt: skip
+    assert all(
+        r["mode"] == mode and np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in train
+    )
     summary = json.loads((out / mode / "summary.json").read_text())
     assert summary["val_loss"] == evals[-1]["val_loss"]
     assert summary["train_loss"] == pytest.approx(np.mean([r["loss"] for r in train[-10:]]))
@@ -63,8 +74,9 @@ def check_png(path, n_runs):
 @pytest.mark.parametrize("modes", ["bf16", pytest.param("bf16,coat", marks=needs_coat)])
 def test_end_to_end(tmp_path, capsys, modes):
     out = tmp_path / "run"
-    code, stdout, stderr = run(["--compare", modes, "--steps", 8, "--eval-every", 4,
-                                "--out", out, *FAST], capsys)  # fmt: skip
+    code, stdout, stderr = run(
+        ["--compare", modes, "--steps", 8, "--eval-every", 4, "--out", out, *FAST], capsys
+    )
     assert code == 0, stderr
     names = modes.split(",")
     for mode in names:
@@ -75,8 +87,16 @@ def test_end_to_end(tmp_path, capsys, modes):
     # the table: one column per mode, the rows of the brief, the plot's path
     header = next(line for line in stdout.splitlines() if "(fp32 master)" in line)
     assert all(f"{m} (fp32 master)" in header for m in names)
-    for row in ("train loss", "val loss", "tokens/s", "peak memory", "weights", "gradients",
-                "optimizer state", "activations (saved for backward)"):  # fmt: skip
+    for row in (
+        "train loss",
+        "val loss",
+        "tokens/s",
+        "peak memory",
+        "weights",
+        "gradients",
+        "optimizer state",
+        "activations (saved for backward)",
+    ):
         assert row in stdout
     assert f"loss curves: {out / 'loss.png'}" in stdout
     if len(names) == 2:
@@ -88,8 +108,21 @@ def test_end_to_end(tmp_path, capsys, modes):
 
 def test_tiny_preset_learns_quickly(tmp_path, capsys):
     """The demo's preset and batch: a clear drop of the loss in 30 CPU steps."""
-    code, stdout, stderr = run(["--preset", "tiny", "--steps", 30, "--eval-every", 30,
-                                "--corpus-mib", 2, "--out", tmp_path], capsys)  # fmt: skip
+    code, stdout, stderr = run(
+        [
+            "--preset",
+            "tiny",
+            "--steps",
+            30,
+            "--eval-every",
+            30,
+            "--corpus-mib",
+            2,
+            "--out",
+            tmp_path,
+        ],
+        capsys,
+    )
     assert code == 0, stderr
     train, evals, _ = check_run_dir(tmp_path, "bf16", steps=30, eval_every=30)
     assert train[0]["loss"] > 5.5  # ln(320) = 5.77 at init
@@ -113,13 +146,29 @@ def interrupt_before(step):
 
 @pytest.mark.parametrize(
     "mode,master",
-    [("bf16", "fp32"), pytest.param("coat", "fp32", marks=needs_coat),
-     pytest.param("coat", "bf16", marks=needs_coat)],
+    [
+        ("bf16", "fp32"),
+        pytest.param("coat", "fp32", marks=needs_coat),
+        pytest.param("coat", "bf16", marks=needs_coat),
+    ],
     ids=["bf16", "coat", "coat-bf16-master"],
-)  # fmt: skip
+)
 def test_resume_reproduces_losses_bit_for_bit(tmp_path, capsys, monkeypatch, mode, master):
-    args = ["--mode", mode, "--master-dtype", master, "--steps", 4, "--grad-accum", 2,
-            "--eval-every", 2, "--save-every", 2, *FAST]  # fmt: skip
+    args = [
+        "--mode",
+        mode,
+        "--master-dtype",
+        master,
+        "--steps",
+        4,
+        "--grad-accum",
+        2,
+        "--eval-every",
+        2,
+        "--save-every",
+        2,
+        *FAST,
+    ]
     code, *_ = run([*args, "--out", tmp_path / "a"], capsys)
     assert code == 0
     # B: killed before step 4 (after the step-2 checkpoint and a logged step 3), resumed.
@@ -134,8 +183,14 @@ def test_resume_reproduces_losses_bit_for_bit(tmp_path, capsys, monkeypatch, mod
     assert code == 0, err
     a = read_jsonl(tmp_path / "a" / mode / "metrics.jsonl")
     b = read_jsonl(tmp_path / "b" / mode / "metrics.jsonl")
-    key = lambda r: (r["type"], r["step"], r.get("loss"), r.get("val_loss"), r.get("lr"),
-                     r.get("grad_norm"))  # fmt: skip
+    key = lambda r: (
+        r["type"],
+        r["step"],
+        r.get("loss"),
+        r.get("val_loss"),
+        r.get("lr"),
+        r.get("grad_norm"),
+    )
     assert [key(r) for r in a] == [key(r) for r in b]  # exact floats, no duplicated steps
     sa = torch.load(tmp_path / "a" / mode / "checkpoints" / "step_0000004" / "model.pt")
     sb = torch.load(ckpts / "step_0000004" / "model.pt")
@@ -217,10 +272,12 @@ def test_model_too_large_for_memory(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "error",
-    [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-     RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")],
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"),
+    ],
     ids=["cuda", "cpu"],
-)  # fmt: skip
+)
 def test_out_of_memory_is_one_clear_line(tmp_path, capsys, monkeypatch, error):
     def boom(self):
         raise error

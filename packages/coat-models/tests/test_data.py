@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-
 from coat_models.data import (
     BYTE_EOS,
     BYTE_VOCAB,
@@ -45,9 +44,10 @@ def test_text_file_is_byte_tokenized_with_tail_validation(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "suffix,dtype", [(".npy", np.uint16), (".npy", np.int32), (".bin", np.uint16),
-                     (".bin", np.int32)], ids=["npy-u16", "npy-i32", "bin-u16", "bin-i32"],
-)  # fmt: skip
+    "suffix,dtype",
+    [(".npy", np.uint16), (".npy", np.int32), (".bin", np.uint16), (".bin", np.int32)],
+    ids=["npy-u16", "npy-i32", "bin-u16", "bin-i32"],
+)
 def test_token_files(tmp_path, suffix, dtype):
     ids = (np.arange(5000) * 7919 % 1000).astype(dtype)
     path = tmp_path / f"ids{suffix}"

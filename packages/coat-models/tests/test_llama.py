@@ -123,6 +123,21 @@ def test_autocast_with_fp32_master_weights():
         assert sqnr(want, got_grads[name]) >= GRAD_FLOOR_DB, name
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
+def test_padding_mask(impl, autocast):
+    ref = tiny_llama(attn_implementation=impl).train()
+    model = apply_coat(copy.deepcopy(ref)).train()
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    mask[0, :10] = 0  # left padding
+    mask[1, :3] = 0
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        want, got = ref(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert sqnr(want[keep].float(), got[keep].float()) >= LOGITS_FLOOR_DB
+
+
 def test_eval_and_generate_are_the_original_model():
     ref = tiny_llama().eval()
     model = apply_coat(copy.deepcopy(ref)).eval()
@@ -170,6 +185,15 @@ def test_vanilla_checkpoint_loads_into_coat_model(tmp_path):
     other.load_state_dict(vanilla.state_dict(), strict=True)
     ids = tokens(batch=2, seq=16)
     assert torch.equal(other.eval()(ids).logits, vanilla.eval()(ids).logits)
+
+
+def test_torch_save_whole_model(tmp_path):
+    model = apply_coat(tiny_llama()).train()
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False).train()
+    assert type(loaded.model.layers[0]) is type(model.model.layers[0]) and is_coat(loaded)
+    ids = tokens()
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
 def test_revert_restores_original_modules():

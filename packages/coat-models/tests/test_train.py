@@ -10,7 +10,6 @@ import textwrap
 
 import pytest
 import torch
-
 from coat_models.train import MemoryTracker, TrainConfig, lr_factor
 
 
@@ -116,10 +115,20 @@ PEAK_TOLERANCE = {"bf16": 0.15, "coat": 0.50}
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc")
 @pytest.mark.parametrize("mode", MODES)
 def test_tracked_memory_matches_resident_set(mode):
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0",
-               PYTHONPATH=os.pathsep.join(sys.path))  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, mode], env=env, check=True,
-                         capture_output=True, text=True, timeout=600).stdout  # fmt: skip
+    env = dict(
+        os.environ,
+        MALLOC_MMAP_THRESHOLD_="65536",
+        MALLOC_TRIM_THRESHOLD_="0",
+        PYTHONPATH=os.pathsep.join(sys.path),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, mode],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    ).stdout
     r = json.loads(out.strip().splitlines()[-1])
     fwd, step = r["forward"], r["step"]
     # After forward only saved tensors (and the loss) are alive: within 5% of the OS's count.
@@ -140,8 +149,12 @@ def test_breakdown_vs_cuda_allocator_peak(mode, capsys):
     data = load_data(max_bytes=4 * 2**20)
     cuda = torch.device("cuda")
     cfg = TrainConfig(mode=mode, steps=4, batch_size=64, seq_len=1024, eval_batches=1)
-    model = build_model(preset_config("tiny", data.vocab_size, max_seq=1024), device=cuda,
-                        master_dtype=torch.float32, seed=0)  # fmt: skip
+    model = build_model(
+        preset_config("tiny", data.vocab_size, max_seq=1024),
+        device=cuda,
+        master_dtype=torch.float32,
+        seed=0,
+    )
     tr = Trainer(model, data, cfg, device=cuda, progress=False)
     tr.run_step()
     tr.tracker.reset_peak()

@@ -32,8 +32,8 @@ from .presets import (
 from .train import (
     MASTER_DTYPES,
     MODES,
-    Trainer,
     TrainConfig,
+    Trainer,
     TrainError,
     fmt_bytes,
     latest_checkpoint,
@@ -56,27 +56,56 @@ def build_parser() -> argparse.ArgumentParser:
         "memory. Defaults: --preset tiny on the Python standard library's own source.",
     )
     m = p.add_argument_group("model")
-    m.add_argument("--preset", choices=None, metavar="{" + ",".join(PRESETS) + "}",
-                   help="Llama shape built in code, random init (default: tiny)")
+    m.add_argument(
+        "--preset",
+        choices=None,
+        metavar="{" + ",".join(PRESETS) + "}",
+        help="Llama shape built in code, random init (default: tiny)",
+    )
     m.add_argument("--model-dir", help="Hugging Face config or checkpoint directory on disk")
-    m.add_argument("--vocab-size", type=int,
-                   help="override a preset's vocabulary (default: 32000, tiny: the data's)")
+    m.add_argument(
+        "--vocab-size",
+        type=int,
+        help="override a preset's vocabulary (default: 32000, tiny: the data's)",
+    )
     r = p.add_argument_group("precision")
     r.add_argument("--mode", choices=list(MODES), help="one precision mode (default: bf16)")
-    r.add_argument("--compare", metavar="MODES",
-                   help="comma-separated modes trained one after another, e.g. bf16,coat")
-    r.add_argument("--master-dtype", choices=list(MASTER_DTYPES), default="fp32",
-                   help="master weights; bf16 needs CoatAdamW (modes coat, coat-optim); in "
-                   "--compare, modes with torch AdamW keep fp32")
+    r.add_argument(
+        "--compare",
+        metavar="MODES",
+        help="comma-separated modes trained one after another, e.g. bf16,coat",
+    )
+    r.add_argument(
+        "--master-dtype",
+        choices=list(MASTER_DTYPES),
+        default="fp32",
+        help="master weights; bf16 needs CoatAdamW (modes coat, coat-optim); in "
+        "--compare, modes with torch AdamW keep fp32",
+    )
     d = p.add_argument_group("data")
-    d.add_argument("--data", help="text file, or token ids in .npy / .bin (default: the "
-                   "interpreter's stdlib .py source, byte-level)")
-    d.add_argument("--data-dtype", default="uint16", choices=["uint16", "int32"],
-                   help="dtype of a .bin token file (default uint16)")
-    d.add_argument("--val-fraction", type=float, default=0.05,
-                   help="held-out tail of a --data file (default 0.05)")
-    d.add_argument("--corpus-mib", type=float, default=STDLIB_MAX_BYTES / 2**20,
-                   help="cap on the embedded corpus size (default %(default)g)")
+    d.add_argument(
+        "--data",
+        help="text file, or token ids in .npy / .bin (default: the "
+        "interpreter's stdlib .py source, byte-level)",
+    )
+    d.add_argument(
+        "--data-dtype",
+        default="uint16",
+        choices=["uint16", "int32"],
+        help="dtype of a .bin token file (default uint16)",
+    )
+    d.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.05,
+        help="held-out tail of a --data file (default 0.05)",
+    )
+    d.add_argument(
+        "--corpus-mib",
+        type=float,
+        default=STDLIB_MAX_BYTES / 2**20,
+        help="cap on the embedded corpus size (default %(default)g)",
+    )
     t = p.add_argument_group("training (defaults come from the preset)")
     t.add_argument("--batch-size", type=int, help="sequences per micro-batch")
     t.add_argument("--seq-len", type=int)
@@ -94,9 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--out", default="runs/coat-train", help="output directory")
     o.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps; 0: off")
     o.add_argument("--keep-checkpoints", type=int, default=2, help="newest N kept per mode")
-    o.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
-                   help="continue from each mode's newest checkpoint under --out, or from the "
-                   "given checkpoint directory (single mode)")
+    o.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="CHECKPOINT",
+        help="continue from each mode's newest checkpoint under --out, or from the "
+        "given checkpoint directory (single mode)",
+    )
     o.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     o.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p
@@ -117,8 +151,10 @@ def _modes(args) -> list[str]:
 def _device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
-        raise UsageError(f"--device cuda: no CUDA device is available (torch {torch.__version__}"
-                         f" is {built}): use --device cpu")  # fmt: skip
+        raise UsageError(
+            f"--device cuda: no CUDA device is available (torch {torch.__version__}"
+            f" is {built}): use --device cpu"
+        )
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
@@ -212,8 +248,10 @@ def _resume_point(args, mode_dir: Path, single: bool) -> Path | None:
         return None
     if args.resume != "latest":
         if not single:
-            raise UsageError("--resume CHECKPOINT needs a single --mode; with --compare use "
-                             "plain --resume (each mode's newest checkpoint)")  # fmt: skip
+            raise UsageError(
+                "--resume CHECKPOINT needs a single --mode; with --compare use "
+                "plain --resume (each mode's newest checkpoint)"
+            )
         path = Path(args.resume)
         if not path.is_dir():
             raise UsageError(f"--resume {path}: no such checkpoint directory")
@@ -230,10 +268,11 @@ def _free(device: torch.device):
         torch.cuda.empty_cache()
 
 
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
-    )
+def is_oom(e: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or the RuntimeError of the CPU allocator / a CUDA kernel."""
+    text = str(e) if isinstance(e, RuntimeError) else ""
+    oom = isinstance(e, torch.OutOfMemoryError)
+    return oom or "can't allocate memory" in text or "out of memory" in text
 
 
 def run(args) -> int:
@@ -252,11 +291,17 @@ def run(args) -> int:
         config, has_weights = model_dir_config(args.model_dir)
         weights_dir = args.model_dir if has_weights else None
         tokenizer = model_dir_tokenizer(args.model_dir)
-    data = load_data(args.data, bin_dtype=args.data_dtype, val_fraction=args.val_fraction,
-                     max_bytes=int(args.corpus_mib * 2**20), tokenizer=tokenizer)  # fmt: skip
+    data = load_data(
+        args.data,
+        bin_dtype=args.data_dtype,
+        val_fraction=args.val_fraction,
+        max_bytes=int(args.corpus_mib * 2**20),
+        tokenizer=tokenizer,
+    )
     if not args.model_dir:
-        config = preset_config(args.preset or "tiny", data.vocab_size, args.vocab_size,
-                               max(c.seq_len for c in cfgs))  # fmt: skip
+        config = preset_config(
+            args.preset or "tiny", data.vocab_size, args.vocab_size, max(c.seq_len for c in cfgs)
+        )
     data.check_fits(config.vocab_size)
     n_params = _count_params(config)
     _check_fits(n_params, modes, masters, device, label)
@@ -264,11 +309,14 @@ def run(args) -> int:
 
     out = Path(args.out)
     c0 = cfgs[0]
-    print(f"{PROG}: {label} ({n_params / 1e6:.2f} M params, vocab {config.vocab_size}) on "
-          f"{device.type}; data: {data.source}, {len(data.train):,} train / {len(data.val):,} "
-          f"val tokens; {c0.steps} steps x {c0.batch_size} x {c0.seq_len} tokens"
-          + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
-          + f"; modes: {', '.join(modes)}", flush=True)  # fmt: skip
+    print(
+        f"{PROG}: {label} ({n_params / 1e6:.2f} M params, vocab {config.vocab_size}) on "
+        f"{device.type}; data: {data.source}, {len(data.train):,} train / {len(data.val):,} "
+        f"val tokens; {c0.steps} steps x {c0.batch_size} x {c0.seq_len} tokens"
+        + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
+        + f"; modes: {', '.join(modes)}",
+        flush=True,
+    )
 
     summaries, curves = [], {}
     for cfg in cfgs:
@@ -281,14 +329,26 @@ def run(args) -> int:
         t0 = time.perf_counter()
         trainer = oom = None
         try:
-            model = build_model(config, device=device, master_dtype=MASTER_DTYPES[cfg.master_dtype],
-                                seed=cfg.seed, weights_dir=weights_dir)  # fmt: skip
-            trainer = Trainer(model, data, cfg, device=device, out_dir=mode_dir,
-                              progress=not args.no_progress, describe=describe)  # fmt: skip
+            model = build_model(
+                config,
+                device=device,
+                master_dtype=MASTER_DTYPES[cfg.master_dtype],
+                seed=cfg.seed,
+                weights_dir=weights_dir,
+            )
+            trainer = Trainer(
+                model,
+                data,
+                cfg,
+                device=device,
+                out_dir=mode_dir,
+                progress=not args.no_progress,
+                describe=describe,
+            )
             del model
             summary = trainer.fit(resume)
         except (RuntimeError, torch.OutOfMemoryError) as e:
-            if not _is_oom(e):
+            if not is_oom(e):
                 raise
             oom = True
         finally:
@@ -306,13 +366,22 @@ def run(args) -> int:
         summaries.append(summary)
         write_atomic_text(mode_dir / "summary.json", json.dumps(summary, indent=1))
         curves[cfg.mode] = _curves(mode_dir / "metrics.jsonl")
-        print(f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
-              f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}", flush=True)
+        print(
+            f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
+            f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}",
+            flush=True,
+        )
 
     png = out / "loss.png"
     write_atomic_bytes(png, loss_plot_png(curves))
-    result = {"argv": sys.argv[1:], "device": device.type, "model": describe,
-              "data": data.source, "runs": summaries, "plot": str(png)}  # fmt: skip
+    result = {
+        "argv": sys.argv[1:],
+        "device": device.type,
+        "model": describe,
+        "data": data.source,
+        "runs": summaries,
+        "plot": str(png),
+    }
     write_atomic_text(out / "summary.json", json.dumps(result, indent=1))
     print()
     print(format_table(summaries))
@@ -339,25 +408,38 @@ def format_table(summaries: list[dict]) -> str:
     measured = all(m["measured_peak"] is not None for m in mem)
     steps = summaries[0]["steps"]
     rows = [
-        (f"train loss (mean of last {summaries[0]['train_loss_window']} steps)",
-         [s["train_loss"] for s in summaries], "loss"),
+        (
+            f"train loss (mean of last {summaries[0]['train_loss_window']} steps)",
+            [s["train_loss"] for s in summaries],
+            "loss",
+        ),
         ("val loss (held-out split)", [s["val_loss"] for s in summaries], "loss"),
-        (f"tokens/s (steps 2-{steps})" if steps > 1 else "tokens/s",
-         [s["tokens_per_s"] for s in summaries], "rate"),
-    ]  # fmt: skip
+        (
+            f"tokens/s (steps 2-{steps})" if steps > 1 else "tokens/s",
+            [s["tokens_per_s"] for s in summaries],
+            "rate",
+        ),
+    ]
     if measured:
-        rows.append((f"peak memory ({mem[0]['measured_by']})",
-                     [m["measured_peak"] for m in mem], "bytes"))  # fmt: skip
+        rows.append(
+            (f"peak memory ({mem[0]['measured_by']})", [m["measured_peak"] for m in mem], "bytes")
+        )
     rows += [
-        ("  tracked tensors at their peak" if measured else "peak memory (tracked tensors)",
-         [m["tracked_peak"] for m in mem], "bytes"),
+        (
+            "  tracked tensors at their peak" if measured else "peak memory (tracked tensors)",
+            [m["tracked_peak"] for m in mem],
+            "bytes",
+        ),
         ("    weights", [m["weights"] for m in mem], "bytes"),
         ("    gradients", [m["gradients"] for m in mem], "bytes"),
         ("    optimizer state", [m["optimizer_state"] for m in mem], "bytes"),
-        ("    activations (saved for backward)",
-         [m["activations"] + m["weight_copies"] for m in mem], "bytes"),
+        (
+            "    activations (saved for backward)",
+            [m["activations"] + m["weight_copies"] for m in mem],
+            "bytes",
+        ),
         ("      of which casts of weights", [m["weight_copies"] for m in mem], "bytes"),
-    ]  # fmt: skip
+    ]
     if measured:
         rows.append(("  other (peak - tracked)", [m["other"] for m in mem], "bytes"))
     fmt = {
@@ -380,8 +462,13 @@ def format_table(summaries: list[dict]) -> str:
                 cells.append(f"{v / vals[0]:.2f}x")
         body.append(cells)
     widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                       enumerate(zip(r, widths, strict=True))) for r in [head] + body]  # fmt: skip
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in [head] + body
+    ]
     return "\n".join(lines + ["", MEMORY_NOTE[mem[0]["device"] == "cuda"]])
 
 
@@ -408,8 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted; completed checkpoints (if any) are under {args.out}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"\n{PROG}: interrupted; completed checkpoints (if any) are under {args.out}",
+            file=sys.stderr,
+        )
         return 130
 
 

@@ -191,7 +191,7 @@ class BatchSampler:
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
 
     def batch(self, step: int, micro: int = 0) -> torch.Tensor:
-        """int64 ids ``[batch_size, seq_len]`` for optimizer step ``step``, micro-batch ``micro``."""
+        """int64 ids ``[batch_size, seq_len]`` of step ``step``, micro-batch ``micro``."""
         rng = np.random.default_rng([self.seed, step, micro])
         starts = rng.integers(0, len(self.tokens) - self.seq_len + 1, size=self.batch_size)
         rows = [np.asarray(self.tokens[s : s + self.seq_len], dtype=np.int64) for s in starts]

@@ -153,7 +153,21 @@ def _bind(cls: type, args: tuple, kwargs: dict) -> dict:
     return bound
 
 
-class _CoatDecoderLayer:
+def _unpickle(original: type, mixin: type, state: dict) -> nn.Module:
+    module = original.__new__(original)
+    module.__setstate__(state)
+    module.__class__ = _coat_class(mixin, original)
+    return module
+
+
+class _CoatMixin:
+    def __reduce_ex__(self, protocol):
+        # Pickle finds classes by name, and the COAT subclass carries the original's name:
+        # rebuild the original class, then convert again (torch.save(model), deepcopy).
+        return _unpickle, (type(self)._coat_original_class, type(self)._coat_mixin, self.__dict__)
+
+
+class _CoatDecoderLayer(_CoatMixin):
     """Mixed in before a decoder layer's class: training runs ``blocks.decoder_layer``."""
 
     coat_config = None
@@ -197,7 +211,7 @@ class _CoatDecoderLayer:
         return f"coat={self.coat_config}"
 
 
-class _CoatCausalLM:
+class _CoatCausalLM(_CoatMixin):
     """Mixed in before a causal LM's class: training with labels computes the loss in
     chunks straight from the last hidden states (no full logits tensor, no fp32 copy of it)
     and returns ``logits=None``."""
@@ -256,7 +270,7 @@ def _coat_class(mixin: type, cls: type) -> type:
         # Trainer (which dataset columns to keep) and generate() read the signature.
         forward.__signature__ = inspect.signature(cls.forward)
         forward.__doc__ = cls.forward.__doc__
-        attrs = {"_coat_original_class": cls, "forward": forward}
+        attrs = {"_coat_original_class": cls, "_coat_mixin": mixin, "forward": forward}
         sub = type(cls.__name__, (mixin, cls), attrs)
         sub.__qualname__ = cls.__qualname__
         sub.__module__ = cls.__module__

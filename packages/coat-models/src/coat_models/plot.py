@@ -11,6 +11,7 @@ import zlib
 import numpy as np
 
 # 5x7 glyphs: 7 rows of 5 bits (MSB = left column), two hex digits per row.
+# fmt: off
 _FONT = {
     "0": "0e11131519110e", "1": "040c040404040e", "2": "0e11010204081f", "3": "1f02040201110e",
     "4": "02060a121f0202", "5": "1f101e0101110e", "6": "0608101e11110e", "7": "1f010204080808",
@@ -24,18 +25,27 @@ _FONT = {
     "o": "00000e1111110e", "p": "1e1111111e1010", "q": "0f1111110f0101", "r": "00001619101010",
     "s": "00000e100e011e", "t": "08081c08080906", "u": "0000111111130d", "v": "00001111110a04",
     "w": "0000111115150a", "x": "0000110a040a11", "y": "111111110f010e", "z": "00001f0204081f",
-}  # fmt: skip
+}
+# fmt: on
 _DESCENDERS = set("gpqy")  # drawn 2 rows lower: their 7 rows are rows 2..8 of the cell
 _GLYPHS = {
-    ch: np.array([[(int(h[2 * r : 2 * r + 2], 16) >> (4 - c)) & 1
-                   for c in range(5)] for r in range(7)], dtype=bool)  # fmt: skip
+    ch: np.array(
+        [[(int(h[2 * r : 2 * r + 2], 16) >> (4 - c)) & 1 for c in range(5)] for r in range(7)],
+        dtype=bool,
+    )
     for ch, h in _FONT.items()
 }
 SCALE = 2  # font pixels per glyph pixel
 CHAR_W, CHAR_H = 6 * SCALE, 7 * SCALE  # advance (5 columns + 1 space) and height
 
-COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
-           (140, 86, 75)]  # fmt: skip
+COLOURS = [
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+]
 WHITE, BLACK, GRID = (255, 255, 255), (0, 0, 0), (225, 225, 225)
 
 
@@ -45,13 +55,20 @@ def encode_png(rgb: np.ndarray) -> bytes:
     raw = np.concatenate([np.zeros((h, 1), np.uint8), rgb.reshape(h, w * 3)], axis=1)
 
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(
-            ">I", zlib.crc32(kind + data) & 0xFFFFFFFF
+        return (
+            struct.pack(">I", len(data))
+            + kind
+            + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
         )
 
     header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-            + chunk(b"IDAT", zlib.compress(raw.tobytes(), 9)) + chunk(b"IEND", b""))  # fmt: skip
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw.tobytes(), 9))
+        + chunk(b"IEND", b"")
+    )
 
 
 def decode_png(data: bytes) -> np.ndarray:
@@ -134,8 +151,9 @@ def _label(v: float, step: float) -> str:
     return f"{v:.{decimals}f}"
 
 
-def line_plot(series: list[dict], *, title: str, xlabel: str, ylabel: str,
-              width: int = 900, height: int = 560) -> np.ndarray:  # fmt: skip
+def line_plot(
+    series: list[dict], *, title: str, xlabel: str, ylabel: str, width: int = 900, height: int = 560
+) -> np.ndarray:
     """RGB image of ``series``: dicts with ``label``, ``x``, ``y``, ``colour`` and optional
     ``width`` (line px) and ``marker`` (square size px, drawn at each point)."""
     cv = Canvas(width, height)
@@ -164,8 +182,12 @@ def line_plot(series: list[dict], *, title: str, xlabel: str, ylabel: str,
         lab = _label(v, ystep)
         cv.rect(x0 - 6, py(v), x0, py(v) + 1, BLACK)
         cv.text(x0 - 10 - len(lab) * CHAR_W, py(v) - CHAR_H / 2, lab)
-    for a, b, c, d in ((x0, y0, x1, y0 + 1), (x0, y1, x1 + 1, y1 + 1),
-                       (x0, y0, x0 + 1, y1), (x1, y0, x1 + 1, y1)):  # fmt: skip
+    for a, b, c, d in (
+        (x0, y0, x1, y0 + 1),
+        (x0, y1, x1 + 1, y1 + 1),
+        (x0, y0, x0 + 1, y1),
+        (x1, y0, x1 + 1, y1),
+    ):
         cv.rect(a, b, c, d, BLACK)
 
     for s in series:
@@ -199,10 +221,25 @@ def loss_plot_png(runs: dict[str, dict]) -> bytes:
     for i, (name, r) in enumerate(runs.items()):
         colour = COLOURS[i % len(COLOURS)]
         light = tuple(int(c + (255 - c) * 0.45) for c in colour)
-        series.append({"label": f"{name} train", "x": r["train"][0], "y": r["train"][1],
-                       "colour": light, "width": 1})  # fmt: skip
+        series.append(
+            {
+                "label": f"{name} train",
+                "x": r["train"][0],
+                "y": r["train"][1],
+                "colour": light,
+                "width": 1,
+            }
+        )
         if len(r["val"][0]):
-            series.append({"label": f"{name} val", "x": r["val"][0], "y": r["val"][1],
-                           "colour": colour, "width": 3, "marker": 7})  # fmt: skip
+            series.append(
+                {
+                    "label": f"{name} val",
+                    "x": r["val"][0],
+                    "y": r["val"][1],
+                    "colour": colour,
+                    "width": 3,
+                    "marker": 7,
+                }
+            )
     img = line_plot(series, title="loss vs step", xlabel="optimizer step", ylabel="loss (nats)")
     return encode_png(img)

@@ -87,7 +87,7 @@ def model_dir_config(path: str):
 
     d = Path(path)
     if not (d / "config.json").is_file():
-        raise ModelError(f"--model-dir {path}: no config.json there (need a Hugging Face model dir)")
+        raise ModelError(f"--model-dir {path}: no config.json (need a Hugging Face model dir)")
     try:
         config = AutoConfig.from_pretrained(d, local_files_only=True)
     except (ValueError, OSError) as e:

@@ -140,10 +140,17 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-_COPY_OR_VIEW = {
-    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
-    "UnsafeViewBackward0", "ExpandBackward0", "CloneBackward0", "AliasBackward0",
-}  # fmt: skip
+_COPY_OR_VIEW = {  # autograd nodes of casts and views
+    "ToCopyBackward0",
+    "TBackward0",
+    "TransposeBackward0",
+    "PermuteBackward0",
+    "ViewBackward0",
+    "UnsafeViewBackward0",
+    "ExpandBackward0",
+    "CloneBackward0",
+    "AliasBackward0",
+}
 
 
 def _is_weight_copy(t: torch.Tensor) -> bool:
@@ -328,8 +335,9 @@ def prepare(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
         )
     else:
         fused = device.type == "cuda"  # the baseline users run on GPUs
-        opt = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
-                                fused=fused)  # fmt: skip
+        opt = torch.optim.AdamW(
+            decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, fused=fused
+        )
     return model, opt
 
 
@@ -417,9 +425,10 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     if not ckpt_dir.is_dir():
         return None
     done = sorted(
-        d for d in ckpt_dir.iterdir()
+        d
+        for d in ckpt_dir.iterdir()
         if d.is_dir() and d.name.startswith("step_") and d.name[5:].isdigit()
-    )  # fmt: skip
+    )
     return done[-1] if done else None
 
 
@@ -631,9 +640,12 @@ class Trainer:
                 rec["mem_measured_peak"] = measured
                 emit({"type": "train", **rec})
                 self.train_losses.append(rec["loss"])
-                fields = {"loss": f"{rec['loss']:.4f}", "lr": f"{rec['lr']:.2e}",
-                          "tok/s": f"{rec['tokens_per_s']:,.0f}",
-                          "mem": fmt_bytes(measured or self.tracker.peak)}  # fmt: skip
+                fields = {
+                    "loss": f"{rec['loss']:.4f}",
+                    "lr": f"{rec['lr']:.2e}",
+                    "tok/s": f"{rec['tokens_per_s']:,.0f}",
+                    "mem": fmt_bytes(measured or self.tracker.peak),
+                }
                 if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
                     self.val_loss = self.evaluate()
                     emit({"type": "eval", "step": self.step, "val_loss": self.val_loss})
@@ -683,5 +695,8 @@ def _metrics_until(path: Path, step: int) -> list[str]:
     """Lines of a metrics file up to ``step`` (a resumed run rewrites what came after)."""
     if not path.is_file():
         return []
-    return [line for line in path.read_text().splitlines(True)
-            if line.strip() and json.loads(line)["step"] <= step]  # fmt: skip
+    return [
+        line
+        for line in path.read_text().splitlines(True)
+        if line.strip() and json.loads(line)["step"] <= step
+    ]

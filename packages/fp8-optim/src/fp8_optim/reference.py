@@ -182,14 +182,15 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def _pow_int(base: float, n: torch.Tensor) -> torch.Tensor:
-    # base ** n by squaring in fp64 (25 bits cover every exact fp32 step count); the kernel
-    # runs the same multiplications, so both get the same bits.
-    acc = torch.ones_like(n, dtype=torch.float64)
-    b = torch.full_like(acc, base)
-    for i in range(25):
-        acc = torch.where(((n >> i) & 1) == 1, acc * b, acc)
-        b = b * b
-    return acc
+    # base ** n by squaring in fp64 (25 bits cover every exact fp32 step count). The kernel
+    # multiplies the same factors base^(2^i) in the same order, so both get the same bits.
+    squares = [base]
+    for _ in range(24):
+        squares.append(squares[-1] * squares[-1])
+    bit = (n.reshape(1) >> torch.arange(25, device=n.device)) & 1
+    sq = torch.tensor(squares, dtype=torch.float64, device=n.device)
+    factors = torch.where(bit == 1, sq, torch.ones_like(sq))
+    return torch.cumprod(factors, 0)[-1].reshape(n.shape)  # sequential, left to right
 
 
 def adamw_hyper(

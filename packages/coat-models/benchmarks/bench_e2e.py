@@ -1,0 +1,270 @@
+"""End-to-end training benchmark on one GPU (issue 6, benchmark 1): full-parameter training of
+Llama-2-7B shapes at seq 2048, per variant (bf16; coat; coat with bf16 master weights):
+
+- the largest micro-batch that fits (1, 2, 4, 8, ... until CUDA runs out of memory),
+- peak memory (``torch.cuda.max_memory_allocated``) and its breakdown at each micro-batch,
+- tokens/s at each micro-batch (the first step of each trial is warm-up, not timed).
+
+All in one process, baseline and ours side by side (~8 minutes on an H200):
+
+    export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
+    BENCH_OUT=e2e.json python packages/coat-models/benchmarks/bench_e2e.py
+
+Prints the tables; writes everything as JSON to $BENCH_OUT when set. Not a pytest module:
+run it as a script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+from coat_models.cli import format_table, is_oom
+from coat_models.data import load_data
+from coat_models.presets import build_model, preset_config
+from coat_models.train import MASTER_DTYPES, TrainConfig, Trainer, fmt_bytes, memory_report
+
+VARIANTS = {"bf16": ("bf16", "fp32"), "coat": ("coat", "fp32"), "coat-bf16master": ("coat", "bf16")}
+# Targets of issue 6 against bf16: peak memory at the same micro-batch, tokens/s at the best.
+TARGETS = {"coat": {"memory": 1.6, "speed": 1.6}, "coat-bf16master": {"memory": 2.2, "speed": 1.6}}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="llama2-7b")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=4, help="steps per trial (first is warm-up)")
+    p.add_argument("--max-micro-batch", type=int, default=32)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--budget-s", type=float, default=480, help="stop searching after this")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script only")
+    return p.parse_args(argv)
+
+
+def free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def peak(memory: dict) -> int:
+    """Measured peak (CUDA); the tracked one in a CPU smoke test."""
+    measured = memory["measured_peak"]
+    return memory["tracked_peak"] if measured is None else measured
+
+
+def trial(model, data, mode, master, mb, args, device) -> dict:
+    """``args.steps`` steps at micro-batch ``mb``; peak memory, breakdown and tokens/s."""
+    cfg = TrainConfig(
+        mode=mode,
+        master_dtype=master,
+        batch_size=mb,
+        seq_len=args.seq_len,
+        steps=10**6,
+        warmup=10,
+        eval_batches=1,
+    )
+    trainer = None
+    try:
+        trainer = Trainer(model, data, cfg, device=device, progress=False)
+        free()
+        trainer.meter.reset()
+        trainer.tracker.reset_peak()
+        times, losses = [], []
+        for _ in range(args.steps):
+            rec = trainer.run_step()
+            times.append(rec["step_time_s"])
+            losses.append(rec["loss"])
+        timed = times[1:] or times
+        return {
+            "micro_batch": mb,
+            "fits": True,
+            "tokens_per_s": mb * args.seq_len * len(timed) / sum(timed),
+            "step_times_s": times,
+            "losses": losses,
+            "memory": memory_report(trainer.tracker, trainer.meter),
+        }
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not is_oom(e):
+            raise
+        # handled below, once this except block has dropped the failed step's frames
+    finally:
+        if trainer is not None:
+            trainer.optimizer.zero_grad(set_to_none=True)
+            trainer.close()
+            del trainer.optimizer
+        trainer = None
+        free()
+    return {"micro_batch": mb, "fits": False}
+
+
+def run_variant(name, data, config, args, device, t_start) -> list[dict]:
+    mode, master = VARIANTS[name]
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    n = sum(p.numel() for p in _meta_model(config).parameters())
+    static = n * ((4 if master == "fp32" else 2) * 2 + (2 if mode == "coat" else 8))
+    if static > total:
+        print(f"[{name}] skipped: weights+grads+optimizer state alone need {fmt_bytes(static)}")
+        return []
+    model = build_model(config, device=device, master_dtype=MASTER_DTYPES[master], seed=0)
+    rows, mb = [], 1
+    while mb <= args.max_micro_batch:
+        if time.perf_counter() - t_start > args.budget_s:
+            print(f"[{name}] stopped at micro-batch {mb}: time budget {args.budget_s:g}s spent")
+            break
+        t0 = time.perf_counter()
+        r = trial(model, data, mode, master, mb, args, device)
+        r["wall_s"] = time.perf_counter() - t0
+        rows.append(r)
+        if not r["fits"]:
+            print(f"[{name}] micro-batch {mb}: out of memory ({r['wall_s']:.0f}s)", flush=True)
+            break
+        print(
+            f"[{name}] micro-batch {mb}: {r['tokens_per_s']:,.0f} tok/s, peak "
+            f"{fmt_bytes(peak(r['memory']))} ({r['wall_s']:.0f}s)",
+            flush=True,
+        )
+        mb *= 2
+    del model
+    free()
+    return rows
+
+
+def _meta_model(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_e2e: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    data = load_data()
+    config = preset_config(args.preset, data.vocab_size, max_seq=args.seq_len)
+    names = [v.strip() for v in args.variants.split(",")]
+    print(
+        f"bench_e2e: {args.preset}, seq {args.seq_len}, {gpu}, "
+        f"torch {torch.__version__}; variants {', '.join(names)}",
+        flush=True,
+    )
+    t_start = time.perf_counter()
+    results = {name: run_variant(name, data, config, args, device, t_start) for name in names}
+    fitting = {n: [r for r in rows if r["fits"]] for n, rows in results.items()}
+    fitting = {n: rows for n, rows in fitting.items() if rows}
+
+    # Per micro-batch table.
+    print(
+        "\nvariant           micro-batch   tokens/s      peak   tracked   weights     grads"
+        "  optimizer  activations     other"
+    )
+    for name, rows in results.items():
+        for r in rows:
+            if not r["fits"]:
+                print(f"{name:<17} {r['micro_batch']:>11}   out of memory")
+                continue
+            m = r["memory"]
+            print(
+                f"{name:<17} {r['micro_batch']:>11} {r['tokens_per_s']:>10,.0f} "
+                + " ".join(
+                    f"{fmt_bytes(m[k]):>9}"
+                    for k in (
+                        "measured_peak",
+                        "tracked_peak",
+                        "weights",
+                        "gradients",
+                        "optimizer_state",
+                    )
+                )
+                + f" {fmt_bytes(m['activations'] + m['weight_copies']):>12}"
+                + f" {fmt_bytes(m['other']):>9}"
+            )
+
+    summary = {}
+    if fitting:
+        common = max(
+            set.intersection(*[{r["micro_batch"] for r in rows} for rows in fitting.values()]),
+            default=None,
+        )
+        base = fitting.get("bf16")
+        print(f"\ncommon micro-batch: {common}")
+        for name, rows in fitting.items():
+            best = max(rows, key=lambda r: r["tokens_per_s"])
+            at_common = next((r for r in rows if r["micro_batch"] == common), None)
+            s = {
+                "largest_micro_batch": max(r["micro_batch"] for r in rows),
+                "best_micro_batch": best["micro_batch"],
+                "best_tokens_per_s": best["tokens_per_s"],
+                "peak_at_common": at_common and peak(at_common["memory"]),
+            }
+            if base and name != "bf16":
+                b_best = max(base, key=lambda r: r["tokens_per_s"])
+                b_common = next(r for r in base if r["micro_batch"] == common)
+                s["memory_ratio_at_common"] = peak(b_common["memory"]) / s["peak_at_common"]
+                s["speed_ratio_at_best"] = s["best_tokens_per_s"] / b_best["tokens_per_s"]
+                s["targets"] = TARGETS.get(name)
+            summary[name] = s
+        print(
+            f"\n{'variant':<17} largest-mb  best-mb  best tok/s  peak@common  "
+            f"mem ratio  speed ratio  targets"
+        )
+        for name, s in summary.items():
+            t = s.get("targets") or {}
+            print(
+                f"{name:<17} {s['largest_micro_batch']:>10} {s['best_micro_batch']:>8} "
+                f"{s['best_tokens_per_s']:>11,.0f} {fmt_bytes(s['peak_at_common']):>12} "
+                f"{s.get('memory_ratio_at_common', 1):>9.2f}x "
+                f"{s.get('speed_ratio_at_best', 1):>10.2f}x  "
+                + (f">= {t['memory']}x mem, >= {t['speed']}x speed" if t else "baseline")
+            )
+        # The coat-train table at the common micro-batch, for the README / BENCHMARKS.md.
+        table_runs = []
+        for name, rows in fitting.items():
+            r = next((r for r in rows if r["micro_batch"] == common), None)
+            if r is not None:
+                mode, master = VARIANTS[name]
+                table_runs.append(
+                    {
+                        "mode": name,
+                        "master_dtype": master,
+                        "steps": args.steps,
+                        "train_loss": r["losses"][-1],
+                        "train_loss_window": 1,
+                        "val_loss": None,
+                        "tokens_per_s": r["tokens_per_s"],
+                        "memory": r["memory"],
+                    }
+                )
+        print(f"\nat micro-batch {common}:\n" + format_table(table_runs))
+    out = os.environ.get("BENCH_OUT")
+    if out:
+        with open(out, "w") as f:
+            json.dump(
+                {
+                    "args": vars(args),
+                    "device": gpu,
+                    "torch": torch.__version__,
+                    "trials": results,
+                    "summary": summary,
+                },
+                f,
+                indent=1,
+            )
+        print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
