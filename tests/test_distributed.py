@@ -142,11 +142,11 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def full_states(optimizer) -> dict[int, dict[str, torch.Tensor]]:
     """Per parameter index, every state as a full tensor in the checkpoint layout (per-group
     numbers by row where rows hold whole groups); collective for DTensor states."""
-    from coat_models.distributed import _gather, shard_optimizer
+    from coat_models.distributed import ShardedOptimizer, _gather
     from torch.distributed.tensor import DTensor
 
-    if not hasattr(optimizer, "_shards"):
-        optimizer = shard_optimizer(optimizer)  # a plain CoatAdamW: only the layout changes
+    if not isinstance(optimizer, ShardedOptimizer):
+        optimizer = ShardedOptimizer(optimizer)  # a plain CoatAdamW: only the layout changes
     return {
         index: {
             key: (_gather(v) if isinstance(v, DTensor) else v).detach().clone()

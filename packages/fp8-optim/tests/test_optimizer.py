@@ -157,8 +157,9 @@ def test_high_precision_states_match_torch_adamw():
     # sqrt(v) * (1/sqrt(bc2)) instead of sqrt(v) / sqrt(bc2), (g*g)*(1-b2) instead of
     # (1-b2)*g*g, and torch's lerp for m uses a fused multiply-add: one rounding each. So
     # each step's update agrees to a few ulps of itself (rtol 1e-5) plus the ulp of the p it
-    # is read from (|p| < 4: 2.4e-7); m and v drift apart by at most one ulp (2^-22
-    # relative) per step, p by at most one ulp of 4 per step.
+    # is read from (|p| < 4: 2.4e-7); m and v drift apart by at most an ulp of the tensor's
+    # largest value per step (relative bounds fail where m's two terms cancel), p by at most
+    # one ulp of 4 per step.
     torch.manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(s)) for s in ((64, 33), (129,), (1,))]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
@@ -180,8 +181,9 @@ def test_high_precision_states_match_torch_adamw():
             torch.testing.assert_close(after[i] - before[i], after[n + i] - before[n + i],
                                        rtol=1e-5, atol=2.5e-7)
             for name in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(oa.state[p][name], ob.state[q][name],
-                                           rtol=(step + 1) * 2.0**-22, atol=0)
+                x = ob.state[q][name]
+                torch.testing.assert_close(oa.state[p][name], x, rtol=0,
+                                           atol=(step + 1) * 2.0**-23 * x.abs().max().item())
     for p, q in zip(ours, theirs, strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=steps * 4 * 2.0**-23)
 
@@ -195,9 +197,9 @@ def _regression(seed=0, n=512):
 
 def _train(make_opt, dtype=torch.float32, steps=100):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(),
-                                torch.nn.Linear(256, 256), torch.nn.GELU(),
-                                torch.nn.Linear(256, 1)).to(dtype)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(),
+                                torch.nn.Linear(128, 128), torch.nn.GELU(),
+                                torch.nn.Linear(128, 1)).to(dtype)
     x, y = _regression()
     opt = make_opt(model.parameters())
     losses = []
@@ -213,9 +215,9 @@ def _train(make_opt, dtype=torch.float32, steps=100):
 
 
 def test_small_model_trains_like_adamw():
-    # MLP 32-256-256-1 regression, lr 1e-3, 100 steps, full-data loss after every step.
-    # Measured: FP8 states 0.11% max deviation, bf16 params + stochastic rounding 0.22%,
-    # bf16 with round-to-nearest 4.7% (updates below half a bf16 ulp are lost).
+    # MLP 32-128-128-1 regression, lr 1e-3, 100 steps, full-data loss after every step.
+    # Measured max deviation from fp32 AdamW: FP8 states 0.04%, bf16 params + stochastic
+    # rounding 0.13%, bf16 with round-to-nearest 2.1% (updates below half a bf16 ulp are lost).
     ref = _train(lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     fp8 = _train(lambda ps: CoatAdamW(ps, lr=1e-3))
     sr = _train(lambda ps: CoatAdamW(ps, lr=1e-3), dtype=torch.bfloat16)
@@ -224,9 +226,9 @@ def test_small_model_trains_like_adamw():
     dev = {k: ((v - ref).abs() / ref).max().item() for k, v in
            dict(fp8=fp8, bf16_sr=sr, bf16_nearest=rn).items()}
     print("max relative loss deviation from fp32 AdamW:", dev)
-    assert ref[-1] < 0.4 * ref[0]  # it does train
-    assert dev["fp8"] <= 0.01, dev
-    assert dev["bf16_sr"] <= 0.01, dev
+    assert ref[-1] < 0.6 * ref[0]  # it does train
+    assert dev["fp8"] <= 0.005, dev
+    assert dev["bf16_sr"] <= 0.005, dev
     assert dev["bf16_nearest"] > 2 * dev["bf16_sr"], dev
 
 
@@ -388,9 +390,9 @@ def test_load_state_dict_rejects_mismatches():
 
 
 def test_state_bytes_per_param_llama_layer():
-    # Every byte the optimizer stores, over a Llama-1B-like layer's parameters (hidden 256,
-    # MLP 1024 here): codes + per-group fp32 amax + uint8 k + the step.
-    shapes = [(256, 256)] * 4 + [(1024, 256), (1024, 256), (256, 1024), (256,), (256,)]
+    # Every byte the optimizer stores, over a Llama-like layer's parameters (hidden 128,
+    # MLP 512 here): codes + per-group fp32 amax + uint8 k + the step.
+    shapes = [(128, 128)] * 4 + [(512, 128), (512, 128), (128, 512), (128,), (128,)]
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     opt = CoatAdamW(params)
     for p in params:

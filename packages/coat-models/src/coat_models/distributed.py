@@ -765,8 +765,10 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, *, extra: dict | Non
 
     Every rank calls it. ``path`` is a directory; it appears only once complete (written
     as ``<path>.partial`` and renamed), replacing an older one. ``extra`` (step, scheduler
-    state, RNG states, ...: anything ``torch.load(weights_only=True)`` reads back) is
-    returned by ``load_checkpoint``. Works for FSDP2, DDP and single-process models alike.
+    state, ...: anything ``torch.load(weights_only=True)`` reads back) is returned by
+    ``load_checkpoint``; DCP stores one copy, so it must be equal on every rank (gather
+    per-rank values such as RNG states into it). Works for FSDP2, DDP and single-process
+    models alike.
     """
     import torch.distributed.checkpoint as dcp
 

@@ -14,8 +14,11 @@ from ..formats import FP8Format
 from .fp8_round import fp8_encode, fp8_scale
 from .quantize_per_tensor import resolve_amax
 
-_BM = 128
-_BN = 128  # 16K elements per program: 64 per thread at 8 warps
+# 64x64 tiles at 4 warps (32 elements per thread): 61.2% of copy bandwidth on an H200 against
+# 52.5% for 128x128 at 8 warps and 60.3% for 64x128 at 4 (8192x8192 bf16, one sweep).
+_BM = 64
+_BN = 64
+_NUM_WARPS = 4
 
 
 @triton.jit
@@ -57,6 +60,6 @@ def quantize_per_tensor_transpose(
     _per_tensor_transpose_kernel[grid](
         x, q.view(torch.uint8), qt.view(torch.uint8), amax, scale,
         m, n, x.stride(0), x.stride(1),
-        FMT=fmt.value, BM=_BM, BN=_BN, num_warps=8,
+        FMT=fmt.value, BM=_BM, BN=_BN, num_warps=_NUM_WARPS,
     )  # fmt: skip
     return q, qt, scale
