@@ -8,6 +8,7 @@ import pytest
 import torch
 from coat_models import cli
 from coat_models.plot import COLOURS, decode_png
+from coat_models.presets import preset_config
 from coat_models.train import Trainer
 
 
@@ -295,3 +296,25 @@ def test_checkpoints_of_an_earlier_run_are_not_overwritten(tmp_path, capsys):
     assert code == 2 and "holds checkpoints of an earlier run: pass --resume" in err
     code, _, err = run([*args, "--lr", "1e-2", "--resume"], capsys)
     assert code == 1 and "settings differ (lr: checkpoint 0.003, now 0.01)" in err
+
+
+@pytest.mark.parametrize("weights", [False, True], ids=["config-only", "checkpoint"])
+def test_model_dir_and_text_data(tmp_path, capsys, weights):
+    from transformers import LlamaForCausalLM
+
+    config = preset_config("tiny", data_vocab=257)
+    model_dir = tmp_path / "model"
+    if weights:
+        torch.manual_seed(1)
+        LlamaForCausalLM(config).save_pretrained(model_dir)
+    else:
+        config.save_pretrained(model_dir)
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    flags = "--steps 2 --eval-every 2 --batch-size 2 --seq-len 32 --eval-batches 1 --no-progress"
+    argv = ["--model-dir", model_dir, "--data", text, *flags.split()]
+    code, stdout, err = run([*argv, "--out", tmp_path / "out"], capsys)
+    assert code == 0, err
+    assert f"model dir {model_dir} (0.89 M params, vocab 320)" in stdout
+    assert f"data: {text} (text, 0.02 MiB)" in stdout
+    check_run_dir(tmp_path / "out", "bf16", steps=2, eval_every=2)

@@ -11,7 +11,6 @@ import types
 
 import pytest
 import torch
-
 from fp8_optim import CoatAdamW, CoatAdamWConfig
 
 # Sizes that are not multiples of the group (128) nor of 16: partial last groups, a
@@ -22,7 +21,8 @@ ODD_SHAPES = ((37, 41), (1,), (3000,), (2, 64))
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view of a tensor's bits (for bit-exact comparisons of any float dtype)."""
     t = t.detach().contiguous()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.element_size()])
 
 
 def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
@@ -55,7 +55,8 @@ def heavy_grads(params, step: int, seed=0, dtype=None):
     for p in params:
         g = torch.randn(p.shape, generator=gen)
         if g.dim() > 1:
-            g = g * 10.0 ** torch.randint(-5, 1, (g.shape[0],) + (1,) * (g.dim() - 1), generator=gen)
+            rows = (g.shape[0],) + (1,) * (g.dim() - 1)
+            g = g * 10.0 ** torch.randint(-5, 1, rows, generator=gen)
         else:
             g = g * 10.0 ** torch.randint(-5, 1, g.shape, generator=gen)
         g = torch.where(torch.rand(g.shape, generator=gen) < 0.05, torch.zeros_like(g), g)
@@ -79,13 +80,21 @@ def run_steps(params, opt, steps: int, seed=0, grad_dtype=None):
 def make_pair():
     """Two identical (params, optimizer) setups that differ only in the config backend."""
 
-    def make(backend_a, backend_b, shapes=ODD_SHAPES, dtype=torch.float32, device="cpu",
-             opt_kwargs=None, **cfg):
+    def make(
+        backend_a,
+        backend_b,
+        shapes=ODD_SHAPES,
+        dtype=torch.float32,
+        device="cpu",
+        opt_kwargs=None,
+        **cfg,
+    ):
         out = []
         for backend in (backend_a, backend_b):
             params = make_params(shapes, dtype, device=device)
-            opt = CoatAdamW(params, **(opt_kwargs or {}),
-                            config=CoatAdamWConfig(backend=backend, **cfg))
+            opt = CoatAdamW(
+                params, **(opt_kwargs or {}), config=CoatAdamWConfig(backend=backend, **cfg)
+            )
             out.append((params, opt))
         return out
 
@@ -101,7 +110,11 @@ def needs_triton():
 @pytest.fixture
 def h():
     return types.SimpleNamespace(
-        ODD_SHAPES=ODD_SHAPES, bits=bits, assert_same_bits=assert_same_bits,
-        assert_same_state=assert_same_state, make_params=make_params, heavy_grads=heavy_grads,
+        ODD_SHAPES=ODD_SHAPES,
+        bits=bits,
+        assert_same_bits=assert_same_bits,
+        assert_same_state=assert_same_state,
+        make_params=make_params,
+        heavy_grads=heavy_grads,
         run_steps=run_steps,
     )

@@ -14,22 +14,33 @@ import math
 
 import pytest
 import torch
-
 from fp8_optim import CoatAdamW, CoatAdamWConfig, reference
 from fp8_quant import FP8Format
+
+# The Triton interpreter evaluates log2(0) = -inf, inf - inf, ... with numpy, which warns.
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
 SMALL = ((37, 41), (1,), (300,))
 COMBOS = list(itertools.product(("e4m3", "e5m2"), ("e4m3", "e5m2"), (True, False), (True, False)))
 
 
 @pytest.mark.parametrize(
-    "m_format,v_format,m_dre,v_dre", COMBOS,
+    "m_format,v_format,m_dre,v_dre",
+    COMBOS,
     ids=[f"m{m}{'-dre' if md else ''}_v{v}{'-dre' if vd else ''}" for m, v, md, vd in COMBOS],
 )
-def test_kernel_matches_reference_every_format(needs_triton, h, make_pair, m_format, v_format,
-                                               m_dre, v_dre):
-    (pa, oa), (pb, ob) = make_pair("reference", "triton", shapes=SMALL, m_format=m_format,
-                                   v_format=v_format, m_dre=m_dre, v_dre=v_dre)
+def test_kernel_matches_reference_every_format(
+    needs_triton, h, make_pair, m_format, v_format, m_dre, v_dre
+):
+    (pa, oa), (pb, ob) = make_pair(
+        "reference",
+        "triton",
+        shapes=SMALL,
+        m_format=m_format,
+        v_format=v_format,
+        m_dre=m_dre,
+        v_dre=v_dre,
+    )
     h.run_steps(pa, oa, 3)
     h.run_steps(pb, ob, 3)
     h.assert_same_state(oa, pa, ob, pb)
@@ -53,9 +64,14 @@ OPTIONS = {
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_kernel_matches_reference_options(needs_triton, h, make_pair, name):
     o = OPTIONS[name]
-    (pa, oa), (pb, ob) = make_pair("reference", "triton", shapes=SMALL,
-                                   dtype=o.get("dtype", torch.float32), opt_kwargs=o.get("opt"),
-                                   **o.get("cfg", {}))
+    (pa, oa), (pb, ob) = make_pair(
+        "reference",
+        "triton",
+        shapes=SMALL,
+        dtype=o.get("dtype", torch.float32),
+        opt_kwargs=o.get("opt"),
+        **o.get("cfg", {}),
+    )
     h.run_steps(pa, oa, 3, grad_dtype=o.get("grad_dtype"))
     h.run_steps(pb, ob, 3, grad_dtype=o.get("grad_dtype"))
     h.assert_same_state(oa, pa, ob, pb)
@@ -73,8 +89,9 @@ def test_kernel_matches_reference_many_steps(needs_triton, h, make_pair):
 def test_kernel_several_programs_per_tensor(needs_triton, h, make_pair):
     # 70 groups: more than one program of the interpreter's 64 groups, a partial chunk and a
     # partial group; plus a tensor whose size is a multiple of 16 (the EVEN path is off).
-    (pa, oa), (pb, ob) = make_pair("reference", "triton", shapes=((70 * 128 - 5,), (4, 16)),
-                                   dtype=torch.bfloat16)
+    (pa, oa), (pb, ob) = make_pair(
+        "reference", "triton", shapes=((70 * 128 - 5,), (4, 16)), dtype=torch.bfloat16
+    )
     h.run_steps(pa, oa, 2)
     h.run_steps(pb, ob, 2)
     h.assert_same_state(oa, pa, ob, pb)
@@ -134,8 +151,9 @@ def test_nonfinite_groups_are_skipped_and_counted(backend, request, h):
             assert same == (gi in b), (gi, b)
             st = opt.state[p]
             for name in ("exp_avg", "exp_avg_sq"):
-                codes_same = torch.equal(h.bits(st[name].reshape(-1)[sl]),
-                                         h.bits(s0[name].reshape(-1)[sl]))
+                codes_same = torch.equal(
+                    h.bits(st[name].reshape(-1)[sl]), h.bits(s0[name].reshape(-1)[sl])
+                )
                 if gi in b:
                     assert codes_same
                     assert st[name + "_amax"][gi] == s0[name + "_amax"][gi]
@@ -187,7 +205,7 @@ def test_dre_edge_groups(fmt, dre):
     assert torch.equal(y[2], x[2])  # zero group
     assert torch.equal(y[3] == 0, x[3] == 0)  # zeros stay zeros, non-zeros stay non-zero
     assert torch.equal(y[4], x[4])  # single non-zero exact
-    assert (y[5][: g // 2] == 0).all() and (y[5][g // 2:] == 3.0).all()  # fp32 subnormals -> 0
+    assert (y[5][: g // 2] == 0).all() and (y[5][g // 2 :] == 3.0).all()  # fp32 subnormals -> 0
     for r in (0, 3, 4, 7):  # the max element of a group is exact
         i = x[r].abs().argmax()
         assert y[r, i] == x[r, i]
@@ -233,8 +251,9 @@ def test_kernel_edge_groups_match_reference(needs_triton, h, make_pair):
         opt.step()
     h.assert_same_state(oa, pa, ob, pb)
     st = ob.state[pb[0]]
-    m = reference.dequantize(st["exp_avg"], st["exp_avg_amax"], st["exp_avg_k"],
-                             FP8Format.E4M3, 128)
+    m = reference.dequantize(
+        st["exp_avg"], st["exp_avg_amax"], st["exp_avg_k"], FP8Format.E4M3, 128
+    )
     m_true = g * reference.fp32(0.1)
     assert torch.equal(m[0], m_true[0]) and torch.equal(m[1], m_true[1])
     assert torch.equal(m[3], m_true[3])
@@ -259,8 +278,7 @@ def test_bias_corrections_match_fp64():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-sr"])
 def test_compiled_kernel_close_to_reference(h, make_pair, dtype):
     shapes = ((256, 384), (1000,), (4096, 7), (3,))
-    (pa, oa), (pb, ob) = make_pair("reference", "triton", shapes=shapes, dtype=dtype,
-                                   device="cuda")
+    (pa, oa), (pb, ob) = make_pair("reference", "triton", shapes=shapes, dtype=dtype, device="cuda")
     # One step from identical states: differences come from the GPU's approximate math only.
     h.run_steps(pa, oa, 1)
     h.run_steps(pb, ob, 1)
@@ -274,16 +292,25 @@ def test_compiled_kernel_close_to_reference(h, make_pair, dtype):
             torch.testing.assert_close(p_gpu, p_ref, rtol=1e-6, atol=1e-7)
         else:  # the same random bits: only the approximate update may flip a rounding
             assert (p_gpu != p_ref).float().mean().item() <= 1e-3
-    # 20 more steps: states stay within a small fraction of an FP8 step of each other.
+    # 20 more steps: a code flip changes one value by an FP8 step and decays with beta, so
+    # states stay within a small fraction of an FP8 step of each other overall, and the
+    # parameters within about one lr-sized step (fp32) or a few roundings (bf16).
     h.run_steps(pa, oa, 20, seed=1)
     h.run_steps(pb, ob, 20, seed=1)
     for p_ref, p_gpu in zip(pa, pb, strict=True):
         sa, sb = oa.state[p_ref], ob.state[p_gpu]
         for name in ("exp_avg", "exp_avg_sq"):
-            xa = reference.dequantize(sa[name], sa[name + "_amax"], sa[name + "_k"],
-                                      FP8Format.E4M3, 128)
-            xb = reference.dequantize(sb[name], sb[name + "_amax"], sb[name + "_k"],
-                                      FP8Format.E4M3, 128)
+            xa = reference.dequantize(
+                sa[name], sa[name + "_amax"], sa[name + "_k"], FP8Format.E4M3, 128
+            )
+            xb = reference.dequantize(
+                sb[name], sb[name + "_amax"], sb[name + "_k"], FP8Format.E4M3, 128
+            )
             rel = ((xa - xb).norm() / xa.norm().clamp_min(1e-30)).item()
             assert rel <= 1e-2, (name, rel)
-        torch.testing.assert_close(p_gpu.float(), p_ref.float(), rtol=0, atol=2e-4)
+        diff = (p_gpu.float() - p_ref.float()).abs()
+        if dtype == torch.float32:
+            assert diff.max().item() <= 1e-3
+        else:
+            assert (diff > 0).float().mean().item() <= 1e-2
+            assert (diff <= 2 * 2.0**-7 * p_ref.float().abs() + 1e-3).all()

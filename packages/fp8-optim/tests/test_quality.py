@@ -5,7 +5,6 @@ import statistics
 
 import pytest
 import torch
-
 from fp8_optim import CoatAdamW, CoatAdamWConfig, reference
 from fp8_optim.quality import update_errors
 
@@ -23,14 +22,18 @@ def test_dre_cuts_update_error_on_heavy_tailed_stream():
     # Measured (256 x 512, 100 steps): DRE 0.077 / 0.076, plain 1.7e4 (E4M3 v: small v
     # values flush to zero, m / eps explodes) / 0.144 (E5M2 v).
     err = {
-        name: statistics.mean(update_errors(
-            lambda ps, cfg=cfg: CoatAdamW(ps, lr=1e-3, weight_decay=0.0,
-                                          config=CoatAdamWConfig(**cfg)),
-            shape=(64, 512), steps=60))
+        name: statistics.mean(
+            update_errors(
+                lambda ps, cfg=cfg: CoatAdamW(
+                    ps, lr=1e-3, weight_decay=0.0, config=CoatAdamWConfig(**cfg)
+                ),
+                shape=(64, 512),
+                steps=60,
+            )
+        )
         for name, cfg in CONFIGS.items()
     }
-    print("\nmean relative update error vs fp32 AdamW:",
-          {k: f"{v:.4g}" for k, v in err.items()})
+    print("\nmean relative update error vs fp32 AdamW:", {k: f"{v:.4g}" for k, v in err.items()})
     assert err["E4M3+E4M3 DRE"] < 0.12
     assert err["E4M3+E5M2 DRE"] < 0.12
     assert err["E4M3+E4M3 DRE"] < err["E4M3+E4M3 plain"] / 10
@@ -49,15 +52,20 @@ def test_stochastic_rounding_is_unbiased():
     key = torch.tensor(reference.sr_stream(3, 0))
     r = reference.round_to_bf16(xs, key, elem).float().view(64, n)
     lo = x.to(torch.bfloat16).float()  # a neighbour; the ulp is the spacing around x
-    ulp = (torch.nextafter(lo.to(torch.bfloat16), torch.tensor(float("inf")).to(torch.bfloat16))
-           .float() - lo).abs()
+    ulp = (
+        torch.nextafter(
+            lo.to(torch.bfloat16), torch.tensor(float("inf")).to(torch.bfloat16)
+        ).float()
+        - lo
+    ).abs()
     assert set(torch.unique(r - x[:, None].to(torch.bfloat16).float()).abs().tolist()) <= set(
-        [0.0] + ulp.tolist())  # only the two neighbours
+        [0.0] + ulp.tolist()
+    )  # only the two neighbours
     bias = (r.double().mean(1) - x.double()).abs()
     bound = 5 * (ulp.double() / 2) / n**0.5
     assert (bias <= bound).all(), (bias / bound).max()
-    nearest = reference.round_to_bf16(xs[:64 * 4], None, elem[:64 * 4])
-    assert torch.equal(nearest, xs[:64 * 4].to(torch.bfloat16))  # round-to-nearest path
+    nearest = reference.round_to_bf16(xs[: 64 * 4], None, elem[: 64 * 4])
+    assert torch.equal(nearest, xs[: 64 * 4].to(torch.bfloat16))  # round-to-nearest path
 
 
 @pytest.mark.parametrize("stochastic", [True, False], ids=["stochastic", "nearest"])
@@ -67,8 +75,9 @@ def test_small_updates_accumulate_only_with_stochastic_rounding(stochastic):
     # rounding loses every step; stochastic rounding keeps the mean within 5 standard
     # errors (sd per element <= sqrt(20) * ulp / 2 over 4096 elements).
     p = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
-    opt = CoatAdamW([p], lr=5e-4, weight_decay=0.0,
-                    config=CoatAdamWConfig(stochastic_rounding=stochastic))
+    opt = CoatAdamW(
+        [p], lr=5e-4, weight_decay=0.0, config=CoatAdamWConfig(stochastic_rounding=stochastic)
+    )
     for _ in range(20):
         p.grad = torch.ones_like(p)
         opt.step()

@@ -287,8 +287,8 @@ class PeakMeter:
 
 
 def memory_report(tracker: MemoryTracker, meter: PeakMeter) -> dict:
-    """The breakdown at the tracked peak, and ``other = measured - tracked``: temporaries
-    inside ops, caches and (CPU) allocator slack, which the tracker cannot see."""
+    """The breakdown at the tracked peak and, where measured (CUDA), ``other = measured -
+    tracked``: temporaries inside ops and caches, which the tracker cannot see."""
     measured = meter.peak()
     return {
         "device": meter.device.type,
@@ -328,7 +328,10 @@ def prepare(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
     """(model, optimizer) for ``cfg.mode``: FP8 activations and/or CoatAdamW as the mode says."""
     fp8_act, fp8_optim = MODES[cfg.mode]
     if fp8_act:
-        model = _coat_api("apply_coat")(model)
+        try:
+            model = _coat_api("apply_coat")(model)
+        except TypeError as e:  # documented: an unsupported architecture, named in e
+            raise TrainError(f"mode {cfg.mode}: {e}") from None
     if fp8_optim:
         opt = _coat_api("create_optimizer")(
             model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas

@@ -77,7 +77,10 @@ def _check_param(p: Tensor | None, x: Tensor, name: str, size: int) -> None:
 
 # --------------------------------------------------------------------- plumbing
 def _rows(x: Tensor) -> Tensor:
-    """2-D contiguous ``(rows, last dim)`` view (a copy only for non-contiguous input)."""
+    """2-D contiguous ``(rows, last dim)`` view (a copy only for non-contiguous input); x
+    itself when it already is one (each torch call costs host time)."""
+    if x.dim() == 2 and x.is_contiguous() and not torch.compiler.is_compiling():
+        return x  # (dynamo rejects one tensor passed twice to an autograd.Function)
     return (x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)).contiguous()
 
 
@@ -94,18 +97,22 @@ def _handed_fp8(x: Tensor, cfg: FP8Config):
     if not cfg.precision_flow:
         return None
     f = take_fp8(x, cfg.fwd_format, cfg.group_size)
-    return None if f is None else (_rows(f.data), f.scale.reshape(-1, f.scale.shape[-1]))
+    return None if f is None else (_rows(f.data), _rows(f.scale))
 
 
 def _hand_over(y: Tensor, shape: torch.Size, cfg: FP8Config, mode: str, y_q, y_s, y_a) -> Tensor:
-    y = y.view(shape)
+    """``y`` in the caller's shape, with what the producer's kernel wrote about it attached.
+    Views are made only where shapes differ (each torch call costs host time)."""
+    if y.shape != shape:
+        y = y.view(shape)
     if mode == "fp8" and len(shape):
-        lead = (*shape[:-1], -1)
-        fp8 = FP8Tensor(y_q.view(shape), y_s.view(lead), Granularity.PER_GROUP,
-                        cfg.group_size, cfg.fwd_format)  # fmt: skip
+        if y_q.shape != shape:
+            y_q, y_s = y_q.view(shape), y_s.view(*shape[:-1], -1)
+        # Built by the kernel to FP8Tensor's invariants: not re-checked per call.
+        fp8 = FP8Tensor.trusted(y_q, y_s, Granularity.PER_GROUP, cfg.group_size, cfg.fwd_format)
         attach(y, fp8=fp8)
     elif mode == "amax" and len(shape):
-        attach(y, group_amax=y_a.view(*shape[:-1], -1))
+        attach(y, group_amax=y_a if y_a.dim() == len(shape) else y_a.view(*shape[:-1], -1))
     return y
 
 

@@ -58,7 +58,8 @@ class CoatAdamWConfig:
             raise TypeError(
                 f"stochastic_rounding must be None, True or False, got {self.stochastic_rounding!r}"
             )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
             raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")

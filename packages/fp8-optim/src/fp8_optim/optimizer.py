@@ -8,7 +8,6 @@ from collections import defaultdict
 from itertools import chain
 
 import torch
-
 from fp8_quant import FP8Format
 
 from . import reference
@@ -18,8 +17,14 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_FORMATS = {f.torch_dtype: f for f in FP8Format}
 # Keys torch.optim.AdamW puts in its param groups that mean nothing here.
-_ADAMW_ONLY_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "fused",
-                    "decoupled_weight_decay")
+_ADAMW_ONLY_KEYS = (
+    "amsgrad",
+    "foreach",
+    "capturable",
+    "differentiable",
+    "fused",
+    "decoupled_weight_decay",
+)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -164,10 +169,18 @@ class CoatAdamW(torch.optim.Optimizer):
         cfg = self.config
         sr = cfg.stochastic_rounding
         return dict(
-            lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-            weight_decay=group["weight_decay"], maximize=group["maximize"],
-            m_format=cfg.m_format, v_format=cfg.v_format, m_dre=cfg.m_dre, v_dre=cfg.v_dre,
-            group_size=cfg.group_size, high_precision=cfg.high_precision_states,
+            lr=group["lr"],
+            beta1=group["betas"][0],
+            beta2=group["betas"][1],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            maximize=group["maximize"],
+            m_format=cfg.m_format,
+            v_format=cfg.v_format,
+            m_dre=cfg.m_dre,
+            v_dre=cfg.v_dre,
+            group_size=cfg.group_size,
+            high_precision=cfg.high_precision_states,
             stochastic_rounding=p.dtype == torch.bfloat16 and (sr is None or sr),
         )
 
@@ -180,8 +193,13 @@ class CoatAdamW(torch.optim.Optimizer):
         bad = self._bad_counter(params[0].device)
         for p in params:
             n_bad = reference.adamw_step_(
-                p, p.grad, self.state[p], **self._options(group, p), seed=self.config.seed,
-                param_index=self._param_index[p], sr_offset=self._sr_offset.get(p, 0),
+                p,
+                p.grad,
+                self.state[p],
+                **self._options(group, p),
+                seed=self.config.seed,
+                param_index=self._param_index[p],
+                sr_offset=self._sr_offset.get(p, 0),
             )
             bad.add_(n_bad)
 
@@ -195,13 +213,17 @@ class CoatAdamW(torch.optim.Optimizer):
         lr = opts["lr"]
         if isinstance(lr, torch.Tensor) and lr.device != params[0].device:
             if lr.device.type != "cpu":
-                raise ValueError(f"lr is a tensor on {lr.device}, parameters are on {params[0].device}")
+                raise ValueError(
+                    f"lr is a tensor on {lr.device}, parameters are on {params[0].device}"
+                )
             opts["lr"] = lr.item()  # a CPU tensor: no device sync
         ptrs = tuple(t.data_ptr() for t in chain(work, grads))
         cached = self._plans.get((gi, key))
         if cached is None or cached[0] != ptrs:
             plan = ops.make_plan(
-                work, grads, states,
+                work,
+                grads,
+                states,
                 [reference.sr_stream(self.config.seed, self._param_index[p]) for p in params],
                 [self._sr_offset.get(p, 0) for p in params],
                 group_size=self.config.group_size,
@@ -210,7 +232,8 @@ class CoatAdamW(torch.optim.Optimizer):
             self._plans[(gi, key)] = (ptrs, plan)
         else:
             plan = cached[1]
-        ops.fused_adamw_step_(plan, work, grads, states, self._bad_counter(params[0].device), **opts)
+        bad = self._bad_counter(params[0].device)
+        ops.fused_adamw_step_(plan, work, grads, states, bad, **opts)
         for w, p in zip(work, params, strict=True):
             if w is not p:
                 p.copy_(w)
@@ -309,13 +332,15 @@ class CoatAdamW(torch.optim.Optimizer):
             raise TypeError(f"state {name} holds {x.dtype}, expected an FP8 dtype")
         amax, k16 = _group_numbers(s, name)
         gs = _infer_group_size(p.numel(), amax.numel(), self.config.group_size)
-        return reference.dequantize(x, amax.to(x.device), k16.to(x.device), fmt, gs).reshape(p.shape)
+        x = reference.dequantize(x, amax.to(x.device), k16.to(x.device), fmt, gs)
+        return x.reshape(p.shape)
 
     def _import_state(self, p: torch.Tensor, s: dict) -> dict:
         if "max_exp_avg_sq" in s:
             raise ValueError("cannot load amsgrad state (max_exp_avg_sq) into CoatAdamW")
         cfg = self.config
-        out = {"step": torch.as_tensor(s.get("step", 0.0)).to(torch.float32).reshape(()).to(p.device).clone()}
+        step = torch.as_tensor(s.get("step", 0.0)).to(torch.float32).reshape(())
+        out = {"step": step.to(p.device).clone()}
         for name in _MOMENTS:
             if name not in s:
                 raise ValueError(f"state of a parameter lacks {name!r}")
@@ -353,8 +378,10 @@ def _check_param(p) -> None:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"params must be tensors, got {type(p).__name__}")
     if p.is_complex():
-        raise TypeError("CoatAdamW does not support complex parameters; view them as real "
-                        "(torch.view_as_real) first")
+        raise TypeError(
+            "CoatAdamW does not support complex parameters; view them as real "
+            "(torch.view_as_real) first"
+        )
     if p.dtype not in _PARAM_DTYPES:
         raise TypeError(
             f"CoatAdamW updates float32 or bfloat16 parameters, got {p.dtype} (shape "
@@ -366,7 +393,9 @@ def _check_param(p) -> None:
 
 def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
     if g.is_sparse:
-        raise RuntimeError("CoatAdamW does not support sparse gradients; use torch.optim.SparseAdam")
+        raise RuntimeError(
+            "CoatAdamW does not support sparse gradients; use torch.optim.SparseAdam"
+        )
     if g.dtype not in _GRAD_DTYPES:
         raise TypeError(
             f"gradients must be float32, bfloat16 or float16, got {g.dtype} for a parameter "

@@ -35,7 +35,6 @@ import struct
 
 import numpy as np
 import torch
-
 from fp8_quant import FP8Format
 
 FLUSH_BELOW = 2.0**-126  # smallest normal fp32; smaller magnitudes quantize to zero
@@ -119,8 +118,7 @@ def quantize_groups(
         k16 = torch.full_like(amax, float(K16_PLAIN))
     k = k16 * 0.0625
     off = log2_fmax - torch.where(amax > 0, lmx, torch.zeros_like(lmx)) * k
-    y = _exp2(_log2(a) * k[:, None] + off[:, None])
-    y = torch.where(x < 0, -y, y)
+    y = torch.copysign(_exp2(_log2(a) * k[:, None] + off[:, None]), x)
     codes = y.clamp(-fmax, fmax).to(fmt.torch_dtype)
     return codes, amax, k16.to(torch.uint8)
 
@@ -136,7 +134,7 @@ def dequantize_groups(
     off = _log2(amax) - log2_fmax * inv_k
     r = _exp2(_log2(a) * inv_k[:, None] + off[:, None])
     r = torch.where(a == fmax, amax[:, None].expand_as(r), r)
-    return torch.where(q < 0, -r, r)
+    return torch.copysign(r, q)
 
 
 def to_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -2,9 +2,19 @@
 ``@triton.jit`` tile helpers for 1 x G group quantization (built on fp8_quant's exact
 rounding, so the interpreter and a GPU write the same bits as ``fp8_quant.reference``).
 
-Every kernel works on a 2-D ``(M, N)`` row-major view; a program owns a ``[BM, BN]`` tile
-whose ``BN`` is a multiple of ``G``, so groups never straddle tiles and per-group maxima
-come out of the same registers that hold the values: no second pass over the tensor.
+Tiles are made of whole groups, laid out ``[groups, G // V, V]`` with ``V`` elements per
+16-byte vector of the input: each thread then holds whole groups, so a group's max is a
+reduction in registers and loads, stores and the quantization all share one layout (a
+``[BM, BN]`` tile reshaped to ``[BM, BN // G, G]`` made Triton keep values in several
+layouts and recompute the op in each). Element-wise kernels take ``BR`` consecutive groups
+of the row-major ``(M, N)`` tensor (one contiguous run when ``G`` divides ``N``); norms take
+whole rows. Per-group maxima come out of the same registers that hold the values: no second
+pass over the tensor.
+
+Host time matters as much as the kernels: a memory-bound kernel on an H200 takes tens of
+microseconds, about what a few Python-level torch calls cost. So the eager path allocates
+only the buffers it fills (``None`` for the rest) and caches every launch shape; the
+``torch.library`` op used under ``torch.compile`` returns empty tensors instead of ``None``.
 """
 
 from __future__ import annotations
@@ -19,14 +29,40 @@ from fp8_quant.api import resolve_backend
 from fp8_quant.ops import abs_max, fp8_encode, fp8_scale
 
 EMIT_CODES = {"none": 0, "amax": 1, "fp8": 2}
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+# Launch tunables, measured on an H200 (benchmarks/profile_ops.py, BENCHMARKS.md).
+# Element-wise kernels: (elements per program, warps). Norms: elements per thread in the
+# row tile (sets the warps), and for the backward (which walks rows and keeps its share
+# of dweight in registers) also programs per SM.
+CONFIG: dict[str, tuple[int, ...]] = {
+    "silu_fwd": (4096, 4),
+    "silu_bwd": (4096, 4),
+    "gelu_fwd": (4096, 4),
+    "gelu_bwd": (4096, 4),
+    "swiglu_fwd": (4096, 4),
+    "swiglu_bwd": (4096, 4),
+    "residual_add_fwd": (4096, 4),
+    "rms_norm_fwd": (16,),
+    "layer_norm_fwd": (16,),
+    "rms_norm_bwd": (16, 2),
+    "layer_norm_bwd": (16, 2),
+}
+
+# Triton decides when a @jit function is defined whether it runs in the interpreter;
+# ``cast_out`` needs to know (the interpreter truncates fp32 -> bf16, GPUs round).
+_INTERPRETED = tl.constexpr(type(abs_max).__name__ == "InterpretedFunction")
 
 
 def custom_op(name: str):
     """``torch.library.custom_op("fp8_activations::<name>")`` that eager code calls directly.
 
-    Under ``torch.compile`` the registered op is traced (an opaque graph node with a fake
-    implementation). In eager mode the op's dispatcher would only add host time, tens of
-    microseconds per call, which is as long as a whole memory-bound kernel on an H200.
+    The decorated function takes a keyword-only ``eager: bool = False``. Under
+    ``torch.compile`` the registered op is traced (an opaque node with a fake
+    implementation) and must return a tensor for every output, so it runs with
+    ``eager=False`` (empty tensors for outputs not asked for). Eager code skips the
+    dispatcher, whose host time is as long as a whole memory-bound kernel on an H200, and
+    calls the function with ``eager=True``: ``None`` for outputs not asked for.
     """
 
     def wrap(fn):
@@ -34,7 +70,7 @@ def custom_op(name: str):
 
         @functools.wraps(fn)
         def call(*args):
-            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+            return op(*args) if torch.compiler.is_compiling() else fn(*args, eager=True)
 
         call.register_fake = op.register_fake
         return call
@@ -42,12 +78,13 @@ def custom_op(name: str):
     return wrap
 
 
-def num_row_programs(x: torch.Tensor, rows: int) -> int:
-    """Programs of a backward kernel that loops over rows and accumulates a weight gradient:
-    enough to fill the GPU, few enough that the partial sums (programs x N fp32) stay small."""
-    if x.is_cuda:
-        return max(1, min(rows, 2 * _multiprocessors(x.device.index)))
-    return max(1, min(rows, 4))  # the interpreter runs programs one after another
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` (``triton.cdiv`` costs microseconds per host call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 @functools.cache
@@ -60,121 +97,222 @@ def use_triton(x: torch.Tensor, backend: str) -> bool:
 
 
 # ------------------------------------------------------------------ buffers (launchers)
-def _scale_buffer(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    m, n = x.shape
-    return torch.empty((m, triton.cdiv(n, group_size)), device=x.device, dtype=torch.float32)
+def scale_buffer(m: int, n: int, group_size: int, device) -> torch.Tensor:
+    return torch.empty((m, cdiv(n, group_size)), device=device, dtype=torch.float32)
 
 
-def quant_buffers(x: torch.Tensor, group_size: int, fmt: FP8Format, enabled: bool):
-    """``(q, scales)`` for a kernel to fill (also the fake outputs for ``torch.compile``),
-    or two empty tensors when not wanted."""
-    if not enabled:
-        return x.new_empty(0, dtype=fmt.torch_dtype), x.new_empty(0, dtype=torch.float32)
-    return torch.empty(x.shape, device=x.device, dtype=fmt.torch_dtype), _scale_buffer(
-        x, group_size
-    )
+def quant_buffers(x: torch.Tensor, group_size: int, fmt: FP8Format, wanted: bool, eager: bool):
+    """``(q, scales)`` for a kernel to fill; when not wanted ``(None, None)`` (eager) or two
+    empty tensors (the custom op's outputs, also the fake ones for ``torch.compile``)."""
+    if wanted:
+        m, n = x.shape
+        q = torch.empty((m, n), device=x.device, dtype=fmt.torch_dtype)
+        return q, scale_buffer(m, n, group_size, x.device)
+    if eager:
+        return None, None
+    return x.new_empty(0, dtype=fmt.torch_dtype), x.new_empty(0, dtype=torch.float32)
 
 
-def emit_buffers(y: torch.Tensor, group_size: int, fmt: FP8Format, mode: str):
-    """``(y_q, y_scales, y_group_amax)``; only the ones ``mode`` asks for are non-empty."""
-    y_q, y_s = quant_buffers(y, group_size, fmt, mode == "fp8")
-    y_amax = _scale_buffer(y, group_size) if mode == "amax" else y.new_empty(0, dtype=torch.float32)
-    return y_q, y_s, y_amax
+def emit_buffers(y: torch.Tensor, group_size: int, fmt: FP8Format, mode: str, eager: bool):
+    """``(y_q, y_scales, y_group_amax)``; only the ones ``mode`` asks for are allocated."""
+    y_q, y_s = quant_buffers(y, group_size, fmt, mode == "fp8", eager)
+    if mode == "amax":
+        y_a = scale_buffer(*y.shape, group_size, y.device)
+    else:
+        y_a = None if eager else y.new_empty(0, dtype=torch.float32)
+    return y_q, y_s, y_a
 
 
-def out_args(dummy: torch.Tensor, *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def out_args(dummy: torch.Tensor, *outs: torch.Tensor | None) -> list[torch.Tensor]:
     """Kernel arguments for optional outputs: FP8 buffers as the uint8 views the kernel
-    stores ``fp8_encode`` bit patterns through; empty (unwanted) buffers replaced by
-    ``dummy``, a real tensor, so that no null pointer reaches the launcher (the kernel's
+    stores ``fp8_encode`` bit patterns through; missing or empty (unwanted) buffers replaced
+    by ``dummy``, a real tensor, so that no null pointer reaches the launcher (the kernel's
     constexpr flags keep it from touching them)."""
-    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    return tuple(
-        dummy if t.numel() == 0 else t.view(torch.uint8) if t.dtype in fp8 else t for t in outs
-    )
+    return [
+        dummy if t is None or t.numel() == 0 else t.view(torch.uint8) if t.dtype in _FP8_DTYPES
+        else t
+        for t in outs
+    ]  # fmt: skip
 
 
-def row_block(n: int, group_size: int) -> tuple[int, int, int]:
-    """``(BM, BN, num_warps)`` for a kernel that needs whole rows (norms)."""
-    bn = max(triton.next_power_of_2(n), group_size)
-    bm = max(1, min(16, 2048 // bn))
-    return bm, bn, 8 if bm * bn >= 4096 else 4
+# ----------------------------------------------------------------- launch shapes (cached)
+def _vector(group_size: int, element_size: int) -> int:
+    """Elements per 16-byte vector of the input (at most one group)."""
+    return min(group_size, max(1, 16 // element_size))
 
 
-def tile_block(n: int, group_size: int) -> tuple[int, int, int]:
-    """``(BM, BN, num_warps)`` for element-wise kernels: 4096-element tiles (32 per thread
-    at 4 warps), 1024 columns at most so that wide rows still give many programs."""
-    bn = max(min(triton.next_power_of_2(n), 1024), group_size)
-    return max(1, 4096 // bn), bn, 4
+def elementwise_launch(name: str, x: torch.Tensor, group_size: int):
+    """``(grid, meta)`` of an element-wise kernel over the 2-D ``x``; meta: BR, G, V, EVEN,
+    num_warps."""
+    m, n = x.shape
+    return _elementwise_launch(CONFIG[name], m, n, group_size, x.element_size())
+
+
+@functools.lru_cache(maxsize=1024)
+def _elementwise_launch(config, m, n, group_size, element_size):
+    elements, warps = config
+    groups = m * cdiv(n, group_size)
+    br = max(1, elements // group_size)
+    meta = dict(
+        BR=br, G=group_size, V=_vector(group_size, element_size), EVEN=n % group_size == 0,
+        num_warps=warps,
+    )  # fmt: skip
+    return (max(1, cdiv(groups, br)),), meta
+
+
+def row_launch(name: str, x: torch.Tensor, group_size: int):
+    """``(rows per program, meta)`` of a norm kernel over whole rows of the 2-D ``x``; meta:
+    NGP (groups per row, padded to a power of two), G, V, num_warps (and ROWS, for the
+    forward)."""
+    return _row_launch(CONFIG[name][0], x.shape[1], group_size, x.element_size())
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_launch(per_thread, n, group_size, element_size):
+    ngp = next_pow2(cdiv(n, group_size))
+    row = ngp * group_size
+    warps = min(16, max(1, row // (32 * per_thread)))
+    rows = max(1, min(16, 32 * warps * per_thread // row))  # small rows: several a program
+    meta = dict(NGP=ngp, G=group_size, V=_vector(group_size, element_size), num_warps=warps)
+    return rows, meta
+
+
+def row_programs(name: str, x: torch.Tensor) -> int:
+    """Programs of a backward kernel that walks rows and accumulates a weight gradient:
+    one wave that fills the GPU, few enough that the partial sums (programs x N fp32)
+    stay small."""
+    rows = x.shape[0]
+    if x.is_cuda:
+        return max(1, min(rows, CONFIG[name][1] * _multiprocessors(x.device.index)))
+    return max(1, min(rows, 4))  # the interpreter runs programs one after another
 
 
 # ------------------------------------------------------------------------ Triton tiles
 @triton.jit
-def tile(pid_m, pid_n, M, N, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
-    """Offsets and masks of tile (pid_m, pid_n): values ``[BM, BN]`` and their scales
-    ``[BM, BN // G]`` (row-major ``(M, ceil(N / G))``)."""
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    groups = pid_n * (BN // G) + tl.arange(0, BN // G)
+def group_tile(pid, M, N, BR: tl.constexpr, G: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr):
+    """Program ``pid``'s ``BR`` consecutive 1 x G groups (row-major over the ``(M, N / G)``
+    groups) as a ``[BR, G // V, V]`` tile.
+
+    Returns ``(base, offs, mask, s_base, s_offs, s_mask)``: element ``i`` of the tile is at
+    ``ptr + base + offs[i]``, the scale of group ``r`` at ``s_ptr + s_base + s_offs[r]``.
+    EVEN (``G`` divides ``N``): the groups are one contiguous run, addressed by int32 offsets
+    from an int64 base; otherwise each group finds its row and column (int64 offsets).
+    """
     ng = tl.cdiv(N, G)
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    s_offs = rows.to(tl.int64)[:, None] * ng + groups[None, :]
-    s_mask = (rows < M)[:, None] & (groups < ng)[None, :]
-    return offs, mask, s_offs, s_mask
+    g0 = pid * BR
+    r = tl.arange(0, BR)
+    s_mask = g0 + r < M * ng
+    j = tl.arange(0, G // V)[None, :, None] * V + tl.arange(0, V)[None, None, :]
+    if EVEN:
+        base = g0.to(tl.int64) * G
+        offs = r[:, None, None] * G + j
+        mask = s_mask[:, None, None]
+    else:
+        row = (g0 + r) // ng
+        col = ((g0 + r) - row * ng)[:, None, None] * G + j
+        base = g0.to(tl.int64) * 0
+        offs = row.to(tl.int64)[:, None, None] * N + col
+        mask = s_mask[:, None, None] & (col < N)
+    return base, offs, mask, g0.to(tl.int64), r, s_mask
+
+
+@triton.jit
+def row_tile(NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr):
+    """One row as a ``[NGP, G // V, V]`` tile: ``(column offsets, group offsets)``."""
+    groups = tl.arange(0, NGP)
+    cols = (
+        groups[:, None, None] * G
+        + tl.arange(0, G // V)[None, :, None] * V
+        + tl.arange(0, V)[None, None, :]
+    )
+    return cols, groups
+
+
+@triton.jit
+def row_masks(row, M, N, G: tl.constexpr, cols, groups):
+    """``(element mask, scale mask)`` of row ``row`` of an ``(M, N)`` tensor: all off past
+    the last row (bounds instead of ``&`` with a scalar, which the interpreter mistypes)."""
+    live = row < M
+    return cols < tl.where(live, N, 0), groups < tl.where(live, tl.cdiv(N, G), 0)
+
+
+@triton.jit
+def row_sum(v):
+    """Sum of a ``[groups, G // V, V]`` tile (one row)."""
+    return tl.sum(tl.sum(tl.sum(v, axis=2), axis=1), axis=0)
+
+
+@triton.jit
+def group_max(v):
+    """Max ``|v|`` of each group of a ``[groups, G // V, V]`` tile, NaN-propagating."""
+    return abs_max(abs_max(v, 2), 1)
 
 
 @triton.jit
 def cast_out(y, ptr):
     """fp32 ``y`` -> the element type of ``ptr``, rounded to nearest even.
 
-    The interpreter truncates fp32 -> bf16 (GPUs round), so bf16 is rounded here in integer
-    arithmetic, where both agree: the interpreter then writes the bits a GPU writes.
+    GPUs round (``cvt.rn``); the interpreter truncates fp32 -> bf16, so there bf16 is
+    rounded first in integer arithmetic, where both agree: the interpreter then writes the
+    bits a GPU writes (NaN goes through the plain cast on both).
     """
-    if ptr.dtype.element_ty == tl.bfloat16:
-        bits = y.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        y = tl.where(y != y, y, bits.to(tl.float32, bitcast=True))
+    if _INTERPRETED:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            bits = y.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            y = tl.where(y != y, y, bits.to(tl.float32, bitcast=True))
     return y.to(ptr.dtype.element_ty)
 
 
 @triton.jit
-def store_groups(
-    v, q_ptr, s_ptr, offs, mask, s_offs, s_mask,
-    BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
-):  # fmt: skip
-    """Quantize fp32 tile ``v`` (zero outside ``mask``) per 1 x G group; store codes, scales.
+def store_groups(v, q_ptr, s_ptr, offs, mask, s_offs, s_mask, FMT: tl.constexpr):
+    """Quantize the fp32 ``[groups, G // V, V]`` tile ``v`` per group; store codes, scales.
 
-    A partial last group sees zeros in its missing lanes, exactly like the reference's
-    zero padding, so the scales match bit for bit.
+    Lanes outside ``mask`` must hold zeros: a partial last group then sees zeros in its
+    missing lanes, exactly like the reference's zero padding, so the scales match bit for
+    bit. (Whole groups outside ``mask`` are not stored.)
     """
-    g = tl.reshape(tl.where(mask, v, 0.0), (BM, BN // G, G))
-    scale, inv_scale = fp8_scale(abs_max(g, 2), FMT)
-    code = fp8_encode(g * inv_scale[:, :, None], FMT)
-    tl.store(q_ptr + offs, tl.reshape(code, (BM, BN)), mask=mask)
+    scale, inv_scale = fp8_scale(group_max(v), FMT)
+    tl.store(q_ptr + offs, fp8_encode(v * inv_scale[:, None, None], FMT), mask=mask)
     tl.store(s_ptr + s_offs, scale, mask=s_mask)
 
 
 @triton.jit
 def emit_groups(
-    y, yq_ptr, ys_ptr, ya_ptr, offs, mask, s_offs, s_mask,
-    BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
-    EMIT: tl.constexpr,
-):  # fmt: skip
-    """What a producer hands over (``y`` is the output tile as stored, upcast to fp32):
-    EMIT 1: per-group max |y| (group scaling: the next per-tensor scale reduces these);
-    EMIT 2: ``y`` quantized 1 x G (the next non-linear op saves it as is)."""
+    y, yq_ptr, ys_ptr, ya_ptr, offs, mask, s_offs, s_mask, FMT: tl.constexpr, EMIT: tl.constexpr
+):
+    """What a producer hands over (``y``: the output tile as stored, upcast to fp32, zero
+    outside ``mask``): EMIT 1: per-group max |y| (group scaling: the next per-tensor scale
+    reduces these); EMIT 2: ``y`` quantized 1 x G (the next non-linear op saves it as is)."""
     if EMIT == 1:
-        amax = abs_max(tl.reshape(tl.where(mask, y, 0.0), (BM, BN // G, G)), 2)
-        tl.store(ya_ptr + s_offs, amax, mask=s_mask)
+        tl.store(ya_ptr + s_offs, group_max(y), mask=s_mask)
     if EMIT == 2:
-        store_groups(y, yq_ptr, ys_ptr, offs, mask, s_offs, s_mask, BM, BN, G, FMT)
+        store_groups(y, yq_ptr, ys_ptr, offs, mask, s_offs, s_mask, FMT)
 
 
 @triton.jit
-def load_groups(
-    q_ptr, s_ptr, offs, mask, s_offs, s_mask, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr
-):
+def load_groups(q_ptr, s_ptr, offs, mask, s_offs, s_mask):
     """Dequantize a saved 1 x G tile to fp32 (zero outside ``mask``)."""
     code = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(s_ptr + s_offs, mask=s_mask, other=0.0)
-    return tl.reshape(tl.reshape(code, (BM, BN // G, G)) * scale[:, :, None], (BM, BN))
+    return code * tl.load(s_ptr + s_offs, mask=s_mask, other=0.0)[:, None, None]
+
+
+@triton.jit
+def _sum_rows_kernel(P, OUT, R, N, BN: tl.constexpr, BR: tl.constexpr):
+    """``OUT[n] = sum_r P[r, n]`` (fp32 ``P`` of shape ``(R, N)``), stored in OUT's dtype."""
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    acc = tl.zeros((BR, BN), dtype=tl.float32)
+    for r in range(0, R, BR):
+        rows = r + tl.arange(0, BR)
+        mask = (rows < R)[:, None] & (cols < N)[None, :]
+        acc += tl.load(P + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT + cols, cast_out(tl.sum(acc, axis=0), OUT), mask=cols < N)
+
+
+def sum_rows(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Column sums of an fp32 ``(programs, N)`` partial-sum buffer, in ``dtype``: one launch
+    for what ``partial.sum(0).to(dtype)`` does in two."""
+    r, n = partial.shape
+    out = torch.empty(n, device=partial.device, dtype=dtype)
+    _sum_rows_kernel[(cdiv(n, 128),)](partial, out, r, n, BN=128, BR=8, num_warps=4)
+    return out

@@ -12,14 +12,14 @@ from ._common import (
     EMIT_CODES,
     cast_out,
     custom_op,
+    elementwise_launch,
     emit_buffers,
     emit_groups,
+    group_tile,
     load_groups,
     out_args,
     quant_buffers,
     store_groups,
-    tile,
-    tile_block,
     use_triton,
 )
 
@@ -43,99 +43,95 @@ def _gelu_and_grad(x, TANH: tl.constexpr):
 @triton.jit
 def _gelu_fwd_kernel(
     X, Y, XQ, XS, YQ, YS, YA, M, N,
-    BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
+    BR: tl.constexpr, G: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr, FMT: tl.constexpr,
     QUANT_X: tl.constexpr, EMIT: tl.constexpr, TANH: tl.constexpr,
 ):  # fmt: skip
-    offs, mask, s_offs, s_mask = tile(tl.program_id(0), tl.program_id(1), M, N, BM, BN, G)
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    base, offs, mask, s_base, s_offs, s_mask = group_tile(tl.program_id(0), M, N, BR, G, V, EVEN)
+    x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
     y, _ = _gelu_and_grad(x, TANH)
     y = cast_out(y, Y)
-    tl.store(Y + offs, y, mask=mask)
+    tl.store(Y + base + offs, y, mask=mask)
     if QUANT_X:
-        store_groups(x, XQ, XS, offs, mask, s_offs, s_mask, BM, BN, G, FMT)
-    emit_groups(y.to(tl.float32), YQ, YS, YA, offs, mask, s_offs, s_mask, BM, BN, G, FMT, EMIT)
+        store_groups(x, XQ + base, XS + s_base, offs, mask, s_offs, s_mask, FMT)
+    emit_groups(
+        y.to(tl.float32), YQ + base, YS + s_base, YA + s_base, offs, mask, s_offs, s_mask,
+        FMT, EMIT,
+    )  # fmt: skip
 
 
 @triton.jit
 def _gelu_bwd_kernel(
     DY, XQ, XS, DX, M, N,
-    BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, TANH: tl.constexpr,
+    BR: tl.constexpr, G: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr, TANH: tl.constexpr,
 ):  # fmt: skip
-    offs, mask, s_offs, s_mask = tile(tl.program_id(0), tl.program_id(1), M, N, BM, BN, G)
-    x = load_groups(XQ, XS, offs, mask, s_offs, s_mask, BM, BN, G)
-    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    base, offs, mask, s_base, s_offs, s_mask = group_tile(tl.program_id(0), M, N, BR, G, V, EVEN)
+    x = load_groups(XQ + base, XS + s_base, offs, mask, s_offs, s_mask)
+    dy = tl.load(DY + base + offs, mask=mask, other=0.0).to(tl.float32)
     _, grad = _gelu_and_grad(x, TANH)
-    tl.store(DX + offs, cast_out(dy * grad, DX), mask=mask)
-
-
-def _grid(x: Tensor, group_size: int):
-    bm, bn, warps = tile_block(x.shape[1], group_size)
-    return (triton.cdiv(x.shape[0], bm), triton.cdiv(x.shape[1], bn)), bm, bn, warps
+    tl.store(DX + base + offs, cast_out(dy * grad, DX), mask=mask)
 
 
 @custom_op("gelu_fwd")
 def gelu_fwd(
-    x: Tensor, approximate: str, group_size: int, fmt: str, quant_x: bool, emit: str, backend: str
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    x: Tensor, approximate: str, group_size: int, fmt: str, quant_x: bool, emit: str,
+    backend: str, *, eager: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(y, x_q, x_s, y_q, y_s, y_amax)`` for a 2-D contiguous ``x``."""
-    f = FP8Format.parse(fmt)
+    f = FP8Format(fmt)
     if not use_triton(x, backend):
         return reference.gelu_fwd(x, approximate, group_size, f, quant_x, emit)
     y = torch.empty_like(x)
-    x_q, x_s = quant_buffers(x, group_size, f, quant_x)
-    y_q, y_s, y_a = emit_buffers(y, group_size, f, emit)
-    grid, bm, bn, warps = _grid(x, group_size)
+    x_q, x_s = quant_buffers(x, group_size, f, quant_x, eager)
+    y_q, y_s, y_a = emit_buffers(y, group_size, f, emit, eager)
+    grid, meta = elementwise_launch("gelu_fwd", x, group_size)
     _gelu_fwd_kernel[grid](
         x, y, *out_args(y, x_q, x_s, y_q, y_s, y_a), *x.shape,
-        BM=bm, BN=bn, G=group_size, FMT=f.value, QUANT_X=quant_x, EMIT=EMIT_CODES[emit],
-        TANH=_APPROX[approximate], num_warps=warps,
+        FMT=fmt, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], TANH=_APPROX[approximate], **meta,
     )  # fmt: skip
     return y, x_q, x_s, y_q, y_s, y_a
 
 
 @gelu_fwd.register_fake
-def _(x, approximate, group_size, fmt, quant_x, emit, backend):
-    f = FP8Format.parse(fmt)
+def _(x, approximate, group_size, fmt, quant_x, emit, backend, *, eager=False):
+    f = FP8Format(fmt)
     return (
         torch.empty_like(x),
-        *quant_buffers(x, group_size, f, quant_x),
-        *emit_buffers(x, group_size, f, emit),
+        *quant_buffers(x, group_size, f, quant_x, False),
+        *emit_buffers(x, group_size, f, emit, False),
     )
 
 
 @custom_op("gelu_bwd")
 def gelu_bwd(
-    dy: Tensor, x_q: Tensor, x_s: Tensor, approximate: str, group_size: int, backend: str
-) -> Tensor:
+    dy: Tensor, x_q: Tensor, x_s: Tensor, approximate: str, group_size: int, backend: str,
+    *, eager: bool = False,
+) -> Tensor:  # fmt: skip
     if not use_triton(dy, backend):
         return reference.gelu_bwd(dy, x_q, x_s, approximate, group_size)
     dx = torch.empty_like(dy)
-    grid, bm, bn, warps = _grid(dy, group_size)
-    _gelu_bwd_kernel[grid](
-        dy, x_q, x_s, dx, *dy.shape,
-        BM=bm, BN=bn, G=group_size, TANH=_APPROX[approximate], num_warps=warps,
-    )  # fmt: skip
+    grid, meta = elementwise_launch("gelu_bwd", dy, group_size)
+    _gelu_bwd_kernel[grid](dy, x_q, x_s, dx, *dy.shape, TANH=_APPROX[approximate], **meta)
     return dx
 
 
 @gelu_bwd.register_fake
-def _(dy, x_q, x_s, approximate, group_size, backend):
+def _(dy, x_q, x_s, approximate, group_size, backend, *, eager=False):
     return torch.empty_like(dy)
 
 
 class GELUFunction(torch.autograd.Function):
     """``(x, x_fp8, quant, approximate, group_size, fmt, emit, backend)
-    -> (y, y_q, y_s, y_amax)``; ``x_fp8`` and ``quant`` as in ``SiLUFunction``."""
+    -> (y, y_q, y_s, y_amax)``; ``x_fp8``, ``quant`` and the outputs as in ``SiLUFunction``."""
 
     @staticmethod
     def forward(ctx, x, x_fp8, quant, approximate, group_size, fmt, emit, backend):
-        y, x_q, x_s, y_q, y_s, y_a = gelu_fwd(
+        y, x_q, x_s, *hand = gelu_fwd(
             x, approximate, group_size, fmt, quant and x_fp8 is None, emit, backend
         )
         ctx.save_for_backward(*(x_fp8 if x_fp8 is not None else (x_q, x_s)))
         ctx.approximate, ctx.group_size, ctx.backend = approximate, group_size, backend
-        ctx.mark_non_differentiable(y_q, y_s, y_a)
-        return y, y_q, y_s, y_a
+        ctx.mark_non_differentiable(*(t for t in hand if t is not None))
+        return y, *hand
 
     @staticmethod
     def backward(ctx, dy, *_):

@@ -14,164 +14,193 @@ from .. import reference
 from ._common import (
     EMIT_CODES,
     cast_out,
+    cdiv,
     custom_op,
     emit_buffers,
     emit_groups,
-    load_groups,
-    num_row_programs,
     out_args,
     quant_buffers,
-    row_block,
+    row_launch,
+    row_programs,
+    row_sum,
+    row_masks,
+    row_tile,
     store_groups,
-    tile,
+    sum_rows,
     use_triton,
 )
+from .rms_norm import _load_saved_row
 
 Tensor = torch.Tensor
 
 
 @triton.jit
 def _centre(x, mask, N, eps):
-    """``(x - mean, rstd)`` of each row of an fp32 tile (zero outside ``mask``)."""
-    xc = tl.where(mask, x - (tl.sum(x, axis=1) / N)[:, None], 0.0)
-    return xc, tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(xc * xc, axis=1) / N + eps))
+    """``(x - mean, rstd)`` of one row (fp32 tile, zero outside ``mask``)."""
+    xc = tl.where(mask, x - row_sum(x) / N, 0.0)
+    return xc, tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(xc * xc) / N + eps))
 
 
 @triton.jit
 def _layer_norm_fwd_kernel(
     X, W, B, Y, XQ, XS, YQ, YS, YA, M, N, eps,
-    BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANT_X: tl.constexpr, EMIT: tl.constexpr,
+    NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr,
+    FMT: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANT_X: tl.constexpr,
+    EMIT: tl.constexpr,
 ):  # fmt: skip
-    offs, mask, s_offs, s_mask = tile(tl.program_id(0), 0, M, N, BM, BN, G)
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    cols = tl.arange(0, BN)
-    xc, rstd = _centre(x, mask, N, eps)
-    y = xc * rstd[:, None]
+    cols, groups = row_tile(NGP, G, V)
     if HAS_W:
-        y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     if HAS_B:
-        y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    y = cast_out(y, Y)
-    tl.store(Y + offs, y, mask=mask)
-    if QUANT_X:
-        store_groups(x, XQ, XS, offs, mask, s_offs, s_mask, BM, BN, G, FMT)
-    emit_groups(y.to(tl.float32), YQ, YS, YA, offs, mask, s_offs, s_mask, BM, BN, G, FMT, EMIT)
+        b = tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)
+    ng = tl.cdiv(N, G)
+    for i in tl.static_range(ROWS):
+        row = tl.program_id(0) * ROWS + i
+        mask, s_mask = row_masks(row, M, N, G, cols, groups)
+        base, s_base = tl.cast(row, tl.int64) * N, tl.cast(row, tl.int64) * ng
+        x = tl.load(X + base + cols, mask=mask, other=0.0).to(tl.float32)
+        xc, rstd = _centre(x, mask, N, eps)
+        y = xc * rstd
+        if HAS_W:
+            y = y * w
+        if HAS_B:
+            y = y + b
+        y = cast_out(y, Y)
+        tl.store(Y + base + cols, y, mask=mask)
+        if QUANT_X:
+            store_groups(x, XQ + base, XS + s_base, cols, mask, groups, s_mask, FMT)
+        emit_groups(
+            tl.where(mask, y.to(tl.float32), 0.0), YQ + base, YS + s_base, YA + s_base, cols,
+            mask, groups, s_mask, FMT, EMIT,
+        )  # fmt: skip
 
 
 @triton.jit
 def _layer_norm_bwd_kernel(
     DY, XQ, XS, W, DX, DW, DB, M, N, eps,
-    BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, HAS_W: tl.constexpr,
+    NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
 ):  # fmt: skip
-    # Same row walk as RMSNorm's backward; dweight and dbias partial sums stay in registers.
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BN)
+    # Same row walk (and one-row-ahead loads) as RMSNorm's backward; the dweight and dbias
+    # partial sums stay in registers.
+    pid, step = tl.program_id(0), tl.num_programs(0)
+    cols, groups = row_tile(NGP, G, V)
     if HAS_W:
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    dw = tl.zeros((BN,), dtype=tl.float32)
-    db = tl.zeros((BN,), dtype=tl.float32)
-    for block in range(pid, tl.cdiv(M, BM), tl.num_programs(0)):
-        offs, mask, s_offs, s_mask = tile(block, 0, M, N, BM, BN, G)
-        x = load_groups(XQ, XS, offs, mask, s_offs, s_mask, BM, BN, G)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        xc, rstd = _centre(x, mask, N, eps)
-        x_hat = xc * rstd[:, None]
-        g = dy
+    dw = tl.zeros((NGP, G // V, V), dtype=tl.float32)
+    db = tl.zeros((NGP, G // V, V), dtype=tl.float32)
+    dy, q, s = _load_saved_row(DY, XQ, XS, pid, M, N, G, cols, groups)
+    for row in range(pid, M, step):
+        dy_next, q_next, s_next = _load_saved_row(
+            DY, XQ, XS, row + step, M, N, G, cols, groups
+        )
+        x = q.to(tl.float32) * s[:, None, None]
+        dyf = dy.to(tl.float32)
+        xc, rstd = _centre(x, cols < N, N, eps)
+        x_hat = xc * rstd
+        g = dyf
         if HAS_W:
-            g = dy * w[None, :]
-        mean_g = tl.sum(g, axis=1) / N
-        mean_gx = tl.sum(g * x_hat, axis=1) / N
-        dx = rstd[:, None] * (g - mean_g[:, None] - x_hat * mean_gx[:, None])
-        tl.store(DX + offs, cast_out(dx, DX), mask=mask)
-        dw += tl.sum(dy * x_hat, axis=0)
-        db += tl.sum(dy, axis=0)
-    tl.store(DW + pid * N + cols, dw, mask=cols < N)
-    tl.store(DB + pid * N + cols, db, mask=cols < N)
+            g = dyf * w
+        mean_g = row_sum(g) / N
+        mean_gx = row_sum(g * x_hat) / N
+        dx = rstd * (g - mean_g - x_hat * mean_gx)
+        tl.store(DX + tl.cast(row, tl.int64) * N + cols, cast_out(dx, DX), mask=cols < N)
+        if HAS_W:
+            dw += dyf * x_hat
+        if HAS_B:
+            db += dyf
+        dy, q, s = dy_next, q_next, s_next
+    if HAS_W:
+        tl.store(DW + pid * N + cols, dw, mask=cols < N)
+    if HAS_B:
+        tl.store(DB + pid * N + cols, db, mask=cols < N)
 
 
 @custom_op("layer_norm_fwd")
 def layer_norm_fwd(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group_size: int, fmt: str,
-    quant_x: bool, emit: str, backend: str,
+    quant_x: bool, emit: str, backend: str, *, eager: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(y, x_q, x_s, y_q, y_s, y_amax)`` for a 2-D contiguous ``x``."""
-    f = FP8Format.parse(fmt)
+    f = FP8Format(fmt)
     if not use_triton(x, backend):
         return reference.layer_norm_fwd(x, weight, bias, eps, group_size, f, quant_x, emit)
     y = torch.empty_like(x)
-    x_q, x_s = quant_buffers(x, group_size, f, quant_x)
-    y_q, y_s, y_a = emit_buffers(y, group_size, f, emit)
-    m, n = x.shape
-    bm, bn, warps = row_block(n, group_size)
-    _layer_norm_fwd_kernel[(triton.cdiv(m, bm),)](
+    x_q, x_s = quant_buffers(x, group_size, f, quant_x, eager)
+    y_q, y_s, y_a = emit_buffers(y, group_size, f, emit, eager)
+    rows, meta = row_launch("layer_norm_fwd", x, group_size)
+    _layer_norm_fwd_kernel[(cdiv(x.shape[0], rows),)](
         x, weight if weight is not None else x, bias if bias is not None else x, y,
-        *out_args(y, x_q, x_s, y_q, y_s, y_a), m, n, eps,
-        BM=bm, BN=bn, G=group_size, FMT=f.value, HAS_W=weight is not None,
-        HAS_B=bias is not None, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], num_warps=warps,
+        *out_args(y, x_q, x_s, y_q, y_s, y_a), *x.shape, eps,
+        ROWS=rows, FMT=fmt, HAS_W=weight is not None, HAS_B=bias is not None, QUANT_X=quant_x,
+        EMIT=EMIT_CODES[emit], **meta,
     )  # fmt: skip
     return y, x_q, x_s, y_q, y_s, y_a
 
 
 @layer_norm_fwd.register_fake
-def _(x, weight, bias, eps, group_size, fmt, quant_x, emit, backend):
-    f = FP8Format.parse(fmt)
+def _(x, weight, bias, eps, group_size, fmt, quant_x, emit, backend, *, eager=False):
+    f = FP8Format(fmt)
     return (
         torch.empty_like(x),
-        *quant_buffers(x, group_size, f, quant_x),
-        *emit_buffers(x, group_size, f, emit),
+        *quant_buffers(x, group_size, f, quant_x, False),
+        *emit_buffers(x, group_size, f, emit, False),
     )
 
 
 @custom_op("layer_norm_bwd")
 def layer_norm_bwd(
-    dy: Tensor, x_q: Tensor, x_s: Tensor, weight: Tensor | None, eps: float, group_size: int,
-    backend: str,
+    dy: Tensor, x_q: Tensor, x_s: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+    group_size: int, backend: str, *, eager: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(dx, dweight, dbias fp32)``; dweight is empty without a weight."""
+    """``(dx, dweight, dbias)`` in the dtypes of dy, weight and bias; dweight (dbias) is
+    empty without a weight (bias). ``bias`` is only looked at for its dtype."""
     if not use_triton(dy, backend):
-        return reference.layer_norm_bwd(dy, x_q, x_s, weight, eps, group_size)
+        dx, dw, db = reference.layer_norm_bwd(dy, x_q, x_s, weight, eps, group_size)
+        return dx, dw, db.to(bias.dtype) if bias is not None else dy.new_empty(0)
     m, n = dy.shape
     dx = torch.empty_like(dy)
-    programs = num_row_programs(dy, m)
-    dw = torch.empty((programs, n), device=dy.device, dtype=torch.float32)
-    db = torch.empty_like(dw)
-    bm, bn, warps = row_block(n, group_size)
+    programs = row_programs("layer_norm_bwd", dy)
+    part_w = dy.new_empty((programs, n), dtype=torch.float32) if weight is not None else dx
+    part_b = dy.new_empty((programs, n), dtype=torch.float32) if bias is not None else dx
+    _, meta = row_launch("layer_norm_bwd", dy, group_size)
     _layer_norm_bwd_kernel[(programs,)](
-        dy, x_q, x_s, weight if weight is not None else dy, dx, dw, db, m, n, eps,
-        BM=bm, BN=bn, G=group_size, HAS_W=weight is not None, num_warps=warps,
+        dy, x_q, x_s, weight if weight is not None else dy, dx, part_w, part_b, m, n, eps,
+        HAS_W=weight is not None, HAS_B=bias is not None, **meta,
     )  # fmt: skip
-    dw = dw.sum(0).to(weight.dtype) if weight is not None else dy.new_empty(0)
-    return dx, dw, db.sum(0)
+    dw = sum_rows(part_w, weight.dtype) if weight is not None else dy.new_empty(0)
+    db = sum_rows(part_b, bias.dtype) if bias is not None else dy.new_empty(0)
+    return dx, dw, db
 
 
 @layer_norm_bwd.register_fake
-def _(dy, x_q, x_s, weight, eps, group_size, backend):
+def _(dy, x_q, x_s, weight, bias, eps, group_size, backend, *, eager=False):
     dw = torch.empty_like(weight) if weight is not None else dy.new_empty(0)
-    return torch.empty_like(dy), dw, dy.new_empty(dy.shape[1], dtype=torch.float32)
+    db = torch.empty_like(bias) if bias is not None else dy.new_empty(0)
+    return torch.empty_like(dy), dw, db
 
 
 class LayerNormFunction(torch.autograd.Function):
     """``(x, weight, bias, x_fp8, quant, eps, group_size, fmt, emit, backend)
-    -> (y, y_q, y_s, y_amax)``; weight and bias may be None."""
+    -> (y, y_q, y_s, y_amax)``; weight and bias may be None; outputs as in
+    ``SiLUFunction``."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, x_fp8, quant, eps, group_size, fmt, emit, backend):
-        y, x_q, x_s, y_q, y_s, y_a = layer_norm_fwd(
+        y, x_q, x_s, *hand = layer_norm_fwd(
             x, weight, bias, eps, group_size, fmt, quant and x_fp8 is None, emit, backend
         )
-        ctx.save_for_backward(*(x_fp8 if x_fp8 is not None else (x_q, x_s)), weight)
+        ctx.save_for_backward(*(x_fp8 if x_fp8 is not None else (x_q, x_s)), weight, bias)
         ctx.eps, ctx.group_size, ctx.backend = eps, group_size, backend
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.mark_non_differentiable(y_q, y_s, y_a)
-        return y, y_q, y_s, y_a
+        ctx.mark_non_differentiable(*(t for t in hand if t is not None))
+        return y, *hand
 
     @staticmethod
     def backward(ctx, dy, *_):
-        x_q, x_s, weight = ctx.saved_tensors
+        x_q, x_s, weight, bias = ctx.saved_tensors
         dx, dw, db = layer_norm_bwd(
-            dy.contiguous(), x_q, x_s, weight, ctx.eps, ctx.group_size, ctx.backend
+            dy.contiguous(), x_q, x_s, weight, bias, ctx.eps, ctx.group_size, ctx.backend
         )
         dw = dw if weight is not None else None
-        db = db.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
+        db = db if bias is not None else None
         return dx, dw, db, None, None, None, None, None, None, None

@@ -27,7 +27,7 @@ Tensor = torch.Tensor
 
 @custom_op("quantize_t")
 def quantize_t(
-    x: Tensor, fmt: str, amax: Tensor | None, backend: str
+    x: Tensor, fmt: str, amax: Tensor | None, backend: str, *, eager: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-tensor quantize a 2-D ``x``: ``(q, q.T contiguous, scale)`` in one pass.
 
@@ -40,7 +40,7 @@ def quantize_t(
 
 
 @quantize_t.register_fake
-def _(x, fmt, amax, backend):
+def _(x, fmt, amax, backend, *, eager=False):
     dtype = FP8Format.parse(fmt).torch_dtype
     m, n = x.shape
     return x.new_empty((m, n), dtype=dtype), x.new_empty((n, m), dtype=dtype), \
@@ -139,8 +139,11 @@ _SCALED_MM_PROBE: dict[str, bool] = {}
 def scaled_mm_supported(device: torch.device) -> bool:
     """FP8 tensor cores on CUDA (compute capability >= 8.9); elsewhere whether this torch
     runs ``torch._scaled_mm`` at all (2.13 does on CPU, older versions may not)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
+    if device.type == "cuda":  # cached: the capability query costs host time per call
+        key = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+        if key not in _SCALED_MM_PROBE:
+            _SCALED_MM_PROBE[key] = torch.cuda.get_device_capability(device) >= (8, 9)
+        return _SCALED_MM_PROBE[key]
     if device.type not in _SCALED_MM_PROBE:
         a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn, device=device)
         one = torch.ones((), device=device)

@@ -17,11 +17,11 @@ from ._common import (
     EMIT_CODES,
     cast_out,
     custom_op,
+    elementwise_launch,
     emit_buffers,
     emit_groups,
+    group_tile,
     out_args,
-    tile,
-    tile_block,
     use_triton,
 )
 
@@ -31,48 +31,53 @@ Tensor = torch.Tensor
 @triton.jit
 def _residual_add_kernel(
     X, R, Y, YQ, YS, YA, M, N,
-    BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, EMIT: tl.constexpr,
+    BR: tl.constexpr, G: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr, FMT: tl.constexpr,
+    EMIT: tl.constexpr,
 ):  # fmt: skip
-    offs, mask, s_offs, s_mask = tile(tl.program_id(0), tl.program_id(1), M, N, BM, BN, G)
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+    base, offs, mask, s_base, s_offs, s_mask = group_tile(tl.program_id(0), M, N, BR, G, V, EVEN)
+    x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(R + base + offs, mask=mask, other=0.0).to(tl.float32)
     y = cast_out(x + r, Y)
-    tl.store(Y + offs, y, mask=mask)
-    emit_groups(y.to(tl.float32), YQ, YS, YA, offs, mask, s_offs, s_mask, BM, BN, G, FMT, EMIT)
+    tl.store(Y + base + offs, y, mask=mask)
+    emit_groups(
+        y.to(tl.float32), YQ + base, YS + s_base, YA + s_base, offs, mask, s_offs, s_mask,
+        FMT, EMIT,
+    )  # fmt: skip
 
 
 @custom_op("residual_add_fwd")
 def residual_add_fwd(
-    x: Tensor, residual: Tensor, group_size: int, fmt: str, emit: str, backend: str
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    x: Tensor, residual: Tensor, group_size: int, fmt: str, emit: str, backend: str,
+    *, eager: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(y, y_q, y_s, y_amax)`` for 2-D contiguous inputs of one shape and dtype."""
-    f = FP8Format.parse(fmt)
+    f = FP8Format(fmt)
     if not use_triton(x, backend):
         return reference.residual_add_fwd(x, residual, group_size, f, emit)
     y = torch.empty_like(x)
-    y_q, y_s, y_a = emit_buffers(y, group_size, f, emit)
-    m, n = x.shape
-    bm, bn, warps = tile_block(n, group_size)
-    _residual_add_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, residual, y, *out_args(y, y_q, y_s, y_a), m, n,
-        BM=bm, BN=bn, G=group_size, FMT=f.value, EMIT=EMIT_CODES[emit], num_warps=warps,
+    y_q, y_s, y_a = emit_buffers(y, group_size, f, emit, eager)
+    grid, meta = elementwise_launch("residual_add_fwd", x, group_size)
+    _residual_add_kernel[grid](
+        x, residual, y, *out_args(y, y_q, y_s, y_a), *x.shape,
+        FMT=fmt, EMIT=EMIT_CODES[emit], **meta,
     )  # fmt: skip
     return y, y_q, y_s, y_a
 
 
 @residual_add_fwd.register_fake
-def _(x, residual, group_size, fmt, emit, backend):
-    return torch.empty_like(x), *emit_buffers(x, group_size, FP8Format.parse(fmt), emit)
+def _(x, residual, group_size, fmt, emit, backend, *, eager=False):
+    return torch.empty_like(x), *emit_buffers(x, group_size, FP8Format(fmt), emit, False)
 
 
 class ResidualAddFunction(torch.autograd.Function):
-    """``(x, residual, group_size, fmt, emit, backend) -> (y, y_q, y_s, y_amax)``."""
+    """``(x, residual, group_size, fmt, emit, backend) -> (y, y_q, y_s, y_amax)``; outputs
+    as in ``SiLUFunction``."""
 
     @staticmethod
     def forward(ctx, x, residual, group_size, fmt, emit, backend):
-        y, y_q, y_s, y_a = residual_add_fwd(x, residual, group_size, fmt, emit, backend)
-        ctx.mark_non_differentiable(y_q, y_s, y_a)
-        return y, y_q, y_s, y_a
+        y, *hand = residual_add_fwd(x, residual, group_size, fmt, emit, backend)
+        ctx.mark_non_differentiable(*(t for t in hand if t is not None))
+        return y, *hand
 
     @staticmethod
     def backward(ctx, dy, *_):

@@ -16,14 +16,14 @@ from ._common import (
     EMIT_CODES,
     cast_out,
     custom_op,
+    elementwise_launch,
     emit_buffers,
     emit_groups,
+    group_tile,
     load_groups,
     out_args,
     quant_buffers,
     store_groups,
-    tile,
-    tile_block,
     use_triton,
 )
 
@@ -33,100 +33,96 @@ Tensor = torch.Tensor
 @triton.jit
 def _swiglu_fwd_kernel(
     GATE, UP, Y, GQ, GS, UQ, US, YQ, YS, YA, M, N,
-    BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
+    BR: tl.constexpr, G: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr, FMT: tl.constexpr,
     QUANT_GATE: tl.constexpr, QUANT_UP: tl.constexpr, EMIT: tl.constexpr,
 ):  # fmt: skip
-    offs, mask, s_offs, s_mask = tile(tl.program_id(0), tl.program_id(1), M, N, BM, BN, G)
-    g = tl.load(GATE + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(UP + offs, mask=mask, other=0.0).to(tl.float32)
+    base, offs, mask, s_base, s_offs, s_mask = group_tile(tl.program_id(0), M, N, BR, G, V, EVEN)
+    g = tl.load(GATE + base + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(UP + base + offs, mask=mask, other=0.0).to(tl.float32)
     y = cast_out(g * tl.sigmoid(g) * u, Y)
-    tl.store(Y + offs, y, mask=mask)
+    tl.store(Y + base + offs, y, mask=mask)
     if QUANT_GATE:
-        store_groups(g, GQ, GS, offs, mask, s_offs, s_mask, BM, BN, G, FMT)
+        store_groups(g, GQ + base, GS + s_base, offs, mask, s_offs, s_mask, FMT)
     if QUANT_UP:
-        store_groups(u, UQ, US, offs, mask, s_offs, s_mask, BM, BN, G, FMT)
-    emit_groups(y.to(tl.float32), YQ, YS, YA, offs, mask, s_offs, s_mask, BM, BN, G, FMT, EMIT)
+        store_groups(u, UQ + base, US + s_base, offs, mask, s_offs, s_mask, FMT)
+    emit_groups(
+        y.to(tl.float32), YQ + base, YS + s_base, YA + s_base, offs, mask, s_offs, s_mask,
+        FMT, EMIT,
+    )  # fmt: skip
 
 
 @triton.jit
 def _swiglu_bwd_kernel(
-    DY, GQ, GS, UQ, US, DG, DU, M, N, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr
-):
-    offs, mask, s_offs, s_mask = tile(tl.program_id(0), tl.program_id(1), M, N, BM, BN, G)
-    g = load_groups(GQ, GS, offs, mask, s_offs, s_mask, BM, BN, G)
-    u = load_groups(UQ, US, offs, mask, s_offs, s_mask, BM, BN, G)
-    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    DY, GQ, GS, UQ, US, DG, DU, M, N,
+    BR: tl.constexpr, G: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    base, offs, mask, s_base, s_offs, s_mask = group_tile(tl.program_id(0), M, N, BR, G, V, EVEN)
+    g = load_groups(GQ + base, GS + s_base, offs, mask, s_offs, s_mask)
+    u = load_groups(UQ + base, US + s_base, offs, mask, s_offs, s_mask)
+    dy = tl.load(DY + base + offs, mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
-    tl.store(DG + offs, cast_out(dy * u * s * (1.0 + g * (1.0 - s)), DG), mask=mask)
-    tl.store(DU + offs, cast_out(dy * g * s, DU), mask=mask)
-
-
-def _grid(x: Tensor, group_size: int):
-    bm, bn, warps = tile_block(x.shape[1], group_size)
-    return (triton.cdiv(x.shape[0], bm), triton.cdiv(x.shape[1], bn)), bm, bn, warps
+    tl.store(DG + base + offs, cast_out(dy * u * s * (1.0 + g * (1.0 - s)), DG), mask=mask)
+    tl.store(DU + base + offs, cast_out(dy * g * s, DU), mask=mask)
 
 
 @custom_op("swiglu_fwd")
 def swiglu_fwd(
     gate: Tensor, up: Tensor, group_size: int, fmt: str, quant_gate: bool, quant_up: bool,
-    emit: str, backend: str,
+    emit: str, backend: str, *, eager: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(y, gate_q, gate_s, up_q, up_s, y_q, y_s, y_amax)`` for 2-D contiguous inputs."""
-    f = FP8Format.parse(fmt)
+    f = FP8Format(fmt)
     if not use_triton(gate, backend):
         return reference.swiglu_fwd(gate, up, group_size, f, quant_gate, quant_up, emit)
     y = torch.empty_like(gate)
-    g_q, g_s = quant_buffers(gate, group_size, f, quant_gate)
-    u_q, u_s = quant_buffers(up, group_size, f, quant_up)
-    y_q, y_s, y_a = emit_buffers(y, group_size, f, emit)
-    grid, bm, bn, warps = _grid(gate, group_size)
+    g_q, g_s = quant_buffers(gate, group_size, f, quant_gate, eager)
+    u_q, u_s = quant_buffers(up, group_size, f, quant_up, eager)
+    y_q, y_s, y_a = emit_buffers(y, group_size, f, emit, eager)
+    grid, meta = elementwise_launch("swiglu_fwd", gate, group_size)
     _swiglu_fwd_kernel[grid](
         gate, up, y, *out_args(y, g_q, g_s, u_q, u_s, y_q, y_s, y_a), *gate.shape,
-        BM=bm, BN=bn, G=group_size, FMT=f.value, QUANT_GATE=quant_gate, QUANT_UP=quant_up,
-        EMIT=EMIT_CODES[emit], num_warps=warps,
+        FMT=fmt, QUANT_GATE=quant_gate, QUANT_UP=quant_up, EMIT=EMIT_CODES[emit], **meta,
     )  # fmt: skip
     return y, g_q, g_s, u_q, u_s, y_q, y_s, y_a
 
 
 @swiglu_fwd.register_fake
-def _(gate, up, group_size, fmt, quant_gate, quant_up, emit, backend):
-    f = FP8Format.parse(fmt)
+def _(gate, up, group_size, fmt, quant_gate, quant_up, emit, backend, *, eager=False):
+    f = FP8Format(fmt)
     return (
         torch.empty_like(gate),
-        *quant_buffers(gate, group_size, f, quant_gate),
-        *quant_buffers(up, group_size, f, quant_up),
-        *emit_buffers(gate, group_size, f, emit),
+        *quant_buffers(gate, group_size, f, quant_gate, False),
+        *quant_buffers(up, group_size, f, quant_up, False),
+        *emit_buffers(gate, group_size, f, emit, False),
     )
 
 
 @custom_op("swiglu_bwd")
 def swiglu_bwd(
     dy: Tensor, gate_q: Tensor, gate_s: Tensor, up_q: Tensor, up_s: Tensor, group_size: int,
-    backend: str,
+    backend: str, *, eager: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     if not use_triton(dy, backend):
         return reference.swiglu_bwd(dy, gate_q, gate_s, up_q, up_s, group_size)
     d_gate, d_up = torch.empty_like(dy), torch.empty_like(dy)
-    grid, bm, bn, warps = _grid(dy, group_size)
-    _swiglu_bwd_kernel[grid](
-        dy, gate_q, gate_s, up_q, up_s, d_gate, d_up, *dy.shape,
-        BM=bm, BN=bn, G=group_size, num_warps=warps,
-    )  # fmt: skip
+    grid, meta = elementwise_launch("swiglu_bwd", dy, group_size)
+    _swiglu_bwd_kernel[grid](dy, gate_q, gate_s, up_q, up_s, d_gate, d_up, *dy.shape, **meta)
     return d_gate, d_up
 
 
 @swiglu_bwd.register_fake
-def _(dy, gate_q, gate_s, up_q, up_s, group_size, backend):
+def _(dy, gate_q, gate_s, up_q, up_s, group_size, backend, *, eager=False):
     return torch.empty_like(dy), torch.empty_like(dy)
 
 
 class SwiGLUFunction(torch.autograd.Function):
     """``(gate, up, gate_fp8, up_fp8, quant, group_size, fmt, emit, backend)
-    -> (y, y_q, y_s, y_amax)``; ``*_fp8`` are handed-over ``(q, scales)`` pairs or None."""
+    -> (y, y_q, y_s, y_amax)``; ``*_fp8`` are handed-over ``(q, scales)`` pairs or None;
+    outputs as in ``SiLUFunction``."""
 
     @staticmethod
     def forward(ctx, gate, up, gate_fp8, up_fp8, quant, group_size, fmt, emit, backend):
-        y, g_q, g_s, u_q, u_s, y_q, y_s, y_a = swiglu_fwd(
+        y, g_q, g_s, u_q, u_s, *hand = swiglu_fwd(
             gate, up, group_size, fmt, quant and gate_fp8 is None, quant and up_fp8 is None,
             emit, backend,
         )  # fmt: skip
@@ -134,8 +130,8 @@ class SwiGLUFunction(torch.autograd.Function):
         u_q, u_s = up_fp8 if up_fp8 is not None else (u_q, u_s)
         ctx.save_for_backward(g_q, g_s, u_q, u_s)
         ctx.group_size, ctx.backend = group_size, backend
-        ctx.mark_non_differentiable(y_q, y_s, y_a)
-        return y, y_q, y_s, y_a
+        ctx.mark_non_differentiable(*(t for t in hand if t is not None))
+        return y, *hand
 
     @staticmethod
     def backward(ctx, dy, *_):

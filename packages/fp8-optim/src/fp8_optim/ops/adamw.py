@@ -46,10 +46,18 @@ C_P, C_G, C_M, C_V, C_MA, C_VA, C_MK, C_VK, C_STEP, C_NUMEL, C_STREAM, C_SROFF =
 )
 NCOL = tl.constexpr(12)
 
-# GPU defaults (a program = BLOCK_G groups = BLOCK_G * 128 elements). The interpreter runs
-# a program as numpy ops on the whole tile, so there bigger programs are faster.
+# GPU launch shape: a program takes BLOCK_G whole groups, GROUP_THREADS threads share a
+# group (G / GROUP_THREADS elements each), one warp per 32 / GROUP_THREADS groups. Fewer
+# elements per thread: fewer registers, more warps in flight to hide memory latency; more:
+# the per-group work is shared by fewer threads. H200 sweep (benchmarks/bench_adamw.py,
+# 1.20 B params, ms; groups x threads/group [x warps]): 8x16 5.87, 8x8x4 5.98, 16x16 6.21,
+# 4x8 7.01, 16x8 7.71, 32x8 8.64 (an sm_90 build here: 56 registers/thread at 8x16, 72 at
+# 16x8; the register count, not the instruction count, decides).
+# The interpreter runs a program as numpy ops on the whole tile: bigger programs are faster.
 BLOCK_G = 8
-NUM_WARPS = 4
+GROUP_THREADS = 16
+NUM_WARPS = None  # None: one warp per 32 / GROUP_THREADS groups (a group never spans warps)
+MAXNREG = None  # register cap per thread (None: the compiler's choice)
 INTERPRET_BLOCK_G = 64
 
 
@@ -75,6 +83,13 @@ def _exp2(x, PTX: tl.constexpr):
 
 
 @triton.jit
+def _copysign(mag, sign):
+    # |mag| >= 0 with sign's sign bit (also of a zero): one LOP3, not a compare and a select.
+    bits = mag.to(tl.uint32, bitcast=True) | (sign.to(tl.uint32, bitcast=True) & 0x80000000)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mix32(x):
     # lowbias32 integer hash on uint32 (reference.mix32).
     x = x ^ (x >> 16)
@@ -92,8 +107,15 @@ def _bc(per_group):
 
 
 @triton.jit
-def _dequant(codes, amax, k16, FMT: tl.constexpr, FMAX: tl.constexpr, LOG2_FMAX: tl.constexpr,
-             PTX: tl.constexpr):
+def _dequant(
+    codes,
+    amax,
+    k16,
+    FMT: tl.constexpr,
+    FMAX: tl.constexpr,
+    LOG2_FMAX: tl.constexpr,
+    PTX: tl.constexpr,
+):
     # x = amax * (|q| / fmax)^(1/k) = exp2(log2|q| / k + log2(amax) - log2(fmax) / k):
     # two MUFU ops per element instead of a pow. |q| == fmax is the group's max: exact.
     if FMT == "e4m3":
@@ -101,16 +123,25 @@ def _dequant(codes, amax, k16, FMT: tl.constexpr, FMAX: tl.constexpr, LOG2_FMAX:
     else:
         q = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
     a = tl.abs(q)
-    inv_k = tl.math.div_rn(tl.full(k16.shape, 16.0, tl.float32), k16.to(tl.float32))
+    # Per-group divisions use `/`: div.full (2 ulp) on the GPU, numpy's exact division in
+    # the interpreter like the reference; div_rn would cost ~8 more instructions a group.
+    inv_k = 16.0 / k16.to(tl.float32)
     off = _log2(amax, PTX) - LOG2_FMAX * inv_k
     r = _exp2(_log2(a, PTX) * _bc(inv_k) + _bc(off), PTX)
     r = tl.where(a == FMAX, _bc(amax), r)
-    return tl.where(q < 0.0, -r, r)
+    return _copysign(r, q)
 
 
 @triton.jit
-def _quant(x, FMT: tl.constexpr, DRE: tl.constexpr, FMAX: tl.constexpr,
-           LOG2_FMAX: tl.constexpr, C16: tl.constexpr, PTX: tl.constexpr):
+def _quant(
+    x,
+    FMT: tl.constexpr,
+    DRE: tl.constexpr,
+    FMAX: tl.constexpr,
+    LOG2_FMAX: tl.constexpr,
+    C16: tl.constexpr,
+    PTX: tl.constexpr,
+):
     # Returns (uint8 codes, amax, k16 uint8) of a tile (reference.quantize_groups).
     # fp32 subnormals (< 2^-126) count as zero. On the GPU lg2.approx.ftz already maps
     # them to -inf (so y = 0) and only the per-group numbers need the rule: two
@@ -123,19 +154,20 @@ def _quant(x, FMT: tl.constexpr, DRE: tl.constexpr, FMAX: tl.constexpr,
     amax = tl.where(amax < FLUSH, 0.0, amax)
     lmx = _log2(amax, PTX)
     if DRE:
-        amin = tl.where(a >= FLUSH, a, float("inf"))
-        amin = tl.min(tl.min(amin, axis=0), axis=1)
+        # Min over the normal values, on the bits: a - 2^-126 as uint32 wraps the zeros and
+        # subnormals to the top, so one integer subtract replaces a compare and a select.
+        t = a.to(tl.uint32, bitcast=True) - 0x00800000
+        t = tl.min(tl.min(t, axis=0), axis=1)
+        amin = tl.where(t < 0x7F000001, (t + 0x00800000).to(tl.float32, bitcast=True), float("inf"))
         log2_range = lmx - _log2(amin, PTX)
-        # Per group, not per element: the exact division costs nothing here and keeps k
-        # identical on every backend except where log2 itself differs.
-        k16 = tl.floor(tl.math.div_rn(tl.full(log2_range.shape, C16, tl.float32), log2_range))
+        k16 = tl.floor(C16 / log2_range)
         k16 = tl.minimum(tl.maximum(k16, 1.0), 255.0)
     else:
         k16 = tl.full(amax.shape, 16.0, tl.float32)
     k = k16 * 0.0625
     off = LOG2_FMAX - tl.where(amax > 0.0, lmx, 0.0) * k
     y = _exp2(_log2(a, PTX) * _bc(k) + _bc(off), PTX)
-    y = tl.where(x < 0.0, -y, y)
+    y = _copysign(y, x)
     if PTX:
         # cvt.rn.satfinite: round to nearest even and saturate, one instruction per pair.
         if FMT == "e4m3":
@@ -151,9 +183,21 @@ def _quant(x, FMT: tl.constexpr, DRE: tl.constexpr, FMAX: tl.constexpr,
 # ------------------------------------------------------------------------------ kernels
 @triton.jit
 def _hyper_kernel(
-    table_ptr, step_base, hyper_ptr, lr_ptr, T,
-    lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, wd_hi, wd_lo,
-    LR_TENSOR: tl.constexpr, BLOCK_T: tl.constexpr,
+    table_ptr,
+    step_base,
+    hyper_ptr,
+    lr_ptr,
+    T,
+    lr_hi,
+    lr_lo,
+    b1_hi,
+    b1_lo,
+    b2_hi,
+    b2_lo,
+    wd_hi,
+    wd_lo,
+    LR_TENSOR: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask = i < T
@@ -196,15 +240,39 @@ def _hyper_kernel(
 
 @triton.jit
 def _adamw_kernel(
-    chunk_ptr, table_ptr, hyper_ptr, bad_ptr,
-    p_base, g_base, m_base, v_base, ma_base, va_base, mk_base, vk_base,
-    omb1, b2, omb2, eps,
-    G: tl.constexpr, BLOCK_G: tl.constexpr,
-    M_FMT: tl.constexpr, M_DRE: tl.constexpr, M_FMAX: tl.constexpr, M_LOG2: tl.constexpr,
+    chunk_ptr,
+    table_ptr,
+    hyper_ptr,
+    bad_ptr,
+    p_base,
+    g_base,
+    m_base,
+    v_base,
+    ma_base,
+    va_base,
+    mk_base,
+    vk_base,
+    omb1,
+    b2,
+    omb2,
+    eps,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    COLS: tl.constexpr,
+    M_FMT: tl.constexpr,
+    M_DRE: tl.constexpr,
+    M_FMAX: tl.constexpr,
+    M_LOG2: tl.constexpr,
     M_C16: tl.constexpr,
-    V_FMT: tl.constexpr, V_DRE: tl.constexpr, V_FMAX: tl.constexpr, V_LOG2: tl.constexpr,
+    V_FMT: tl.constexpr,
+    V_DRE: tl.constexpr,
+    V_FMAX: tl.constexpr,
+    V_LOG2: tl.constexpr,
     V_C16: tl.constexpr,
-    HP: tl.constexpr, SR: tl.constexpr, MAXIMIZE: tl.constexpr, EVEN: tl.constexpr,
+    HP: tl.constexpr,
+    SR: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    EVEN: tl.constexpr,
     PTX: tl.constexpr,
 ):
     ent = tl.load(chunk_ptr + tl.program_id(0))
@@ -231,15 +299,18 @@ def _adamw_kernel(
     inv_sqrt_bc2 = tl.load(hrow + 1).to(tl.float32, bitcast=True)
     decay = tl.load(hrow + 2).to(tl.float32, bitcast=True)
 
-    # Tile [J, BLOCK_G, I], element (j, g, i) at g * G + j * I + i: Triton spreads the I
-    # contiguous elements over I / 4 threads (16-byte accesses) and the groups over the
-    # rest of the warp, so a thread holds J * 4 elements of one group (16 at G = 128):
-    # the per-group work (reductions, k, scales) is shared by 8 threads instead of 32.
-    I: tl.constexpr = 32 if G >= 32 else G
-    J: tl.constexpr = G // I
+    # Tile [ROWS, BLOCK_G, COLS], element (j, g, i) at g * G + j * COLS + i: Triton spreads
+    # the COLS contiguous elements over COLS / 4 threads (16-byte accesses) and the groups
+    # over the rest of the warp, so a group lives in one warp, its ROWS * 4 elements per
+    # thread in registers: reductions are warp shuffles, no shared memory, no barrier, and
+    # the per-group work (k, scales) is shared by COLS / 4 threads.
+    ROWS: tl.constexpr = G // COLS
     rg = tl.arange(0, BLOCK_G)
-    local = (rg[None, :, None] * G + tl.arange(0, J)[:, None, None] * I
-             + tl.arange(0, I)[None, None, :])
+    local = (
+        rg[None, :, None] * G
+        + tl.arange(0, ROWS)[:, None, None] * COLS
+        + tl.arange(0, COLS)[None, None, :]
+    )
     emask = local < rem
     gmask = rg * G < rem
     # Access the FP8 codes 4 per thread, as the fp32 data: same register layout, no shared
@@ -262,12 +333,22 @@ def _adamw_kernel(
         mk_ptrs = mk_base + (tl.load(row + C_MK) + g0) + rg
         vk_ptrs = vk_base + (tl.load(row + C_VK) + g0) + rg
         m = _dequant(
-            tl.load(m_ptrs, mask=emask, other=0), tl.load(ma_ptrs, mask=gmask, other=0.0),
-            tl.load(mk_ptrs, mask=gmask, other=16), M_FMT, M_FMAX, M_LOG2, PTX,
+            tl.load(m_ptrs, mask=emask, other=0),
+            tl.load(ma_ptrs, mask=gmask, other=0.0),
+            tl.load(mk_ptrs, mask=gmask, other=16),
+            M_FMT,
+            M_FMAX,
+            M_LOG2,
+            PTX,
         )
         v = _dequant(
-            tl.load(v_ptrs, mask=emask, other=0), tl.load(va_ptrs, mask=gmask, other=0.0),
-            tl.load(vk_ptrs, mask=gmask, other=16), V_FMT, V_FMAX, V_LOG2, PTX,
+            tl.load(v_ptrs, mask=emask, other=0),
+            tl.load(va_ptrs, mask=gmask, other=0.0),
+            tl.load(vk_ptrs, mask=gmask, other=16),
+            V_FMT,
+            V_FMAX,
+            V_LOG2,
+            PTX,
         )
 
     m = m + (g - m) * omb1
@@ -316,8 +397,14 @@ def _adamw_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_amax", "exp_avg_sq_amax", "exp_avg_k",
-               "exp_avg_sq_k")
+_STATE_KEYS = (
+    "exp_avg",
+    "exp_avg_sq",
+    "exp_avg_amax",
+    "exp_avg_sq_amax",
+    "exp_avg_k",
+    "exp_avg_sq_k",
+)
 
 
 @dataclass
@@ -330,6 +417,8 @@ class Plan:
     n_tensors: int
     even: bool
     block_g: int
+    cols: int  # tile columns: 4 per thread of a group
+    num_warps: int
 
 
 def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], bool]:
@@ -353,10 +442,15 @@ def make_plan(
     group_size: int,
     high_precision: bool,
     block_g: int | None = None,
+    group_threads: int | None = None,
 ) -> Plan:
     """Build the chunk and tensor tables of one bucket (all tensors contiguous, one device)."""
     if block_g is None:
         block_g = INTERPRET_BLOCK_G if INTERPRET else BLOCK_G
+    if group_threads is None:
+        group_threads = GROUP_THREADS
+    tile_cols = min(group_size, 4 * group_threads)
+    num_warps = NUM_WARPS or max(1, block_g * (tile_cols // 4) // 32)
     device = params[0].device
     cols = [params, grads]
     keys = _STATE_KEYS[:2] if high_precision else _STATE_KEYS
@@ -383,7 +477,7 @@ def make_plan(
         table = table.pin_memory().to(device, non_blocking=True)
         chunks = chunks.pin_memory().to(device, non_blocking=True)
     hyper = torch.empty((len(params), 4), dtype=torch.int32, device=device)
-    return Plan(chunks, table, hyper, len(params), even, block_g)
+    return Plan(chunks, table, hyper, len(params), even, block_g, tile_cols, num_warps)
 
 
 def fused_adamw_step_(
@@ -406,17 +500,24 @@ def fused_adamw_step_(
     group_size: int,
     high_precision: bool,
     stochastic_rounding: bool,
-    num_warps: int | None = None,
 ) -> None:
     """One step of every tensor of ``plan`` (same semantics as ``reference.adamw_step_``)."""
     s0 = states[0]
     lr_tensor = isinstance(lr, torch.Tensor)
     lr_hi, lr_lo = (0.0, 0.0) if lr_tensor else ref.split_f64(lr)
     _hyper_kernel[(triton.cdiv(plan.n_tensors, 128),)](
-        plan.table, s0["step"], plan.hyper, lr if lr_tensor else plan.hyper, plan.n_tensors,
-        lr_hi, lr_lo, *ref.split_f64(beta1), *ref.split_f64(beta2),
+        plan.table,
+        s0["step"],
+        plan.hyper,
+        lr if lr_tensor else plan.hyper,
+        plan.n_tensors,
+        lr_hi,
+        lr_lo,
+        *ref.split_f64(beta1),
+        *ref.split_f64(beta2),
         *ref.split_f64(weight_decay),
-        LR_TENSOR=lr_tensor, BLOCK_T=128,
+        LR_TENSOR=lr_tensor,
+        BLOCK_T=128,
     )
     if high_precision:
         moments = [s0["exp_avg"], s0["exp_avg_sq"]]
@@ -427,13 +528,37 @@ def fused_adamw_step_(
     mf, ml, mc = ref.format_constants(m_format)
     vf, vl, vc = ref.format_constants(v_format)
     _adamw_kernel[(plan.chunks.numel(),)](
-        plan.chunks, plan.table, plan.hyper, bad_count,
-        params[0], grads[0], *moments, *meta,
-        ref.fp32(1.0 - beta1), ref.fp32(beta2), ref.fp32(1.0 - beta2), ref.fp32(eps),
-        G=group_size, BLOCK_G=plan.block_g,
-        M_FMT=m_format.value, M_DRE=m_dre, M_FMAX=mf, M_LOG2=ml, M_C16=mc,
-        V_FMT=v_format.value, V_DRE=v_dre, V_FMAX=vf, V_LOG2=vl, V_C16=vc,
-        HP=high_precision, SR=stochastic_rounding, MAXIMIZE=maximize, EVEN=plan.even,
+        plan.chunks,
+        plan.table,
+        plan.hyper,
+        bad_count,
+        params[0],
+        grads[0],
+        *moments,
+        *meta,
+        ref.fp32(1.0 - beta1),
+        ref.fp32(beta2),
+        ref.fp32(1.0 - beta2),
+        ref.fp32(eps),
+        G=group_size,
+        BLOCK_G=plan.block_g,
+        COLS=plan.cols,
+        M_FMT=m_format.value,
+        M_DRE=m_dre,
+        M_FMAX=mf,
+        M_LOG2=ml,
+        M_C16=mc,
+        V_FMT=v_format.value,
+        V_DRE=v_dre,
+        V_FMAX=vf,
+        V_LOG2=vl,
+        V_C16=vc,
+        HP=high_precision,
+        SR=stochastic_rounding,
+        MAXIMIZE=maximize,
+        EVEN=plan.even,
         PTX=not INTERPRET,
-        num_warps=num_warps or NUM_WARPS, enable_fp_fusion=True,
+        num_warps=plan.num_warps,
+        enable_fp_fusion=True,
+        **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
     )

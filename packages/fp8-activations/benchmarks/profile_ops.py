@@ -1,0 +1,416 @@
+"""Where the time of fp8_activations' ops goes on a GPU (Llama-2-7B shapes: 8192 tokens,
+hidden 4096, MLP 11008, bf16): forward and backward separately, host (Python + launches)
+against device (kernels), this package against eager BF16 PyTorch and, with ``--baseline``,
+against another copy of the package; ``--sweep`` tries the launch configs of
+``fp8_activations.ops._common.CONFIG``; the FP8 linear's kernels are broken out.
+
+    PYTHONPATH=packages/fp8-quant/src:packages/fp8-activations/src \\
+        python3 packages/fp8-activations/benchmarks/profile_ops.py [--baseline DIR] [--sweep]
+
+It first runs ``pytest -m gpu`` on the package's tests (``--no-pytest`` skips that).
+``--baseline DIR``: DIR holds a package ``fp8_activations_base``, a copy of fp8_activations
+whose ``fp8_activations::`` op names were renamed ``fp8_activations_base::``.
+
+Columns (ms):
+  fwd+bwd   ``triton.testing.do_bench`` median of forward + backward (what a step sees)
+  fwd, bwd  the same for the forward alone, and the backward alone (``retain_graph``)
+  host f/b  wall time to issue one forward / backward: best of 3 runs of 20 calls with no
+            sync (the GPU lags behind), i.e. Python + launch time
+  gpu f/b   kernel time of one forward / backward (``torch.profiler``, CUPTI; L2 flushed
+            before each call), and for the fp8 variants the bandwidth that implies (TB/s)
+            from the bytes the op must move (``BYTES``)
+A call is host-bound where host >= gpu: do_bench then measures the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import importlib
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+TOKENS, HIDDEN, MLP = 8192, 4096, 11008
+
+# Bytes per element each fp8 op must move: bf16 in and out, 1 B/elem FP8 copies plus a 4 B
+# scale or group max per 16 elements; (forward, backward), per element of one input.
+BYTES = {
+    "rms_norm": (2 + 2 + 1.25 + 0.25, 2 + 1.25 + 2),
+    "layer_norm": (2 + 2 + 1.25 + 0.25, 2 + 1.25 + 2),
+    "silu": (2 + 2 + 1.25 + 0.25, 2 + 1.25 + 2),
+    "gelu": (2 + 2 + 1.25 + 0.25, 2 + 1.25 + 2),
+    "swiglu": (4 + 2 + 2.5 + 0.25, 2 + 2.5 + 4),
+    "residual_add": (4 + 2 + 1.25, 0.0),
+}
+# Launch configs tried by --sweep per kernel (op, CONFIG key, direction), most important
+# first: element-wise (elements per program, warps); norms (elements per thread,) forward
+# and (elements per thread, programs per SM) backward.
+_EW = [(4096, 4), (2048, 4), (4096, 8), (8192, 8)]
+SWEEP = [
+    ("rms_norm", "rms_norm_fwd", "f", [(16,), (8,), (32,)]),
+    ("rms_norm", "rms_norm_bwd", "b", [(16, 2), (8, 1), (32, 2), (16, 1)]),
+    ("residual_add", "residual_add_fwd", "f", _EW),
+    ("swiglu", "swiglu_fwd", "f", _EW),
+    ("swiglu", "swiglu_bwd", "b", _EW),
+    ("silu", "silu_fwd", "f", _EW),
+    ("silu", "silu_bwd", "b", _EW),
+    ("gelu", "gelu_fwd", "f", _EW),
+    ("gelu", "gelu_bwd", "b", _EW),
+    ("layer_norm", "layer_norm_fwd", "f", [(16,), (8,), (32,)]),
+    ("layer_norm", "layer_norm_bwd", "b", [(16, 2), (8, 1), (32, 2), (16, 1)]),
+]
+# fp8_quant's quantize-transpose kernel (the FP8 linear's quantizer): (BM, BN, warps).
+QT_TILES = [(128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 64, 4), (128, 128, 4)]
+
+
+def out(s: str = "") -> None:
+    print(s, flush=True)
+
+
+def _fmt(v: float, w: int = 8, p: int = 4) -> str:
+    return f"{v:>{w}.{p}f}" if v == v else f"{'n/a':>{w}}"
+
+
+def _guard(what: str, fn):
+    """Run one measurement; a failure is printed and the run goes on."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - one broken variant must not end a GPU run
+        out(f"{what}: FAILED {type(e).__name__}: {str(e)[:300]}")
+        return None
+
+
+class Clock:
+    """The three ways of timing a call (see the module docstring)."""
+
+    def __init__(self, dry: bool):
+        self.dry = dry
+        self.flush = None if dry else torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+        self.flush_names: set[str] = set()
+        if not dry:
+            self.flush_names = set(self._profile(self.flush.zero_, 1, flush=False)[1])
+
+    def bench(self, fn) -> float:
+        if self.dry:
+            fn()
+            return float("nan")
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=20, rep=60, return_mode="median")
+
+    def host(self, fn, n: int = 20) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(3):
+            self._sync()
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best = min(best, (time.perf_counter() - t) / n)
+        self._sync()
+        return best * 1e3
+
+    def gpu(self, fn, iters: int = 5):
+        """``(ms per call, {kernel: ms per call})``; ``(nan, {})`` on a dry run or if the
+        profiler fails."""
+        if self.dry:
+            fn()
+            return float("nan"), {}
+        return _guard("  profiler", lambda: self._profile(fn, iters)) or (float("nan"), {})
+
+    def _profile(self, fn, iters, flush=True):
+        fn()
+        self._sync()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                if flush:
+                    self.flush.zero_()
+                fn()
+            self._sync()
+        per: collections.Counter = collections.Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in self.flush_names:
+                per[e.name] += e.time_range.elapsed_us() / 1e3 / iters
+        return sum(per.values()), per
+
+    def _sync(self):
+        if not self.dry:
+            torch.cuda.synchronize()
+
+
+class Measure:
+    """Every number of one (op, variant): gradients of every input and of ``params``."""
+
+    def __init__(self, clock: Clock, fn, inputs, params=()):
+        self.clock, self.fn = clock, fn
+        self.leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        self.wrt = self.leaves + list(params)
+        y = fn(*self.leaves)
+        self.dy = torch.randn_like(y, dtype=torch.float32).to(y.dtype)
+
+    def fwd(self):
+        return self.fn(*self.leaves)
+
+    def step(self):
+        torch.autograd.grad(self.fn(*self.leaves), self.wrt, self.dy)
+
+    def bwd_fn(self):
+        y = self.fn(*self.leaves)
+        return lambda: torch.autograd.grad(y, self.wrt, self.dy, retain_graph=True)
+
+    def all(self) -> dict:
+        c, bwd = self.clock, self.bwd_fn()
+        gf, kf = c.gpu(self.fwd)
+        gb, kb = c.gpu(bwd)
+        return dict(
+            step=c.bench(self.step), fwd=c.bench(self.fwd), bwd=c.bench(bwd),
+            host_f=c.host(self.fwd), host_b=c.host(bwd), gpu_f=gf, gpu_b=gb, kf=kf, kb=kb,
+        )  # fmt: skip
+
+
+def _rand(*shape, device):
+    return torch.randn(*shape, device=device).to(torch.bfloat16)
+
+
+def _weight(n, device):
+    return (1 + 0.1 * torch.randn(n, device=device)).to(torch.bfloat16)
+
+
+def op_table(fa, tokens, hidden, mlp, device):
+    """name -> (fn(*inputs), input factory) for package ``fa`` (or eager torch: fa=None)."""
+    f = {
+        "rms_norm": lambda x, w: fa.rms_norm(x, w, 1e-6),
+        "layer_norm": lambda x, w, b: fa.layer_norm(x, hidden, w, b),
+        "silu": lambda x: fa.silu(x),
+        "gelu": lambda x: fa.gelu(x),
+        "swiglu": lambda g, u: fa.swiglu(g, u),
+        "residual_add": lambda x, r: fa.residual_add(x, r),
+    }
+    if fa is None:
+        f = {
+            "rms_norm": lambda x, w: F.rms_norm(x, (hidden,), w, 1e-6),
+            "layer_norm": lambda x, w, b: F.layer_norm(x, (hidden,), w, b),
+            "silu": F.silu,
+            "gelu": F.gelu,
+            "swiglu": lambda g, u: F.silu(g) * u,
+            "residual_add": torch.add,
+        }
+    act = lambda n: lambda: _rand(tokens, n, device=device)  # noqa: E731
+    w = lambda: _weight(hidden, device)  # noqa: E731
+    make = {
+        "rms_norm": [act(hidden), w],
+        "layer_norm": [act(hidden), w, w],
+        "silu": [act(mlp)],
+        "gelu": [act(mlp)],
+        "swiglu": [act(mlp), act(mlp)],
+        "residual_add": [act(hidden), act(hidden)],
+    }
+    return {k: (f[k], lambda k=k: [m() for m in make[k]]) for k in f}
+
+
+def _row(name, label, m, tf=float("nan"), tb=float("nan")) -> str:
+    return (f"{name:<13}{label:<7}{_fmt(m['step'], 9)}{_fmt(m['fwd'], 9)}{_fmt(m['bwd'], 9)}"
+            f"{_fmt(m['host_f'], 9)}{_fmt(m['host_b'], 9)}{_fmt(m['gpu_f'], 9)}"
+            f"{_fmt(m['gpu_b'], 9)}{_fmt(tf, 8, 2)}{_fmt(tb, 8, 2)}")  # fmt: skip
+
+
+def report_ops(clock, variants, shape, names):
+    tokens, hidden, mlp, _ = shape
+    out(f"{'op':<13}{'':<7}{'fwd+bwd':>9}{'fwd':>9}{'bwd':>9}{'host f':>9}{'host b':>9}"
+        f"{'gpu f':>9}{'gpu b':>9}{'TB/s f':>8}{'TB/s b':>8}")  # fmt: skip
+    kernels = []
+    for name in names:
+        n = tokens * (mlp if name in ("silu", "gelu", "swiglu") else hidden)
+        for label, fa in [*variants, ("eager", None)]:
+            fn, make = op_table(fa, *shape)[name]
+            m = _guard(f"{name} {label}", lambda fn=fn, make=make: Measure(clock, fn, make()).all())
+            if m is None:
+                continue
+            tf = tb = float("nan")
+            if fa is not None:
+                bf, bb = BYTES[name]
+                tf = n * bf / (m["gpu_f"] * 1e-3) / 1e12 if m["gpu_f"] > 0 else tf
+                tb = n * bb / (m["gpu_b"] * 1e-3) / 1e12 if m["gpu_b"] > 0 and bb else tb
+            out(_row(name, label, m, tf, tb))
+            kernels.append((name, label, m["kf"], m["kb"]))
+    out("\nkernels (ms per call; forward | backward):")
+    for name, label, kf, kb in kernels:
+        f = ", ".join(f"{k[:44]} {v:.4f}" for k, v in kf.most_common(4))
+        b = ", ".join(f"{k[:44]} {v:.4f}" for k, v in kb.most_common(4))
+        out(f"  {name} {label}: {f} | {b}")
+
+
+def sweep(clock, fa, shape, deadline):
+    """Launch configs per kernel: gpu time of the direction that kernel runs in."""
+    common = importlib.import_module(fa.__name__ + ".ops._common")
+    out(f"\nsweep of {fa.__name__}.ops._common.CONFIG (gpu ms of the op's forward or backward):")
+    for name, key, direction, options in SWEEP:
+        if time.time() > deadline:
+            out(f"  {key}: skipped (time budget)")
+            continue
+        fn, make = op_table(fa, *shape)[name]
+        m = Measure(clock, fn, make())
+        orig, res = common.CONFIG[key], []
+        for cfg in options:
+            common.CONFIG[key] = cfg
+            t = _guard(f"  {key} {cfg}", lambda: clock.gpu(m.fwd if direction == "f" else m.bwd_fn())[0])
+            res.append((cfg, float("nan") if t is None else t))
+        common.CONFIG[key] = orig
+        ok = [r for r in res if r[1] == r[1]]
+        best = min(ok, key=lambda r: r[1])[0] if ok else None
+        out(f"  {key:<17}" + "  ".join(f"{c}: {_fmt(t, 6)}" for c, t in res) + f"   best {best}")
+
+
+def _precompile_job(job):
+    """Worker: run one (package, op, CONFIG key, config) on small inputs of the same kernel
+    specialization, so that its compiled kernels land in Triton's on-disk cache."""
+    path, pkg, name, key, cfg = job
+    if path:
+        sys.path.insert(0, path)
+    fa = importlib.import_module(pkg)
+    if key:
+        importlib.import_module(pkg + ".ops._common").CONFIG[key] = cfg
+    fn, make = op_table(fa, 64, HIDDEN, MLP, "cuda")[name]
+    xs = [t.requires_grad_() for t in make()]
+    y = fn(*xs)
+    torch.autograd.grad(y, xs, torch.ones_like(y))
+    torch.cuda.synchronize()
+
+
+def precompile(variants, baseline, do_sweep, workers):
+    """Compile every kernel the run will launch in parallel processes (compiling them one by
+    one in the timing process would take most of the time budget)."""
+    import multiprocessing as mp
+
+    jobs = []
+    for label, fa in variants:
+        path = baseline if label == "base" else None
+        jobs += [(path, fa.__name__, name, None, None) for name in BYTES]
+    if do_sweep:
+        jobs += [(None, variants[0][1].__name__, n, k, c) for n, k, _, cs in SWEEP for c in cs]
+    t = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        failed = sum(r is not None for r in pool.map(_safe_job, jobs, chunksize=1))
+    out(f"precompiled {len(jobs)} op variants in {time.time() - t:.0f} s ({failed} failed)")
+
+
+def _safe_job(job):
+    try:
+        _precompile_job(job)
+    except Exception as e:  # noqa: BLE001 - reported by the timing run itself
+        return repr(e)
+    return None
+
+
+def linear_section(clock, variants, shape, deadline, dry):
+    """FP8 linear forward + backward (weight gradient too) with its kernels broken out, and
+    fp8_quant's quantize-transpose kernel alone at a few tile shapes."""
+    tokens, hidden, mlp, device = shape
+    out("\nfp8_linear (nn.Linear converted by FP8Linear.from_float, weight FP8 cached, no bias):")
+    for k, n in [(hidden, mlp), (mlp, hidden)]:
+        for label, fa in [*variants, ("bf16", None)]:
+            if time.time() > deadline:
+                out(f"  {k}->{n} {label}: skipped (time budget)")
+                continue
+            torch.manual_seed(0)
+            lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+            mod = lin if fa is None else fa.FP8Linear.from_float(lin)
+            x = _rand(tokens, k, device=device)
+            r = _guard(f"  {k}->{n} {label}", lambda mod=mod, x=x: Measure(clock, mod, [x], [mod.weight]).all())
+            if r is None:
+                continue
+            out(f"  {k}->{n} {label}: fwd+bwd {_fmt(r['step'])} fwd {_fmt(r['fwd'])} "
+                f"bwd {_fmt(r['bwd'])} host f {_fmt(r['host_f'])} host b {_fmt(r['host_b'])} "
+                f"gpu f {_fmt(r['gpu_f'])} gpu b {_fmt(r['gpu_b'])}")  # fmt: skip
+            if fa is not None and label == "new":
+                for tag, ks in (("fwd", r["kf"]), ("bwd", r["kb"])):
+                    out(f"    {tag}: " + ", ".join(f"{a[:50]} {v:.4f}" for a, v in ks.most_common()))
+    if dry or time.time() > deadline:
+        out("  quantize-transpose tiles: skipped")
+        return
+    qtt = importlib.import_module("fp8_quant.ops.quantize_per_tensor_transpose")
+    out("  fp8_quant quantize-transpose kernel alone (amax given), gpu ms and TB/s (4 B/elem):")
+    for m_, n_ in [(tokens, hidden), (tokens, mlp)]:
+        x = _rand(m_, n_, device=device)
+        amax = x.abs().amax().float()
+        q = torch.empty((m_, n_), device=device, dtype=torch.uint8)
+        qt = torch.empty((n_, m_), device=device, dtype=torch.uint8)
+        s = torch.empty((), device=device, dtype=torch.float32)
+        res = []
+        for bm, bn, w in QT_TILES:
+            grid = (-(-m_ // bm) * -(-n_ // bn),)
+
+            def run(bm=bm, bn=bn, w=w, grid=grid):
+                qtt._per_tensor_transpose_kernel[grid](
+                    x, q, qt, amax, s, m_, n_, x.stride(0), x.stride(1),
+                    FMT="e4m3", BM=bm, BN=bn, num_warps=w,
+                )  # fmt: skip
+
+            t = clock.gpu(run)[0]
+            res.append(f"{bm}x{bn}/{w}w {_fmt(t, 6)} {m_ * n_ * 4 / (t * 1e-3) / 1e12:.2f}")
+        out(f"    {m_}x{n_}: " + "  ".join(res))
+
+
+def run_pytest():
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", tests]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    lines = r.stdout.strip().splitlines()
+    for line in lines:
+        if line.startswith(("FAILED", "ERROR")):
+            out(line)
+    out("pytest -m gpu: " + (lines[-1] if lines else r.stderr[-300:]))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline", help="folder holding the package fp8_activations_base")
+    p.add_argument("--sweep", action="store_true", help="try the launch configs")
+    p.add_argument("--no-pytest", action="store_true", help="skip pytest -m gpu")
+    p.add_argument("--no-linear", action="store_true", help="skip the fp8_linear section")
+    p.add_argument("--ops", default=",".join(BYTES), help="comma-separated op names")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="unix time after which optional parts are skipped (default: +200 s)")  # fmt: skip
+    p.add_argument("--workers", type=int, default=8, help="processes compiling kernels first")
+    p.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny")
+    args = p.parse_args()
+    deadline = args.deadline or time.time() + 200
+    dry = args.dry_run
+    shape = (32, 64, 96, "cpu") if dry else (TOKENS, HIDDEN, MLP, "cuda")
+
+    if not args.no_pytest and not dry:
+        run_pytest()
+    import fp8_activations as fa
+    import triton
+
+    variants = [("new", fa)]
+    if args.baseline:
+        sys.path.insert(0, args.baseline)
+        variants.append(("base", importlib.import_module("fp8_activations_base")))
+    if dry:  # the interpreter only runs the Triton backend when asked for it by name
+        for _, pkg in variants:
+            pkg.functional.DEFAULT_CONFIG = pkg.FP8Config(backend="triton")
+    dev = "cpu (dry run)" if dry else torch.cuda.get_device_name()
+    out(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {dev}, torch "
+        f"{torch.__version__}, triton {triton.__version__}; tokens {shape[0]}, hidden "
+        f"{shape[1]}, mlp {shape[2]}, bf16, 1x16 groups")  # fmt: skip
+    if not dry and args.workers > 0:
+        _guard("precompile", lambda: precompile(variants, args.baseline, args.sweep, args.workers))
+    torch.manual_seed(0)
+    clock = Clock(dry)
+    report_ops(clock, variants, shape, [n for n in args.ops.split(",") if n])
+    if args.sweep:
+        sweep(clock, fa, shape, deadline)
+    if not args.no_linear:
+        linear_section(clock, variants, shape, deadline, dry)
+    out(f"done, {deadline - time.time():.0f} s of the budget left")
+
+
+if __name__ == "__main__":
+    main()
