@@ -163,8 +163,8 @@ def dequantize(
 
 
 # ------------------------------------------------------------------ step bookkeeping
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 integer hash (C. Wellons) on int64 tensors holding uint32 values."""
+def mix32(x):
+    """lowbias32 integer hash (C. Wellons) of uint32 values: Python ints or int64 tensors."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -172,7 +172,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+def _mul32(x, c: int):
     # (x * c) mod 2^32 without int64 overflow: split c into 16-bit halves.
     lo = x * (c & 0xFFFF)
     hi = ((x * (c >> 16)) & 0xFFFF) << 16
@@ -227,7 +227,7 @@ def adamw_hyper(
 
 def sr_stream(seed: int, param_index: int) -> int:
     """uint32 identifying the random stream of one parameter (mixed with the step each step)."""
-    return int(mix32(torch.tensor((seed * SR_KEY_MUL + param_index) & _M32)))
+    return mix32((seed * SR_KEY_MUL + param_index) & _M32)  # Python ints: no tensor ops
 
 
 def round_to_bf16(x: torch.Tensor, key: torch.Tensor | None, elem: torch.Tensor) -> torch.Tensor:

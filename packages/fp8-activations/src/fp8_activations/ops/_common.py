@@ -160,31 +160,29 @@ def _elementwise_launch(config, m, n, group_size, element_size):
     return (max(1, cdiv(groups, br)),), meta
 
 
-def row_launch(name: str, x: torch.Tensor, group_size: int):
-    """``(rows per program, meta)`` of a norm kernel over whole rows of the 2-D ``x``; meta:
-    NGP (groups per row, padded to a power of two), G, V, num_warps (and ROWS, for the
-    forward)."""
+def row_launch(name: str, x: torch.Tensor, group_size: int) -> dict:
+    """Launch meta of a norm kernel over whole rows of the 2-D ``x``: BM rows per tile (at
+    least 4096 elements when rows are short), NGP groups per row (padded to a power of
+    two), G, V and num_warps (from the elements per thread in ``CONFIG[name]``)."""
     return _row_launch(CONFIG[name][0], x.shape[1], group_size, x.element_size())
 
 
 @functools.lru_cache(maxsize=1024)
 def _row_launch(per_thread, n, group_size, element_size):
     ngp = next_pow2(cdiv(n, group_size))
-    row = ngp * group_size
-    warps = min(16, max(1, row // (32 * per_thread)))
-    rows = max(1, min(16, 32 * warps * per_thread // row))  # small rows: several a program
-    meta = dict(NGP=ngp, G=group_size, V=_vector(group_size, element_size), num_warps=warps)
-    return rows, meta
+    bm = max(1, min(16, 4096 // (ngp * group_size)))
+    warps = min(16, max(1, bm * ngp * group_size // (32 * per_thread)))
+    return dict(BM=bm, NGP=ngp, G=group_size, V=_vector(group_size, element_size), num_warps=warps)
 
 
-def row_programs(name: str, x: torch.Tensor) -> int:
-    """Programs of a backward kernel that walks rows and accumulates a weight gradient:
-    one wave that fills the GPU, few enough that the partial sums (programs x N fp32)
-    stay small."""
-    rows = x.shape[0]
+def row_programs(name: str, x: torch.Tensor, bm: int) -> int:
+    """Programs of a backward kernel that walks blocks of ``bm`` rows and accumulates a
+    weight gradient: one wave that fills the GPU, few enough that the partial sums
+    (programs x N fp32) stay small."""
+    blocks = cdiv(x.shape[0], bm)
     if x.is_cuda:
-        return max(1, min(rows, CONFIG[name][1] * _multiprocessors(x.device.index)))
-    return max(1, min(rows, 4))  # the interpreter runs programs one after another
+        return max(1, min(blocks, CONFIG[name][1] * _multiprocessors(x.device.index)))
+    return max(1, min(blocks, 4))  # the interpreter runs programs one after another
 
 
 # ------------------------------------------------------------------------ Triton tiles
@@ -217,35 +215,42 @@ def group_tile(pid, M, N, BR: tl.constexpr, G: tl.constexpr, V: tl.constexpr, EV
 
 
 @triton.jit
-def row_tile(NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr):
-    """One row as a ``[NGP, G // V, V]`` tile: ``(column offsets, group offsets)``."""
-    groups = tl.arange(0, NGP)
+def row_block(blk, M, N, BM: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr):
+    """Rows ``blk * BM ...`` of the row-major ``(M, N)`` tensor as a ``[BM, NGP, G // V, V]``
+    tile (``NGP``: groups per row, padded to a power of two), and their scales (row-major
+    ``(M, ceil(N / G))``) as ``[BM, NGP]``.
+
+    Returns ``(base, offs, mask, s_base, s_offs, s_mask, cols)``, addressed like
+    ``group_tile``'s; ``cols``: the column of each element, ``[1, NGP, G // V, V]``.
+    """
+    r = tl.arange(0, BM)
+    g = tl.arange(0, NGP)
     cols = (
-        groups[:, None, None] * G
-        + tl.arange(0, G // V)[None, :, None] * V
-        + tl.arange(0, V)[None, None, :]
+        g[None, :, None, None] * G
+        + tl.arange(0, G // V)[None, None, :, None] * V
+        + tl.arange(0, V)[None, None, None, :]
     )
-    return cols, groups
-
-
-@triton.jit
-def row_masks(row, M, N, G: tl.constexpr, cols, groups):
-    """``(element mask, scale mask)`` of row ``row`` of an ``(M, N)`` tensor: all off past
-    the last row (bounds instead of ``&`` with a scalar, which the interpreter mistypes)."""
-    live = row < M
-    return cols < tl.where(live, N, 0), groups < tl.where(live, tl.cdiv(N, G), 0)
+    ng = tl.cdiv(N, G)
+    live = r < M - blk * BM
+    base = tl.cast(blk * BM, tl.int64) * N
+    offs = r[:, None, None, None] * N + cols
+    mask = live[:, None, None, None] & (cols < N)
+    s_offs = r[:, None] * ng + g[None, :]
+    s_mask = live[:, None] & (g < ng)[None, :]
+    return base, offs, mask, tl.cast(blk * BM, tl.int64) * ng, s_offs, s_mask, cols
 
 
 @triton.jit
 def row_sum(v):
-    """Sum of a ``[groups, G // V, V]`` tile (one row)."""
-    return tl.sum(tl.sum(tl.sum(v, axis=2), axis=1), axis=0)
+    """Sum over each row of a ``[BM, NGP, G // V, V]`` tile -> ``[BM, 1, 1, 1]``."""
+    s = tl.sum(tl.sum(tl.sum(v, axis=3), axis=2), axis=1)
+    return s[:, None, None, None]
 
 
 @triton.jit
 def group_max(v):
-    """Max ``|v|`` of each group of a ``[groups, G // V, V]`` tile, NaN-propagating."""
-    return abs_max(abs_max(v, 2), 1)
+    """Max ``|v|`` of each group (the last two axes, ``[..., G // V, V]``), NaN-propagating."""
+    return abs_max(abs_max(v, -1), -1)
 
 
 @triton.jit
@@ -266,14 +271,14 @@ def cast_out(y, ptr):
 
 @triton.jit
 def store_groups(v, q_ptr, s_ptr, offs, mask, s_offs, s_mask, FMT: tl.constexpr):
-    """Quantize the fp32 ``[groups, G // V, V]`` tile ``v`` per group; store codes, scales.
+    """Quantize the fp32 ``[..., G // V, V]`` tile ``v`` per group; store codes, scales.
 
     Lanes outside ``mask`` must hold zeros: a partial last group then sees zeros in its
     missing lanes, exactly like the reference's zero padding, so the scales match bit for
     bit. (Whole groups outside ``mask`` are not stored.)
     """
     scale, inv_scale = fp8_scale(group_max(v), FMT)
-    tl.store(q_ptr + offs, fp8_encode(v * inv_scale[:, None, None], FMT), mask=mask)
+    tl.store(q_ptr + offs, fp8_encode(v * tl.expand_dims(inv_scale, (-2, -1)), FMT), mask=mask)
     tl.store(s_ptr + s_offs, scale, mask=s_mask)
 
 
@@ -294,7 +299,7 @@ def emit_groups(
 def load_groups(q_ptr, s_ptr, offs, mask, s_offs, s_mask):
     """Dequantize a saved 1 x G tile to fp32 (zero outside ``mask``)."""
     code = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return code * tl.load(s_ptr + s_offs, mask=s_mask, other=0.0)[:, None, None]
+    return code * tl.expand_dims(tl.load(s_ptr + s_offs, mask=s_mask, other=0.0), (-2, -1))
 
 
 @triton.jit

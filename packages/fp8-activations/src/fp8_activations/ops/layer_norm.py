@@ -20,23 +20,22 @@ from ._common import (
     emit_groups,
     out_args,
     quant_buffers,
+    row_block,
     row_launch,
     row_programs,
     row_sum,
-    row_masks,
-    row_tile,
     store_groups,
     sum_rows,
     use_triton,
 )
-from .rms_norm import _load_saved_row
+from .rms_norm import _load_saved
 
 Tensor = torch.Tensor
 
 
 @triton.jit
 def _centre(x, mask, N, eps):
-    """``(x - mean, rstd)`` of one row (fp32 tile, zero outside ``mask``)."""
+    """``(x - mean, rstd)`` of each row of a row-block tile (zero outside ``mask``)."""
     xc = tl.where(mask, x - row_sum(x) / N, 0.0)
     return xc, tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(xc * xc) / N + eps))
 
@@ -44,59 +43,50 @@ def _centre(x, mask, N, eps):
 @triton.jit
 def _layer_norm_fwd_kernel(
     X, W, B, Y, XQ, XS, YQ, YS, YA, M, N, eps,
-    NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr,
-    FMT: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANT_X: tl.constexpr,
-    EMIT: tl.constexpr,
+    BM: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr, FMT: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANT_X: tl.constexpr, EMIT: tl.constexpr,
 ):  # fmt: skip
-    cols, groups = row_tile(NGP, G, V)
+    base, offs, mask, s_base, s_offs, s_mask, cols = row_block(
+        tl.program_id(0), M, N, BM, NGP, G, V
+    )
+    x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
+    xc, rstd = _centre(x, mask, N, eps)
+    y = xc * rstd
     if HAS_W:
-        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+        y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     if HAS_B:
-        b = tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)
-    ng = tl.cdiv(N, G)
-    for i in tl.static_range(ROWS):
-        row = tl.program_id(0) * ROWS + i
-        mask, s_mask = row_masks(row, M, N, G, cols, groups)
-        base, s_base = tl.cast(row, tl.int64) * N, tl.cast(row, tl.int64) * ng
-        x = tl.load(X + base + cols, mask=mask, other=0.0).to(tl.float32)
-        xc, rstd = _centre(x, mask, N, eps)
-        y = xc * rstd
-        if HAS_W:
-            y = y * w
-        if HAS_B:
-            y = y + b
-        y = cast_out(y, Y)
-        tl.store(Y + base + cols, y, mask=mask)
-        if QUANT_X:
-            store_groups(x, XQ + base, XS + s_base, cols, mask, groups, s_mask, FMT)
-        emit_groups(
-            tl.where(mask, y.to(tl.float32), 0.0), YQ + base, YS + s_base, YA + s_base, cols,
-            mask, groups, s_mask, FMT, EMIT,
-        )  # fmt: skip
+        y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = cast_out(y, Y)
+    tl.store(Y + base + offs, y, mask=mask)
+    if QUANT_X:
+        store_groups(x, XQ + base, XS + s_base, offs, mask, s_offs, s_mask, FMT)
+    emit_groups(
+        tl.where(mask, y.to(tl.float32), 0.0), YQ + base, YS + s_base, YA + s_base, offs, mask,
+        s_offs, s_mask, FMT, EMIT,
+    )  # fmt: skip
 
 
 @triton.jit
 def _layer_norm_bwd_kernel(
     DY, XQ, XS, W, DX, DW, DB, M, N, eps,
-    NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
+    BM: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr,
 ):  # fmt: skip
-    # Same row walk (and one-row-ahead loads) as RMSNorm's backward; the dweight and dbias
-    # partial sums stay in registers.
+    # Same block walk (and one-block-ahead loads) as RMSNorm's backward; the dweight and
+    # dbias partial sums stay in registers.
     pid, step = tl.program_id(0), tl.num_programs(0)
-    cols, groups = row_tile(NGP, G, V)
+    cols = row_block(0, M, N, BM, NGP, G, V)[6]
     if HAS_W:
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    dw = tl.zeros((NGP, G // V, V), dtype=tl.float32)
-    db = tl.zeros((NGP, G // V, V), dtype=tl.float32)
-    dy, q, s = _load_saved_row(DY, XQ, XS, pid, M, N, G, cols, groups)
-    for row in range(pid, M, step):
-        dy_next, q_next, s_next = _load_saved_row(
-            DY, XQ, XS, row + step, M, N, G, cols, groups
-        )
-        x = q.to(tl.float32) * s[:, None, None]
+    dw = tl.zeros((BM, NGP, G // V, V), dtype=tl.float32)
+    db = tl.zeros((BM, NGP, G // V, V), dtype=tl.float32)
+    dy, q, s = _load_saved(DY, XQ, XS, pid, M, N, BM, NGP, G, V)
+    for blk in range(pid, tl.cdiv(M, BM), step):
+        dy_n, q_n, s_n = _load_saved(DY, XQ, XS, blk + step, M, N, BM, NGP, G, V)
+        base, offs, mask, _, _, _, _ = row_block(blk, M, N, BM, NGP, G, V)
+        x = q.to(tl.float32) * tl.expand_dims(s, (-2, -1))
         dyf = dy.to(tl.float32)
-        xc, rstd = _centre(x, cols < N, N, eps)
+        xc, rstd = _centre(x, mask, N, eps)
         x_hat = xc * rstd
         g = dyf
         if HAS_W:
@@ -104,16 +94,16 @@ def _layer_norm_bwd_kernel(
         mean_g = row_sum(g) / N
         mean_gx = row_sum(g * x_hat) / N
         dx = rstd * (g - mean_g - x_hat * mean_gx)
-        tl.store(DX + tl.cast(row, tl.int64) * N + cols, cast_out(dx, DX), mask=cols < N)
+        tl.store(DX + base + offs, cast_out(dx, DX), mask=mask)
         if HAS_W:
             dw += dyf * x_hat
         if HAS_B:
             db += dyf
-        dy, q, s = dy_next, q_next, s_next
+        dy, q, s = dy_n, q_n, s_n
     if HAS_W:
-        tl.store(DW + pid * N + cols, dw, mask=cols < N)
+        tl.store(DW + pid * N + cols, tl.sum(dw, axis=0)[None, :, :, :], mask=cols < N)
     if HAS_B:
-        tl.store(DB + pid * N + cols, db, mask=cols < N)
+        tl.store(DB + pid * N + cols, tl.sum(db, axis=0)[None, :, :, :], mask=cols < N)
 
 
 @custom_op("layer_norm_fwd")
@@ -128,11 +118,11 @@ def layer_norm_fwd(
     y = torch.empty_like(x)
     x_q, x_s = quant_buffers(x, group_size, f, quant_x, eager)
     y_q, y_s, y_a = emit_buffers(y, group_size, f, emit, eager)
-    rows, meta = row_launch("layer_norm_fwd", x, group_size)
-    _layer_norm_fwd_kernel[(cdiv(x.shape[0], rows),)](
+    meta = row_launch("layer_norm_fwd", x, group_size)
+    _layer_norm_fwd_kernel[(cdiv(x.shape[0], meta["BM"]),)](
         x, weight if weight is not None else x, bias if bias is not None else x, y,
         *out_args(y, x_q, x_s, y_q, y_s, y_a), *x.shape, eps,
-        ROWS=rows, FMT=fmt, HAS_W=weight is not None, HAS_B=bias is not None, QUANT_X=quant_x,
+        FMT=fmt, HAS_W=weight is not None, HAS_B=bias is not None, QUANT_X=quant_x,
         EMIT=EMIT_CODES[emit], **meta,
     )  # fmt: skip
     return y, x_q, x_s, y_q, y_s, y_a
@@ -160,10 +150,10 @@ def layer_norm_bwd(
         return dx, dw, db.to(bias.dtype) if bias is not None else dy.new_empty(0)
     m, n = dy.shape
     dx = torch.empty_like(dy)
-    programs = row_programs("layer_norm_bwd", dy)
+    meta = row_launch("layer_norm_bwd", dy, group_size)
+    programs = row_programs("layer_norm_bwd", dy, meta["BM"])
     part_w = dy.new_empty((programs, n), dtype=torch.float32) if weight is not None else dx
     part_b = dy.new_empty((programs, n), dtype=torch.float32) if bias is not None else dx
-    _, meta = row_launch("layer_norm_bwd", dy, group_size)
     _layer_norm_bwd_kernel[(programs,)](
         dy, x_q, x_s, weight if weight is not None else dy, dx, part_w, part_b, m, n, eps,
         HAS_W=weight is not None, HAS_B=bias is not None, **meta,

@@ -21,11 +21,10 @@ from ._common import (
     emit_groups,
     out_args,
     quant_buffers,
+    row_block,
     row_launch,
     row_programs,
     row_sum,
-    row_masks,
-    row_tile,
     store_groups,
     sum_rows,
     use_triton,
@@ -37,68 +36,65 @@ Tensor = torch.Tensor
 @triton.jit
 def _rms_norm_fwd_kernel(
     X, W, Y, XQ, XS, YQ, YS, YA, M, N, eps,
-    NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr,
-    FMT: tl.constexpr, QUANT_X: tl.constexpr, EMIT: tl.constexpr,
+    BM: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr, FMT: tl.constexpr,
+    QUANT_X: tl.constexpr, EMIT: tl.constexpr,
 ):  # fmt: skip
-    # Whole rows: the row sum, y, x's FP8 copy and y's group maxima all come from one read
-    # of x. ROWS rows per program (unrolled) when rows are short.
-    cols, groups = row_tile(NGP, G, V)
+    # Whole rows: the row sums, y, x's FP8 copy and y's group maxima all come from one read
+    # of x.
+    base, offs, mask, s_base, s_offs, s_mask, cols = row_block(
+        tl.program_id(0), M, N, BM, NGP, G, V
+    )
+    x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    ng = tl.cdiv(N, G)
-    for i in tl.static_range(ROWS):
-        row = tl.program_id(0) * ROWS + i
-        mask, s_mask = row_masks(row, M, N, G, cols, groups)
-        base, s_base = tl.cast(row, tl.int64) * N, tl.cast(row, tl.int64) * ng
-        x = tl.load(X + base + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(x * x) / N + eps))
-        y = cast_out(x * rstd * w, Y)
-        tl.store(Y + base + cols, y, mask=mask)
-        if QUANT_X:
-            store_groups(x, XQ + base, XS + s_base, cols, mask, groups, s_mask, FMT)
-        emit_groups(
-            tl.where(mask, y.to(tl.float32), 0.0), YQ + base, YS + s_base, YA + s_base, cols,
-            mask, groups, s_mask, FMT, EMIT,
-        )  # fmt: skip
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(x * x) / N + eps))
+    y = cast_out(x * rstd * w, Y)
+    tl.store(Y + base + offs, y, mask=mask)
+    if QUANT_X:
+        store_groups(x, XQ + base, XS + s_base, offs, mask, s_offs, s_mask, FMT)
+    emit_groups(
+        tl.where(mask, y.to(tl.float32), 0.0), YQ + base, YS + s_base, YA + s_base, offs, mask,
+        s_offs, s_mask, FMT, EMIT,
+    )  # fmt: skip
 
 
 @triton.jit
-def _load_saved_row(DY, XQ, XS, row, M, N, G: tl.constexpr, cols, groups):
-    """One row's raw loads (dy, FP8 codes, scales); all masked off past the last row."""
-    mask, s_mask = row_masks(row, M, N, G, cols, groups)
-    base = tl.cast(row, tl.int64) * N
-    dy = tl.load(DY + base + cols, mask=mask, other=0.0)
-    q = tl.load(XQ + base + cols, mask=mask, other=0.0)
-    s = tl.load(XS + tl.cast(row, tl.int64) * tl.cdiv(N, G) + groups, mask=s_mask, other=0.0)
+def _load_saved(DY, XQ, XS, blk, M, N, BM: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr,
+                V: tl.constexpr):  # fmt: skip
+    """One row block's raw loads (dy, FP8 codes, scales); all masked off past the last row."""
+    base, offs, mask, s_base, s_offs, s_mask, _ = row_block(blk, M, N, BM, NGP, G, V)
+    dy = tl.load(DY + base + offs, mask=mask, other=0.0)
+    q = tl.load(XQ + base + offs, mask=mask, other=0.0)
+    s = tl.load(XS + s_base + s_offs, mask=s_mask, other=0.0)
     return dy, q, s
 
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DY, XQ, XS, W, DX, DW, M, N, eps, NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr
-):
-    # Each program walks every num_programs-th row and keeps its share of dweight in
-    # registers: one (programs, N) partial sum instead of an (M, N) one. The loads run one
-    # row ahead, so the next row's reads are in flight while this row's sums run.
+    DY, XQ, XS, W, DX, DW, M, N, eps,
+    BM: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr,
+):  # fmt: skip
+    # Each program walks every num_programs-th block of rows and keeps its share of dweight
+    # in registers: one (programs, N) partial sum instead of an (M, N) one. The loads run
+    # one block ahead, so the next rows' reads are in flight while this block's sums run.
     pid, step = tl.program_id(0), tl.num_programs(0)
-    cols, groups = row_tile(NGP, G, V)
+    cols = row_block(0, M, N, BM, NGP, G, V)[6]
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    dw = tl.zeros((NGP, G // V, V), dtype=tl.float32)
-    dy, q, s = _load_saved_row(DY, XQ, XS, pid, M, N, G, cols, groups)
-    for row in range(pid, M, step):
-        dy_next, q_next, s_next = _load_saved_row(
-            DY, XQ, XS, row + step, M, N, G, cols, groups
-        )
-        x = q.to(tl.float32) * s[:, None, None]
+    dw = tl.zeros((BM, NGP, G // V, V), dtype=tl.float32)
+    dy, q, s = _load_saved(DY, XQ, XS, pid, M, N, BM, NGP, G, V)
+    for blk in range(pid, tl.cdiv(M, BM), step):
+        dy_n, q_n, s_n = _load_saved(DY, XQ, XS, blk + step, M, N, BM, NGP, G, V)
+        x = q.to(tl.float32) * tl.expand_dims(s, (-2, -1))
         dyf = dy.to(tl.float32)
         rstd = tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(x * x) / N + eps))
         x_hat = x * rstd
         g = dyf * w
         c = row_sum(g * x_hat) / N
         dx = rstd * (g - x_hat * c)
-        tl.store(DX + tl.cast(row, tl.int64) * N + cols, cast_out(dx, DX), mask=cols < N)
+        base, offs, mask, _, _, _, _ = row_block(blk, M, N, BM, NGP, G, V)
+        tl.store(DX + base + offs, cast_out(dx, DX), mask=mask)
         dw += dyf * x_hat
-        dy, q, s = dy_next, q_next, s_next
-    tl.store(DW + pid * N + cols, dw, mask=cols < N)
+        dy, q, s = dy_n, q_n, s_n
+    tl.store(DW + pid * N + cols, tl.sum(dw, axis=0)[None, :, :, :], mask=cols < N)
 
 
 @custom_op("rms_norm_fwd")
@@ -113,10 +109,10 @@ def rms_norm_fwd(
     y = torch.empty_like(x)
     x_q, x_s = quant_buffers(x, group_size, f, quant_x, eager)
     y_q, y_s, y_a = emit_buffers(y, group_size, f, emit, eager)
-    rows, meta = row_launch("rms_norm_fwd", x, group_size)
-    _rms_norm_fwd_kernel[(cdiv(x.shape[0], rows),)](
+    meta = row_launch("rms_norm_fwd", x, group_size)
+    _rms_norm_fwd_kernel[(cdiv(x.shape[0], meta["BM"]),)](
         x, weight, y, *out_args(y, x_q, x_s, y_q, y_s, y_a), *x.shape, eps,
-        ROWS=rows, FMT=fmt, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], **meta,
+        FMT=fmt, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], **meta,
     )  # fmt: skip
     return y, x_q, x_s, y_q, y_s, y_a
 
@@ -141,9 +137,9 @@ def rms_norm_bwd(
         return reference.rms_norm_bwd(dy, x_q, x_s, weight, eps, group_size)
     m, n = dy.shape
     dx = torch.empty_like(dy)
-    programs = row_programs("rms_norm_bwd", dy)
+    meta = row_launch("rms_norm_bwd", dy, group_size)
+    programs = row_programs("rms_norm_bwd", dy, meta["BM"])
     dw = torch.empty((programs, n), device=dy.device, dtype=torch.float32)
-    _, meta = row_launch("rms_norm_bwd", dy, group_size)
     _rms_norm_bwd_kernel[(programs,)](dy, x_q, x_s, weight, dx, dw, m, n, eps, **meta)
     return dx, sum_rows(dw, weight.dtype)
 
