@@ -142,15 +142,11 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def full_states(optimizer) -> dict[int, dict[str, torch.Tensor]]:
     """Per parameter index, every state as a full tensor in the checkpoint layout (per-group
     numbers by row where rows hold whole groups); collective for DTensor states."""
-    from coat_models.distributed import ShardedOptimizer, _gather
-    from torch.distributed.tensor import DTensor
+    from fp8_optim.dtensor import gather, is_dtensor
 
-    if not isinstance(optimizer, ShardedOptimizer):
-        optimizer = ShardedOptimizer(optimizer)  # a plain CoatAdamW: only the layout changes
     return {
         index: {
-            key: (_gather(v) if isinstance(v, DTensor) else v).detach().clone()
-            for key, v in state.items()
+            key: (gather(v) if is_dtensor(v) else v).detach().clone() for key, v in state.items()
         }
         for index, state in optimizer.state_dict()["state"].items()
     }
@@ -282,7 +278,7 @@ def runs(tmp_path_factory):
 def test_optimizer_on_shards_is_bit_identical_to_unsharded(runs):
     """CoatAdamW on DTensor shards == CoatAdamW on the full tensors, every bit of every
     parameter and state, over 4 steps, for fp32 and bf16 (stochastic rounding) params."""
-    from coat_models.distributed import shard_layout
+    from fp8_optim.dtensor import shard_layout
 
     _, _, got = runs
     layouts = [shard_layout(s, WORLD, 128) for s in OPT_SHAPES]
@@ -304,6 +300,11 @@ def test_optimizer_on_shards_is_bit_identical_to_unsharded(runs):
                     OPT_SHAPES[i],
                     key,
                 )
+    # bf16 run: its export to torch AdamW (dequantized fp32 moments) is the unsharded one's
+    want = opt.to_adamw_state_dict()["state"]
+    for i in range(len(params)):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["opt"]["adamw"][i][key], want[i][key]), (OPT_SHAPES[i], key)
 
 
 def test_fsdp_gradients_match_single_process(runs):
@@ -444,7 +445,7 @@ def test_mismatched_checkpoint_gives_a_clear_error(runs):
 
 
 def test_shard_layout():
-    from coat_models.distributed import shard_layout
+    from fp8_optim.dtensor import shard_layout
 
     assert shard_layout((4096, 4096), 8, 128) == "rows"  # Llama matrices: always rows
     assert shard_layout((11008, 4096), 3, 128) == "rows"
@@ -474,7 +475,6 @@ def _worker(out: Path) -> None:
         prepare_data_parallel,
         save_checkpoint,
         shard_model,
-        shard_optimizer,
     )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -498,7 +498,7 @@ def _worker(out: Path) -> None:
     res["opt"] = {}
     for dtype in (torch.float32, torch.bfloat16):
         params = [nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])) for p in opt_params(dtype)]
-        opt = shard_optimizer(coat_adamw(params))
+        opt = coat_adamw(params)
         for step in range(4):
             for p, g in zip(params, opt_grads(step), strict=True):
                 p.grad = distribute_tensor(g.to(dtype), mesh, [Shard(0)])
@@ -506,6 +506,17 @@ def _worker(out: Path) -> None:
         res["opt"][str(dtype)] = {
             "params": [p.full_tensor() for p in params], "states": full_states(opt),
         }  # fmt: skip
+    # ... and its moments exported to torch AdamW (DTensor fp32 moments), which trains on.
+    exported = opt.to_adamw_state_dict()
+    res["opt"]["adamw"] = {
+        i: {k: v.full_tensor() for k, v in state.items() if k != "step"}
+        for i, state in exported["state"].items()
+    }
+    adamw = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+    adamw.load_state_dict(exported)
+    for p, g in zip(params, opt_grads(4), strict=True):
+        p.grad = distribute_tensor(g.to(p.dtype), mesh, [Shard(0)])
+    adamw.step()
 
     # 2. COAT Llama under FSDP2 (bf16 policy, activation checkpointing), CoatAdamW shards.
     model, opt = prepare_data_parallel(
@@ -545,7 +556,7 @@ def _worker(out: Path) -> None:
 
     # 4. A checkpoint of another model size: every rank raises, nobody hangs.
     model = shard_model(tiny_llama(intermediate_size=192))
-    opt = shard_optimizer(llama_optimizer(model))
+    opt = llama_optimizer(model)
     try:
         load_checkpoint(out / "single_ckpt", model, opt)
         message = "no error"
@@ -579,7 +590,7 @@ def _worker(out: Path) -> None:
     rows = {n: p.to_local().shape[0] for n, p in net.named_parameters()}
     all_rows = [None] * WORLD
     dist.all_gather_object(all_rows, rows)
-    opt = shard_optimizer(coat_adamw(net.parameters()))
+    opt = coat_adamw(net.parameters())
     for step in range(1, SAVE_AT + 1):
         net(net_input(step, rank), use_extra=rank == 0).backward()
         opt.step()

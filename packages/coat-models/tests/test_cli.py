@@ -24,19 +24,8 @@ def _coat_available() -> bool:
 needs_coat = pytest.mark.skipif(not _coat_available(), reason="coat_models.apply_coat missing")
 
 # Small enough for seconds per run on CPU; the tiny preset's shape.
-FAST = [
-    "--preset",
-    "tiny",
-    "--batch-size",
-    "4",
-    "--seq-len",
-    "64",
-    "--eval-batches",
-    "2",
-    "--corpus-mib",
-    "1",
-    "--no-progress",
-]
+FAST = "--preset tiny --batch-size 4 --seq-len 64 --eval-batches 2 --corpus-mib 1 --no-progress"
+FAST = FAST.split()
 
 
 def run(argv, capsys):
@@ -75,29 +64,20 @@ def check_png(path, n_runs):
 @pytest.mark.parametrize("modes", ["bf16", pytest.param("bf16,coat", marks=needs_coat)])
 def test_end_to_end(tmp_path, capsys, modes):
     out = tmp_path / "run"
-    code, stdout, stderr = run(
-        ["--compare", modes, "--steps", 8, "--eval-every", 4, "--out", out, *FAST], capsys
-    )
+    argv = ["--compare", modes, "--steps", "6", "--eval-every", "3", "--out", out, *FAST]
+    code, stdout, stderr = run(argv, capsys)
     assert code == 0, stderr
     names = modes.split(",")
     for mode in names:
-        check_run_dir(out, mode, steps=8, eval_every=4)
+        check_run_dir(out, mode, steps=6, eval_every=3)
     check_png(out / "loss.png", len(names))
     summary = json.loads((out / "summary.json").read_text())
     assert [r["mode"] for r in summary["runs"]] == names
     # the table: one column per mode, the rows of the brief, the plot's path
     header = next(line for line in stdout.splitlines() if "(fp32 master)" in line)
     assert all(f"{m} (fp32 master)" in header for m in names)
-    for row in (
-        "train loss",
-        "val loss",
-        "tokens/s",
-        "peak memory",
-        "weights",
-        "gradients",
-        "optimizer state",
-        "activations (saved for backward)",
-    ):
+    rows = ["train loss", "val loss", "tokens/s", "peak memory", "weights", "gradients"]
+    for row in [*rows, "optimizer state", "activations (saved for backward)"]:
         assert row in stdout
     assert f"loss curves: {out / 'loss.png'}" in stdout
     if len(names) == 2:
@@ -109,21 +89,8 @@ def test_end_to_end(tmp_path, capsys, modes):
 
 def test_tiny_preset_learns_quickly(tmp_path, capsys):
     """The demo's preset and batch: a clear drop of the loss in 30 CPU steps."""
-    code, stdout, stderr = run(
-        [
-            "--preset",
-            "tiny",
-            "--steps",
-            30,
-            "--eval-every",
-            30,
-            "--corpus-mib",
-            2,
-            "--out",
-            tmp_path,
-        ],
-        capsys,
-    )
+    argv = "--preset tiny --steps 30 --eval-every 30 --corpus-mib 2".split()
+    code, stdout, stderr = run([*argv, "--out", tmp_path], capsys)
     assert code == 0, stderr
     train, evals, _ = check_run_dir(tmp_path, "bf16", steps=30, eval_every=30)
     assert train[0]["loss"] > 5.5  # ln(320) = 5.77 at init
@@ -146,30 +113,17 @@ def interrupt_before(step):
 
 
 @pytest.mark.parametrize(
-    "mode,master",
+    "mode,master,accum",
     [
-        ("bf16", "fp32"),
-        pytest.param("coat", "fp32", marks=needs_coat),
-        pytest.param("coat", "bf16", marks=needs_coat),
+        ("bf16", "fp32", 2),
+        pytest.param("coat", "fp32", 1, marks=needs_coat),
+        pytest.param("coat", "bf16", 1, marks=needs_coat),
     ],
-    ids=["bf16", "coat", "coat-bf16-master"],
+    ids=["bf16-accum2", "coat", "coat-bf16-master"],
 )
-def test_resume_reproduces_losses_bit_for_bit(tmp_path, capsys, monkeypatch, mode, master):
-    args = [
-        "--mode",
-        mode,
-        "--master-dtype",
-        master,
-        "--steps",
-        4,
-        "--grad-accum",
-        2,
-        "--eval-every",
-        2,
-        "--save-every",
-        2,
-        *FAST,
-    ]
+def test_resume_reproduces_losses_bit_for_bit(tmp_path, capsys, monkeypatch, mode, master, accum):
+    flags = f"--mode {mode} --master-dtype {master} --steps 4 --grad-accum {accum}"
+    args = [*flags.split(), "--eval-every", "2", "--save-every", "2", *FAST]
     code, *_ = run([*args, "--out", tmp_path / "a"], capsys)
     assert code == 0
     # B: killed before step 4 (after the step-2 checkpoint and a logged step 3), resumed.

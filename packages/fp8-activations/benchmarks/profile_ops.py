@@ -51,10 +51,12 @@ BYTES = {
 # Launch configs tried by --sweep per kernel (op, CONFIG key, direction), most important
 # first: element-wise (elements per program, warps); norms (elements per thread,) forward
 # and (elements per thread, programs per SM) backward.
-_EW = [(4096, 4), (2048, 4), (4096, 8), (8192, 8)]
+_EW = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (1024, 4), (2048, 8), (1024, 2)]
+_NORM_FWD = [(32,), (16,), (8,), (64,)]
+_NORM_BWD = [(16, 2), (32, 2), (8, 1), (16, 1), (32, 3), (64, 2)]
 SWEEP = [
-    ("rms_norm", "rms_norm_fwd", "f", [(16,), (8,), (32,)]),
-    ("rms_norm", "rms_norm_bwd", "b", [(16, 2), (8, 1), (32, 2), (16, 1)]),
+    ("rms_norm", "rms_norm_fwd", "f", _NORM_FWD),
+    ("rms_norm", "rms_norm_bwd", "b", _NORM_BWD),
     ("residual_add", "residual_add_fwd", "f", _EW),
     ("swiglu", "swiglu_fwd", "f", _EW),
     ("swiglu", "swiglu_bwd", "b", _EW),
@@ -62,8 +64,8 @@ SWEEP = [
     ("silu", "silu_bwd", "b", _EW),
     ("gelu", "gelu_fwd", "f", _EW),
     ("gelu", "gelu_bwd", "b", _EW),
-    ("layer_norm", "layer_norm_fwd", "f", [(16,), (8,), (32,)]),
-    ("layer_norm", "layer_norm_bwd", "b", [(16, 2), (8, 1), (32, 2), (16, 1)]),
+    ("layer_norm", "layer_norm_fwd", "f", _NORM_FWD),
+    ("layer_norm", "layer_norm_bwd", "b", _NORM_BWD),
 ]
 # fp8_quant's quantize-transpose kernel (the FP8 linear's quantizer): (BM, BN, warps).
 QT_TILES = [(128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 64, 4), (128, 128, 4)]
@@ -121,8 +123,22 @@ class Clock:
         profiler fails."""
         if self.dry:
             fn()
-            return float("nan"), {}
-        return _guard("  profiler", lambda: self._profile(fn, iters)) or (float("nan"), {})
+            return float("nan"), collections.Counter()
+        got = _guard("  profiler", lambda: self._profile(fn, iters))
+        return got or (self._events(fn), collections.Counter())
+
+    def _events(self, fn, iters: int = 10) -> float:
+        """Fallback without CUPTI: CUDA events around back-to-back calls (no L2 flush; a
+        host-bound call reads as its host time)."""
+        fn()
+        self._sync()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        self._sync()
+        return start.elapsed_time(end) / iters
 
     def _profile(self, fn, iters, flush=True):
         fn()
@@ -256,10 +272,11 @@ def sweep(clock, fa, shape, deadline):
             continue
         fn, make = op_table(fa, *shape)[name]
         m = Measure(clock, fn, make())
+        call = m.fwd if direction == "f" else None
         orig, res = common.CONFIG[key], []
         for cfg in options:
             common.CONFIG[key] = cfg
-            t = _guard(f"  {key} {cfg}", lambda: clock.gpu(m.fwd if direction == "f" else m.bwd_fn())[0])
+            t = _guard(f"  {key} {cfg}", lambda m=m, call=call: clock.gpu(call or m.bwd_fn())[0])
             res.append((cfg, float("nan") if t is None else t))
         common.CONFIG[key] = orig
         ok = [r for r in res if r[1] == r[1]]
@@ -268,43 +285,66 @@ def sweep(clock, fa, shape, deadline):
 
 
 def _precompile_job(job):
-    """Worker: run one (package, op, CONFIG key, config) on small inputs of the same kernel
-    specialization, so that its compiled kernels land in Triton's on-disk cache."""
-    path, pkg, name, key, cfg = job
+    """Worker: run one op variant (or linear, or quantize-transpose tile) on small inputs of
+    the same kernel specializations, so that its kernels land in Triton's on-disk cache."""
+    kind, path, pkg, name, key, cfg = job
     if path:
         sys.path.insert(0, path)
     fa = importlib.import_module(pkg)
-    if key:
-        importlib.import_module(pkg + ".ops._common").CONFIG[key] = cfg
-    fn, make = op_table(fa, 64, HIDDEN, MLP, "cuda")[name]
-    xs = [t.requires_grad_() for t in make()]
-    y = fn(*xs)
-    torch.autograd.grad(y, xs, torch.ones_like(y))
+    if kind == "qt":
+        qtt = importlib.import_module("fp8_quant.ops.quantize_per_tensor_transpose")
+        x = _rand(64, HIDDEN, device="cuda")
+        q = torch.empty((64, HIDDEN), device="cuda", dtype=torch.uint8)
+        qt = torch.empty((HIDDEN, 64), device="cuda", dtype=torch.uint8)
+        amax, s = x.abs().amax().float(), torch.empty((), device="cuda")
+        bm, bn, w = cfg
+        qtt._per_tensor_transpose_kernel[(-(-64 // bm) * -(-HIDDEN // bn),)](
+            x, q, qt, amax, s, 64, HIDDEN, x.stride(0), x.stride(1),
+            FMT="e4m3", BM=bm, BN=bn, num_warps=w,
+        )  # fmt: skip
+    elif kind == "linear":
+        lin = torch.nn.Linear(HIDDEN, MLP, bias=False, device="cuda", dtype=torch.bfloat16)
+        mod = fa.FP8Linear.from_float(lin)
+        x = _rand(64, HIDDEN, device="cuda").requires_grad_()
+        mod(x).sum().backward()
+    else:
+        if key:
+            importlib.import_module(pkg + ".ops._common").CONFIG[key] = cfg
+        fn, make = op_table(fa, 64, HIDDEN, MLP, "cuda")[name]
+        xs = [t.requires_grad_() for t in make()]
+        y = fn(*xs)
+        torch.autograd.grad(y, xs, torch.ones_like(y))
     torch.cuda.synchronize()
 
 
-def precompile(variants, baseline, do_sweep, workers):
-    """Compile every kernel the run will launch in parallel processes (compiling them one by
+def precompile(variants, baseline, do_sweep, do_linear, workers):
+    """Compile every kernel the run will launch, in parallel processes (compiling them one by
     one in the timing process would take most of the time budget)."""
     import multiprocessing as mp
 
     jobs = []
     for label, fa in variants:
         path = baseline if label == "base" else None
-        jobs += [(path, fa.__name__, name, None, None) for name in BYTES]
+        jobs += [("op", path, fa.__name__, name, None, None) for name in BYTES]
+    new = variants[0][1].__name__
     if do_sweep:
-        jobs += [(None, variants[0][1].__name__, n, k, c) for n, k, _, cs in SWEEP for c in cs]
+        jobs += [("op", None, new, n, k, c) for n, k, _, cs in SWEEP for c in cs]
+    if do_linear:
+        jobs += [("linear", None, new, None, None, None)]
+        jobs += [("qt", None, new, None, None, c) for c in QT_TILES]
     t = time.time()
     with mp.get_context("spawn").Pool(workers) as pool:
-        failed = sum(r is not None for r in pool.map(_safe_job, jobs, chunksize=1))
-    out(f"precompiled {len(jobs)} op variants in {time.time() - t:.0f} s ({failed} failed)")
+        errors = [r for r in pool.map(_safe_job, jobs, chunksize=1) if r]
+    out(f"precompiled {len(jobs)} variants in {time.time() - t:.0f} s, {len(errors)} failed")
+    for e in errors[:5]:
+        out(f"  {e[:300]}")
 
 
 def _safe_job(job):
     try:
         _precompile_job(job)
-    except Exception as e:  # noqa: BLE001 - reported by the timing run itself
-        return repr(e)
+    except Exception as e:  # noqa: BLE001 - reported here, and by the timing run itself
+        return f"{job[:5]}: {type(e).__name__}: {e}"
     return None
 
 
@@ -322,7 +362,10 @@ def linear_section(clock, variants, shape, deadline, dry):
             lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
             mod = lin if fa is None else fa.FP8Linear.from_float(lin)
             x = _rand(tokens, k, device=device)
-            r = _guard(f"  {k}->{n} {label}", lambda mod=mod, x=x: Measure(clock, mod, [x], [mod.weight]).all())
+            r = _guard(
+                f"  {k}->{n} {label}",
+                lambda mod=mod, x=x: Measure(clock, mod, [x], [mod.weight]).all(),
+            )
             if r is None:
                 continue
             out(f"  {k}->{n} {label}: fwd+bwd {_fmt(r['step'])} fwd {_fmt(r['fwd'])} "
@@ -330,7 +373,8 @@ def linear_section(clock, variants, shape, deadline, dry):
                 f"gpu f {_fmt(r['gpu_f'])} gpu b {_fmt(r['gpu_b'])}")  # fmt: skip
             if fa is not None and label == "new":
                 for tag, ks in (("fwd", r["kf"]), ("bwd", r["kb"])):
-                    out(f"    {tag}: " + ", ".join(f"{a[:50]} {v:.4f}" for a, v in ks.most_common()))
+                    top = ks.most_common()
+                    out(f"    {tag}: " + ", ".join(f"{a[:50]} {v:.4f}" for a, v in top))
     if dry or time.time() > deadline:
         out("  quantize-transpose tiles: skipped")
         return
@@ -346,7 +390,7 @@ def linear_section(clock, variants, shape, deadline, dry):
         for bm, bn, w in QT_TILES:
             grid = (-(-m_ // bm) * -(-n_ // bn),)
 
-            def run(bm=bm, bn=bn, w=w, grid=grid):
+            def run(bm=bm, bn=bn, w=w, grid=grid, x=x, q=q, qt=qt, amax=amax, s=s, m_=m_, n_=n_):
                 qtt._per_tensor_transpose_kernel[grid](
                     x, q, qt, amax, s, m_, n_, x.stride(0), x.stride(1),
                     FMT="e4m3", BM=bm, BN=bn, num_warps=w,
@@ -355,6 +399,32 @@ def linear_section(clock, variants, shape, deadline, dry):
             t = clock.gpu(run)[0]
             res.append(f"{bm}x{bn}/{w}w {_fmt(t, 6)} {m_ * n_ * 4 / (t * 1e-3) / 1e12:.2f}")
         out(f"    {m_}x{n_}: " + "  ".join(res))
+
+
+def host_profile(clock, fa, shape, names, calls=200, top=14):
+    """cProfile of ``calls`` forwards and backwards (no sync): where the host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    for name in names:
+        fn, make = op_table(fa, *shape)[name]
+        m = Measure(clock, fn, make())
+        for tag, call in (("fwd", m.fwd), ("bwd", m.bwd_fn())):
+            call()
+            clock._sync()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                call()
+            prof.disable()
+            clock._sync()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+            lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+            out(f"\nhost profile, {name} {tag}, {calls} calls (tottime s, cumtime s):")
+            for ln in lines[-top - 1 :]:
+                out("  " + ln.strip()[:150])
 
 
 def run_pytest():
@@ -375,16 +445,17 @@ def main():
     p.add_argument("--no-pytest", action="store_true", help="skip pytest -m gpu")
     p.add_argument("--no-linear", action="store_true", help="skip the fp8_linear section")
     p.add_argument("--ops", default=",".join(BYTES), help="comma-separated op names")
-    p.add_argument("--deadline", type=float, default=None,
-                   help="unix time after which optional parts are skipped (default: +200 s)")  # fmt: skip
+    p.add_argument("--deadline", type=float, help="unix time to skip optional parts from")
     p.add_argument("--workers", type=int, default=8, help="processes compiling kernels first")
+    p.add_argument("--precompile-only", action="store_true", help="compile, then exit")
+    p.add_argument("--host-profile", default="", help="ops to cProfile on the host (comma list)")
     p.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny")
     args = p.parse_args()
-    deadline = args.deadline or time.time() + 200
+    deadline = args.deadline or time.time() + 200  # default: 200 s from now
     dry = args.dry_run
     shape = (32, 64, 96, "cpu") if dry else (TOKENS, HIDDEN, MLP, "cuda")
 
-    if not args.no_pytest and not dry:
+    if not args.no_pytest and not dry and not args.precompile_only:
         run_pytest()
     import fp8_activations as fa
     import triton
@@ -397,11 +468,14 @@ def main():
         for _, pkg in variants:
             pkg.functional.DEFAULT_CONFIG = pkg.FP8Config(backend="triton")
     dev = "cpu (dry run)" if dry else torch.cuda.get_device_name()
-    out(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {dev}, torch "
+    out(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {dev}, torch "
         f"{torch.__version__}, triton {triton.__version__}; tokens {shape[0]}, hidden "
         f"{shape[1]}, mlp {shape[2]}, bf16, 1x16 groups")  # fmt: skip
     if not dry and args.workers > 0:
-        _guard("precompile", lambda: precompile(variants, args.baseline, args.sweep, args.workers))
+        jobs = (variants, args.baseline, args.sweep, not args.no_linear, args.workers)
+        _guard("precompile", lambda: precompile(*jobs))
+    if args.precompile_only:
+        return
     torch.manual_seed(0)
     clock = Clock(dry)
     report_ops(clock, variants, shape, [n for n in args.ops.split(",") if n])
@@ -409,6 +483,8 @@ def main():
         sweep(clock, fa, shape, deadline)
     if not args.no_linear:
         linear_section(clock, variants, shape, deadline, dry)
+    if args.host_profile and time.time() < deadline:
+        host_profile(clock, fa, shape, [n for n in args.host_profile.split(",") if n])
     out(f"done, {deadline - time.time():.0f} s of the budget left")
 
 

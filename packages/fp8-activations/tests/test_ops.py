@@ -176,6 +176,23 @@ def test_cuda_sqnr_vs_float64_autograd(name, check_sqnr):
     check_sqnr(case.fp8(FP8Config(backend="triton")), case.ref, inputs, case.floors)
 
 
+@pytest.mark.gpu
+def test_cuda_bf16_rounding_matches_torch():
+    """Kernels round fp32 -> bf16 with the GPU's own conversion (the interpreter emulates
+    round-to-nearest-even instead): a bf16 residual add is then bit-identical to torch's,
+    including ties, subnormals, overflow to inf, inf and NaN."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(256, 4096, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    r = (torch.randn(256, 4096, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    big, tiny = torch.finfo(torch.bfloat16).max, torch.finfo(torch.bfloat16).smallest_normal
+    special = [big, big, -big, tiny / 4, -tiny / 8, float("inf"), float("-inf"), float("nan")]
+    x.view(-1)[: len(special)] = torch.tensor(special, dtype=torch.bfloat16)
+    r.view(-1)[: len(special)] = torch.tensor(special[::-1], dtype=torch.bfloat16)
+    x.view(-1)[len(special)] = r.view(-1)[len(special)] = big  # overflows to inf
+    y = fa.residual_add(x, r, FP8Config(backend="triton"))
+    torch.testing.assert_close(y, x + r, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_saved_bytes(name, saved, fp8_bytes):
     """Exactly 1 B/elem + 4 B per 16 elements per saved input (nothing else: no rstd, no

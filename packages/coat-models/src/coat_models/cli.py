@@ -375,7 +375,7 @@ def run(args) -> int:
     png = out / "loss.png"
     write_atomic_bytes(png, loss_plot_png(curves))
     result = {
-        "argv": sys.argv[1:],
+        "args": vars(args),
         "device": device.type,
         "model": describe,
         "data": data.source,

@@ -3,17 +3,18 @@
 Run one process per GPU under ``torchrun --nproc-per-node N``::
 
     from coat_models import apply_coat, create_optimizer
-    from coat_models.distributed import init_distributed, shard_model, shard_optimizer
+    from coat_models.distributed import init_distributed, shard_model
 
     init_distributed()                      # reads torchrun's env; nccl on GPUs, gloo on CPU
     apply_coat(model)                       # before sharding: COAT swaps layer classes
     shard_model(model)                      # FSDP2: fully_shard per decoder layer, then root
-    optimizer = shard_optimizer(create_optimizer(model, lr=3e-4))
+    optimizer = create_optimizer(model, lr=3e-4)  # CoatAdamW updates each rank's shards
     ...
     save_checkpoint("ckpt/step100", model, optimizer, extra={"step": 100})
     extra = load_checkpoint("ckpt/step100", model, optimizer)   # any number of ranks
 
-See ``docs/DISTRIBUTED_NOTES.md`` for the design (why FP8 states stay shard-invariant).
+See ``docs/DISTRIBUTED_NOTES.md`` for the design; why CoatAdamW's FP8 states do not depend
+on the number of ranks is in ``fp8_optim.dtensor``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import io
 import os
 import shutil
 import warnings
-from collections import defaultdict
 from datetime import timedelta
 
 import torch
@@ -33,7 +33,6 @@ from torch import nn
 __all__ = [
     "STRATEGIES",
     "CheckpointMismatchError",
-    "ShardedOptimizer",
     "all_ranks_max",
     "all_ranks_mean",
     "as_float",
@@ -43,9 +42,7 @@ __all__ = [
     "load_checkpoint",
     "prepare_data_parallel",
     "save_checkpoint",
-    "shard_layout",
     "shard_model",
-    "shard_optimizer",
     "wrap_ddp",
 ]
 
@@ -152,10 +149,10 @@ def shard_model(
     ``cuda`` where available, else ``cpu`` with gloo). ``mp_policy``: ``"bf16"`` (bf16 compute,
     fp32 gradient reduce-scatter; master weights keep their dtype), ``"fp32"``/``None`` or a
     ``MixedPrecisionPolicy``. ``reduce_scatter_unused_params=True`` lets ranks skip different
-    parameters in forward (zeros are reduced for them; needs torch >= 2.13).
+    parameters in forward (zeros are reduced for them; FSDP2 of torch 2.13 has it).
 
-    Call ``apply_coat`` before this and build the optimizer after it (on the sharded
-    parameters), then wrap it with ``shard_optimizer``.
+    Call ``apply_coat`` before this and build the optimizer after it, on the sharded
+    parameters (``create_optimizer(model)``: CoatAdamW then updates each rank's shards).
 
     >>> shard_model(model, activation_checkpointing=True)
     """
@@ -233,402 +230,6 @@ def wrap_ddp(
     )
 
 
-# ------------------------------------------------------------ FP8 optimizer on DTensor shards
-# CoatAdamW state names by layout (fp8_optim.optimizer): codes shaped like the parameter,
-# per-group numbers one per group of the flattened parameter, a 0-dim step.
-_PER_GROUP_SUFFIXES = ("_amax", "_k")
-
-
-def _is_per_group(name: str) -> bool:
-    return name.endswith(_PER_GROUP_SUFFIXES)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _chunk(n: int, world: int, rank: int) -> tuple[int, int]:
-    """Rows ``[start, end)`` of rank ``rank`` when ``n`` rows are split like ``torch.chunk``
-    (what FSDP2 and DTensor ``Shard(0)`` do: ``ceil(n / world)`` rows each, the last ranks
-    may get fewer or none)."""
-    size = _ceil_div(n, world)
-    start = min(rank * size, n)
-    return start, min(start + size, n)
-
-
-def shard_layout(shape: tuple[int, ...], world: int, group_size: int) -> str:
-    """How CoatAdamW runs on a parameter of global ``shape`` split on dim 0 over ``world``
-    ranks, with groups of ``group_size`` consecutive elements of the flattened tensor.
-
-    * ``"rows"``: a row holds whole groups (``prod(shape[1:]) % group_size == 0``): every
-      shard starts on a group boundary, per-group numbers shard by rows like the parameter.
-    * ``"flat"``: rows hold partial groups but every shard still starts on a group boundary
-      and the per-group numbers split over ranks exactly like ``torch.chunk``.
-    * ``"full"``: some shard would start inside a group. The rank then all-gathers this
-      (small) parameter and its gradient and runs the update on the full tensor, with the
-      full state replicated, so that no group is ever cut by a shard boundary.
-
-    In every case the states are bit for bit those of the unsharded tensor.
-    """
-    rows = shape[0]
-    cols = 1
-    for d in shape[1:]:
-        cols *= d
-    if cols % group_size == 0:
-        return "rows"
-    ngroups = _ceil_div(rows * cols, group_size)
-    for r in range(world):
-        start, end = _chunk(rows, world, r)
-        if start == end:
-            continue
-        if (start * cols) % group_size:
-            return "full"
-        if (start * cols // group_size, _ceil_div(end * cols, group_size)) != _chunk(
-            ngroups, world, r
-        ):
-            return "full"
-    return "flat"
-
-
-def _canonical_group_shape(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
-    """Checkpoint shape of a per-group tensor: ``(rows, groups per row)`` when rows hold
-    whole groups (so it shards like the parameter), else ``(groups,)``."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    if len(shape) >= 2 and (numel // shape[0]) % group_size == 0:
-        return (shape[0], numel // shape[0] // group_size)
-    return (_ceil_div(numel, group_size),)
-
-
-def _gather(t):
-    """``DTensor.full_tensor()`` that also works for FP8 over gloo (moved as bytes)."""
-    from torch.distributed.tensor import DTensor
-
-    if t.dtype.itemsize == 1 and t.is_floating_point():
-        as_bytes = DTensor.from_local(
-            t.to_local().view(torch.uint8),
-            t.device_mesh,
-            t.placements,
-            shape=t.shape,
-            stride=t.stride(),
-            run_check=False,
-        )
-        return as_bytes.full_tensor().view(t.dtype)
-    return t.full_tensor()
-
-
-class _Shard:
-    """One DTensor parameter: where this rank's local shard sits in the full tensor, and
-    the plain tensor (``handle``) the inner CoatAdamW updates in its place."""
-
-    def __init__(self, param, group_size: int):
-        from torch.distributed.tensor import Replicate, Shard
-
-        mesh, placements = param.device_mesh, param.placements
-        shard_dims = [i for i, pl in enumerate(placements) if pl != Replicate()]
-        if param.dim() == 0 or len(shard_dims) != 1 or placements[shard_dims[0]] != Shard(0):
-            raise ValueError(
-                f"CoatAdamW shards support DTensor parameters sharded on dim 0 (FSDP2's "
-                f"fully_shard, HSDP), got placements {placements} for shape "
-                f"{tuple(param.shape)}; tensor-parallel layouts are not supported"
-            )
-        self.param = param
-        self.shape = tuple(param.shape)
-        self.group_size = group_size
-        mesh_dim = shard_dims[0]
-        self.world = mesh.size(mesh_dim)
-        self.rank = mesh.get_local_rank(mesh_dim)
-        self.start, self.end = _chunk(self.shape[0], self.world, self.rank)
-        local = param._local_tensor
-        if local.shape[0] != self.end - self.start:
-            raise ValueError(
-                f"unexpected dim-0 shard: rank {self.rank} of {self.world} holds "
-                f"{local.shape[0]} rows of {self.shape[0]}, expected {self.end - self.start}"
-            )
-        self.cols = 1
-        for d in self.shape[1:]:
-            self.cols *= d
-        self.layout = shard_layout(self.shape, self.world, group_size)
-        if self.layout == "full":
-            self.handle = torch.zeros(self.shape, dtype=param.dtype, device=local.device)
-        else:
-            self.handle = torch.empty(0, dtype=param.dtype, device=local.device)
-            self.rebind()
-        self.group_shape = _canonical_group_shape(self.shape, group_size)
-
-    @property
-    def element_offset(self) -> int:
-        return 0 if self.layout == "full" else self.start * self.cols
-
-    @torch.no_grad()
-    def rebind(self) -> None:
-        # FSDP2 may swap the local tensor behind a sharded parameter (lazy init, to_empty,
-        # load_state_dict(assign=True)); alias the current one, no copy.
-        local = self.param._local_tensor
-        if (
-            self.handle.untyped_storage().data_ptr() != local.untyped_storage().data_ptr()
-            or (self.handle.shape != local.shape)
-            or self.handle.storage_offset() != local.storage_offset()
-        ):
-            self.handle.set_(
-                local.untyped_storage(), local.storage_offset(), local.shape, local.stride()
-            )
-
-    # -------------------------------------------------------------- state conversion
-    def export(self, name: str, value):
-        """Inner (local or full) state tensor -> what goes into a checkpoint."""
-        from torch.distributed.tensor import DTensor
-
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            return value  # step: equal on every rank
-        per_group = _is_per_group(name)
-        if self.layout == "full":
-            return value.reshape(self.group_shape if per_group else self.shape)
-        mesh, placements = self.param.device_mesh, self.param.placements
-        if per_group:
-            shape = self.group_shape
-            local = (
-                value.reshape((self.end - self.start, *shape[1:]))
-                if self.layout == "rows"
-                else value
-            )
-        else:
-            shape, local = self.shape, value.reshape((self.end - self.start, *self.shape[1:]))
-        return DTensor.from_local(
-            local,
-            mesh,
-            placements,
-            shape=torch.Size(shape),
-            stride=torch.empty(shape, device="meta").stride(),
-            run_check=False,
-        )
-
-    def import_(self, name: str, value):
-        """Checkpoint value (DTensor, full tensor or scalar) -> the inner state tensor."""
-        from torch.distributed.tensor import DTensor
-
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            return value
-        per_group = _is_per_group(name)
-        if isinstance(value, DTensor):
-            if self.layout != "full" and value.placements == self.param.placements:
-                return value.to_local().reshape(-1 if per_group else self.handle.shape)
-            value = _gather(value)
-        if self.layout == "full":
-            return value.reshape(-1 if per_group else self.shape)
-        if not per_group:
-            return value.reshape(self.shape)[self.start : self.end]
-        if self.layout == "rows":
-            return value.reshape(self.group_shape)[self.start : self.end].reshape(-1)
-        g0, g1 = _chunk(self.group_shape[0], self.world, self.rank)
-        return value.reshape(-1)[g0:g1]
-
-
-class ShardedOptimizer(torch.optim.Optimizer):
-    """``CoatAdamW`` over FSDP2 (DTensor) parameters: each rank updates its own shard.
-
-    Build it with ``shard_optimizer(CoatAdamW(model.parameters(), ...))`` after
-    ``shard_model``. Its ``param_groups`` hold the DTensor parameters (LR schedulers, DCP's
-    ``get_state_dict`` and ``zero_grad`` see them as usual); an inner ``CoatAdamW``
-    (``.optimizer``) runs on plain tensors aliasing the local shards, so the fused kernel
-    and the FP8 state format are unchanged.
-
-    Shard invariance: groups of ``group_size`` are taken over the flattened *global*
-    parameter. Where every shard starts on a group boundary (``shard_layout`` "rows" or
-    "flat": every Llama weight), the local update is the unsharded update restricted to
-    the shard, bit for bit, including stochastic rounding (the inner optimizer draws its
-    bits by global element index). Elsewhere ("full": e.g. a 64-element norm weight on 2
-    ranks) the rank all-gathers that parameter and its gradient, updates it whole with a
-    replicated state and keeps its slice. So states never depend on the number of ranks.
-
-    ``state_dict()`` gives per-parameter states as DTensors (codes sharded like the
-    parameter, per-group numbers sharded by row) or, for "full" parameters, plain
-    replicated tensors: DCP saves them sharded and loads them on any number of ranks.
-    """
-
-    def __init__(self, optimizer):
-        from fp8_optim import CoatAdamW
-        from torch.distributed.tensor import DTensor
-
-        if not isinstance(optimizer, CoatAdamW):
-            raise TypeError(
-                f"shard_optimizer wraps a fp8_optim.CoatAdamW, got {type(optimizer).__name__}: "
-                "torch optimizers take FSDP2's DTensor parameters as they are"
-            )
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        sharded = any(isinstance(p, DTensor) for p in params)
-        if sharded and optimizer.state:
-            raise ValueError(
-                "shard_optimizer needs a CoatAdamW that has not stepped yet: wrap it right "
-                "after building it (load checkpoints through load_checkpoint afterwards)"
-            )
-        group_size = optimizer.config.group_size
-        self._shards: dict[torch.Tensor, _Shard] = {}
-        if sharded:
-            inner_groups = []
-            for group in optimizer.param_groups:
-                handles = []
-                for p in group["params"]:
-                    if isinstance(p, DTensor):
-                        self._shards[p] = _Shard(p, group_size)
-                        handles.append(self._shards[p].handle)
-                    else:
-                        handles.append(p)
-                inner_groups.append({**group, "params": handles})
-            inner = CoatAdamW(inner_groups, config=optimizer.config, **optimizer.defaults)
-            for shard in self._shards.values():
-                inner.set_element_offset(shard.handle, shard.element_offset)
-        else:  # DDP / one process: nothing to shard; only the checkpoint layout changes
-            inner = optimizer
-        self.optimizer = inner
-        self._inner_of = {}
-        for outer_group, inner_group in zip(
-            optimizer.param_groups, inner.param_groups, strict=True
-        ):
-            self._inner_of.update(zip(outer_group["params"], inner_group["params"], strict=True))
-        self._group_size = group_size
-        super().__init__(
-            [{k: v for k, v in g.items()} for g in optimizer.param_groups], optimizer.defaults
-        )
-        self._built = True
-        self._refresh_state()
-
-    # ---------------------------------------------------------------------------- step
-    def _sync_hyperparameters(self) -> None:
-        # LR schedulers and users edit the outer groups; the inner optimizer reads its own.
-        for outer, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
-            for key, value in outer.items():
-                if key != "params":
-                    inner[key] = value
-
-    def _refresh_state(self) -> None:
-        self.state = defaultdict(dict)
-        for p, handle in self._inner_of.items():
-            if handle in self.optimizer.state and self.optimizer.state[handle]:
-                self.state[p] = self.optimizer.state[handle]
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One CoatAdamW step on every shard with a gradient. Returns ``closure()``'s loss."""
-        from torch.distributed.tensor import DTensor
-
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._sync_hyperparameters()
-        full = []
-        for p, shard in self._shards.items():
-            grad = p.grad
-            if grad is None:
-                shard.handle.grad = None
-                continue
-            if not isinstance(grad, DTensor):
-                raise TypeError("a DTensor parameter has a plain-tensor gradient: expected FSDP2's")
-            if shard.layout == "full":
-                shard.handle.copy_(_gather(p))
-                shard.handle.grad = _gather(grad)
-                full.append(shard)
-            else:
-                shard.rebind()
-                shard.handle.grad = grad.to_local()
-        self.optimizer.step()
-        for shard in full:
-            shard.param._local_tensor.copy_(shard.handle[shard.start : shard.end])
-        for shard in self._shards.values():
-            shard.handle.grad = None  # drop the alias: FSDP2 frees gradients on zero_grad
-        self._refresh_state()
-        return loss
-
-    def nonfinite_groups(self, reset: bool = False) -> int:
-        """Groups skipped for non-finite values on this rank (see CoatAdamW)."""
-        return self.optimizer.nonfinite_groups(reset)
-
-    def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_built", False):  # Optimizer.__init__ adds the initial groups
-            raise NotImplementedError(
-                "add the parameter group to the CoatAdamW before shard_optimizer wraps it"
-            )
-        super().add_param_group(param_group)
-
-    # --------------------------------------------------------------------- state dicts
-    def state_dict(self) -> dict:
-        """torch optimizer format; states of DTensor parameters as DTensors (see class doc)."""
-        self._sync_hyperparameters()
-        inner = self.optimizer.state_dict()
-        outer_params = [p for g in self.param_groups for p in g["params"]]
-        state = {}
-        for index, pstate in inner["state"].items():
-            shard = self._shards.get(outer_params[index])
-            state[index] = {
-                name: self._export(shard, outer_params[index], name, value)
-                for name, value in pstate.items()
-            }
-        groups = []
-        for outer, saved in zip(self.param_groups, inner["param_groups"], strict=True):
-            groups.append(
-                {**{k: v for k, v in outer.items() if k != "params"}, "params": saved["params"]}
-            )
-        return {"state": state, "param_groups": groups}
-
-    def _export(self, shard, param, name, value):
-        if shard is not None:
-            return shard.export(name, value)
-        if _is_per_group(name) and isinstance(value, torch.Tensor):
-            return value.reshape(_canonical_group_shape(tuple(param.shape), self._group_size))
-        return value
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict from ``state_dict()`` of any number of ranks (or CoatAdamW's own)."""
-        outer_params = [p for g in self.param_groups for p in g["params"]]
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        if len(saved_ids) != len(outer_params):
-            raise ValueError(
-                f"state dict has {len(saved_ids)} parameters, this optimizer {len(outer_params)}"
-            )
-        param_of = dict(zip(saved_ids, outer_params, strict=True))
-        state = {}
-        for pid, pstate in state_dict["state"].items():
-            # DCP's unflattening gives {} for states a parameter did not have when saved.
-            pstate = {k: v for k, v in pstate.items() if not (isinstance(v, dict) and not v)}
-            if not pstate:
-                continue
-            param = param_of[pid]
-            shard = self._shards.get(param)
-            state[pid] = {
-                name: (
-                    shard.import_(name, v) if shard is not None else self._import(param, name, v)
-                )
-                for name, v in pstate.items()
-            }
-        groups = [{**g} for g in state_dict["param_groups"]]
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        for outer, loaded in zip(self.param_groups, groups, strict=True):
-            outer.update({k: v for k, v in loaded.items() if k != "params"})
-        self._refresh_state()
-
-    def _import(self, param, name, value):
-        if _is_per_group(name) and isinstance(value, torch.Tensor) and value.dim() > 0:
-            from torch.distributed.tensor import DTensor
-
-            if isinstance(value, DTensor):
-                value = _gather(value)
-            return value.reshape(-1)
-        return value
-
-
-def shard_optimizer(optimizer) -> ShardedOptimizer:
-    """Wrap a ``CoatAdamW`` built on a ``shard_model``-ed (FSDP2) model's parameters so that
-    each rank quantizes and updates its own shards (see ``ShardedOptimizer``). Wrap it before
-    creating an LR scheduler. Under DDP or in one process it changes nothing but the
-    checkpoint layout (so DCP checkpoints move between FSDP2, DDP and single-process runs).
-
-    >>> optimizer = shard_optimizer(create_optimizer(model, lr=3e-4))
-    """
-    return ShardedOptimizer(optimizer)
-
-
 # ----------------------------------------------------------------- coat-train under torchrun
 STRATEGIES = ("fsdp", "ddp")
 
@@ -649,9 +250,9 @@ def prepare_data_parallel(
 
     ``apply_coat`` (if ``fp8_activations``), then ``strategy``: ``"fsdp"`` (``shard_model``
     with the bf16 policy) or ``"ddp"`` (``wrap_ddp``; run forward under bf16 autocast), then
-    the optimizer on what this rank updates: ``create_optimizer`` (CoatAdamW, through
-    ``shard_optimizer`` for FSDP2) if ``fp8_optimizer``, else ``torch.optim.AdamW`` (fused on
-    CUDA) with the same decay / no-decay groups. Each rank should train on its own
+    the optimizer on what this rank updates: ``create_optimizer`` (CoatAdamW, which updates
+    each rank's DTensor shards under FSDP2) if ``fp8_optimizer``, else ``torch.optim.AdamW``
+    (fused on CUDA) with the same decay / no-decay groups. Each rank should train on its own
     micro-batches (e.g. micro-batch ``micro * world_size + rank`` of a step): then N ranks
     with ``grad_accum = A`` see the tokens of one process with ``grad_accum = N * A``.
 
@@ -673,8 +274,6 @@ def prepare_data_parallel(
         target = model.module
     if fp8_optimizer:
         optimizer = create_optimizer(target, lr=lr, weight_decay=weight_decay, betas=betas)
-        if strategy == "fsdp":
-            optimizer = shard_optimizer(optimizer)
     else:
         fused = next(target.parameters()).is_cuda
         optimizer = torch.optim.AdamW(
@@ -732,16 +331,6 @@ def _dcp_state(model: nn.Module, optimizer) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def _as_sharded(optimizer):
-    """CoatAdamW goes through ShardedOptimizer (checkpoint layout); torch optimizers as they
-    are (their states are elementwise: DTensors under FSDP2 already)."""
-    from fp8_optim import CoatAdamW
-
-    if isinstance(optimizer, CoatAdamW):
-        return ShardedOptimizer(optimizer)
-    return optimizer
-
-
 @contextlib.contextmanager
 def _single_process_quiet():
     # DCP warns that it "assumes the intent is to save/load in a single process" whenever no
@@ -774,7 +363,7 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, *, extra: dict | Non
 
     path = os.fspath(path)
     partial = path + ".partial"
-    state = _dcp_state(model, _as_sharded(optimizer))
+    state = _dcp_state(model, optimizer)
     if extra is not None:
         buffer = io.BytesIO()
         torch.save(extra, buffer)
@@ -816,7 +405,6 @@ def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = Tr
             f"no checkpoint at {path!r}{hint}: expected a directory written by save_checkpoint"
         )
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    optimizer = _as_sharded(optimizer)
     state = _dcp_state(model, optimizer)
     unsaved = _check_against(saved, state, path, strict)
     for key in unsaved:  # parameters without optimizer state when saved (no gradient yet)

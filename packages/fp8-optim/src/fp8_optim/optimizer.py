@@ -12,6 +12,7 @@ from fp8_quant import FP8Format
 
 from . import reference
 from .config import CoatAdamWConfig
+from .dtensor import PER_GROUP_SUFFIXES, ShardedParam, gather, group_state_shape, is_dtensor
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -44,6 +45,14 @@ class CoatAdamW(torch.optim.Optimizer):
     ``16 * k`` per group): 2.078 bytes per element at group size 128. With
     ``high_precision_states`` it is exactly torch's: ``step``, fp32 ``exp_avg``,
     ``exp_avg_sq``.
+
+    DTensor parameters (FSDP2's ``fully_shard``, any number of ranks): each rank updates
+    its own shard, and parameters and states are bit for bit those of the unsharded
+    optimizer (groups follow the global tensor; see ``fp8_optim.dtensor``). ``state_dict()``
+    then holds DTensor states that ``torch.distributed.checkpoint`` reshards. In every state
+    dict the per-group numbers of a parameter whose rows hold whole groups are shaped
+    ``(rows, groups per row)``, else ``(groups,)`` (``dtensor.group_state_shape``), so that
+    checkpoints do not depend on how parameters were sharded.
 
     Non-finite values: a group (``group_size`` elements of one parameter) whose update
     would produce a NaN or inf in ``p``, ``m`` or ``v`` is skipped: its parameter values and
@@ -86,6 +95,7 @@ class CoatAdamW(torch.optim.Optimizer):
         self.config = config
         self._param_index: dict[torch.Tensor, int] = {}
         self._sr_offset: dict[torch.Tensor, int] = {}
+        self._shards: dict[torch.Tensor, ShardedParam] = {}
         self._plans: dict = {}
         self._bad: dict[torch.device, torch.Tensor] = {}
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
@@ -101,6 +111,10 @@ class CoatAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
             self._param_index[p] = len(self._param_index)
+            if is_dtensor(p):
+                shard = ShardedParam(p, self.config.group_size)
+                self._shards[p] = shard
+                self._sr_offset[p] = shard.element_offset
 
     def set_element_offset(self, param: torch.Tensor, offset: int) -> None:
         """Index of ``param``'s first element in the full tensor it is a shard of.
@@ -123,23 +137,35 @@ class CoatAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        prepared = []
         for gi, group in enumerate(self.param_groups):
             buckets: dict[tuple, list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 _check_grad(p, p.grad)
+                t = p
+                if p in self._shards:  # DTensor: update the local shard (or the gathered whole)
+                    t = self._shards[p].prepare()
+                    prepared.append(self._shards[p])
                 state = self.state[p]
                 if not state:
-                    self._init_state(p, state)
-                key = (self._backend(p), p.device, p.dtype, p.grad.dtype)
+                    self._init_state(t, state)
+                key = (self._backend(t), t.device, t.dtype, t.grad.dtype)
                 buckets.setdefault(key, []).append(p)
             for key, ps in buckets.items():
                 if key[0] == "reference":
                     self._step_reference(group, ps)
                 else:
                     self._step_triton(gi, group, key, ps)
+        for shard in prepared:
+            shard.finish()
         return loss
+
+    def _tensor(self, p: torch.Tensor) -> torch.Tensor:
+        """The plain tensor updated for ``p``: ``p`` itself, or a DTensor's local shard."""
+        shard = self._shards.get(p)
+        return p if shard is None else shard.work
 
     def _backend(self, p: torch.Tensor) -> str:
         backend = self.config.backend
@@ -190,13 +216,14 @@ class CoatAdamW(torch.optim.Optimizer):
         return self._bad[device]
 
     def _step_reference(self, group: dict, params: list[torch.Tensor]) -> None:
-        bad = self._bad_counter(params[0].device)
-        for p in params:
+        tensors = [self._tensor(p) for p in params]
+        bad = self._bad_counter(tensors[0].device)
+        for p, t in zip(params, tensors, strict=True):
             n_bad = reference.adamw_step_(
-                p,
-                p.grad,
+                t,
+                t.grad,
                 self.state[p],
-                **self._options(group, p),
+                **self._options(group, t),
                 seed=self.config.seed,
                 param_index=self._param_index[p],
                 sr_offset=self._sr_offset.get(p, 0),
@@ -206,16 +233,16 @@ class CoatAdamW(torch.optim.Optimizer):
     def _step_triton(self, gi: int, group: dict, key: tuple, params: list[torch.Tensor]) -> None:
         from . import ops  # Triton is needed only here
 
-        work = [p if p.is_contiguous() else p.contiguous() for p in params]
-        grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
+        tensors = [self._tensor(p) for p in params]
+        work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        grads = [t.grad if t.grad.is_contiguous() else t.grad.contiguous() for t in tensors]
         states = [self.state[p] for p in params]
-        opts = self._options(group, params[0])
+        device = tensors[0].device
+        opts = self._options(group, tensors[0])
         lr = opts["lr"]
-        if isinstance(lr, torch.Tensor) and lr.device != params[0].device:
+        if isinstance(lr, torch.Tensor) and lr.device != device:
             if lr.device.type != "cpu":
-                raise ValueError(
-                    f"lr is a tensor on {lr.device}, parameters are on {params[0].device}"
-                )
+                raise ValueError(f"lr is a tensor on {lr.device}, parameters are on {device}")
             opts["lr"] = lr.item()  # a CPU tensor: no device sync
         ptrs = tuple(t.data_ptr() for t in chain(work, grads))
         cached = self._plans.get((gi, key))
@@ -232,11 +259,11 @@ class CoatAdamW(torch.optim.Optimizer):
             self._plans[(gi, key)] = (ptrs, plan)
         else:
             plan = cached[1]
-        bad = self._bad_counter(params[0].device)
+        bad = self._bad_counter(device)
         ops.fused_adamw_step_(plan, work, grads, states, bad, **opts)
-        for w, p in zip(work, params, strict=True):
-            if w is not p:
-                p.copy_(w)
+        for w, t in zip(work, tensors, strict=True):
+            if w is not t:
+                t.copy_(w)
         torch.autograd.graph.increment_version([w for w in work])
 
     def nonfinite_groups(self, reset: bool = False) -> int:
@@ -251,6 +278,26 @@ class CoatAdamW(torch.optim.Optimizer):
         return total
 
     # ------------------------------------------------------------------ state dicts
+    def state_dict(self) -> dict:
+        """torch's optimizer format. Per-group numbers have their checkpoint shape
+        (``dtensor.group_state_shape``); states of DTensor parameters are DTensors sharded
+        like their parameter (plain replicated tensors for "full" ones, see ``dtensor``)."""
+        sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        G = self.config.group_size
+        for index, pstate in sd["state"].items():
+            p = params[index]
+            shard = self._shards.get(p)
+            out = {}
+            for name, value in pstate.items():
+                if shard is not None:
+                    value = shard.export(name, value)
+                elif name.endswith(PER_GROUP_SUFFIXES):
+                    value = value.reshape(group_state_shape(tuple(p.shape), G))
+                out[name] = value
+            sd["state"][index] = out
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a ``CoatAdamW`` or a ``torch.optim.AdamW`` state dict.
 
@@ -281,8 +328,17 @@ class CoatAdamW(torch.optim.Optimizer):
         for pid, pstate in state_dict["state"].items():
             if pid not in id_map:
                 raise ValueError(f"state dict has state for unknown parameter id {pid!r}")
+            # torch.distributed.checkpoint unflattens a state a parameter lacked to {}.
+            pstate = {k: v for k, v in pstate.items() if not (isinstance(v, dict) and not v)}
+            if not pstate:
+                continue
             p = id_map[pid]
-            new_state[p] = self._import_state(p, pstate)
+            shard = self._shards.get(p)
+            if shard is not None:
+                pstate = {k: shard.import_(k, v) for k, v in pstate.items()}
+            else:
+                pstate = {k: gather(v) if is_dtensor(v) else v for k, v in pstate.items()}
+            new_state[p] = self._import_state(self._tensor(p), pstate)
         new_groups = []
         for g, s in zip(groups, saved, strict=True):
             if s.get("amsgrad", False):
@@ -309,7 +365,7 @@ class CoatAdamW(torch.optim.Optimizer):
         ``torch.optim.AdamW(params, ...).load_state_dict(opt.to_adamw_state_dict())`` then
         continues from the dequantized moments.
         """
-        sd = self.state_dict()
+        sd = super().state_dict()  # this optimizer's own (local) tensors
         index_of = {}
         for g_saved, g in zip(sd["param_groups"], self.param_groups, strict=True):
             index_of.update(zip(g_saved["params"], g["params"], strict=True))
@@ -318,7 +374,9 @@ class CoatAdamW(torch.optim.Optimizer):
             p = index_of[idx]
             out = {"step": s["step"].detach().to("cpu", torch.float32).clone()}
             for name in _MOMENTS:
-                out[name] = self._moment_fp32(p, s, name).clone()
+                out[name] = self._moment_fp32(self._tensor(p), s, name).clone()
+                if p in self._shards:
+                    out[name] = self._shards[p].export_rows(out[name])
             state[idx] = out
         groups = [{**g, "amsgrad": False} for g in sd["param_groups"]]
         return {"state": state, "param_groups": groups}
@@ -434,10 +492,11 @@ def _check_hyper(group: dict) -> None:
 
 
 def _group_numbers(s: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(amax, k16)`` of a moment, flat (state dicts may shape them ``(rows, groups)``)."""
     amax, k16 = s[name + "_amax"], s[name + "_k"]
     if amax.dtype != torch.float32 or k16.dtype != torch.uint8 or amax.shape != k16.shape:
         raise TypeError(f"state {name}_amax must be float32 and {name}_k uint8, one per group")
-    return amax, k16
+    return amax.reshape(-1), k16.reshape(-1)
 
 
 def _infer_group_size(numel: int, ngroups: int, preferred: int) -> int:

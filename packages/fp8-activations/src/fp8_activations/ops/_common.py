@@ -31,22 +31,23 @@ from fp8_quant.ops import abs_max, fp8_encode, fp8_scale
 EMIT_CODES = {"none": 0, "amax": 1, "fp8": 2}
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-# Launch tunables, measured on an H200 (benchmarks/profile_ops.py, BENCHMARKS.md).
-# Element-wise kernels: (elements per program, warps). Norms: elements per thread in the
-# row tile (sets the warps), and for the backward (which walks rows and keeps its share
-# of dweight in registers) also programs per SM.
+# Launch tunables, the fastest of benchmarks/profile_ops.py --sweep on an H200 (Llama-2-7B
+# shapes, bf16; BENCHMARKS.md). Element-wise kernels: (elements per program, warps). Norms:
+# (elements per thread in the row tile, which sets the warps,) and for the backward, which
+# walks rows keeping its share of dweight in registers, also programs per SM (one wave:
+# programs x registers must fit).
 CONFIG: dict[str, tuple[int, ...]] = {
-    "silu_fwd": (4096, 4),
-    "silu_bwd": (4096, 4),
+    "silu_fwd": (4096, 8),
+    "silu_bwd": (2048, 4),
     "gelu_fwd": (4096, 4),
-    "gelu_bwd": (4096, 4),
-    "swiglu_fwd": (4096, 4),
-    "swiglu_bwd": (4096, 4),
-    "residual_add_fwd": (4096, 4),
-    "rms_norm_fwd": (16,),
-    "layer_norm_fwd": (16,),
+    "gelu_bwd": (2048, 4),
+    "swiglu_fwd": (2048, 4),
+    "swiglu_bwd": (2048, 4),
+    "residual_add_fwd": (2048, 4),
+    "rms_norm_fwd": (32,),
+    "layer_norm_fwd": (32,),
     "rms_norm_bwd": (16, 2),
-    "layer_norm_bwd": (16, 2),
+    "layer_norm_bwd": (32, 2),
 }
 
 # Triton decides when a @jit function is defined whether it runs in the interpreter;
@@ -88,7 +89,7 @@ def next_pow2(n: int) -> int:
 
 
 @functools.cache
-def _multiprocessors(index: int | None) -> int:
+def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -152,11 +153,12 @@ def elementwise_launch(name: str, x: torch.Tensor, group_size: int):
 def _elementwise_launch(config, m, n, group_size, element_size):
     elements, warps = config
     groups = m * cdiv(n, group_size)
-    br = max(1, elements // group_size)
+    even = n % group_size == 0
+    # Without EVEN every element carries an int64 offset: quarter tiles keep registers low.
+    br = max(1, elements // group_size // (1 if even else 4))
     meta = dict(
-        BR=br, G=group_size, V=_vector(group_size, element_size), EVEN=n % group_size == 0,
-        num_warps=warps,
-    )  # fmt: skip
+        BR=br, G=group_size, V=_vector(group_size, element_size), EVEN=even, num_warps=warps
+    )
     return (max(1, cdiv(groups, br)),), meta
 
 
@@ -181,7 +183,7 @@ def row_programs(name: str, x: torch.Tensor, bm: int) -> int:
     (programs x N fp32) stay small."""
     blocks = cdiv(x.shape[0], bm)
     if x.is_cuda:
-        return max(1, min(blocks, CONFIG[name][1] * _multiprocessors(x.device.index)))
+        return max(1, min(blocks, CONFIG[name][1] * _multiprocessors(x.get_device())))
     return max(1, min(blocks, 4))  # the interpreter runs programs one after another
 
 
@@ -303,21 +305,34 @@ def load_groups(q_ptr, s_ptr, offs, mask, s_offs, s_mask):
 
 
 @triton.jit
-def _sum_rows_kernel(P, OUT, R, N, BN: tl.constexpr, BR: tl.constexpr):
-    """``OUT[n] = sum_r P[r, n]`` (fp32 ``P`` of shape ``(R, N)``), stored in OUT's dtype."""
+def _sum_rows_kernel(P, OUT, P2, OUT2, R, N, TWO: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    """``OUT[n] = sum_r P[r, n]`` for an fp32 ``(R, N)`` ``P``, stored in OUT's dtype; with
+    TWO the same for ``P2`` into ``OUT2``."""
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     acc = tl.zeros((BR, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BR, BN), dtype=tl.float32)
     for r in range(0, R, BR):
         rows = r + tl.arange(0, BR)
+        offs = rows[:, None] * N + cols[None, :]
         mask = (rows < R)[:, None] & (cols < N)[None, :]
-        acc += tl.load(P + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        acc += tl.load(P + offs, mask=mask, other=0.0)
+        if TWO:
+            acc2 += tl.load(P2 + offs, mask=mask, other=0.0)
     tl.store(OUT + cols, cast_out(tl.sum(acc, axis=0), OUT), mask=cols < N)
+    if TWO:
+        tl.store(OUT2 + cols, cast_out(tl.sum(acc2, axis=0), OUT2), mask=cols < N)
 
 
-def sum_rows(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Column sums of an fp32 ``(programs, N)`` partial-sum buffer, in ``dtype``: one launch
-    for what ``partial.sum(0).to(dtype)`` does in two."""
+def sum_rows(partial: torch.Tensor, dtype: torch.dtype, partial2=None, dtype2=None):
+    """Column sums of an fp32 ``(programs, N)`` partial-sum buffer, in ``dtype`` (one launch
+    for what ``partial.sum(0).to(dtype)`` does in two); with ``partial2`` also its sums in
+    ``dtype2``, in the same launch, returned as a pair."""
     r, n = partial.shape
     out = torch.empty(n, device=partial.device, dtype=dtype)
-    _sum_rows_kernel[(cdiv(n, 128),)](partial, out, r, n, BN=128, BR=8, num_warps=4)
-    return out
+    two = partial2 is not None
+    out2 = torch.empty(n, device=partial.device, dtype=dtype2) if two else out
+    _sum_rows_kernel[(cdiv(n, 32),)](
+        partial, out, partial2 if two else partial, out2, r, n, TWO=two, BN=32, BR=64,
+        num_warps=4,
+    )  # fmt: skip
+    return (out, out2) if two else out

@@ -158,8 +158,11 @@ def layer_norm_bwd(
         dy, x_q, x_s, weight if weight is not None else dy, dx, part_w, part_b, m, n, eps,
         HAS_W=weight is not None, HAS_B=bias is not None, **meta,
     )  # fmt: skip
-    dw = sum_rows(part_w, weight.dtype) if weight is not None else dy.new_empty(0)
-    db = sum_rows(part_b, bias.dtype) if bias is not None else dy.new_empty(0)
+    if weight is not None and bias is not None:
+        dw, db = sum_rows(part_w, weight.dtype, part_b, bias.dtype)
+    else:
+        dw = sum_rows(part_w, weight.dtype) if weight is not None else dy.new_empty(0)
+        db = sum_rows(part_b, bias.dtype) if bias is not None else dy.new_empty(0)
     return dx, dw, db
 
 
@@ -183,6 +186,7 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.save_for_backward(*(x_fp8 if x_fp8 is not None else (x_q, x_s)), weight, bias)
         ctx.eps, ctx.group_size, ctx.backend = eps, group_size, backend
         ctx.mark_non_differentiable(*(t for t in hand if t is not None))
+        ctx.set_materialize_grads(False)  # no zero tensors for the hand-over's grads
         return y, *hand
 
     @staticmethod

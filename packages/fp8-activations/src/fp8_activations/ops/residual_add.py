@@ -77,6 +77,7 @@ class ResidualAddFunction(torch.autograd.Function):
     def forward(ctx, x, residual, group_size, fmt, emit, backend):
         y, *hand = residual_add_fwd(x, residual, group_size, fmt, emit, backend)
         ctx.mark_non_differentiable(*(t for t in hand if t is not None))
+        ctx.set_materialize_grads(False)  # no zero tensors for the hand-over's grads
         return y, *hand
 
     @staticmethod

@@ -161,6 +161,7 @@ class RMSNormFunction(torch.autograd.Function):
         ctx.save_for_backward(*(x_fp8 if x_fp8 is not None else (x_q, x_s)), weight)
         ctx.eps, ctx.group_size, ctx.backend = eps, group_size, backend
         ctx.mark_non_differentiable(*(t for t in hand if t is not None))
+        ctx.set_materialize_grads(False)  # no zero tensors for the hand-over's grads
         return y, *hand
 
     @staticmethod

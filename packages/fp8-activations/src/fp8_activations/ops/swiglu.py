@@ -131,6 +131,7 @@ class SwiGLUFunction(torch.autograd.Function):
         ctx.save_for_backward(g_q, g_s, u_q, u_s)
         ctx.group_size, ctx.backend = group_size, backend
         ctx.mark_non_differentiable(*(t for t in hand if t is not None))
+        ctx.set_materialize_grads(False)  # no zero tensors for the hand-over's grads
         return y, *hand
 
     @staticmethod
