@@ -4,7 +4,8 @@ largest that fits.
 
 Run on 2 GPUs (any N works; the lead's ``nvidia-h200-x2``)::
 
-    PYTHONPATH=packages/fp8-quant/src:packages/fp8-optim/src:packages/fp8-activations/src:packages/coat-models/src \\
+    P=packages; export PYTHONPATH=$P/fp8-quant/src:$P/fp8-optim/src
+    export PYTHONPATH=$PYTHONPATH:$P/fp8-activations/src:$P/coat-models/src
     BENCH_OUT=bench_fsdp.json torchrun --standalone --nproc-per-node 2 \\
         packages/coat-models/benchmarks/bench_fsdp.py
 
@@ -14,7 +15,7 @@ clipping at 1.0, no activation checkpointing (``--activation-checkpointing`` tur
 
 * ``bf16``: ``torch.optim.AdamW(fused=True)``, fp32 moments (8 B/param).
 * ``coat``: ``apply_coat`` (FP8 activations, FP8 GEMMs) and ``CoatAdamW`` (FP8 moments,
-  2.08 B/param) through ``shard_optimizer``.
+  2.08 B/param; each rank updates its DTensor shards).
 
 Per (mode, micro-batch) in ``--micro-batches`` order (default 1,2,4,8): ``--warmup`` steps,
 then ``--steps`` timed steps (forward, backward, clip, optimizer step, zero_grad) between two
@@ -64,7 +65,7 @@ def parse_args(argv=None):
 def build(mode: str, args, device: torch.device):
     """(model, optimizer) of ``mode``, sharded over all ranks."""
     from coat_models import apply_coat, create_optimizer
-    from coat_models.distributed import shard_model, shard_optimizer
+    from coat_models.distributed import shard_model
     from coat_models.presets import build_model, preset_config
 
     config = preset_config(args.preset, data_vocab=256, max_seq=args.seq_len)
@@ -73,7 +74,7 @@ def build(mode: str, args, device: torch.device):
         apply_coat(model)
     shard_model(model, mp_policy="bf16", activation_checkpointing=args.activation_checkpointing)
     if mode == "coat":
-        optimizer = shard_optimizer(create_optimizer(model, lr=1e-4))
+        optimizer = create_optimizer(model, lr=1e-4)
     else:
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [

@@ -9,7 +9,14 @@ against another copy of the package; ``--sweep`` tries the launch configs of
 
 It first runs ``pytest -m gpu`` on the package's tests (``--no-pytest`` skips that).
 ``--baseline DIR``: DIR holds a package ``fp8_activations_base``, a copy of fp8_activations
-whose ``fp8_activations::`` op names were renamed ``fp8_activations_base::``.
+whose ``fp8_activations::`` op names were renamed ``fp8_activations_base::``; for commit C:
+
+    B=packages/fp8-activations/build/baseline; mkdir -p /tmp/fa_base $B
+    git archive C packages/fp8-activations/src/fp8_activations | tar -x -C /tmp/fa_base
+    cp -r /tmp/fa_base/packages/fp8-activations/src/fp8_activations $B/fp8_activations_base
+    grep -rl fp8_activations:: $B | xargs sed -i s/fp8_activations::/fp8_activations_base::/
+
+(``build/`` is git-ignored; pass it to a device run with ``carry``.)
 
 Columns (ms):
   fwd+bwd   ``triton.testing.do_bench`` median of forward + backward (what a step sees)
@@ -420,7 +427,7 @@ def host_profile(clock, fa, shape, names, calls=200, top=14):
             prof.disable()
             clock._sync()
             buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+            pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime").print_stats(top)
             lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
             out(f"\nhost profile, {name} {tag}, {calls} calls (tottime s, cumtime s):")
             for ln in lines[-top - 1 :]:

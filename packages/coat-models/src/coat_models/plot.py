@@ -141,7 +141,7 @@ def nice_ticks(lo: float, hi: float, target: int = 6) -> list[float]:
         hi = lo + 1
     raw = (hi - lo) / target
     mag = 10 ** math.floor(math.log10(raw))
-    step = min((m * mag for m in (1, 2, 5, 10) if m * mag >= raw), default=10 * mag)
+    step = min((m * mag for m in (1, 2, 5, 10)), key=lambda st: abs((hi - lo) / st - target))
     first = math.ceil(lo / step - 1e-9) * step
     return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
 

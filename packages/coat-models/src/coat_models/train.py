@@ -57,19 +57,19 @@ class TrainConfig:
 
     mode: str = "bf16"
     master_dtype: str = "fp32"
-    batch_size: int = 16  # sequences per micro-batch
+    batch_size: int = 8  # sequences per micro-batch
     seq_len: int = 128
     grad_accum: int = 1  # micro-batches per optimizer step
-    steps: int = 150  # optimizer steps
+    steps: int = 120  # optimizer steps
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup: int = 15
+    warmup: int = 12
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
     seed: int = 0
     # Not part of the numbers: may change when resuming.
-    eval_every: int = 50
+    eval_every: int = 40
     eval_batches: int = 4
     save_every: int = 0  # 0: no checkpoints
     keep_checkpoints: int = 2
