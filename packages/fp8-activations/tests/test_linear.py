@@ -101,6 +101,53 @@ def test_saves_only_fp8_transposed_input(cache, saved):
     assert saved.activation_bytes(w, *cached) <= 0.51 * base.activation_bytes(w)
 
 
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "on-the-fly"])
+def test_linears_on_one_input_share_its_fp8_copy(cache, saved, monkeypatch):
+    """Q/K/V (or gate/up) on one x: x is quantized once and its x^T saved once (one copy
+    for the three GEMMs), with the same bits as three separate quantizations."""
+    x, _, _ = _inputs(torch.bfloat16)
+    ws = [(torch.randn(n, x.shape[-1]) / 11).requires_grad_() for n in (96, 32, 32)]
+    runs = {}
+    for flow in (True, False):
+        x.grad = None
+        for w in ws:
+            w.grad = None
+        x_ = x.detach().requires_grad_()  # a fresh object: nothing attached yet
+        rec = type(saved)()
+        cfg = FP8Config(weight_cache=cache, precision_flow=flow)
+        with rec.record():
+            ys = [fa.fp8_linear(x_, w, None, cfg) for w in ws]
+        sum(y.float().square().sum() for y in ys).backward()
+        cached = [t for w in ws for t in getattr(w, _CACHE_ATTR, (None, ()))[1]] if cache else []
+        runs[flow] = ys, [x_.grad, *(w.grad for w in ws)], rec.activation_bytes(*ws, *cached)
+    (ys, grads, shared), (ys0, grads0, separate) = runs[True], runs[False]
+    for a, b in zip([*ys, *grads], [*ys0, *grads0], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert shared == x.numel() + 4  # x^T in E4M3 and its scale, once
+    assert separate == 3 * (x.numel() + 4)
+
+    import fp8_activations.ops.linear as lin
+
+    calls = []
+    real = lin.quantize_per_tensor_transpose
+    monkeypatch.setattr(
+        lin,
+        "quantize_per_tensor_transpose",
+        lambda t, *a, **k: calls.append(t.shape) or real(t, *a, **k),
+    )
+    x_ = x.detach().requires_grad_()
+    cfg = FP8Config(weight_cache=True)
+    for w in ws:
+        fa.fp8_linear(x_, w, None, cfg)
+    assert calls.count(x.reshape(-1, x.shape[-1]).shape) == 1  # x quantized once
+    with torch.no_grad():
+        x_.mul_(1)  # in place: bumps _version, the attached copy is stale
+    calls.clear()
+    fa.fp8_linear(x_, ws[0], None, cfg)
+    fa.fp8_linear(x_, ws[1], None, cfg.replace(backend="reference"))  # another key
+    assert calls.count(x.reshape(-1, x.shape[-1]).shape) == 2
+
+
 def test_weight_cache_one_cast_per_version():
     """Micro-batches reuse the FP8 weight; an optimizer step (in-place, bumps _version)
     invalidates it; cached and on-the-fly casts give identical results."""

@@ -48,9 +48,11 @@ def test_chain_bit_identical_with_and_without_hand_over(saved):
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     for a, b in zip(grads[0], grads[1], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    # Same bytes saved either way: the hand-over replaces a pass, not what is kept.
+    # The hand-over replaces passes; the only change in what is kept: gate and up share one
+    # saved per-tensor x^T (16 x 64 E4M3 + its fp32 scale) instead of one each.
     params = leaves[2:]
-    assert records[0].activation_bytes(*params) == records[1].activation_bytes(*params)
+    shared = 16 * N + 4
+    assert records[0].activation_bytes(*params) == records[1].activation_bytes(*params) - shared
 
 
 def test_norm_saves_the_handed_over_tensor(saved):

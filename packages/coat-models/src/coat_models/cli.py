@@ -478,7 +478,7 @@ MEMORY_NOTE = {
     "backward); other = peak - parts: temporaries inside ops and caches.",
     False: "memory: CPU has no allocator statistics; peak = tensor bytes of weights, "
     "gradients, optimizer state and tensors saved for backward at their joint peak. Not "
-    "counted: temporaries inside ops (tests: +10-15% of the step's peak for bf16, more for "
+    "counted: temporaries inside ops (tests: about 10% of a step's peak for bf16, 33% for "
     "COAT's plain-PyTorch CPU path).",
 }
 

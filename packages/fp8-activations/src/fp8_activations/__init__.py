@@ -3,7 +3,16 @@
 
 from .config import FP8Config
 from .convert import convert_to_fp8_activations, revert_fp8_activations
-from .functional import fp8_linear, gelu, layer_norm, residual_add, rms_norm, silu, swiglu
+from .functional import (
+    fp8_linear,
+    gelu,
+    layer_norm,
+    residual_add,
+    rms_norm,
+    silu,
+    swiglu,
+    swiglu_linear,
+)
 from .modules import FP8GELU, FP8LayerNorm, FP8Linear, FP8RMSNorm, FP8SiLU
 from .tensor import FP8Tensor, Granularity, handed_over
 
@@ -28,4 +37,5 @@ __all__ = [
     "rms_norm",
     "silu",
     "swiglu",
+    "swiglu_linear",
 ]

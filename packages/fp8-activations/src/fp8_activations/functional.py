@@ -19,9 +19,18 @@ from .ops import (
     RMSNormFunction,
     SiLUFunction,
     SwiGLUFunction,
+    SwiGLULinearFunction,
 )
-from .ops.linear import use_scaled_mm, weight_fp8
-from .tensor import FP8Tensor, Granularity, attach, take_fp8, take_group_amax
+from .ops.linear import quantize_t, use_scaled_mm, weight_fp8
+from .tensor import (
+    FP8Tensor,
+    Granularity,
+    attach,
+    attach_per_tensor,
+    take_fp8,
+    take_group_amax,
+    take_per_tensor,
+)
 
 Tensor = torch.Tensor
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -147,17 +156,32 @@ def fp8_linear(
         b = None if bias is None else bias.to(x.dtype)
         return torch.nn.functional.linear(x, weight.to(x.dtype), b)
     amax = take_group_amax(x) if cfg.precision_flow else None
-    cache = cfg.weight_cache and not torch.compiler.is_compiling()
+    amax = None if amax is None else amax.amax()
+    eager = not torch.compiler.is_compiling()
+    cache = cfg.weight_cache and eager
+    rows = x.reshape(-1, x.shape[-1])
+    x_fp8 = None
+    if cfg.precision_flow and eager:
+        # Several linears on one x (Q/K/V, gate/up): the first quantizes x and attaches
+        # (q, q.T, scale) to x; the next ones take it, so x is quantized once and its q.T
+        # saved once (the same bits each would compute: same x, amax, format, backend).
+        key = (cfg.fwd_format.value, cfg.backend)
+        x_fp8 = take_per_tensor(x, key)
+        if x_fp8 is None:
+            with torch.no_grad():
+                x_fp8 = quantize_t(rows, cfg.fwd_format.value, amax, cfg.backend)
+            attach_per_tensor(x, x_fp8, key)
     y = FP8LinearFunction.apply(
-        x.reshape(-1, x.shape[-1]),
+        rows,
         weight,
         bias,
-        None if amax is None else amax.amax(),
+        amax,
         weight_fp8(weight, cfg.fwd_format, cfg.backend) if cache else None,
         cfg.fwd_format.value,
         cfg.grad_format.value,
         cfg.backend,
         use_scaled_mm(x, weight, cfg.gemm),
+        x_fp8,
     )
     return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -275,6 +299,46 @@ def swiglu(gate: Tensor, up: Tensor, config: FP8Config | None = None) -> Tensor:
         _needs_grad(gate, up), cfg.group_size, cfg.fwd_format.value, mode, cfg.backend,
     )  # fmt: skip
     return _hand_over(y, gate.shape, cfg, mode, *hand)
+
+
+def swiglu_linear(
+    gate: Tensor,
+    up: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    config: FP8Config | None = None,
+) -> Tensor:
+    """``fp8_linear(swiglu(gate, up), weight, bias)`` (Llama's down projection) that does not
+    save the linear's input: backward re-forms it from SwiGLU's saved FP8 gate and up.
+
+    Saves 1 B/elem of ``silu(gate) * up`` less than the two ops; the same output, input
+    gradients and bias gradient, and a weight gradient from the re-formed input (within
+    FP8 noise of the unfused one).
+
+    >>> y = swiglu_linear(torch.randn(4, 64), torch.randn(4, 64), torch.randn(32, 64))
+    """
+    cfg = _config(config)
+    _check_float(gate, "gate")
+    _check_like(gate, up, "gate", "up")
+    _check_float(weight, "weight")
+    if weight.dim() != 2 or gate.dim() == 0 or gate.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"weight must be 2-D (out_features, in_features) with in_features = gate's last dim, "
+            f"got weight {tuple(weight.shape)} and gate {tuple(gate.shape)}"
+        )
+    if weight.device != gate.device:
+        raise ValueError(f"weight is on {weight.device} but gate on {gate.device}")
+    _check_param(bias, gate, "bias", weight.shape[0])
+    if gate.numel() == 0 or not _needs_grad(gate, up, weight, bias):
+        return fp8_linear(swiglu(gate, up, cfg), weight, bias, cfg)
+    cache = cfg.weight_cache and not torch.compiler.is_compiling()
+    y = SwiGLULinearFunction.apply(
+        _rows(gate), _rows(up), weight, bias, _handed_fp8(gate, cfg), _handed_fp8(up, cfg),
+        weight_fp8(weight, cfg.fwd_format, cfg.backend) if cache else None, cfg.group_size,
+        cfg.fwd_format.value, cfg.grad_format.value, cfg.backend,
+        use_scaled_mm(gate, weight, cfg.gemm),
+    )  # fmt: skip
+    return y.view(*gate.shape[:-1], weight.shape[0])
 
 
 def residual_add(x: Tensor, residual: Tensor, config: FP8Config | None = None) -> Tensor:

@@ -123,6 +123,11 @@ class HandOver:
     version: int
     fp8: FP8Tensor | None = None  # the output, 1x16 per-group quantized
     group_amax: torch.Tensor | None = None  # fp32 max |output| per 1xG group
+    # Attached by a consuming fp8_linear, for the next linear on the same tensor (Q/K/V,
+    # gate/up): the per-tensor quantization of the 2-D rows ``(q, q.T contiguous, scale)``
+    # and the ``(format value, backend)`` it was made with.
+    per_tensor: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    per_tensor_key: tuple | None = None
 
 
 _ATTR = "_fp8_hand_over"
@@ -131,6 +136,29 @@ _ATTR = "_fp8_hand_over"
 def attach(y: torch.Tensor, fp8: FP8Tensor | None = None, group_amax: torch.Tensor | None = None):
     """Attach a producing op's FP8 form or group maxima of ``y`` to ``y`` (eager mode only)."""
     setattr(y, _ATTR, HandOver(y._version, fp8, group_amax))
+
+
+def attach_per_tensor(x: torch.Tensor, q_qt_scale: tuple, key: tuple) -> None:
+    """Attach a linear's per-tensor FP8 ``(q, q.T, scale)`` of ``x`` (rows) to ``x``, next to
+    what a producer attached (kept while still valid). Eager mode only: the next linear on
+    the same ``x`` (same object and ``_version``) then reuses it instead of quantizing
+    again, and saves the very same ``q.T`` (one saved copy for Q/K/V or gate/up)."""
+    h = handed_over(x)
+    if h is None:
+        h = HandOver(x._version)
+    setattr(x, _ATTR, dataclasses.replace(h, per_tensor=q_qt_scale, per_tensor_key=key))
+
+
+def take_per_tensor(x: torch.Tensor, key: tuple) -> tuple | None:
+    """The per-tensor ``(q, q.T, scale)`` a previous linear attached to ``x``, if it was
+    made with the same ``key`` (format, backend) and ``x`` is unchanged since."""
+    h = handed_over(x)
+    if h is None or h.per_tensor is None or h.per_tensor_key != key:
+        return None
+    q = h.per_tensor[0]
+    if q.shape[-1] != x.shape[-1] or q.numel() != x.numel():
+        return None
+    return h.per_tensor
 
 
 def handed_over(x: torch.Tensor) -> HandOver | None:

@@ -8,6 +8,7 @@ from .residual_add import ResidualAddFunction
 from .rms_norm import RMSNormFunction
 from .silu import SiLUFunction
 from .swiglu import SwiGLUFunction
+from .swiglu_linear import SwiGLULinearFunction
 
 __all__ = [
     "FP8LinearFunction",
@@ -17,5 +18,6 @@ __all__ = [
     "ResidualAddFunction",
     "SiLUFunction",
     "SwiGLUFunction",
+    "SwiGLULinearFunction",
     "quantize_t",
 ]

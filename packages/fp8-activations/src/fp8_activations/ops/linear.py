@@ -74,15 +74,20 @@ def _pad_inner(t: Tensor, multiple: int = 16) -> Tensor:
 
 class FP8LinearFunction(torch.autograd.Function):
     """``(x (M, K), weight (N, K), bias, x_amax, w_fp8, fwd_fmt, grad_fmt, backend,
-    use_scaled_mm) -> y (M, N)`` in x's dtype.
+    use_scaled_mm, x_fp8) -> y (M, N)`` in x's dtype.
 
     ``x_amax``: 0-dim max |x| handed over by the producer (group scaling), or None.
     ``w_fp8``: ``(w_q, w_t, w_scale)`` from the weight cache, or None to cast on the fly.
+    ``x_fp8``: ``quantize_t(x, fwd_fmt, x_amax, backend)`` already made (shared by several
+    linears on one x, which then all save the same ``x_t``), or None to quantize here.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, x_amax, w_fp8, fwd_fmt, grad_fmt, backend, use_scaled_mm):
-        x_q, x_t, x_s = quantize_t(x, fwd_fmt, x_amax, backend)
+    def forward(
+        ctx, x, weight, bias, x_amax, w_fp8, fwd_fmt, grad_fmt, backend, use_scaled_mm,
+        x_fp8=None,
+    ):  # fmt: skip
+        x_q, x_t, x_s = x_fp8 if x_fp8 is not None else quantize_t(x, fwd_fmt, x_amax, backend)
         cached = w_fp8 is not None
         w_q, w_t, w_s = w_fp8 if cached else quantize_t(weight.detach(), fwd_fmt, None, backend)
         y = _mm(x_q, w_q.t(), x_s, w_s, bias, x.dtype, use_scaled_mm, fast_accum=True)
@@ -109,7 +114,7 @@ class FP8LinearFunction(torch.autograd.Function):
             dw = _mm(a, b.t(), dy_s, x_s, None, weight.dtype, ctx.use_scaled_mm)
         if ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------ launch-time decisions
