@@ -335,6 +335,36 @@ def _saved_bytes(model, ids) -> tuple[int, dict]:
     return sum(storages.values()), grads(model)
 
 
+def test_layer_saves_one_fp8_copy_per_gemm_input():
+    """What one COAT layer keeps of its GEMM inputs: Q/K/V share one per-tensor E4M3 x^T,
+    gate/up another, o_proj its own; the down GEMM's input is not saved (re-formed from
+    SwiGLU's 1x16 gate/up in backward); no high-precision copy of the MLP activations."""
+    model = apply_coat(tiny_llama(num_hidden_layers=1)).train()
+    ids = tokens(batch=2, seq=40)  # 80 rows: no FP8 weight (64 x 64, 176 x 64) has that shape
+    rows, hidden, mlp = ids.numel(), model.config.hidden_size, model.config.intermediate_size
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    transposed = {
+        t.untyped_storage().data_ptr(): t.shape
+        for t in kept
+        if t.dtype == torch.float8_e4m3fn and t.shape in ((hidden, rows), (mlp, rows))
+    }
+    assert sorted(transposed.values()) == [(hidden, rows)] * 3
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert not any(
+        t.dim() and t.shape[-1] == mlp and t.element_size() > 1
+        for t in kept
+        if t.untyped_storage().data_ptr() not in params
+    )
+
+
 def test_gradient_checkpointing_same_gradients_less_memory():
     model = apply_coat(tiny_llama(num_hidden_layers=4)).train()
     ids = tokens(batch=4, seq=64)

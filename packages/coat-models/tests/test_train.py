@@ -139,6 +139,9 @@ def test_tracked_memory_matches_resident_set(mode):
     assert step["tracked"] >= (1 - PEAK_TOLERANCE[mode]) * step["measured"], step
 
 
+GPU_OTHER_TOLERANCE = {"bf16": 0.25, "coat": 0.40}  # not yet measured on a GPU
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_breakdown_vs_cuda_allocator_peak(mode, capsys):
@@ -169,5 +172,6 @@ def test_breakdown_vs_cuda_allocator_peak(mode, capsys):
     # The caching allocator rounds every block up to 512 bytes: measured >= tracked.
     assert rep["tracked_peak"] <= rep["measured_peak"]
     # Temporaries (SDPA workspace, the loss's fp32 logits, GEMM outputs being consumed) are
-    # the rest: at most 25% of the peak at this activation-heavy shape.
-    assert rep["other"] <= 0.25 * rep["measured_peak"], rep
+    # the rest: at most 25% of the peak at this activation-heavy shape for bf16, 40% for coat,
+    # whose saved activations are smaller while its kernels' temporaries are not.
+    assert rep["other"] <= GPU_OTHER_TOLERANCE[mode] * rep["measured_peak"], rep

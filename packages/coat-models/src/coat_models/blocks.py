@@ -3,12 +3,14 @@
 The blocks (paper section 2; ``../shared/COAT.md``):
 
 1. ``RMSNorm -> Q, K, V projections``: the norm saves its input in FP8 (1x16 groups) and
-   hands one per-tensor FP8 copy of its output to the three GEMMs, which save exactly that
-   copy (one quantize pass, one saved tensor for three GEMMs).
+   hands its group maxima to the first GEMM, which quantizes the output per tensor and
+   attaches that copy for the other two: all three save exactly that copy (one quantize
+   pass, one saved tensor for three GEMMs; the same for gate/up).
 2. ``attention output projection + residual add``: the residual stream stays in the
    model's dtype; the residual add saves nothing.
 3. ``RMSNorm -> gate, up -> SwiGLU -> down + residual add``: SwiGLU saves gate and up in FP8
-   (1x16) and hands a per-tensor FP8 output to the down GEMM.
+   (1x16); fused with the down GEMM (``swiglu_linear``), whose input is re-formed from them
+   in backward instead of being saved.
 
 RoPE and attention run in the model's dtype through the model's own attention
 implementation (``config._attn_implementation``: SDPA, flash attention, eager, ...).
@@ -31,7 +33,11 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 FP8_OPS = SimpleNamespace(
-    rms_norm=fa.rms_norm, linear=fa.fp8_linear, swiglu=fa.swiglu, residual_add=fa.residual_add
+    rms_norm=fa.rms_norm,
+    linear=fa.fp8_linear,
+    swiglu=fa.swiglu,
+    swiglu_linear=fa.swiglu_linear,
+    residual_add=fa.residual_add,
 )
 
 
@@ -96,10 +102,15 @@ def attention(
 
 
 def mlp(ops, module: nn.Module, normed, config):
-    """gate/up GEMMs on ``normed``, SwiGLU, down GEMM."""
+    """gate/up GEMMs on ``normed``, SwiGLU, down GEMM (fused with SwiGLU when the op set
+    has ``swiglu_linear``: the down GEMM's input is then re-formed in backward, not saved)."""
     gate = _project(ops, normed, module.gate_proj, config)
     up = _project(ops, normed, module.up_proj, config)
-    return _project(ops, ops.swiglu(gate, up, config), module.down_proj, config)
+    down = module.down_proj
+    fused = getattr(ops, "swiglu_linear", None)
+    if fused is not None:
+        return fused(gate, up, down.weight, down.bias, config)
+    return _project(ops, ops.swiglu(gate, up, config), down, config)
 
 
 def decoder_layer(

@@ -37,8 +37,7 @@ from .train import (
     TrainError,
     fmt_bytes,
     latest_checkpoint,
-    write_atomic_bytes,
-    write_atomic_text,
+    write_atomic,
 )
 
 PROG = "coat-train"
@@ -364,7 +363,7 @@ def run(args) -> int:
             )
         summary["wall_s"] = time.perf_counter() - t0
         summaries.append(summary)
-        write_atomic_text(mode_dir / "summary.json", json.dumps(summary, indent=1))
+        write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
         curves[cfg.mode] = _curves(mode_dir / "metrics.jsonl")
         print(
             f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
@@ -373,7 +372,7 @@ def run(args) -> int:
         )
 
     png = out / "loss.png"
-    write_atomic_bytes(png, loss_plot_png(curves))
+    write_atomic(png, loss_plot_png(curves))
     result = {
         "args": vars(args),
         "device": device.type,
@@ -382,7 +381,7 @@ def run(args) -> int:
         "runs": summaries,
         "plot": str(png),
     }
-    write_atomic_text(out / "summary.json", json.dumps(result, indent=1))
+    write_atomic(out / "summary.json", json.dumps(result, indent=1))
     print()
     print(format_table(summaries))
     print()

@@ -60,16 +60,16 @@ class TrainConfig:
     batch_size: int = 8  # sequences per micro-batch
     seq_len: int = 128
     grad_accum: int = 1  # micro-batches per optimizer step
-    steps: int = 120  # optimizer steps
+    steps: int = 100  # optimizer steps
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup: int = 12
+    warmup: int = 10
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
     seed: int = 0
     # Not part of the numbers: may change when resuming.
-    eval_every: int = 40
+    eval_every: int = 25
     eval_batches: int = 4
     save_every: int = 0  # 0: no checkpoints
     keep_checkpoints: int = 2
@@ -435,16 +435,10 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def write_atomic_text(path: Path, text: str) -> None:
+def write_atomic(path: Path, data: str | bytes) -> None:
     """Write to a temporary name, then rename: readers never see half a file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def write_atomic_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
+    tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
     os.replace(tmp, path)
 
 
@@ -620,7 +614,7 @@ class Trainer:
         if resume is not None:
             self.load_checkpoint(resume)
             kept = _metrics_until(metrics_path, self.step)
-            write_atomic_text(metrics_path, "".join(kept))
+            write_atomic(metrics_path, "".join(kept))
         else:
             metrics_path.write_text("")
             torch.manual_seed(cfg.seed)  # whatever setup drew, every mode starts alike

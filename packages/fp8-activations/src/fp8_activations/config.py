@@ -30,8 +30,9 @@ class FP8Config:
             multiply in fp32: same function, any device) or ``"auto"`` (scaled_mm on CUDA
             GPUs with FP8 tensor cores, compute capability >= 8.9; emulated elsewhere).
         precision_flow: let an op hand its output's FP8 form (or its per-group maxima) to the
-            next FP8 op, which then skips its own quantization pass. Results are bit-identical
-            either way; ``False`` only costs time.
+            next FP8 op, which then skips its own quantization pass, and let linears on one
+            input share its FP8 copy (one saved ``x^T`` for Q/K/V). Results are
+            bit-identical either way; ``False`` costs time and that memory.
     """
 
     group_size: int = 16

@@ -133,7 +133,9 @@ def fp8_linear(
 
     x: ``(..., in)``, weight: ``(out, in)``, bias: ``(out,)`` or None; any float dtypes
     (e.g. bf16 activations with fp32 master weights). Returns ``(..., out)`` in x's dtype;
-    saves only x's FP8 transpose and its scale for backward.
+    saves only x's FP8 transpose and its scale for backward. With the precision flow, the
+    per-tensor FP8 x (both layouts) is attached to x: further linears on the same x (Q/K/V,
+    gate/up) reuse it, so x is quantized and saved once (the attachment lives as long as x).
 
     >>> y = fp8_linear(torch.randn(8, 64, requires_grad=True), torch.randn(32, 64))
     """

@@ -30,14 +30,19 @@ def reform_swiglu_t(g_q, g_s, u_q, u_s, group_size, dtype, fmt, amax, backend) -
     the dequantized 1 x G FP8 gate and up: ``s^T`` (N, M), built in row chunks."""
     m, n = g_q.shape
     rows = max(1, _CHUNK_ELEMENTS // max(n, 1))
-    parts = []
+    out = None
     for r0 in range(0, m, rows):
         r1 = min(m, r0 + rows)
         g = dequantize_per_group(g_q[r0:r1], g_s[r0:r1], group_size, torch.float32)
         u = dequantize_per_group(u_q[r0:r1], u_s[r0:r1], group_size, torch.float32)
         s = (torch.nn.functional.silu(g) * u).to(dtype)
-        parts.append(quantize_t(s, fmt, amax, backend)[1])
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        part = quantize_t(s, fmt, amax, backend)[1]
+        if r1 - r0 == m:
+            return part
+        if out is None:
+            out = torch.empty((n, m), device=part.device, dtype=part.dtype)
+        out.view(torch.uint8)[:, r0:r1].copy_(part.view(torch.uint8))  # same bits, any torch
+    return out
 
 
 class SwiGLULinearFunction(torch.autograd.Function):
