@@ -169,8 +169,8 @@ def _is_weight_copy(t: torch.Tensor) -> bool:
 
 
 class _Saved:
-    """What autograd keeps for a saved tensor while the tracker is active: the tensor itself
-    (no copy) and a callback that returns its bytes when autograd frees it."""
+    """What autograd keeps for a saved tensor while the tracker is active: the tensor
+    (detached, no copy) and a callback that returns its bytes when autograd frees it."""
 
     __slots__ = ("tensor", "keys", "release")
 
@@ -234,7 +234,12 @@ class MemoryTracker:
             ref[0] += 1
             keys.append(key)
         self._update()
-        return _Saved(t, keys, self._release)
+        # Keep t detached: t itself may be an output of the node saving it, and a Python
+        # object held by the node that refers back to the node through t.grad_fn is a
+        # cycle that Python's gc cannot see. Then a graph whose backward never runs (an
+        # out-of-memory error in forward or backward) would never be freed, parameters and
+        # activations with it. Autograd restores the history on unpack.
+        return _Saved(t.detach(), keys, self._release)
 
     def _release(self, keys):
         for key in keys:
