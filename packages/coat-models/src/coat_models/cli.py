@@ -57,7 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument(
         "--preset",
-        choices=None,
         metavar="{" + ",".join(PRESETS) + "}",
         help="Llama shape built in code, random init (default: tiny)",
     )
