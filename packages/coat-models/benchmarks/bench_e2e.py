@@ -166,31 +166,18 @@ def main(argv=None) -> int:
     fitting = {n: rows for n, rows in fitting.items() if rows}
 
     # Per micro-batch table.
-    print(
-        "\nvariant           micro-batch   tokens/s      peak   tracked   weights     grads"
-        "  optimizer  activations     other"
-    )
+    cols = ["measured_peak", "tracked_peak", "weights", "weight_copies", "gradients"]
+    cols += ["optimizer_state", "activations", "other"]
+    head = ["peak", "tracked", "weights", "w-copies", "grads", "optimizer", "activations", "other"]
+    print(f"\n{'variant':<17} micro-batch   tokens/s " + " ".join(f"{h:>11}" for h in head))
     for name, rows in results.items():
         for r in rows:
             if not r["fits"]:
                 print(f"{name:<17} {r['micro_batch']:>11}   out of memory")
                 continue
             m = r["memory"]
-            print(
-                f"{name:<17} {r['micro_batch']:>11} {r['tokens_per_s']:>10,.0f} "
-                + " ".join(
-                    f"{fmt_bytes(m[k]):>9}"
-                    for k in (
-                        "measured_peak",
-                        "tracked_peak",
-                        "weights",
-                        "gradients",
-                        "optimizer_state",
-                    )
-                )
-                + f" {fmt_bytes(m['activations'] + m['weight_copies']):>12}"
-                + f" {fmt_bytes(m['other']):>9}"
-            )
+            cells = " ".join(f"{fmt_bytes(m[k]):>11}" for k in cols)
+            print(f"{name:<17} {r['micro_batch']:>11} {r['tokens_per_s']:>10,.0f} {cells}")
 
     summary = {}
     if fitting:

@@ -197,6 +197,7 @@ BAD_INPUTS = [
     (["--preset", "tiny", "--model-dir", "{tmp}"], "use --preset or --model-dir, not both"),
     (["--data", "{npy}", "--vocab-size", "1024"], "token id 4999 but the model's vocabulary"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--threads", "0"], "--threads must be >= 1"),
     (["--seq-len", "100000", "--corpus-mib", "0.05"], "fewer than --seq-len 100000"),
     (["--resume", "{tmp}/nope"], "no such checkpoint directory"),
 ]

@@ -26,6 +26,7 @@ import random
 import shutil
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -129,6 +130,17 @@ def _storages(t: torch.Tensor):
     return [((st.device.type, st.device.index, st.data_ptr()), st.nbytes())]
 
 
+def _flat_tensors(obj) -> list[torch.Tensor]:
+    """Tensors in ``obj``, looking into tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _flat_tensors(o)]
+    return []
+
+
 def tensor_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (shared storage counted once)."""
     return sum(dict(s for t in tensors for s in _storages(t)).values())
@@ -189,8 +201,11 @@ class MemoryTracker:
     - gradients: ``.grad`` tensors, counted when autograd first writes them in a step;
     - optimizer state: tensors in ``optimizer.state``, counted after each step;
     - activations: tensors autograd saves for backward (``saved_tensors_hooks``), each storage
-      once, parameters excluded, counted until autograd frees them; ``weight_copies`` is the
-      part of them that is a cast or view of a parameter (autocast's bf16 weight copies).
+      once, parameters excluded, counted until autograd frees them;
+    - weight_copies: saved tensors that are a cast or view of a parameter (autocast's bf16
+      copies of fp32 weights), and tensors kept as attributes of parameters (COAT's FP8
+      weight caches), found when backward starts and after each optimizer step and counted
+      until they are freed.
     It sees tensors only through these routes: temporaries that are not saved (e.g. the fp32
     logits inside the loss) and caches kept elsewhere are in ``measured - tracked``.
     """
@@ -204,7 +219,11 @@ class MemoryTracker:
         tensors = list(model.parameters()) + list(model.buffers())
         self._param_keys = {k for t in tensors for k, _ in _storages(t)}
         self.live["weights"] = tensor_bytes(tensors)
+        self._params = list(model.parameters())
         self._saved: dict = {}  # storage key -> [refs, bytes, kind]
+        self._attached: dict = {}  # storage key -> [live tensors, bytes]
+        self._watched: set[int] = set()  # ids of live tensors attached to parameters
+        self._scan_pending = False
         self._grads_seen: set[int] = set()
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -219,12 +238,13 @@ class MemoryTracker:
 
     def saving(self):
         """Context manager: count tensors saved for backward by the code inside."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda s: s.tensor)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t):
+        self._scan_pending = True
         keys = []
         for key, nbytes in _storages(t):
-            if key in self._param_keys:
+            if key in self._param_keys or key in self._attached:
                 continue
             ref = self._saved.get(key)
             if ref is None:
@@ -240,6 +260,44 @@ class MemoryTracker:
         # out-of-memory error in forward or backward) would never be freed, parameters and
         # activations with it. Autograd restores the history on unpack.
         return _Saved(t.detach(), keys, self._release)
+
+    def _unpack(self, saved):
+        if self._scan_pending:  # the first unpack of a backward: the forward is complete
+            self._scan_pending = False
+            self.scan_attached()
+        return saved.tensor
+
+    def scan_attached(self):
+        """Count tensors kept as attributes of parameters (e.g. FP8 weight caches made in
+        forward) as weight copies until they are freed; one saved for backward moves there."""
+        for p in self._params:
+            for t in _flat_tensors(list(p.__dict__.values())):
+                if id(t) in self._watched:
+                    continue
+                self._watched.add(id(t))
+                keys = []
+                for key, nbytes in _storages(t):
+                    ref = self._attached.get(key)
+                    if ref is None:
+                        self._attached[key] = ref = [0, nbytes]
+                        self.live["weight_copies"] += nbytes
+                        saved = self._saved.get(key)
+                        if saved is not None:  # already counted as saved: count it once
+                            self.live[saved[2]] -= saved[1]
+                            saved[1] = 0
+                    ref[0] += 1
+                    keys.append(key)
+                weakref.finalize(t, self._drop_attached, id(t), keys)
+        self._update()
+
+    def _drop_attached(self, tensor_id, keys):
+        self._watched.discard(tensor_id)
+        for key in keys:
+            ref = self._attached[key]
+            ref[0] -= 1
+            if ref[0] == 0:
+                self.live["weight_copies"] -= ref[1]
+                del self._attached[key]
 
     def _release(self, keys):
         for key in keys:
@@ -258,7 +316,7 @@ class MemoryTracker:
     def after_optimizer_step(self, optimizer):
         """Call after ``optimizer.step()``, before the gradients are dropped."""
         self.live["optimizer_state"] = optimizer_state_bytes(optimizer)
-        self._update()
+        self.scan_attached()
 
     def grads_dropped(self):
         self.live["gradients"] = 0
