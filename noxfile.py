@@ -33,7 +33,11 @@ def tests(session):
     session.env["TRITON_INTERPRET"] = "1"
     # pytest exits 5 when nothing was collected: nox treats that as a failure, as it should.
     session.run(
-        "pytest", "-m", "not gpu", *[f"packages/{p}/tests" for p in PACKAGES], "tests",
+        "pytest",
+        "-m",
+        "not gpu",
+        *[f"packages/{p}/tests" for p in PACKAGES],
+        "tests",
         *session.posargs,
     )
 
@@ -43,8 +47,12 @@ def bench(session):
     """pytest-benchmark suites of every package; meant for a CUDA GPU."""
     _install(session)
     session.run(
-        "pytest", "-o", "python_files=bench_*.py", "--benchmark-only",
-        *[f"packages/{p}/benchmarks" for p in PACKAGES], *session.posargs,
+        "pytest",
+        "-o",
+        "python_files=bench_*.py",
+        "--benchmark-only",
+        *[f"packages/{p}/benchmarks" for p in PACKAGES],
+        *session.posargs,
     )
 
 
@@ -60,6 +68,12 @@ def demo(session):
     """The main job: train a tiny Llama with BF16 and with COAT on CPU and compare."""
     _install(session)
     session.run(
-        "coat-train", "--preset", "tiny", "--compare", "bf16,coat", "--out", "runs/demo",
+        "coat-train",
+        "--preset",
+        "tiny",
+        "--compare",
+        "bf16,coat",
+        "--out",
+        "runs/demo",
         *session.posargs,
     )
