@@ -39,6 +39,9 @@ from .train import (
     latest_checkpoint,
     write_atomic,
 )
+from .vl_train import VL_PRESETS
+
+ALL_PRESETS = [*PRESETS, *VL_PRESETS]
 
 PROG = "coat-train"
 
@@ -57,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument(
         "--preset",
-        metavar="{" + ",".join(PRESETS) + "}",
-        help="Llama shape built in code, random init (default: tiny)",
+        metavar="{" + ",".join(ALL_PRESETS) + "}",
+        help="Llama shape built in code, random init (default: tiny); llava-tiny and "
+        "vila-7b: LLaVA-style vision-language models trained on a generated "
+        "shapes-caption task",
     )
     m.add_argument("--model-dir", help="Hugging Face config or checkpoint directory on disk")
     m.add_argument(
@@ -211,8 +216,10 @@ def _settings(args):
             raise UsageError("--vocab-size applies to presets; a --model-dir has its own")
         return MODEL_DIR_DEFAULTS, f"model dir {args.model_dir}"
     name = args.preset or "tiny"
+    if name in VL_PRESETS:  # the same training-default field names as Preset
+        return VL_PRESETS[name], f"preset {name}"
     if name not in PRESETS:
-        raise UsageError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+        raise UsageError(f"unknown preset {name!r}: choose one of {', '.join(ALL_PRESETS)}")
     return PRESETS[name], f"preset {name}"
 
 
@@ -292,6 +299,8 @@ def run(args) -> int:
         if args.threads < 1:
             raise UsageError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
+    if (args.preset or "tiny") in VL_PRESETS:
+        return run_vl(args, cfgs, modes, masters, device, label)
 
     # Model config first (cheap), then data (the tokenizer may come from the model dir).
     weights_dir = tokenizer = None
@@ -380,13 +389,78 @@ def run(args) -> int:
             flush=True,
         )
 
+    return _finish(args, out, device, describe, data.source, summaries, curves)
+
+
+def run_vl(args, cfgs, modes, masters, device, label) -> int:
+    """A vision-language preset: each mode trains on the built-in shapes-caption task
+    (``vl_train.train_vlm``); the same table, loss plot, JSONL and summary as for LMs."""
+    from .vl_train import train_vlm, vl_param_count
+
+    name = args.preset
+    for flag in ("model_dir", "data", "vocab_size", "resume"):
+        if getattr(args, flag):
+            raise UsageError(
+                f"--{flag.replace('_', '-')} does not apply to --preset {name}: it trains on "
+                "the built-in shapes-caption task"
+            )
+    if args.save_every:
+        raise UsageError(f"--save-every: checkpoints are not supported for --preset {name} yet")
+    n_params = vl_param_count(name)
+    _check_fits(n_params, modes, masters, device, label)
+    c0 = cfgs[0]
+    print(
+        f"{PROG}: {label} ({n_params / 1e6:.2f} M params, LLaVA-style) on {device.type}; data: "
+        f"generated shapes-caption images; {c0.steps} steps x {c0.batch_size} x {c0.seq_len} "
+        f"tokens" + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
+        + f"; modes: {', '.join(modes)}",
+        flush=True,
+    )
+    out, summaries, curves = Path(args.out), [], {}
+    for cfg in cfgs:
+        mode_dir = out / cfg.mode
+        shutil.rmtree(mode_dir, ignore_errors=True)
+        t0 = time.perf_counter()
+        oom = False
+        try:
+            summary = train_vlm(
+                name, cfg, device=device, out_dir=mode_dir, progress=not args.no_progress
+            )
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            if not is_oom(e):
+                raise
+            oom = True
+        finally:
+            _free(device)
+        if oom:
+            raise TrainError(
+                f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
+                f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise --grad-accum "
+                "to keep the batch)"
+            )
+        summary["wall_s"] = time.perf_counter() - t0
+        summaries.append(summary)
+        write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
+        curves[cfg.mode] = _curves(mode_dir / "metrics.jsonl")
+        print(
+            f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
+            f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}, caption "
+            f"accuracy {summary['val_caption_acc']:.2f}",
+            flush=True,
+        )
+    describe = {"model": label, "params": n_params}
+    return _finish(args, out, device, describe, "shapes-caption (generated)", summaries, curves)
+
+
+def _finish(args, out: Path, device, describe: dict, source: str, summaries, curves) -> int:
+    """Loss plot, summary.json and the compare table of a finished run."""
     png = out / "loss.png"
     write_atomic(png, loss_plot_png(curves))
     result = {
         "args": vars(args),
         "device": device.type,
         "model": describe,
-        "data": data.source,
+        "data": source,
         "runs": summaries,
         "plot": str(png),
     }
