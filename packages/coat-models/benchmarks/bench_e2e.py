@@ -1,5 +1,6 @@
 """End-to-end training benchmark on one GPU (issue 6, benchmark 1): full-parameter training of
-Llama-2-7B shapes at seq 2048, per variant (bf16; coat; coat with bf16 master weights):
+Llama-2-7B shapes at seq 2048, per variant (bf16; coat; coat with bf16 master weights; and, on
+request, coat-cache: coat keeping the FP8 weight copies between steps, ``--fp8-weight-cache``):
 
 - the largest micro-batch that fits (1, 2, 4, 8, ... until CUDA runs out of memory),
 - peak memory (``torch.cuda.max_memory_allocated``) and its breakdown at each micro-batch,
@@ -29,7 +30,14 @@ from coat_models.data import load_data
 from coat_models.presets import build_model, preset_config
 from coat_models.train import MASTER_DTYPES, TrainConfig, Trainer, fmt_bytes, memory_report
 
-VARIANTS = {"bf16": ("bf16", "fp32"), "coat": ("coat", "fp32"), "coat-bf16master": ("coat", "bf16")}
+# name -> (mode, master dtype, FP8 weight cache kept between steps: TrainConfig.weight_cache)
+VARIANTS = {
+    "bf16": ("bf16", "fp32", False),
+    "coat": ("coat", "fp32", False),
+    "coat-bf16master": ("coat", "bf16", False),
+    "coat-cache": ("coat", "fp32", True),
+}
+DEFAULT_VARIANTS = "bf16,coat,coat-bf16master"
 # Targets of issue 6 against bf16: peak memory at the same micro-batch, tokens/s at the best.
 TARGETS = {"coat": {"memory": 1.6, "speed": 1.6}, "coat-bf16master": {"memory": 2.2, "speed": 1.6}}
 
@@ -40,7 +48,12 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=4, help="steps per trial (first is warm-up)")
     p.add_argument("--max-micro-batch", type=int, default=32)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"from {', '.join(VARIANTS)}")
+    p.add_argument(
+        "--micro-batches",
+        help="comma-separated micro-batches to try in order (default: 1, 2, 4, ... up to "
+        "--max-micro-batch); each variant stops at its first out-of-memory one",
+    )
     p.add_argument("--budget-s", type=float, default=480, help="stop searching after this")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script only")
     return p.parse_args(argv)
@@ -58,11 +71,12 @@ def peak(memory: dict) -> int:
     return memory["tracked_peak"] if measured is None else measured
 
 
-def trial(model, data, mode, master, mb, args, device) -> dict:
+def trial(model, data, mode, master, cache, mb, args, device) -> dict:
     """``args.steps`` steps at micro-batch ``mb``; peak memory, breakdown and tokens/s."""
     cfg = TrainConfig(
         mode=mode,
         master_dtype=master,
+        weight_cache=cache,
         batch_size=mb,
         seq_len=args.seq_len,
         steps=10**6,
@@ -104,7 +118,7 @@ def trial(model, data, mode, master, mb, args, device) -> dict:
 
 
 def run_variant(name, data, config, args, device, t_start) -> list[dict]:
-    mode, master = VARIANTS[name]
+    mode, master, cache = VARIANTS[name]
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
     else:
@@ -115,13 +129,19 @@ def run_variant(name, data, config, args, device, t_start) -> list[dict]:
         print(f"[{name}] skipped: weights+grads+optimizer state alone need {fmt_bytes(static)}")
         return []
     model = build_model(config, device=device, master_dtype=MASTER_DTYPES[master], seed=0)
-    rows, mb = [], 1
-    while mb <= args.max_micro_batch:
+    rows = []
+    if args.micro_batches:
+        sizes = [int(v) for v in args.micro_batches.split(",")]
+    else:
+        sizes = [
+            2**i for i in range(args.max_micro_batch.bit_length()) if 2**i <= args.max_micro_batch
+        ]
+    for mb in sizes:
         if time.perf_counter() - t_start > args.budget_s:
             print(f"[{name}] stopped at micro-batch {mb}: time budget {args.budget_s:g}s spent")
             break
         t0 = time.perf_counter()
-        r = trial(model, data, mode, master, mb, args, device)
+        r = trial(model, data, mode, master, cache, mb, args, device)
         r["wall_s"] = time.perf_counter() - t0
         rows.append(r)
         if not r["fits"]:
@@ -132,7 +152,6 @@ def run_variant(name, data, config, args, device, t_start) -> list[dict]:
             f"{fmt_bytes(peak(r['memory']))} ({r['wall_s']:.0f}s)",
             flush=True,
         )
-        mb *= 2
     del model
     free()
     return rows
@@ -221,7 +240,7 @@ def main(argv=None) -> int:
         for name, rows in fitting.items():
             r = next((r for r in rows if r["micro_batch"] == common), None)
             if r is not None:
-                mode, master = VARIANTS[name]
+                master = VARIANTS[name][1]
                 table_runs.append(
                     {
                         "mode": name,

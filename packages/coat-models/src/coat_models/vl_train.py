@@ -199,6 +199,7 @@ def train_vlm(
     ``eval`` records with ``val_loss`` and ``val_caption_acc``). Returns the dict of
     ``Trainer.summary()`` plus ``preset``, ``val_caption_acc``, ``vision_fp8``,
     ``freeze_vision``, ``seq_len`` and ``losses`` (every step's training loss).
+    Without ``fp8_config``, FP8 activations use ``FP8Config(weight_cache=cfg.weight_cache)``.
     Raises ``TrainError`` for settings it cannot run (checkpoints, a too short ``seq_len``,
     a non-finite loss).
     """
@@ -219,6 +220,10 @@ def train_vlm(
         raise TrainError(f"preset {preset}: {e}") from None
     model = build_vlm(config, device=device, master_dtype=MASTER_DTYPES[cfg.master_dtype],
                       seed=cfg.seed)  # fmt: skip
+    if fp8_config is None:
+        from fp8_activations import FP8Config
+
+        fp8_config = FP8Config(weight_cache=cfg.weight_cache)
     model, optimizer = prepare_vlm(
         model, cfg.mode, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
         vision=vision, freeze_vision=freeze_vision, fp8_config=fp8_config,
