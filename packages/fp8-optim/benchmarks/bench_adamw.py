@@ -24,16 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 RESULTS: dict[str, dict] = {}
 HOST_MS: dict[int, float] = {}
-# Launch shapes tried: (groups per program, threads per group, warps or None, maxnreg or None)
-SWEEP = [
-    (16, 8, None, None),
-    (16, 8, None, 64),
-    (8, 16, None, None),
-    (16, 16, None, None),
-    (32, 8, None, None),
-    (4, 8, None, None),
-    (8, 8, 4, None),
-]
+# Launch shapes are swept by sweep_adamw_gpu.py; this file times the default one.
 
 
 def llama_1b_shapes(layers=16, hidden=2048, mlp=8192, vocab=32000):
@@ -124,37 +115,11 @@ def test_step_torch_adamw_fused(benchmark, params):
 
 def test_step_coat_adamw(benchmark, params):
     from fp8_optim.ops import adamw
-    from triton.testing import do_bench
 
     opt = CoatAdamW(params, lr=1e-4)
-    knobs = ("BLOCK_G", "GROUP_THREADS", "NUM_WARPS", "MAXNREG")
-    default = tuple(getattr(adamw, k) for k in knobs)
-    sweep = {}
-    try:
-        for shape in SWEEP:
-            for k, v in zip(knobs, shape, strict=True):
-                setattr(adamw, k, v)
-            opt._plans.clear()
-            name = "x".join(str(v) for v in shape)
-            try:
-                opt.step()
-                torch.cuda.synchronize()
-                sweep[name] = round(do_bench(opt.step, warmup=10, rep=100, return_mode="median"), 3)
-            except Exception as e:  # a shape this Triton cannot build: record, go on
-                sweep[name] = f"failed: {type(e).__name__}: {str(e)[:80]}"
-    finally:
-        for k, v in zip(knobs, default, strict=True):
-            setattr(adamw, k, v)
-        opt._plans.clear()
     ms = _time(benchmark, opt)
-    _record(
-        "CoatAdamW (E4M3+E4M3, DRE)",
-        opt,
-        ms,
-        params,
-        launch="x".join(str(v) for v in default) + " (groups x threads/group x warps x maxnreg)",
-        sweep_ms=sweep,
-    )
+    launch = adamw.current_launch()
+    _record("CoatAdamW (E4M3+E4M3, DRE)", opt, ms, params, launch=str(launch))
 
 
 def test_step_coat_adamw_e5m2_v(benchmark, params):
@@ -249,8 +214,8 @@ def _report():
         c = RESULTS["copy"]
         lines.append(f"copy {c['tb_per_s']} TB/s; 16.08 B/param floor: {c['coat_floor_ms']} ms")
     for name, r in RESULTS.items():
-        if "sweep_ms" in r:
-            lines.append(f"{name} launch {r['launch']}; sweep ms: {r['sweep_ms']}")
+        if "launch" in r:
+            lines.append(f"{name} launch: {r['launch']}")
     errs = RESULTS.get("update error (heavy-tailed stream)", {})
     if errs:
         lines.append("mean relative update error vs fp32 AdamW (heavy-tailed stream):")

@@ -314,3 +314,45 @@ def test_compiled_kernel_close_to_reference(h, make_pair, dtype):
         else:
             assert (diff > 0).float().mean().item() <= 1e-2
             assert (diff <= 2 * 2.0**-7 * p_ref.float().abs() + 1e-3).all()
+
+
+# ----------------------------------------------------------------------- launch shapes
+# Non-default launch shapes (ops.adamw.AdamWLaunch, swept on the GPU by
+# benchmarks/sweep_adamw_gpu.py) must give the reference's bits too: more or fewer groups per
+# chunk, threads per group, and the chunk loop (several chunks per program, strided across the
+# grid, so one program crosses tensors). num_warps, maxnreg and num_stages are ignored by the
+# interpreter; they only change the compiled code's schedule, never the arithmetic.
+LAUNCHES = {
+    "gpu-default-8g16t": dict(block_g=8, group_threads=16),
+    "4g8t-3chunks-2stages": dict(block_g=4, group_threads=8, chunks_per_program=3, num_stages=2),
+    "16g32t-2chunks-4warps": dict(
+        block_g=16, group_threads=32, num_warps=4, maxnreg=128, chunks_per_program=2
+    ),
+}
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-sr"])
+def test_kernel_launch_shapes_match_reference(
+    needs_triton, h, make_pair, monkeypatch, launch, dtype
+):
+    from fp8_optim.ops import AdamWLaunch, adamw
+
+    monkeypatch.setattr(adamw, "LAUNCH", AdamWLaunch(**LAUNCHES[launch]))
+    # 9, 12 and 8 groups: partial chunks, a partial last group, an EVEN-aligned tensor.
+    shapes = ((9 * 128 - 5,), (37, 41), (16, 64))
+    (pa, oa), (pb, ob) = make_pair("reference", "triton", shapes=shapes, dtype=dtype)
+    h.run_steps(pa, oa, 2)
+    h.run_steps(pb, ob, 2)
+    h.assert_same_state(oa, pa, ob, pb)
+    plan = next(iter(ob._plans.values()))[1]
+    assert plan.launch == adamw.LAUNCH and plan.block_g == LAUNCHES[launch]["block_g"]
+
+
+def test_launch_shape_validation():
+    from fp8_optim.ops import AdamWLaunch
+
+    with pytest.raises(ValueError, match="power of two"):
+        AdamWLaunch(block_g=6)
+    with pytest.raises(ValueError, match="chunks_per_program"):
+        AdamWLaunch(chunks_per_program=0)

@@ -1,5 +1,7 @@
 """quantize_per_group: Triton (interpreter on CPU, compiled on GPU) vs the reference, bitwise."""
 
+import importlib
+
 import pytest
 import torch
 from fp8_quant import dequantize_per_group, quantize_per_group
@@ -109,3 +111,35 @@ def test_adversarial_gpu(cuda, group, dtype, fmt, adversarial, assert_same_bits)
     x = adversarial(5, 9001, dtype, fmt, group).to(cuda)
     _check(x, group, fmt, assert_same_bits)
     _check(x.t(), 16, fmt, assert_same_bits)
+
+
+# Non-default launch shapes (ops.quantize_per_group.GroupLaunch, swept on the GPU by
+# benchmarks/sweep_quantize_gpu.py): other tiles change how groups map to programs, never the
+# bits. num_warps is ignored by the interpreter (it only changes the compiled schedule).
+LAUNCHES = {
+    "tile1024-w4": dict(tile=1024, num_warps=4),
+    "tile2048-w2": dict(tile=2048, num_warps=2),
+    "tile16384-w16": dict(tile=16384, num_warps=16),
+}
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+@pytest.mark.parametrize("group", [16, 128, 8192], ids=lambda g: f"G{g}")
+def test_launch_shapes(interpreter, monkeypatch, launch, group, fmt, adversarial, assert_same_bits):
+    # the module, not the function of the same name that fp8_quant.ops exports
+    ops_qpg = importlib.import_module("fp8_quant.ops.quantize_per_group")
+    monkeypatch.setattr(ops_qpg, "LAUNCH", ops_qpg.GroupLaunch(**LAUNCHES[launch]))
+    n = 9000 if group == 8192 else 4097  # G=8192: chunked (two passes), a partial last group
+    _check(adversarial(3, n, torch.bfloat16, fmt, group), group, fmt, assert_same_bits)
+    # the one-long-column path (N a multiple of G, contiguous)
+    _check(adversarial(4, 2 * group, torch.bfloat16, fmt, group), group, fmt, assert_same_bits)
+    if group == 16:  # a strided view: rows of 40, groups across the tile's rows
+        _check(adversarial(40, 96, torch.float32, fmt, 16).t(), 16, fmt, assert_same_bits)
+
+
+def test_launch_shape_validation():
+    GroupLaunch = importlib.import_module("fp8_quant.ops.quantize_per_group").GroupLaunch
+    with pytest.raises(ValueError, match="power of two"):
+        GroupLaunch(tile=3000)
+    with pytest.raises(ValueError, match="num_warps"):
+        GroupLaunch(num_warps=3)

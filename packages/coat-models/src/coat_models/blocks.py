@@ -2,23 +2,25 @@
 
 The blocks (paper section 2; ``../shared/COAT.md``):
 
-1. ``RMSNorm -> Q, K, V projections``: the norm saves its input in FP8 (1x16 groups) and
-   hands its group maxima to the first GEMM, which quantizes the output per tensor and
-   attaches that copy for the other two: all three save exactly that copy (one quantize
-   pass, one saved tensor for three GEMMs; the same for gate/up).
+1. ``RMSNorm -> Q, K, V projections``, fused (``rms_norm_linear``): the norm saves its
+   input in FP8 (1x16 groups) and its per-row rstd; its output is quantized per tensor once
+   for the three GEMMs and not saved at all: backward re-forms it from the norm's FP8 input
+   for the weight gradients. The same for ``RMSNorm -> gate, up``.
 2. ``attention output projection + residual add``: the residual stream stays in the
    model's dtype; the residual add saves nothing.
-3. ``RMSNorm -> gate, up -> SwiGLU -> down + residual add``: SwiGLU saves gate and up in FP8
-   (1x16); fused with the down GEMM (``swiglu_linear``), whose input is re-formed from them
-   in backward instead of being saved.
+3. ``SwiGLU -> down + residual add``: SwiGLU saves gate and up in FP8 (1x16); fused with the
+   down GEMM (``swiglu_linear``), whose input is re-formed from them in backward instead of
+   being saved.
 
 RoPE and attention run in the model's dtype through the model's own attention
 implementation (``config._attn_implementation``: SDPA, flash attention, eager, ...).
 
 ``ops`` supplies ``rms_norm(x, weight, eps, config)``, ``linear(x, weight, bias, config)``,
-``swiglu(gate, up, config)`` and ``residual_add(x, residual, config)``: ``FP8_OPS`` are
-fp8_activations' functional ops (each saves FP8 and hands its output's FP8 form or group
-maxima to the next op), ``coat_models.reference`` the model's exact arithmetic.
+``swiglu(gate, up, config)`` and ``residual_add(x, residual, config)``, and optionally the
+fused ``rms_norm_linear(x, norm_weight, eps, weights, biases, config)`` and
+``swiglu_linear(gate, up, weight, bias, config)``: ``FP8_OPS`` are fp8_activations'
+functional ops (each saves FP8 and hands its output's FP8 form or group maxima to the next
+op), ``coat_models.reference`` the model's exact arithmetic (no fused ops).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 FP8_OPS = SimpleNamespace(
     rms_norm=fa.rms_norm,
+    rms_norm_linear=fa.rms_norm_linear,
     linear=fa.fp8_linear,
     swiglu=fa.swiglu,
     swiglu_linear=fa.swiglu_linear,
@@ -56,10 +59,21 @@ def _project(ops, x, lin: nn.Linear, config):
     return ops.linear(x, lin.weight, lin.bias, config)
 
 
+def norm_project(ops, x, norm: nn.Module, linears: list[nn.Linear], config) -> list:
+    """``[linear(rms_norm(x))]`` for each of ``linears``: one fused op when the op set has
+    ``rms_norm_linear`` (the norm output is then not saved but re-formed in backward)."""
+    fused = getattr(ops, "rms_norm_linear", None)
+    if fused is not None:
+        weights, biases = [lin.weight for lin in linears], [lin.bias for lin in linears]
+        return list(fused(x, norm.weight, norm_eps(norm), weights, biases, config))
+    normed = ops.rms_norm(x, norm.weight, norm_eps(norm), config)
+    return [_project(ops, normed, lin, config) for lin in linears]
+
+
 def attention(
     ops,
     attn: nn.Module,
-    normed,
+    qkv: list[torch.Tensor],
     shape: tuple[int, ...],
     attention_mask: torch.Tensor | None,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -67,15 +81,16 @@ def attention(
     config,
     attn_kwargs: dict,
 ) -> torch.Tensor:
-    """Q/K/V GEMMs on ``normed``, RoPE + the model's attention, output projection.
+    """RoPE + the model's attention on the Q/K/V projections ``qkv`` (a list of three
+    ``(batch, seq, heads * head_dim)`` tensors, emptied here so that the pre-RoPE q and k
+    are freed as soon as RoPE has run), then the output projection.
 
     ``shape`` is ``(batch, seq)``; returns the output projection ``(batch, seq, hidden)``
     before the residual add.
     """
-    hidden_shape = (*shape, -1, attn.head_dim)
-    q = _project(ops, normed, attn.q_proj, config).view(hidden_shape).transpose(1, 2)
-    k = _project(ops, normed, attn.k_proj, config).view(hidden_shape).transpose(1, 2)
-    v = _project(ops, normed, attn.v_proj, config).view(hidden_shape).transpose(1, 2)
+    hidden_shape, dtype = (*shape, -1, attn.head_dim), qkv[0].dtype
+    q, k, v = (t.view(hidden_shape).transpose(1, 2) for t in qkv)
+    qkv.clear()
     cos, sin = position_embeddings
     q, k = model_function(attn, "apply_rotary_pos_emb")(q, k, cos, sin)
     if cache is not None:
@@ -97,15 +112,13 @@ def attention(
         **attn_kwargs,
     )
     # Under autocast SDPA returns the autocast dtype; the residual stream keeps its own.
-    out = out.reshape(*shape, -1).to(normed.dtype).contiguous()
+    out = out.reshape(*shape, -1).to(dtype).contiguous()
     return _project(ops, out, attn.o_proj, config)
 
 
-def mlp(ops, module: nn.Module, normed, config):
-    """gate/up GEMMs on ``normed``, SwiGLU, down GEMM (fused with SwiGLU when the op set
-    has ``swiglu_linear``: the down GEMM's input is then re-formed in backward, not saved)."""
-    gate = _project(ops, normed, module.gate_proj, config)
-    up = _project(ops, normed, module.up_proj, config)
+def mlp(ops, module: nn.Module, gate, up, config):
+    """SwiGLU of the gate/up projections, down GEMM (fused with SwiGLU when the op set has
+    ``swiglu_linear``: the down GEMM's input is then re-formed in backward, not saved)."""
     down = module.down_proj
     fused = getattr(ops, "swiglu_linear", None)
     if fused is not None:
@@ -130,13 +143,12 @@ def decoder_layer(
     dtype. ``attn_kwargs`` go to the attention implementation (``position_ids``, flash
     attention's packing arguments, ...).
     """
-    attn, norm1, norm2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
-    shape = hidden_states.shape[:-1]
-    normed = ops.rms_norm(hidden_states, norm1.weight, norm_eps(norm1), config)
+    attn, mlp_, shape = layer.self_attn, layer.mlp, hidden_states.shape[:-1]
+    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     out = attention(
         ops,
         attn,
-        normed,
+        norm_project(ops, hidden_states, layer.input_layernorm, qkv, config),
         shape,
         attention_mask,
         position_embeddings,
@@ -145,5 +157,7 @@ def decoder_layer(
         attn_kwargs or {},
     )
     hidden_states = ops.residual_add(out, hidden_states, config)
-    normed = ops.rms_norm(hidden_states, norm2.weight, norm_eps(norm2), config)
-    return ops.residual_add(mlp(ops, layer.mlp, normed, config), hidden_states, config)
+    gate, up = norm_project(
+        ops, hidden_states, layer.post_attention_layernorm, [mlp_.gate_proj, mlp_.up_proj], config
+    )
+    return ops.residual_add(mlp(ops, mlp_, gate, up, config), hidden_states, config)

@@ -14,9 +14,11 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from .data import STDLIB_MAX_BYTES, DataError, load_data
 from .plot import loss_plot_png
@@ -79,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated modes trained one after another, e.g. bf16,coat",
     )
     r.add_argument(
+        "--fp8-weight-cache",
+        action="store_true",
+        help="FP8 activations: keep each weight's FP8 copies (2 bytes/param) between "
+        "micro-batches until the optimizer step; saves casts with --grad-accum, costs memory "
+        "(default: cast in forward and backward, keep nothing)",
+    )
+    r.add_argument(
         "--master-dtype",
         choices=list(MASTER_DTYPES),
         default="fp32",
@@ -122,6 +131,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--eval-every", type=int, help="steps between validation passes")
     t.add_argument("--eval-batches", type=int, help="validation batches per pass")
+    g = p.add_argument_group(
+        "several GPUs (under torchrun --nproc-per-node N; rank r takes micro-batches "
+        "r, N + r, ...: N ranks with --grad-accum A see the tokens of one process with N*A)"
+    )
+    g.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2: parameters, gradients and optimizer states sharded over the ranks; bf16 "
+        "compute, fp32 gradient reduction",
+    )
+    g.add_argument(
+        "--ddp",
+        action="store_true",
+        help="DDP: every rank holds the whole model and optimizer; gradients all-reduced",
+    )
+    g.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each decoder layer in backward: less activation memory, same numbers "
+        "(also in one process)",
+    )
     o = p.add_argument_group("output and checkpoints")
     o.add_argument("--out", default="runs/coat-train", help="output directory")
     o.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps; 0: off")
@@ -169,6 +199,76 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
+# --------------------------------------------------------------------- under torchrun
+def _strategy(args) -> str | None:
+    """``"fsdp"``, ``"ddp"`` or ``None`` (one process), checked against torchrun's
+    environment before anything starts."""
+    if args.fsdp and args.ddp:
+        raise UsageError("use --fsdp or --ddp, not both")
+    strategy = "fsdp" if args.fsdp else "ddp" if args.ddp else None
+    preset = args.preset or "tiny"
+    if (strategy or args.activation_checkpointing) and preset in VL_PRESETS:
+        flag = f"--{strategy}" if strategy else "--activation-checkpointing"
+        raise UsageError(f"{flag} is not supported for --preset {preset} yet: leave it out")
+    world = os.environ.get("WORLD_SIZE")
+    if strategy and world is None:
+        raise UsageError(
+            f"--{strategy} trains one process per GPU under torchrun, but WORLD_SIZE is not "
+            f"set: launch `torchrun --nproc-per-node N --no-python {PROG} ... --{strategy}`"
+        )
+    if strategy is None and world is not None and int(world) > 1:
+        raise UsageError(
+            f"this is one of {world} torchrun processes, but neither --fsdp nor --ddp is "
+            "given: each would train the whole run alone and write the same files; add "
+            "--fsdp or --ddp"
+        )
+    return strategy
+
+
+def _rank_device(name: str) -> torch.device:
+    """Join torchrun's process group; this rank's device (cuda:LOCAL_RANK, else cpu)."""
+    from .distributed import init_distributed
+
+    device = init_distributed()
+    # COAT's decoder layer returns a view; the Llama loop does no in-place op on it, so
+    # FSDP2's warning about one does not apply (docs/DISTRIBUTED_NOTES.md)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    if name not in ("auto", device.type):
+        raise UsageError(
+            f"--device {name}: under torchrun each rank takes {device} (cuda:LOCAL_RANK where "
+            "CUDA is available, else cpu): leave out --device"
+        )
+    return device
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _say(*args, **kwargs) -> None:
+    """``print`` on rank 0 only (every process in one process)."""
+    if _rank() == 0:
+        print(*args, **kwargs)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _clean_mode_dir(mode_dir: Path, fresh: bool) -> None:
+    """A fresh run replaces what an earlier one left in ``mode_dir``; checkpoints a killed run
+    left half-written (never complete) go too. Rank 0 cleans, the others wait for it."""
+    _barrier()  # every rank has looked for its resume point
+    if _rank() == 0:
+        if fresh:
+            shutil.rmtree(mode_dir, ignore_errors=True)
+        ckpts = mode_dir / "checkpoints"
+        for stale in [*ckpts.glob(".tmp-*"), *ckpts.glob("step_*.partial")]:
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier()
+
+
 def _master_dtype(mode: str, requested: str, compare: bool) -> str:
     """bf16 master weights only where CoatAdamW's stochastic rounding is used; TrainConfig
     rejects the other combinations for a single --mode."""
@@ -181,15 +281,20 @@ def _static_bytes_per_param(mode: str, master: str) -> int:
     return 2 * w + (2 if MODES[mode][1] else 8)  # CoatAdamW ~2.08 B, torch AdamW 8 B
 
 
-def _check_fits(n_params: int, modes, masters, device: torch.device, label: str):
+def _check_fits(
+    n_params: int, modes, masters, device: torch.device, label: str, strategy: str | None = None
+):
     """Refuse up front a model whose weights, gradients and optimizer state alone exceed the
-    device's memory (CPU: physical RAM), instead of being killed half-way."""
+    device's memory (CPU: physical RAM, shared by the ranks of this machine), instead of being
+    killed half-way. FSDP2 splits them over the ranks."""
+    shards = dist.get_world_size() if strategy == "fsdp" else 1
     if device.type == "cuda":
-        total, where = torch.cuda.get_device_properties(device).total_memory, "the GPU"
+        total, where, sharing = torch.cuda.get_device_properties(device).total_memory, "the GPU", 1
     else:
         total, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
+        sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if strategy else 1
     for mode, master in zip(modes, masters, strict=True):
-        need = n_params * _static_bytes_per_param(mode, master)
+        need = n_params * _static_bytes_per_param(mode, master) * sharing // shards
         if need > total:
             raise UsageError(
                 f"{label} has {n_params / 1e9:.2f} B parameters: mode {mode} ({master} master) "
@@ -243,6 +348,7 @@ def _train_config(args, defaults, mode: str, master: str) -> TrainConfig:
             eval_batches=pick(args.eval_batches, defaults.eval_batches),
             save_every=args.save_every,
             keep_checkpoints=args.keep_checkpoints,
+            weight_cache=args.fp8_weight_cache,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -269,7 +375,7 @@ def _resume_point(args, mode_dir: Path, single: bool) -> Path | None:
         return path
     found = latest_checkpoint(ckpts)
     if found is None:
-        print(f"{PROG}: no checkpoint in {ckpts}: mode starts from step 0", file=sys.stderr)
+        _say(f"{PROG}: no checkpoint in {ckpts}: mode starts from step 0", file=sys.stderr)
     return found
 
 
@@ -288,7 +394,8 @@ def is_oom(e: BaseException) -> bool:
 
 def run(args) -> int:
     modes = _modes(args)
-    device = _device(args.device)
+    strategy = _strategy(args)
+    device = _device(args.device) if strategy is None else _rank_device(args.device)
     compare = args.compare is not None
     masters = [_master_dtype(m, args.master_dtype, compare) for m in modes]
     defaults, label = _settings(args)
@@ -321,16 +428,20 @@ def run(args) -> int:
         )
     data.check_fits(config.vocab_size)
     n_params = _count_params(config)
-    _check_fits(n_params, modes, masters, device, label)
+    _check_fits(n_params, modes, masters, device, label, strategy)
     describe = {"model": label, "params": n_params, "vocab_size": config.vocab_size}
 
     out = Path(args.out)
     c0 = cfgs[0]
-    print(
+    ranks = f" x {dist.get_world_size()} ranks" if strategy else ""
+    _say(
         f"{PROG}: {label} ({n_params / 1e6:.2f} M params, vocab {config.vocab_size}) on "
-        f"{device.type}; data: {data.source}, {len(data.train):,} train / {len(data.val):,} "
+        f"{device.type}"
+        + (f" ({strategy})" if strategy else "")
+        + f"; data: {data.source}, {len(data.train):,} train / {len(data.val):,} "
         f"val tokens; {c0.steps} steps x {c0.batch_size} x {c0.seq_len} tokens"
         + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
+        + ranks
         + f"; modes: {', '.join(modes)}",
         flush=True,
     )
@@ -339,10 +450,7 @@ def run(args) -> int:
     for cfg in cfgs:
         mode_dir = out / cfg.mode
         resume = _resume_point(args, mode_dir, single=len(modes) == 1)
-        if resume is None:  # a fresh run replaces what an earlier one left here
-            shutil.rmtree(mode_dir, ignore_errors=True)
-        for stale in (mode_dir / "checkpoints").glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a killed run: never complete
+        _clean_mode_dir(mode_dir, fresh=resume is None)
         t0 = time.perf_counter()
         trainer = oom = None
         try:
@@ -361,6 +469,8 @@ def run(args) -> int:
                 out_dir=mode_dir,
                 progress=not args.no_progress,
                 describe=describe,
+                strategy=strategy,
+                activation_checkpointing=args.activation_checkpointing,
             )
             del model
             summary = trainer.fit(resume)
@@ -381,6 +491,8 @@ def run(args) -> int:
             )
         summary["wall_s"] = time.perf_counter() - t0
         summaries.append(summary)
+        if _rank() != 0:  # under torchrun rank 0 alone writes files and prints
+            continue
         write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
         curves[cfg.mode] = _curves(mode_dir / "metrics.jsonl")
         print(
@@ -389,6 +501,8 @@ def run(args) -> int:
             flush=True,
         )
 
+    if _rank() != 0:
+        return 0
     return _finish(args, out, device, describe, data.source, summaries, curves)
 
 
@@ -412,7 +526,8 @@ def run_vl(args, cfgs, modes, masters, device, label) -> int:
     print(
         f"{PROG}: {label} ({n_params / 1e6:.2f} M params, LLaVA-style) on {device.type}; data: "
         f"generated shapes-caption images; {c0.steps} steps x {c0.batch_size} x {c0.seq_len} "
-        f"tokens" + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
+        f"tokens"
+        + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
         + f"; modes: {', '.join(modes)}",
         flush=True,
     )
@@ -489,6 +604,8 @@ def format_table(summaries: list[dict]) -> str:
     mem = [s["memory"] for s in summaries]
     measured = all(m["measured_peak"] is not None for m in mem)
     steps = summaries[0]["steps"]
+    world = summaries[0].get("world_size", 1)
+    per = "" if world == 1 else f" per {'GPU' if mem[0]['device'] == 'cuda' else 'rank'}"
     rows = [
         (
             f"train loss (mean of last {summaries[0]['train_loss_window']} steps)",
@@ -497,18 +614,24 @@ def format_table(summaries: list[dict]) -> str:
         ),
         ("val loss (held-out split)", [s["val_loss"] for s in summaries], "loss"),
         (
-            f"tokens/s (steps 2-{steps})" if steps > 1 else "tokens/s",
+            f"tokens/s{per}" + (f" (steps 2-{steps})" if steps > 1 else ""),
             [s["tokens_per_s"] for s in summaries],
             "rate",
         ),
     ]
     if measured:
         rows.append(
-            (f"peak memory ({mem[0]['measured_by']})", [m["measured_peak"] for m in mem], "bytes")
+            (
+                f"peak memory{per} ({mem[0]['measured_by']})",
+                [m["measured_peak"] for m in mem],
+                "bytes",
+            )
         )
     rows += [
         (
-            "  tracked tensors at their peak" if measured else "peak memory (tracked tensors)",
+            "  tracked tensors at their peak"
+            if measured
+            else f"peak memory{per} (tracked tensors)",
             [m["tracked_peak"] for m in mem],
             "bytes",
         ),
@@ -547,7 +670,14 @@ def format_table(summaries: list[dict]) -> str:
         )
         for r in [head] + body
     ]
-    return "\n".join(lines + ["", MEMORY_NOTE[mem[0]["device"] == "cuda"]])
+    notes = ["", MEMORY_NOTE[mem[0]["device"] == "cuda"]]
+    if world > 1:
+        notes.append(
+            f"{world} ranks ({summaries[0]['parallel']['strategy']}):{per}: tokens/s of the "
+            "slowest rank, memory of the rank with the highest peak; losses: mean over the "
+            "micro-batches of all ranks."
+        )
+    return "\n".join(lines + notes)
 
 
 MEMORY_NOTE = {
@@ -564,20 +694,25 @@ MEMORY_NOTE = {
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    own_group = not dist.is_initialized()  # run() joins torchrun's group for --fsdp / --ddp
     try:
         return run(args)
     except (UsageError, DataError, ModelError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        _say(f"{PROG}: error: {e}", file=sys.stderr)  # the same on every rank
         return 2
     except TrainError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        rank = f"rank {_rank()}: " if dist.is_initialized() and dist.get_world_size() > 1 else ""
+        print(f"{PROG}: error: {rank}{e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(
+        _say(
             f"\n{PROG}: interrupted; completed checkpoints (if any) are under {args.out}",
             file=sys.stderr,
         )
         return 130
+    finally:
+        if own_group and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ __all__ = [
     "init_distributed",
     "load_checkpoint",
     "prepare_data_parallel",
+    "read_checkpoint_extra",
     "save_checkpoint",
     "shard_model",
     "wrap_ddp",
@@ -395,16 +396,7 @@ def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = Tr
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     path = os.fspath(path)
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        hint = (
-            " (an interrupted save left only <path>.partial)"
-            if os.path.exists(path + ".partial")
-            else ""
-        )
-        raise FileNotFoundError(
-            f"no checkpoint at {path!r}{hint}: expected a directory written by save_checkpoint"
-        )
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = _saved_metadata(path)
     state = _dcp_state(model, optimizer)
     unsaved = _check_against(saved, state, path, strict)
     for key in unsaved:  # parameters without optimizer state when saved (no gradient yet)
@@ -426,6 +418,44 @@ def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = Tr
             optim_state_dict=state["optim"],
             options=options,
         )
+    return _extra(state)
+
+
+def read_checkpoint_extra(path) -> dict | None:
+    """The ``extra`` of a ``save_checkpoint`` checkpoint alone (or ``None``), without model or
+    optimizer: e.g. to check a run's settings before loading. Every rank calls it.
+
+    >>> read_checkpoint_extra("ckpt/step100")["step"]
+    100
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = os.fspath(path)
+    if "extra" not in _saved_metadata(path):
+        return None
+    state = {"extra": io.BytesIO()}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=path)
+    return _extra(state)
+
+
+def _saved_metadata(path: str) -> dict:
+    """The checkpoint's ``state_dict_metadata``; a clear error where there is none."""
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        hint = (
+            " (an interrupted save left only <path>.partial)"
+            if os.path.exists(path + ".partial")
+            else ""
+        )
+        raise FileNotFoundError(
+            f"no checkpoint at {path!r}{hint}: expected a directory written by save_checkpoint"
+        )
+    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def _extra(state: dict) -> dict | None:
     if "extra" not in state:
         return None
     extra = state["extra"]  # DCP puts a new BytesIO in the dict

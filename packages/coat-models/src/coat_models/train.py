@@ -14,10 +14,17 @@ coat-act    ``apply_coat``                   torch.optim.AdamW
 
 All modes run under bf16 autocast with master weights in ``master_dtype`` (fp32 by default;
 bf16 only with CoatAdamW, whose stochastic rounding keeps small updates).
+
+Under ``torchrun`` (``Trainer(..., strategy="fsdp" | "ddp")``) each rank trains on its own
+micro-batches (micro-batch ``micro * world + rank`` of a step), so N ranks with
+``grad_accum = A`` see the tokens of one process with ``grad_accum = N * A``; losses are the
+mean over ranks, tokens/s and memory are per rank (memory: the largest rank), rank 0 writes
+the files and checkpoints go through ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -33,8 +40,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from . import distributed
 from .data import BatchSampler, TokenData, val_batches
 
 MODES = {  # mode -> (FP8 activations, FP8 optimizer states)
@@ -74,6 +83,11 @@ class TrainConfig:
     eval_batches: int = 4
     save_every: int = 0  # 0: no checkpoints
     keep_checkpoints: int = 2
+    # FP8 activations: keep each weight's two FP8 copies (2 B/param) from one micro-batch to
+    # the next until the optimizer changes the weight (saves one cast per linear and micro-
+    # batch with --grad-accum). Off: each linear casts its weight in forward and again in
+    # backward and keeps nothing, so the copies never sit in memory at the peak. Same bits.
+    weight_cache: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -101,7 +115,7 @@ class TrainConfig:
 
     def numerics(self) -> dict:
         """The fields a resumed run must share with the run that wrote the checkpoint."""
-        skip = {"eval_every", "eval_batches", "save_every", "keep_checkpoints"}
+        skip = {"eval_every", "eval_batches", "save_every", "keep_checkpoints", "weight_cache"}
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 
@@ -118,11 +132,12 @@ def lr_factor(step: int, *, warmup: int, steps: int, min_ratio: float) -> float:
 
 
 def _storages(t: torch.Tensor):
-    """[(key, bytes)] of the memory a tensor holds; wrapper subclasses (FP8 data + scales)
-    are opened up into their inner tensors."""
+    """[(key, bytes)] of the memory a tensor holds; wrapper subclasses (FP8 data + scales,
+    FSDP2's DTensor shards) are opened up into their inner tensors."""
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
-        return [s for n in names for s in _storages(getattr(t, n))]
+        inner = [getattr(t, n) for n in names]  # DTensor also names its DeviceMesh
+        return [s for i in inner if isinstance(i, torch.Tensor) for s in _storages(i)]
     try:
         st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):
@@ -166,7 +181,10 @@ _COPY_OR_VIEW = {  # autograd nodes of casts and views
 
 
 def _is_weight_copy(t: torch.Tensor) -> bool:
-    """True for a cast or view of a parameter (e.g. autocast's bf16 copy of an fp32 weight)."""
+    """True for a cast or view of a parameter (e.g. autocast's bf16 copy of an fp32 weight),
+    or a parameter the model does not hold (FSDP2's all-gathered copy of a sharded one)."""
+    if isinstance(t, torch.nn.Parameter):
+        return True
     fn = t.grad_fn
     for _ in range(4):
         if fn is None:
@@ -208,11 +226,15 @@ class MemoryTracker:
       until they are freed.
     It sees tensors only through these routes: temporaries that are not saved (e.g. the fp32
     logits inside the loss) and caches kept elsewhere are in ``measured - tracked``.
+
+    ``grad_hooks=False`` counts gradients only in ``count_grads`` after backward: for FSDP2,
+    which calls the hooks of its sharded parameters with views of one reduce-scatter output
+    per layer (a hook would count the whole output for each parameter).
     """
 
     KINDS = ("weights", "gradients", "optimizer_state", "activations", "weight_copies")
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, grad_hooks: bool = True):
         self.live = dict.fromkeys(self.KINDS, 0)
         self.at_peak = dict(self.live)
         self.peak = 0
@@ -228,7 +250,7 @@ class MemoryTracker:
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad)
             for p in model.parameters()
-            if p.requires_grad
+            if p.requires_grad and grad_hooks
         ]
         self._update()
 
@@ -313,6 +335,14 @@ class MemoryTracker:
             self.live["gradients"] += tensor_bytes([p.grad])
             self._update()
 
+    def count_grads(self):
+        """Count the gradients no hook counted (all of them with ``grad_hooks=False``), each
+        storage once; call after backward."""
+        new = [p for p in self._params if p.grad is not None and id(p) not in self._grads_seen]
+        self._grads_seen.update(id(p) for p in new)
+        self.live["gradients"] += tensor_bytes([p.grad for p in new])
+        self._update()
+
     def after_optimizer_step(self, optimizer):
         """Call after ``optimizer.step()``, before the gradients are dropped."""
         self.live["optimizer_state"] = optimizer_state_bytes(optimizer)
@@ -391,8 +421,10 @@ def prepare(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
     """(model, optimizer) for ``cfg.mode``: FP8 activations and/or CoatAdamW as the mode says."""
     fp8_act, fp8_optim = MODES[cfg.mode]
     if fp8_act:
+        from fp8_activations import FP8Config
+
         try:
-            model = _coat_api("apply_coat")(model)
+            model = _coat_api("apply_coat")(model, FP8Config(weight_cache=cfg.weight_cache))
         except TypeError as e:  # documented: an unsupported architecture, named in e
             raise TrainError(f"mode {cfg.mode}: {e}") from None
     if fp8_optim:
@@ -405,6 +437,28 @@ def prepare(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
             decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, fused=fused
         )
     return model, opt
+
+
+def prepare_distributed(
+    model: torch.nn.Module, cfg: TrainConfig, strategy: str, activation_checkpointing: bool
+):
+    """``prepare`` for one rank of a ``torchrun`` job: ``apply_coat`` and/or CoatAdamW as
+    ``cfg.mode`` says, the model wrapped by FSDP2 (``strategy="fsdp"``: bf16 compute, fp32
+    gradient reduce-scatter) or DDP (``"ddp"``); the same parameter groups as ``prepare``."""
+    fp8_act, fp8_optim = MODES[cfg.mode]
+    try:
+        return distributed.prepare_data_parallel(
+            model,
+            strategy,
+            fp8_activations=fp8_act,
+            fp8_optimizer=fp8_optim,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=cfg.betas,
+            activation_checkpointing=activation_checkpointing,
+        )
+    except TypeError as e:  # apply_coat: an unsupported architecture, named in e
+        raise TrainError(f"mode {cfg.mode}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,16 +540,29 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The newest complete checkpoint: only fully written ones carry a step_NNNNNNN name."""
+def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first: only fully written ones carry a step_NNNNNNN name
+    (one being written is ``.tmp-step_*`` in one process, ``step_*.partial`` under torchrun)."""
     if not ckpt_dir.is_dir():
-        return None
-    done = sorted(
+        return []
+    return sorted(
         d
         for d in ckpt_dir.iterdir()
         if d.is_dir() and d.name.startswith("step_") and d.name[5:].isdigit()
     )
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest complete checkpoint, or ``None``."""
+    done = complete_checkpoints(ckpt_dir)
     return done[-1] if done else None
+
+
+def _launch(parallel: dict | None) -> str:
+    """How a run was launched, in words: "one process", "--fsdp on 2 ranks"."""
+    if parallel is None:
+        return "one process"
+    return f"--{parallel['strategy']} on {parallel['world_size']} ranks"
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -523,38 +590,85 @@ class Trainer:
         out_dir: Path | None = None,
         progress: bool = True,
         describe: dict | None = None,
+        strategy: str | None = None,
+        activation_checkpointing: bool = False,
     ):
+        """``strategy``: ``None`` (one process), or ``"fsdp"`` / ``"ddp"`` for one rank of a
+        ``torchrun`` job (the process group must exist: ``distributed.init_distributed()``);
+        ``activation_checkpointing`` recomputes each decoder layer in backward (same numbers,
+        less memory)."""
+        if strategy is not None and strategy not in distributed.STRATEGIES:
+            raise ValueError(
+                f"strategy must be None or one of {distributed.STRATEGIES}, got {strategy!r}"
+            )
+        if strategy is not None and not dist.is_initialized():
+            raise TrainError(
+                f"strategy {strategy!r} needs torch.distributed: launch under torchrun and call "
+                "coat_models.distributed.init_distributed() first"
+            )
         self.cfg, self.device, self.data = cfg, device, data
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.describe = describe or {}
-        self.model, self.optimizer = prepare(model, cfg, device)
+        self.strategy = strategy
+        self.world = dist.get_world_size() if strategy else 1
+        self.rank = dist.get_rank() if strategy else 0
+        self.is_main = self.rank == 0  # writes metrics, prints progress, prunes checkpoints
+        if strategy is None:
+            self.model, self.optimizer = prepare(model, cfg, device)
+            if activation_checkpointing:
+                distributed.enable_activation_checkpointing(self.model)
+        else:
+            self.model, self.optimizer = prepare_distributed(
+                model, cfg, strategy, activation_checkpointing
+            )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             partial(lr_factor, warmup=cfg.warmup, steps=cfg.steps, min_ratio=cfg.min_lr_ratio),
         )
         self.sampler = BatchSampler(data.train, cfg.batch_size, cfg.seq_len, cfg.seed)
         self.val = val_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
-        self.tracker = MemoryTracker(self.model)
+        self.tracker = MemoryTracker(self.model, grad_hooks=strategy != "fsdp")
         self.step = 0  # optimizer steps done
         self.meter = PeakMeter(device)
         self.totals = {"timed_tokens": 0, "timed_time": 0.0, "memory": None}
         self.train_losses: list[float] = []
         self.val_loss: float | None = None
-        self.progress = Progress(cfg.mode, cfg.steps, enabled=progress)
+        self.progress = Progress(cfg.mode, cfg.steps, enabled=progress and self.is_main)
+
+    # -- ranks -------------------------------------------------------------------------------
+    def _mean(self, value: float) -> float:
+        """Mean over ranks (the value itself in one process)."""
+        return value if self.strategy is None else distributed.all_ranks_mean(value)
+
+    def _max(self, value):
+        """Max over ranks of a number, ``None`` staying ``None`` (CPU has no measured peak)."""
+        if self.strategy is None or value is None:
+            return value
+        return distributed.all_ranks_max(value)
 
     # -- one optimizer step ----------------------------------------------------------------
     def run_step(self) -> dict:
-        """Forward/backward over ``grad_accum`` micro-batches, clip, optimizer step."""
+        """Forward/backward over ``grad_accum`` micro-batches, clip, optimizer step.
+
+        Rank r of W takes micro-batch ``micro * W + r``: the tokens of one process with
+        ``grad_accum * W``. DDP all-reduces once, after the last micro-batch; FSDP2
+        reduce-scatters after each one (in fp32, into the fp32 sharded gradient), which keeps
+        only a shard of the gradients between micro-batches."""
         cfg, step = self.cfg, self.step + 1
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
         with self.tracker.saving():
             for micro in range(cfg.grad_accum):
-                ids = self.sampler.batch(step, micro).to(self.device, non_blocking=True)
-                with torch.autocast(self.device.type, dtype=torch.bfloat16):
-                    loss = self.model(input_ids=ids, labels=ids).loss
-                (loss / cfg.grad_accum).backward()
+                ids = self.sampler.batch(step, micro * self.world + self.rank)
+                ids = ids.to(self.device, non_blocking=True)
+                last = micro == cfg.grad_accum - 1
+                no_sync = self.strategy == "ddp" and not last
+                with self.model.no_sync() if no_sync else contextlib.nullcontext():
+                    with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                        loss = self.model(input_ids=ids, labels=ids).loss
+                    (loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach().float()
+        self.tracker.count_grads()
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -564,7 +678,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.tracker.grads_dropped()
         loss_value = (loss_sum / cfg.grad_accum).item()  # syncs: the step time below is real
-        dt = time.perf_counter() - t0
+        dt = self._max(time.perf_counter() - t0)  # the slowest rank sets the pace
+        loss_value = self._mean(loss_value)
         self.step = step
         if not math.isfinite(loss_value):
             raise TrainError(
@@ -575,15 +690,17 @@ class Trainer:
             "step": step,
             "loss": loss_value,
             "lr": float(lr),
-            "grad_norm": float(grad_norm),
-            "tokens": cfg.tokens_per_step,
+            "grad_norm": distributed.as_float(grad_norm),
+            "tokens": cfg.tokens_per_step,  # per rank
             "step_time_s": dt,
             "tokens_per_s": cfg.tokens_per_step / dt,
         }
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the fixed validation batches (plain path: ``model.eval()``)."""
+        """Mean loss over the fixed validation batches (plain path: ``model.eval()``). Under
+        torchrun every rank runs every batch (FSDP2's forward is collective): the same value
+        on every rank."""
         self.model.eval()
         total, n = 0.0, 0
         for ids in self.val:
@@ -602,51 +719,100 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Write model, optimizer (its FP8 states included), scheduler, step, RNG states and
-        data position into a temporary directory, then rename it: a ``step_*`` directory is
-        always complete."""
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        data position; a ``step_*`` directory is always complete. One process: ``torch.save``
+        files in a temporary directory, then renamed. Under torchrun: every rank calls it and
+        ``torch.distributed.checkpoint`` writes each rank's shards (``distributed.save_checkpoint``:
+        ``<dir>.partial``, renamed when every rank is done)."""
         final = self.ckpt_dir / checkpoint_name(self.step)
-        tmp = self.ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        _fsync_save(self.model.state_dict(), tmp / "model.pt")
-        _fsync_save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        _fsync_save(
-            {
-                "format": 1,
-                "step": self.step,
-                "scheduler": self.scheduler.state_dict(),
-                "rng": _rng_state(),
-                # The sampler is a pure function of (seed, step): the step is the position.
-                "data": {"next_step": self.step + 1, "fingerprint": self.data.fingerprint},
-                "config": self.cfg.numerics(),
-                "describe": self.describe,
-                "totals": self.totals,
-                "train_losses": self.train_losses,
-            },
-            tmp / "trainer.pt",
-        )
-        if final.exists():  # a re-run after resuming from an earlier checkpoint
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fd = os.open(self.ckpt_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        old = sorted(d for d in self.ckpt_dir.iterdir() if d.name.startswith("step_"))
-        for d in old[: max(0, len(old) - self.cfg.keep_checkpoints)]:
-            shutil.rmtree(d)
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        state = self._trainer_state()
+        if self.strategy is not None:
+            rngs = [None] * self.world
+            dist.all_gather_object(rngs, state["rng"])
+            state["rng"] = rngs  # DCP keeps one copy of ``extra``: every rank's, by rank
+            distributed.save_checkpoint(final, self.model, self.optimizer, extra=state)
+        else:
+            tmp = self.ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            _fsync_save(self.model.state_dict(), tmp / "model.pt")
+            _fsync_save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            _fsync_save(state, tmp / "trainer.pt")
+            if final.exists():  # a re-run after resuming from an earlier checkpoint
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            fd = os.open(self.ckpt_dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        if self.is_main:
+            done = complete_checkpoints(self.ckpt_dir)
+            for d in done[: max(0, len(done) - self.cfg.keep_checkpoints)]:
+                shutil.rmtree(d)
         return final
+
+    def _trainer_state(self) -> dict:
+        """A checkpoint's training state besides model and optimizer; equal on every rank
+        except the RNG states (``save_checkpoint`` gathers those)."""
+        return {
+            "format": 1,
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": _rng_state(),
+            # The sampler is a pure function of (seed, step): the step is the position.
+            "data": {"next_step": self.step + 1, "fingerprint": self.data.fingerprint},
+            "config": self.cfg.numerics(),
+            "describe": self.describe,
+            "parallel": self.parallel,
+            "totals": self.totals,
+            "train_losses": self.train_losses,
+        }
+
+    @property
+    def parallel(self) -> dict | None:
+        """How this run is spread over processes (``None``: one process)."""
+        if self.strategy is None:
+            return None
+        return {"strategy": self.strategy, "world_size": self.world}
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore everything ``save_checkpoint`` wrote; refuses a checkpoint of other
-        numerics (mode, schedule, batch, data, ...), which could not continue exactly."""
-        missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file()]
-        if missing:
-            raise TrainError(f"{path} is not a complete checkpoint (missing {', '.join(missing)})")
+        numerics (mode, schedule, batch, data, ...), which could not continue exactly.
+
+        Also refused: a checkpoint of another launch (one process vs torchrun, ``--fsdp`` vs
+        ``--ddp``, another number of ranks). Its weights would load (DCP reshards), but the
+        run would not continue with the numbers of the run that wrote it: another reduction
+        order and, under FSDP2, bf16 instead of autocast compute."""
+        path = Path(path)
+        dcp_format = (path / ".metadata").is_file()
+        if dcp_format:
+            state = distributed.read_checkpoint_extra(path)
+            if not isinstance(state, dict) or "parallel" not in state:
+                raise TrainError(f"{path} is not a coat-train checkpoint (no training state)")
+        else:
+            missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file()]
+            if missing:
+                raise TrainError(
+                    f"{path} is not a complete checkpoint (missing {', '.join(missing)})"
+                )
+            state = None
+        if self.strategy is not None and not dcp_format:
+            raise TrainError(
+                f"cannot resume from {path} with --{self.strategy} on {self.world} ranks: it "
+                "was written by a run in one process; resume it in one process (without "
+                "torchrun, --fsdp or --ddp), or start this run afresh with another --out"
+            )
+        if dcp_format and state["parallel"] != self.parallel:
+            raise TrainError(
+                f"cannot resume from {path}: it was written by {_launch(state['parallel'])}, "
+                f"this run is {_launch(self.parallel)}; resume with the launch that wrote it "
+                "(the same --fsdp/--ddp and torchrun --nproc-per-node), or start afresh with "
+                "another --out"
+            )
         load = partial(torch.load, map_location=self.device, weights_only=True)
-        state = load(path / "trainer.pt")
+        if state is None:
+            state = load(path / "trainer.pt")
         diff = {
             k: (v, self.cfg.numerics().get(k))
             for k, v in state["config"].items()
@@ -659,10 +825,15 @@ class Trainer:
         if diff:
             said = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
             raise TrainError(f"cannot resume from {path}: settings differ ({said})")
-        self.model.load_state_dict(load(path / "model.pt"))
-        self.optimizer.load_state_dict(load(path / "optimizer.pt"))
+        if dcp_format:
+            distributed.load_checkpoint(path, self.model, self.optimizer)
+            rng = state["rng"][self.rank]
+        else:
+            self.model.load_state_dict(load(path / "model.pt"))
+            self.optimizer.load_state_dict(load(path / "optimizer.pt"))
+            rng = state["rng"]
         self.scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
+        _set_rng_state(rng)
         self.step = state["step"]
         self.totals = state["totals"]
         self.train_losses = list(state["train_losses"])
@@ -670,33 +841,38 @@ class Trainer:
     # -- the whole run -----------------------------------------------------------------------
     def fit(self, resume: Path | None = None) -> dict:
         """Train ``cfg.steps`` steps (from ``resume`` if given), evaluating, logging metrics to
-        ``out_dir/metrics.jsonl``, checkpointing; returns the summary."""
+        ``out_dir/metrics.jsonl``, checkpointing; returns the summary (on every rank; rank 0
+        alone writes the metrics)."""
         cfg = self.cfg
         self.out_dir.mkdir(parents=True, exist_ok=True)
         metrics_path = self.out_dir / "metrics.jsonl"
         if resume is not None:
             self.load_checkpoint(resume)
-            kept = _metrics_until(metrics_path, self.step)
-            write_atomic(metrics_path, "".join(kept))
+            if self.is_main:
+                kept = _metrics_until(metrics_path, self.step)
+                write_atomic(metrics_path, "".join(kept))
         else:
-            metrics_path.write_text("")
+            if self.is_main:
+                metrics_path.write_text("")
             torch.manual_seed(cfg.seed)  # whatever setup drew, every mode starts alike
         self.tracker.reset_peak()
         self.meter.reset()
         first = self.step + 1
-        with open(metrics_path, "a") as log:
+        opened = open(metrics_path, "a") if self.is_main else contextlib.nullcontext()
+        with opened as log:
 
             def emit(record):
-                log.write(json.dumps({"mode": cfg.mode, **record}) + "\n")
-                log.flush()
+                if log is not None:
+                    log.write(json.dumps({"mode": cfg.mode, **record}) + "\n")
+                    log.flush()
 
             while self.step < cfg.steps:
                 rec = self.run_step()
                 if self.step > first:  # the first step of a process warms up (kernels, caches)
                     self.totals["timed_tokens"] += rec["tokens"]
                     self.totals["timed_time"] += rec["step_time_s"]
-                measured = self.meter.peak()
-                rec["mem_tracked_peak"] = self.tracker.peak
+                measured = self._max(self.meter.peak())  # per rank: the largest
+                rec["mem_tracked_peak"] = self._max(self.tracker.peak)
                 rec["mem_measured_peak"] = measured
                 emit({"type": "train", **rec})
                 self.train_losses.append(rec["loss"])
@@ -704,7 +880,7 @@ class Trainer:
                     "loss": f"{rec['loss']:.4f}",
                     "lr": f"{rec['lr']:.2e}",
                     "tok/s": f"{rec['tokens_per_s']:,.0f}",
-                    "mem": fmt_bytes(measured or self.tracker.peak),
+                    "mem": fmt_bytes(measured or rec["mem_tracked_peak"]),
                 }
                 if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
                     self.val_loss = self.evaluate()
@@ -720,21 +896,30 @@ class Trainer:
         return self.summary()
 
     def _record_memory(self):
-        """Keep the breakdown of the highest peak seen by this run (across resumes)."""
+        """Keep the breakdown of the highest peak seen by this run (across resumes); under
+        torchrun, that of the rank with the highest peak."""
         report = memory_report(self.tracker, self.meter)
-        best = self.totals["memory"]
         key = "measured_peak" if report["measured_peak"] is not None else "tracked_peak"
+        if self.strategy is not None:
+            reports = [None] * self.world
+            dist.all_gather_object(reports, report)
+            report = max(reports, key=lambda r: r[key] or 0)
+        best = self.totals["memory"]
         if best is None or (report[key] or 0) >= (best[key] or 0):
             self.totals["memory"] = report
 
     def summary(self) -> dict:
+        """Losses (mean over ranks), ``tokens_per_s`` and ``memory`` per rank (the slowest
+        and the largest rank), ``tokens_per_step`` over all ranks."""
         t = self.totals
         window = self.train_losses[-TRAIN_LOSS_WINDOW:]
         return {
             "mode": self.cfg.mode,
             "master_dtype": self.cfg.master_dtype,
+            "parallel": self.parallel,
+            "world_size": self.world,
             "steps": self.step,
-            "tokens_per_step": self.cfg.tokens_per_step,
+            "tokens_per_step": self.cfg.tokens_per_step * self.world,
             "train_loss": sum(window) / len(window) if window else None,
             "train_loss_window": len(window),
             "val_loss": self.val_loss,

@@ -47,12 +47,18 @@ def emit(y: Tensor, group_size: int, fmt: FP8Format, mode: str):
 
 
 # ---------------------------------------------------------------------------- RMSNorm
-def rms_norm_fwd(x, weight, eps, group_size, fmt, quant_x, emit_mode):
-    """``y = x / sqrt(mean(x^2) + eps) * weight``. Returns ``(y, x_q, x_s, *emit)``."""
+def rms_norm_fwd(x, weight, eps, group_size, fmt, quant_x, emit_mode, save_rstd=False):
+    """``y = x / sqrt(mean(x^2) + eps) * weight``. Returns ``(y, x_q, x_s, *emit, rstd)``;
+    ``rstd`` (fp32, one per row) is empty unless ``save_rstd``."""
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     y = (xf * rstd * weight.float()).to(x.dtype)
-    return (y, *quantize_input(x, group_size, fmt, quant_x), *emit(y, group_size, fmt, emit_mode))
+    return (
+        y,
+        *quantize_input(x, group_size, fmt, quant_x),
+        *emit(y, group_size, fmt, emit_mode),
+        rstd.squeeze(-1) if save_rstd else x.new_empty(0, dtype=torch.float32),
+    )
 
 
 def rms_norm_bwd(dy, x_q, x_s, weight, eps, group_size):
@@ -64,6 +70,15 @@ def rms_norm_bwd(dy, x_q, x_s, weight, eps, group_size):
     dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
     dw = (dy.float() * x_hat).sum(0)
     return dx.to(dy.dtype), dw.to(weight.dtype)
+
+
+def rms_norm_reform_t(x_q, x_s, rstd, weight, amax, group_size, dtype, fmt):
+    """The RMSNorm output re-formed from the saved point, quantized per tensor with
+    forward's ``amax`` and transposed: ``(N, M)`` FP8. ``y = x * rstd * weight`` in
+    ``dtype``, with x the dequantized 1 x G ``(x_q, x_s)`` and forward's ``rstd`` (M,)."""
+    x = dequantize_input(x_q, x_s, group_size)
+    y = (x * rstd[:, None] * weight.float()).to(dtype)
+    return q.quantize_per_tensor(y, fmt, amax)[0].t().contiguous()
 
 
 # -------------------------------------------------------------------------- LayerNorm

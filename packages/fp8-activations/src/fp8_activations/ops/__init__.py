@@ -6,6 +6,7 @@ from .layer_norm import LayerNormFunction
 from .linear import FP8LinearFunction, quantize_t
 from .residual_add import ResidualAddFunction
 from .rms_norm import RMSNormFunction
+from .rms_norm_linear import RMSNormLinearFunction
 from .silu import SiLUFunction
 from .swiglu import SwiGLUFunction
 from .swiglu_linear import SwiGLULinearFunction
@@ -15,6 +16,7 @@ __all__ = [
     "GELUFunction",
     "LayerNormFunction",
     "RMSNormFunction",
+    "RMSNormLinearFunction",
     "ResidualAddFunction",
     "SiLUFunction",
     "SwiGLUFunction",

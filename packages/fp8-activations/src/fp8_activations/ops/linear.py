@@ -17,7 +17,7 @@ the fly in forward and again in backward.
 from __future__ import annotations
 
 import torch
-from fp8_quant import FP8Format, quantize_per_tensor_transpose
+from fp8_quant import FP8Format, quantize_per_tensor, quantize_per_tensor_transpose
 
 from .. import reference
 from ._common import custom_op
@@ -45,6 +45,21 @@ def _(x, fmt, amax, backend, *, eager=False):
     m, n = x.shape
     return x.new_empty((m, n), dtype=dtype), x.new_empty((n, m), dtype=dtype), \
         x.new_empty((), dtype=torch.float32)  # fmt: skip
+
+
+@custom_op("quantize")
+def quantize(
+    x: Tensor, fmt: str, amax: Tensor | None, backend: str, *, eager: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Per-tensor quantize ``x``: ``(q, scale)``, the bits of ``quantize_t``'s ``q`` without
+    the transposed copy (for a GEMM operand whose transpose backward re-forms itself)."""
+    return quantize_per_tensor(x, fmt, amax=amax, backend=backend)
+
+
+@quantize.register_fake
+def _(x, fmt, amax, backend, *, eager=False):
+    dtype = FP8Format.parse(fmt).torch_dtype
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((), dtype=torch.float32)
 
 
 _SCALED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -35,18 +35,20 @@ Tensor = torch.Tensor
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    X, W, Y, XQ, XS, YQ, YS, YA, M, N, eps,
+    X, W, Y, XQ, XS, YQ, YS, YA, RSTD, M, N, eps,
     BM: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr, FMT: tl.constexpr,
-    QUANT_X: tl.constexpr, EMIT: tl.constexpr,
+    QUANT_X: tl.constexpr, EMIT: tl.constexpr, SAVE_RSTD: tl.constexpr,
 ):  # fmt: skip
     # Whole rows: the row sums, y, x's FP8 copy and y's group maxima all come from one read
     # of x.
-    base, offs, mask, s_base, s_offs, s_mask, cols = row_block(
-        tl.program_id(0), M, N, BM, NGP, G, V
-    )
+    blk = tl.program_id(0)
+    base, offs, mask, s_base, s_offs, s_mask, cols = row_block(blk, M, N, BM, NGP, G, V)
     x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     rstd = tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(x * x) / N + eps))
+    if SAVE_RSTD:
+        r = blk * BM + tl.arange(0, BM)[:, None, None, None]
+        tl.store(RSTD + r, rstd, mask=r < M)
     y = cast_out(x * rstd * w, Y)
     tl.store(Y + base + offs, y, mask=mask)
     if QUANT_X:
@@ -97,33 +99,42 @@ def _rms_norm_bwd_kernel(
     tl.store(DW + pid * N + cols, tl.sum(dw, axis=0)[None, :, :, :], mask=cols < N)
 
 
+def _rstd_buffer(x: Tensor, wanted: bool, eager: bool) -> Tensor | None:
+    if wanted:
+        return torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+    return None if eager else x.new_empty(0, dtype=torch.float32)
+
+
 @custom_op("rms_norm_fwd")
 def rms_norm_fwd(
     x: Tensor, weight: Tensor, eps: float, group_size: int, fmt: str, quant_x: bool, emit: str,
-    backend: str, *, eager: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(y, x_q, x_s, y_q, y_s, y_amax)`` for a 2-D contiguous ``x``."""
+    save_rstd: bool, backend: str, *, eager: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(y, x_q, x_s, y_q, y_s, y_amax, rstd)`` for a 2-D contiguous ``x``; ``rstd``
+    (fp32, one per row) only with ``save_rstd`` (``rms_norm_linear`` re-forms y with it)."""
     f = FP8Format(fmt)
     if not use_triton(x, backend):
-        return reference.rms_norm_fwd(x, weight, eps, group_size, f, quant_x, emit)
+        return reference.rms_norm_fwd(x, weight, eps, group_size, f, quant_x, emit, save_rstd)
     y = torch.empty_like(x)
     x_q, x_s = quant_buffers(x, group_size, f, quant_x, eager)
     y_q, y_s, y_a = emit_buffers(y, group_size, f, emit, eager)
+    rstd = _rstd_buffer(x, save_rstd, eager)
     meta = row_launch("rms_norm_fwd", x, group_size)
     _rms_norm_fwd_kernel[(cdiv(x.shape[0], meta["BM"]),)](
-        x, weight, y, *out_args(y, x_q, x_s, y_q, y_s, y_a), *x.shape, eps,
-        FMT=fmt, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], **meta,
+        x, weight, y, *out_args(y, x_q, x_s, y_q, y_s, y_a, rstd), *x.shape, eps,
+        FMT=fmt, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], SAVE_RSTD=save_rstd, **meta,
     )  # fmt: skip
-    return y, x_q, x_s, y_q, y_s, y_a
+    return y, x_q, x_s, y_q, y_s, y_a, rstd
 
 
 @rms_norm_fwd.register_fake
-def _(x, weight, eps, group_size, fmt, quant_x, emit, backend, *, eager=False):
+def _(x, weight, eps, group_size, fmt, quant_x, emit, save_rstd, backend, *, eager=False):
     f = FP8Format(fmt)
     return (
         torch.empty_like(x),
         *quant_buffers(x, group_size, f, quant_x, False),
         *emit_buffers(x, group_size, f, emit, False),
+        _rstd_buffer(x, save_rstd, False),
     )
 
 
@@ -155,8 +166,8 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, x_fp8, quant, eps, group_size, fmt, emit, backend):
-        y, x_q, x_s, *hand = rms_norm_fwd(
-            x, weight, eps, group_size, fmt, quant and x_fp8 is None, emit, backend
+        y, x_q, x_s, *hand, _ = rms_norm_fwd(
+            x, weight, eps, group_size, fmt, quant and x_fp8 is None, emit, False, backend
         )
         ctx.save_for_backward(*(x_fp8 if x_fp8 is not None else (x_q, x_s)), weight)
         ctx.eps, ctx.group_size, ctx.backend = eps, group_size, backend

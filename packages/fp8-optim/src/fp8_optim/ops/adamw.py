@@ -6,11 +6,12 @@ the number of parameters, and no host-device synchronization:
 1. ``_hyper_kernel``, one lane per tensor: ``step += 1`` on the device, then the bias
    corrections in fp64 (``lr / (1 - b1^t)``, ``1 / sqrt(1 - b2^t)``, ``1 - lr * wd``) and the
    stochastic-rounding key of the tensor, into a small ``[T, 4]`` scratch table.
-2. ``_adamw_kernel``, one program per chunk of ``BLOCK_G`` whole groups of one tensor. A
-   chunk table (``tensor << 32 | first group``) maps programs to tensors; a tensor table
-   holds, per tensor, the element offsets of its param, grad and state tensors from the
-   bucket's first tensors (``(t.data_ptr() - base.data_ptr()) / itemsize``), so one launch
-   addresses every tensor without a pointer array. Both tables are built once and cached
+2. ``_adamw_kernel``, one program per chunk of ``BLOCK_G`` whole groups of one tensor (or
+   per few chunks, ``AdamWLaunch.chunks_per_program``). A chunk table
+   (``tensor << 32 | first group``) maps programs to tensors; a tensor table holds, per
+   tensor, the element offsets of its param, grad and state tensors from the bucket's first
+   tensors (``(t.data_ptr() - base.data_ptr()) / itemsize``), so one launch addresses every
+   tensor without a pointer array. Both tables are built once and cached
    while the tensors stay where they are.
 
 Traffic per element with fp32 params and grads: read p, g (8 B), m, v codes (2 B), write
@@ -46,19 +47,57 @@ C_P, C_G, C_M, C_V, C_MA, C_VA, C_MK, C_VK, C_STEP, C_NUMEL, C_STREAM, C_SROFF =
 )
 NCOL = tl.constexpr(12)
 
-# GPU launch shape: a program takes BLOCK_G whole groups, GROUP_THREADS threads share a
-# group (G / GROUP_THREADS elements each), one warp per 32 / GROUP_THREADS groups. Fewer
-# elements per thread: fewer registers, more warps in flight to hide memory latency; more:
-# the per-group work is shared by fewer threads. H200 sweep (benchmarks/bench_adamw.py,
-# 1.20 B params, ms; groups x threads/group [x warps]): 8x16 5.87, 8x8x4 5.98, 16x16 6.21,
-# 4x8 7.01, 16x8 7.71, 32x8 8.64 (an sm_90 build here: 56 registers/thread at 8x16, 72 at
-# 16x8; the register count, not the instruction count, decides).
-# The interpreter runs a program as numpy ops on the whole tile: bigger programs are faster.
-BLOCK_G = 8
-GROUP_THREADS = 16
-NUM_WARPS = None  # None: one warp per 32 / GROUP_THREADS groups (a group never spans warps)
-MAXNREG = None  # register cap per thread (None: the compiler's choice)
-INTERPRET_BLOCK_G = 64
+
+@dataclass(frozen=True)
+class AdamWLaunch:
+    """Launch shape of ``_adamw_kernel``; no field changes a bit of the result.
+
+    A chunk is ``block_g`` whole groups of one tensor; ``group_threads`` threads share a
+    group (G / group_threads elements each), one warp per 32 / group_threads groups. Fewer
+    elements per thread: fewer registers, more warps in flight to hide memory latency;
+    more: the per-group work is shared by fewer threads. H200 sweep (1.20 B params, ms;
+    groups x threads/group [x warps]): 8x16 5.87, 8x8x4 5.98, 16x16 6.21, 4x8 7.01, 16x8
+    7.71, 32x8 8.64 (an sm_90 build here: 56 registers/thread at 8x16, 72 at 16x8; the
+    register count, not the instruction count, decides).
+
+    ``num_warps``: None gives one warp per 32 / group_threads groups (a group never spans
+    warps). ``maxnreg``: register cap per thread (None: the compiler's choice).
+    ``chunks_per_program``: 1 launches one program per chunk (1.17 M programs for 1.2 B
+    params, each starting with a chain of dependent table loads); k > 1 launches
+    ceil(chunks / k) programs that loop over chunks pid, pid + grid, ... ``num_stages``:
+    software-pipelining depth of that loop (None: Triton's choice; only with k > 1).
+    """
+
+    block_g: int = 8
+    group_threads: int = 16
+    num_warps: int | None = None
+    maxnreg: int | None = None
+    chunks_per_program: int = 1
+    num_stages: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_g", "group_threads"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        if self.group_threads > 32:
+            raise ValueError(f"group_threads must be <= 32, got {self.group_threads}")
+        if self.chunks_per_program < 1:
+            raise ValueError(f"chunks_per_program must be >= 1, got {self.chunks_per_program}")
+
+
+# The GPU default, and the interpreter's (it runs a program as numpy ops on the whole tile:
+# bigger programs are faster). LAUNCH, when set, overrides both: the sweep
+# (benchmarks/sweep_adamw_gpu.py) and tests set it; plans take it when they are built.
+GPU_LAUNCH = AdamWLaunch()
+INTERPRET_LAUNCH = AdamWLaunch(block_g=64)
+LAUNCH: AdamWLaunch | None = None
+
+
+def current_launch() -> AdamWLaunch:
+    if LAUNCH is not None:
+        return LAUNCH
+    return INTERPRET_LAUNCH if INTERPRET else GPU_LAUNCH
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -239,8 +278,8 @@ def _hyper_kernel(
 
 
 @triton.jit
-def _adamw_kernel(
-    chunk_ptr,
+def _adamw_chunk(
+    ent,
     table_ptr,
     hyper_ptr,
     bad_ptr,
@@ -275,7 +314,7 @@ def _adamw_kernel(
     EVEN: tl.constexpr,
     PTX: tl.constexpr,
 ):
-    ent = tl.load(chunk_ptr + tl.program_id(0))
+    # One chunk of BLOCK_G whole groups of one tensor; ent = tensor << 32 | first group.
     t = (ent >> 32).to(tl.int32)
     g0 = ent & 0xFFFFFFFF
     row = table_ptr + t * NCOL
@@ -396,6 +435,126 @@ def _adamw_kernel(
         tl.store(vk_ptrs, vk, mask=gs)
 
 
+@triton.jit
+def _adamw_kernel(
+    chunk_ptr,
+    n_chunks,
+    table_ptr,
+    hyper_ptr,
+    bad_ptr,
+    p_base,
+    g_base,
+    m_base,
+    v_base,
+    ma_base,
+    va_base,
+    mk_base,
+    vk_base,
+    omb1,
+    b2,
+    omb2,
+    eps,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    COLS: tl.constexpr,
+    M_FMT: tl.constexpr,
+    M_DRE: tl.constexpr,
+    M_FMAX: tl.constexpr,
+    M_LOG2: tl.constexpr,
+    M_C16: tl.constexpr,
+    V_FMT: tl.constexpr,
+    V_DRE: tl.constexpr,
+    V_FMAX: tl.constexpr,
+    V_LOG2: tl.constexpr,
+    V_C16: tl.constexpr,
+    HP: tl.constexpr,
+    SR: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    EVEN: tl.constexpr,
+    PTX: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    if CHUNKS == 1:  # one chunk per program (the default)
+        _adamw_chunk(
+            tl.load(chunk_ptr + tl.program_id(0)),
+            table_ptr,
+            hyper_ptr,
+            bad_ptr,
+            p_base,
+            g_base,
+            m_base,
+            v_base,
+            ma_base,
+            va_base,
+            mk_base,
+            vk_base,
+            omb1,
+            b2,
+            omb2,
+            eps,
+            G,
+            BLOCK_G,
+            COLS,
+            M_FMT,
+            M_DRE,
+            M_FMAX,
+            M_LOG2,
+            M_C16,
+            V_FMT,
+            V_DRE,
+            V_FMAX,
+            V_LOG2,
+            V_C16,
+            HP,
+            SR,
+            MAXIMIZE,
+            EVEN,
+            PTX,
+        )
+    else:
+        # Chunks pid, pid + grid, ...: programs running at once still work on
+        # neighbouring chunks, and a program's table lookups for its next chunk
+        # can overlap the current one (software pipelining when STAGES is set).
+        for c in tl.range(tl.program_id(0), n_chunks, tl.num_programs(0), num_stages=STAGES):
+            _adamw_chunk(
+                tl.load(chunk_ptr + c),
+                table_ptr,
+                hyper_ptr,
+                bad_ptr,
+                p_base,
+                g_base,
+                m_base,
+                v_base,
+                ma_base,
+                va_base,
+                mk_base,
+                vk_base,
+                omb1,
+                b2,
+                omb2,
+                eps,
+                G,
+                BLOCK_G,
+                COLS,
+                M_FMT,
+                M_DRE,
+                M_FMAX,
+                M_LOG2,
+                M_C16,
+                V_FMT,
+                V_DRE,
+                V_FMAX,
+                V_LOG2,
+                V_C16,
+                HP,
+                SR,
+                MAXIMIZE,
+                EVEN,
+                PTX,
+            )
+
+
 # ----------------------------------------------------------------------------- launcher
 _STATE_KEYS = (
     "exp_avg",
@@ -419,6 +578,7 @@ class Plan:
     block_g: int
     cols: int  # tile columns: 4 per thread of a group
     num_warps: int
+    launch: AdamWLaunch
 
 
 def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], bool]:
@@ -441,16 +601,15 @@ def make_plan(
     *,
     group_size: int,
     high_precision: bool,
-    block_g: int | None = None,
-    group_threads: int | None = None,
+    launch: AdamWLaunch | None = None,
 ) -> Plan:
-    """Build the chunk and tensor tables of one bucket (all tensors contiguous, one device)."""
-    if block_g is None:
-        block_g = INTERPRET_BLOCK_G if INTERPRET else BLOCK_G
-    if group_threads is None:
-        group_threads = GROUP_THREADS
-    tile_cols = min(group_size, 4 * group_threads)
-    num_warps = NUM_WARPS or max(1, block_g * (tile_cols // 4) // 32)
+    """Build the chunk and tensor tables of one bucket (all tensors contiguous, one device).
+
+    ``launch``: the kernel's launch shape (None: ``current_launch()``)."""
+    launch = launch or current_launch()
+    block_g = launch.block_g
+    tile_cols = min(group_size, 4 * launch.group_threads)
+    num_warps = launch.num_warps or max(1, block_g * (tile_cols // 4) // 32)
     device = params[0].device
     cols = [params, grads]
     keys = _STATE_KEYS[:2] if high_precision else _STATE_KEYS
@@ -477,7 +636,7 @@ def make_plan(
         table = table.pin_memory().to(device, non_blocking=True)
         chunks = chunks.pin_memory().to(device, non_blocking=True)
     hyper = torch.empty((len(params), 4), dtype=torch.int32, device=device)
-    return Plan(chunks, table, hyper, len(params), even, block_g, tile_cols, num_warps)
+    return Plan(chunks, table, hyper, len(params), even, block_g, tile_cols, num_warps, launch)
 
 
 def fused_adamw_step_(
@@ -527,8 +686,11 @@ def fused_adamw_step_(
         meta = [s0[k] for k in _STATE_KEYS[2:]]
     mf, ml, mc = ref.format_constants(m_format)
     vf, vl, vc = ref.format_constants(v_format)
-    _adamw_kernel[(plan.chunks.numel(),)](
+    n_chunks = plan.chunks.numel()
+    per = plan.launch.chunks_per_program
+    _adamw_kernel[(triton.cdiv(n_chunks, per),)](
         plan.chunks,
+        n_chunks,
         plan.table,
         plan.hyper,
         bad_count,
@@ -558,7 +720,10 @@ def fused_adamw_step_(
         MAXIMIZE=maximize,
         EVEN=plan.even,
         PTX=not INTERPRET,
+        CHUNKS=per,
+        STAGES=plan.launch.num_stages if per > 1 else None,
         num_warps=plan.num_warps,
+        **({} if plan.launch.num_stages is None else {"num_stages": plan.launch.num_stages}),
         enable_fp_fusion=True,
-        **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
+        **({} if plan.launch.maxnreg is None else {"maxnreg": plan.launch.maxnreg}),
     )

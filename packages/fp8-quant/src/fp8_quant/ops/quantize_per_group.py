@@ -8,6 +8,8 @@ long column of groups (``(numel / G, G)``, ``BG = 1``): every tile is then one c
 run of memory, which is what makes the loads and stores full-width.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -15,11 +17,48 @@ import triton.language as tl
 from ..formats import FP8Format
 from .fp8_round import abs_max, fp8_encode, fp8_scale
 
-# Elements per program: 32 per thread at 8 warps, 16 KiB of bf16 loads in flight per program
-# (several programs per SM), enough to keep HBM busy; bigger tiles only add registers.
-_TILE = 8192
+
+@dataclass(frozen=True)
+class GroupLaunch:
+    """Launch shape of ``_group_kernel``; no field changes a bit of the output.
+
+    ``tile``: elements per program (a power of two); the default, 8192, is 32 per thread at
+    8 warps, 16 KiB of bf16 loads in flight per program (several programs per SM).
+    ``num_warps``: warps per program (None: 8 for tiles of 4096 elements or more, else 4).
+    ``hw_encode``: GPU only, for comparison: the FP8 bits from the hardware conversion
+    (``cvt.rn.satfinite``, one instruction per two values) instead of ``fp8_encode``'s
+    integer arithmetic (~13 instructions per value). It is not the default until a GPU run
+    shows the same bits on every input; under ``TRITON_INTERPRET=1`` the cast truncates
+    (see ``fp8_round``), so the interpreter's bits are wrong there.
+    """
+
+    tile: int = 8192
+    num_warps: int | None = None
+    hw_encode: bool = False
+
+    def __post_init__(self):
+        if self.tile < 1 or self.tile & (self.tile - 1):
+            raise ValueError(f"tile must be a power of two, got {self.tile}")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps must be a power of two <= 32, got {self.num_warps}")
+
+
+# The launch shape every call uses. Benchmarks (benchmarks/sweep_gpu.py) swap it to compare
+# shapes; the output is the same for every value.
+LAUNCH = GroupLaunch()
 # Largest group held in registers at once; bigger groups are walked in chunks, twice.
 _MAX_CHUNK = 4096
+
+
+@triton.jit
+def _encode(y, FMT: tl.constexpr, HW: tl.constexpr):
+    if HW:  # cvt.rn.satfinite on sm_89+: round to nearest even, saturate
+        if FMT == "e4m3":
+            return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            return y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        return fp8_encode(y, FMT)
 
 
 @triton.jit
@@ -28,7 +67,7 @@ def _group_kernel(
     M, N, NG,
     stride_xm, stride_xn, stride_qm, stride_om,
     FMT: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-    BM: tl.constexpr, BG: tl.constexpr, QUANTIZE: tl.constexpr,
+    BM: tl.constexpr, BG: tl.constexpr, QUANTIZE: tl.constexpr, HW_ENCODE: tl.constexpr,
 ):  # fmt: skip
     """QUANTIZE: write q and per-group scales to out; else write per-group amax to out."""
     # A 1-D grid (CUDA caps grid dims 1 and 2 at 65535): consecutive programs walk a row.
@@ -47,7 +86,7 @@ def _group_kernel(
         amax = abs_max(x, 2)
         if QUANTIZE:
             scale, inv_scale = fp8_scale(amax, FMT)
-            q = fp8_encode(x * inv_scale[:, :, None], FMT)
+            q = _encode(x * inv_scale[:, :, None], FMT, HW_ENCODE)
             tl.store(q_row + cols0[None, :, :], q, mask=mask)
     else:  # huge groups: a max pass, then a quantize pass over the same (cached) chunks
         amax = tl.zeros([BM, BG], dtype=tl.float32)
@@ -62,7 +101,7 @@ def _group_kernel(
                 cols = cols0 + c
                 mask = row_ok[:, None, None] & (cols < N)[None, :, :]
                 x = tl.load(x_row + cols[None, :, :] * stride_xn, mask=mask, other=0.0)
-                q = fp8_encode(x.to(tl.float32) * inv_scale[:, :, None], FMT)
+                q = _encode(x.to(tl.float32) * inv_scale[:, :, None], FMT, HW_ENCODE)
                 tl.store(q_row + cols[None, :, :], q, mask=mask)
 
     out = amax
@@ -81,6 +120,7 @@ def _launch(x: torch.Tensor, group_size: int, fmt: FP8Format | None):
     if x.numel() == 0:
         return q, out
 
+    launch = LAUNCH
     chunk = min(group_size, _MAX_CHUNK)
     if n % group_size == 0 and x.is_contiguous():
         x2 = x.view(-1, group_size)  # one long column of groups
@@ -88,8 +128,8 @@ def _launch(x: torch.Tensor, group_size: int, fmt: FP8Format | None):
         x2 = x.reshape(-1, n)  # a view unless the strides make that impossible
     m, n2 = x2.shape
     ng2 = triton.cdiv(n2, group_size)
-    bg = min(triton.next_power_of_2(ng2), max(1, _TILE // chunk))
-    bm = max(1, _TILE // (bg * chunk))
+    bg = min(triton.next_power_of_2(ng2), max(1, launch.tile // chunk))
+    bm = max(1, launch.tile // (bg * chunk))
     grid = (triton.cdiv(m, bm) * triton.cdiv(ng2, bg),)
     q2 = q.view(torch.uint8).view(m, n2) if fmt else x2  # x2 is never written without fmt
     _group_kernel[grid](
@@ -97,8 +137,8 @@ def _launch(x: torch.Tensor, group_size: int, fmt: FP8Format | None):
         m, n2, ng2,
         x2.stride(0), x2.stride(1), n2, ng2,
         FMT=fmt.value if fmt else "e4m3", G=group_size, CHUNK=chunk,
-        BM=bm, BG=bg, QUANTIZE=fmt is not None,
-        num_warps=8 if bm * bg * chunk >= 4096 else 4,
+        BM=bm, BG=bg, QUANTIZE=fmt is not None, HW_ENCODE=launch.hw_encode,
+        num_warps=launch.num_warps or (8 if bm * bg * chunk >= 4096 else 4),
     )  # fmt: skip
     return q, out
 
