@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from . import rope
+
 FP8_OPS = SimpleNamespace(
     rms_norm=fa.rms_norm,
     rms_norm_linear=fa.rms_norm_linear,
@@ -87,12 +89,25 @@ def attention(
 
     ``shape`` is ``(batch, seq)``; returns the output projection ``(batch, seq, hidden)``
     before the residual add.
+
+    RoPE is ``coat_models.rope``'s one kernel for q and k (the same bits) when the model's
+    ``apply_rotary_pos_emb`` is the standard ``rotate_half`` one and Triton runs, the
+    model's own function otherwise. The kernel leaves no layout copies around SDPA, forward
+    or backward: q, k, v stay ``(batch, seq, heads, head_dim)`` memory seen as ``(batch,
+    heads, seq, head_dim)``, which SDPA's flash and cuDNN kernels take as is and answer in
+    (output and gradients), so the reshapes here and in transformers' SDPA function are
+    views, and RoPE's backward reads SDPA's dq, dk in their strides.
     """
     hidden_shape, dtype = (*shape, -1, attn.head_dim), qkv[0].dtype
     q, k, v = (t.view(hidden_shape).transpose(1, 2) for t in qkv)
     qkv.clear()
     cos, sin = position_embeddings
-    q, k = model_function(attn, "apply_rotary_pos_emb")(q, k, cos, sin)
+    apply_rotary = model_function(attn, "apply_rotary_pos_emb")
+    backend = getattr(config, "backend", "auto")
+    if rope.fusable(apply_rotary, q, k, cos, sin, backend):
+        q, k = rope.apply_rotary_pos_emb(q, k, cos, sin, backend)
+    else:
+        q, k = apply_rotary(q, k, cos, sin)
     if cache is not None:
         k, v = cache.update(k, v, attn.layer_idx)
     attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(
