@@ -57,6 +57,30 @@ def test_nan_or_inf_anywhere_poisons_the_tensor(backend, fmt, request):
         assert dequantize_per_tensor(q, s).isnan().all()
 
 
+def _cast_edges(fmt):
+    """Values that reach the FP8 conversion as they are (amax = fmt.max: scale exactly 1):
+    NaN of either sign, infs, signed zeros, ties, subnormals, values beyond +-max."""
+    nan_bits = torch.tensor([0x7FC00000, -0x400000, 0x7F800001, -1], dtype=torch.int32)
+    tiny = fmt.max * 2.0 ** -(21 if fmt.value == "e4m3" else 31)  # a few subnormal steps
+    vals = torch.tensor([
+        float("inf"), -float("inf"), 0.0, -0.0, fmt.max, -fmt.max, fmt.max * 1.1, -1e30,
+        1.0625, 1.0625 + 2**-20, -1.0625 - 2**-20, 1.1875, 2.5 * tiny, -1.5 * tiny, 1e-40,
+    ])  # fmt: skip
+    x = torch.cat([nan_bits.view(torch.float32), vals, torch.randn(4096 - 19)])
+    return x[torch.randperm(x.numel())]
+
+
+def test_nonfinite_and_saturating_inputs(interpreter, fmt, assert_same_bits):
+    _check(_cast_edges(fmt), fmt, assert_same_bits, amax=torch.tensor(fmt.max))
+
+
+@pytest.mark.gpu
+def test_nonfinite_and_saturating_inputs_gpu(cuda, fmt, assert_same_bits):
+    """Through the hardware cast on sm_90+ (fp8_quant.ops.hw_cast_supported)."""
+    x = _cast_edges(fmt).to(cuda)
+    _check(x, fmt, assert_same_bits, amax=torch.tensor(fmt.max, device=cuda))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4097,), (3, 257, 1000)], ids=["4097", "3x257x1000"])
 def test_random_gpu(cuda, shape, dtype, fmt, assert_same_bits):

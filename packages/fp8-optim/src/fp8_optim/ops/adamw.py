@@ -21,8 +21,12 @@ group's max and min non-zero, k, and the requantization need no second pass.
 
 GPU math: ``lg2``/``ex2`` are the hardware approximations (one MUFU op each, about 2^-22
 relative error) rather than Triton's ~20-instruction accurate ``log2``: the result is
-re-rounded to 3 (E4M3) or 2 (E5M2) mantissa bits anyway. Under the interpreter the same
-code uses numpy, which the reference mirrors, so CPU runs match the reference bit for bit.
+re-rounded to 3 (E4M3) or 2 (E5M2) mantissa bits anyway. The FP8 codes come from
+``fp8_encode(y, FMT, HW_CAST)``: the hardware conversion where
+``fp8_quant.ops.hw_cast_supported`` (sm_90+, E4M3), the integer encode elsewhere (sm_89,
+whose cast rounds twice; E5M2, until verified; ``FP8_QUANT_HW_CAST=0``). Under the
+interpreter the same code uses numpy, which the reference mirrors, so CPU runs match the
+reference bit for bit.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from fp8_quant.ops import fp8_encode
+from fp8_quant.ops import fp8_encode, hw_cast_supported
 
 from .. import reference as ref
 
@@ -180,6 +184,7 @@ def _quant(
     LOG2_FMAX: tl.constexpr,
     C16: tl.constexpr,
     PTX: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):
     # Returns (uint8 codes, amax, k16 uint8) of a tile (reference.quantize_groups).
     # fp32 subnormals (< 2^-126) count as zero. On the GPU lg2.approx.ftz already maps
@@ -207,15 +212,8 @@ def _quant(
     off = LOG2_FMAX - tl.where(amax > 0.0, lmx, 0.0) * k
     y = _exp2(_log2(a, PTX) * _bc(k) + _bc(off), PTX)
     y = _copysign(y, x)
-    if PTX:
-        # cvt.rn.satfinite: round to nearest even and saturate, one instruction per pair.
-        if FMT == "e4m3":
-            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            code = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
-    else:
-        # The interpreter's fp32 -> fp8 cast truncates; fp8_encode gives the same bits.
-        code = fp8_encode(y, FMT)
+    # HW_CAST (sm_90+): cvt.rn.satfinite, one instruction per pair instead of ~13 a value.
+    code = fp8_encode(y, FMT, HW_CAST)
     return code, amax, k16.to(tl.uint8)
 
 
@@ -313,6 +311,7 @@ def _adamw_chunk(
     MAXIMIZE: tl.constexpr,
     EVEN: tl.constexpr,
     PTX: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):
     # One chunk of BLOCK_G whole groups of one tensor; ent = tensor << 32 | first group.
     t = (ent >> 32).to(tl.int32)
@@ -425,11 +424,11 @@ def _adamw_chunk(
         tl.store(v_ptrs, v, mask=smask)
     else:
         gs = gmask & gok
-        qm, ma, mk = _quant(m, M_FMT, M_DRE, M_FMAX, M_LOG2, M_C16, PTX)
+        qm, ma, mk = _quant(m, M_FMT, M_DRE, M_FMAX, M_LOG2, M_C16, PTX, HW_CAST)
         tl.store(m_ptrs, qm, mask=smask)
         tl.store(ma_ptrs, ma, mask=gs)
         tl.store(mk_ptrs, mk, mask=gs)
-        qv, va, vk = _quant(v, V_FMT, V_DRE, V_FMAX, V_LOG2, V_C16, PTX)
+        qv, va, vk = _quant(v, V_FMT, V_DRE, V_FMAX, V_LOG2, V_C16, PTX, HW_CAST)
         tl.store(v_ptrs, qv, mask=smask)
         tl.store(va_ptrs, va, mask=gs)
         tl.store(vk_ptrs, vk, mask=gs)
@@ -472,6 +471,7 @@ def _adamw_kernel(
     MAXIMIZE: tl.constexpr,
     EVEN: tl.constexpr,
     PTX: tl.constexpr,
+    HW_CAST: tl.constexpr,
     CHUNKS: tl.constexpr,
     STAGES: tl.constexpr,
 ):
@@ -511,6 +511,7 @@ def _adamw_kernel(
             MAXIMIZE,
             EVEN,
             PTX,
+            HW_CAST,
         )
     else:
         # Chunks pid, pid + grid, ...: programs running at once still work on
@@ -552,6 +553,7 @@ def _adamw_kernel(
                 MAXIMIZE,
                 EVEN,
                 PTX,
+                HW_CAST,
             )
 
 
@@ -720,6 +722,7 @@ def fused_adamw_step_(
         MAXIMIZE=maximize,
         EVEN=plan.even,
         PTX=not INTERPRET,
+        HW_CAST=hw_cast_supported(params[0].device),
         CHUNKS=per,
         STAGES=plan.launch.num_stages if per > 1 else None,
         num_warps=plan.num_warps,

@@ -2,10 +2,11 @@
 
 Launchers take already-validated arguments (``fp8_quant.api`` checks them) and return the
 same bits as the matching ``fp8_quant.reference`` function. The ``@triton.jit`` building
-blocks in ``fp8_round`` are public: other packages' kernels import them from here.
+blocks in ``fp8_round`` are public: other packages' kernels import them from here, with
+``hw_cast_supported`` (host) for ``fp8_encode``'s ``HW_CAST``.
 """
 
-from .fp8_round import abs_max, fp8_encode, fp8_scale, round_to_fp8_grid
+from .fp8_round import abs_max, fp8_encode, fp8_scale, hw_cast_supported, round_to_fp8_grid
 from .quantize_per_block import quantize_per_block
 from .quantize_per_group import group_amax, quantize_per_group
 from .quantize_per_tensor import quantize_per_tensor, tensor_amax
@@ -16,6 +17,7 @@ __all__ = [
     "fp8_encode",
     "fp8_scale",
     "group_amax",
+    "hw_cast_supported",
     "quantize_per_block",
     "quantize_per_group",
     "quantize_per_tensor",

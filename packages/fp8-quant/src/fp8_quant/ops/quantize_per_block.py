@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8Format
-from .fp8_round import abs_max, fp8_encode, fp8_scale
+from .fp8_round import abs_max, fp8_encode, fp8_scale, hw_cast_supported
 
 _MAX_TILE = 16384  # elements of a sub-tile: 64 per thread at 8 warps
 
@@ -28,7 +28,7 @@ def _load_tile(x_ptr, rows, cols, M, N, stride_xm, stride_xn):
 def _per_block_kernel(
     x_ptr, q_ptr, s_ptr,
     M, N, stride_xm, stride_xn,
-    FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr, HW_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TM: tl.constexpr, TN: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -42,7 +42,7 @@ def _per_block_kernel(
         x, mask = _load_tile(x_ptr, rows, cols, M, N, stride_xm, stride_xn)
         scale, inv_scale = fp8_scale(abs_max(abs_max(x, 1), 0), FMT)
         q_offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        tl.store(q_ptr + q_offs, fp8_encode(x * inv_scale, FMT), mask=mask)
+        tl.store(q_ptr + q_offs, fp8_encode(x * inv_scale, FMT, HW_CAST), mask=mask)
     else:
         amax = tl.zeros([], dtype=tl.float32)
         for i in range(0, BLOCK_M, TM):
@@ -55,7 +55,7 @@ def _per_block_kernel(
             for j in range(0, BLOCK_N, TN):
                 x, mask = _load_tile(x_ptr, rows + i, cols + j, M, N, stride_xm, stride_xn)
                 q_offs = (rows + i).to(tl.int64)[:, None] * N + (cols + j)[None, :]
-                tl.store(q_ptr + q_offs, fp8_encode(x * inv_scale, FMT), mask=mask)
+                tl.store(q_ptr + q_offs, fp8_encode(x * inv_scale, FMT, HW_CAST), mask=mask)
     tl.store(s_ptr + pid, scale)
 
 
@@ -77,7 +77,8 @@ def quantize_per_block(
     _per_block_kernel[(scales.numel(),)](
         x, q.view(torch.uint8), scales,
         m, n, x.stride(0), x.stride(1),
-        FMT=fmt.value, BLOCK_M=bm, BLOCK_N=bn, TM=tm, TN=tn,
+        FMT=fmt.value, HW_CAST=hw_cast_supported(x.device),
+        BLOCK_M=bm, BLOCK_N=bn, TM=tm, TN=tn,
         num_warps=8 if tm * tn >= 4096 else 4,
     )  # fmt: skip
     return q, scales

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8Format
-from .fp8_round import abs_max, fp8_encode, fp8_scale
+from .fp8_round import abs_max, fp8_encode, fp8_scale, hw_cast_supported
 
 
 @dataclass(frozen=True)
@@ -25,16 +25,10 @@ class GroupLaunch:
     ``tile``: elements per program (a power of two); the default, 8192, is 32 per thread at
     8 warps, 16 KiB of bf16 loads in flight per program (several programs per SM).
     ``num_warps``: warps per program (None: 8 for tiles of 4096 elements or more, else 4).
-    ``hw_encode``: GPU only, for comparison: the FP8 bits from the hardware conversion
-    (``cvt.rn.satfinite``, one instruction per two values) instead of ``fp8_encode``'s
-    integer arithmetic (~13 instructions per value). It is not the default until a GPU run
-    shows the same bits on every input; under ``TRITON_INTERPRET=1`` the cast truncates
-    (see ``fp8_round``), so the interpreter's bits are wrong there.
     """
 
     tile: int = 8192
     num_warps: int | None = None
-    hw_encode: bool = False
 
     def __post_init__(self):
         if self.tile < 1 or self.tile & (self.tile - 1):
@@ -51,23 +45,12 @@ _MAX_CHUNK = 4096
 
 
 @triton.jit
-def _encode(y, FMT: tl.constexpr, HW: tl.constexpr):
-    if HW:  # cvt.rn.satfinite on sm_89+: round to nearest even, saturate
-        if FMT == "e4m3":
-            return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            return y.to(tl.float8e5).to(tl.uint8, bitcast=True)
-    else:
-        return fp8_encode(y, FMT)
-
-
-@triton.jit
 def _group_kernel(
     x_ptr, q_ptr, out_ptr,
     M, N, NG,
     stride_xm, stride_xn, stride_qm, stride_om,
     FMT: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr,
-    BM: tl.constexpr, BG: tl.constexpr, QUANTIZE: tl.constexpr, HW_ENCODE: tl.constexpr,
+    BM: tl.constexpr, BG: tl.constexpr, QUANTIZE: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
     """QUANTIZE: write q and per-group scales to out; else write per-group amax to out."""
     # A 1-D grid (CUDA caps grid dims 1 and 2 at 65535): consecutive programs walk a row.
@@ -86,7 +69,7 @@ def _group_kernel(
         amax = abs_max(x, 2)
         if QUANTIZE:
             scale, inv_scale = fp8_scale(amax, FMT)
-            q = _encode(x * inv_scale[:, :, None], FMT, HW_ENCODE)
+            q = fp8_encode(x * inv_scale[:, :, None], FMT, HW_CAST)
             tl.store(q_row + cols0[None, :, :], q, mask=mask)
     else:  # huge groups: a max pass, then a quantize pass over the same (cached) chunks
         amax = tl.zeros([BM, BG], dtype=tl.float32)
@@ -101,7 +84,7 @@ def _group_kernel(
                 cols = cols0 + c
                 mask = row_ok[:, None, None] & (cols < N)[None, :, :]
                 x = tl.load(x_row + cols[None, :, :] * stride_xn, mask=mask, other=0.0)
-                q = _encode(x.to(tl.float32) * inv_scale[:, :, None], FMT, HW_ENCODE)
+                q = fp8_encode(x.to(tl.float32) * inv_scale[:, :, None], FMT, HW_CAST)
                 tl.store(q_row + cols[None, :, :], q, mask=mask)
 
     out = amax
@@ -137,7 +120,7 @@ def _launch(x: torch.Tensor, group_size: int, fmt: FP8Format | None):
         m, n2, ng2,
         x2.stride(0), x2.stride(1), n2, ng2,
         FMT=fmt.value if fmt else "e4m3", G=group_size, CHUNK=chunk,
-        BM=bm, BG=bg, QUANTIZE=fmt is not None, HW_ENCODE=launch.hw_encode,
+        BM=bm, BG=bg, QUANTIZE=fmt is not None, HW_CAST=hw_cast_supported(x.device),
         num_warps=launch.num_warps or (8 if bm * bg * chunk >= 4096 else 4),
     )  # fmt: skip
     return q, out

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8Format
-from .fp8_round import fp8_encode, fp8_scale
+from .fp8_round import fp8_encode, fp8_scale, hw_cast_supported
 from .quantize_per_group import group_amax
 
 _BLOCK = 8192  # elements per program (32 per thread at 8 warps)
@@ -20,8 +20,9 @@ _AMAX_GROUP = 4096  # partial maxima are 4096x smaller than x: their reduction i
 
 @triton.jit
 def _per_tensor_kernel(
-    x_ptr, q_ptr, amax_ptr, scale_ptr, n, FMT: tl.constexpr, BLOCK: tl.constexpr
-):
+    x_ptr, q_ptr, amax_ptr, scale_ptr, n,
+    FMT: tl.constexpr, HW_CAST: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -30,7 +31,7 @@ def _per_tensor_kernel(
     scale, inv_scale = fp8_scale(tl.load(amax_ptr), FMT)
     tl.store(scale_ptr, scale, mask=pid == 0)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(q_ptr + offs, fp8_encode(x * inv_scale, FMT), mask=mask)
+    tl.store(q_ptr + offs, fp8_encode(x * inv_scale, FMT, HW_CAST), mask=mask)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -66,6 +67,7 @@ def quantize_per_tensor(
     n = x.numel()
     grid = (max(1, triton.cdiv(n, _BLOCK)),)  # one program even when empty: it writes scale
     _per_tensor_kernel[grid](
-        x, q.view(torch.uint8), amax, scale, n, FMT=fmt.value, BLOCK=_BLOCK, num_warps=8
-    )
+        x, q.view(torch.uint8), amax, scale, n,
+        FMT=fmt.value, HW_CAST=hw_cast_supported(x.device), BLOCK=_BLOCK, num_warps=8,
+    )  # fmt: skip
     return q, scale

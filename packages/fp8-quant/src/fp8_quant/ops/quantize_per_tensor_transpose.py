@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8Format
-from .fp8_round import fp8_encode, fp8_scale
+from .fp8_round import fp8_encode, fp8_scale, hw_cast_supported
 from .quantize_per_tensor import resolve_amax
 
 # 64x64 tiles at 4 warps (32 elements per thread): 61.2% of copy bandwidth on an H200 against
@@ -25,7 +25,7 @@ _NUM_WARPS = 4
 def _per_tensor_transpose_kernel(
     x_ptr, q_ptr, qt_ptr, amax_ptr, scale_ptr,
     M, N, stride_xm, stride_xn,
-    FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    FMT: tl.constexpr, HW_CAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_nblocks = tl.maximum(tl.cdiv(N, BN), 1)  # N == 0 still runs program 0 (scale)
@@ -38,7 +38,7 @@ def _per_tensor_transpose_kernel(
     # int64: a transposed view has stride_xn == M, and N * M can pass 2^31.
     x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols.to(tl.int64)[None, :] * stride_xn
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-    q = fp8_encode(x * inv_scale, FMT)
+    q = fp8_encode(x * inv_scale, FMT, HW_CAST)
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], q, mask=mask)
     qt_offs = cols.to(tl.int64)[:, None] * M + rows[None, :]
     tl.store(qt_ptr + qt_offs, tl.trans(q), mask=tl.trans(mask))
@@ -60,6 +60,7 @@ def quantize_per_tensor_transpose(
     _per_tensor_transpose_kernel[grid](
         x, q.view(torch.uint8), qt.view(torch.uint8), amax, scale,
         m, n, x.stride(0), x.stride(1),
-        FMT=fmt.value, BM=_BM, BN=_BN, num_warps=_NUM_WARPS,
+        FMT=fmt.value, HW_CAST=hw_cast_supported(x.device), BM=_BM, BN=_BN,
+        num_warps=_NUM_WARPS,
     )  # fmt: skip
     return q, qt, scale
