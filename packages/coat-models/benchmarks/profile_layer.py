@@ -45,7 +45,9 @@ def profile(variant: str, rounds: int = 5) -> str:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events) / rounds / 1e3
-    lines = [f"== {variant}: GPU kernel time per fwd+bwd {total:.3f} ms (profiled, {rounds} rounds)"]
+    lines = [
+        f"== {variant}: GPU kernel time per fwd+bwd {total:.3f} ms (profiled, {rounds} rounds)"
+    ]
     lines.append(f"{'ms/round':>9} {'calls':>6}  kernel")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:40]:
         ms = e.self_device_time_total / rounds / 1e3

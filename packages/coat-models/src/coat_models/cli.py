@@ -242,7 +242,8 @@ def _rank_device(name: str) -> torch.device:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This process's rank (torchrun's RANK before the process group exists); 0 alone."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def _say(*args, **kwargs) -> None:
@@ -673,9 +674,9 @@ def format_table(summaries: list[dict]) -> str:
     notes = ["", MEMORY_NOTE[mem[0]["device"] == "cuda"]]
     if world > 1:
         notes.append(
-            f"{world} ranks ({summaries[0]['parallel']['strategy']}):{per}: tokens/s of the "
-            "slowest rank, memory of the rank with the highest peak; losses: mean over the "
-            "micro-batches of all ranks."
+            f"{world} ranks ({summaries[0]['parallel']['strategy']}): tokens/s and memory{per}"
+            " (the slowest rank's tokens/s, the memory of the rank with the highest peak); "
+            "losses: mean over the micro-batches of all ranks."
         )
     return "\n".join(lines + notes)
 

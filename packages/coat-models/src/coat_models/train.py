@@ -652,8 +652,8 @@ class Trainer:
 
         Rank r of W takes micro-batch ``micro * W + r``: the tokens of one process with
         ``grad_accum * W``. DDP all-reduces once, after the last micro-batch; FSDP2
-        reduce-scatters after each one (in fp32, into the fp32 sharded gradient), which keeps
-        only a shard of the gradients between micro-batches."""
+        reduce-scatters (in fp32) after each one into the sharded gradient, so that only
+        shards of the gradients live between micro-batches."""
         cfg, step = self.cfg, self.step + 1
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)

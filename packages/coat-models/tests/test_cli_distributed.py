@@ -1,0 +1,244 @@
+"""coat-train under torchrun on CPU: 2 ranks over gloo against one process.
+
+One ``torchrun --nproc-per-node 2`` launch of this file (the ``__main__`` part at the end, as
+in tests/test_distributed.py) calls ``coat_models.cli.main`` several times in one process
+group: ``--ddp``, ``--fsdp --activation-checkpointing``, the same FSDP run interrupted and
+resumed, and a resume the policy refuses. The single-process references run here first.
+
+Rank r of 2 takes micro-batch ``micro * 2 + r``, so 2 ranks with ``--grad-accum A`` train on
+the tokens of one process with ``--grad-accum 2A``. Expected differences (CPU, one thread,
+deterministic kernels; measured with torch 2.13):
+
+* FSDP2 computes with bf16 parameters where one process uses autocast over fp32 ones, so
+  the comparison uses ``--master-dtype bf16`` (both then compute on the same bf16 weights)
+  and ``--grad-clip 0`` (the norm of bf16 gradients, summed per shard then across ranks,
+  can differ from the one-process norm by one bf16 ulp, and the clip factor with it). With
+  A = 1 the rank's gradients are reduced in fp32 and rounded once to bf16, exactly as one
+  process accumulates two bf16 halves. Only the logged loss differs: one process averages
+  the micro-batch losses in fp32, the ranks in float64. Measured: 5e-8 relative;
+  FSDP_RTOL = 1e-6. (With fp32 master weights the bf16 compute moves the losses by about
+  2e-4 relative: docs/DISTRIBUTED_NOTES.md.)
+* DDP with A = 2 sums the four micro-batch gradients in another fp32 order, (g0 + g2) +
+  (g1 + g3) against ((g0 + g1) + g2) + g3: about 1e-7 relative per step, which the FP8
+  optimizer states may amplify by a code. Measured: at most 2.3e-6 over 4 steps;
+  DDP_RTOL = 2e-5. Both tolerances fail on a wrong data split: a micro-batch other than
+  the one-process run's moves the first loss by about 2e-3.
+* A resumed run reproduces the uninterrupted one bit for bit (same launch, same numbers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from coat_models import cli
+
+WORLD = 2
+FSDP_RTOL = 1e-6
+DDP_RTOL = 2e-5
+FAST = (
+    "--preset tiny --mode coat --batch-size 4 --seq-len 64 --eval-batches 2 --corpus-mib 1 "
+    "--steps 4 --eval-every 2 --threads 1 --no-progress"
+).split()
+DDP_ARGS = [*FAST, "--grad-accum", "2"]
+FSDP_ARGS = [*FAST, "--master-dtype", "bf16", "--grad-clip", "0", "--save-every", "2"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def losses(path: Path) -> list[tuple]:
+    """(type, step, loss or val loss) of every metrics record."""
+    return [(r["type"], r["step"], r.get("loss", r.get("val_loss"))) for r in read_jsonl(path)]
+
+
+def assert_losses_close(got: Path, want: Path, rtol: float) -> None:
+    a, b = losses(got), losses(want)
+    assert [r[:2] for r in a] == [r[:2] for r in b]
+    assert [r[2] for r in a] == pytest.approx([r[2] for r in b], rel=rtol, abs=0)
+
+
+# -------------------------------------------------------------------------- the launch
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Single-process references (one with a checkpoint), then one 2-process launch."""
+    out = tmp_path_factory.mktemp("cli_distributed")
+    threads = torch.get_num_threads()
+    for name, argv in [
+        ("ref_ddp", [*FAST, "--grad-accum", str(2 * WORLD)]),
+        ("ref_fsdp", [*FSDP_ARGS, "--grad-accum", str(WORLD)]),
+    ]:
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+            assert cli.main([*argv, "--out", str(out / name)]) == 0
+    torch.set_num_threads(threads)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={WORLD}", __file__, str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        pytest.fail(
+            f"the {WORLD}-process run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return out
+
+
+def output(out: Path, name: str, rank: int, stream: str = "out") -> str:
+    return (out / f"{name}.rank{rank}.{stream}").read_text()
+
+
+def codes(out: Path, rank: int) -> dict:
+    return json.loads((out / f"codes.rank{rank}.json").read_text())
+
+
+# --------------------------------------------------------------------------------- tests
+def test_fsdp_losses_match_one_process(runs):
+    assert codes(runs, 0)["fsdp"] == codes(runs, 1)["fsdp"] == 0
+    assert_losses_close(runs / "fsdp/coat/metrics.jsonl", runs / "ref_fsdp/coat/metrics.jsonl",
+                        FSDP_RTOL)  # fmt: skip
+    grad_norms = [r["grad_norm"] for r in read_jsonl(runs / "fsdp/coat/metrics.jsonl")
+                  if r["type"] == "train"]  # fmt: skip
+    want = [r["grad_norm"] for r in read_jsonl(runs / "ref_fsdp/coat/metrics.jsonl")
+            if r["type"] == "train"]  # fmt: skip
+    assert grad_norms == pytest.approx(want, rel=2**-7)  # bf16 norms: one ulp, see docstring
+
+
+def test_ddp_losses_match_one_process(runs):
+    assert codes(runs, 0)["ddp"] == codes(runs, 1)["ddp"] == 0
+    assert_losses_close(runs / "ddp/coat/metrics.jsonl", runs / "ref_ddp/coat/metrics.jsonl",
+                        DDP_RTOL)  # fmt: skip
+
+
+def test_rank0_alone_prints_and_writes(runs):
+    for name in ("fsdp", "ddp"):
+        table = output(runs, name, 0)
+        assert "tokens/s per rank (steps 2-4)" in table
+        assert "peak memory per rank (tracked tensors)" in table
+        assert f"2 ranks ({name}): tokens/s and memory per rank (the slowest" in table
+        assert output(runs, name, 1) == ""
+        assert "coat-train" not in output(runs, name, 1, "err")
+        summary = json.loads((runs / name / "summary.json").read_text())
+        run = summary["runs"][0]
+        assert run["parallel"] == {"strategy": name, "world_size": WORLD}
+        assert run["tokens_per_step"] == 4 * 64 * WORLD * (2 if name == "ddp" else 1)
+        assert (runs / name / "loss.png").is_file()
+    writes = [json.loads((runs / f"writes.rank{r}.json").read_text()) for r in range(WORLD)]
+    assert writes[1] == [] and any(p.endswith("summary.json") for p in writes[0])
+    # FSDP2 shards weights and optimizer state (per rank: about half of one process's)
+    fsdp, ref = (json.loads((runs / d / "coat/summary.json").read_text())["memory"]
+                 for d in ("fsdp", "ref_fsdp"))  # fmt: skip
+    assert fsdp["weights"] < 0.6 * ref["weights"]
+    assert fsdp["optimizer_state"] < 0.6 * ref["optimizer_state"]
+
+
+def test_resume_under_torchrun_reproduces_losses_bit_for_bit(runs):
+    assert codes(runs, 0)["killed"] == 130
+    assert "interrupted" in output(runs, "killed", 0, "err")
+    assert codes(runs, 0)["resumed"] == codes(runs, 1)["resumed"] == 0
+    a = read_jsonl(runs / "fsdp/coat/metrics.jsonl")
+    b = read_jsonl(runs / "killed/coat/metrics.jsonl")
+    key = lambda r: (r["type"], r["step"], r.get("loss"), r.get("val_loss"), r.get("grad_norm"))
+    assert [key(r) for r in a] == [key(r) for r in b]  # exact floats, no duplicated steps
+    ckpts = sorted(p.name for p in (runs / "killed/coat/checkpoints").iterdir())
+    assert ckpts == ["step_0000002", "step_0000004"]
+    assert sorted(p.name for p in (runs / "killed/coat/checkpoints/step_0000004").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
+
+
+def test_resume_across_launches_is_refused(runs, capsys):
+    """Policy: a checkpoint resumes only under the launch that wrote it (one process, or the
+    same --fsdp/--ddp and number of ranks); every rank says so and exits, none hangs."""
+    for rank in range(WORLD):
+        assert codes(runs, rank)["from_single"] == 1
+        err = output(runs, "from_single", rank, "err")
+        assert f"rank {rank}: cannot resume from" in err
+        assert "written by a run in one process; resume it in one process" in err
+    ckpt = runs / "fsdp/coat/checkpoints/step_0000002"
+    argv = [*FSDP_ARGS, "--grad-accum", "2", "--resume", ckpt, "--out", runs / "to_single"]
+    code = cli.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 1 and "written by --fsdp on 2 ranks, this run is one process" in err
+
+
+@pytest.mark.parametrize(
+    "argv,env,message",
+    [
+        (["--fsdp", "--ddp"], {}, "use --fsdp or --ddp, not both"),
+        (["--fsdp"], {}, "--fsdp trains one process per GPU under torchrun, but WORLD_SIZE"),
+        (["--ddp"], {}, "launch `torchrun --nproc-per-node N --no-python coat-train"),
+        ([], {"WORLD_SIZE": "2"}, "one of 2 torchrun processes, but neither --fsdp nor --ddp"),
+    ],
+    ids=["fsdp-and-ddp", "fsdp-without-torchrun", "ddp-without-torchrun", "torchrun-no-flag"],
+)
+def test_bad_combinations_give_one_clear_line(tmp_path, capsys, monkeypatch, argv, env, message):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code = cli.main([*argv, "--out", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("coat-train: error: ") and message in err, err
+    assert err.count("\n") == 1
+    assert not torch.distributed.is_initialized()
+
+
+# ------------------------------------------------------------------- the 2-process side
+def _worker(out: Path) -> None:
+    import torch.distributed as dist
+    from coat_models import train
+    from coat_models.distributed import init_distributed
+
+    init_distributed()
+    rank = dist.get_rank()
+    writes: list[str] = []  # every file this rank wrote through write_atomic
+
+    def recording(write_atomic):
+        def record(path, data):
+            writes.append(str(path))
+            write_atomic(path, data)
+
+        return record
+
+    for module in (cli, train):
+        module.write_atomic = recording(module.write_atomic)
+    done: dict[str, int] = {}
+
+    def coat_train(name: str, argv: list, out_name: str | None = None) -> None:
+        argv = [str(a) for a in [*argv, "--out", out / (out_name or name)]]
+        with (
+            open(out / f"{name}.rank{rank}.out", "w") as o,
+            open(out / f"{name}.rank{rank}.err", "w") as e,
+            contextlib.redirect_stdout(o),
+            contextlib.redirect_stderr(e),
+        ):
+            done[name] = cli.main(argv)
+
+    coat_train("ddp", [*DDP_ARGS, "--ddp"])
+    coat_train("fsdp", [*FSDP_ARGS, "--fsdp", "--activation-checkpointing"])
+    # the same run killed before step 4 (after the step-2 checkpoint), then resumed
+    run_step = train.Trainer.run_step
+
+    def interrupted(trainer):
+        if trainer.step + 1 == 4:
+            raise KeyboardInterrupt
+        return run_step(trainer)
+
+    train.Trainer.run_step = interrupted
+    coat_train("killed", [*FSDP_ARGS, "--fsdp", "--activation-checkpointing"])
+    train.Trainer.run_step = run_step
+    coat_train("resumed", [*FSDP_ARGS, "--fsdp", "--resume"], out_name="killed")
+    single = out / "ref_fsdp/coat/checkpoints/step_0000002"
+    coat_train("from_single", [*FSDP_ARGS, "--fsdp", "--resume", single])
+    (out / f"codes.rank{rank}.json").write_text(json.dumps(done))
+    (out / f"writes.rank{rank}.json").write_text(json.dumps(writes))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
