@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from coat_models import apply_coat, is_coat, linear_cross_entropy, revert_coat
+from fp8_activations.ops.linear import _CACHE_ATTR as _CACHE
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 VOCAB = 256
@@ -105,6 +106,75 @@ def test_logits_and_every_gradient_match_unconverted(overrides):
     assert want_grads.keys() == got_grads.keys()
     for name, want in want_grads.items():
         assert sqnr(want, got_grads[name]) >= GRAD_FLOOR_DB, name
+
+
+# --------------------------------------------- the error of FP8 GEMMs themselves (wider model)
+class _FP8GEMM(torch.autograd.Function):
+    """``x @ w.T + b`` with both operands rounded to per-tensor E4M3 and, in backward, the
+    output gradient to per-tensor E5M2, all arithmetic in fp32: the FP8 rounding COAT's
+    linears are defined by, with nothing else of COAT (no 1x16 copies, no re-forming)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        x_q, w_q = _fp8(x, torch.float8_e4m3fn), _fp8(w, torch.float8_e4m3fn)
+        ctx.save_for_backward(x_q, w_q)
+        ctx.dtypes = x.dtype, w.dtype
+        y = x_q @ w_q.t() + (0 if b is None else b.float())
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_q, w_q = ctx.saved_tensors
+        d = _fp8(dy.reshape(-1, dy.shape[-1]), torch.float8_e5m2)
+        dx = (d @ w_q).view(*dy.shape[:-1], -1).to(ctx.dtypes[0])
+        dw = (d.t() @ x_q.reshape(-1, x_q.shape[-1])).to(ctx.dtypes[1])
+        return dx, dw, None
+
+
+def _fp8(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` rounded to ``dtype`` with one scale (amax / max), back in fp32."""
+    fmax = torch.finfo(dtype).max
+    scale = t.detach().abs().amax().float() / fmax
+    return (t.float() / scale).clamp(-fmax, fmax).to(dtype).float() * scale
+
+
+def fp8_gemms(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """``model`` (in place) with every decoder-layer linear running ``_FP8GEMM``."""
+    for layer in model.model.layers:
+        for lin in (*layer.self_attn.children(), *layer.mlp.children()):
+            if isinstance(lin, torch.nn.Linear):
+                lin.forward = lambda x, lin=lin: _FP8GEMM.apply(x, lin.weight, lin.bias)
+    return model
+
+
+# The GPU tests' wider model (hidden 256, MLP 688, 2 layers): there the layers' outputs are
+# several times the embeddings (std 0.02) in the residual stream, so the logits carry the
+# whole error of the FP8 GEMMs, where in TINY (hidden 64) the unquantized embeddings carry
+# most of them (hence TINY's 29-31 dB logits). Against fp32, 3 seeds, on CPU: COAT 22.1-22.7
+# dB on the logits and 15.9-16.0 dB on its worst gradient (the last layer's q/k_proj weights:
+# their gradient passes the softmax of a near-uniform attention, which cancels most of it);
+# the same model with only its GEMMs in FP8 (`fp8_gemms`) 22.2-22.7 dB and 15.9-16.2 dB; the
+# H200 run (torch 2.11) measured COAT's logits at 22.2 dB. So the floor there is not
+# TINY's 26 dB: COAT must stay within 1 dB (logits) and 1.5 dB (each gradient) of
+# `fp8_gemms` on the same device, and above absolute floors 3 dB under the worst COAT value.
+WIDE = dict(hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=4)
+WIDE_LOGITS_FLOOR_DB, WIDE_GRAD_FLOOR_DB = 19.0, 13.0
+
+
+def _check_against_fp8_gemms(ref, ids):
+    """COAT's logits and gradients against fp32, next to those of ``fp8_gemms(ref)``."""
+    want_logits, want_grads = logits_and_grads(copy.deepcopy(ref).float(), ids)
+    gemm_logits, gemm_grads = logits_and_grads(fp8_gemms(copy.deepcopy(ref)), ids)
+    got_logits, got_grads = logits_and_grads(apply_coat(copy.deepcopy(ref)).train(), ids)
+    coat, gemms = sqnr(want_logits, got_logits), sqnr(want_logits, gemm_logits)
+    assert coat >= max(WIDE_LOGITS_FLOOR_DB, gemms - 1.0), (coat, gemms)
+    for name, want in want_grads.items():
+        coat, gemms = sqnr(want, got_grads[name].float()), sqnr(want, gemm_grads[name].float())
+        assert coat >= max(WIDE_GRAD_FLOOR_DB, gemms - 1.5), (name, coat, gemms)
+
+
+def test_wider_model_error_is_that_of_fp8_gemms():
+    _check_against_fp8_gemms(tiny_llama(**WIDE).train(), tokens())
 
 
 def test_autocast_with_fp32_master_weights():
@@ -336,9 +406,10 @@ def _saved_bytes(model, ids) -> tuple[int, dict]:
 
 
 def test_layer_saves_one_fp8_copy_per_gemm_input():
-    """What one COAT layer keeps of its GEMM inputs: Q/K/V share one per-tensor E4M3 x^T,
-    gate/up another, o_proj its own; the down GEMM's input is not saved (re-formed from
-    SwiGLU's 1x16 gate/up in backward); no high-precision copy of the MLP activations."""
+    """What one COAT layer keeps of its GEMM inputs: only o_proj saves a per-tensor E4M3 x^T;
+    the Q/K/V and gate/up inputs (the norms' outputs) and the down GEMM's input (SwiGLU's)
+    are re-formed in backward from the norms' and SwiGLU's 1x16 copies; no high-precision
+    copy of the MLP activations."""
     model = apply_coat(tiny_llama(num_hidden_layers=1)).train()
     ids = tokens(batch=2, seq=40)  # 80 rows: no FP8 weight (64 x 64, 176 x 64) has that shape
     rows, hidden, mlp = ids.numel(), model.config.hidden_size, model.config.intermediate_size
@@ -356,13 +427,72 @@ def test_layer_saves_one_fp8_copy_per_gemm_input():
         for t in kept
         if t.dtype == torch.float8_e4m3fn and t.shape in ((hidden, rows), (mlp, rows))
     }
-    assert sorted(transposed.values()) == [(hidden, rows)] * 3
+    assert sorted(transposed.values()) == [(hidden, rows)]
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     assert not any(
         t.dim() and t.shape[-1] == mlp and t.element_size() > 1
         for t in kept
         if t.untyped_storage().data_ptr() not in params
     )
+
+
+# Issue 5: one Llama-2-7B decoder layer (hidden h 4096, MLP f 11008, 32 heads, batch 4 x seq
+# 2048 = 8192 tokens) must save <= 640 MB. Bytes saved per token:
+#   SDPA's q, k, v and output, bf16                        4 * 2h
+#   SDPA's logsumexp, fp32 per head                        4 * 32
+#   the two norms' inputs, 1x16 E4M3 + an fp32 scale/16    2 * 1.25h
+#   o_proj's input x^T, per-tensor E4M3                    h
+#   SwiGLU's gate and up, 1x16                             2 * 1.25f
+#   the two norms' rstd, fp32                              2 * 4
+# and per layer a few 0-dim scales and maxima. (Before the norms' outputs were re-formed in
+# backward, Q/K/V and gate/up also saved their per-tensor x^T: 2h more, 648 MiB = 679.5 MB,
+# the H200 measurement of benchmarks/bench_llama_layer.py.)
+LLAMA_7B = dict(hidden=4096, mlp=11008, heads=32)
+
+
+def _per_token_bytes(hidden, mlp, heads) -> int:
+    return 8 * hidden + 4 * heads + 2 * (hidden + hidden // 4) + hidden + 2 * (mlp + mlp // 4) + 8
+
+
+def test_llama2_7b_layer_saved_bytes():
+    """The saved bytes of one COAT Llama-2-7B layer (counted with saved_tensors_hooks, on 32
+    and 64 tokens: the count is linear in the tokens) follow the table above, which at the
+    issue's 8192 tokens is under 640 MB (612.4 MB, 584.1 MiB)."""
+    h, f, heads = LLAMA_7B.values()
+    config = LlamaConfig(
+        hidden_size=h, intermediate_size=f, num_attention_heads=heads, num_hidden_layers=1,
+        vocab_size=16, max_position_embeddings=64, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaModel(config).to(torch.bfloat16).train()
+    apply_coat(model)
+    layer = model.layers[0]
+    per_layer = set()
+    for seq in (32, 64):
+        x = torch.randn(1, seq, h, dtype=torch.bfloat16, requires_grad=True)
+        cos_sin = model.rotary_emb(x, torch.arange(seq)[None])
+        # Parameters, their FP8 cache, the input and RoPE's cos/sin are not the layer's
+        # activations.
+        layer(x, attention_mask=None, position_embeddings=cos_sin)  # fills the weight cache
+        outside = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), x, *cos_sin)}
+        for p in layer.parameters():
+            outside |= {t.untyped_storage().data_ptr() for t in getattr(p, _CACHE, (0, ()))[1]}
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(x, attention_mask=None, position_embeddings=cos_sin)
+        saved = sum(n for ptr, n in storages.items() if ptr not in outside)
+        per_layer.add(saved - seq * _per_token_bytes(h, f, heads))
+    (constant,) = per_layer  # the same few bytes of 0-dim tensors at both lengths
+    print(f"per layer, besides the per-token bytes: {constant} B")
+    assert 0 <= constant <= 64
+    target = 8192 * _per_token_bytes(h, f, heads) + constant
+    print(f"7B layer, 8192 tokens: {target} B = {target / 1e6:.1f} MB = {target / 2**20:.1f} MiB")
+    assert target <= 640e6, f"{target / 1e6:.1f} MB"
 
 
 def test_gradient_checkpointing_same_gradients_less_memory():
@@ -567,26 +697,12 @@ def test_hf_trainer(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_gpu_bf16_logits_and_gradients():
-    ref = (
-        tiny_llama(
-            hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=4
-        )
-        .to("cuda", torch.bfloat16)
-        .train()
-    )
-    model = apply_coat(copy.deepcopy(ref)).train()
+    """bf16 weights on the GPU kernels (torch._scaled_mm): the error of FP8 GEMMs, no more
+    (see WIDE_LOGITS_FLOOR_DB); eval mode is the plain model."""
+    ref = tiny_llama(**WIDE).to("cuda", torch.bfloat16).train()
     ids = tokens().cuda()
-    fp32 = copy.deepcopy(ref).float()
-    want_logits, want_grads = logits_and_grads(fp32, ids)
-    bf16_logits, bf16_grads = logits_and_grads(ref, ids)
-    got_logits, got_grads = logits_and_grads(model, ids)
-    # Against fp32: COAT within 6 dB of plain BF16's own distance to fp32 or above the floor.
-    floor = min(LOGITS_FLOOR_DB, sqnr(want_logits, bf16_logits) - 6)
-    assert sqnr(want_logits, got_logits) >= floor
-    for name, want in want_grads.items():
-        assert sqnr(want, got_grads[name].float()) >= min(
-            GRAD_FLOOR_DB, sqnr(want, bf16_grads[name].float()) - 6
-        ), name
+    _check_against_fp8_gemms(ref, ids)
+    model = apply_coat(copy.deepcopy(ref))
     assert torch.equal(model.eval()(ids).logits, ref.eval()(ids).logits)
 
 

@@ -151,12 +151,16 @@ def decoder_layer(
     cache=None,
     config=None,
     attn_kwargs: dict | None = None,
+    hand_over_output: bool = True,
 ) -> torch.Tensor:
     """A pre-norm Llama decoder layer: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``.
 
     ``hidden_states (batch, seq, hidden)`` in the model's dtype; returns the same shape and
     dtype. ``attn_kwargs`` go to the attention implementation (``position_ids``, flash
-    attention's packing arguments, ...).
+    attention's packing arguments, ...). ``hand_over_output=False``: the output carries no
+    FP8 copy for the next layer's norm (which then quantizes it itself, same bits): under
+    gradient checkpointing the output is kept as the next layer's checkpoint input, and the
+    copy would be kept with it (1.25 B/elem more than the input itself).
     """
     attn, mlp_, shape = layer.self_attn, layer.mlp, hidden_states.shape[:-1]
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
@@ -172,7 +176,9 @@ def decoder_layer(
         attn_kwargs or {},
     )
     hidden_states = ops.residual_add(out, hidden_states, config)
-    gate, up = norm_project(
-        ops, hidden_states, layer.post_attention_layernorm, [mlp_.gate_proj, mlp_.up_proj], config
-    )
-    return ops.residual_add(mlp(ops, mlp_, gate, up, config), hidden_states, config)
+    norm2, gate_up = layer.post_attention_layernorm, [mlp_.gate_proj, mlp_.up_proj]
+    # gate and up (bf16, the widest tensors of the layer) live only while mlp() runs.
+    out = mlp(ops, mlp_, *norm_project(ops, hidden_states, norm2, gate_up, config), config)
+    if not hand_over_output:
+        config = (config or fa.FP8Config()).replace(precision_flow=False)
+    return ops.residual_add(out, hidden_states, config)

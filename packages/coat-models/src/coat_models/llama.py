@@ -204,6 +204,7 @@ class _CoatDecoderLayer(_CoatMixin):
                 cache=cache,
                 config=self.coat_config,
                 attn_kwargs=kwargs,
+                hand_over_output=not checkpointing,
             )
         return out.to(dtype)
 

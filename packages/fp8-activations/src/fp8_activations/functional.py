@@ -247,7 +247,9 @@ def rms_norm_linear(
         raise TypeError("weights must be a non-empty list or tuple of (out_features, K) tensors")
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
-        raise ValueError(f"got {len(weights)} weights but {len(biases)} biases: pass one per weight")
+        raise ValueError(
+            f"got {len(weights)} weights but {len(biases)} biases: pass one per weight (or None)"
+        )
     for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
         _check_float(w, f"weights[{i}]")
         if w.dim() != 2 or x.dim() == 0 or w.shape[1] != n:

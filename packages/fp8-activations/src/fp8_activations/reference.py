@@ -173,6 +173,15 @@ def swiglu_bwd(dy, gate_q, gate_s, up_q, up_s, group_size):
     return (dyf * u * silu_grad(g)).to(dy.dtype), (dyf * torch.nn.functional.silu(g)).to(dy.dtype)
 
 
+def swiglu_reform_t(gate_q, gate_s, up_q, up_s, amax, group_size, dtype, fmt):
+    """The SwiGLU output re-formed from the saved point, quantized per tensor with
+    forward's ``amax`` and transposed: ``(N, M)`` FP8 of ``silu(g) * u`` in ``dtype``."""
+    g = dequantize_input(gate_q, gate_s, group_size)
+    u = dequantize_input(up_q, up_s, group_size)
+    s = (torch.nn.functional.silu(g) * u).to(dtype)
+    return q.quantize_per_tensor(s, fmt, amax)[0].t().contiguous()
+
+
 # ----------------------------------------------------------------------- residual add
 def residual_add_fwd(x, residual, group_size, fmt, emit_mode):
     """``y = x + residual``; saves nothing (its gradient is the identity)."""

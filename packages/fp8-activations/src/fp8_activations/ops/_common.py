@@ -304,6 +304,52 @@ def load_groups(q_ptr, s_ptr, offs, mask, s_offs, s_mask):
     return code * tl.expand_dims(tl.load(s_ptr + s_offs, mask=s_mask, other=0.0), (-2, -1))
 
 
+# Transposing kernels (backward re-forms of a GEMM operand, ``*_reform_t``): ``[TBM, TBN]``
+# tiles at 4 warps, as fp8_quant's quantize-transpose kernel (64x64 / 4 warps was the fastest
+# of five tile shapes on an H200); Triton stages the transposed tile through shared memory,
+# so the loads (rows of the input) and the stores (rows of the output) both stay coalesced.
+TBM = TBN = 64
+T_WARPS = 4
+
+
+def t_grid(m: int, n: int) -> tuple[int]:
+    """Grid of a transposing kernel over a row-major ``(m, n)`` input."""
+    return (max(1, cdiv(m, TBM) * cdiv(n, TBN)),)
+
+
+@triton.jit
+def t_tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's ``[BM, BN]`` tile of a row-major ``(M, N)`` input: ``(rows, cols,
+    mask)``, rows ``[BM]``, cols ``[BN]``, mask ``[BM, BN]``."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(N, BN)
+    rows = (pid // n_blocks) * BM + tl.arange(0, BM)
+    cols = (pid % n_blocks) * BN + tl.arange(0, BN)
+    return rows, cols, (rows < M)[:, None] & (cols < N)[None, :]
+
+
+@triton.jit
+def load_groups_t(q_ptr, s_ptr, rows, cols, mask, N, G: tl.constexpr):
+    """A ``t_tile`` of a saved 1 x G ``(M, N)`` FP8 tensor, dequantized to fp32 (zero outside
+    ``mask``). Each group's scale is read once per element: its G neighbours hit the same
+    cache line."""
+    r64 = rows.to(tl.int64)[:, None]
+    code = tl.load(q_ptr + r64 * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(s_ptr + r64 * tl.cdiv(N, G) + (cols // G)[None, :], mask=mask, other=0.0)
+    return code * scale
+
+
+@triton.jit
+def store_fp8_t(v, yt_ptr, amax_ptr, rows, cols, mask, M, FMT: tl.constexpr):
+    """Per-tensor quantize the fp32 ``t_tile`` ``v`` with the scale of the 0-dim ``amax``
+    (the bits ``fp8_quant.quantize_per_tensor`` writes) and store it transposed into the
+    row-major ``(N, M)`` ``yt_ptr`` (uint8 view)."""
+    _, inv_scale = fp8_scale(tl.load(amax_ptr), FMT)
+    code = fp8_encode(v * inv_scale, FMT)
+    offs = cols.to(tl.int64)[:, None] * M + rows[None, :]
+    tl.store(yt_ptr + offs, tl.trans(code), mask=tl.trans(mask))
+
+
 @triton.jit
 def _sum_rows_kernel(P, OUT, P2, OUT2, R, N, TWO: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
     """``OUT[n] = sum_r P[r, n]`` for an fp32 ``(R, N)`` ``P``, stored in OUT's dtype; with

@@ -3,9 +3,10 @@ memory: the linear's input ``s = silu(gate) * up`` is not saved.
 
 Unfused, SwiGLU saves gate and up (1 x G E4M3) and the linear saves ``s^T`` per-tensor
 E4M3 (1 B/elem of ``s``). Here only gate and up are saved, with the per-tensor max of
-``s`` from forward (a 0-dim tensor): backward re-forms ``s`` from the saved gate and up,
-quantizes it with forward's scale and feeds that ``s^T`` to the weight-gradient GEMM
-(in row chunks, so the transient high-precision copy stays small).
+``s`` from forward (a 0-dim tensor): backward re-forms ``s^T`` from the saved gate and up in
+one kernel (dequantize both, ``silu(g) * u`` as the forward kernel computes it, round to s's
+dtype, quantize with forward's scale, store transposed: 2.5 B/elem read, 1 B/elem written, no
+high-precision copy) and feeds it to the weight-gradient GEMM.
 
 Forward output, the input gradient of the linear and SwiGLU's gradients are the unfused
 ops' bits; only the weight gradient differs, slightly: its ``s`` is re-formed from FP8
@@ -15,34 +16,66 @@ gate/up (each ~30 dB) rather than from the high-precision ones.
 from __future__ import annotations
 
 import torch
-from fp8_quant import dequantize_per_group
+import triton
+import triton.language as tl
+from fp8_quant import FP8Format
 
+from .. import reference
+from ._common import (
+    T_WARPS,
+    TBM,
+    TBN,
+    cast_out,
+    custom_op,
+    load_groups_t,
+    store_fp8_t,
+    t_grid,
+    t_tile,
+    use_triton,
+)
 from .linear import _mm, _pad_inner, quantize_t
 from .swiglu import swiglu_bwd, swiglu_fwd
 
 Tensor = torch.Tensor
 
-_CHUNK_ELEMENTS = 1 << 24  # rows re-formed per step: ~64 MiB of fp32 per operand
+
+@triton.jit
+def _reform_t_kernel(
+    GQ, GS, UQ, US, AMAX, ST, SDT, M, N,
+    BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
+):  # fmt: skip
+    rows, cols, mask = t_tile(M, N, BM, BN)
+    g = load_groups_t(GQ, GS, rows, cols, mask, N, G)
+    u = load_groups_t(UQ, US, rows, cols, mask, N, G)
+    # The forward kernel's arithmetic on the dequantized gate and up, rounded to s's dtype.
+    s = cast_out(g * tl.sigmoid(g) * u, SDT).to(tl.float32)
+    store_fp8_t(s, ST, AMAX, rows, cols, mask, M, FMT)
 
 
-def reform_swiglu_t(g_q, g_s, u_q, u_s, group_size, dtype, fmt, amax, backend) -> Tensor:
-    """``quantize_t(silu(g) * u)[1]`` (per-tensor, scale from ``amax``) with ``g``, ``u``
-    the dequantized 1 x G FP8 gate and up: ``s^T`` (N, M), built in row chunks."""
+@custom_op("swiglu_reform_t")
+def swiglu_reform_t(
+    g_q: Tensor, g_s: Tensor, u_q: Tensor, u_s: Tensor, amax: Tensor, group_size: int,
+    dtype: torch.dtype, fmt: str, backend: str, *, eager: bool = False,
+) -> Tensor:  # fmt: skip
+    """``quantize_per_tensor(s, fmt, amax)[0].T`` (N, M) contiguous, for ``s = silu(g) * u``
+    in ``dtype`` with ``g``, ``u`` the dequantized 1 x G FP8 gate and up (M, N)."""
+    f = FP8Format(fmt)
+    if not use_triton(g_q, backend):
+        return reference.swiglu_reform_t(g_q, g_s, u_q, u_s, amax, group_size, dtype, f)
     m, n = g_q.shape
-    rows = max(1, _CHUNK_ELEMENTS // max(n, 1))
-    out = None
-    for r0 in range(0, m, rows):
-        r1 = min(m, r0 + rows)
-        g = dequantize_per_group(g_q[r0:r1], g_s[r0:r1], group_size, torch.float32)
-        u = dequantize_per_group(u_q[r0:r1], u_s[r0:r1], group_size, torch.float32)
-        s = (torch.nn.functional.silu(g) * u).to(dtype)
-        part = quantize_t(s, fmt, amax, backend)[1]
-        if r1 - r0 == m:
-            return part
-        if out is None:
-            out = torch.empty((n, m), device=part.device, dtype=part.dtype)
-        out.view(torch.uint8)[:, r0:r1].copy_(part.view(torch.uint8))  # same bits, any torch
-    return out
+    s_t = torch.empty((n, m), device=g_q.device, dtype=f.torch_dtype)
+    s_dtype = torch.empty(1, device=g_q.device, dtype=dtype)  # cast_out reads the dtype off it
+    _reform_t_kernel[t_grid(m, n)](
+        g_q, g_s, u_q, u_s, amax, s_t.view(torch.uint8), s_dtype, m, n,
+        BM=TBM, BN=TBN, G=group_size, FMT=fmt, num_warps=T_WARPS,
+    )  # fmt: skip
+    return s_t
+
+
+@swiglu_reform_t.register_fake
+def _(g_q, g_s, u_q, u_s, amax, group_size, dtype, fmt, backend, *, eager=False):
+    m, n = g_q.shape
+    return g_q.new_empty((n, m), dtype=FP8Format(fmt).torch_dtype)
 
 
 class SwiGLULinearFunction(torch.autograd.Function):
@@ -92,8 +125,8 @@ class SwiGLULinearFunction(torch.autograd.Function):
             d_gate, d_up = swiglu_bwd(ds, g_q, g_s, u_q, u_s, ctx.group_size, ctx.backend)
             del ds
         if ctx.needs_input_grad[2]:
-            s_t = reform_swiglu_t(
-                g_q, g_s, u_q, u_s, ctx.group_size, ctx.dtype, fwd_fmt, amax, ctx.backend
+            s_t = swiglu_reform_t(
+                g_q, g_s, u_q, u_s, amax, ctx.group_size, ctx.dtype, fwd_fmt, ctx.backend
             )
             a, b = (_pad_inner(dy_t), _pad_inner(s_t)) if ctx.use_scaled_mm else (dy_t, s_t)
             dw = _mm(a, b.t(), dy_s, s_s, None, weight.dtype, ctx.use_scaled_mm)
