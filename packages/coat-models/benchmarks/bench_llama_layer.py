@@ -10,7 +10,9 @@ torchao is importable) and COAT (``apply_coat``). Targets for COAT: activation m
   COAT the output also carries its 1x16 FP8 form, handed to the next layer's RMSNorm, which
   saves it instead of quantizing again: that is the next layer's activation, subtracted too
   (and reported). The FP8 weight cache (2 bytes/parameter, kept between steps) is reported
-  apart.
+  apart. For COAT the bytes autograd saves (``saved_tensors_hooks``, each storage once;
+  parameters, the weight cache, the input and cos/sin excluded) are reported too: the
+  number ``tests/test_llama.py::test_llama2_7b_layer_saved_bytes`` counts on CPU.
 * Time: median of fwd+bwd with a CUDA synchronize, parameter grads reset in between. For
   COAT each weight's version is bumped before every timed round, as an optimizer step does,
   so the timed forward includes casting the weights to FP8.
@@ -21,6 +23,7 @@ prints a table; ``BENCH_OUT=path.json`` also writes the results as JSON.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -50,7 +53,7 @@ def _model():
 
 
 def _layer(variant: str):
-    """``(forward(x) -> out, the layer module)``."""
+    """``(forward(x) -> out, the layer module, RoPE's (cos, sin))``."""
     model = _model()
     layer = model.layers[0]
     x0 = torch.zeros(1, SEQ, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
@@ -70,7 +73,7 @@ def _layer(variant: str):
     def forward(x):
         return run(x, attention_mask=None, position_embeddings=pos)
 
-    return forward, layer
+    return forward, layer, pos
 
 
 def _handed_over_bytes(out) -> int:
@@ -110,7 +113,8 @@ def _report():
         r = RESULTS["coat"]
         met = lambda ok: "met" if ok else "NOT met"
         lines.append(
-            f"coat: handed-over FP8 of the output {r['handed_over_MB']:.1f} MB, FP8 weight cache "
+            f"coat: saved for backward (hooks) {r['saved_hooks_MB']:.1f} MB, "
+            f"handed-over FP8 of the output {r['handed_over_MB']:.1f} MB, FP8 weight cache "
             f"{r['weight_cache_MB']:.1f} MB; target {TARGET_MB} MB: {met(r['act_MB'] <= TARGET_MB)}"
             f" ({met(r['act_MiB'] <= TARGET_MB)} if read as MiB), target {TARGET_MS} ms: "
             f"{met(r['fwd_bwd_ms'] <= TARGET_MS)}"
@@ -131,7 +135,7 @@ def _report():
 def test_llama2_7b_layer(benchmark, variant):
     if variant == "torchao_float8_compile" and importlib.util.find_spec("torchao") is None:
         pytest.skip("torchao is not installed")
-    forward, layer = _layer(variant)
+    forward, layer, pos = _layer(variant)
     x = torch.randn(BATCH, SEQ, HIDDEN, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
 
@@ -154,8 +158,22 @@ def test_llama2_7b_layer(benchmark, variant):
     setup(bump=False)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    out = forward(x)
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    # Hooks on the eager COAT layer only (compiled graphs would be traced again under them).
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with hooks if variant == "coat" else contextlib.nullcontext():
+        out = forward(x)
     torch.cuda.synchronize()
+    outside = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), x, *pos)}
+    for p in layer.parameters():
+        hit = getattr(p, "_fp8_weight_cache", None)
+        outside |= {t.untyped_storage().data_ptr() for t in (hit[1] if hit else ())}
+    saved = sum(n for ptr, n in storages.items() if ptr not in outside)
     handed = _handed_over_bytes(out)
     act = torch.cuda.memory_allocated() - before - out.numel() * out.element_size() - handed
     out.backward(grad)
@@ -167,5 +185,6 @@ def test_llama2_7b_layer(benchmark, variant):
         "act_MiB": act / 2**20,
         "fwd_bwd_ms": benchmark.stats.stats.median * 1e3,
         "handed_over_MB": handed / 1e6,
+        "saved_hooks_MB": saved / 1e6,
         "weight_cache_MB": _weight_cache_bytes(layer) / 1e6,
     }

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from coat_models import apply_coat, is_coat, linear_cross_entropy, revert_coat
+from fp8_activations import handed_over
 from fp8_activations.ops.linear import _CACHE_ATTR as _CACHE
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
@@ -454,6 +455,19 @@ def _per_token_bytes(hidden, mlp, heads) -> int:
     return 8 * hidden + 4 * heads + 2 * (hidden + hidden // 4) + hidden + 2 * (mlp + mlp // 4) + 8
 
 
+def _saved_storages(fn, *args, **kwargs) -> dict[int, int]:
+    """``{storage pointer: bytes}`` of what autograd saves while ``fn(*args, **kwargs)`` runs."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args, **kwargs)
+    return storages
+
+
 def test_llama2_7b_layer_saved_bytes():
     """The saved bytes of one COAT Llama-2-7B layer (counted with saved_tensors_hooks, on 32
     and 64 tokens: the count is linear in the tokens) follow the table above, which at the
@@ -477,14 +491,7 @@ def test_llama2_7b_layer_saved_bytes():
         outside = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), x, *cos_sin)}
         for p in layer.parameters():
             outside |= {t.untyped_storage().data_ptr() for t in getattr(p, _CACHE, (0, ()))[1]}
-        storages = {}
-
-        def pack(t):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            layer(x, attention_mask=None, position_embeddings=cos_sin)
+        storages = _saved_storages(layer, x, attention_mask=None, position_embeddings=cos_sin)
         saved = sum(n for ptr, n in storages.items() if ptr not in outside)
         per_layer.add(saved - seq * _per_token_bytes(h, f, heads))
     (constant,) = per_layer  # the same few bytes of 0-dim tensors at both lengths
@@ -506,6 +513,23 @@ def test_gradient_checkpointing_same_gradients_less_memory():
     # Checkpointing keeps each layer's input (batch*seq*hidden fp32) instead of its activations.
     layer_inputs = 4 * ids.numel() * 64 * 4
     assert ckpt_bytes + layer_inputs < 0.5 * full_bytes
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_layer_output_carries_an_fp8_copy_unless_checkpointed(checkpointing):
+    """The next layer's norm saves the FP8 copy a layer attaches to its output; under
+    checkpointing that output is kept as the next checkpoint's input, and the copy would be
+    kept with it (1.25 B/elem more), so none is attached there."""
+    model = apply_coat(tiny_llama(num_hidden_layers=3)).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    outputs = []
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda m, args, out: outputs.append(out))
+    ids = tokens()
+    model(ids, labels=ids).loss.backward()
+    copies = [getattr(handed_over(out), "fp8", None) is not None for out in outputs[:3]]
+    assert copies == [not checkpointing] * 3
 
 
 def test_gradient_checkpointing_reentrant():
@@ -752,5 +776,13 @@ def test_gpu_activation_memory_and_checkpointing():
     p_plain, p_coat = peak(plain, ids), peak(coat, ids)
     coat.gradient_checkpointing_enable()
     p_ckpt = peak(coat, ids)
-    assert p_coat < 0.8 * p_plain
-    assert p_ckpt < 0.7 * p_coat
+    mib = {"plain": p_plain, "coat": p_coat, "ckpt": p_ckpt}
+    mib = {name: round(p / 2**20, 1) for name, p in mib.items()}
+    # A CPU replay of this test (each kernel allocating only its outputs, as on the GPU)
+    # gives coat/plain 0.59 and ckpt/coat 0.71 for the code of the H200 run, which measured
+    # 0.725: both peaks were set in the MLP backward by the SwiGLU re-form's fp32 temporaries
+    # (4 x 43 MiB here), which checkpointing cannot remove. With that re-form one kernel, the
+    # norm outputs re-formed too and no FP8 hand-over kept with checkpointed layer inputs,
+    # the replay gives coat/plain 0.53 and ckpt/coat 0.54.
+    assert p_coat < 0.8 * p_plain, mib
+    assert p_ckpt < 0.7 * p_coat, mib

@@ -4,8 +4,10 @@ Per op and variant: forward+backward time (CUDA-event median, ``triton.testing.d
 and the activation bytes autograd keeps (``saved_tensors_hooks``; parameters and the
 cached FP8 weights excluded). Variants: ``fp8`` (this package), ``eager`` (the BF16 torch
 op), ``compile`` (``torch.compile`` of the same BF16 op), and for the linears ``torchao``
-(``Float8Linear``, tensorwise, if importable). Prints a table at the end; writes JSON to
-``$BENCH_OUT`` if set.
+(``Float8Linear``, tensorwise, if importable). The fused ops (``rms_norm_linear`` as
+norm -> Q/K/V, ``swiglu_linear`` as SwiGLU -> down) run against the same fp8 ops unfused
+(``unfused``) and eager BF16. Prints a table at the end; writes JSON to ``$BENCH_OUT`` if
+set.
 
     pytest -o python_files='bench_*.py' --benchmark-only packages/fp8-activations/benchmarks
 """
@@ -53,6 +55,37 @@ def _ops():
     }  # fmt: skip
 
 
+def _norm_qkv_unfused(x, g, *ws):
+    n = fa.rms_norm(x, g, 1e-6)
+    return tuple(fa.fp8_linear(n, w) for w in ws)
+
+
+def _norm_qkv_eager(x, g, *ws):
+    n = F.rms_norm(x, (HIDDEN,), g, 1e-6)
+    return tuple(F.linear(n, w) for w in ws)
+
+
+def _fused_ops():
+    """name -> (fused fp8 fn, the fp8 ops unfused, BF16 torch fn, input factory); each fn
+    returns a tuple; the parameters are the inputs after x (norm) or after gate and up."""
+    w = lambda n: (1 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16)  # noqa: E731
+    lin = lambda n, k: _rand(n, k, scale=k**-0.5)  # noqa: E731
+    return {
+        "rms_norm_linear qkv": (
+            lambda x, g, *ws: fa.rms_norm_linear(x, g, 1e-6, ws),
+            _norm_qkv_unfused,
+            _norm_qkv_eager,
+            lambda: [_rand(TOKENS, HIDDEN), w(HIDDEN), *(lin(HIDDEN, HIDDEN) for _ in range(3))],
+        ),
+        "swiglu_linear down": (
+            lambda g, u, wd: (fa.swiglu_linear(g, u, wd),),
+            lambda g, u, wd: (fa.fp8_linear(fa.swiglu(g, u), wd),),
+            lambda g, u, wd: (F.linear(F.silu(g) * u, wd),),
+            lambda: [_rand(TOKENS, MLP), _rand(TOKENS, MLP), lin(HIDDEN, MLP)],
+        ),
+    }  # fmt: skip
+
+
 def _saved_bytes(fn, inputs, exclude=()):
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
@@ -68,6 +101,11 @@ def _saved_bytes(fn, inputs, exclude=()):
     return total
 
 
+def _outputs(fn, leaves) -> tuple:
+    out = fn(*leaves)
+    return out if isinstance(out, tuple) else (out,)
+
+
 def _measure(benchmark, name, variant, fn, inputs, params=(), module=None):
     """Time ``fn(*inputs)`` forward + backward (gradients of every input and, for a module,
     of its weight) and count what it saves."""
@@ -75,16 +113,16 @@ def _measure(benchmark, name, variant, fn, inputs, params=(), module=None):
 
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     wrt = leaves + ([module.weight] if module is not None else [])
-    dy = torch.randn_like(fn(*leaves).float()).to(torch.bfloat16)
+    dys = [torch.randn_like(y.float()).to(torch.bfloat16) for y in _outputs(fn, leaves)]
 
     def step():
-        torch.autograd.grad(fn(*leaves), wrt, dy)
+        torch.autograd.grad(_outputs(fn, leaves), wrt, dys)
 
     ms = do_bench(step, warmup=50, rep=200, return_mode="median")
     benchmark.pedantic(lambda: (step(), torch.cuda.synchronize()), rounds=5, warmup_rounds=1)
-    exclude = [leaves[i] for i in params]
-    if module is not None:  # model state, not activations: the weight and its FP8 cache
-        exclude += [module.weight, *getattr(module.weight, "_fp8_weight_cache", (0, ()))[1]]
+    exclude = [leaves[i] for i in params] + ([module.weight] if module is not None else [])
+    # Model state, not activations: the weights and their FP8 caches.
+    exclude += [t for p in exclude for t in getattr(p, "_fp8_weight_cache", (0, ()))[1]]
     row = {
         "op": name,
         "variant": variant,
@@ -102,6 +140,16 @@ def test_op(benchmark, name, variant):
     fn = {"fp8": fp8, "eager": plain, "compile": torch.compile(plain)}[variant]
     inputs = make()
     params = tuple(range(1, len(inputs))) if name.endswith("norm") else ()  # weight, bias
+    _measure(benchmark, name, variant, fn, inputs, params)
+
+
+@pytest.mark.parametrize("variant", ["fp8", "unfused", "eager"])
+@pytest.mark.parametrize("name", list(_fused_ops()) if torch.cuda.is_available() else [])
+def test_fused(benchmark, name, variant):
+    fused, unfused, plain, make = _fused_ops()[name]
+    fn = {"fp8": fused, "unfused": unfused, "eager": plain}[variant]
+    inputs = make()
+    params = tuple(range(1, len(inputs))) if name.startswith("rms_norm") else (2,)
     _measure(benchmark, name, variant, fn, inputs, params)
 
 

@@ -101,16 +101,12 @@ def test_compiles_fullgraph_and_matches_eager():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(
-    "m, n", [(37, 67), (130, 48), (1, 16)], ids=["M37-N67", "M130-N48", "M1-N16"]
-)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_reform_kernel_matches_reference(m, n, dtype, triton_available):
-    """The Triton re-form kernel (interpreter) against reference.swiglu_reform_t: partial
-    groups and tiles, a zero group, saturation (amax below the true max), subnormals. Both
-    quantize with the same scale; sigmoid differs in the last fp32 bit between Triton and
-    torch, so a rounding to s's dtype may land one step apart: codes are equal or adjacent
-    (and rarely so)."""
+def _check_reform_kernel(m, n, dtype, device):
+    """The Triton re-form kernel against reference.swiglu_reform_t: partial groups and
+    tiles, a zero group, saturation (amax below the true max), subnormals. Both quantize with
+    the same scale; sigmoid differs in the last fp32 bit between Triton and torch, so a
+    rounding to s's dtype may land one step apart: codes are equal or adjacent (and rarely
+    so: none differed in 131072 elements on CPU)."""
     from fp8_activations import reference
     from fp8_activations.ops.swiglu_linear import swiglu_reform_t
     from fp8_quant import FP8Format, quantize_per_group
@@ -119,11 +115,27 @@ def test_reform_kernel_matches_reference(m, n, dtype, triton_available):
     g, u = torch.randn(m, n, generator=gen) * 3, torch.randn(m, n, generator=gen)
     u.view(-1)[::31] *= 1e-4
     g[0, :16] = 0
-    parts = (*quantize_per_group(g.to(dtype), 16), *quantize_per_group(u.to(dtype), 16))
-    s_max = (F.silu(g) * u).abs().amax()
+    g, u = g.to(device, dtype), u.to(device, dtype)
+    parts = (*quantize_per_group(g, 16, backend="reference"),
+             *quantize_per_group(u, 16, backend="reference"))  # fmt: skip
+    s_max = (F.silu(g.float()) * u.float()).abs().amax()
     for amax in (s_max, 0.5 * s_max):
         args = (*parts, amax, 16, dtype)
         got = swiglu_reform_t(*args, "e4m3", "triton").view(torch.uint8).int()
         want = reference.swiglu_reform_t(*args, FP8Format.E4M3).view(torch.uint8).int()
         assert got.shape == (n, m)
         assert (got - want).abs().max() <= 1 and (got != want).float().mean() <= 0.01
+
+
+@pytest.mark.parametrize(
+    "m, n", [(37, 67), (130, 48), (1, 16)], ids=["M37-N67", "M130-N48", "M1-N16"]
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reform_kernel_matches_reference(m, n, dtype, triton_available):
+    _check_reform_kernel(m, n, dtype, "cpu")  # the interpreter
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n", [(37, 67), (8192, 11008)], ids=["M37-N67", "M8192-N11008"])
+def test_cuda_reform_kernel_matches_reference(m, n):
+    _check_reform_kernel(m, n, torch.bfloat16, "cuda")
