@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Device runs of the benchmarks on a 2-GPU host (the device tool's nvidia-h200-x2), results under
+# $OUT (or ./gpu-out) packed into one all.tgz, summaries on stdout. Phases:
+#   scripts/gpu_bench.sh single  GPU 0: bench_e2e.py (llama2-7b, one GPU);
+#                                GPU 1: GPU tests, Llama layer bench + profile, quantize sweep,
+#                                CoatAdamW bench (one after another)
+#   scripts/gpu_bench.sh multi   both GPUs: bench_fsdp.py; then GPU 0: bench_vila.py
+# Carried wheels (.whl/*.whl, .whl/bnb) are put on PYTHONPATH when present.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-out}
+r=$out/r
+mkdir -p "$r"
+P=$PWD/packages
+export PYTHONPATH=$P/fp8-quant/src:$P/fp8-optim/src:$P/fp8-activations/src:$P/coat-models/src
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+[ -d .whl/bnb ] && export PYTHONPATH=$PWD/.whl/bnb:$PYTHONPATH
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+B=packages/coat-models/benchmarks
+start=$SECONDS
+left() { echo $((${1} - SECONDS + start)); }
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)"
+  git log --oneline -1 2>/dev/null; date -u; } > "$r/device.txt" 2>&1
+cat "$r/device.txt"
+
+case "${1:-single}" in
+single)
+  (CUDA_VISIBLE_DEVICES=0 BENCH_OUT=$r/e2e.json timeout 480 python3 $B/bench_e2e.py \
+     --micro-batches 1,2,4,8,12,16,24 --budget-s 360 --steps 3 > "$r/e2e.txt" 2>&1) &
+  export CUDA_VISIBLE_DEVICES=1
+  timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-quant/tests \
+    packages/fp8-optim/tests packages/fp8-activations/tests packages/coat-models/tests tests \
+    > "$r/tests.txt" 2>&1
+  BENCH_OUT=$r/layer.json timeout 150 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only $B/bench_llama_layer.py > "$r/layer.txt" 2>&1
+  timeout 60 python3 $B/profile_layer.py --variants coat --out "$r/profile.txt" > /dev/null 2>&1
+  timeout 80 python3 packages/fp8-quant/benchmarks/sweep_quantize_gpu.py --out "$r" \
+    --budget-s 40 > "$r/sweep_quantize.log" 2>&1
+  BENCH_OUT=$r/optim.json timeout $(left 480) python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only packages/fp8-optim/benchmarks/bench_adamw.py \
+    -k "not torchao and not bitsandbytes and not error" > "$r/optim.txt" 2>&1
+  wait
+  tail -4 "$r/tests.txt"; grep -A8 "^variant" "$r/layer.txt"; head -25 "$r/profile.txt"
+  grep "^best\|default" "$r/sweep_quantize.txt"; grep -A8 "^optimizer" "$r/optim.txt"
+  sed -n '/largest-mb/,$p' "$r/e2e.txt" | head -30
+  ;;
+multi)
+  BENCH_OUT=$r/fsdp.json timeout 240 torchrun --standalone --nproc-per-node 2 $B/bench_fsdp.py \
+    --micro-batches "${FSDP_MB:-6,8,16,20,24}" --budget-s 180 2>--budget-s 240 2>&11 | grep -v "^\[rank1\]" > "$r/fsdp.txt"
+  CUDA_VISIBLE_DEVICES=0 BENCH_OUT=$r/vila.json timeout $(left 420) python3 $B/bench_vila.py \
+    > "$r/vila.txt" 2>&1
+  sed -n '/^FSDP2/,$p' "$r/fsdp.txt"; tail -20 "$r/vila.txt"
+  ;;
+esac
+tar czf "$out/all.tgz" -C "$out" r && rm -rf "$r"
