@@ -22,6 +22,7 @@ Measured values at the time of writing are in brackets; floors leave >= 5 dB of 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import fp8_activations as fa
@@ -29,8 +30,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fp8_activations import FP8Config
+from fp8_activations.ops.gelu import gelu_fwd
+from fp8_activations.ops.layer_norm import layer_norm_fwd
+from fp8_activations.ops.residual_add import residual_add_fwd
+from fp8_activations.ops.rms_norm import rms_norm_fwd
+from fp8_activations.ops.silu import silu_fwd
+from fp8_activations.ops.swiglu import swiglu_fwd
 from fp8_activations.tensor import handed_over
 from fp8_quant import reference as qref
+from fp8_quant.ops import hw_cast_supported
 
 EPS = 1e-6
 
@@ -191,6 +199,79 @@ def test_cuda_bf16_rounding_matches_torch():
     x.view(-1)[len(special)] = r.view(-1)[len(special)] = big  # overflows to inf
     y = fa.residual_add(x, r, FP8Config(backend="triton"))
     torch.testing.assert_close(y, x + r, rtol=0, atol=0, equal_nan=True)
+
+
+# Every FP8 code a forward kernel writes, bit for bit: the saved inputs (``store_groups``)
+# and the ``emit="fp8"`` hand-over (``emit_groups``), which the autograd cases above only
+# take for residual_add. On sm_90+ both go through the hardware cast (``HW_CAST``), so the
+# GPU run is what shows it gives the integer encode's bits.
+FWD_FP8 = {  # name -> (forward launcher with every input quantized and emit="fp8", saved inputs)
+    "rms_norm": (lambda x, w, be: rms_norm_fwd(x, w, EPS, 16, "e4m3", True, "fp8", False, be), 1),
+    "layer_norm": (
+        lambda x, w, b, be: layer_norm_fwd(x, w, b, EPS, 16, "e4m3", True, "fp8", be), 1
+    ),
+    "silu": (lambda x, be: silu_fwd(x, 16, "e4m3", True, "fp8", be), 1),
+    "gelu": (lambda x, be: gelu_fwd(x, "none", 16, "e4m3", True, "fp8", be), 1),
+    "gelu_tanh": (lambda x, be: gelu_fwd(x, "tanh", 16, "e4m3", True, "fp8", be), 1),
+    "swiglu": (lambda g, u, be: swiglu_fwd(g, u, 16, "e4m3", True, True, "fp8", be), 2),
+    "residual_add": (lambda x, r, be: residual_add_fwd(x, r, 16, "e4m3", "fp8", be), 0),
+}  # fmt: skip
+
+
+def _fp8_inputs(name, shape, dtype, device):
+    """``CASES[name]`` inputs with a zero group and E4M3 subnormals planted in each
+    activation (the norms' weights and bias stay as they are)."""
+    inputs = CASES[name].inputs(shape, dtype)
+    for x in inputs[:1] if name.endswith("norm") else inputs:
+        x.view(-1)[5::31] *= 1e-4  # codes far below their group's max: subnormals
+        x[0, :16] = 0
+    return [t.to(device) for t in inputs]
+
+
+def _compare_fp8_codes(name, shape, dtype, device):
+    """Triton vs reference: saved codes and scales bit-identical; the hand-over bit-identical
+    to the reference quantization of the Triton output (which is within 1 ulp of the
+    reference output, see ``_compare_backends``)."""
+    launch, n_saved = FWD_FP8[name]
+    inputs = _fp8_inputs(name, shape, dtype, device)
+    y_t, *rest_t = launch(*inputs, "triton")
+    y_r, *rest_r = launch(*inputs, "reference")
+    tol = dict(rtol=2**-7, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y_t, y_r, **tol)
+    for a, b in zip(rest_t[: 2 * n_saved], rest_r[: 2 * n_saved], strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    y_q, y_s = rest_t[2 * n_saved : 2 * n_saved + 2]
+    q, s = qref.quantize_per_group(y_t, 16)
+    assert torch.equal(_bits(y_q), _bits(q)) and torch.equal(y_s, s)
+
+
+@pytest.mark.parametrize("name", FWD_FP8)
+@pytest.mark.parametrize("shape", [(3, 67), (33, 48)], ids=["M3-N67", "M33-N48"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_codes_match_reference(name, shape, dtype, triton_available):
+    """Under the interpreter the launchers take the integer encode (no hardware cast)."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's run; on CUDA see test_cuda_fp8_codes_match_reference")
+    assert hw_cast_supported(torch.device("cpu")) is False
+    _compare_fp8_codes(name, shape, dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FWD_FP8)
+@pytest.mark.parametrize(
+    "shape", [(3, 67), (1024, 4096), (96, 11008)], ids=["M3-N67", "M1024-N4096", "M96-N11008"]
+)
+def test_cuda_fp8_codes_match_reference(name, shape):
+    """The hardware cast where ``hw_cast_supported`` (sm_90+), else the integer encode."""
+    _compare_fp8_codes(name, shape, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_hw_cast_is_on_from_sm90():
+    """The GPU tests above exercise the hardware cast on sm_90+ (unless switched off)."""
+    cc = torch.cuda.get_device_capability()
+    off = os.environ.get("FP8_QUANT_HW_CAST") == "0"
+    assert hw_cast_supported(torch.device("cuda")) is (cc >= (9, 0) and not off)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -139,3 +139,45 @@ def test_reform_kernel_matches_reference(m, n, dtype, triton_available):
 @pytest.mark.parametrize("m, n", [(37, 67), (8192, 11008)], ids=["M37-N67", "M8192-N11008"])
 def test_cuda_reform_kernel_matches_reference(m, n):
     _check_reform_kernel(m, n, torch.bfloat16, "cuda")
+
+
+def _check_reform_codes(m, n, dtype, device):
+    """The re-form kernel's FP8 codes bit for bit: the reference per-tensor quantization of
+    ``s`` as Triton computes it (its sigmoid: the SwiGLU forward kernel on the dequantized
+    gate and up), so that only the quantization is compared. Same inputs as
+    ``_check_reform_kernel`` (zero group, saturation, subnormals)."""
+    from fp8_activations.ops.swiglu import swiglu_fwd
+    from fp8_activations.ops.swiglu_linear import swiglu_reform_t
+    from fp8_quant import FP8Format
+    from fp8_quant import reference as qref
+
+    gen = torch.Generator().manual_seed(m * n)
+    g, u = torch.randn(m, n, generator=gen) * 3, torch.randn(m, n, generator=gen)
+    u.view(-1)[::31] *= 1e-4
+    g[0, :16] = 0
+    g_q, g_s = qref.quantize_per_group(g.to(device, dtype), 16)
+    u_q, u_s = qref.quantize_per_group(u.to(device, dtype), 16)
+    g_d, u_d = (
+        qref.dequantize_per_group(q, s, 16).contiguous() for q, s in ((g_q, g_s), (u_q, u_s))
+    )
+    # fp32 in, fp32 out: the kernel's own rounding of s to dtype is torch's (nearest even).
+    s = swiglu_fwd(g_d, u_d, 16, "e4m3", False, False, "none", "triton")[0].to(dtype)
+    s_max = s.float().abs().amax()
+    for amax in (s_max, 0.5 * s_max):
+        got = swiglu_reform_t(g_q, g_s, u_q, u_s, amax, 16, dtype, "e4m3", "triton")
+        want = qref.quantize_per_tensor(s, FP8Format.E4M3, amax)[0].t()
+        assert got.shape == (n, m)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m, n", [(37, 67), (130, 48)], ids=["M37-N67", "M130-N48"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reform_codes_match_reference(m, n, dtype, triton_available):
+    _check_reform_codes(m, n, dtype, "cpu")  # the interpreter
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n", [(37, 67), (8192, 11008)], ids=["M37-N67", "M8192-N11008"])
+def test_cuda_reform_codes_match_reference(m, n):
+    """With the hardware cast on sm_90+ (``hw_cast_supported``)."""
+    _check_reform_codes(m, n, torch.bfloat16, "cuda")

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -44,7 +45,7 @@ def _gelu_and_grad(x, TANH: tl.constexpr):
 def _gelu_fwd_kernel(
     X, Y, XQ, XS, YQ, YS, YA, M, N,
     BR: tl.constexpr, G: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr, FMT: tl.constexpr,
-    QUANT_X: tl.constexpr, EMIT: tl.constexpr, TANH: tl.constexpr,
+    QUANT_X: tl.constexpr, EMIT: tl.constexpr, TANH: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
     base, offs, mask, s_base, s_offs, s_mask = group_tile(tl.program_id(0), M, N, BR, G, V, EVEN)
     x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
@@ -52,10 +53,10 @@ def _gelu_fwd_kernel(
     y = cast_out(y, Y)
     tl.store(Y + base + offs, y, mask=mask)
     if QUANT_X:
-        store_groups(x, XQ + base, XS + s_base, offs, mask, s_offs, s_mask, FMT)
+        store_groups(x, XQ + base, XS + s_base, offs, mask, s_offs, s_mask, FMT, HW_CAST)
     emit_groups(
         y.to(tl.float32), YQ + base, YS + s_base, YA + s_base, offs, mask, s_offs, s_mask,
-        FMT, EMIT,
+        FMT, EMIT, HW_CAST,
     )  # fmt: skip
 
 
@@ -86,7 +87,8 @@ def gelu_fwd(
     grid, meta = elementwise_launch("gelu_fwd", x, group_size)
     _gelu_fwd_kernel[grid](
         x, y, *out_args(y, x_q, x_s, y_q, y_s, y_a), *x.shape,
-        FMT=fmt, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], TANH=_APPROX[approximate], **meta,
+        FMT=fmt, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], TANH=_APPROX[approximate],
+        HW_CAST=hw_cast_supported(x.device), **meta,
     )  # fmt: skip
     return y, x_q, x_s, y_q, y_s, y_a
 

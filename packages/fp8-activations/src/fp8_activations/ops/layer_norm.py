@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -45,6 +46,7 @@ def _layer_norm_fwd_kernel(
     X, W, B, Y, XQ, XS, YQ, YS, YA, M, N, eps,
     BM: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr, FMT: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, QUANT_X: tl.constexpr, EMIT: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):  # fmt: skip
     base, offs, mask, s_base, s_offs, s_mask, cols = row_block(
         tl.program_id(0), M, N, BM, NGP, G, V
@@ -59,10 +61,10 @@ def _layer_norm_fwd_kernel(
     y = cast_out(y, Y)
     tl.store(Y + base + offs, y, mask=mask)
     if QUANT_X:
-        store_groups(x, XQ + base, XS + s_base, offs, mask, s_offs, s_mask, FMT)
+        store_groups(x, XQ + base, XS + s_base, offs, mask, s_offs, s_mask, FMT, HW_CAST)
     emit_groups(
         tl.where(mask, y.to(tl.float32), 0.0), YQ + base, YS + s_base, YA + s_base, offs, mask,
-        s_offs, s_mask, FMT, EMIT,
+        s_offs, s_mask, FMT, EMIT, HW_CAST,
     )  # fmt: skip
 
 
@@ -123,7 +125,7 @@ def layer_norm_fwd(
         x, weight if weight is not None else x, bias if bias is not None else x, y,
         *out_args(y, x_q, x_s, y_q, y_s, y_a), *x.shape, eps,
         FMT=fmt, HAS_W=weight is not None, HAS_B=bias is not None, QUANT_X=quant_x,
-        EMIT=EMIT_CODES[emit], **meta,
+        EMIT=EMIT_CODES[emit], HW_CAST=hw_cast_supported(x.device), **meta,
     )  # fmt: skip
     return y, x_q, x_s, y_q, y_s, y_a
 

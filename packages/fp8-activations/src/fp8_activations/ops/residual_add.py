@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -32,7 +33,7 @@ Tensor = torch.Tensor
 def _residual_add_kernel(
     X, R, Y, YQ, YS, YA, M, N,
     BR: tl.constexpr, G: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr, FMT: tl.constexpr,
-    EMIT: tl.constexpr,
+    EMIT: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
     base, offs, mask, s_base, s_offs, s_mask = group_tile(tl.program_id(0), M, N, BR, G, V, EVEN)
     x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
@@ -41,7 +42,7 @@ def _residual_add_kernel(
     tl.store(Y + base + offs, y, mask=mask)
     emit_groups(
         y.to(tl.float32), YQ + base, YS + s_base, YA + s_base, offs, mask, s_offs, s_mask,
-        FMT, EMIT,
+        FMT, EMIT, HW_CAST,
     )  # fmt: skip
 
 
@@ -59,7 +60,7 @@ def residual_add_fwd(
     grid, meta = elementwise_launch("residual_add_fwd", x, group_size)
     _residual_add_kernel[grid](
         x, residual, y, *out_args(y, y_q, y_s, y_a), *x.shape,
-        FMT=fmt, EMIT=EMIT_CODES[emit], **meta,
+        FMT=fmt, EMIT=EMIT_CODES[emit], HW_CAST=hw_cast_supported(x.device), **meta,
     )  # fmt: skip
     return y, y_q, y_s, y_a
 

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -37,7 +38,7 @@ Tensor = torch.Tensor
 def _rms_norm_fwd_kernel(
     X, W, Y, XQ, XS, YQ, YS, YA, RSTD, M, N, eps,
     BM: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr, FMT: tl.constexpr,
-    QUANT_X: tl.constexpr, EMIT: tl.constexpr, SAVE_RSTD: tl.constexpr,
+    QUANT_X: tl.constexpr, EMIT: tl.constexpr, SAVE_RSTD: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
     # Whole rows: the row sums, y, x's FP8 copy and y's group maxima all come from one read
     # of x.
@@ -52,10 +53,10 @@ def _rms_norm_fwd_kernel(
     y = cast_out(x * rstd * w, Y)
     tl.store(Y + base + offs, y, mask=mask)
     if QUANT_X:
-        store_groups(x, XQ + base, XS + s_base, offs, mask, s_offs, s_mask, FMT)
+        store_groups(x, XQ + base, XS + s_base, offs, mask, s_offs, s_mask, FMT, HW_CAST)
     emit_groups(
         tl.where(mask, y.to(tl.float32), 0.0), YQ + base, YS + s_base, YA + s_base, offs, mask,
-        s_offs, s_mask, FMT, EMIT,
+        s_offs, s_mask, FMT, EMIT, HW_CAST,
     )  # fmt: skip
 
 
@@ -122,7 +123,8 @@ def rms_norm_fwd(
     meta = row_launch("rms_norm_fwd", x, group_size)
     _rms_norm_fwd_kernel[(cdiv(x.shape[0], meta["BM"]),)](
         x, weight, y, *out_args(y, x_q, x_s, y_q, y_s, y_a, rstd), *x.shape, eps,
-        FMT=fmt, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], SAVE_RSTD=save_rstd, **meta,
+        FMT=fmt, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], SAVE_RSTD=save_rstd,
+        HW_CAST=hw_cast_supported(x.device), **meta,
     )  # fmt: skip
     return y, x_q, x_s, y_q, y_s, y_a, rstd
 

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -48,6 +49,7 @@ Tensor = torch.Tensor
 def _reform_t_kernel(
     XQ, XS, RSTD, W, AMAX, YT, YDT, M, N,
     BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):  # fmt: skip
     rows, cols, mask = t_tile(M, N, BM, BN)
     x = load_groups_t(XQ, XS, rows, cols, mask, N, G)
@@ -56,7 +58,7 @@ def _reform_t_kernel(
     # The forward kernel's arithmetic on the dequantized x: (x * rstd) * w, rounded to y's
     # dtype; then forward's per-tensor quantization of y.
     y = cast_out(x * rstd[:, None] * w[None, :], YDT).to(tl.float32)
-    store_fp8_t(y, YT, AMAX, rows, cols, mask, M, FMT)
+    store_fp8_t(y, YT, AMAX, rows, cols, mask, M, FMT, HW_CAST)
 
 
 @custom_op("rms_norm_reform_t")
@@ -75,7 +77,8 @@ def rms_norm_reform_t(
     y_dtype = torch.empty(1, device=x_q.device, dtype=dtype)  # cast_out reads the dtype off it
     _reform_t_kernel[t_grid(m, n)](
         x_q, x_s, rstd, weight, amax, y_t.view(torch.uint8), y_dtype, m, n,
-        BM=TBM, BN=TBN, G=group_size, FMT=fmt, num_warps=T_WARPS,
+        BM=TBM, BN=TBN, G=group_size, FMT=fmt, HW_CAST=hw_cast_supported(x_q.device),
+        num_warps=T_WARPS,
     )  # fmt: skip
     return y_t
 

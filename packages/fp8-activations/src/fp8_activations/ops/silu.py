@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -30,7 +31,7 @@ Tensor = torch.Tensor
 def _silu_fwd_kernel(
     X, Y, XQ, XS, YQ, YS, YA, M, N,
     BR: tl.constexpr, G: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr, FMT: tl.constexpr,
-    QUANT_X: tl.constexpr, EMIT: tl.constexpr,
+    QUANT_X: tl.constexpr, EMIT: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
     # One read of x gives y, x's FP8 copy and y's hand-over: 2 + 2 + 1.06 (+ 1.06) B/elem.
     base, offs, mask, s_base, s_offs, s_mask = group_tile(tl.program_id(0), M, N, BR, G, V, EVEN)
@@ -38,10 +39,10 @@ def _silu_fwd_kernel(
     y = cast_out(x * tl.sigmoid(x), Y)
     tl.store(Y + base + offs, y, mask=mask)
     if QUANT_X:
-        store_groups(x, XQ + base, XS + s_base, offs, mask, s_offs, s_mask, FMT)
+        store_groups(x, XQ + base, XS + s_base, offs, mask, s_offs, s_mask, FMT, HW_CAST)
     emit_groups(
         y.to(tl.float32), YQ + base, YS + s_base, YA + s_base, offs, mask, s_offs, s_mask,
-        FMT, EMIT,
+        FMT, EMIT, HW_CAST,
     )  # fmt: skip
 
 
@@ -72,7 +73,8 @@ def silu_fwd(
     grid, meta = elementwise_launch("silu_fwd", x, group_size)
     _silu_fwd_kernel[grid](
         x, y, *out_args(y, x_q, x_s, y_q, y_s, y_a), *x.shape,
-        FMT=fmt, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], **meta,
+        FMT=fmt, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], HW_CAST=hw_cast_supported(x.device),
+        **meta,
     )  # fmt: skip
     return y, x_q, x_s, y_q, y_s, y_a
 

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -34,7 +35,7 @@ Tensor = torch.Tensor
 def _swiglu_fwd_kernel(
     GATE, UP, Y, GQ, GS, UQ, US, YQ, YS, YA, M, N,
     BR: tl.constexpr, G: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr, FMT: tl.constexpr,
-    QUANT_GATE: tl.constexpr, QUANT_UP: tl.constexpr, EMIT: tl.constexpr,
+    QUANT_GATE: tl.constexpr, QUANT_UP: tl.constexpr, EMIT: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
     base, offs, mask, s_base, s_offs, s_mask = group_tile(tl.program_id(0), M, N, BR, G, V, EVEN)
     g = tl.load(GATE + base + offs, mask=mask, other=0.0).to(tl.float32)
@@ -42,12 +43,12 @@ def _swiglu_fwd_kernel(
     y = cast_out(g * tl.sigmoid(g) * u, Y)
     tl.store(Y + base + offs, y, mask=mask)
     if QUANT_GATE:
-        store_groups(g, GQ + base, GS + s_base, offs, mask, s_offs, s_mask, FMT)
+        store_groups(g, GQ + base, GS + s_base, offs, mask, s_offs, s_mask, FMT, HW_CAST)
     if QUANT_UP:
-        store_groups(u, UQ + base, US + s_base, offs, mask, s_offs, s_mask, FMT)
+        store_groups(u, UQ + base, US + s_base, offs, mask, s_offs, s_mask, FMT, HW_CAST)
     emit_groups(
         y.to(tl.float32), YQ + base, YS + s_base, YA + s_base, offs, mask, s_offs, s_mask,
-        FMT, EMIT,
+        FMT, EMIT, HW_CAST,
     )  # fmt: skip
 
 
@@ -81,7 +82,8 @@ def swiglu_fwd(
     grid, meta = elementwise_launch("swiglu_fwd", gate, group_size)
     _swiglu_fwd_kernel[grid](
         gate, up, y, *out_args(y, g_q, g_s, u_q, u_s, y_q, y_s, y_a), *gate.shape,
-        FMT=fmt, QUANT_GATE=quant_gate, QUANT_UP=quant_up, EMIT=EMIT_CODES[emit], **meta,
+        FMT=fmt, QUANT_GATE=quant_gate, QUANT_UP=quant_up, EMIT=EMIT_CODES[emit],
+        HW_CAST=hw_cast_supported(gate.device), **meta,
     )  # fmt: skip
     return y, g_q, g_s, u_q, u_s, y_q, y_s, y_a
 

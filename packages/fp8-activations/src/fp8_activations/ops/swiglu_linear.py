@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -43,13 +44,14 @@ Tensor = torch.Tensor
 def _reform_t_kernel(
     GQ, GS, UQ, US, AMAX, ST, SDT, M, N,
     BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):  # fmt: skip
     rows, cols, mask = t_tile(M, N, BM, BN)
     g = load_groups_t(GQ, GS, rows, cols, mask, N, G)
     u = load_groups_t(UQ, US, rows, cols, mask, N, G)
     # The forward kernel's arithmetic on the dequantized gate and up, rounded to s's dtype.
     s = cast_out(g * tl.sigmoid(g) * u, SDT).to(tl.float32)
-    store_fp8_t(s, ST, AMAX, rows, cols, mask, M, FMT)
+    store_fp8_t(s, ST, AMAX, rows, cols, mask, M, FMT, HW_CAST)
 
 
 @custom_op("swiglu_reform_t")
@@ -67,7 +69,8 @@ def swiglu_reform_t(
     s_dtype = torch.empty(1, device=g_q.device, dtype=dtype)  # cast_out reads the dtype off it
     _reform_t_kernel[t_grid(m, n)](
         g_q, g_s, u_q, u_s, amax, s_t.view(torch.uint8), s_dtype, m, n,
-        BM=TBM, BN=TBN, G=group_size, FMT=fmt, num_warps=T_WARPS,
+        BM=TBM, BN=TBN, G=group_size, FMT=fmt, HW_CAST=hw_cast_supported(g_q.device),
+        num_warps=T_WARPS,
     )  # fmt: skip
     return s_t
 
