@@ -48,6 +48,13 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=4, help="steps per trial (first is warm-up)")
     p.add_argument("--max-micro-batch", type=int, default=32)
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=1e-4,
+        help="peak lr (the llama2-7b preset's; time and memory "
+        "do not depend on it, the logged losses do)",
+    )
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"from {', '.join(VARIANTS)}")
     p.add_argument(
         "--micro-batches",
@@ -79,6 +86,7 @@ def trial(model, data, mode, master, cache, mb, args, device) -> dict:
         weight_cache=cache,
         batch_size=mb,
         seq_len=args.seq_len,
+        lr=args.lr,
         steps=10**6,
         warmup=10,
         eval_batches=1,

@@ -66,7 +66,7 @@ def _run(fn, inputs, cfg, rec=None):
     else:
         outs = fn(*ts, cfg)
     g = torch.Generator().manual_seed(1)
-    dys = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+    dys = [torch.randn(o.shape, generator=g).to(o.device, o.dtype) for o in outs]
     torch.autograd.backward(outs, dys)
     return list(outs), [t.grad for t in ts], ts
 

@@ -55,13 +55,12 @@ GROUPS = (16, 128)
 # tile / (32 * warps): the default has 32. ``int-``: the integer encode forced (the default
 # before the hardware cast; t8192-w4 was its best shape, 74-85% of copy on an H200).
 CONFIGS = [
-    ("default", GroupLaunch()),
+    ("default", qpg.LAUNCH),  # tile 8192, 4 warps
     ("t4096-w4", GroupLaunch(tile=4096, num_warps=4)),
-    ("t16384-w8", GroupLaunch(tile=16384, num_warps=8)),
-    ("t8192-w4", GroupLaunch(tile=8192, num_warps=4)),
+    ("t8192-w8", GroupLaunch(tile=8192, num_warps=8)),  # the default until 2026-11-30
     ("t2048-w4", GroupLaunch(tile=2048, num_warps=4)),
-    ("int-default", GroupLaunch()),
-    ("int-t8192-w4", GroupLaunch(tile=8192, num_warps=4)),
+    ("int-default", qpg.LAUNCH),
+    ("int-t8192-w8", GroupLaunch(tile=8192, num_warps=8)),
 ]
 T0 = time.perf_counter()
 

@@ -21,10 +21,10 @@ group's max and min non-zero, k, and the requantization need no second pass.
 
 GPU math: ``lg2``/``ex2`` are the hardware approximations (one MUFU op each, about 2^-22
 relative error) rather than Triton's ~20-instruction accurate ``log2``: the result is
-re-rounded to 3 (E4M3) or 2 (E5M2) mantissa bits anyway. The FP8 codes come from
-``fp8_encode(y, FMT, HW_CAST)``: the hardware conversion where
-``fp8_quant.ops.hw_cast_supported`` (sm_90+, E4M3), the integer encode elsewhere (sm_89,
-whose cast rounds twice; E5M2, until verified; ``FP8_QUANT_HW_CAST=0``). Under the
+re-rounded to 3 (E4M3) or 2 (E5M2) mantissa bits anyway. The FP8 codes come from the
+hardware conversion where ``fp8_quant.ops.hw_cast_supported`` (sm_90+), from
+``fp8_encode``'s integer path elsewhere (sm_89, whose cast rounds twice;
+``FP8_QUANT_HW_CAST=0``). Under the
 interpreter the same code uses numpy, which the reference mirrors, so CPU runs match the
 reference bit for bit.
 """
@@ -212,8 +212,16 @@ def _quant(
     off = LOG2_FMAX - tl.where(amax > 0.0, lmx, 0.0) * k
     y = _exp2(_log2(a, PTX) * _bc(k) + _bc(off), PTX)
     y = _copysign(y, x)
-    # HW_CAST (sm_90+): cvt.rn.satfinite, one instruction per pair instead of ~13 a value.
-    code = fp8_encode(y, FMT, HW_CAST)
+    # HW_CAST (sm_90+): cvt.rn.satfinite, one instruction per pair instead of ~13 a value,
+    # without fp8_encode's NaN select: a group holding a NaN or inf is never stored (the
+    # non-finite policy in _adamw_chunk), so the NaN code does not matter here.
+    if HW_CAST:
+        if FMT == "e4m3":
+            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            code = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        code = fp8_encode(y, FMT)
     return code, amax, k16.to(tl.uint8)
 
 

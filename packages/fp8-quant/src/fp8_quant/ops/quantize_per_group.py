@@ -37,9 +37,11 @@ class GroupLaunch:
             raise ValueError(f"num_warps must be a power of two <= 32, got {self.num_warps}")
 
 
-# The launch shape every call uses. Benchmarks (benchmarks/sweep_gpu.py) swap it to compare
-# shapes; the output is the same for every value.
-LAUNCH = GroupLaunch()
+# The launch shape every call uses. Benchmarks (benchmarks/sweep_quantize_gpu.py) swap it to
+# compare shapes; the output is the same for every value. 4 warps at 8192-element tiles: on an
+# H200 (BENCHMARKS.md) the fastest or within 1% of it for G=16 and G=128 at 8192x8192 and
+# 32768x8192, where the 8-warp rule's shape was up to 1.5% slower.
+LAUNCH = GroupLaunch(num_warps=4)
 # Largest group held in registers at once; bigger groups are walked in chunks, twice.
 _MAX_CHUNK = 4096
 
