@@ -52,9 +52,19 @@ single)
 multi)
   BENCH_OUT=$r/fsdp.json timeout 240 torchrun --standalone --nproc-per-node 2 $B/bench_fsdp.py \
     --micro-batches "${FSDP_MB:-6,8,16,20,24}" --budget-s 180 2>--budget-s 240 2>&11 | grep -v "^\[rank1\]" > "$r/fsdp.txt"
-  CUDA_VISIBLE_DEVICES=0 BENCH_OUT=$r/vila.json timeout $(left 420) python3 $B/bench_vila.py \
-    > "$r/vila.txt" 2>&1
-  sed -n '/^FSDP2/,$p' "$r/fsdp.txt"; tail -20 "$r/vila.txt"
+  (CUDA_VISIBLE_DEVICES=0 BENCH_OUT=$r/vila.json timeout $(left 440) python3 $B/bench_vila.py \
+    > "$r/vila.txt" 2>&1) &
+  export CUDA_VISIBLE_DEVICES=1
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-quant/tests \
+    packages/fp8-optim/tests packages/fp8-activations/tests > "$r/tests.txt" 2>&1
+  BENCH_OUT=$r/optim.json timeout 90 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only packages/fp8-optim/benchmarks/bench_adamw.py \
+    -k "not torchao and not bitsandbytes and not error" > "$r/optim.txt" 2>&1
+  timeout $(left 440) python3 $B/profile_layer.py --variants coat --out "$r/profile.txt" \
+    > "$r/profile.log" 2>&1
+  wait
+  sed -n '/^FSDP2/,$p' "$r/fsdp.txt"; tail -20 "$r/vila.txt"; tail -4 "$r/tests.txt"
+  grep -A6 "^optimizer" "$r/optim.txt"; head -30 "$r/profile.txt"; tail -5 "$r/profile.log"
   ;;
 esac
 tar czf "$out/all.tgz" -C "$out" r && rm -rf "$r"
