@@ -51,7 +51,7 @@ single)
   ;;
 multi)
   BENCH_OUT=$r/fsdp.json timeout 240 torchrun --standalone --nproc-per-node 2 $B/bench_fsdp.py \
-    --micro-batches "${FSDP_MB:-6,8,16,20,24}" --budget-s 180 2>--budget-s 240 2>&11 | grep -v "^\[rank1\]" > "$r/fsdp.txt"
+    --micro-batches "${FSDP_MB:-6,8,16,20,24}" --budget-s 180 2>&1 | grep -v "^\[rank1\]" > "$r/fsdp.txt"
   (CUDA_VISIBLE_DEVICES=0 BENCH_OUT=$r/vila.json timeout $(left 440) python3 $B/bench_vila.py \
     > "$r/vila.txt" 2>&1) &
   export CUDA_VISIBLE_DEVICES=1

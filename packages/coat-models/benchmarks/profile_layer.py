@@ -23,7 +23,7 @@ from bench_llama_layer import BATCH, HIDDEN, SEQ, _bump_versions, _layer  # noqa
 
 
 def profile(variant: str, rounds: int = 5) -> str:
-    forward, layer = _layer(variant)
+    forward, layer, _ = _layer(variant)
     x = torch.randn(BATCH, SEQ, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
 
