@@ -37,20 +37,12 @@ from fp8_optim.ops import AdamWLaunch, adamw
 
 L = AdamWLaunch
 # (name, launch): the default first, then by expected value; names are
-# groups x threads/group, then k<chunks per program>, s<stages>, w<warps>, r<maxnreg>.
+# groups x threads/group, then w<warps>, r<maxnreg>.
 CONFIGS = [
     ("default-8x16", L()),
-    ("8x16-k4", L(chunks_per_program=4)),
-    ("8x16-k16", L(chunks_per_program=16)),
-    ("8x16-k4-s1", L(chunks_per_program=4, num_stages=1)),
-    ("8x16-k4-s2", L(chunks_per_program=4, num_stages=2)),
     ("8x16-r48", L(maxnreg=48)),
-    ("8x16-k4-r64", L(chunks_per_program=4, maxnreg=64)),
     ("4x16", L(block_g=4)),
-    ("4x16-k8", L(block_g=4, chunks_per_program=8)),
     ("8x32", L(group_threads=32)),
-    ("16x16-k4", L(block_g=16, chunks_per_program=4)),
-    ("8x16-k64", L(chunks_per_program=64)),
 ]
 T0 = time.perf_counter()
 

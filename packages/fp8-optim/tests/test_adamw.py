@@ -319,15 +319,12 @@ def test_compiled_kernel_close_to_reference(h, make_pair, dtype):
 # ----------------------------------------------------------------------- launch shapes
 # Non-default launch shapes (ops.adamw.AdamWLaunch, swept on the GPU by
 # benchmarks/sweep_adamw_gpu.py) must give the reference's bits too: more or fewer groups per
-# chunk, threads per group, and the chunk loop (several chunks per program, strided across the
-# grid, so one program crosses tensors). num_warps, maxnreg and num_stages are ignored by the
-# interpreter; they only change the compiled code's schedule, never the arithmetic.
+# chunk and threads per group. num_warps and maxnreg are ignored by the interpreter; they only
+# change the compiled code's schedule, never the arithmetic.
 LAUNCHES = {
     "gpu-default-8g16t": dict(block_g=8, group_threads=16),
-    "4g8t-3chunks-2stages": dict(block_g=4, group_threads=8, chunks_per_program=3, num_stages=2),
-    "16g32t-2chunks-4warps": dict(
-        block_g=16, group_threads=32, num_warps=4, maxnreg=128, chunks_per_program=2
-    ),
+    "4g8t": dict(block_g=4, group_threads=8),
+    "16g32t-4warps": dict(block_g=16, group_threads=32, num_warps=4, maxnreg=128),
 }
 
 
@@ -354,5 +351,5 @@ def test_launch_shape_validation():
 
     with pytest.raises(ValueError, match="power of two"):
         AdamWLaunch(block_g=6)
-    with pytest.raises(ValueError, match="chunks_per_program"):
-        AdamWLaunch(chunks_per_program=0)
+    with pytest.raises(ValueError, match="group_threads must be <= 32"):
+        AdamWLaunch(group_threads=64)

@@ -6,8 +6,8 @@ the number of parameters, and no host-device synchronization:
 1. ``_hyper_kernel``, one lane per tensor: ``step += 1`` on the device, then the bias
    corrections in fp64 (``lr / (1 - b1^t)``, ``1 / sqrt(1 - b2^t)``, ``1 - lr * wd``) and the
    stochastic-rounding key of the tensor, into a small ``[T, 4]`` scratch table.
-2. ``_adamw_kernel``, one program per chunk of ``BLOCK_G`` whole groups of one tensor (or
-   per few chunks, ``AdamWLaunch.chunks_per_program``). A chunk table
+2. ``_adamw_kernel``, one program per chunk of ``BLOCK_G`` whole groups of one tensor. A
+   chunk table
    (``tensor << 32 | first group``) maps programs to tensors; a tensor table holds, per
    tensor, the element offsets of its param, grad and state tensors from the bucket's first
    tensors (``(t.data_ptr() - base.data_ptr()) / itemsize``), so one launch addresses every
@@ -66,18 +66,15 @@ class AdamWLaunch:
 
     ``num_warps``: None gives one warp per 32 / group_threads groups (a group never spans
     warps). ``maxnreg``: register cap per thread (None: the compiler's choice).
-    ``chunks_per_program``: 1 launches one program per chunk (1.17 M programs for 1.2 B
-    params, each starting with a chain of dependent table loads); k > 1 launches
-    ceil(chunks / k) programs that loop over chunks pid, pid + grid, ... ``num_stages``:
-    software-pipelining depth of that loop (None: Triton's choice; only with k > 1).
+    One program per chunk (1.17 M programs for 1.2 B params): programs looping over several
+    chunks were measured slower on an H200 (1.14-1.37x torch fused's speed against 1.66x,
+    BENCHMARKS.md), so that option was removed.
     """
 
     block_g: int = 8
     group_threads: int = 16
     num_warps: int | None = None
     maxnreg: int | None = None
-    chunks_per_program: int = 1
-    num_stages: int | None = None
 
     def __post_init__(self):
         for name in ("block_g", "group_threads"):
@@ -86,8 +83,6 @@ class AdamWLaunch:
                 raise ValueError(f"{name} must be a power of two, got {v}")
         if self.group_threads > 32:
             raise ValueError(f"group_threads must be <= 32, got {self.group_threads}")
-        if self.chunks_per_program < 1:
-            raise ValueError(f"chunks_per_program must be >= 1, got {self.chunks_per_program}")
 
 
 # The GPU default, and the interpreter's (it runs a program as numpy ops on the whole tile:
@@ -214,7 +209,7 @@ def _quant(
     y = _copysign(y, x)
     # HW_CAST (sm_90+): cvt.rn.satfinite, one instruction per pair instead of ~13 a value,
     # without fp8_encode's NaN select: a group holding a NaN or inf is never stored (the
-    # non-finite policy in _adamw_chunk), so the NaN code does not matter here.
+    # non-finite policy in _adamw_kernel), so the NaN code does not matter here.
     if HW_CAST:
         if FMT == "e4m3":
             code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
@@ -284,8 +279,8 @@ def _hyper_kernel(
 
 
 @triton.jit
-def _adamw_chunk(
-    ent,
+def _adamw_kernel(
+    chunk_ptr,
     table_ptr,
     hyper_ptr,
     bad_ptr,
@@ -322,6 +317,7 @@ def _adamw_chunk(
     HW_CAST: tl.constexpr,
 ):
     # One chunk of BLOCK_G whole groups of one tensor; ent = tensor << 32 | first group.
+    ent = tl.load(chunk_ptr + tl.program_id(0))
     t = (ent >> 32).to(tl.int32)
     g0 = ent & 0xFFFFFFFF
     row = table_ptr + t * NCOL
@@ -440,129 +436,6 @@ def _adamw_chunk(
         tl.store(v_ptrs, qv, mask=smask)
         tl.store(va_ptrs, va, mask=gs)
         tl.store(vk_ptrs, vk, mask=gs)
-
-
-@triton.jit
-def _adamw_kernel(
-    chunk_ptr,
-    n_chunks,
-    table_ptr,
-    hyper_ptr,
-    bad_ptr,
-    p_base,
-    g_base,
-    m_base,
-    v_base,
-    ma_base,
-    va_base,
-    mk_base,
-    vk_base,
-    omb1,
-    b2,
-    omb2,
-    eps,
-    G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    COLS: tl.constexpr,
-    M_FMT: tl.constexpr,
-    M_DRE: tl.constexpr,
-    M_FMAX: tl.constexpr,
-    M_LOG2: tl.constexpr,
-    M_C16: tl.constexpr,
-    V_FMT: tl.constexpr,
-    V_DRE: tl.constexpr,
-    V_FMAX: tl.constexpr,
-    V_LOG2: tl.constexpr,
-    V_C16: tl.constexpr,
-    HP: tl.constexpr,
-    SR: tl.constexpr,
-    MAXIMIZE: tl.constexpr,
-    EVEN: tl.constexpr,
-    PTX: tl.constexpr,
-    HW_CAST: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    if CHUNKS == 1:  # one chunk per program (the default)
-        _adamw_chunk(
-            tl.load(chunk_ptr + tl.program_id(0)),
-            table_ptr,
-            hyper_ptr,
-            bad_ptr,
-            p_base,
-            g_base,
-            m_base,
-            v_base,
-            ma_base,
-            va_base,
-            mk_base,
-            vk_base,
-            omb1,
-            b2,
-            omb2,
-            eps,
-            G,
-            BLOCK_G,
-            COLS,
-            M_FMT,
-            M_DRE,
-            M_FMAX,
-            M_LOG2,
-            M_C16,
-            V_FMT,
-            V_DRE,
-            V_FMAX,
-            V_LOG2,
-            V_C16,
-            HP,
-            SR,
-            MAXIMIZE,
-            EVEN,
-            PTX,
-            HW_CAST,
-        )
-    else:
-        # Chunks pid, pid + grid, ...: programs running at once still work on
-        # neighbouring chunks, and a program's table lookups for its next chunk
-        # can overlap the current one (software pipelining when STAGES is set).
-        for c in tl.range(tl.program_id(0), n_chunks, tl.num_programs(0), num_stages=STAGES):
-            _adamw_chunk(
-                tl.load(chunk_ptr + c),
-                table_ptr,
-                hyper_ptr,
-                bad_ptr,
-                p_base,
-                g_base,
-                m_base,
-                v_base,
-                ma_base,
-                va_base,
-                mk_base,
-                vk_base,
-                omb1,
-                b2,
-                omb2,
-                eps,
-                G,
-                BLOCK_G,
-                COLS,
-                M_FMT,
-                M_DRE,
-                M_FMAX,
-                M_LOG2,
-                M_C16,
-                V_FMT,
-                V_DRE,
-                V_FMAX,
-                V_LOG2,
-                V_C16,
-                HP,
-                SR,
-                MAXIMIZE,
-                EVEN,
-                PTX,
-                HW_CAST,
-            )
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -696,11 +569,8 @@ def fused_adamw_step_(
         meta = [s0[k] for k in _STATE_KEYS[2:]]
     mf, ml, mc = ref.format_constants(m_format)
     vf, vl, vc = ref.format_constants(v_format)
-    n_chunks = plan.chunks.numel()
-    per = plan.launch.chunks_per_program
-    _adamw_kernel[(triton.cdiv(n_chunks, per),)](
+    _adamw_kernel[(plan.chunks.numel(),)](
         plan.chunks,
-        n_chunks,
         plan.table,
         plan.hyper,
         bad_count,
@@ -731,10 +601,7 @@ def fused_adamw_step_(
         EVEN=plan.even,
         PTX=not INTERPRET,
         HW_CAST=hw_cast_supported(params[0].device),
-        CHUNKS=per,
-        STAGES=plan.launch.num_stages if per > 1 else None,
         num_warps=plan.num_warps,
-        **({} if plan.launch.num_stages is None else {"num_stages": plan.launch.num_stages}),
         enable_fp_fusion=True,
         **({} if plan.launch.maxnreg is None else {"maxnreg": plan.launch.maxnreg}),
     )
