@@ -197,3 +197,15 @@ def test_encode_and_grid_match_torch_gpu(cuda, fmt, encode, assert_same_bits):
 @pytest.mark.gpu
 def test_scale_matches_reference_gpu(cuda, fmt, assert_same_bits):
     _check_scale(cuda, fmt, assert_same_bits)
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [("1", True), ("true", True), ("TRUE", True), ("yes", True), ("on", True), ("0", False),
+     ("", False), ("false", False)],
+)  # fmt: skip
+def test_triton_interpreting_reads_the_variable_as_triton_does(monkeypatch, value, expected):
+    from fp8_quant.ops import triton_interpreting
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert triton_interpreting() is expected

@@ -295,6 +295,15 @@ def _check_fits(
         total, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
         sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if strategy else 1
     for mode, master in zip(modes, masters, strict=True):
+        # Every rank first builds the whole model in its master dtype, then shards it.
+        whole = n_params * (4 if master == "fp32" else 2) * sharing
+        if shards > 1 and whole > total:
+            raise UsageError(
+                f"{label} has {n_params / 1e9:.2f} B parameters: under --fsdp every rank first "
+                f"builds the whole model ({fmt_bytes(whole)} in {master}) before sharding it, "
+                f"but {where} has {fmt_bytes(total)}: choose a smaller model or "
+                f"--master-dtype bf16"
+            )
         need = n_params * _static_bytes_per_param(mode, master) * sharing // shards
         if need > total:
             raise UsageError(

@@ -93,15 +93,16 @@ def _rotate_heads(
     """Rotate ``H`` heads of ``BT`` tokens, ``BH`` heads at a time. ``X``: the first token's
     row (input strides ``sxs, sxh, sxd``); ``Y``: its row of the contiguous output.
     ``y1 = x1 c1 + x2 sa``, ``y2 = x2 c2 + x1 sb``, each product and the sum rounded."""
-    hh = tl.arange(0, BH)
+    # int64 head index: with a (batch, heads, seq, head_dim) input (an eager-attention or
+    # math-SDPA gradient) hh * sxh spans heads * seq * head_dim elements, past int32 at long seq.
+    hh = tl.arange(0, BH).to(tl.int64)
     x_offs = t[:, None, None] * sxs + hh[None, :, None] * sxh + d[None, None, :] * sxd
     y_offs = t[:, None, None] * (H * 2 * HALF) + hh[None, :, None] * (2 * HALF) + d[None, None, :]
     for h0 in range(0, H, BH):
         mask = t_ok[:, None, None] & (hh < H - h0)[None, :, None]
         if HALF_P != HALF:
             mask = mask & (d < HALF)[None, None, :]
-        # Element offsets stay int32 (within one block of tokens and heads); the block's
-        # base is int64, which a (batch, heads, seq, head_dim) gradient at long seq needs.
+        # The block's base in int64 too (h0 * sxh: the same span as above).
         xh = X + tl.cast(h0, tl.int64) * sxh
         yh = Y + h0 * (2 * HALF)
         x1 = tl.load(xh + x_offs, mask=mask, other=0.0).to(tl.float32)

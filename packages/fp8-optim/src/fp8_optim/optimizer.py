@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from collections import defaultdict
 from itertools import chain
 
@@ -171,7 +170,9 @@ class CoatAdamW(torch.optim.Optimizer):
         backend = self.config.backend
         if backend == "auto":
             return "triton" if p.is_cuda else "reference"
-        if backend == "triton" and not p.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        from fp8_quant.ops import triton_interpreting  # imports triton: only when asked
+
+        if backend == "triton" and not p.is_cuda and not triton_interpreting():
             raise ValueError(
                 "backend='triton' needs CUDA parameters; for CPU parameters set "
                 "TRITON_INTERPRET=1 before importing triton, or use backend='reference'"

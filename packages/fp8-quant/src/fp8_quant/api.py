@@ -12,6 +12,7 @@ import os
 import torch
 
 from . import reference
+from ._env import triton_interpreting
 from .formats import FP8Format
 
 _BACKENDS = ("auto", "reference", "triton")
@@ -26,7 +27,7 @@ def resolve_backend(x: torch.Tensor, backend: str) -> str:
             raise ValueError(f"FP8_QUANT_BACKEND must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if x.is_cuda else "reference"
-    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and not x.is_cuda and not triton_interpreting():
         raise ValueError(
             "the triton backend needs a CUDA tensor; for CPU tensors set TRITON_INTERPRET=1 "
             "before importing triton, or use backend='reference'"

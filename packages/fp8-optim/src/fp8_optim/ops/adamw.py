@@ -31,17 +31,16 @@ reference bit for bit.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-from fp8_quant.ops import fp8_encode, hw_cast_supported
+from fp8_quant.ops import fp8_encode, hw_cast_supported, triton_interpreting
 
 from .. import reference as ref
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = triton_interpreting()
 
 # Tensor-table columns (int64 each): element offsets of param, grad, m codes, v codes, m
 # amax, v amax, m k, v k and step from the launch's first tensors; numel; SR stream; SR

@@ -6,7 +6,14 @@ blocks in ``fp8_round`` are public: other packages' kernels import them from her
 ``hw_cast_supported`` (host) for ``fp8_encode``'s ``HW_CAST``.
 """
 
-from .fp8_round import abs_max, fp8_encode, fp8_scale, hw_cast_supported, round_to_fp8_grid
+from .fp8_round import (
+    abs_max,
+    fp8_encode,
+    fp8_scale,
+    hw_cast_supported,
+    round_to_fp8_grid,
+    triton_interpreting,
+)
 from .quantize_per_block import quantize_per_block
 from .quantize_per_group import group_amax, quantize_per_group
 from .quantize_per_tensor import quantize_per_tensor, tensor_amax
@@ -24,4 +31,5 @@ __all__ = [
     "quantize_per_tensor_transpose",
     "round_to_fp8_grid",
     "tensor_amax",
+    "triton_interpreting",
 ]

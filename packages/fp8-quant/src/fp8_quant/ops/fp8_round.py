@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._env import triton_interpreting
+
 # FP8_QUANT_HW_CAST=0 forces the integer encode everywhere (to rule the hardware cast out
 # when debugging); unset or 1: the hardware cast wherever hw_cast_supported says so.
 HW_CAST_ENV = "FP8_QUANT_HW_CAST"
@@ -67,7 +69,7 @@ def hw_cast_supported(device: torch.device | str) -> bool:
     flag = os.environ.get(HW_CAST_ENV, "1")
     if flag not in ("0", "1"):
         raise ValueError(f"{HW_CAST_ENV} must be 0 (integer encode) or 1 (auto), got {flag!r}")
-    if flag == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    if flag == "0" or triton_interpreting():
         return False
     if device.type != "cuda" or torch.version.hip is not None:
         return False
