@@ -5,6 +5,8 @@
 #                                GPU 1: GPU tests, Llama layer bench + profile, quantize sweep,
 #                                CoatAdamW bench (one after another)
 #   scripts/gpu_bench.sh multi   both GPUs: bench_fsdp.py; then GPU 0: bench_vila.py
+#   scripts/gpu_bench.sh check   one GPU: GPU tests, bench_quantize.py (every quantizer), the
+#                                CoatAdamW bench, the layer host profile (profile_host.py)
 # Carried wheels (.whl/*.whl, .whl/bnb) are put on PYTHONPATH when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +69,21 @@ multi)
   wait
   sed -n '/^FSDP2/,$p' "$r/fsdp.txt"; tail -14 "$r/vila.txt"; tail -2 "$r/tests.txt" 2>/dev/null
   grep -A6 "^optimizer" "$r/optim.txt" 2>/dev/null; head -30 "$r/profile.txt"; tail -5 "$r/profile.log"
+  ;;
+check)
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-quant/tests \
+    packages/fp8-optim/tests packages/fp8-activations/tests packages/coat-models/tests tests \
+    > "$r/tests.txt" 2>&1
+  BENCH_OUT=$r/quantize.json timeout 120 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only packages/fp8-quant/benchmarks/bench_quantize.py \
+    > "$r/quantize.txt" 2>&1
+  BENCH_OUT=$r/optim.json timeout 100 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only packages/fp8-optim/benchmarks/bench_adamw.py \
+    -k "not torchao and not bitsandbytes and not error" > "$r/optim.txt" 2>&1
+  timeout 150 python3 $B/profile_host.py --variants coat,bf16_eager --batches 1,4 \
+    --out "$r/host.txt" > "$r/host.log" 2>&1
+  tail -4 "$r/tests.txt"; sed -n '/^fp8-quant on/,$p' "$r/quantize.txt" | head -30
+  grep -A6 "^optimizer" "$r/optim.txt"; grep "^==\|syncs" "$r/host.txt"; tail -3 "$r/host.log"
   ;;
 esac
 tar czf "$out/all.tgz" -C "$out" r && rm -rf "$r"
