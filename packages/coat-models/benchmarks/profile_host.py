@@ -54,9 +54,10 @@ def profile(variant: str, batch: int, rounds: int, top: int) -> str:
         torch.cuda.synchronize()
         host.append(t1 - t0)
         wall.append(time.perf_counter() - t0)
+    host_ms, wall_ms = statistics.median(host) * 1e3, statistics.median(wall) * 1e3
     lines = [
-        f"== {variant}, batch {batch} x seq {SEQ}: host enqueue {statistics.median(host) * 1e3:.3f} ms,"
-        f" wall {statistics.median(wall) * 1e3:.3f} ms (medians of {rounds})"
+        f"== {variant}, batch {batch} x seq {SEQ}: host enqueue {host_ms:.3f} ms,"
+        f" wall {wall_ms:.3f} ms (medians of {rounds})"
     ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
