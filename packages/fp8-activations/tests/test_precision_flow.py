@@ -90,7 +90,8 @@ def test_linear_uses_handed_over_group_maxima(producer, monkeypatch):
         lambda t, f, amax, backend: seen.append(amax) or real(t, f, amax=amax, backend=backend),
     )
     fa.fp8_linear(y, w_lin, None, FP8Config(weight_cache=False))
-    assert seen[0] is not None and seen[1] is None  # x: handed over; weight: reduced
+    # x: amax handed over; the weight (no cache) is cast row-major only, by quantize_per_tensor
+    assert len(seen) == 1 and seen[0] is not None
 
 
 def test_in_place_change_or_other_config_falls_back(saved):

@@ -86,6 +86,36 @@ def test_kernel_matches_reference_many_steps(needs_triton, h, make_pair):
         h.assert_same_state(oa, pa, ob, pb)
 
 
+def test_plan_built_once_while_grads_move(needs_triton, h, make_pair, monkeypatch):
+    # run_steps gives every step new gradient tensors (as zero_grad(set_to_none=True) does):
+    # the plan is built once and only its gradient column is rewritten, same bits as the
+    # reference. Building it each step cost ~65 ms of host time per step on a 7B model.
+    from fp8_optim import ops
+
+    built = []
+    make_plan = ops.make_plan
+    monkeypatch.setattr(ops, "make_plan", lambda *a, **k: built.append(1) or make_plan(*a, **k))
+    (pa, oa), (pb, ob) = make_pair("reference", "triton", shapes=((16, 64), (256,)))
+    for _ in range(3):
+        h.run_steps(pa, oa, 1)
+        h.run_steps(pb, ob, 1)
+        h.assert_same_state(oa, pa, ob, pb)
+    assert len(built) == 1
+    # The second gradient 1 element off the first's 16-element grid (offsets are taken from
+    # the first): the EVEN path is switched off, same bits.
+    plan = next(iter(ob._plans.values()))[-1]
+    assert plan.even
+    flat = torch.empty(pa[0].numel() + 1 + pa[1].numel())
+    grads = [flat[: pa[0].numel()].view_as(pa[0]), flat[pa[0].numel() + 1 :].view_as(pa[1])]
+    for p_a, p_b, g in zip(pa, pb, grads, strict=True):
+        g.copy_(torch.randn(p_a.shape))
+        p_a.grad, p_b.grad = g.clone(), g
+    oa.step()
+    ob.step()
+    assert not plan.even and len(built) == 1
+    h.assert_same_state(oa, pa, ob, pb)
+
+
 def test_kernel_several_programs_per_tensor(needs_triton, h, make_pair):
     # 70 groups: more than one program of the interpreter's 64 groups, a partial chunk and a
     # partial group; plus a tensor whose size is a multiple of 16 (the EVEN path is off).
@@ -342,7 +372,7 @@ def test_kernel_launch_shapes_match_reference(
     h.run_steps(pa, oa, 2)
     h.run_steps(pb, ob, 2)
     h.assert_same_state(oa, pa, ob, pb)
-    plan = next(iter(ob._plans.values()))[1]
+    plan = next(iter(ob._plans.values()))[-1]
     assert plan.launch == adamw.LAUNCH and plan.block_g == LAUNCHES[launch]["block_g"]
 
 

@@ -245,7 +245,9 @@ class CoatAdamW(torch.optim.Optimizer):
             if lr.device.type != "cpu":
                 raise ValueError(f"lr is a tensor on {lr.device}, parameters are on {device}")
             opts["lr"] = lr.item()  # a CPU tensor: no device sync
-        ptrs = tuple(t.data_ptr() for t in chain(work, grads))
+        # Parameters and states keep their addresses; gradients usually do not (set_to_none).
+        ptrs = tuple(t.data_ptr() for t in work)
+        grad_ptrs = tuple(g.data_ptr() for g in grads)
         cached = self._plans.get((gi, key))
         if cached is None or cached[0] != ptrs:
             plan = ops.make_plan(
@@ -257,9 +259,12 @@ class CoatAdamW(torch.optim.Optimizer):
                 group_size=self.config.group_size,
                 high_precision=self.config.high_precision_states,
             )
-            self._plans[(gi, key)] = (ptrs, plan)
+            self._plans[(gi, key)] = (ptrs, grad_ptrs, plan)
         else:
-            plan = cached[1]
+            plan = cached[2]
+            if cached[1] != grad_ptrs:
+                ops.set_grads(plan, grads)
+                self._plans[(gi, key)] = (ptrs, grad_ptrs, plan)
         bad = self._bad_counter(device)
         ops.fused_adamw_step_(plan, work, grads, states, bad, **opts)
         for w, t in zip(work, tensors, strict=True):

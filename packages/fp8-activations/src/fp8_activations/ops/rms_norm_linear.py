@@ -39,7 +39,7 @@ from ._common import (
     t_tile,
     use_triton,
 )
-from .linear import _mm, _pad_inner, quantize, quantize_t
+from .linear import _mm, _pad_inner, cast_weight, quantize, quantize_t, weight_t
 from .rms_norm import rms_norm_bwd, rms_norm_fwd
 
 Tensor = torch.Tensor
@@ -116,13 +116,15 @@ class RMSNormLinearFunction(torch.autograd.Function):
         del y
         outs, w_saved = [], []
         for w, b, cached, scaled in zip(weights, biases, w_fp8, use_scaled_mm, strict=True):
-            w_q, w_t, w_s = cached if cached is not None else quantize_t(
-                w.detach(), fwd_fmt, None, backend
-            )  # fmt: skip
+            if cached is not None:
+                w_q, w_t, w_s = cached
+                w_saved += (w_t, w_s)
+            else:
+                w_q, w_s, w_amax = cast_weight(w, fwd_fmt, backend)
+                w_saved += (None, w_amax)
             outs.append(_mm(y_q, w_q.t(), y_s, w_s, b, x.dtype, scaled, fast_accum=True))
-            w_saved += (w_t, w_s) if cached is not None else (None, None)
         # Saved: x's 1 x G FP8, rstd, y's max and scale, the weight Parameters (and the
-        # cache's w_t, already held by the cache); never y in any form.
+        # cache's w_t, already held by the cache, or each weight's amax); never y in any form.
         ctx.save_for_backward(x_q, x_s, rstd, norm_weight, amax, y_s, *weights, *w_saved)
         ctx.fmts, ctx.backend, ctx.use_scaled_mm = (fwd_fmt, grad_fmt), backend, use_scaled_mm
         ctx.eps, ctx.group_size, ctx.dtype, ctx.n = eps, group_size, x.dtype, len(weights)
@@ -156,9 +158,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
             dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, None, ctx.backend)
             scaled = ctx.use_scaled_mm[i]
             if needs[0] or needs[1]:
-                w_t, w_s = w_saved[2 * i], w_saved[2 * i + 1]
-                if w_t is None:
-                    _, w_t, w_s = quantize_t(weights[i].detach(), fwd_fmt, None, ctx.backend)
+                w_t, w_s = weight_t(weights[i], w_saved[2 * i : 2 * i + 2], fwd_fmt, ctx.backend)
                 d_part = _mm(dy_q, w_t.t(), dy_s, w_s, None, ctx.dtype, scaled)
                 d_y = d_part if d_y is None else d_y.add_(d_part)
             if needs[first + 2 * i]:

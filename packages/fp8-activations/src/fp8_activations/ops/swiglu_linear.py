@@ -34,7 +34,7 @@ from ._common import (
     t_tile,
     use_triton,
 )
-from .linear import _mm, _pad_inner, quantize_t
+from .linear import _mm, _pad_inner, cast_weight, quantize, quantize_t, weight_t
 from .swiglu import swiglu_bwd, swiglu_fwd
 
 Tensor = torch.Tensor
@@ -100,15 +100,18 @@ class SwiGLULinearFunction(torch.autograd.Function):
         g_q, g_s = gate_fp8 if gate_fp8 is not None else (g_q, g_s)
         u_q, u_s = up_fp8 if up_fp8 is not None else (u_q, u_s)
         amax = s_amax.amax()
-        s_q, _, s_s = quantize_t(s, fwd_fmt, amax, backend)
+        s_q, s_s = quantize(s, fwd_fmt, amax, backend)  # s.T is re-formed in backward
         del s
-        cached = w_fp8 is not None
-        w_q, w_t, w_s = w_fp8 if cached else quantize_t(weight.detach(), fwd_fmt, None, backend)
+        if w_fp8 is not None:
+            w_q, w_t, w_s = w_fp8
+            w_saved = (w_t, w_s)
+        else:
+            w_q, w_s, w_amax = cast_weight(weight, fwd_fmt, backend)
+            w_saved = (None, w_amax)
         y = _mm(s_q, w_q.t(), s_s, w_s, bias, gate.dtype, use_scaled_mm, fast_accum=True)
-        # Saved: gate/up 1 x G FP8, s's scale and max; never s itself in any form.
-        ctx.save_for_backward(
-            g_q, g_s, u_q, u_s, s_s, amax, weight, *((w_t, w_s) if cached else (None, None))
-        )
+        # Saved: gate/up 1 x G FP8, s's scale and max, the weight's cached w_t or its amax;
+        # never s itself in any form.
+        ctx.save_for_backward(g_q, g_s, u_q, u_s, s_s, amax, weight, *w_saved)
         ctx.fmts, ctx.backend, ctx.use_scaled_mm = (fwd_fmt, grad_fmt), backend, use_scaled_mm
         ctx.group_size, ctx.dtype = group_size, gate.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -122,8 +125,7 @@ class SwiGLULinearFunction(torch.autograd.Function):
         dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, None, ctx.backend)
         d_gate = d_up = dw = db = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            if w_t is None:
-                _, w_t, w_s = quantize_t(weight.detach(), fwd_fmt, None, ctx.backend)
+            w_t, w_s = weight_t(weight, (w_t, w_s), fwd_fmt, ctx.backend)
             ds = _mm(dy_q, w_t.t(), dy_s, w_s, None, ctx.dtype, ctx.use_scaled_mm)
             d_gate, d_up = swiglu_bwd(ds, g_q, g_s, u_q, u_s, ctx.group_size, ctx.backend)
             del ds

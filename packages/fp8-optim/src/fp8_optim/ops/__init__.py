@@ -3,6 +3,6 @@
 ``adamw``: the fused multi-tensor CoatAdamW step; ``reference.adamw_step_`` is its oracle.
 """
 
-from .adamw import AdamWLaunch, Plan, fused_adamw_step_, make_plan
+from .adamw import AdamWLaunch, Plan, fused_adamw_step_, make_plan, set_grads
 
-__all__ = ["AdamWLaunch", "Plan", "fused_adamw_step_", "make_plan"]
+__all__ = ["AdamWLaunch", "Plan", "fused_adamw_step_", "make_plan", "set_grads"]

@@ -450,13 +450,16 @@ _STATE_KEYS = (
 
 @dataclass
 class Plan:
-    """Device tables of one bucket; valid while its tensors keep their addresses."""
+    """Device tables of one bucket; valid while its parameters and states keep their
+    addresses. Gradients move between steps (``zero_grad(set_to_none=True)`` frees them):
+    ``set_grads`` rewrites only their column."""
 
     chunks: torch.Tensor  # int64 [n_chunks]: tensor index << 32 | first group
-    table: torch.Tensor  # int64 [T, NCOL]
+    table: torch.Tensor  # int64 [T, NCOL]; column 1 holds the gradients' offsets
     hyper: torch.Tensor  # int32 [T, 4] scratch written by _hyper_kernel
     n_tensors: int
-    even: bool
+    even: bool  # every column 16-element aligned and every size a multiple of 16
+    even_but_grads: bool  # the same, gradients left out
     block_g: int
     cols: int  # tile columns: 4 per thread of a group
     num_warps: int
@@ -501,7 +504,7 @@ def make_plan(
     cols.append([s["step"] for s in states])
     offs, aligned = zip(*(_offsets(c) for c in cols), strict=True)
     numels = [p.numel() for p in params]
-    even = all(aligned[:4]) and all(n % 16 == 0 for n in numels)
+    even_but_grads = aligned[0] and all(aligned[2:4]) and all(n % 16 == 0 for n in numels)
     rows = [
         [*(o[i] for o in offs[:9]), numels[i], streams[i], sr_offsets[i]]
         for i in range(len(params))
@@ -518,7 +521,24 @@ def make_plan(
         table = table.pin_memory().to(device, non_blocking=True)
         chunks = chunks.pin_memory().to(device, non_blocking=True)
     hyper = torch.empty((len(params), 4), dtype=torch.int32, device=device)
-    return Plan(chunks, table, hyper, len(params), even, block_g, tile_cols, num_warps, launch)
+    even = even_but_grads and aligned[1]
+    return Plan(
+        chunks, table, hyper, len(params), even, even_but_grads, block_g, tile_cols, num_warps,
+        launch,
+    )  # fmt: skip
+
+
+def set_grads(plan: Plan, grads: list[torch.Tensor]) -> None:
+    """Point ``plan`` at new gradient tensors (same sizes): one small copy into the table,
+    ordered on the stream after the kernels that read the old column. Rebuilding the whole
+    plan instead costs a host-side chunk table of one entry per BLOCK_G groups (6.5 M
+    entries for a 7B model) every step."""
+    offs, aligned = _offsets(grads)
+    col = torch.tensor(offs, dtype=torch.int64)
+    if plan.table.device.type == "cuda":
+        col = col.pin_memory().to(plan.table.device, non_blocking=True)
+    plan.table[:, 1].copy_(col)
+    plan.even = plan.even_but_grads and aligned
 
 
 def fused_adamw_step_(
