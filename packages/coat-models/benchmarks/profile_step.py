@@ -3,8 +3,9 @@ per variant, at a small micro-batch where COAT's step is slower than bf16's.
 
 For each variant: ``Trainer.run_step`` wall time; the step split into forward, backward and
 clip + optimizer step, each as host time (until the call returns) and wall time (until the GPU
-is done), with and without the memory tracker's saved-tensor hooks; the GPU kernel time of
-one step (``torch.profiler``, top kernels); ``cProfile``'s top functions over two steps.
+is done), with and without the memory tracker's saved-tensor hooks; ``cProfile``'s top
+functions over two steps; the GPU kernel time of one step (``torch.profiler``, top kernels),
+last: once it has run, Triton's launches pay for its launch hook.
 
     export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
     python packages/coat-models/benchmarks/profile_step.py --variants bf16,coat --micro-batch 1
@@ -92,6 +93,16 @@ def profile(name: str, config, data, mb: int, seq: int, rounds: int, top: int, d
             ph = _phases(trainer, rounds, hooks)
             cells = ", ".join(f"{n} {h:.1f}/{w:.1f}" for n, (h, w) in ph.items())
             lines.append(f"phases host/wall ms, tracker hooks {'on' if hooks else 'off'}: {cells}")
+        prof_c = cProfile.Profile()
+        prof_c.enable()
+        for _ in range(2):
+            trainer.run_step()
+        prof_c.disable()
+        for key in ("tottime", "cumtime"):
+            buf = io.StringIO()
+            pstats.Stats(prof_c, stream=buf).sort_stats(key).print_stats(top)
+            lines.append(f"cProfile over 2 steps, by {key}:")
+            lines += [ln for ln in buf.getvalue().splitlines() if ln.strip()]
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         _sync(device)
         with torch.profiler.profile(activities=acts[: 1 + (device.type == "cuda")]) as prof:
@@ -102,15 +113,6 @@ def profile(name: str, config, data, mb: int, seq: int, rounds: int, top: int, d
         lines.append(f"GPU kernel time of one step: {total:.1f} ms; top kernels (ms, calls):")
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
             lines.append(f"  {e.self_device_time_total / 1e3:8.2f} {e.count:6d}  {e.key[:100]}")
-        prof_c = cProfile.Profile()
-        prof_c.enable()
-        for _ in range(2):
-            trainer.run_step()
-        prof_c.disable()
-        buf = io.StringIO()
-        pstats.Stats(prof_c, stream=buf).sort_stats("tottime").print_stats(top)
-        lines.append("cProfile over 2 steps, by tottime:")
-        lines += [ln for ln in buf.getvalue().splitlines() if ln.strip()]
     finally:
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.close()
