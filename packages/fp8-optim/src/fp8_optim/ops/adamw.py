@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from fp8_quant.ops import fp8_encode, hw_cast_supported, triton_interpreting
+from fp8_quant.ops import fast_launch, fp8_encode, hw_cast_supported, triton_interpreting
 
 from .. import reference as ref
 
@@ -220,6 +220,7 @@ def _quant(
 
 
 # ------------------------------------------------------------------------------ kernels
+@fast_launch
 @triton.jit
 def _hyper_kernel(
     table_ptr,
@@ -277,6 +278,7 @@ def _hyper_kernel(
     tl.store(out + 3, key.to(tl.int32, bitcast=True), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _adamw_kernel(
     chunk_ptr,
@@ -566,7 +568,7 @@ def fused_adamw_step_(
     s0 = states[0]
     lr_tensor = isinstance(lr, torch.Tensor)
     lr_hi, lr_lo = (0.0, 0.0) if lr_tensor else ref.split_f64(lr)
-    _hyper_kernel[(triton.cdiv(plan.n_tensors, 128),)](
+    _hyper_kernel[(-(-plan.n_tensors // 128),)](
         plan.table,
         s0["step"],
         plan.hyper,

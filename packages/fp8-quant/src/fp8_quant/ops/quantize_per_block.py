@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8Format
+from ._host import cdiv
+from ._launch import fast_launch
 from .fp8_round import abs_max, fp8_encode, fp8_scale, hw_cast_supported
 
 _MAX_TILE = 16384  # elements of a sub-tile: 64 per thread at 8 warps
@@ -24,6 +26,7 @@ def _load_tile(x_ptr, rows, cols, M, N, stride_xm, stride_xn):
     return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), mask
 
 
+@fast_launch
 @triton.jit
 def _per_block_kernel(
     x_ptr, q_ptr, s_ptr,
@@ -66,9 +69,7 @@ def quantize_per_block(
     m, n = x.shape
     bm, bn = block
     q = torch.empty((m, n), device=x.device, dtype=fmt.torch_dtype)
-    scales = torch.empty(
-        (triton.cdiv(m, bm), triton.cdiv(n, bn)), device=x.device, dtype=torch.float32
-    )
+    scales = torch.empty((cdiv(m, bm), cdiv(n, bn)), device=x.device, dtype=torch.float32)
     if x.numel() == 0:
         return q, scales
     # Sub-tile: the whole block if small enough, else as wide as allowed (rows are contiguous).

@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8Format
+from ._host import cdiv, next_pow2
+from ._launch import fast_launch
 from .fp8_round import abs_max, fp8_encode, fp8_scale, hw_cast_supported
 
 
@@ -46,6 +48,7 @@ LAUNCH = GroupLaunch(num_warps=4)
 _MAX_CHUNK = 4096
 
 
+@fast_launch
 @triton.jit
 def _group_kernel(
     x_ptr, q_ptr, out_ptr,
@@ -99,7 +102,7 @@ def _group_kernel(
 def _launch(x: torch.Tensor, group_size: int, fmt: FP8Format | None):
     """Run ``_group_kernel``; returns ``(q or None, out)`` with out of the scales' shape."""
     lead, n = x.shape[:-1], x.shape[-1]
-    ng = triton.cdiv(n, group_size)
+    ng = cdiv(n, group_size)
     out = torch.empty(*lead, ng, device=x.device, dtype=torch.float32)
     q = torch.empty(x.shape, device=x.device, dtype=fmt.torch_dtype) if fmt else None
     if x.numel() == 0:
@@ -112,10 +115,10 @@ def _launch(x: torch.Tensor, group_size: int, fmt: FP8Format | None):
     else:
         x2 = x.reshape(-1, n)  # a view unless the strides make that impossible
     m, n2 = x2.shape
-    ng2 = triton.cdiv(n2, group_size)
-    bg = min(triton.next_power_of_2(ng2), max(1, launch.tile // chunk))
+    ng2 = cdiv(n2, group_size)
+    bg = min(next_pow2(ng2), max(1, launch.tile // chunk))
     bm = max(1, launch.tile // (bg * chunk))
-    grid = (triton.cdiv(m, bm) * triton.cdiv(ng2, bg),)
+    grid = (cdiv(m, bm) * cdiv(ng2, bg),)
     q2 = q.view(torch.uint8).view(m, n2) if fmt else x2  # x2 is never written without fmt
     _group_kernel[grid](
         x2, q2, out,

@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8Format
+from ._host import cdiv, next_pow2
+from ._launch import fast_launch
 from .fp8_round import fp8_encode, fp8_scale, hw_cast_supported
 from .quantize_per_group import group_amax
 
@@ -18,6 +20,7 @@ _BLOCK = 8192  # elements per program (32 per thread at 8 warps)
 _AMAX_GROUP = 4096  # partial maxima are 4096x smaller than x: their reduction is free
 
 
+@fast_launch
 @triton.jit
 def _per_tensor_kernel(
     x_ptr, q_ptr, amax_ptr, scale_ptr, n,
@@ -42,7 +45,7 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
         group = _AMAX_GROUP
     else:
         x2 = x.reshape(-1, x.shape[-1])
-        group = min(_AMAX_GROUP, triton.next_power_of_2(x.shape[-1]))
+        group = min(_AMAX_GROUP, next_pow2(x.shape[-1]))
     return group_amax(x2, group).amax()
 
 
@@ -65,7 +68,7 @@ def quantize_per_tensor(
     q = torch.empty(x.shape, device=x.device, dtype=fmt.torch_dtype)
     scale = torch.empty((), device=x.device, dtype=torch.float32)
     n = x.numel()
-    grid = (max(1, triton.cdiv(n, _BLOCK)),)  # one program even when empty: it writes scale
+    grid = (max(1, cdiv(n, _BLOCK)),)  # one program even when empty: it writes scale
     _per_tensor_kernel[grid](
         x, q.view(torch.uint8), amax, scale, n,
         FMT=fmt.value, HW_CAST=hw_cast_supported(x.device), BLOCK=_BLOCK, num_warps=8,

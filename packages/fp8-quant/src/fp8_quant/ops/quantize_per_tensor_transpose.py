@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8Format
+from ._host import cdiv
+from ._launch import fast_launch
 from .fp8_round import fp8_encode, fp8_scale, hw_cast_supported
 from .quantize_per_tensor import resolve_amax
 
@@ -21,6 +23,7 @@ _BN = 64
 _NUM_WARPS = 4
 
 
+@fast_launch
 @triton.jit
 def _per_tensor_transpose_kernel(
     x_ptr, q_ptr, qt_ptr, amax_ptr, scale_ptr,
@@ -56,7 +59,7 @@ def quantize_per_tensor_transpose(
     q = torch.empty((m, n), device=x.device, dtype=fmt.torch_dtype)
     qt = torch.empty((n, m), device=x.device, dtype=fmt.torch_dtype)
     scale = torch.empty((), device=x.device, dtype=torch.float32)
-    grid = (max(1, triton.cdiv(m, _BM) * triton.cdiv(n, _BN)),)  # >= 1: it writes scale
+    grid = (max(1, cdiv(m, _BM) * cdiv(n, _BN)),)  # >= 1: it writes scale
     _per_tensor_transpose_kernel[grid](
         x, q.view(torch.uint8), qt.view(torch.uint8), amax, scale,
         m, n, x.stride(0), x.stride(1),
