@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 from fp8_activations.ops._common import cast_out, cdiv, custom_op, next_pow2, use_triton
-from fp8_quant.ops import fast_launch
 
 Tensor = torch.Tensor
 
@@ -114,7 +113,6 @@ def _rotate_heads(
         tl.store(yh + y_offs + HALF, cast_out(y2, Y), mask=mask)
 
 
-@fast_launch
 @triton.jit
 def _rope_kernel(
     Q, K, QO, KO, COS, SIN, S, HQ, HK,

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from fp8_quant import FP8Format
 from fp8_quant.api import resolve_backend
-from fp8_quant.ops import abs_max, cdiv, fast_launch, fp8_encode, fp8_scale, next_pow2
+from fp8_quant.ops import abs_max, cdiv, fp8_encode, fp8_scale, next_pow2
 
 EMIT_CODES = {"none": 0, "amax": 1, "fp8": 2}
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -347,7 +347,6 @@ def store_fp8_t(v, yt_ptr, amax_ptr, rows, cols, mask, M, FMT: tl.constexpr, HW_
     tl.store(yt_ptr + offs, tl.trans(code), mask=tl.trans(mask))
 
 
-@fast_launch
 @triton.jit
 def _sum_rows_kernel(P, OUT, P2, OUT2, R, N, TWO: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
     """``OUT[n] = sum_r P[r, n]`` for an fp32 ``(R, N)`` ``P``, stored in OUT's dtype; with

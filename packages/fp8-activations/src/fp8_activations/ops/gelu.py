@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import fast_launch, hw_cast_supported
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -41,7 +41,6 @@ def _gelu_and_grad(x, TANH: tl.constexpr):
     return x * cdf, cdf + x * pdf
 
 
-@fast_launch
 @triton.jit
 def _gelu_fwd_kernel(
     X, Y, XQ, XS, YQ, YS, YA, M, N,
@@ -61,7 +60,6 @@ def _gelu_fwd_kernel(
     )  # fmt: skip
 
 
-@fast_launch
 @triton.jit
 def _gelu_bwd_kernel(
     DY, XQ, XS, DX, M, N,

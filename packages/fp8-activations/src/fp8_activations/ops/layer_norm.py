@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import fast_launch, hw_cast_supported
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -41,7 +41,6 @@ def _centre(x, mask, N, eps):
     return xc, tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(xc * xc) / N + eps))
 
 
-@fast_launch
 @triton.jit
 def _layer_norm_fwd_kernel(
     X, W, B, Y, XQ, XS, YQ, YS, YA, M, N, eps,
@@ -69,7 +68,6 @@ def _layer_norm_fwd_kernel(
     )  # fmt: skip
 
 
-@fast_launch
 @triton.jit
 def _layer_norm_bwd_kernel(
     DY, XQ, XS, W, DX, DW, DB, M, N, eps,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import fast_launch, hw_cast_supported
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -29,7 +29,6 @@ from ._common import (
 Tensor = torch.Tensor
 
 
-@fast_launch
 @triton.jit
 def _residual_add_kernel(
     X, R, Y, YQ, YS, YA, M, N,

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import fast_launch, hw_cast_supported
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -34,7 +34,6 @@ from ._common import (
 Tensor = torch.Tensor
 
 
-@fast_launch
 @triton.jit
 def _rms_norm_fwd_kernel(
     X, W, Y, XQ, XS, YQ, YS, YA, RSTD, M, N, eps,
@@ -72,7 +71,6 @@ def _load_saved(DY, XQ, XS, blk, M, N, BM: tl.constexpr, NGP: tl.constexpr, G: t
     return dy, q, s
 
 
-@fast_launch
 @triton.jit
 def _rms_norm_bwd_kernel(
     DY, XQ, XS, W, DX, DW, M, N, eps,

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import fast_launch, hw_cast_supported
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -45,7 +45,6 @@ from .rms_norm import rms_norm_bwd, rms_norm_fwd
 Tensor = torch.Tensor
 
 
-@fast_launch
 @triton.jit
 def _reform_t_kernel(
     XQ, XS, RSTD, W, AMAX, YT, YDT, M, N,

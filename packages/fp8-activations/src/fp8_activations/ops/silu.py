@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import fast_launch, hw_cast_supported
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -27,7 +27,6 @@ from ._common import (
 Tensor = torch.Tensor
 
 
-@fast_launch
 @triton.jit
 def _silu_fwd_kernel(
     X, Y, XQ, XS, YQ, YS, YA, M, N,
@@ -47,7 +46,6 @@ def _silu_fwd_kernel(
     )  # fmt: skip
 
 
-@fast_launch
 @triton.jit
 def _silu_bwd_kernel(
     DY, XQ, XS, DX, M, N,

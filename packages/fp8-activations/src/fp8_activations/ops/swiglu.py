@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import fast_launch, hw_cast_supported
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -31,7 +31,6 @@ from ._common import (
 Tensor = torch.Tensor
 
 
-@fast_launch
 @triton.jit
 def _swiglu_fwd_kernel(
     GATE, UP, Y, GQ, GS, UQ, US, YQ, YS, YA, M, N,
@@ -53,7 +52,6 @@ def _swiglu_fwd_kernel(
     )  # fmt: skip
 
 
-@fast_launch
 @triton.jit
 def _swiglu_bwd_kernel(
     DY, GQ, GS, UQ, US, DG, DU, M, N,

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import fast_launch, hw_cast_supported
+from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
@@ -40,7 +40,6 @@ from .swiglu import swiglu_bwd, swiglu_fwd
 Tensor = torch.Tensor
 
 
-@fast_launch
 @triton.jit
 def _reform_t_kernel(
     GQ, GS, UQ, US, AMAX, ST, SDT, M, N,

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from fp8_quant.ops import fast_launch, fp8_encode, hw_cast_supported, triton_interpreting
+from fp8_quant.ops import fp8_encode, hw_cast_supported, triton_interpreting
 
 from .. import reference as ref
 
@@ -220,7 +220,6 @@ def _quant(
 
 
 # ------------------------------------------------------------------------------ kernels
-@fast_launch
 @triton.jit
 def _hyper_kernel(
     table_ptr,
@@ -278,7 +277,6 @@ def _hyper_kernel(
     tl.store(out + 3, key.to(tl.int32, bitcast=True), mask=mask)
 
 
-@fast_launch
 @triton.jit
 def _adamw_kernel(
     chunk_ptr,

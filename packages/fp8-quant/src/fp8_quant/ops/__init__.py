@@ -7,7 +7,6 @@ blocks in ``fp8_round`` are public: other packages' kernels import them from her
 """
 
 from ._host import cdiv, next_pow2
-from ._launch import FastLaunch, fast_launch
 from .fp8_round import (
     abs_max,
     fp8_encode,
@@ -22,10 +21,8 @@ from .quantize_per_tensor import quantize_per_tensor, tensor_amax
 from .quantize_per_tensor_transpose import quantize_per_tensor_transpose
 
 __all__ = [
-    "FastLaunch",
     "abs_max",
     "cdiv",
-    "fast_launch",
     "fp8_encode",
     "fp8_scale",
     "group_amax",

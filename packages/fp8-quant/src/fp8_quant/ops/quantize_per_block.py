@@ -11,7 +11,6 @@ import triton.language as tl
 
 from ..formats import FP8Format
 from ._host import cdiv
-from ._launch import fast_launch
 from .fp8_round import abs_max, fp8_encode, fp8_scale, hw_cast_supported
 
 _MAX_TILE = 16384  # elements of a sub-tile: 64 per thread at 8 warps
@@ -26,7 +25,6 @@ def _load_tile(x_ptr, rows, cols, M, N, stride_xm, stride_xn):
     return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), mask
 
 
-@fast_launch
 @triton.jit
 def _per_block_kernel(
     x_ptr, q_ptr, s_ptr,

@@ -16,7 +16,6 @@ import triton.language as tl
 
 from ..formats import FP8Format
 from ._host import cdiv, next_pow2
-from ._launch import fast_launch
 from .fp8_round import abs_max, fp8_encode, fp8_scale, hw_cast_supported
 
 
@@ -48,7 +47,6 @@ LAUNCH = GroupLaunch(num_warps=4)
 _MAX_CHUNK = 4096
 
 
-@fast_launch
 @triton.jit
 def _group_kernel(
     x_ptr, q_ptr, out_ptr,

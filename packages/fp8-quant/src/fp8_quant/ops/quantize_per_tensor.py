@@ -12,7 +12,6 @@ import triton.language as tl
 
 from ..formats import FP8Format
 from ._host import cdiv, next_pow2
-from ._launch import fast_launch
 from .fp8_round import fp8_encode, fp8_scale, hw_cast_supported
 from .quantize_per_group import group_amax
 
@@ -20,7 +19,6 @@ _BLOCK = 8192  # elements per program (32 per thread at 8 warps)
 _AMAX_GROUP = 4096  # partial maxima are 4096x smaller than x: their reduction is free
 
 
-@fast_launch
 @triton.jit
 def _per_tensor_kernel(
     x_ptr, q_ptr, amax_ptr, scale_ptr, n,

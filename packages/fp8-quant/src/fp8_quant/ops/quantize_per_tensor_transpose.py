@@ -12,7 +12,6 @@ import triton.language as tl
 
 from ..formats import FP8Format
 from ._host import cdiv
-from ._launch import fast_launch
 from .fp8_round import fp8_encode, fp8_scale, hw_cast_supported
 from .quantize_per_tensor import resolve_amax
 
@@ -23,7 +22,6 @@ _BN = 64
 _NUM_WARPS = 4
 
 
-@fast_launch
 @triton.jit
 def _per_tensor_transpose_kernel(
     x_ptr, q_ptr, qt_ptr, amax_ptr, scale_ptr,
