@@ -18,7 +18,9 @@ implementation (``config._attn_implementation``: SDPA, flash attention, eager, .
 ``ops`` supplies ``rms_norm(x, weight, eps, config)``, ``linear(x, weight, bias, config)``,
 ``swiglu(gate, up, config)`` and ``residual_add(x, residual, config)``, and optionally the
 fused ``rms_norm_linear(x, norm_weight, eps, weights, biases, config)`` and
-``swiglu_linear(gate, up, weight, bias, config)``: ``FP8_OPS`` are fp8_activations'
+``swiglu_linear(gate, up, weight, bias, config)``, and ``weight_amaxes(weights)`` (then the
+linears take ``weight_amax=`` / ``weight_amaxes=``: one reduction launch for the layer's
+seven weights instead of two per weight): ``FP8_OPS`` are fp8_activations'
 functional ops (each saves FP8 and hands its output's FP8 form or group maxima to the next
 op), ``coat_models.reference`` the model's exact arithmetic (no fused ops).
 """
@@ -43,6 +45,7 @@ FP8_OPS = SimpleNamespace(
     swiglu=fa.swiglu,
     swiglu_linear=fa.swiglu_linear,
     residual_add=fa.residual_add,
+    weight_amaxes=fa.weight_amaxes,
 )
 
 
@@ -57,19 +60,27 @@ def model_function(module: nn.Module, name: str) -> Callable | None:
     return getattr(sys.modules[type(module).__module__], name, None)
 
 
-def _project(ops, x, lin: nn.Linear, config):
-    return ops.linear(x, lin.weight, lin.bias, config)
+def _amax_kw(name: str, amax) -> dict:
+    """The keyword passing a weight's precomputed max |w| (nothing without one)."""
+    return {} if amax is None else {name: amax}
 
 
-def norm_project(ops, x, norm: nn.Module, linears: list[nn.Linear], config) -> list:
+def _project(ops, x, lin: nn.Linear, config, amax=None):
+    return ops.linear(x, lin.weight, lin.bias, config, **_amax_kw("weight_amax", amax))
+
+
+def norm_project(ops, x, norm: nn.Module, linears: list[nn.Linear], config, amaxes=None) -> list:
     """``[linear(rms_norm(x))]`` for each of ``linears``: one fused op when the op set has
-    ``rms_norm_linear`` (the norm output is then not saved but re-formed in backward)."""
+    ``rms_norm_linear`` (the norm output is then not saved but re-formed in backward).
+    ``amaxes``: the linears' weight maxima (``ops.weight_amaxes``) or None."""
     fused = getattr(ops, "rms_norm_linear", None)
     if fused is not None:
         weights, biases = [lin.weight for lin in linears], [lin.bias for lin in linears]
-        return list(fused(x, norm.weight, norm_eps(norm), weights, biases, config))
+        kw = _amax_kw("weight_amaxes", amaxes)
+        return list(fused(x, norm.weight, norm_eps(norm), weights, biases, config, **kw))
     normed = ops.rms_norm(x, norm.weight, norm_eps(norm), config)
-    return [_project(ops, normed, lin, config) for lin in linears]
+    amaxes = amaxes or [None] * len(linears)
+    return [_project(ops, normed, lin, config, a) for lin, a in zip(linears, amaxes, strict=True)]
 
 
 def attention(
@@ -82,13 +93,14 @@ def attention(
     cache,
     config,
     attn_kwargs: dict,
+    o_amax=None,
 ) -> torch.Tensor:
     """RoPE + the model's attention on the Q/K/V projections ``qkv`` (a list of three
     ``(batch, seq, heads * head_dim)`` tensors, emptied here so that the pre-RoPE q and k
     are freed as soon as RoPE has run), then the output projection.
 
     ``shape`` is ``(batch, seq)``; returns the output projection ``(batch, seq, hidden)``
-    before the residual add.
+    before the residual add; ``o_amax``: its weight's max |w| or None.
 
     RoPE is ``coat_models.rope``'s one kernel for q and k (the same bits) when the model's
     ``apply_rotary_pos_emb`` is the standard ``rotate_half`` one and Triton runs, the
@@ -128,17 +140,18 @@ def attention(
     )
     # Under autocast SDPA returns the autocast dtype; the residual stream keeps its own.
     out = out.reshape(*shape, -1).to(dtype).contiguous()
-    return _project(ops, out, attn.o_proj, config)
+    return _project(ops, out, attn.o_proj, config, o_amax)
 
 
-def mlp(ops, module: nn.Module, gate, up, config):
+def mlp(ops, module: nn.Module, gate, up, config, amax=None):
     """SwiGLU of the gate/up projections, down GEMM (fused with SwiGLU when the op set has
-    ``swiglu_linear``: the down GEMM's input is then re-formed in backward, not saved)."""
+    ``swiglu_linear``: the down GEMM's input is then re-formed in backward, not saved).
+    ``amax``: the down weight's max |w| or None."""
     down = module.down_proj
     fused = getattr(ops, "swiglu_linear", None)
     if fused is not None:
-        return fused(gate, up, down.weight, down.bias, config)
-    return _project(ops, ops.swiglu(gate, up, config), down, config)
+        return fused(gate, up, down.weight, down.bias, config, **_amax_kw("weight_amax", amax))
+    return _project(ops, ops.swiglu(gate, up, config), down, config, amax)
 
 
 def decoder_layer(
@@ -164,21 +177,29 @@ def decoder_layer(
     """
     attn, mlp_, shape = layer.self_attn, layer.mlp, hidden_states.shape[:-1]
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    gate_up = [mlp_.gate_proj, mlp_.up_proj]
+    linears = [*qkv, attn.o_proj, *gate_up, mlp_.down_proj]
+    amaxes = getattr(ops, "weight_amaxes", None)
+    # Only while training: the weights' maxima let backward re-cast them without reductions.
+    amaxes = amaxes([lin.weight for lin in linears]) if amaxes and torch.is_grad_enabled() else None
+    a = amaxes or [None] * len(linears)
     out = attention(
         ops,
         attn,
-        norm_project(ops, hidden_states, layer.input_layernorm, qkv, config),
+        norm_project(ops, hidden_states, layer.input_layernorm, qkv, config, amaxes and a[:3]),
         shape,
         attention_mask,
         position_embeddings,
         cache,
         config,
         attn_kwargs or {},
+        a[3],
     )
     hidden_states = ops.residual_add(out, hidden_states, config)
-    norm2, gate_up = layer.post_attention_layernorm, [mlp_.gate_proj, mlp_.up_proj]
+    norm2 = layer.post_attention_layernorm
     # gate and up (bf16, the widest tensors of the layer) live only while mlp() runs.
-    out = mlp(ops, mlp_, *norm_project(ops, hidden_states, norm2, gate_up, config), config)
+    gate, up = norm_project(ops, hidden_states, norm2, gate_up, config, amaxes and a[4:6])
+    out = mlp(ops, mlp_, gate, up, config, a[6])
     if not hand_over_output:
         config = (config or fa.FP8Config()).replace(precision_flow=False)
     return ops.residual_add(out, hidden_states, config)

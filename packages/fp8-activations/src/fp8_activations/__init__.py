@@ -13,6 +13,7 @@ from .functional import (
     silu,
     swiglu,
     swiglu_linear,
+    weight_amaxes,
 )
 from .modules import FP8GELU, FP8LayerNorm, FP8Linear, FP8RMSNorm, FP8SiLU
 from .tensor import FP8Tensor, Granularity, handed_over
@@ -40,4 +41,5 @@ __all__ = [
     "silu",
     "swiglu",
     "swiglu_linear",
+    "weight_amaxes",
 ]

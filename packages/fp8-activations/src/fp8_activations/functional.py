@@ -25,6 +25,7 @@ from .ops import (
     SwiGLULinearFunction,
 )
 from .ops.linear import quantize_t, use_scaled_mm, weight_fp8
+from .ops.linear import weight_amaxes as _weight_amaxes
 from .tensor import (
     FP8Tensor,
     Granularity,
@@ -73,6 +74,17 @@ def _check_like(x: Tensor, other: Tensor, name: str, other_name: str) -> None:
         raise TypeError(f"{other_name} dtype {other.dtype} != {name} dtype {x.dtype}: cast one")
     if other.device != x.device:
         raise ValueError(f"{other_name} is on {other.device} but {name} on {x.device}")
+
+
+def _check_amax(amax: Tensor | None, weight: Tensor, name: str) -> Tensor | None:
+    """A caller-given max |weight|: a 0-dim float tensor on the weight's device, as fp32."""
+    if amax is None:
+        return None
+    if not isinstance(amax, torch.Tensor) or amax.dim() != 0 or not amax.is_floating_point():
+        raise TypeError(f"{name} must be a 0-dim float tensor (max |weight|) or None")
+    if amax.device != weight.device:
+        raise ValueError(f"{name} is on {amax.device} but the weight on {weight.device}")
+    return amax.float()
 
 
 def _check_param(p: Tensor | None, x: Tensor, name: str, size: int) -> None:
@@ -129,14 +141,35 @@ def _hand_over(y: Tensor, shape: torch.Size, cfg: FP8Config, mode: str, y_q, y_s
 
 
 # ------------------------------------------------------------------------- ops
+def weight_amaxes(weights: Sequence[Tensor]) -> list[Tensor]:
+    """Max |w| of each weight (0-dim fp32 each), all in one multi-tensor launch: pass them as
+    ``weight_amax`` / ``weight_amaxes`` to the linears of one layer, which then skip their
+    own per-weight reduction (two launches each). Exact: the same scales, the same bits.
+
+    >>> amaxes = weight_amaxes([torch.randn(32, 64), torch.randn(16, 64)])
+    """
+    if isinstance(weights, torch.Tensor) or not len(weights):
+        raise TypeError("weights must be a non-empty list or tuple of tensors")
+    for i, w in enumerate(weights):
+        _check_float(w, f"weights[{i}]")
+    return _weight_amaxes([w.detach() for w in weights])
+
+
 def fp8_linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, config: FP8Config | None = None
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    config: FP8Config | None = None,
+    *,
+    weight_amax: Tensor | None = None,
 ) -> Tensor:
     """``x @ weight.T + bias`` with FP8 GEMMs (E4M3 operands, E5M2 output gradient).
 
     x: ``(..., in)``, weight: ``(out, in)``, bias: ``(out,)`` or None; any float dtypes
     (e.g. bf16 activations with fp32 master weights). Returns ``(..., out)`` in x's dtype;
-    saves only x's FP8 transpose and its scale for backward. With the precision flow, the
+    saves only x's FP8 transpose and its scale for backward. ``weight_amax``: max |weight|
+    (0-dim) when the caller has it, e.g. ``weight_amaxes`` of a whole layer in one launch;
+    it must be exact (a wrong one gives wrong scales). With the precision flow, the
     per-tensor FP8 x (both layouts) is attached to x: further linears on the same x (Q/K/V,
     gate/up) reuse it, so x is quantized and saved once (the attachment lives as long as x).
 
@@ -157,6 +190,7 @@ def fp8_linear(
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device} but x on {x.device}")
     _check_param(bias, x, "bias", weight.shape[0])
+    weight_amax = _check_amax(weight_amax, weight, "weight_amax")
     if x.numel() == 0:
         b = None if bias is None else bias.to(x.dtype)
         return torch.nn.functional.linear(x, weight.to(x.dtype), b)
@@ -181,12 +215,13 @@ def fp8_linear(
         weight,
         bias,
         amax,
-        weight_fp8(weight, cfg.fwd_format, cfg.backend) if cache else None,
+        weight_fp8(weight, cfg.fwd_format, cfg.backend, weight_amax) if cache else None,
         cfg.fwd_format.value,
         cfg.grad_format.value,
         cfg.backend,
         use_scaled_mm(x, weight, cfg.gemm),
         x_fp8,
+        weight_amax,
     )
     return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -225,6 +260,8 @@ def rms_norm_linear(
     weights: Sequence[Tensor],
     biases: Sequence[Tensor | None] | None = None,
     config: FP8Config | None = None,
+    *,
+    weight_amaxes: Sequence[Tensor] | None = None,
 ) -> tuple[Tensor, ...]:
     """``fp8_linear(rms_norm(x, norm_weight, eps), w, b)`` for each ``(w, b)`` of ``weights``
     and ``biases`` (Llama's norm -> Q/K/V or norm -> gate/up), without saving the linears'
@@ -232,7 +269,9 @@ def rms_norm_linear(
 
     x: ``(..., K)``; norm_weight: ``(K,)`` or None; each weight ``(N_i, K)``, each bias
     ``(N_i,)`` or None (``biases`` None: no biases). Returns one ``(..., N_i)`` tensor per
-    weight, in x's dtype. Saves 1 B/elem of x less than the unfused ops (plus 4 B/row for
+    weight, in x's dtype. ``weight_amaxes``: one exact max |w| (0-dim) per weight, or None
+    (as ``fp8_linear``'s ``weight_amax``). Saves 1 B/elem of x less than the unfused ops (plus
+    4 B/row for
     forward's rstd); the same outputs and bias gradients, and weight gradients from the
     re-formed input (within FP8 noise of the unfused ones).
 
@@ -260,16 +299,34 @@ def rms_norm_linear(
         if w.device != x.device:
             raise ValueError(f"weights[{i}] is on {w.device} but x on {x.device}")
         _check_param(b, x, f"biases[{i}]", w.shape[0])
+    if weight_amaxes is None:
+        amaxes = [None] * len(weights)
+    elif len(weight_amaxes) != len(weights):
+        raise ValueError(f"got {len(weights)} weights but {len(weight_amaxes)} weight_amaxes")
+    else:
+        pairs = zip(weight_amaxes, weights, strict=True)
+        amaxes = [_check_amax(a, w, f"weight_amaxes[{i}]") for i, (a, w) in enumerate(pairs)]
     eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
     if x.numel() == 0 or not _needs_grad(x, norm_weight, *weights, *biases):
         normed = rms_norm(x, norm_weight, eps, cfg)
-        return tuple(fp8_linear(normed, w, b, cfg) for w, b in zip(weights, biases, strict=True))
+        return tuple(
+            fp8_linear(normed, w, b, cfg, weight_amax=a)
+            for w, b, a in zip(weights, biases, amaxes, strict=True)
+        )
     w_norm = norm_weight if norm_weight is not None else x.new_ones(n)
     cache = cfg.weight_cache and not torch.compiler.is_compiling()
-    w_fp8 = tuple(weight_fp8(w, cfg.fwd_format, cfg.backend) for w in weights) if cache else None
+    w_fp8 = (
+        tuple(
+            weight_fp8(w, cfg.fwd_format, cfg.backend, a)
+            for w, a in zip(weights, amaxes, strict=True)
+        )
+        if cache
+        else None
+    )
     outs = RMSNormLinearFunction.apply(
         _rows(x), w_norm, _handed_fp8(x, cfg), w_fp8, eps, cfg.group_size, cfg.fwd_format.value,
         cfg.grad_format.value, cfg.backend, tuple(use_scaled_mm(x, w, cfg.gemm) for w in weights),
+        None if weight_amaxes is None else tuple(amaxes),
         *(t for pair in zip(weights, biases, strict=True) for t in pair),
     )  # fmt: skip
     return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in outs)
@@ -369,13 +426,15 @@ def swiglu_linear(
     weight: Tensor,
     bias: Tensor | None = None,
     config: FP8Config | None = None,
+    *,
+    weight_amax: Tensor | None = None,
 ) -> Tensor:
     """``fp8_linear(swiglu(gate, up), weight, bias)`` (Llama's down projection) that does not
     save the linear's input: backward re-forms it from SwiGLU's saved FP8 gate and up.
 
     Saves 1 B/elem of ``silu(gate) * up`` less than the two ops; the same output, input
     gradients and bias gradient, and a weight gradient from the re-formed input (within
-    FP8 noise of the unfused one).
+    FP8 noise of the unfused one). ``weight_amax`` as in ``fp8_linear``.
 
     >>> y = swiglu_linear(torch.randn(4, 64), torch.randn(4, 64), torch.randn(32, 64))
     """
@@ -391,14 +450,15 @@ def swiglu_linear(
     if weight.device != gate.device:
         raise ValueError(f"weight is on {weight.device} but gate on {gate.device}")
     _check_param(bias, gate, "bias", weight.shape[0])
+    weight_amax = _check_amax(weight_amax, weight, "weight_amax")
     if gate.numel() == 0 or not _needs_grad(gate, up, weight, bias):
-        return fp8_linear(swiglu(gate, up, cfg), weight, bias, cfg)
+        return fp8_linear(swiglu(gate, up, cfg), weight, bias, cfg, weight_amax=weight_amax)
     cache = cfg.weight_cache and not torch.compiler.is_compiling()
     y = SwiGLULinearFunction.apply(
         _rows(gate), _rows(up), weight, bias, _handed_fp8(gate, cfg), _handed_fp8(up, cfg),
-        weight_fp8(weight, cfg.fwd_format, cfg.backend) if cache else None, cfg.group_size,
-        cfg.fwd_format.value, cfg.grad_format.value, cfg.backend,
-        use_scaled_mm(gate, weight, cfg.gemm),
+        weight_fp8(weight, cfg.fwd_format, cfg.backend, weight_amax) if cache else None,
+        cfg.group_size, cfg.fwd_format.value, cfg.grad_format.value, cfg.backend,
+        use_scaled_mm(gate, weight, cfg.gemm), weight_amax,
     )  # fmt: skip
     return y.view(*gate.shape[:-1], weight.shape[0])
 

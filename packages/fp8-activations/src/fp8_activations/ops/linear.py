@@ -72,15 +72,23 @@ def weight_amax(weight: Tensor, backend: str, *, eager: bool = False) -> Tensor:
     return group_amax(weight.reshape(1, -1), 4096, backend=backend).amax()
 
 
+def weight_amaxes(weights) -> list[Tensor]:
+    """Max |w| of each of ``weights`` (0-dim fp32 each) in one multi-tensor launch: a layer's
+    seven weights cost one launch instead of two per weight (exact: a max is the same in
+    any order)."""
+    return list(torch._foreach_norm(list(weights), float("inf"), dtype=torch.float32))
+
+
 @weight_amax.register_fake
 def _(weight, backend, *, eager=False):
     return weight.new_empty((), dtype=torch.float32)
 
 
-def cast_weight(weight: Tensor, fmt: str, backend: str):
+def cast_weight(weight: Tensor, fmt: str, backend: str, amax: Tensor | None = None):
     """Forward's on-the-fly weight cast (no cache): ``(w_q, w_s, w_amax)``, row-major only
-    (backward re-casts the transposed layout from ``w_amax``)."""
-    w_amax = weight_amax(weight.detach(), backend)
+    (backward re-casts the transposed layout from ``w_amax``). ``amax``: the weight's max
+    |w| when the caller has it (e.g. ``weight_amaxes`` of a whole layer), else reduced here."""
+    w_amax = weight_amax(weight.detach(), backend) if amax is None else amax
     w_q, w_s = quantize(weight.detach(), fmt, w_amax, backend)
     return w_q, w_s, w_amax
 
@@ -121,25 +129,26 @@ def _pad_inner(t: Tensor, multiple: int = 16) -> Tensor:
 
 class FP8LinearFunction(torch.autograd.Function):
     """``(x (M, K), weight (N, K), bias, x_amax, w_fp8, fwd_fmt, grad_fmt, backend,
-    use_scaled_mm, x_fp8) -> y (M, N)`` in x's dtype.
+    use_scaled_mm, x_fp8, w_amax) -> y (M, N)`` in x's dtype.
 
     ``x_amax``: 0-dim max |x| handed over by the producer (group scaling), or None.
     ``w_fp8``: ``(w_q, w_t, w_scale)`` from the weight cache, or None to cast on the fly.
     ``x_fp8``: ``quantize_t(x, fwd_fmt, x_amax, backend)`` already made (shared by several
     linears on one x, which then all save the same ``x_t``), or None to quantize here.
+    ``w_amax``: the weight's max |w| (0-dim fp32) or None to reduce it here.
     """
 
     @staticmethod
     def forward(
         ctx, x, weight, bias, x_amax, w_fp8, fwd_fmt, grad_fmt, backend, use_scaled_mm,
-        x_fp8=None,
+        x_fp8=None, w_amax=None,
     ):  # fmt: skip
         x_q, x_t, x_s = x_fp8 if x_fp8 is not None else quantize_t(x, fwd_fmt, x_amax, backend)
         if w_fp8 is not None:
             w_q, w_t, w_s = w_fp8
             w_saved = (w_t, w_s)
         else:
-            w_q, w_s, w_amax = cast_weight(weight, fwd_fmt, backend)
+            w_q, w_s, w_amax = cast_weight(weight, fwd_fmt, backend, w_amax)
             w_saved = (None, w_amax)
         y = _mm(x_q, w_q.t(), x_s, w_s, bias, x.dtype, use_scaled_mm, fast_accum=True)
         # Saved: x_t and its scale (never x), the weight Parameter itself, and the cached
@@ -164,15 +173,18 @@ class FP8LinearFunction(torch.autograd.Function):
             dw = _mm(a, b.t(), dy_s, x_s, None, weight.dtype, ctx.use_scaled_mm)
         if ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------ launch-time decisions
 _CACHE_ATTR = "_fp8_weight_cache"
 
 
-def weight_fp8(weight: Tensor, fmt: FP8Format, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    """``(w_q, w_t, scale)`` of ``weight``, cast once per weight version.
+def weight_fp8(
+    weight: Tensor, fmt: FP8Format, backend: str, amax: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(w_q, w_t, scale)`` of ``weight``, cast once per weight version (from ``amax``, the
+    weight's max |w|, when given).
 
     The copy lives on the weight tensor itself and is keyed on ``weight._version`` (bumped by
     every in-place update: optimizer steps, ``load_state_dict``, ``zero_``) and on its
@@ -183,7 +195,7 @@ def weight_fp8(weight: Tensor, fmt: FP8Format, backend: str) -> tuple[Tensor, Te
     hit = getattr(weight, _CACHE_ATTR, None)
     if hit is not None and hit[0] == key:
         return hit[1]
-    w = quantize_t(weight.detach(), fmt.value, None, backend)
+    w = quantize_t(weight.detach(), fmt.value, amax, backend)
     setattr(weight, _CACHE_ATTR, (key, w))
     return w
 

@@ -91,21 +91,23 @@ def _(x_q, x_s, rstd, weight, amax, group_size, dtype, fmt, backend, *, eager=Fa
 
 class RMSNormLinearFunction(torch.autograd.Function):
     """``(x (M, K), norm_weight (K,), x_fp8, w_fp8, eps, group_size, fwd_fmt, grad_fmt,
-    backend, use_scaled_mm, weight_0, bias_0, weight_1, bias_1, ...) -> (y_0, y_1, ...)``,
-    ``y_i = (rms_norm(x) @ weight_i.T + bias_i)`` (M, N_i) in x's dtype.
+    backend, use_scaled_mm, w_amaxes, weight_0, bias_0, weight_1, bias_1, ...) -> (y_0, y_1,
+    ...)``, ``y_i = (rms_norm(x) @ weight_i.T + bias_i)`` (M, N_i) in x's dtype.
 
     ``x_fp8``: handed-over 1 x G ``(q, scales)`` of x, or None; ``w_fp8``: per weight the
     weight cache's ``(w_q, w_t, w_scale)`` or None (cast on the fly), or None for all;
-    ``use_scaled_mm``: one bool per weight.
+    ``use_scaled_mm``: one bool per weight; ``w_amaxes``: each weight's max |w| (0-dim
+    fp32) or None to reduce them here.
     """
 
     @staticmethod
     def forward(
         ctx, x, norm_weight, x_fp8, w_fp8, eps, group_size, fwd_fmt, grad_fmt, backend,
-        use_scaled_mm, *params,
+        use_scaled_mm, w_amaxes, *params,
     ):  # fmt: skip
         weights, biases = params[0::2], params[1::2]
         w_fp8 = w_fp8 if w_fp8 is not None else (None,) * len(weights)
+        w_amaxes = w_amaxes if w_amaxes is not None else (None,) * len(weights)
         y, x_q, x_s, _, _, y_a, rstd = rms_norm_fwd(
             x, norm_weight, eps, group_size, fwd_fmt, x_fp8 is None, "amax", True, backend
         )
@@ -115,12 +117,14 @@ class RMSNormLinearFunction(torch.autograd.Function):
         y_q, y_s = quantize(y, fwd_fmt, amax, backend)
         del y
         outs, w_saved = [], []
-        for w, b, cached, scaled in zip(weights, biases, w_fp8, use_scaled_mm, strict=True):
+        for w, b, cached, scaled, w_amax in zip(
+            weights, biases, w_fp8, use_scaled_mm, w_amaxes, strict=True
+        ):
             if cached is not None:
                 w_q, w_t, w_s = cached
                 w_saved += (w_t, w_s)
             else:
-                w_q, w_s, w_amax = cast_weight(w, fwd_fmt, backend)
+                w_q, w_s, w_amax = cast_weight(w, fwd_fmt, backend, w_amax)
                 w_saved += (None, w_amax)
             outs.append(_mm(y_q, w_q.t(), y_s, w_s, b, x.dtype, scaled, fast_accum=True))
         # Saved: x's 1 x G FP8, rstd, y's max and scale, the weight Parameters (and the
@@ -139,7 +143,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
         weights, w_saved = rest[:n], rest[n:]
         fwd_fmt, grad_fmt = ctx.fmts
         needs = ctx.needs_input_grad
-        first = 10  # index of weight_0 among forward's inputs
+        first = 11  # index of weight_0 among forward's inputs
         y_t = None
         if any(needs[first + 2 * i] and dys[i] is not None for i in range(n)):
             y_t = rms_norm_reform_t(
@@ -172,4 +176,4 @@ class RMSNormLinearFunction(torch.autograd.Function):
             dx, d_norm_weight = rms_norm_bwd(
                 d_y, x_q, x_s, norm_weight, ctx.eps, ctx.group_size, ctx.backend
             )
-        return dx, d_norm_weight, None, None, None, None, None, None, None, None, *grads
+        return dx, d_norm_weight, None, None, None, None, None, None, None, None, None, *grads

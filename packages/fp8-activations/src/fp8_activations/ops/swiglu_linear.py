@@ -83,16 +83,17 @@ def _(g_q, g_s, u_q, u_s, amax, group_size, dtype, fmt, backend, *, eager=False)
 
 class SwiGLULinearFunction(torch.autograd.Function):
     """``(gate (M, F), up (M, F), weight (N, F), bias, gate_fp8, up_fp8, w_fp8, group_size,
-    fwd_fmt, grad_fmt, backend, use_scaled_mm) -> y (M, N)`` in gate's dtype.
+    fwd_fmt, grad_fmt, backend, use_scaled_mm, w_amax) -> y (M, N)`` in gate's dtype.
 
     ``*_fp8``: handed-over 1 x G ``(q, scales)`` of gate / up, or None; ``w_fp8``: the
-    weight cache's ``(w_q, w_t, w_scale)`` or None (cast on the fly).
+    weight cache's ``(w_q, w_t, w_scale)`` or None (cast on the fly); ``w_amax``: the
+    weight's max |w| (0-dim fp32) or None to reduce it here.
     """
 
     @staticmethod
     def forward(
         ctx, gate, up, weight, bias, gate_fp8, up_fp8, w_fp8, group_size, fwd_fmt, grad_fmt,
-        backend, use_scaled_mm,
+        backend, use_scaled_mm, w_amax=None,
     ):  # fmt: skip
         s, g_q, g_s, u_q, u_s, _, _, s_amax = swiglu_fwd(
             gate, up, group_size, fwd_fmt, gate_fp8 is None, up_fp8 is None, "amax", backend
@@ -106,7 +107,7 @@ class SwiGLULinearFunction(torch.autograd.Function):
             w_q, w_t, w_s = w_fp8
             w_saved = (w_t, w_s)
         else:
-            w_q, w_s, w_amax = cast_weight(weight, fwd_fmt, backend)
+            w_q, w_s, w_amax = cast_weight(weight, fwd_fmt, backend, w_amax)
             w_saved = (None, w_amax)
         y = _mm(s_q, w_q.t(), s_s, w_s, bias, gate.dtype, use_scaled_mm, fast_accum=True)
         # Saved: gate/up 1 x G FP8, s's scale and max, the weight's cached w_t or its amax;
@@ -137,4 +138,4 @@ class SwiGLULinearFunction(torch.autograd.Function):
             dw = _mm(a, b.t(), dy_s, s_s, None, weight.dtype, ctx.use_scaled_mm)
         if ctx.needs_input_grad[3]:
             db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return d_gate, d_up, dw, db, None, None, None, None, None, None, None, None
+        return d_gate, d_up, dw, db, None, None, None, None, None, None, None, None, None

@@ -1,0 +1,77 @@
+"""Precomputed weight maxima (``weight_amaxes`` -> ``weight_amax=`` / ``weight_amaxes=``):
+the same outputs and gradients, bit for bit, as letting each linear reduce its own weight,
+with and without the weight cache; bad values are refused."""
+
+from __future__ import annotations
+
+import fp8_activations as fa
+import pytest
+import torch
+from fp8_activations import FP8Config
+
+K = 64
+
+
+def _leaf(*shape, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).requires_grad_()
+
+
+def _run(fn, leaves):
+    for t in leaves:
+        t.grad = None
+    outs = fn()
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    sum(o.float().square().sum() for o in outs).backward()
+    return [o.detach() for o in outs] + [t.grad for t in leaves]
+
+
+def test_weight_amaxes_are_exact():
+    ws = [_leaf(32, K, seed=1), _leaf(16, K, scale=1e-3, seed=2), _leaf(48, 40, seed=3)]
+    got = fa.weight_amaxes(ws)
+    for a, w in zip(got, ws, strict=True):
+        assert a.dtype == torch.float32 and a.dim() == 0
+        assert torch.equal(a, w.detach().abs().max().float())
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "on-the-fly"])
+@pytest.mark.parametrize("op", ["fp8_linear", "rms_norm_linear", "swiglu_linear"])
+def test_same_bits_as_reducing_in_the_op(op, cache):
+    cfg = FP8Config(weight_cache=cache)
+    x, up = _leaf(4, 8, K, seed=4), _leaf(4, 8, K, seed=5)
+    ws = [_leaf(32, K, scale=0.1, seed=6), _leaf(16, K, scale=0.02, seed=7)]
+    norm_w = _leaf(K, seed=8)
+
+    def call(amaxes):
+        if op == "fp8_linear":
+            kw = {} if amaxes is None else {"weight_amax": amaxes[0]}
+            return fa.fp8_linear(x, ws[0], None, cfg, **kw)
+        if op == "swiglu_linear":
+            kw = {} if amaxes is None else {"weight_amax": amaxes[0]}
+            return fa.swiglu_linear(x, up, ws[0], None, cfg, **kw)
+        kw = {} if amaxes is None else {"weight_amaxes": amaxes}
+        return fa.rms_norm_linear(x, norm_w, 1e-6, ws, None, cfg, **kw)
+
+    leaves = [x, up, norm_w, *ws]
+    want = _run(lambda: call(None), leaves)
+    for w in ws:  # a fresh cache entry for the second run too
+        with torch.no_grad():
+            w.mul_(1)
+    got = _run(lambda: call(fa.weight_amaxes(ws)), leaves)
+    for a, b in zip(got, want, strict=True):
+        if a is None or b is None:
+            assert a is None and b is None
+        else:
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_bad_weight_amax_is_refused():
+    x, w = _leaf(4, K), _leaf(32, K)
+    with pytest.raises(TypeError, match="0-dim float tensor"):
+        fa.fp8_linear(x, w, weight_amax=torch.ones(1))
+    with pytest.raises(TypeError, match="0-dim float tensor"):
+        fa.fp8_linear(x, w, weight_amax=1.0)
+    with pytest.raises(ValueError, match="2 weights but 1 weight_amaxes"):
+        fa.rms_norm_linear(x, None, 1e-6, [w, w], weight_amaxes=[torch.ones(())])
+    with pytest.raises(TypeError, match="non-empty list"):
+        fa.weight_amaxes(w)
