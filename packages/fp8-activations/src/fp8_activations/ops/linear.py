@@ -17,7 +17,7 @@ the fly in forward and again in backward.
 from __future__ import annotations
 
 import torch
-from fp8_quant import FP8Format, group_amax, quantize_per_tensor, quantize_per_tensor_transpose
+from fp8_quant import FP8Format, quantize_per_tensor, quantize_per_tensor_transpose
 
 from .. import reference
 from ._common import custom_op
@@ -62,33 +62,22 @@ def _(x, fmt, amax, backend, *, eager=False):
     return x.new_empty(x.shape, dtype=dtype), x.new_empty((), dtype=torch.float32)
 
 
-@custom_op("weight_amax")
-def weight_amax(weight: Tensor, backend: str, *, eager: bool = False) -> Tensor:
-    """0-dim fp32 max |weight| (exact in any order: the one quantize_t would reduce itself).
-
-    Without a weight cache, forward reduces it once and saves it (4 bytes) for backward,
-    which re-casts the weight from it instead of reducing again: the same bits, two fewer
-    launches per linear in backward."""
-    return group_amax(weight.reshape(1, -1), 4096, backend=backend).amax()
-
-
 def weight_amaxes(weights) -> list[Tensor]:
     """Max |w| of each of ``weights`` (0-dim fp32 each) in one multi-tensor launch: a layer's
     seven weights cost one launch instead of two per weight (exact: a max is the same in
-    any order)."""
+    any order, so the scales are the ones quantize_t would reduce itself).
+
+    Without a weight cache, forward takes each weight's max from here (or from the caller)
+    and saves it (4 bytes) for backward, which re-casts the weight from it instead of
+    reducing again."""
     return list(torch._foreach_norm(list(weights), float("inf"), dtype=torch.float32))
-
-
-@weight_amax.register_fake
-def _(weight, backend, *, eager=False):
-    return weight.new_empty((), dtype=torch.float32)
 
 
 def cast_weight(weight: Tensor, fmt: str, backend: str, amax: Tensor | None = None):
     """Forward's on-the-fly weight cast (no cache): ``(w_q, w_s, w_amax)``, row-major only
     (backward re-casts the transposed layout from ``w_amax``). ``amax``: the weight's max
     |w| when the caller has it (e.g. ``weight_amaxes`` of a whole layer), else reduced here."""
-    w_amax = weight_amax(weight.detach(), backend) if amax is None else amax
+    w_amax = weight_amaxes([weight.detach()])[0] if amax is None else amax
     w_q, w_s = quantize(weight.detach(), fmt, w_amax, backend)
     return w_q, w_s, w_amax
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from fp8_quant.ops import fp8_encode, hw_cast_supported, triton_interpreting
+from fp8_quant.ops import cdiv, fp8_encode, hw_cast_supported, triton_interpreting
 
 from .. import reference as ref
 
@@ -566,7 +566,7 @@ def fused_adamw_step_(
     s0 = states[0]
     lr_tensor = isinstance(lr, torch.Tensor)
     lr_hi, lr_lo = (0.0, 0.0) if lr_tensor else ref.split_f64(lr)
-    _hyper_kernel[(-(-plan.n_tensors // 128),)](
+    _hyper_kernel[(cdiv(plan.n_tensors, 128),)](
         plan.table,
         s0["step"],
         plan.hyper,
