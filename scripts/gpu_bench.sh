@@ -31,6 +31,22 @@ left() { echo $((${1} - SECONDS + start)); }
 cat "$r/device.txt"
 
 case "${1:-single}" in
+s4)  # session 4: CoatAdamW kernel/host changes, the graphed layer, the layer profile
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-optim/tests \
+    > "$r/tests.txt" 2>&1
+  timeout 110 python3 packages/fp8-optim/benchmarks/sweep_adamw_gpu.py --out "$r" --budget-s 80 \
+    > "$r/sweep_adamw.log" 2>&1
+  BENCH_OUT=$r/optim.json timeout 120 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only packages/fp8-optim/benchmarks/bench_adamw.py \
+    -k "not torchao and not bitsandbytes and not error" > "$r/optim.txt" 2>&1
+  BENCH_OUT=$r/layer.json timeout 150 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only $B/bench_llama_layer.py \
+    -k "${LAYER_K:-test_llama2_7b_layer[coat] or coat_graphed}" > "$r/layer.txt" 2>&1
+  timeout 90 python3 $B/profile_layer.py --variants coat --out "$r/profile.txt" > /dev/null 2>&1
+  tail -3 "$r/tests.txt"; cat "$r/sweep_adamw.txt" 2>/dev/null | head -12; tail -5 "$r/sweep_adamw.log"
+  grep -A8 "^optimizer" "$r/optim.txt"; grep -A8 "^variant" "$r/layer.txt"; tail -15 "$r/layer.txt"
+  head -40 "$r/profile.txt"
+  ;;
 single)
   (CUDA_VISIBLE_DEVICES=0 BENCH_OUT=$r/e2e.json timeout 480 python3 $B/bench_e2e.py \
      --micro-batches 1,2,4,8,12,16,24 --budget-s 360 --steps 3 > "$r/e2e.txt" 2>&1) &
