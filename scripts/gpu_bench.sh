@@ -31,6 +31,20 @@ left() { echo $((${1} - SECONDS + start)); }
 cat "$r/device.txt"
 
 case "${1:-single}" in
+s4b)  # session 4: re-form tile sweep, layer profile and bench, CoatAdamW sweep again
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-activations/tests \
+    packages/fp8-optim/tests > "$r/tests.txt" 2>&1
+  timeout 90 python3 packages/fp8-activations/benchmarks/sweep_reform_t.py --out "$r/reform.txt" \
+    > "$r/reform.log" 2>&1
+  timeout 90 python3 $B/profile_layer.py --variants coat --out "$r/profile.txt" > /dev/null 2>&1
+  BENCH_OUT=$r/layer.json timeout 200 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only $B/bench_llama_layer.py \
+    -k "${LAYER_K:-torchao or test_llama2_7b_layer[coat] or coat_graphed}" > "$r/layer.txt" 2>&1
+  timeout 110 python3 packages/fp8-optim/benchmarks/sweep_adamw_gpu.py --out "$r" --budget-s 80 \
+    --only default-8x16,4x16 > "$r/sweep_adamw.log" 2>&1
+  tail -3 "$r/tests.txt"; cat "$r/reform.txt"; tail -3 "$r/reform.log"; head -30 "$r/profile.txt"
+  grep -A8 "^variant" "$r/layer.txt"; head -6 "$r/sweep_adamw.txt"
+  ;;
 s4)  # session 4: CoatAdamW kernel/host changes, the graphed layer, the layer profile
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-optim/tests \
     > "$r/tests.txt" 2>&1

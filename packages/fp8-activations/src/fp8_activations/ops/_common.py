@@ -19,6 +19,7 @@ only the buffers it fills (``None`` for the rest) and caches every launch shape;
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -301,17 +302,26 @@ def load_groups(q_ptr, s_ptr, offs, mask, s_offs, s_mask):
     return code * tl.expand_dims(tl.load(s_ptr + s_offs, mask=s_mask, other=0.0), (-2, -1))
 
 
-# Transposing kernels (backward re-forms of a GEMM operand, ``*_reform_t``): ``[TBM, TBN]``
-# tiles at 4 warps, as fp8_quant's quantize-transpose kernel (64x64 / 4 warps was the fastest
-# of five tile shapes on an H200); Triton stages the transposed tile through shared memory,
-# so the loads (rows of the input) and the stores (rows of the output) both stay coalesced.
-TBM = TBN = 64
-T_WARPS = 4
+# Transposing kernels (backward re-forms of a GEMM operand, ``*_reform_t``): ``[bm, bn]``
+# tiles; Triton stages the transposed tile through shared memory, so the loads (rows of the
+# input) and the stores (rows of the output) both stay coalesced. ``T_LAUNCH`` is what every
+# call uses; benchmarks/sweep_reform_t.py swaps it (no field changes a bit of the output).
+@dataclasses.dataclass(frozen=True)
+class TLaunch:
+    bm: int = 64
+    bn: int = 64
+    num_warps: int = 4
 
 
-def t_grid(m: int, n: int) -> tuple[int]:
-    """Grid of a transposing kernel over a row-major ``(m, n)`` input."""
-    return (max(1, cdiv(m, TBM) * cdiv(n, TBN)),)
+T_LAUNCH = TLaunch()
+
+
+def t_launch(m: int, n: int, group_size: int) -> tuple[tuple[int], dict]:
+    """``(grid, meta)`` of a transposing kernel over a row-major ``(m, n)`` input of 1 x
+    ``group_size`` groups: BM, BN (a multiple of the group size), num_warps."""
+    bm, bn = T_LAUNCH.bm, max(T_LAUNCH.bn, group_size)
+    grid = (max(1, cdiv(m, bm) * cdiv(n, bn)),)
+    return grid, dict(BM=bm, BN=bn, num_warps=T_LAUNCH.num_warps)
 
 
 @triton.jit
@@ -326,14 +336,23 @@ def t_tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def load_groups_t(q_ptr, s_ptr, rows, cols, mask, N, G: tl.constexpr):
+def load_groups_t(q_ptr, s_ptr, rows, cols, M, N, G: tl.constexpr):
     """A ``t_tile`` of a saved 1 x G ``(M, N)`` FP8 tensor, dequantized to fp32 (zero outside
-    ``mask``). Each group's scale is read once per element: its G neighbours hit the same
-    cache line."""
-    r64 = rows.to(tl.int64)[:, None]
-    code = tl.load(q_ptr + r64 * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(s_ptr + r64 * tl.cdiv(N, G) + (cols // G)[None, :], mask=mask, other=0.0)
-    return code * scale
+    the tensor). The tile starts a group and ``G`` divides its width (``t_block``), so it is
+    loaded as ``[BM, BN // G, G]`` whole groups and each group's scale once: a scale load
+    per element (a gather of ``cols // G``) was most of the kernel's instructions."""
+    BM: tl.constexpr = rows.shape[0]
+    BN: tl.constexpr = cols.shape[0]
+    c3 = tl.reshape(cols, (1, BN // G, G))
+    grp = tl.min(tl.reshape(cols, (BN // G, G)), axis=1) // G  # [BN // G]
+    r64 = rows.to(tl.int64)
+    live = rows < M
+    code = tl.load(
+        q_ptr + r64[:, None, None] * N + c3, mask=live[:, None, None] & (c3 < N), other=0.0
+    ).to(tl.float32)
+    s_mask = live[:, None] & (grp * G < N)[None, :]
+    scale = tl.load(s_ptr + r64[:, None] * tl.cdiv(N, G) + grp[None, :], mask=s_mask, other=0.0)
+    return tl.reshape(code * scale[:, :, None], (BM, BN))
 
 
 @triton.jit

@@ -28,14 +28,11 @@ from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
-    T_WARPS,
-    TBM,
-    TBN,
     cast_out,
     custom_op,
     load_groups_t,
     store_fp8_t,
-    t_grid,
+    t_launch,
     t_tile,
     use_triton,
 )
@@ -52,7 +49,7 @@ def _reform_t_kernel(
     HW_CAST: tl.constexpr,
 ):  # fmt: skip
     rows, cols, mask = t_tile(M, N, BM, BN)
-    x = load_groups_t(XQ, XS, rows, cols, mask, N, G)
+    x = load_groups_t(XQ, XS, rows, cols, M, N, G)
     rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     # The forward kernel's arithmetic on the dequantized x: (x * rstd) * w, rounded to y's
@@ -75,10 +72,10 @@ def rms_norm_reform_t(
     m, n = x_q.shape
     y_t = torch.empty((n, m), device=x_q.device, dtype=f.torch_dtype)
     y_dtype = torch.empty(1, device=x_q.device, dtype=dtype)  # cast_out reads the dtype off it
-    _reform_t_kernel[t_grid(m, n)](
+    grid, meta = t_launch(m, n, group_size)
+    _reform_t_kernel[grid](
         x_q, x_s, rstd, weight, amax, y_t.view(torch.uint8), y_dtype, m, n,
-        BM=TBM, BN=TBN, G=group_size, FMT=fmt, HW_CAST=hw_cast_supported(x_q.device),
-        num_warps=T_WARPS,
+        G=group_size, FMT=fmt, HW_CAST=hw_cast_supported(x_q.device), **meta,
     )  # fmt: skip
     return y_t
 

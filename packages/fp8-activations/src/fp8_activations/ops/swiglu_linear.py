@@ -23,14 +23,11 @@ from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
 from ._common import (
-    T_WARPS,
-    TBM,
-    TBN,
     cast_out,
     custom_op,
     load_groups_t,
     store_fp8_t,
-    t_grid,
+    t_launch,
     t_tile,
     use_triton,
 )
@@ -47,8 +44,8 @@ def _reform_t_kernel(
     HW_CAST: tl.constexpr,
 ):  # fmt: skip
     rows, cols, mask = t_tile(M, N, BM, BN)
-    g = load_groups_t(GQ, GS, rows, cols, mask, N, G)
-    u = load_groups_t(UQ, US, rows, cols, mask, N, G)
+    g = load_groups_t(GQ, GS, rows, cols, M, N, G)
+    u = load_groups_t(UQ, US, rows, cols, M, N, G)
     # The forward kernel's arithmetic on the dequantized gate and up, rounded to s's dtype.
     s = cast_out(g * tl.sigmoid(g) * u, SDT).to(tl.float32)
     store_fp8_t(s, ST, AMAX, rows, cols, mask, M, FMT, HW_CAST)
@@ -67,10 +64,10 @@ def swiglu_reform_t(
     m, n = g_q.shape
     s_t = torch.empty((n, m), device=g_q.device, dtype=f.torch_dtype)
     s_dtype = torch.empty(1, device=g_q.device, dtype=dtype)  # cast_out reads the dtype off it
-    _reform_t_kernel[t_grid(m, n)](
+    grid, meta = t_launch(m, n, group_size)
+    _reform_t_kernel[grid](
         g_q, g_s, u_q, u_s, amax, s_t.view(torch.uint8), s_dtype, m, n,
-        BM=TBM, BN=TBN, G=group_size, FMT=fmt, HW_CAST=hw_cast_supported(g_q.device),
-        num_warps=T_WARPS,
+        G=group_size, FMT=fmt, HW_CAST=hw_cast_supported(g_q.device), **meta,
     )  # fmt: skip
     return s_t
 
