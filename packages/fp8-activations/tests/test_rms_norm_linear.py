@@ -122,7 +122,7 @@ def test_exact_fp8_input_gives_the_unfused_bits_everywhere(dtype, backend):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def _check_reform_kernel(m, n, dtype, device):
+def _check_reform_kernel(m, n, dtype, device, group=16):
     """The Triton re-form kernel against reference.rms_norm_reform_t, bit for bit: partial
     groups and tiles, a zero group, values that saturate (amax below the true max) and
     values that round into E4M3 subnormals."""
@@ -133,12 +133,12 @@ def _check_reform_kernel(m, n, dtype, device):
     x = torch.randn(m, n, generator=g) * 3
     x.view(-1)[::31] *= 1e-4
     x[0, :16] = 0
-    x_q, x_s = (t.to(device) for t in qref.quantize_per_group(x.to(dtype), 16, E4M3))
+    x_q, x_s = (t.to(device) for t in qref.quantize_per_group(x.to(dtype), group, E4M3))
     rstd = (0.5 + torch.rand(m, generator=g)).to(device)
     w = (1 + 0.2 * torch.randn(n, generator=g)).to(device, dtype)
-    y = (qref.dequantize_per_group(x_q, x_s, 16) * rstd[:, None] * w.float()).to(dtype)
+    y = (qref.dequantize_per_group(x_q, x_s, group) * rstd[:, None] * w.float()).to(dtype)
     for amax in (y.abs().amax().float(), 0.5 * y.abs().amax().float()):
-        args = (x_q, x_s, rstd, w, amax, 16, dtype)
+        args = (x_q, x_s, rstd, w, amax, group, dtype)
         got = rms_norm_reform_t(*args, "e4m3", "triton")
         want = reference.rms_norm_reform_t(*args, E4M3)
         assert got.shape == (n, m) and got.is_contiguous()
@@ -151,6 +151,12 @@ def _check_reform_kernel(m, n, dtype, device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reform_kernel_matches_reference(m, n, dtype, triton_available):
     _check_reform_kernel(m, n, dtype, "cpu")  # the interpreter
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_reform_kernel_other_group_sizes(group, triton_available):
+    # Tiles are whole groups: a group wider than the default tile widens the tile.
+    _check_reform_kernel(70, 200, torch.bfloat16, "cpu", group)
 
 
 @pytest.mark.gpu

@@ -325,45 +325,49 @@ def t_launch(m: int, n: int, group_size: int) -> tuple[tuple[int], dict]:
 
 
 @triton.jit
-def t_tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
-    """This program's ``[BM, BN]`` tile of a row-major ``(M, N)`` input: ``(rows, cols,
-    mask)``, rows ``[BM]``, cols ``[BN]``, mask ``[BM, BN]``."""
+def t_tile(M, N, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
+    """This program's ``[BM, BN]`` tile of a row-major ``(M, N)`` input of 1 x G groups
+    (``G`` divides ``BN``), as ``[BM, BN // G, G]`` whole groups: ``(rows [BM], c0 (its first
+    column), cols [1, BN // G, G], mask [BM, BN // G, G])``. Built from ``arange`` so that
+    Triton sees each group's G columns as contiguous (16-byte loads of 16 FP8 codes)."""
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(N, BN)
     rows = (pid // n_blocks) * BM + tl.arange(0, BM)
-    cols = (pid % n_blocks) * BN + tl.arange(0, BN)
-    return rows, cols, (rows < M)[:, None] & (cols < N)[None, :]
+    c0 = (pid % n_blocks) * BN
+    cols = c0 + tl.arange(0, BN // G)[None, :, None] * G + tl.arange(0, G)[None, None, :]
+    return rows, c0, cols, (rows < M)[:, None, None] & (cols < N)
 
 
 @triton.jit
-def load_groups_t(q_ptr, s_ptr, rows, cols, M, N, G: tl.constexpr):
+def load_groups_t(q_ptr, s_ptr, rows, c0, cols, mask, M, N, G: tl.constexpr):
     """A ``t_tile`` of a saved 1 x G ``(M, N)`` FP8 tensor, dequantized to fp32 (zero outside
-    the tensor). The tile starts a group and ``G`` divides its width (``t_block``), so it is
-    loaded as ``[BM, BN // G, G]`` whole groups and each group's scale once: a scale load
-    per element (a gather of ``cols // G``) was most of the kernel's instructions."""
-    BM: tl.constexpr = rows.shape[0]
-    BN: tl.constexpr = cols.shape[0]
-    c3 = tl.reshape(cols, (1, BN // G, G))
-    grp = tl.min(tl.reshape(cols, (BN // G, G)), axis=1) // G  # [BN // G]
+    ``mask``): the codes as whole groups, each group's scale loaded once (a scale load per
+    element was most of the kernel's instructions)."""
+    NG: tl.constexpr = cols.shape[1]
     r64 = rows.to(tl.int64)
-    live = rows < M
-    code = tl.load(
-        q_ptr + r64[:, None, None] * N + c3, mask=live[:, None, None] & (c3 < N), other=0.0
-    ).to(tl.float32)
-    s_mask = live[:, None] & (grp * G < N)[None, :]
+    code = tl.load(q_ptr + r64[:, None, None] * N + cols, mask=mask, other=0.0).to(tl.float32)
+    grp = c0 // G + tl.arange(0, NG)
+    s_mask = (rows < M)[:, None] & (grp * G < N)[None, :]
     scale = tl.load(s_ptr + r64[:, None] * tl.cdiv(N, G) + grp[None, :], mask=s_mask, other=0.0)
-    return tl.reshape(code * scale[:, :, None], (BM, BN))
+    return code * scale[:, :, None]
 
 
 @triton.jit
-def store_fp8_t(v, yt_ptr, amax_ptr, rows, cols, mask, M, FMT: tl.constexpr, HW_CAST: tl.constexpr):
-    """Per-tensor quantize the fp32 ``t_tile`` ``v`` with the scale of the 0-dim ``amax``
-    (the bits ``fp8_quant.quantize_per_tensor`` writes) and store it transposed into the
-    row-major ``(N, M)`` ``yt_ptr`` (uint8 view). ``HW_CAST`` as in ``store_groups``."""
+def store_fp8_t(
+    v, yt_ptr, amax_ptr, rows, c0, M, N, FMT: tl.constexpr, HW_CAST: tl.constexpr
+):  # fmt: skip
+    """Per-tensor quantize the fp32 ``t_tile`` ``v`` (``[BM, BN // G, G]``) with the scale of
+    the 0-dim ``amax`` (the bits ``fp8_quant.quantize_per_tensor`` writes) and store it
+    transposed into the row-major ``(N, M)`` ``yt_ptr`` (uint8 view). ``HW_CAST`` as in
+    ``store_groups``."""
+    BM: tl.constexpr = v.shape[0]
+    BN: tl.constexpr = v.shape[1] * v.shape[2]
     _, inv_scale = fp8_scale(tl.load(amax_ptr), FMT)
-    code = fp8_encode(v * inv_scale, FMT, HW_CAST)
+    code = tl.reshape(fp8_encode(v * inv_scale, FMT, HW_CAST), (BM, BN))
+    cols = c0 + tl.arange(0, BN)
     offs = cols.to(tl.int64)[:, None] * M + rows[None, :]
-    tl.store(yt_ptr + offs, tl.trans(code), mask=tl.trans(mask))
+    mask = (cols < N)[:, None] & (rows < M)[None, :]
+    tl.store(yt_ptr + offs, tl.trans(code), mask=mask)
 
 
 @triton.jit

@@ -48,14 +48,14 @@ def _reform_t_kernel(
     BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
     HW_CAST: tl.constexpr,
 ):  # fmt: skip
-    rows, cols, mask = t_tile(M, N, BM, BN)
-    x = load_groups_t(XQ, XS, rows, cols, M, N, G)
+    rows, c0, cols, mask = t_tile(M, N, BM, BN, G)
+    x = load_groups_t(XQ, XS, rows, c0, cols, mask, M, N, G)
     rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     # The forward kernel's arithmetic on the dequantized x: (x * rstd) * w, rounded to y's
     # dtype; then forward's per-tensor quantization of y.
-    y = cast_out(x * rstd[:, None] * w[None, :], YDT).to(tl.float32)
-    store_fp8_t(y, YT, AMAX, rows, cols, mask, M, FMT, HW_CAST)
+    y = cast_out(x * rstd[:, None, None] * w, YDT).to(tl.float32)
+    store_fp8_t(y, YT, AMAX, rows, c0, M, N, FMT, HW_CAST)
 
 
 @custom_op("rms_norm_reform_t")

@@ -43,12 +43,12 @@ def _reform_t_kernel(
     BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
     HW_CAST: tl.constexpr,
 ):  # fmt: skip
-    rows, cols, mask = t_tile(M, N, BM, BN)
-    g = load_groups_t(GQ, GS, rows, cols, M, N, G)
-    u = load_groups_t(UQ, US, rows, cols, M, N, G)
+    rows, c0, cols, mask = t_tile(M, N, BM, BN, G)
+    g = load_groups_t(GQ, GS, rows, c0, cols, mask, M, N, G)
+    u = load_groups_t(UQ, US, rows, c0, cols, mask, M, N, G)
     # The forward kernel's arithmetic on the dequantized gate and up, rounded to s's dtype.
     s = cast_out(g * tl.sigmoid(g) * u, SDT).to(tl.float32)
-    store_fp8_t(s, ST, AMAX, rows, cols, mask, M, FMT, HW_CAST)
+    store_fp8_t(s, ST, AMAX, rows, c0, M, N, FMT, HW_CAST)
 
 
 @custom_op("swiglu_reform_t")
