@@ -181,3 +181,48 @@ def test_reform_codes_match_reference(m, n, dtype, triton_available):
 def test_cuda_reform_codes_match_reference(m, n):
     """With the hardware cast on sm_90+ (``hw_cast_supported``)."""
     _check_reform_codes(m, n, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["swiglu_linear", "swiglu"])
+def test_grad_group_amax_handed_to_gate_up_linears(fused, monkeypatch, triton_available):
+    """SwiGLU's backward hands its gradients' group maxima to gate_proj / up_proj (through
+    the callers' reshapes, which autograd passes on as views): their dy scales come from
+    them, not from a second read of dy, with the same bits as without the hand-over."""
+    import fp8_activations.ops.linear as lin
+    import fp8_activations.ops.rms_norm_linear as rnl
+    import fp8_activations.tensor as ft
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 24, 64, dtype=torch.bfloat16)
+    nw = 1 + 0.1 * torch.randn(64, dtype=torch.bfloat16)
+    wg, wu = (torch.randn(96, 64, dtype=torch.bfloat16) / 8 for _ in range(2))
+    wd = torch.randn(64, 96, dtype=torch.bfloat16) / 10
+    dy = torch.randn(2, 24, 64, dtype=torch.bfloat16)
+    cfg = FP8Config(backend="triton")
+
+    def run():
+        ts = [t.detach().clone().requires_grad_() for t in (x, nw, wg, wu, wd)]
+        gate, up = fa.rms_norm_linear(ts[0], ts[1], 1e-6, ts[2:4], None, cfg)
+        y = fa.swiglu_linear(gate, up, ts[4], None, cfg) if fused else \
+            fa.fp8_linear(fa.swiglu(gate, up, cfg), ts[4], None, cfg)  # fmt: skip
+        y.backward(dy)
+        return [t.grad for t in ts]
+
+    taken = []
+    real = lin.grad_amax
+
+    def spy(t):
+        a = real(t)
+        taken.append(a is not None)
+        return a
+
+    monkeypatch.setattr(rnl, "grad_amax", spy)
+    with_hand_over = run()
+    assert taken == [True, True]  # up, then gate
+    monkeypatch.setattr(ft, "take_group_amax", lambda t: None)
+    monkeypatch.setattr(lin, "take_group_amax", lambda t: None)
+    taken.clear()
+    without = run()
+    assert taken == [False, False]
+    for a, b in zip(with_hand_over, without, strict=True):
+        assert torch.equal(a, b)

@@ -165,12 +165,17 @@ def swiglu_fwd(gate, up, group_size, fmt, quant_gate, quant_up, emit_mode):
     )
 
 
-def swiglu_bwd(dy, gate_q, gate_s, up_q, up_s, group_size):
-    """``(dgate, dup)`` = ``(dy * up * silu'(gate), dy * silu(gate))``."""
+def swiglu_bwd(dy, gate_q, gate_s, up_q, up_s, group_size, emit_amax=False):
+    """``(dgate, dup, dgate_amax, dup_amax)``: ``(dy * up * silu'(gate), dy * silu(gate))``
+    and, with ``emit_amax``, their per-group (1 x G) maxima |.| (else None)."""
     g = dequantize_input(gate_q, gate_s, group_size)
     u = dequantize_input(up_q, up_s, group_size)
     dyf = dy.float()
-    return (dyf * u * silu_grad(g)).to(dy.dtype), (dyf * torch.nn.functional.silu(g)).to(dy.dtype)
+    d_gate = (dyf * u * silu_grad(g)).to(dy.dtype)
+    d_up = (dyf * torch.nn.functional.silu(g)).to(dy.dtype)
+    if not emit_amax:
+        return d_gate, d_up, None, None
+    return d_gate, d_up, q.group_amax(d_gate, group_size), q.group_amax(d_up, group_size)
 
 
 def swiglu_reform_t(gate_q, gate_s, up_q, up_s, amax, group_size, dtype, fmt):

@@ -183,6 +183,15 @@ def take_fp8(x: torch.Tensor, fmt: FP8Format, group_size: int) -> FP8Tensor | No
 
 
 def take_group_amax(x: torch.Tensor) -> torch.Tensor | None:
-    """The handed-over per-group maxima of ``|x|`` (any group size: only their max is used)."""
+    """The handed-over per-group maxima of ``|x|`` (any group size: only their max is used),
+    also when ``x`` is a view of all of the tensor they were attached to: autograd hands a
+    gradient on through the callers' reshapes as views of it (the same elements, so the
+    same max; views share their base's version counter, so ``handed_over``'s check holds)."""
+    if torch.compiler.is_compiling():
+        return None
     h = handed_over(x)
+    base = x._base
+    if h is None and base is not None and base.data_ptr() == x.data_ptr():
+        if base.numel() == x.numel():
+            h = handed_over(base)
     return None if h is None else h.group_amax

@@ -36,7 +36,7 @@ from ._common import (
     t_tile,
     use_triton,
 )
-from .linear import _mm, _pad_inner, cast_weight, quantize, quantize_t, weight_t
+from .linear import _mm, _pad_inner, cast_weight, grad_amax, quantize, quantize_t, weight_t
 from .rms_norm import rms_norm_bwd, rms_norm_fwd
 
 Tensor = torch.Tensor
@@ -156,7 +156,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
             if dy is None:
                 continue
             dy = dy.contiguous()
-            dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, None, ctx.backend)
+            dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, grad_amax(dy), ctx.backend)
             scaled = ctx.use_scaled_mm[i]
             if needs[0] or needs[1]:
                 w_t, w_s = weight_t(weights[i], w_saved[2 * i : 2 * i + 2], fwd_fmt, ctx.backend)

@@ -20,13 +20,16 @@ from ._common import (
     elementwise_launch,
     emit_buffers,
     emit_groups,
+    group_max,
     group_tile,
     load_groups,
     out_args,
     quant_buffers,
+    scale_buffer,
     store_groups,
     use_triton,
 )
+from ..tensor import attach
 
 Tensor = torch.Tensor
 
@@ -54,16 +57,22 @@ def _swiglu_fwd_kernel(
 
 @triton.jit
 def _swiglu_bwd_kernel(
-    DY, GQ, GS, UQ, US, DG, DU, M, N,
+    DY, GQ, GS, UQ, US, DG, DU, DGA, DUA, M, N,
     BR: tl.constexpr, G: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr,
+    EMIT: tl.constexpr,
 ):  # fmt: skip
     base, offs, mask, s_base, s_offs, s_mask = group_tile(tl.program_id(0), M, N, BR, G, V, EVEN)
     g = load_groups(GQ + base, GS + s_base, offs, mask, s_offs, s_mask)
     u = load_groups(UQ + base, US + s_base, offs, mask, s_offs, s_mask)
     dy = tl.load(DY + base + offs, mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
-    tl.store(DG + base + offs, cast_out(dy * u * s * (1.0 + g * (1.0 - s)), DG), mask=mask)
-    tl.store(DU + base + offs, cast_out(dy * g * s, DU), mask=mask)
+    dg = cast_out(dy * u * s * (1.0 + g * (1.0 - s)), DG)
+    du = cast_out(dy * g * s, DU)
+    tl.store(DG + base + offs, dg, mask=mask)
+    tl.store(DU + base + offs, du, mask=mask)
+    if EMIT:  # per-group max |grad| as stored: the next linear's per-tensor scale reduces these
+        tl.store(DGA + s_base + s_offs, group_max(dg.to(tl.float32)), mask=s_mask)
+        tl.store(DUA + s_base + s_offs, group_max(du.to(tl.float32)), mask=s_mask)
 
 
 @custom_op("swiglu_fwd")
@@ -102,19 +111,38 @@ def _(gate, up, group_size, fmt, quant_gate, quant_up, emit, backend, *, eager=F
 @custom_op("swiglu_bwd")
 def swiglu_bwd(
     dy: Tensor, gate_q: Tensor, gate_s: Tensor, up_q: Tensor, up_s: Tensor, group_size: int,
-    backend: str, *, eager: bool = False,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    emit_amax: bool, backend: str, *, eager: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(d_gate, d_up, d_gate_amax, d_up_amax)``; the per-group maxima of the two gradients
+    (1 x G groups) only with ``emit_amax`` (else None in eager mode, empty under compile)."""
     if not use_triton(dy, backend):
-        return reference.swiglu_bwd(dy, gate_q, gate_s, up_q, up_s, group_size)
+        return reference.swiglu_bwd(dy, gate_q, gate_s, up_q, up_s, group_size, emit_amax)
     d_gate, d_up = torch.empty_like(dy), torch.empty_like(dy)
+    dg_a, du_a = (
+        (scale_buffer(*dy.shape, group_size, dy.device) for _ in range(2)) if emit_amax
+        else (None, None) if eager else (dy.new_empty(0, dtype=torch.float32),) * 2
+    )  # fmt: skip
     grid, meta = elementwise_launch("swiglu_bwd", dy, group_size)
-    _swiglu_bwd_kernel[grid](dy, gate_q, gate_s, up_q, up_s, d_gate, d_up, *dy.shape, **meta)
-    return d_gate, d_up
+    _swiglu_bwd_kernel[grid](
+        dy, gate_q, gate_s, up_q, up_s, d_gate, d_up, *out_args(d_gate, dg_a, du_a), *dy.shape,
+        EMIT=emit_amax, **meta,
+    )  # fmt: skip
+    return d_gate, d_up, dg_a, du_a
 
 
 @swiglu_bwd.register_fake
-def _(dy, gate_q, gate_s, up_q, up_s, group_size, backend, *, eager=False):
-    return torch.empty_like(dy), torch.empty_like(dy)
+def _(dy, gate_q, gate_s, up_q, up_s, group_size, emit_amax, backend, *, eager=False):
+    a = scale_buffer(*dy.shape, group_size, dy.device) if emit_amax else dy.new_empty(0)
+    return torch.empty_like(dy), torch.empty_like(dy), a, torch.empty_like(a)
+
+
+def attach_grad_amax(d_gate: Tensor, d_up: Tensor, dg_a: Tensor | None, du_a: Tensor | None):
+    """Hand the gradients' group maxima on to the linears that consume them (gate_proj and
+    up_proj's backward): their per-tensor scales then reduce these instead of reading the
+    gradients once more. Eager mode only."""
+    if dg_a is not None and dg_a.numel() and not torch.compiler.is_compiling():
+        attach(d_gate, group_amax=dg_a)
+        attach(d_up, group_amax=du_a)
 
 
 class SwiGLUFunction(torch.autograd.Function):
@@ -138,5 +166,8 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *_):
-        d_gate, d_up = swiglu_bwd(dy.contiguous(), *ctx.saved_tensors, ctx.group_size, ctx.backend)
+        d_gate, d_up, dg_a, du_a = swiglu_bwd(
+            dy.contiguous(), *ctx.saved_tensors, ctx.group_size, True, ctx.backend
+        )
+        attach_grad_amax(d_gate, d_up, dg_a, du_a)
         return d_gate, d_up, None, None, None, None, None, None, None

@@ -31,8 +31,8 @@ from ._common import (
     t_tile,
     use_triton,
 )
-from .linear import _mm, _pad_inner, cast_weight, quantize, quantize_t, weight_t
-from .swiglu import swiglu_bwd, swiglu_fwd
+from .linear import _mm, _pad_inner, cast_weight, grad_amax, quantize, quantize_t, weight_t
+from .swiglu import attach_grad_amax, swiglu_bwd, swiglu_fwd
 
 Tensor = torch.Tensor
 
@@ -120,12 +120,15 @@ class SwiGLULinearFunction(torch.autograd.Function):
         g_q, g_s, u_q, u_s, s_s, amax, weight, w_t, w_s = ctx.saved_tensors
         fwd_fmt, grad_fmt = ctx.fmts
         dy = dy.contiguous()
-        dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, None, ctx.backend)
+        dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, grad_amax(dy), ctx.backend)
         d_gate = d_up = dw = db = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             w_t, w_s = weight_t(weight, (w_t, w_s), fwd_fmt, ctx.backend)
             ds = _mm(dy_q, w_t.t(), dy_s, w_s, None, ctx.dtype, ctx.use_scaled_mm)
-            d_gate, d_up = swiglu_bwd(ds, g_q, g_s, u_q, u_s, ctx.group_size, ctx.backend)
+            d_gate, d_up, dg_a, du_a = swiglu_bwd(
+                ds, g_q, g_s, u_q, u_s, ctx.group_size, True, ctx.backend
+            )
+            attach_grad_amax(d_gate, d_up, dg_a, du_a)
             del ds
         if ctx.needs_input_grad[2]:
             s_t = swiglu_reform_t(
