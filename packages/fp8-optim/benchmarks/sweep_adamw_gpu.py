@@ -40,9 +40,7 @@ L = AdamWLaunch
 # groups x threads/group, then w<warps>, r<maxnreg>.
 CONFIGS = [
     ("default-8x16", L()),
-    ("8x16-st", L(streaming=True)),
     ("4x16", L(block_g=4)),
-    ("4x16-st", L(block_g=4, streaming=True)),
     ("8x16-r48", L(maxnreg=48)),
 ]
 T0 = time.perf_counter()

@@ -74,10 +74,6 @@ class AdamWLaunch:
     group_threads: int = 16
     num_warps: int | None = None
     maxnreg: int | None = None
-    # Streaming cache hints: every element is read once and written once per step, so its
-    # lines are marked first to evict from L2 (loads) and streaming (stores), which keeps
-    # the small tables and per-group numbers, shared by neighbouring programs, in L2.
-    streaming: bool = False
 
     def __post_init__(self):
         for name in ("block_g", "group_threads"):
@@ -318,7 +314,6 @@ def _adamw_kernel(
     EVEN: tl.constexpr,
     PTX: tl.constexpr,
     HW_CAST: tl.constexpr,
-    STREAM: tl.constexpr,
 ):
     # One chunk of BLOCK_G whole groups of one tensor; ent = tensor << 32 | first group.
     ent = tl.load(chunk_ptr + tl.program_id(0))
@@ -364,24 +359,22 @@ def _adamw_kernel(
     local8 = tl.max_contiguous(local, [1, 1, 4])
 
     p_ptrs = p_base + p_off + local
-    EV: tl.constexpr = "evict_first" if STREAM else ""
-    CM: tl.constexpr = ".cs" if STREAM else ""
-    p = tl.load(p_ptrs, mask=emask, other=0.0, eviction_policy=EV).to(tl.float32)
-    g = tl.load(g_base + g_off + local, mask=emask, other=0.0, eviction_policy=EV).to(tl.float32)
+    p = tl.load(p_ptrs, mask=emask, other=0.0).to(tl.float32)
+    g = tl.load(g_base + g_off + local, mask=emask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         g = -g
     m_ptrs = m_base + m_off + local8
     v_ptrs = v_base + v_off + local8
     if HP:
-        m = tl.load(m_ptrs, mask=emask, other=0.0, eviction_policy=EV)
-        v = tl.load(v_ptrs, mask=emask, other=0.0, eviction_policy=EV)
+        m = tl.load(m_ptrs, mask=emask, other=0.0)
+        v = tl.load(v_ptrs, mask=emask, other=0.0)
     else:
         ma_ptrs = ma_base + (tl.load(row + C_MA) + g0) + rg
         va_ptrs = va_base + (tl.load(row + C_VA) + g0) + rg
         mk_ptrs = mk_base + (tl.load(row + C_MK) + g0) + rg
         vk_ptrs = vk_base + (tl.load(row + C_VK) + g0) + rg
         m = _dequant(
-            tl.load(m_ptrs, mask=emask, other=0, eviction_policy=EV),
+            tl.load(m_ptrs, mask=emask, other=0),
             tl.load(ma_ptrs, mask=gmask, other=0.0),
             tl.load(mk_ptrs, mask=gmask, other=16),
             M_FMT,
@@ -390,7 +383,7 @@ def _adamw_kernel(
             PTX,
         )
         v = _dequant(
-            tl.load(v_ptrs, mask=emask, other=0, eviction_policy=EV),
+            tl.load(v_ptrs, mask=emask, other=0),
             tl.load(va_ptrs, mask=gmask, other=0.0),
             tl.load(vk_ptrs, mask=gmask, other=16),
             V_FMT,
@@ -410,9 +403,9 @@ def _adamw_kernel(
     bad = tl.minimum(tl.abs(p) + v, float("inf"))
     gok = tl.max(tl.max(bad, axis=0), axis=1) < float("inf")
     smask = emask & _bc(gok)
-    # One relaxed atomic per bad group, none in a healthy step: a program-wide count first
-    # costs a cross-warp reduction (two barriers) in every program, acq_rel order a fence.
-    tl.atomic_add(bad_ptr + rg * 0, 1, mask=gmask & (gok == 0), sem="relaxed")
+    n_bad = tl.sum((gmask & (gok == 0)).to(tl.int32), axis=0)
+    if n_bad > 0:
+        tl.atomic_add(bad_ptr, n_bad)
 
     if p_base.dtype.element_ty == tl.bfloat16:
         # fp32 -> bf16 through the bits: add 16 random bits (stochastic) or 0x7FFF + lsb
@@ -425,21 +418,21 @@ def _adamw_kernel(
         else:
             rnd = 0x7FFF + ((bits >> 16) & 1)
         p_out = ((bits + rnd) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        tl.store(p_ptrs, p_out, mask=smask, cache_modifier=CM)
+        tl.store(p_ptrs, p_out, mask=smask)
     else:
-        tl.store(p_ptrs, p, mask=smask, cache_modifier=CM)
+        tl.store(p_ptrs, p, mask=smask)
 
     if HP:
-        tl.store(m_ptrs, m, mask=smask, cache_modifier=CM)
-        tl.store(v_ptrs, v, mask=smask, cache_modifier=CM)
+        tl.store(m_ptrs, m, mask=smask)
+        tl.store(v_ptrs, v, mask=smask)
     else:
         gs = gmask & gok
         qm, ma, mk = _quant(m, M_FMT, M_DRE, M_FMAX, M_LOG2, M_C16, PTX, HW_CAST)
-        tl.store(m_ptrs, qm, mask=smask, cache_modifier=CM)
+        tl.store(m_ptrs, qm, mask=smask)
         tl.store(ma_ptrs, ma, mask=gs)
         tl.store(mk_ptrs, mk, mask=gs)
         qv, va, vk = _quant(v, V_FMT, V_DRE, V_FMAX, V_LOG2, V_C16, PTX, HW_CAST)
-        tl.store(v_ptrs, qv, mask=smask, cache_modifier=CM)
+        tl.store(v_ptrs, qv, mask=smask)
         tl.store(va_ptrs, va, mask=gs)
         tl.store(vk_ptrs, vk, mask=gs)
 
@@ -627,7 +620,6 @@ def fused_adamw_step_(
         EVEN=plan.even,
         PTX=not INTERPRET,
         HW_CAST=hw_cast_supported(params[0].device),
-        STREAM=plan.launch.streaming,
         num_warps=plan.num_warps,
         enable_fp_fusion=True,
         **({} if plan.launch.maxnreg is None else {"maxnreg": plan.launch.maxnreg}),
