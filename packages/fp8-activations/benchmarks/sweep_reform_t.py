@@ -58,7 +58,9 @@ def main() -> int:
     amax = torch.tensor(4.0, device=dev)
     calls = {
         "rms_norm_reform_t": (
-            lambda: rms_norm_reform_t(x_q, x_s, rstd, w, amax, 16, torch.bfloat16, "e4m3", "triton"),
+            lambda: rms_norm_reform_t(
+                x_q, x_s, rstd, w, amax, 16, torch.bfloat16, "e4m3", "triton"
+            ),
             tokens * hidden * (1 + 4 / 16 + 1),
         ),
         "swiglu_reform_t": (

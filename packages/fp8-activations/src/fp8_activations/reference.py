@@ -61,8 +61,11 @@ def rms_norm_fwd(x, weight, eps, group_size, fmt, quant_x, emit_mode, save_rstd=
     )
 
 
-def rms_norm_bwd(dy, x_q, x_s, weight, eps, group_size):
-    """``(dx, dweight)`` at the saved point; ``rstd`` is recomputed from it (saves 4 B/row)."""
+def rms_norm_bwd(dy, x_q, x_s, weight, eps, group_size, dy_more=()):
+    """``(dx, dweight)`` at the saved point; ``rstd`` is recomputed from it (saves 4 B/row).
+    ``dy_more``: further parts of the output gradient, added to dy in its dtype in order."""
+    for part in dy_more:
+        dy = (dy.float() + part.float()).to(dy.dtype)
     x = dequantize_input(x_q, x_s, group_size)
     rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     x_hat = x * rstd

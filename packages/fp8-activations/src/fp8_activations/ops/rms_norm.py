@@ -61,33 +61,50 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
-def _load_saved(DY, XQ, XS, blk, M, N, BM: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr,
-                V: tl.constexpr):  # fmt: skip
-    """One row block's raw loads (dy, FP8 codes, scales); all masked off past the last row."""
+def _load_saved(DY, DY2, DY3, XQ, XS, blk, M, N, BM: tl.constexpr, NGP: tl.constexpr,
+                G: tl.constexpr, V: tl.constexpr, NDY: tl.constexpr):  # fmt: skip
+    """One row block's raw loads (dy and the NDY - 1 more gradient parts, FP8 codes,
+    scales); all masked off past the last row."""
     base, offs, mask, s_base, s_offs, s_mask, _ = row_block(blk, M, N, BM, NGP, G, V)
     dy = tl.load(DY + base + offs, mask=mask, other=0.0)
+    dy2 = dy
+    dy3 = dy
+    if NDY >= 2:
+        dy2 = tl.load(DY2 + base + offs, mask=mask, other=0.0)
+    if NDY >= 3:
+        dy3 = tl.load(DY3 + base + offs, mask=mask, other=0.0)
     q = tl.load(XQ + base + offs, mask=mask, other=0.0)
     s = tl.load(XS + s_base + s_offs, mask=s_mask, other=0.0)
-    return dy, q, s
+    return dy, dy2, dy3, q, s
 
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DY, XQ, XS, W, DX, DW, M, N, eps,
+    DY, DY2, DY3, XQ, XS, W, DX, DW, M, N, eps,
     BM: tl.constexpr, NGP: tl.constexpr, G: tl.constexpr, V: tl.constexpr,
+    NDY: tl.constexpr,
 ):  # fmt: skip
     # Each program walks every num_programs-th block of rows and keeps its share of dweight
     # in registers: one (programs, N) partial sum instead of an (M, N) one. The loads run
     # one block ahead, so the next rows' reads are in flight while this block's sums run.
+    # NDY > 1: the norm's output feeds several linears and dy is the sum of their input
+    # gradients, added here in dy's dtype in the order given (the bits of ``d.add_(p)``
+    # one after another) instead of by separate add kernels.
     pid, step = tl.program_id(0), tl.num_programs(0)
     cols = row_block(0, M, N, BM, NGP, G, V)[6]
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     dw = tl.zeros((BM, NGP, G // V, V), dtype=tl.float32)
-    dy, q, s = _load_saved(DY, XQ, XS, pid, M, N, BM, NGP, G, V)
+    dy, dy2, dy3, q, s = _load_saved(DY, DY2, DY3, XQ, XS, pid, M, N, BM, NGP, G, V, NDY)
     for blk in range(pid, tl.cdiv(M, BM), step):
-        dy_n, q_n, s_n = _load_saved(DY, XQ, XS, blk + step, M, N, BM, NGP, G, V)
+        dy_n, dy2_n, dy3_n, q_n, s_n = _load_saved(
+            DY, DY2, DY3, XQ, XS, blk + step, M, N, BM, NGP, G, V, NDY
+        )
         x = q.to(tl.float32) * tl.expand_dims(s, (-2, -1))
         dyf = dy.to(tl.float32)
+        if NDY >= 2:
+            dyf = cast_out(dyf + dy2.to(tl.float32), DY).to(tl.float32)
+        if NDY >= 3:
+            dyf = cast_out(dyf + dy3.to(tl.float32), DY).to(tl.float32)
         rstd = tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(x * x) / N + eps))
         x_hat = x * rstd
         g = dyf * w
@@ -96,7 +113,7 @@ def _rms_norm_bwd_kernel(
         base, offs, mask, _, _, _, _ = row_block(blk, M, N, BM, NGP, G, V)
         tl.store(DX + base + offs, cast_out(dx, DX), mask=mask)
         dw += dyf * x_hat
-        dy, q, s = dy_n, q_n, s_n
+        dy, dy2, dy3, q, s = dy_n, dy2_n, dy3_n, q_n, s_n
     tl.store(DW + pid * N + cols, tl.sum(dw, axis=0)[None, :, :, :], mask=cols < N)
 
 
@@ -143,22 +160,29 @@ def _(x, weight, eps, group_size, fmt, quant_x, emit, save_rstd, backend, *, eag
 @custom_op("rms_norm_bwd")
 def rms_norm_bwd(
     dy: Tensor, x_q: Tensor, x_s: Tensor, weight: Tensor, eps: float, group_size: int,
-    backend: str, *, eager: bool = False,
+    backend: str, dy_more: list[Tensor], *, eager: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``(dx, dweight)``."""
+    """``(dx, dweight)`` for the output gradient ``dy + dy_more[0] + ...``, summed in dy's
+    dtype left to right (what ``dy.add_(p)`` for each ``p`` in turn gives)."""
     if not use_triton(dy, backend):
-        return reference.rms_norm_bwd(dy, x_q, x_s, weight, eps, group_size)
+        return reference.rms_norm_bwd(dy, x_q, x_s, weight, eps, group_size, dy_more)
+    dy_more = list(dy_more)
+    while len(dy_more) > 2:  # the kernel adds up to two more: the earlier ones first
+        dy = dy + dy_more.pop(0)
     m, n = dy.shape
     dx = torch.empty_like(dy)
     meta = row_launch("rms_norm_bwd", dy, group_size)
     programs = row_programs("rms_norm_bwd", dy, meta["BM"])
     dw = torch.empty((programs, n), device=dy.device, dtype=torch.float32)
-    _rms_norm_bwd_kernel[(programs,)](dy, x_q, x_s, weight, dx, dw, m, n, eps, **meta)
+    parts = [p.contiguous() for p in dy_more] + [dy] * (2 - len(dy_more))
+    _rms_norm_bwd_kernel[(programs,)](
+        dy, *parts, x_q, x_s, weight, dx, dw, m, n, eps, NDY=1 + len(dy_more), **meta
+    )  # fmt: skip
     return dx, sum_rows(dw, weight.dtype)
 
 
 @rms_norm_bwd.register_fake
-def _(dy, x_q, x_s, weight, eps, group_size, backend, *, eager=False):
+def _(dy, x_q, x_s, weight, eps, group_size, backend, dy_more, *, eager=False):
     return torch.empty_like(dy), torch.empty_like(weight)
 
 
@@ -181,6 +205,6 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, *_):
         x_q, x_s, weight = ctx.saved_tensors
         dx, dw = rms_norm_bwd(
-            dy.contiguous(), x_q, x_s, weight, ctx.eps, ctx.group_size, ctx.backend
+            dy.contiguous(), x_q, x_s, weight, ctx.eps, ctx.group_size, ctx.backend, []
         )
         return dx, dw, None, None, None, None, None, None, None

@@ -148,7 +148,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
                 ctx.backend,
             )  # fmt: skip
         grads = [None] * (2 * n)
-        d_y = None
+        d_parts = []  # the linears' input gradients, summed by the norm's backward kernel
         # Last linear first: autograd runs the unfused linears' backwards in that order and
         # sums their input gradients as it goes, so the sum here has the same bits.
         for i in reversed(range(n)):
@@ -160,8 +160,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
             scaled = ctx.use_scaled_mm[i]
             if needs[0] or needs[1]:
                 w_t, w_s = weight_t(weights[i], w_saved[2 * i : 2 * i + 2], fwd_fmt, ctx.backend)
-                d_part = _mm(dy_q, w_t.t(), dy_s, w_s, None, ctx.dtype, scaled)
-                d_y = d_part if d_y is None else d_y.add_(d_part)
+                d_parts.append(_mm(dy_q, w_t.t(), dy_s, w_s, None, ctx.dtype, scaled))
             if needs[first + 2 * i]:
                 a, b = (_pad_inner(dy_t), _pad_inner(y_t)) if scaled else (dy_t, y_t)
                 grads[2 * i] = _mm(a, b.t(), dy_s, y_s, None, weights[i].dtype, scaled)
@@ -169,8 +168,9 @@ class RMSNormLinearFunction(torch.autograd.Function):
                 grads[2 * i + 1] = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtypes[i])
         del y_t
         dx = d_norm_weight = None
-        if d_y is not None:
+        if d_parts:
             dx, d_norm_weight = rms_norm_bwd(
-                d_y, x_q, x_s, norm_weight, ctx.eps, ctx.group_size, ctx.backend
-            )
+                d_parts[0], x_q, x_s, norm_weight, ctx.eps, ctx.group_size, ctx.backend,
+                d_parts[1:],
+            )  # fmt: skip
         return dx, d_norm_weight, None, None, None, None, None, None, None, None, None, *grads

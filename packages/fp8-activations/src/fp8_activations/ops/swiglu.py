@@ -13,6 +13,7 @@ from fp8_quant import FP8Format
 from fp8_quant.ops import hw_cast_supported
 
 from .. import reference
+from ..tensor import attach
 from ._common import (
     EMIT_CODES,
     cast_out,
@@ -29,7 +30,6 @@ from ._common import (
     store_groups,
     use_triton,
 )
-from ..tensor import attach
 
 Tensor = torch.Tensor
 
