@@ -31,20 +31,19 @@ left() { echo $((${1} - SECONDS + start)); }
 cat "$r/device.txt"
 
 case "${1:-single}" in
-s4d)  # session 4, last: GPU tests, layer bench twice, layer profile, CoatAdamW bench
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 \
+s4d)  # session 4: GPU tests, layer bench, CoatAdamW bench, VILA with CUDA graphs
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 \
     packages/fp8-activations/tests packages/coat-models/tests tests > "$r/tests.txt" 2>&1
-  for i in 1 2; do
-    BENCH_OUT=$r/layer$i.json timeout 200 python3 -m pytest -s -q -p no:cacheprovider \
-      -o python_files='bench_*.py' --benchmark-only $B/bench_llama_layer.py \
-      -k "torchao or test_llama2_7b_layer[coat] or coat_graphed" > "$r/layer$i.txt" 2>&1
-  done
-  timeout 60 python3 $B/profile_layer.py --variants coat --out "$r/profile.txt" > /dev/null 2>&1
-  BENCH_OUT=$r/optim.json timeout 120 python3 -m pytest -s -q -p no:cacheprovider \
+  BENCH_OUT=$r/layer.json timeout 150 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only $B/bench_llama_layer.py \
+    -k "torchao or test_llama2_7b_layer[coat] or coat_graphed" > "$r/layer.txt" 2>&1
+  BENCH_OUT=$r/optim.json timeout 100 python3 -m pytest -s -q -p no:cacheprovider \
     -o python_files='bench_*.py' --benchmark-only packages/fp8-optim/benchmarks/bench_adamw.py \
     -k "not torchao and not bitsandbytes and not error" > "$r/optim.txt" 2>&1
-  tail -3 "$r/tests.txt"; grep -A8 "^variant" "$r/layer1.txt" "$r/layer2.txt"
-  head -30 "$r/profile.txt"; grep -A8 "^optimizer" "$r/optim.txt"
+  BENCH_VILA_VARIANTS=${VILA_VARIANTS:-coat-nocache,coat-graphs} BENCH_OUT=$r/vila.json \
+    timeout $(left 585) python3 $B/bench_vila.py > "$r/vila.txt" 2>&1
+  tail -3 "$r/tests.txt"; grep -B2 -A12 "test_graphs" "$r/tests.txt" | head -60
+  grep -A8 "^variant" "$r/layer.txt"; grep -A8 "^optimizer" "$r/optim.txt"; tail -14 "$r/vila.txt"
   ;;
 s4c)  # session 4: GPU tests, layer, CoatAdamW and VILA benchmarks after the changes
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-quant/tests \

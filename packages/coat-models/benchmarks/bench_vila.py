@@ -4,7 +4,9 @@ trained): peak memory and step time of BF16 against COAT on one GPU.
 - bf16: bf16 autocast, torch AdamW (fused) with fp32 master weights and states;
 - coat: ``apply_coat_vlm(freeze_vision=True)`` (fused COAT Llama blocks, FP8 projector) and
   ``create_optimizer`` (CoatAdamW, FP8 states), fp32 master weights, bf16 autocast;
-- coat-nocache: the same with ``FP8Config(weight_cache=False)`` (no persistent FP8 weights).
+- coat-nocache: the same with ``FP8Config(weight_cache=False)`` (no persistent FP8 weights);
+- coat-graphs: coat-nocache with ``coat_models.enable_cuda_graphs`` (the LM's decoder layers
+  replayed from CUDA graphs, recorded in the warm-up step: no host time per kernel).
 
 Batches of the shapes-caption task (``coat_models.vl_data``) at 384 x 384 (729 image tokens
 each), every sequence padded to 2048 tokens: cases ``SEQSxIMAGES`` = sequences x images per
@@ -18,8 +20,9 @@ and activations all live). Target: peak >= 1.4x lower than bf16 and faster steps
     python packages/coat-models/benchmarks/bench_vila.py    # the same without pytest
 
 Prints a table; writes JSON to ``$BENCH_OUT`` when set. ``BENCH_VILA_CASES=1x1,1x2`` picks
-cases. Skips without CUDA. Three 7 B models are built one after the other; not yet timed on
-the GPU (budget: about 5 minutes).
+cases, ``BENCH_VILA_VARIANTS=coat-nocache,coat-graphs`` variants (bf16 always runs). Skips
+without CUDA. The 7 B models are built one after the other (about 1.5 minutes each on an
+H200 with three cases).
 """
 
 from __future__ import annotations
@@ -46,8 +49,15 @@ def _variants() -> dict:
     trained params); ``coat-nocache`` re-casts weights on the fly instead."""
     from fp8_activations import FP8Config
 
-    return {"bf16": ("bf16", None), "coat": ("coat", None),
-            "coat-nocache": ("coat", FP8Config(weight_cache=False))}  # fmt: skip
+    variants = {"bf16": ("bf16", None), "coat": ("coat", None),
+                "coat-nocache": ("coat", FP8Config(weight_cache=False)),
+                "coat-graphs": ("coat", FP8Config(weight_cache=False))}  # fmt: skip
+    # BENCH_VILA_VARIANTS=bf16,coat-graphs picks some (bf16 is always measured: the baseline).
+    picked = os.environ.get("BENCH_VILA_VARIANTS")
+    if picked:
+        names = {"bf16", *picked.split(",")}
+        variants = {k: v for k, v in variants.items() if k in names}
+    return variants
 
 
 def _cases() -> list[tuple[int, int]]:
@@ -96,6 +106,10 @@ def run(config=None, cases=None, steps: int | None = None, device="cuda") -> dic
         model = build_vlm(config, device=device, seed=0)
         model, optimizer = prepare_vlm(model, mode, lr=2e-5, freeze_vision=True,
                                        fp8_config=fp8_config)  # fmt: skip
+        if variant == "coat-graphs":
+            from coat_models import enable_cuda_graphs
+
+            enable_cuda_graphs(model)
         params = {
             "params": sum(p.numel() for p in model.parameters()),
             "trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -109,6 +123,11 @@ def run(config=None, cases=None, steps: int | None = None, device="cuda") -> dic
             rows.append(row)
             try:
                 row.update(_measure(model, optimizer, task.batch(0, seqs), device, steps))
+                if variant == "coat-graphs":  # whether the layers really ran from graphs
+                    row["graphed"] = all(
+                        m.__dict__.get("_coat_graphed") is not None
+                        for m in model.modules() if "_coat_graphed" in m.__dict__
+                    )  # fmt: skip
             except torch.OutOfMemoryError:
                 row["oom"] = True  # larger cases would not fit either
                 optimizer.zero_grad(set_to_none=True)
@@ -141,7 +160,8 @@ def format_table(out: dict) -> str:
     for r in out["rows"]:
         oom = r.get("oom")
         lines.append((
-            r["case"], str(r["images"]), str(r["tokens"]), r["variant"],
+            r["case"], str(r["images"]), str(r["tokens"]),
+            r["variant"] + ("" if r.get("graphed", True) else " (NOT graphed)"),
             "OOM" if oom else f"{(r['peak_bytes'] or 0) / 1e9:.2f}",
             f"{r['memory_ratio']:.2f}x" if "memory_ratio" in r else "",
             "OOM" if oom else f"{r['step_s'] * 1e3:.0f}",

@@ -5,6 +5,7 @@
 >>> optimizer = create_optimizer(model, lr=3e-4)
 """
 
+from .graphs import disable_cuda_graphs, enable_cuda_graphs
 from .llama import apply_coat, is_coat, revert_coat
 from .loss import linear_cross_entropy
 from .optim import create_optimizer, param_groups
@@ -14,6 +15,8 @@ __version__ = "0.1.0"
 __all__ = [
     "apply_coat",
     "create_optimizer",
+    "disable_cuda_graphs",
+    "enable_cuda_graphs",
     "is_coat",
     "linear_cross_entropy",
     "param_groups",

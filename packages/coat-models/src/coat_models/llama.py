@@ -19,7 +19,7 @@ from fp8_activations import FP8Config
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import blocks, reference
+from . import blocks, graphs, reference
 from .loss import linear_cross_entropy
 
 SUPPORTED = (
@@ -194,12 +194,16 @@ class _CoatDecoderLayer(_CoatMixin):
             compute = torch.get_autocast_dtype(device)
             hidden_states = hidden_states.to(compute)
             cos_sin = tuple(t.to(compute) for t in cos_sin)
+        mask = kwargs.pop("attention_mask", None)
+        out = graphs.run_graphed(self, hidden_states, cos_sin, mask, cache, kwargs, checkpointing)
+        if out is not None:  # enable_cuda_graphs: the recorded layer
+            return out.to(dtype)
         with torch.autocast(device, enabled=False):
             out = blocks.decoder_layer(
                 blocks.FP8_OPS,
                 self,
                 hidden_states,
-                attention_mask=kwargs.pop("attention_mask", None),
+                attention_mask=mask,
                 position_embeddings=cos_sin,
                 cache=cache,
                 config=self.coat_config,
@@ -385,6 +389,7 @@ def apply_coat(
 
 def revert_coat(model: nn.Module) -> nn.Module:
     """Undo ``apply_coat`` in place: every module gets its original class back."""
+    graphs.disable_cuda_graphs(model)
     if _is_vlm(model):
         from .vila import revert_coat_vlm
 

@@ -1,0 +1,91 @@
+"""enable_cuda_graphs: COAT decoder layers replayed from CUDA graphs.
+
+On the GPU a graphed model trains bit for bit like the eager COAT model (same init, data,
+optimizer), gradient accumulation over micro-batches included; the checks that need no GPU
+run everywhere."""
+
+from __future__ import annotations
+
+import copy
+
+import coat_models
+import pytest
+import torch
+from coat_models import apply_coat, disable_cuda_graphs, enable_cuda_graphs, revert_coat
+from fp8_activations import FP8Config
+from transformers import LlamaConfig, LlamaForCausalLM
+
+NO_CACHE = FP8Config(weight_cache=False)
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    """2 layers, hidden 64 (4 heads, GQA with 2 KV heads), MLP 176, SDPA."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def test_needs_a_coat_model():
+    with pytest.raises(ValueError, match="apply_coat"):
+        enable_cuda_graphs(tiny_llama())
+
+
+def test_needs_the_weight_cache_off():
+    with pytest.raises(ValueError, match="weight_cache=False"):
+        enable_cuda_graphs(apply_coat(tiny_llama()))
+
+
+def test_needs_cuda():
+    with pytest.raises(ValueError, match="CUDA"):
+        enable_cuda_graphs(apply_coat(tiny_llama(), NO_CACHE))
+
+
+def _train(model, stream, micro_batches: int, graphs: bool):
+    """Losses and final parameters of len(stream) optimizer steps under bf16 autocast, each
+    over ``micro_batches`` slices of the step's batch."""
+    if graphs:
+        enable_cuda_graphs(model)
+    opt = coat_models.create_optimizer(model, lr=3e-3, weight_decay=0.1)
+    model.train()
+    losses = []
+    for ids in stream:
+        for part in ids.chunk(micro_batches):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(part, labels=part).loss / micro_batches
+            loss.backward()
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("micro_batches", [1, 2], ids=["mb1", "mb2-accumulate"])
+def test_gpu_graphed_training_matches_eager(micro_batches):
+    stream = torch.randint(0, 256, (4, 4, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    ref = tiny_llama().cuda()
+    eager = apply_coat(copy.deepcopy(ref), NO_CACHE)
+    graphed = apply_coat(copy.deepcopy(ref), NO_CACHE)
+    want_loss, want_params = _train(eager, stream, micro_batches, graphs=False)
+    got_loss, got_params = _train(graphed, stream, micro_batches, graphs=True)
+    layers = graphed.model.layers
+    assert all(layer.__dict__.get("_coat_graphed") is not None for layer in layers)
+    assert torch.equal(got_loss, want_loss)
+    for a, b in zip(got_params, want_params, strict=True):
+        assert torch.equal(a, b)
+    # Another shape records again; eval and revert leave no graphs behind.
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        graphed(stream[0, :2], labels=stream[0, :2]).loss.backward()
+    graphed.eval()
+    with torch.no_grad():
+        logits = graphed(stream[0]).logits
+    assert torch.equal(logits, eager.eval()(stream[0]).logits)
+    disable_cuda_graphs(graphed)
+    assert all("_coat_graphed" not in layer.__dict__ for layer in layers)
+    enable_cuda_graphs(graphed)
+    revert_coat(graphed)
+    assert all("_coat_graphed" not in layer.__dict__ for layer in layers)
