@@ -31,6 +31,17 @@ left() { echo $((${1} - SECONDS + start)); }
 cat "$r/device.txt"
 
 case "${1:-single}" in
+s4e)  # session 4: GPU tests after the fixes, layer bench, VILA bf16 vs coat-graphs
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 \
+    packages/fp8-activations/tests packages/coat-models/tests tests > "$r/tests.txt" 2>&1
+  BENCH_OUT=$r/layer.json timeout 150 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only $B/bench_llama_layer.py \
+    -k "torchao or test_llama2_7b_layer[coat] or coat_graphed" > "$r/layer.txt" 2>&1
+  BENCH_VILA_VARIANTS=${VILA_VARIANTS:-coat-graphs} BENCH_OUT=$r/vila.json \
+    timeout $(left 585) python3 $B/bench_vila.py > "$r/vila.txt" 2>&1
+  tail -3 "$r/tests.txt"; grep -A25 "_ test_gpu_graphed" "$r/tests.txt" | grep "^E " | head -30
+  grep -A8 "^variant" "$r/layer.txt"; tail -14 "$r/vila.txt"
+  ;;
 s4d)  # session 4: GPU tests, layer bench, CoatAdamW bench, VILA with CUDA graphs
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 \
     packages/fp8-activations/tests packages/coat-models/tests tests > "$r/tests.txt" 2>&1

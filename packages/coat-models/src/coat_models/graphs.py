@@ -12,6 +12,8 @@ checkpointing, eval) runs the eager COAT path as before.
 
 What a replay computes is what was recorded, so:
 
+* a KV cache that transformers passes to a training forward (``use_cache`` defaults to True)
+  is left empty instead of being filled with keys and values nobody reads;
 * the FP8 weight cache must be off (``FP8Config(weight_cache=False)``, what coat-train uses):
   each replay then casts the current weights, which optimizers update in place (a cache
   would be a Python-side decision, frozen at capture);
@@ -147,6 +149,17 @@ def _copy_out_grads(layer: nn.Module):
     return hook
 
 
+def _cache_unused(layer: nn.Module, cache) -> bool:
+    """No KV cache, or an empty one: transformers hands a training forward a fresh
+    ``DynamicCache`` unless ``use_cache=False``; the eager path fills it with every layer's
+    keys and values, which a training step never reads. A graphed step leaves it empty (the
+    keys and values are not kept alive with it); a cache holding tokens runs eagerly."""
+    if cache is None:
+        return True
+    length = getattr(cache, "get_seq_length", None)
+    return length is not None and length(layer.self_attn.layer_idx) == 0
+
+
 def run_graphed(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
     """The layer's output from its graph, or None when this call must run eagerly."""
     ref = layer.__dict__.get("_coat_graph_owner")
@@ -154,7 +167,7 @@ def run_graphed(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs
     state = None if owner is None else getattr(owner, _GRAPHS, None)
     if state is None or not state["enabled"]:
         return None
-    if attention_mask is not None or cache is not None or checkpointing:
+    if attention_mask is not None or checkpointing or not _cache_unused(layer, cache):
         return None
     if set(kwargs) - {"position_ids", "cache_position"} or len(cos_sin) != 2:
         return None

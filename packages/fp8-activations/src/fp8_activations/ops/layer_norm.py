@@ -82,9 +82,11 @@ def _layer_norm_bwd_kernel(
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     dw = tl.zeros((BM, NGP, G // V, V), dtype=tl.float32)
     db = tl.zeros((BM, NGP, G // V, V), dtype=tl.float32)
-    dy, _, _, q, s = _load_saved(DY, DY, DY, XQ, XS, pid, M, N, BM, NGP, G, V, 1)
+    dy, unused2, unused3, q, s = _load_saved(DY, DY, DY, XQ, XS, pid, M, N, BM, NGP, G, V, 1)
     for blk in range(pid, tl.cdiv(M, BM), step):
-        dy_n, _, _, q_n, s_n = _load_saved(DY, DY, DY, XQ, XS, blk + step, M, N, BM, NGP, G, V, 1)
+        dy_n, unused2_n, unused3_n, q_n, s_n = _load_saved(
+            DY, DY, DY, XQ, XS, blk + step, M, N, BM, NGP, G, V, 1
+        )
         base, offs, mask, _, _, _, _ = row_block(blk, M, N, BM, NGP, G, V)
         x = q.to(tl.float32) * tl.expand_dims(s, (-2, -1))
         dyf = dy.to(tl.float32)
