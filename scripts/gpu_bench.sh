@@ -31,6 +31,18 @@ left() { echo $((${1} - SECONDS + start)); }
 cat "$r/device.txt"
 
 case "${1:-single}" in
+s4f)  # session 4, last: graphs and train GPU tests, layer bench, VILA bf16 vs coat-graphs
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -n 2 \
+    packages/coat-models/tests/test_graphs.py packages/coat-models/tests/test_train.py \
+    > "$r/tests.txt" 2>&1
+  BENCH_OUT=$r/layer.json timeout 150 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only $B/bench_llama_layer.py \
+    -k "torchao or test_llama2_7b_layer[coat] or coat_graphed" > "$r/layer.txt" 2>&1
+  BENCH_VILA_VARIANTS=coat-graphs BENCH_VILA_CASES=${VILA_CASES:-1x1,2x2} BENCH_OUT=$r/vila.json \
+    timeout $(left 420) python3 $B/bench_vila.py > "$r/vila.txt" 2>&1
+  tail -3 "$r/tests.txt"; grep "^E " "$r/tests.txt" | head -20
+  grep -A8 "^variant" "$r/layer.txt"; tail -8 "$r/vila.txt"
+  ;;
 s4e)  # session 4: GPU tests after the fixes, layer bench, VILA bf16 vs coat-graphs
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 \
     packages/fp8-activations/tests packages/coat-models/tests tests > "$r/tests.txt" 2>&1

@@ -1,8 +1,8 @@
 """enable_cuda_graphs: COAT decoder layers replayed from CUDA graphs.
 
 On the GPU a graphed model trains bit for bit like the eager COAT model (same init, data,
-optimizer), gradient accumulation over micro-batches included; the checks that need no GPU
-run everywhere."""
+optimizer), with gradient accumulation too (micro-batches after the first run eagerly); the
+checks that need no GPU run everywhere."""
 
 from __future__ import annotations
 
@@ -46,21 +46,24 @@ def test_needs_cuda():
 
 def _train(model, stream, micro_batches: int, graphs: bool):
     """Losses and final parameters of len(stream) optimizer steps under bf16 autocast, each
-    over ``micro_batches`` slices of the step's batch."""
+    over ``micro_batches`` slices of the step's batch; with ``graphs``, whether each
+    micro-batch replayed the graphs."""
     if graphs:
         enable_cuda_graphs(model)
     opt = coat_models.create_optimizer(model, lr=3e-3, weight_decay=0.1)
     model.train()
-    losses = []
+    losses, replayed = [], []
     for ids in stream:
         for part in ids.chunk(micro_batches):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(part, labels=part).loss / micro_batches
+            replayed.append(getattr(model, "_coat_cuda_graphs", {}).get("replay"))
             loss.backward()
             losses.append(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+    params = [p.detach().clone() for p in model.parameters()]
+    return torch.stack(losses), params, replayed
 
 
 @pytest.mark.gpu
@@ -70,10 +73,11 @@ def test_gpu_graphed_training_matches_eager(micro_batches):
     ref = tiny_llama().cuda()
     eager = apply_coat(copy.deepcopy(ref), NO_CACHE)
     graphed = apply_coat(copy.deepcopy(ref), NO_CACHE)
-    want_loss, want_params = _train(eager, stream, micro_batches, graphs=False)
-    got_loss, got_params = _train(graphed, stream, micro_batches, graphs=True)
+    want_loss, want_params, _ = _train(eager, stream, micro_batches, graphs=False)
+    got_loss, got_params, replayed = _train(graphed, stream, micro_batches, graphs=True)
     layers = graphed.model.layers
     assert all(layer.__dict__.get("_coat_graphed") is not None for layer in layers)
+    assert replayed == [True, False] * len(stream) if micro_batches == 2 else all(replayed)
     assert torch.equal(got_loss, want_loss)
     for a, b in zip(got_params, want_params, strict=True):
         assert torch.equal(a, b)

@@ -172,7 +172,9 @@ def test_tracked_memory_matches_resident_set(mode):
     assert step["tracked"] >= (1 - PEAK_TOLERANCE[mode]) * step["measured"], step
 
 
-GPU_OTHER_TOLERANCE = {"bf16": 0.25, "coat": 0.40}  # not yet measured on a GPU
+# Measured on an H200: coat 42.5% (2026-11-30, after RMSNorm's backward began taking the
+# linears' input gradients together instead of summing them one by one: one more transient).
+GPU_OTHER_TOLERANCE = {"bf16": 0.25, "coat": 0.45}
 
 
 @pytest.mark.gpu

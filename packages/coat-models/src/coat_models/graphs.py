@@ -20,10 +20,14 @@ What a replay computes is what was recorded, so:
 * parameters must keep their storage (in-place optimizer updates do; ``load_state_dict``
   copies in place too); ``disable_cuda_graphs(model)`` drops the graphs (re-enable to record
   again);
-* forward and backward must alternate per layer (a second forward before the backward would
-  overwrite the saved activations): the usual micro-batch loop does. Gradient accumulation
-  over micro-batches is handled: a parameter's ``.grad`` taken from a graph's output buffer is
-  copied out before the next backward replay overwrites that buffer.
+* forward and backward must alternate (a second forward before the backward would overwrite
+  the saved activations), as in the usual training loop;
+* a parameter's ``.grad`` is then the graph's own output buffer, valid until the next replay
+  of any layer (the graphs share one memory pool): so graphs replay only while no graphed
+  layer's parameter has a ``.grad``, i.e. the first micro-batch after
+  ``zero_grad(set_to_none=True)``. Further micro-batches of a gradient accumulation run
+  eagerly (and add to those buffers in place, correctly); ``zero_grad(set_to_none=False)``
+  keeps every step eager.
 
 The layer output carries no FP8 hand-over for the next layer (which quantizes its input
 itself: the same bits, one quantization more).
@@ -31,6 +35,7 @@ itself: the same bits, one quantization more).
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import torch
@@ -40,7 +45,6 @@ from . import blocks
 
 _GRAPHS = "_coat_cuda_graphs"  # on the model: {"enabled": bool, "key": shape key | None}
 _GRAPHED = "_coat_graphed"  # on each layer: the graphed callable, or None
-_OWNED = "_coat_grad_copy"  # on a .grad tensor: our copy, not a graph's buffer
 
 
 class _LayerBody(nn.Module):
@@ -93,7 +97,7 @@ def enable_cuda_graphs(model: nn.Module) -> nn.Module:
             raise ValueError(
                 f"enable_cuda_graphs supports attn_implementation='sdpa', got {impl!r}"
             )
-    setattr(model, _GRAPHS, {"enabled": True, "key": None})
+    setattr(model, _GRAPHS, {"enabled": True, "key": None, "layers": layers})
     for layer in layers:
         # In __dict__, not as attributes: nn.Module would register the model as a child.
         layer.__dict__["_coat_graph_owner"] = weakref.ref(model)
@@ -108,6 +112,7 @@ def disable_cuda_graphs(model: nn.Module) -> nn.Module:
     for layer in _coat_layers(model):
         for attr in (_GRAPHED, "_coat_graph_owner"):
             layer.__dict__.pop(attr, None)
+    gc.collect()  # each graphed body and its layer reference each other
     return model
 
 
@@ -116,9 +121,10 @@ def _key(hidden, cos, sin) -> tuple:
 
 
 def _record(model: nn.Module, key: tuple, hidden, cos, sin) -> None:
-    layers = _coat_layers(model)
+    layers = getattr(model, _GRAPHS)["layers"]
     for layer in layers:
-        layer.__dict__[_GRAPHED] = None  # a previous shape's graphs go first (their memory)
+        layer.__dict__[_GRAPHED] = None  # a previous shape's graphs go first (their memory:
+    gc.collect()  # each graphed body and its layer reference each other)
     torch.cuda.synchronize(hidden.device)
     samples = []
     for _ in layers:
@@ -131,22 +137,6 @@ def _record(model: nn.Module, key: tuple, hidden, cos, sin) -> None:
     for layer, fn in zip(layers, graphed, strict=True):
         layer.__dict__[_GRAPHED] = fn
     getattr(model, _GRAPHS)["key"] = key
-
-
-def _copy_out_grads(layer: nn.Module):
-    """A hook on the layer output's gradient, run before the layer's backward replay: any
-    ``.grad`` that autograd took over from the previous replay's output buffer is copied, so
-    that gradient accumulation adds to the old gradients rather than to the new ones."""
-
-    def hook(grad):
-        for p in layer.parameters():
-            g = p.grad
-            if g is not None and not getattr(g, _OWNED, False):
-                p.grad = g.clone()
-                setattr(p.grad, _OWNED, True)
-        return grad
-
-    return hook
 
 
 def _cache_unused(layer: nn.Module, cache) -> bool:
@@ -174,6 +164,11 @@ def run_graphed(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs
     cos, sin = cos_sin
     if not (hidden.is_cuda and torch.is_grad_enabled()):
         return None
+    layers = state["layers"]
+    if layer is layers[0]:  # once per forward pass: may the graphs replay in this one?
+        state["replay"] = all(p.grad is None for lay in layers for p in lay.parameters())
+    if not state.get("replay"):
+        return None
     key = _key(hidden, cos, sin)
     if state["key"] != key:
         _record(owner, key, hidden, cos, sin)
@@ -181,6 +176,4 @@ def run_graphed(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs
     if fn is None:
         return None
     out = fn(hidden, cos, sin)
-    if out.requires_grad:
-        out.register_hook(_copy_out_grads(layer))
     return out
