@@ -36,9 +36,9 @@ DEVICE = "cuda"
 TARGET_MB, TARGET_MS = 640.0, 12.0
 # coat_compile: torch.compile of the COAT layer (its FP8 ops are opaque custom ops);
 # coat_cudagraphs: the same with mode="reduce-overhead" (CUDA graphs: no host time per op).
-# coat_graphed: the eager COAT layer (weight cache off: each call casts the weights, as
-# after every optimizer step) captured fwd+bwd by torch.cuda.make_graphed_callables, no
-# compile: the layer's GPU time without the host time of its ~55 launches.
+# coat_graphed: COAT with coat_models.enable_cuda_graphs (weight cache off: each call casts
+# the weights, as after every optimizer step; fwd+bwd replayed from CUDA graphs, no compile):
+# the layer's GPU time without the host time of its ~55 launches.
 VARIANTS = ["bf16_eager", "bf16_compile", "torchao_float8_compile", "coat", "coat_compile",
             "coat_cudagraphs", "coat_graphed"]  # fmt: skip
 RESULTS: dict[str, dict] = {}
@@ -75,19 +75,9 @@ def _layer(variant: str):
         convert_to_float8_training(layer, config=Float8LinearConfig.from_recipe_name("tensorwise"))
     run = layer
     if variant == "coat_graphed":
+        from coat_models import enable_cuda_graphs
 
-        class Layer(torch.nn.Module):  # positional x only, as make_graphed_callables wants
-            def __init__(self):
-                super().__init__()
-                self.layer = layer
-
-            def forward(self, x):
-                return layer(x, attention_mask=None, position_embeddings=pos)
-
-        sample = torch.randn(BATCH, SEQ, HIDDEN, device=DEVICE, dtype=torch.bfloat16,
-                             requires_grad=True)  # fmt: skip
-        graphed = torch.cuda.make_graphed_callables(Layer(), (sample,))
-        return (lambda x: graphed(x)), layer, pos
+        enable_cuda_graphs(model)  # recorded at the first call, replayed after
     if variant.endswith("compile"):
         run = torch.compile(layer)
     elif variant.endswith("cudagraphs"):
