@@ -83,7 +83,7 @@ def _layer(variant: str):
     elif variant.endswith("cudagraphs"):
         run = torch.compile(layer, mode="reduce-overhead")
 
-    def forward(x):
+    def forward(x, model=model):  # keeps the model alive: enable_cuda_graphs' state is on it
         if variant.endswith("cudagraphs"):
             torch.compiler.cudagraph_mark_step_begin()  # a new training step each call
         return run(x, attention_mask=None, position_embeddings=pos)
