@@ -7,11 +7,12 @@ checks that need no GPU run everywhere."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import coat_models
 import pytest
 import torch
-from coat_models import apply_coat, disable_cuda_graphs, enable_cuda_graphs, revert_coat
+from coat_models import apply_coat, disable_cuda_graphs, enable_cuda_graphs, graphs, revert_coat
 from fp8_activations import FP8Config
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -44,11 +45,63 @@ def test_needs_cuda():
         enable_cuda_graphs(apply_coat(tiny_llama(), NO_CACHE))
 
 
-def _train(model, stream, micro_batches: int, graphs: bool):
+def test_guard_refuses_overwritten_recordings():
+    """The identity on the last graphed layer's output: its backward raises when a later
+    forward replayed since (generation moved on) or when it runs a second time."""
+    state = {"gen": 1}
+    x = torch.randn(4, requires_grad=True)
+    y = graphs._Guard.apply(x * 2, state, 1)
+    state["pending"] = weakref.ref(y.grad_fn)
+    assert not graphs._may_replay(state, [])  # pending: a new forward would run eagerly
+    y.sum().backward(retain_graph=True)
+    assert torch.equal(x.grad, torch.full((4,), 2.0)) and state["pending"] is None
+    with pytest.raises(RuntimeError, match="overwritten"):
+        y.sum().backward()  # a second backward over the same recordings
+    z = graphs._Guard.apply(x * 2, state, 1)
+    state["gen"] = 2  # another graphed forward replayed meanwhile
+    with pytest.raises(RuntimeError, match="overwritten"):
+        z.sum().backward()
+
+
+def test_may_replay_needs_no_grads_and_nothing_pending():
+    layer = torch.nn.Linear(2, 2)
+    assert graphs._may_replay({}, [layer])
+    layer.weight.grad = torch.zeros_like(layer.weight)
+    assert not graphs._may_replay({}, [layer])  # accumulation: eager
+    layer.weight.grad = None
+    y = graphs._Guard.apply(torch.randn(2, requires_grad=True) * 1, {"gen": 0}, 0)
+    state = {"pending": weakref.ref(y.grad_fn)}
+    assert not graphs._may_replay(state, [layer])
+    del y  # the forward's graph dropped without a backward: nothing pending
+    assert graphs._may_replay(state, [layer])
+
+
+def test_signature_follows_parameters():
+    model = apply_coat(tiny_llama(), NO_CACHE)
+    layers = graphs._coat_layers(model)
+    before = graphs._signature(layers)
+    layers[0].mlp.up_proj.weight.requires_grad_(False)
+    assert graphs._signature(layers) != before  # unfreezing/freezing records again
+
+
+def test_copies_carry_no_graphs():
+    """deepcopy / pickle of a converted model leave the graphs (and the weakref to the
+    model) behind: they belong to the original's tensors."""
+    model = apply_coat(tiny_llama(), NO_CACHE)
+    for layer in graphs._coat_layers(model):
+        layer.__dict__["_coat_graph_owner"] = weakref.ref(model)
+        layer.__dict__["_coat_graphed"] = object()
+    copied = copy.deepcopy(model)
+    assert all(k not in layer.__dict__ for layer in graphs._coat_layers(copied)
+               for k in graphs.LAYER_KEYS)  # fmt: skip
+    disable_cuda_graphs(model)
+
+
+def _train(model, stream, micro_batches: int, use_graphs: bool):
     """Losses and final parameters of len(stream) optimizer steps under bf16 autocast, each
     over ``micro_batches`` slices of the step's batch; with ``graphs``, whether each
     micro-batch replayed the graphs."""
-    if graphs:
+    if use_graphs:
         enable_cuda_graphs(model)
     opt = coat_models.create_optimizer(model, lr=3e-3, weight_decay=0.1)
     model.train()
@@ -57,7 +110,7 @@ def _train(model, stream, micro_batches: int, graphs: bool):
         for part in ids.chunk(micro_batches):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(part, labels=part).loss / micro_batches
-            replayed.append(getattr(model, "_coat_cuda_graphs", {}).get("replay"))
+            replayed.append(graphs._STATES.get(model, {}).get("replay"))
             loss.backward()
             losses.append(loss.detach())
         opt.step()
@@ -73,8 +126,8 @@ def test_gpu_graphed_training_matches_eager(micro_batches):
     ref = tiny_llama().cuda()
     eager = apply_coat(copy.deepcopy(ref), NO_CACHE)
     graphed = apply_coat(copy.deepcopy(ref), NO_CACHE)
-    want_loss, want_params, _ = _train(eager, stream, micro_batches, graphs=False)
-    got_loss, got_params, replayed = _train(graphed, stream, micro_batches, graphs=True)
+    want_loss, want_params, _ = _train(eager, stream, micro_batches, use_graphs=False)
+    got_loss, got_params, replayed = _train(graphed, stream, micro_batches, use_graphs=True)
     layers = graphed.model.layers
     assert all(layer.__dict__.get("_coat_graphed") is not None for layer in layers)
     assert replayed == [True, False] * len(stream) if micro_batches == 2 else all(replayed)

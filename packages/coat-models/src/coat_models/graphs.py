@@ -20,8 +20,11 @@ What a replay computes is what was recorded, so:
 * parameters must keep their storage (in-place optimizer updates do; ``load_state_dict``
   copies in place too); ``disable_cuda_graphs(model)`` drops the graphs (re-enable to record
   again);
-* forward and backward must alternate (a second forward before the backward would overwrite
-  the saved activations), as in the usual training loop;
+* forward and backward alternate, as in the usual training loop: a forward while an earlier
+  graphed forward still waits for its backward runs eagerly, and a backward whose recordings
+  were overwritten (a second backward with ``retain_graph=True``) raises instead of returning
+  wrong gradients; gradients taken with ``torch.autograd.grad`` are the graphs' buffers,
+  valid until the next replay;
 * a parameter's ``.grad`` is then the graph's own output buffer, valid until the next replay
   of any layer (the graphs share one memory pool): so graphs replay only while no graphed
   layer's parameter has a ``.grad``, i.e. the first micro-batch after
@@ -43,7 +46,9 @@ from torch import nn
 
 from . import blocks
 
-_GRAPHS = "_coat_cuda_graphs"  # on the model: {"enabled": bool, "key": shape key | None}
+# Per model: enabled, the recorded key, its layers, the forward generation, the pending
+# forward. Kept beside the model, not on it, so that pickling and deepcopy never see it.
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GRAPHED = "_coat_graphed"  # on each layer: the graphed callable, or None
 
 
@@ -83,6 +88,8 @@ def enable_cuda_graphs(model: nn.Module) -> nn.Module:
     layers = _coat_layers(model)
     if not layers:
         raise ValueError("enable_cuda_graphs needs a model converted with apply_coat first")
+    if len({id(layer) for layer in layers}) != len(layers):
+        raise ValueError("enable_cuda_graphs: a decoder layer appears twice in the model")
     for layer in layers:
         cfg = layer.coat_config
         if cfg is None or cfg.weight_cache:
@@ -90,14 +97,23 @@ def enable_cuda_graphs(model: nn.Module) -> nn.Module:
                 "CUDA graphs replay what was recorded, so the FP8 weight cache (a Python-side "
                 "decision) must be off: apply_coat(model, FP8Config(weight_cache=False))"
             )
-        if not next(layer.parameters()).is_cuda:
-            raise ValueError("enable_cuda_graphs needs the model on a CUDA device")
+        if any(type(p.data) is not torch.Tensor for p in layer.parameters()):
+            raise ValueError(
+                "enable_cuda_graphs needs plain parameters that keep their storage (FSDP and "
+                "other tensor subclasses re-gather or move them): use it on one process"
+            )
         impl = layer.self_attn.config._attn_implementation
         if impl != "sdpa":
             raise ValueError(
                 f"enable_cuda_graphs supports attn_implementation='sdpa', got {impl!r}"
             )
-    setattr(model, _GRAPHS, {"enabled": True, "key": None, "layers": layers})
+    devices = {p.device for layer in layers for p in layer.parameters()}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(
+            f"enable_cuda_graphs needs every decoder layer on one CUDA device, got {devices}"
+        )
+    disable_cuda_graphs(model)
+    _STATES[model] = {"enabled": True, "key": None, "layers": layers, "gen": 0}
     for layer in layers:
         # In __dict__, not as attributes: nn.Module would register the model as a child.
         layer.__dict__["_coat_graph_owner"] = weakref.ref(model)
@@ -107,13 +123,28 @@ def enable_cuda_graphs(model: nn.Module) -> nn.Module:
 
 def disable_cuda_graphs(model: nn.Module) -> nn.Module:
     """Drop the recorded graphs (and their memory pool); the layers run eagerly again."""
-    if hasattr(model, _GRAPHS):
-        delattr(model, _GRAPHS)
+    _STATES.pop(model, None)
     for layer in _coat_layers(model):
-        for attr in (_GRAPHED, "_coat_graph_owner"):
+        for attr in LAYER_KEYS:
             layer.__dict__.pop(attr, None)
     gc.collect()  # each graphed body and its layer reference each other
     return model
+
+
+# What a layer holds for its graphs (not copied by pickling or deepcopy: the graphs belong
+# to the original model's tensors).
+LAYER_KEYS = (_GRAPHED, "_coat_graph_owner")
+
+
+def _signature(layers: list[nn.Module]) -> tuple:
+    """What a recording depends on besides the input shapes: every parameter's storage,
+    dtype and requires_grad (``.to()``, ``.data =``, unfreezing record again) and each
+    layer's FP8 config."""
+    return tuple(
+        (id(layer.coat_config), *((p.data_ptr(), p.dtype, p.requires_grad)
+                                  for p in layer.parameters()))
+        for layer in layers
+    )  # fmt: skip
 
 
 def _key(hidden, cos, sin) -> tuple:
@@ -121,22 +152,27 @@ def _key(hidden, cos, sin) -> tuple:
 
 
 def _record(model: nn.Module, key: tuple, hidden, cos, sin) -> None:
-    layers = getattr(model, _GRAPHS)["layers"]
+    state = _STATES[model]
+    layers = state["layers"]
+    state["key"] = None  # a failed recording records again next time
     for layer in layers:
         layer.__dict__[_GRAPHED] = None  # a previous shape's graphs go first (their memory:
     gc.collect()  # each graphed body and its layer reference each other)
-    torch.cuda.synchronize(hidden.device)
-    samples = []
-    for _ in layers:
-        h = torch.randn(hidden.shape, device=hidden.device, dtype=hidden.dtype) * 0.02
-        samples.append((h.requires_grad_(), cos.detach().clone(), sin.detach().clone()))
-    with torch.autocast("cuda", enabled=False), torch.enable_grad():
-        graphed = torch.cuda.make_graphed_callables(
-            tuple(_LayerBody(layer) for layer in layers), tuple(samples)
-        )
+    device = hidden.device
+    torch.cuda.synchronize(device)
+    # Recording runs each layer a few times on random inputs: leave the RNG as it was.
+    with torch.random.fork_rng(devices=[device]), torch.cuda.device(device):
+        samples = []
+        for _ in layers:
+            h = torch.randn(hidden.shape, device=device, dtype=hidden.dtype) * 0.02
+            samples.append((h.requires_grad_(), cos.detach().clone(), sin.detach().clone()))
+        with torch.autocast("cuda", enabled=False), torch.enable_grad():
+            graphed = torch.cuda.make_graphed_callables(
+                tuple(_LayerBody(layer) for layer in layers), tuple(samples)
+            )
     for layer, fn in zip(layers, graphed, strict=True):
         layer.__dict__[_GRAPHED] = fn
-    getattr(model, _GRAPHS)["key"] = key
+    state["key"] = key
 
 
 def _cache_unused(layer: nn.Module, cache) -> bool:
@@ -150,30 +186,80 @@ def _cache_unused(layer: nn.Module, cache) -> bool:
     return length is not None and length(layer.self_attn.layer_idx) == 0
 
 
+class _Guard(torch.autograd.Function):
+    """Identity on the last graphed layer's output, whose backward comes before any layer's
+    backward replay: it refuses a backward that would run on overwritten recordings (a
+    later graphed forward replayed since, or this one's backward already ran once)."""
+
+    @staticmethod
+    def forward(ctx, x, state, gen):
+        ctx.state, ctx.gen, ctx.done = state, gen, False
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.done or ctx.state.get("gen") != ctx.gen:
+            raise RuntimeError(
+                "CUDA-graphed COAT layers: this backward belongs to a forward whose recorded "
+                "activations were overwritten (by a later forward, or by this backward "
+                "running twice); run each backward once, before the next forward, or call "
+                "coat_models.disable_cuda_graphs(model)"
+            )
+        ctx.done = True
+        ctx.state["pending"] = None
+        return grad, None, None
+
+
+# Layer-call keyword arguments that do not change a training forward of the recorded case.
+_NEUTRAL_KWARGS = {"position_ids", "cache_position", "num_items_in_batch"}
+
+
+def _may_replay(state: dict, layers: list[nn.Module]) -> bool:
+    """Decided at the first layer of each forward. Graphs replay only when (a) no graphed
+    layer's parameter holds a ``.grad``: the replays' weight gradients are the graphs'
+    output buffers, which ``AccumulateGrad`` takes over and the next replay of any layer
+    overwrites (accumulation runs eagerly instead, adding to them in place); and (b) the
+    previous graphed forward's backward has run or its output is gone (no pending
+    recordings to overwrite)."""
+    pending = state.get("pending")
+    if pending is not None and pending() is not None:
+        return False
+    return all(p.grad is None for layer in layers for p in layer.parameters())
+
+
 def run_graphed(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
     """The layer's output from its graph, or None when this call must run eagerly."""
     ref = layer.__dict__.get("_coat_graph_owner")
     owner = None if ref is None else ref()
-    state = None if owner is None else getattr(owner, _GRAPHS, None)
+    state = None if owner is None else _STATES.get(owner)
     if state is None or not state["enabled"]:
         return None
+    layers = state["layers"]
+    first, last = layer is layers[0], layer is layers[-1]
+    if first:
+        state["replay"] = False  # decided below, for this forward only
     if attention_mask is not None or checkpointing or not _cache_unused(layer, cache):
         return None
-    if set(kwargs) - {"position_ids", "cache_position"} or len(cos_sin) != 2:
+    if set(kwargs) - _NEUTRAL_KWARGS or len(cos_sin) != 2:
         return None
     cos, sin = cos_sin
     if not (hidden.is_cuda and torch.is_grad_enabled()):
         return None
-    layers = state["layers"]
-    if layer is layers[0]:  # once per forward pass: may the graphs replay in this one?
-        state["replay"] = all(p.grad is None for lay in layers for p in lay.parameters())
-    if not state.get("replay"):
+    if first:
+        state["replay"] = _may_replay(state, layers)
+        if state["replay"]:
+            key = (_key(hidden, cos, sin), _signature(layers))
+            if state["key"] != key:
+                _record(owner, key, hidden, cos, sin)
+            state["gen"] += 1
+    if not state["replay"]:
         return None
-    key = _key(hidden, cos, sin)
-    if state["key"] != key:
-        _record(owner, key, hidden, cos, sin)
     fn = layer.__dict__.get(_GRAPHED)
-    if fn is None:
+    if fn is None or state["key"] is None or state["key"][0] != _key(hidden, cos, sin):
         return None
     out = fn(hidden, cos, sin)
+    if last:
+        out = _Guard.apply(out, state, state["gen"])
+        # Pending until its backward runs or its autograd graph is dropped.
+        state["pending"] = weakref.ref(out.grad_fn)
     return out

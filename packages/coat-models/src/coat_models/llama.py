@@ -164,7 +164,9 @@ class _CoatMixin:
     def __reduce_ex__(self, protocol):
         # Pickle finds classes by name, and the COAT subclass carries the original's name:
         # rebuild the original class, then convert again (torch.save(model), deepcopy).
-        return _unpickle, (type(self)._coat_original_class, type(self)._coat_mixin, self.__dict__)
+        # Without CUDA graphs (they belong to this model's tensors; a copy records its own).
+        state = {k: v for k, v in self.__dict__.items() if k not in graphs.LAYER_KEYS}
+        return _unpickle, (type(self)._coat_original_class, type(self)._coat_mixin, state)
 
 
 class _CoatDecoderLayer(_CoatMixin):
