@@ -97,6 +97,69 @@ def test_copies_carry_no_graphs():
     disable_cuda_graphs(model)
 
 
+def _emulated(monkeypatch, model):
+    """Graphs "recorded" as the eager layer body itself, on CPU: every decision of
+    ``run_graphed`` (replay or not, the guard, the recording key) runs as on a GPU, and a
+    "replay" computes what a real one would, so results must match eager bit for bit."""
+    calls = []
+
+    def record(owner, key, hidden, cos, sin):
+        state = graphs._STATES[owner]
+        for layer in state["layers"]:
+            layer.__dict__[graphs._GRAPHED] = graphs._LayerBody(layer)
+        state["key"] = key
+        calls.append(key)
+
+    monkeypatch.setattr(graphs, "_record", record)
+    monkeypatch.setattr(graphs, "_on_gpu", lambda hidden: True)
+    graphs._install(model, graphs._coat_layers(model))
+    return calls
+
+
+def _step_grads(model, ids, forwards: int = 1):
+    """Gradients after ``forwards`` forwards then their backwards, in order."""
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for _ in range(forwards):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(model(ids, labels=ids, use_cache=False).loss)
+    for loss in losses:
+        loss.backward()
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def test_replay_rules_emulated_on_cpu(monkeypatch):
+    ref = tiny_llama()
+    eager = apply_coat(copy.deepcopy(ref), NO_CACHE)
+    model = apply_coat(copy.deepcopy(ref), NO_CACHE)
+    calls = _emulated(monkeypatch, model)
+    state = graphs._STATES[model]
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    # One forward, one backward: "replayed", same gradients; recorded once.
+    got, want = _step_grads(model, ids), _step_grads(eager, ids)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert state["replay"] and len(calls) == 1 and state["pending"] is None
+    _step_grads(model, ids)
+    assert len(calls) == 1  # same shape, same parameters: no new recording
+    # Two forwards, then both backwards: the second forward runs eagerly, gradients match.
+    got, want = _step_grads(model, ids, 2), _step_grads(eager, ids, 2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # A second backward over the same recordings raises instead of returning wrong grads.
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="overwritten"):
+        loss.backward()
+    del loss
+    # Freezing a weight records again; another shape records again.
+    model.zero_grad(set_to_none=True)
+    graphs._coat_layers(model)[1].mlp.down_proj.weight.requires_grad_(False)
+    _step_grads(model, ids)
+    _step_grads(model, ids[:1])
+    assert len(calls) == 3
+
+
 def _train(model, stream, micro_batches: int, use_graphs: bool):
     """Losses and final parameters of len(stream) optimizer steps under bf16 autocast, each
     over ``micro_batches`` slices of the step's batch; with ``graphs``, whether each

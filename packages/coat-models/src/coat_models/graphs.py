@@ -61,7 +61,7 @@ class _LayerBody(nn.Module):
         self.layer = layer
 
     def forward(self, hidden, cos, sin):
-        with torch.autocast("cuda", enabled=False):
+        with torch.autocast(hidden.device.type, enabled=False):
             return blocks.decoder_layer(
                 blocks.FP8_OPS,
                 self.layer,
@@ -113,12 +113,16 @@ def enable_cuda_graphs(model: nn.Module) -> nn.Module:
             f"enable_cuda_graphs needs every decoder layer on one CUDA device, got {devices}"
         )
     disable_cuda_graphs(model)
+    _install(model, layers)
+    return model
+
+
+def _install(model: nn.Module, layers: list[nn.Module]) -> None:
     _STATES[model] = {"enabled": True, "key": None, "layers": layers, "gen": 0}
     for layer in layers:
         # In __dict__, not as attributes: nn.Module would register the model as a child.
         layer.__dict__["_coat_graph_owner"] = weakref.ref(model)
         layer.__dict__[_GRAPHED] = None
-    return model
 
 
 def disable_cuda_graphs(model: nn.Module) -> nn.Module:
@@ -227,6 +231,10 @@ def _may_replay(state: dict, layers: list[nn.Module]) -> bool:
     return all(p.grad is None for layer in layers for p in layer.parameters())
 
 
+def _on_gpu(hidden) -> bool:
+    return hidden.is_cuda
+
+
 def run_graphed(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
     """The layer's output from its graph, or None when this call must run eagerly."""
     ref = layer.__dict__.get("_coat_graph_owner")
@@ -243,7 +251,7 @@ def run_graphed(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs
     if set(kwargs) - _NEUTRAL_KWARGS or len(cos_sin) != 2:
         return None
     cos, sin = cos_sin
-    if not (hidden.is_cuda and torch.is_grad_enabled()):
+    if not (_on_gpu(hidden) and torch.is_grad_enabled()):
         return None
     if first:
         state["replay"] = _may_replay(state, layers)
