@@ -33,7 +33,8 @@ What a replay computes is what was recorded, so:
   keeps every step eager.
 
 The layer output carries no FP8 hand-over for the next layer (which quantizes its input
-itself: the same bits, one quantization more).
+itself: the same bits, one quantization more). Layer outputs (e.g. with
+``output_hidden_states=True``) are the graphs' buffers too: valid until the next replay.
 """
 
 from __future__ import annotations
