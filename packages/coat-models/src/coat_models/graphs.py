@@ -254,17 +254,18 @@ def run_graphed(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs
     cos, sin = cos_sin
     if not (_on_gpu(hidden) and torch.is_grad_enabled()):
         return None
+    shapes = _key(hidden, cos, sin)
     if first:
         state["replay"] = _may_replay(state, layers)
         if state["replay"]:
-            key = (_key(hidden, cos, sin), _signature(layers))
+            key = (shapes, _signature(layers))
             if state["key"] != key:
                 _record(owner, key, hidden, cos, sin)
             state["gen"] += 1
     if not state["replay"]:
         return None
     fn = layer.__dict__.get(_GRAPHED)
-    if fn is None or state["key"] is None or state["key"][0] != _key(hidden, cos, sin):
+    if fn is None or state["key"] is None or state["key"][0] != shapes:
         return None
     out = fn(hidden, cos, sin)
     if last:
