@@ -31,6 +31,18 @@ left() { echo $((${1} - SECONDS + start)); }
 cat "$r/device.txt"
 
 case "${1:-single}" in
+s5)  # session 5: CoatAdamW kernel (tile order, no barriers, fewer instructions)
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-optim/tests \
+    > "$r/tests.txt" 2>&1
+  BENCH_OUT=$r/optim.json timeout 120 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only packages/fp8-optim/benchmarks/bench_adamw.py \
+    -k "${OPTIM_K:-not torchao and not bitsandbytes and not error}" > "$r/optim.txt" 2>&1
+  timeout $(left 560) python3 packages/fp8-optim/benchmarks/sweep_adamw_gpu.py --out "$r" \
+    --budget-s 150 > "$r/sweep_adamw.log" 2>&1
+  tail -3 "$r/tests.txt"; grep "^E " "$r/tests.txt" | head -20
+  grep -A8 "^optimizer" "$r/optim.txt"; cat "$r/sweep_adamw.txt" 2>/dev/null | head -12
+  tail -5 "$r/sweep_adamw.log"
+  ;;
 s4f)  # session 4, last: graphs and train GPU tests, layer bench, VILA bf16 vs coat-graphs
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -n 2 \
     packages/coat-models/tests/test_graphs.py packages/coat-models/tests/test_train.py \

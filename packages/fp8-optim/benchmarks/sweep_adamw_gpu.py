@@ -41,6 +41,8 @@ L = AdamWLaunch
 CONFIGS = [
     ("default-8x16", L()),
     ("4x16", L(block_g=4)),
+    ("16x16", L(block_g=16)),
+    ("8x32", L(group_threads=32)),
     ("8x16-r48", L(maxnreg=48)),
 ]
 T0 = time.perf_counter()

@@ -277,7 +277,7 @@ def adamw_step_(
         v = v * b2 + (g * g) * (1 - b2)
         p = p * (1 - lr * wd) - (m / (sqrt(v) / sqrt(1 - b2^t) + eps)) * lr / (1 - b1^t)
 
-    A group where ``|p| + v`` is NaN or inf for some element (a non-finite gradient makes
+    A group where ``p`` or ``v`` is NaN or inf for some element (a non-finite gradient makes
     ``p`` non-finite; ``g * g`` may overflow ``v``) keeps its old ``p``, ``m``, ``v`` and
     per-group numbers bit for bit; it is counted in the returned 0-dim int64 tensor.
     ``step`` still advances.
@@ -304,7 +304,7 @@ def adamw_step_(
     denom = _sqrt(v) * inv_sqrt_bc2 + fp32(eps)
     p = p_old * decay - (m / denom) * step_size
 
-    bad = ~(torch.fmin(p.abs() + v, torch.tensor(math.inf)).amax(dim=1) < math.inf)  # [ng]
+    bad = ~(torch.isfinite(p) & torch.isfinite(v)).all(dim=1)  # [ng]
     keep = bad[:, None]
 
     if param.dtype == torch.bfloat16:
