@@ -43,6 +43,16 @@ s5)  # session 5: CoatAdamW kernel (tile order, no barriers, fewer instructions)
   grep -A8 "^optimizer" "$r/optim.txt"; cat "$r/sweep_adamw.txt" 2>/dev/null | head -12
   tail -5 "$r/sweep_adamw.log"
   ;;
+s5b)  # session 5: every GPU test, then the CoatAdamW bench with its peers (carry .whl)
+  timeout 260 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-quant/tests \
+    packages/fp8-optim/tests packages/fp8-activations/tests packages/coat-models/tests tests \
+    > "$r/tests.txt" 2>&1
+  BENCH_OUT=$r/optim.json timeout $(left 570) python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only packages/fp8-optim/benchmarks/bench_adamw.py \
+    > "$r/optim.txt" 2>&1
+  tail -3 "$r/tests.txt"; grep -E "^(E |FAILED)" "$r/tests.txt" | head -30
+  grep -A16 "^optimizer" "$r/optim.txt"; tail -3 "$r/optim.txt"
+  ;;
 s4f)  # session 4, last: graphs and train GPU tests, layer bench, VILA bf16 vs coat-graphs
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -n 2 \
     packages/coat-models/tests/test_graphs.py packages/coat-models/tests/test_train.py \
