@@ -17,11 +17,15 @@ the number of parameters, and no host-device synchronization:
 Traffic per element with fp32 params and grads: read p, g (8 B), m, v codes (2 B), write
 p, m, v (6 B), plus 10 B per group of 128 for the per-group numbers: 16.08 B, the floor of
 the memory-bound step. A group lives in registers from load to store: the update, the
-group's max and min non-zero, k, and the requantization need no second pass.
+group's max and min non-zero, k, and the requantization need no second pass, and no program
+touches shared memory or waits at a barrier (per-group numbers are stored, and skipped groups
+counted, by inline PTX from the reductions' own layout). At 8 elements a thread the step is
+600 instructions, 90 of them MUFU (offline sm_90 build), 88% of the copy bandwidth on an H200.
 
 GPU math: ``lg2``/``ex2`` are the hardware approximations (one MUFU op each, about 2^-22
 relative error) rather than Triton's ~20-instruction accurate ``log2``: the result is
-re-rounded to 3 (E4M3) or 2 (E5M2) mantissa bits anyway. The FP8 codes come from the
+re-rounded to 3 (E4M3) or 2 (E5M2) mantissa bits anyway; the update's division is
+``rcp.approx`` times the numerator (1-2 ulp, like ``div.full``). The FP8 codes come from the
 hardware conversion where ``fp8_quant.ops.hw_cast_supported`` (sm_90+), from
 ``fp8_encode``'s integer path elsewhere (sm_89, whose cast rounds twice;
 ``FP8_QUANT_HW_CAST=0``). Under the
@@ -59,15 +63,16 @@ class AdamWLaunch:
     group (G / group_threads elements each), one warp per 32 / group_threads groups. Fewer
     elements per thread: fewer registers, more warps in flight to hide memory latency;
     more: the per-group work is shared by fewer threads. H200 sweep (1.20 B params, ms;
-    groups x threads/group [x warps]): 8x16 5.87, 8x8x4 5.98, 16x16 6.21, 4x8 7.01, 16x8
-    7.71, 32x8 8.64 (an sm_90 build here: 56 registers/thread at 8x16, 72 at 16x8; the
-    register count, not the instruction count, decides).
+    groups x threads/group, BENCHMARKS.md run 6): 8x16 5.12, 4x16 5.10, 16x16 5.37, 8x16
+    with maxnreg 48 5.53, 8x32 6.29 (an offline sm_90 build: 600 instructions and 56
+    registers per thread of 8 elements at 8x16; 416 and 40 per 4 elements at 8x32).
 
     ``num_warps``: None gives one warp per 32 / group_threads groups (a group never spans
     warps). ``maxnreg``: register cap per thread (None: the compiler's choice).
     One program per chunk (1.17 M programs for 1.2 B params): programs looping over several
-    chunks were measured slower on an H200 (1.14-1.37x torch fused's speed against 1.66x,
-    BENCHMARKS.md), so that option was removed.
+    chunks were measured slower on an H200 (1.14-1.37x torch fused's speed against 1.66x
+    for one chunk per program with the kernel of then, BENCHMARKS.md), so that option was
+    removed.
     """
 
     block_g: int = 8
