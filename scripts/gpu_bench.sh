@@ -43,6 +43,18 @@ s5)  # session 5: CoatAdamW kernel (tile order, no barriers, fewer instructions)
   grep -A8 "^optimizer" "$r/optim.txt"; cat "$r/sweep_adamw.txt" 2>/dev/null | head -12
   tail -5 "$r/sweep_adamw.log"
   ;;
+s5c)  # session 5: coat-train --cuda-graphs (GPU tests; a 125m run with and without)
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 3 \
+    packages/coat-models/tests/test_train.py packages/coat-models/tests/test_cli_vl.py \
+    packages/coat-models/tests/test_graphs.py > "$r/tests.txt" 2>&1
+  for g in "" --cuda-graphs; do
+    timeout 150 python3 -m coat_models.cli --preset 125m --compare bf16,coat --steps 60 \
+      --eval-every 60 --eval-batches 2 --device cuda --no-progress --out "$r/cli${g:+-graphs}" $g \
+      > "$r/cli${g:+-graphs}.txt" 2>&1
+  done
+  tail -3 "$r/tests.txt"; grep -E "^(E |FAILED)" "$r/tests.txt" | head -30
+  tail -12 "$r/cli.txt"; tail -12 "$r/cli-graphs.txt"
+  ;;
 s5b)  # session 5: every GPU test, then the CoatAdamW bench with its peers (carry .whl)
   timeout 260 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-quant/tests \
     packages/fp8-optim/tests packages/fp8-activations/tests packages/coat-models/tests tests \

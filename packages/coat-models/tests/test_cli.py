@@ -200,6 +200,10 @@ BAD_INPUTS = [
     (["--threads", "0"], "--threads must be >= 1"),
     (["--seq-len", "100000", "--corpus-mib", "0.05"], "fewer than --seq-len 100000"),
     (["--resume", "{tmp}/nope"], "no such checkpoint directory"),
+    (["--mode", "bf16", "--cuda-graphs"], "add a mode with FP8 activations"),
+    (["--mode", "coat", "--cuda-graphs", "--fp8-weight-cache"], "drop --fp8-weight-cache"),
+    (["--mode", "coat", "--cuda-graphs", "--activation-checkpointing"], "runs in one process"),
+    (["--mode", "coat", "--cuda-graphs", "--device", "cpu"], "needs a CUDA device"),
 ]
 
 

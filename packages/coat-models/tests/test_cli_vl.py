@@ -66,3 +66,21 @@ def test_vl_bad_input_gives_one_clear_line(tmp_path, capsys, argv, code, message
     assert got == code
     assert err.startswith("coat-train: error: ") and message in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.gpu
+def test_gpu_llava_tiny_cuda_graphs_same_losses(monkeypatch):
+    """--cuda-graphs on a vision-language preset: the language model's COAT layers are
+    recorded; every step's loss equals the eager run's, bit for bit."""
+    from coat_models import graphs
+    from coat_models.vl_train import train_vlm, vl_train_config
+
+    recorded = []
+    record = graphs._record
+    monkeypatch.setattr(graphs, "_record", lambda *a: (recorded.append(1), record(*a))[1])
+    losses = []
+    for use_graphs in (False, True):
+        cfg = vl_train_config("llava-tiny", "coat", steps=4, batch_size=8, eval_every=0,
+                              eval_batches=1, cuda_graphs=use_graphs)  # fmt: skip
+        losses.append(train_vlm("llava-tiny", cfg, device="cuda", progress=False)["losses"])
+    assert recorded and losses[1] == losses[0]

@@ -43,6 +43,45 @@ def test_config_rejects_bf16_master_with_torch_adamw():
     TrainConfig(mode="coat-optim", master_dtype="bf16")
 
 
+def test_config_cuda_graphs_needs_fp8_activations_without_weight_cache():
+    with pytest.raises(ValueError, match="mode bf16 has none"):
+        TrainConfig(mode="bf16", cuda_graphs=True)
+    with pytest.raises(ValueError, match="drop --fp8-weight-cache"):
+        TrainConfig(mode="coat", cuda_graphs=True, weight_cache=True)
+    cfg = TrainConfig(mode="coat-act", cuda_graphs=True)
+    # Same bits as eager (test_graphs.py): a checkpoint may be resumed with or without it.
+    assert "cuda_graphs" not in cfg.numerics()
+
+
+@pytest.mark.gpu
+@needs_coat
+@pytest.mark.parametrize("accum", [1, 2])
+def test_gpu_trainer_cuda_graphs_same_losses(accum):
+    """coat-train --cuda-graphs: the same losses and weights as the eager run, bit for bit,
+    with the layers' graphs recorded (and replayed on the first micro-batch of each step)."""
+    from coat_models.data import load_data
+    from coat_models.presets import build_model, preset_config
+    from coat_models.train import Trainer
+
+    data = load_data(max_bytes=2**20)
+    cuda = torch.device("cuda")
+    runs = []
+    for graphs in (False, True):
+        cfg = TrainConfig(mode="coat", steps=4, batch_size=4, seq_len=128, grad_accum=accum,
+                          eval_batches=1, cuda_graphs=graphs)  # fmt: skip
+        model = build_model(preset_config("tiny", data.vocab_size, max_seq=128), device=cuda,
+                            master_dtype=torch.float32, seed=0)  # fmt: skip
+        tr = Trainer(model, data, cfg, device=cuda, progress=False)
+        losses = [tr.run_step()["loss"] for _ in range(cfg.steps)]
+        recorded = [m.__dict__.get("_coat_graphed") is not None for m in tr.model.modules()]
+        runs.append((losses, [p.detach().clone() for p in tr.model.parameters()], any(recorded)))
+        tr.close()
+    (want, want_p, eager_rec), (got, got_p, graph_rec) = runs
+    assert graph_rec and not eager_rec
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(got_p, want_p, strict=True))
+
+
 def test_tracker_counts_each_saved_storage_once():
     lin = torch.nn.Linear(64, 32, bias=False)
     tracker = MemoryTracker(lin)

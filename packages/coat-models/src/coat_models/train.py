@@ -88,6 +88,11 @@ class TrainConfig:
     # batch with --grad-accum). Off: each linear casts its weight in forward and again in
     # backward and keeps nothing, so the copies never sit in memory at the peak. Same bits.
     weight_cache: bool = False
+    # FP8 activations on CUDA: record the COAT decoder layers as CUDA graphs at the first
+    # training step and replay them after (coat_models.enable_cuda_graphs; bit for bit the
+    # eager step, tested). Their saved activations then live in the graphs' memory pool, which
+    # the memory breakdown cannot see ("other"). Not part of the numbers.
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -108,6 +113,16 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.grad_clip >= 0):
             raise ValueError("need --lr > 0, 0 <= --min-lr-ratio <= 1 and --grad-clip >= 0")
+        if self.cuda_graphs and not MODES[self.mode][0]:
+            raise ValueError(
+                f"--cuda-graphs records COAT's FP8 decoder layers: mode {self.mode} has none "
+                "(use coat or coat-act)"
+            )
+        if self.cuda_graphs and self.weight_cache:
+            raise ValueError(
+                "--cuda-graphs replays what it recorded, so the FP8 weight cache (a decision "
+                "made in Python) must be off: drop --fp8-weight-cache"
+            )
 
     @property
     def tokens_per_step(self) -> int:
@@ -115,7 +130,14 @@ class TrainConfig:
 
     def numerics(self) -> dict:
         """The fields a resumed run must share with the run that wrote the checkpoint."""
-        skip = {"eval_every", "eval_batches", "save_every", "keep_checkpoints", "weight_cache"}
+        skip = {
+            "eval_every",
+            "eval_batches",
+            "save_every",
+            "keep_checkpoints",
+            "weight_cache",
+            "cuda_graphs",
+        }
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 
@@ -427,6 +449,7 @@ def prepare(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
             model = _coat_api("apply_coat")(model, FP8Config(weight_cache=cfg.weight_cache))
         except TypeError as e:  # documented: an unsupported architecture, named in e
             raise TrainError(f"mode {cfg.mode}: {e}") from None
+        enable_graphs(model, cfg)
     if fp8_optim:
         opt = _coat_api("create_optimizer")(
             model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas
@@ -437,6 +460,17 @@ def prepare(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
             decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, fused=fused
         )
     return model, opt
+
+
+def enable_graphs(model: torch.nn.Module, cfg: TrainConfig) -> None:
+    """``coat_models.enable_cuda_graphs(model)`` when ``cfg.cuda_graphs`` (after apply_coat);
+    its refusals (a CPU model, another attention implementation) become ``TrainError``."""
+    if not cfg.cuda_graphs:
+        return
+    try:
+        _coat_api("enable_cuda_graphs")(model)
+    except ValueError as e:
+        raise TrainError(f"--cuda-graphs: {e}") from None
 
 
 def prepare_distributed(
@@ -605,6 +639,11 @@ class Trainer:
             raise TrainError(
                 f"strategy {strategy!r} needs torch.distributed: launch under torchrun and call "
                 "coat_models.distributed.init_distributed() first"
+            )
+        if cfg.cuda_graphs and (strategy is not None or activation_checkpointing):
+            raise TrainError(
+                "--cuda-graphs runs in one process without activation checkpointing (sharded "
+                "parameters move; checkpointed layers run eagerly): drop one of them"
             )
         self.cfg, self.device, self.data = cfg, device, data
         self.out_dir = Path(out_dir) if out_dir is not None else None

@@ -32,6 +32,7 @@ from .train import (
     TrainConfig,
     TrainError,
     decay_groups,
+    enable_graphs,
     fmt_bytes,
     lr_factor,
     memory_report,
@@ -228,6 +229,7 @@ def train_vlm(
         model, cfg.mode, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
         vision=vision, freeze_vision=freeze_vision, fp8_config=fp8_config,
     )  # fmt: skip
+    enable_graphs(model, cfg)
     schedule = partial(lr_factor, warmup=cfg.warmup, steps=cfg.steps, min_ratio=cfg.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     val = task.val_batches(cfg.batch_size)[: cfg.eval_batches]
