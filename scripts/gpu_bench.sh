@@ -43,6 +43,22 @@ s5)  # session 5: CoatAdamW kernel (tile order, no barriers, fewer instructions)
   grep -A8 "^optimizer" "$r/optim.txt"; cat "$r/sweep_adamw.txt" 2>/dev/null | head -12
   tail -5 "$r/sweep_adamw.log"
   ;;
+s5d)  # session 5: gradient accumulators made before recording (graphs tests, 125m CLI run,
+      # layer bench against torchao: carry .whl)
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 3 \
+    packages/coat-models/tests/test_train.py packages/coat-models/tests/test_cli_vl.py \
+    packages/coat-models/tests/test_graphs.py > "$r/tests.txt" 2>&1
+  timeout 150 python3 -m coat_models.cli --preset 125m --mode coat --steps 60 --eval-every 60 \
+    --eval-batches 2 --device cuda --no-progress --out "$r/cli-graphs" --cuda-graphs \
+    > "$r/cli-graphs.txt" 2>&1
+  BENCH_OUT=$r/layer.json timeout 200 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only $B/bench_llama_layer.py \
+    -k "torchao or test_llama2_7b_layer[coat] or coat_graphed" > "$r/layer.txt" 2>&1
+  tail -3 "$r/tests.txt"; grep -E "^(E |FAILED)" "$r/tests.txt" | head -30
+  echo "AccumulateGrad warnings: tests $(grep -c AccumulateGrad "$r/tests.txt"), cli $(grep -c AccumulateGrad "$r/cli-graphs.txt")"
+  grep -E "tokens/s|peak memory|done in" "$r/cli-graphs.txt"
+  grep -A8 "^variant" "$r/layer.txt"; tail -4 "$r/layer.txt"
+  ;;
 s5c)  # session 5: coat-train --cuda-graphs (GPU tests; a 125m run with and without)
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 3 \
     packages/coat-models/tests/test_train.py packages/coat-models/tests/test_cli_vl.py \
