@@ -171,20 +171,14 @@ def _record(model: nn.Module, key: tuple, hidden, cos, sin) -> None:
         for _ in layers:
             h = torch.randn(hidden.shape, device=device, dtype=hidden.dtype) * 0.02
             samples.append((h.requires_grad_(), cos.detach().clone(), sin.detach().clone()))
-        # Each parameter's gradient accumulator, made here on the caller's stream and held
-        # through the recording: otherwise the recording's side stream creates them, the
-        # graphs keep them, and every later backward warns of a stream mismatch (and syncs).
-        accumulators = [
-            torch.autograd.graph.get_gradient_edge(p)
-            for layer in layers
-            for p in layer.parameters()
-            if p.requires_grad
-        ]
+        # The recording's side stream creates the parameters' gradient accumulators, so
+        # later backwards warn once of a stream mismatch (and wait on that idle stream). Making
+        # them first on this stream breaks the capture instead (cudaErrorStreamCaptureImplicit,
+        # docs/device/s5-run4).
         with torch.autocast("cuda", enabled=False), torch.enable_grad():
             graphed = torch.cuda.make_graphed_callables(
                 tuple(_LayerBody(layer) for layer in layers), tuple(samples)
             )
-        del accumulators
     for layer, fn in zip(layers, graphed, strict=True):
         layer.__dict__[_GRAPHED] = fn
     state["key"] = key
