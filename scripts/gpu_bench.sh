@@ -43,6 +43,18 @@ s5)  # session 5: CoatAdamW kernel (tile order, no barriers, fewer instructions)
   grep -A8 "^optimizer" "$r/optim.txt"; cat "$r/sweep_adamw.txt" 2>/dev/null | head -12
   tail -5 "$r/sweep_adamw.log"
   ;;
+s5e)  # session 5, last: every GPU test; layer bench (carry .whl); 7B end-to-end at mb 2 and 16
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-quant/tests \
+    packages/fp8-optim/tests packages/fp8-activations/tests packages/coat-models/tests tests \
+    > "$r/tests.txt" 2>&1
+  BENCH_OUT=$r/layer.json timeout 150 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only $B/bench_llama_layer.py \
+    -k "torchao or test_llama2_7b_layer[coat] or coat_graphed" > "$r/layer.txt" 2>&1
+  BENCH_OUT=$r/e2e.json timeout $(left 580) python3 $B/bench_e2e.py --micro-batches 2,16 \
+    --variants bf16,coat --budget-s 200 --steps 4 > "$r/e2e.txt" 2>&1
+  tail -3 "$r/tests.txt"; grep -E "^(E |FAILED)" "$r/tests.txt" | head -30
+  grep -A8 "^variant" "$r/layer.txt"; tail -4 "$r/layer.txt"; tail -16 "$r/e2e.txt"
+  ;;
 s5d)  # session 5: gradient accumulators made before recording (graphs tests, 125m CLI run,
       # layer bench against torchao: carry .whl)
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 3 \
