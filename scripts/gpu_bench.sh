@@ -43,6 +43,12 @@ s5)  # session 5: CoatAdamW kernel (tile order, no barriers, fewer instructions)
   grep -A8 "^optimizer" "$r/optim.txt"; cat "$r/sweep_adamw.txt" 2>/dev/null | head -12
   tail -5 "$r/sweep_adamw.log"
   ;;
+s5f)  # session 5: fp8-optim GPU tests (non-finite policy of the compiled kernel; formats)
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-optim/tests \
+    -rA > "$r/tests.txt" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR)" "$r/tests.txt"; tail -2 "$r/tests.txt"
+  grep -E "^E " "$r/tests.txt" | head -30
+  ;;
 s5e)  # session 5, last: every GPU test; layer bench (carry .whl); 7B end-to-end at mb 2 and 16
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-quant/tests \
     packages/fp8-optim/tests packages/fp8-activations/tests packages/coat-models/tests tests \
