@@ -43,6 +43,18 @@ s5)  # session 5: CoatAdamW kernel (tile order, no barriers, fewer instructions)
   grep -A8 "^optimizer" "$r/optim.txt"; cat "$r/sweep_adamw.txt" 2>/dev/null | head -12
   tail -5 "$r/sweep_adamw.log"
   ;;
+s5g)  # session 5: count fix (tl.atomic_add), even/odd chunk split: fp8-optim tests, bench, sweep
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-optim/tests \
+    -rA > "$r/tests.txt" 2>&1
+  BENCH_OUT=$r/optim.json timeout 150 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only packages/fp8-optim/benchmarks/bench_adamw.py \
+    -k "not torchao and not bitsandbytes and not error" > "$r/optim.txt" 2>&1
+  timeout 150 python3 packages/fp8-optim/benchmarks/sweep_adamw_gpu.py --out "$r" \
+    --budget-s 100 > "$r/sweep_adamw.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR)" "$r/tests.txt"; tail -1 "$r/tests.txt"
+  grep -E "^E " "$r/tests.txt" | head -20
+  grep -A10 "^optimizer" "$r/optim.txt"; cat "$r/sweep_adamw.txt" 2>/dev/null | head -12
+  ;;
 s5f)  # session 5: fp8-optim GPU tests (non-finite policy of the compiled kernel; formats)
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-optim/tests \
     -rA > "$r/tests.txt" 2>&1

@@ -139,6 +139,26 @@ def test_step_coat_adamw_bf16_params(benchmark, params):
     _record("CoatAdamW (bf16 params+grads, SR)", opt, _time(benchmark, opt), ps)
 
 
+def test_step_coat_adamw_odd_tensor(benchmark, params):
+    # The list plus one tensor whose size is not a multiple of 16 (a 50257-entry bias):
+    # only that tensor's last chunk leaves the 16-byte-access kernel.
+    odd = torch.nn.Parameter(torch.randn(50257, device="cuda") * 0.02)
+    odd.grad = torch.randn_like(odd) * 1e-3
+    ps = [*params, odd]
+    opt = CoatAdamW(ps, lr=1e-4)
+    _record("CoatAdamW (+ one 50257-entry tensor)", opt, _time(benchmark, opt), ps)
+
+
+def test_step_coat_adamw_all_odd(benchmark, params):
+    # Every chunk on the non-EVEN kernel (what one odd-sized tensor used to cause): the
+    # price of unaligned or odd-sized tensors, for the record.
+    opt = CoatAdamW(params, lr=1e-4)
+    opt.step()
+    for *_, plan in opt._plans.values():
+        plan.grads_aligned = False
+    _record("CoatAdamW (every chunk non-EVEN)", opt, _time(benchmark, opt), params)
+
+
 def test_step_bitsandbytes_adamw8bit(benchmark, params):
     bnb = pytest.importorskip("bitsandbytes")
     opt = bnb.optim.AdamW8bit(params, lr=1e-4)

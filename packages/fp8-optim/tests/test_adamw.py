@@ -118,13 +118,18 @@ def test_plan_built_once_while_grads_move(needs_triton, h, make_pair, monkeypatc
 
 def test_kernel_several_programs_per_tensor(needs_triton, h, make_pair):
     # 70 groups: more than one program of the interpreter's 64 groups, a partial chunk and a
-    # partial group; plus a tensor whose size is a multiple of 16 (the EVEN path is off).
+    # partial group; plus a tensor whose size is a multiple of 16. Only the partial chunk
+    # (size 6 * 128 - 5) goes to the odd (non-EVEN) launch; the other two chunks run EVEN.
     (pa, oa), (pb, ob) = make_pair(
         "reference", "triton", shapes=((70 * 128 - 5,), (4, 16)), dtype=torch.bfloat16
     )
     h.run_steps(pa, oa, 2)
     h.run_steps(pb, ob, 2)
     h.assert_same_state(oa, pa, ob, pb)
+    plan = next(iter(ob._plans.values()))[-1]
+    assert plan.block_g == 64 and plan.grads_aligned and not plan.even
+    assert sorted(plan.chunks.tolist()) == [0, 1 << 32]  # tensor 0 from group 0; tensor 1
+    assert plan.odd_chunks.tolist() == [64]  # tensor 0 from group 64
 
 
 def test_kernel_even_path_matches_reference(needs_triton, h, make_pair):

@@ -1,7 +1,8 @@
 """Fused multi-tensor CoatAdamW step: dequantize, AdamW update and DRE requantize in one pass.
 
 Two launches per bucket of parameters (same device, param dtype and grad dtype), whatever
-the number of parameters, and no host-device synchronization:
+the number of parameters (three when some chunks are off the 16-element grid, see ``Plan``),
+and no host-device synchronization:
 
 1. ``_hyper_kernel``, one lane per tensor: ``step += 1`` on the device, then the bias
    corrections in fp64 (``lr / (1 - b1^t)``, ``1 / sqrt(1 - b2^t)``, ``1 - lr * wd``) and the
@@ -167,32 +168,6 @@ def _store_groups(ptrs, vals, mask, PTX: tl.constexpr):
         )
     else:
         tl.store(ptrs, vals, mask=mask)
-
-
-@triton.jit
-def _count_groups(keys, flag, counter_ptr, PTX: tl.constexpr):
-    # counter += number of groups whose flag is set. On the GPU, from the reductions'
-    # layout: of the threads holding one group (same key: match.any), the lowest lane adds
-    # 1. A block-wide sum or tl.atomic_add would first change layouts through shared memory
-    # and a barrier in every program, though almost no program has anything to count.
-    if PTX:
-        tl.inline_asm_elementwise(
-            """{ .reg .pred p; .reg .b32 m, lt;
-            match.any.sync.b64 m, $1, 0xffffffff;
-            mov.u32 lt, %lanemask_lt;
-            and.b32 m, m, lt;
-            setp.ne.u32 p, $2, 0;
-            setp.eq.and.u32 p, m, 0, p;
-            @p red.relaxed.gpu.global.add.u32 [$3], 1;
-            mov.u32 $0, 0; }""",
-            "=r,l,r,l",
-            [keys.to(tl.int64), flag.to(tl.uint32), (counter_ptr + keys * 0).to(tl.int64)],
-            dtype=tl.uint32,
-            is_pure=False,
-            pack=1,
-        )
-    else:
-        tl.atomic_add(counter_ptr, tl.sum(flag.to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -513,7 +488,11 @@ def _adamw_kernel(
         qv, va, vk = _quant(chk, V_FMT, V_DRE, V_FMAX, V_LOG2, V_C16, False, PTX, HW_CAST)
         gok = va < float("inf")
     smask = emask & _bc(gok)
-    _count_groups(g0 + rg, gmask & (gok == 0), bad_ptr, PTX)
+    # One relaxed atomic per skipped group: Triton lets exactly one of the threads holding a
+    # group's flag do it, whatever the layout (groups can be held by several warps). Inline
+    # PTX electing one lane per warp (match.any) counted such groups twice: caught by the
+    # GPU test, docs/device/s5-run6.
+    tl.atomic_add(bad_ptr + rg * 0, 1, mask=gmask & (gok == 0), sem="relaxed")
 
     if p_base.dtype.element_ty == tl.bfloat16:
         # fp32 -> bf16 through the bits: add 16 random bits (stochastic) or 0x7FFF + lsb
@@ -561,19 +540,29 @@ class Plan:
     addresses. Gradients move between steps (``zero_grad(set_to_none=True)`` frees them):
     ``set_grads`` rewrites only their column."""
 
-    chunks: torch.Tensor  # int64 [n_chunks]: tensor index << 32 | first group
+    # int64 [n_chunks]: tensor index << 32 | first group. Chunks on the 16-element grid
+    # (every column's offset and the chunk's size multiples of 16: the EVEN kernel, 16-byte
+    # accesses), and the others: the last chunk of a tensor whose size is not a multiple of
+    # 16, every chunk of a tensor off the grid. One odd-sized tensor (a bias of 50257) thus
+    # sends one chunk, not the whole bucket, to the slow kernel (2x the instructions).
+    chunks: torch.Tensor
+    odd_chunks: torch.Tensor
     table: torch.Tensor  # int64 [T, NCOL]; column 1 holds the gradients' offsets
     hyper: torch.Tensor  # int32 [T, 4] scratch written by _hyper_kernel
     n_tensors: int
-    even: bool  # every column 16-element aligned and every size a multiple of 16
-    even_but_grads: bool  # the same, gradients left out
+    grads_aligned: bool  # every gradient on the grid too (else every chunk runs odd)
     block_g: int
     cols: int  # tile columns: 4 per thread of a group
     num_warps: int
     launch: AdamWLaunch
 
+    @property
+    def even(self) -> bool:
+        """Every chunk on the EVEN kernel."""
+        return self.grads_aligned and self.odd_chunks.numel() == 0
 
-def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], bool]:
+
+def _offsets(tensors: list[torch.Tensor]) -> list[int]:
     base = tensors[0].data_ptr()
     size = tensors[0].element_size()
     offs = []
@@ -581,7 +570,7 @@ def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], bool]:
         d = t.data_ptr() - base
         assert d % size == 0, "tensors of one launch must be aligned to their element size"
         offs.append(d // size)
-    return offs, all(o % 16 == 0 for o in offs)
+    return offs
 
 
 def make_plan(
@@ -609,9 +598,8 @@ def make_plan(
     if high_precision:
         cols += [params] * 4  # unused columns
     cols.append([s["step"] for s in states])
-    offs, aligned = zip(*(_offsets(c) for c in cols), strict=True)
+    offs = [_offsets(c) for c in cols]
     numels = [p.numel() for p in params]
-    even_but_grads = aligned[0] and all(aligned[2:4]) and all(n % 16 == 0 for n in numels)
     rows = [
         [*(o[i] for o in offs[:9]), numels[i], streams[i], sr_offsets[i]]
         for i in range(len(params))
@@ -624,14 +612,21 @@ def make_plan(
         torch.cumsum(per, 0) - per, per
     )
     chunks = (tidx << 32) | (start * block_g)
+    # On the grid: param and state columns 16-aligned (gradients: checked per launch), and
+    # the chunk whole or its tensor's size a multiple of 16.
+    on_grid = (table[:, [0, 2, 3]] % 16 == 0).all(1)
+    numel = table[tidx, 9]
+    whole = numel - start * (block_g * group_size) >= block_g * group_size
+    even = on_grid[tidx] & (whole | (numel % 16 == 0))
+    chunks, odd_chunks = chunks[even], chunks[~even]
     if device.type == "cuda":
         table = table.pin_memory().to(device, non_blocking=True)
         chunks = chunks.pin_memory().to(device, non_blocking=True)
+        odd_chunks = odd_chunks.pin_memory().to(device, non_blocking=True)
     hyper = torch.empty((len(params), 4), dtype=torch.int32, device=device)
-    even = even_but_grads and aligned[1]
     return Plan(
-        chunks, table, hyper, len(params), even, even_but_grads, block_g, tile_cols, num_warps,
-        launch,
+        chunks, odd_chunks, table, hyper, len(params), all(o % 16 == 0 for o in offs[1]),
+        block_g, tile_cols, num_warps, launch,
     )  # fmt: skip
 
 
@@ -640,12 +635,12 @@ def set_grads(plan: Plan, grads: list[torch.Tensor]) -> None:
     ordered on the stream after the kernels that read the old column. Rebuilding the whole
     plan instead costs a host-side chunk table of one entry per BLOCK_G groups (6.5 M
     entries for a 7B model) every step."""
-    offs, aligned = _offsets(grads)
+    offs = _offsets(grads)
     col = torch.tensor(offs, dtype=torch.int64)
     if plan.table.device.type == "cuda":
         col = col.pin_memory().to(plan.table.device, non_blocking=True)
     plan.table[:, 1].copy_(col)
-    plan.even = plan.even_but_grads and aligned
+    plan.grads_aligned = all(o % 16 == 0 for o in offs)
 
 
 def fused_adamw_step_(
@@ -695,39 +690,42 @@ def fused_adamw_step_(
         meta = [s0[k] for k in _STATE_KEYS[2:]]
     mf, ml, mc = ref.format_constants(m_format)
     vf, vl, vc = ref.format_constants(v_format)
-    _adamw_kernel[(plan.chunks.numel(),)](
-        plan.chunks,
-        plan.table,
-        plan.hyper,
-        bad_count,
-        params[0],
-        grads[0],
-        *moments,
-        *meta,
-        ref.fp32(1.0 - beta1),
-        ref.fp32(beta2),
-        ref.fp32(1.0 - beta2),
-        ref.fp32(eps),
-        G=group_size,
-        BLOCK_G=plan.block_g,
-        COLS=plan.cols,
-        M_FMT=m_format.value,
-        M_DRE=m_dre,
-        M_FMAX=mf,
-        M_LOG2=ml,
-        M_C16=mc,
-        V_FMT=v_format.value,
-        V_DRE=v_dre,
-        V_FMAX=vf,
-        V_LOG2=vl,
-        V_C16=vc,
-        HP=high_precision,
-        SR=stochastic_rounding,
-        MAXIMIZE=maximize,
-        EVEN=plan.even,
-        PTX=not INTERPRET,
-        HW_CAST=hw_cast_supported(params[0].device),
-        num_warps=plan.num_warps,
-        enable_fp_fusion=True,
-        **({} if plan.launch.maxnreg is None else {"maxnreg": plan.launch.maxnreg}),
-    )
+    for chunks, even in ((plan.chunks, plan.grads_aligned), (plan.odd_chunks, False)):
+        if chunks.numel() == 0:
+            continue
+        _adamw_kernel[(chunks.numel(),)](
+            chunks,
+            plan.table,
+            plan.hyper,
+            bad_count,
+            params[0],
+            grads[0],
+            *moments,
+            *meta,
+            ref.fp32(1.0 - beta1),
+            ref.fp32(beta2),
+            ref.fp32(1.0 - beta2),
+            ref.fp32(eps),
+            G=group_size,
+            BLOCK_G=plan.block_g,
+            COLS=plan.cols,
+            M_FMT=m_format.value,
+            M_DRE=m_dre,
+            M_FMAX=mf,
+            M_LOG2=ml,
+            M_C16=mc,
+            V_FMT=v_format.value,
+            V_DRE=v_dre,
+            V_FMAX=vf,
+            V_LOG2=vl,
+            V_C16=vc,
+            HP=high_precision,
+            SR=stochastic_rounding,
+            MAXIMIZE=maximize,
+            EVEN=even,
+            PTX=not INTERPRET,
+            HW_CAST=hw_cast_supported(params[0].device),
+            num_warps=plan.num_warps,
+            enable_fp_fusion=True,
+            **({} if plan.launch.maxnreg is None else {"maxnreg": plan.launch.maxnreg}),
+        )
