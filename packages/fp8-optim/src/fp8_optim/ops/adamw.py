@@ -18,10 +18,11 @@ and no host-device synchronization:
 Traffic per element with fp32 params and grads: read p, g (8 B), m, v codes (2 B), write
 p, m, v (6 B), plus 10 B per group of 128 for the per-group numbers: 16.08 B, the floor of
 the memory-bound step. A group lives in registers from load to store: the update, the
-group's max and min non-zero, k, and the requantization need no second pass, and no program
-touches shared memory or waits at a barrier (per-group numbers are stored, and skipped groups
-counted, by inline PTX from the reductions' own layout). At 8 elements a thread the step is
-600 instructions, 90 of them MUFU (offline sm_90 build), 88% of the copy bandwidth on an H200.
+group's max and min non-zero, k, and the requantization need no second pass. Per-group
+numbers are stored by inline PTX from the reductions' own layout (tl.store would move them
+through shared memory, two barriers each); the only barrier left is the skipped-group count's.
+At 8 elements a thread the EVEN kernel is 616 instructions, 90 of them MUFU (offline sm_90
+build): 88% of the copy bandwidth on an H200.
 
 GPU math: ``lg2``/``ex2`` are the hardware approximations (one MUFU op each, about 2^-22
 relative error) rather than Triton's ~20-instruction accurate ``log2``: the result is
@@ -64,9 +65,9 @@ class AdamWLaunch:
     group (G / group_threads elements each), one warp per 32 / group_threads groups. Fewer
     elements per thread: fewer registers, more warps in flight to hide memory latency;
     more: the per-group work is shared by fewer threads. H200 sweep (1.20 B params, ms;
-    groups x threads/group, BENCHMARKS.md run 6): 8x16 5.12, 4x16 5.10, 16x16 5.37, 8x16
-    with maxnreg 48 5.53, 8x32 6.29 (an offline sm_90 build: 600 instructions and 56
-    registers per thread of 8 elements at 8x16; 416 and 40 per 4 elements at 8x32).
+    groups x threads/group, BENCHMARKS.md run 7): 8x16 5.16, 4x16 5.13, 16x16 5.47, 8x16
+    with maxnreg 48 5.23, 8x32 6.18 (an offline sm_90 build: 616 instructions and 56
+    registers per thread of 8 elements at 8x16; 4 elements at 8x32, 40 registers).
 
     ``num_warps``: None gives one warp per 32 / group_threads groups (a group never spans
     warps). ``maxnreg``: register cap per thread (None: the compiler's choice).
@@ -148,9 +149,9 @@ def _copysign(mag, sign):
 @triton.jit
 def _store_groups(ptrs, vals, mask, PTX: tl.constexpr):
     # One value per group, stored from the reductions' layout, where each of a group's
-    # threads holds it. tl.store would first move the values to a one-per-thread layout
-    # through shared memory (a store, two barriers and a load per array); every holder
-    # storing the same value to the same address costs one instruction and one transaction.
+    # threads (in one warp or several) holds it. tl.store would first move the values to a
+    # one-per-thread layout through shared memory (a store, two barriers and a load per
+    # array); every holder storing the same value to the same address costs one instruction.
     if PTX:
         if vals.dtype == tl.uint8:
             asm: tl.constexpr = "st.global.u8 [$1], $2;"
