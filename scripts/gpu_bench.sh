@@ -43,6 +43,12 @@ s5)  # session 5: CoatAdamW kernel (tile order, no barriers, fewer instructions)
   grep -A8 "^optimizer" "$r/optim.txt"; cat "$r/sweep_adamw.txt" 2>/dev/null | head -12
   tail -5 "$r/sweep_adamw.log"
   ;;
+s5h)  # session 5, final: every GPU test
+  timeout 250 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-quant/tests \
+    packages/fp8-optim/tests packages/fp8-activations/tests packages/coat-models/tests tests \
+    > "$r/tests.txt" 2>&1
+  tail -2 "$r/tests.txt"; grep -E "^(E |FAILED)" "$r/tests.txt" | head -30
+  ;;
 s5g)  # session 5: count fix (tl.atomic_add), even/odd chunk split: fp8-optim tests, bench, sweep
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-optim/tests \
     -rA > "$r/tests.txt" 2>&1
