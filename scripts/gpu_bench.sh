@@ -43,6 +43,12 @@ s5)  # session 5: CoatAdamW kernel (tile order, no barriers, fewer instructions)
   grep -A8 "^optimizer" "$r/optim.txt"; cat "$r/sweep_adamw.txt" 2>/dev/null | head -12
   tail -5 "$r/sweep_adamw.log"
   ;;
+s5i)  # session 5: the CoatAdamW bench with every optimizer, final kernel (carry .whl)
+  BENCH_OUT=$r/optim.json timeout 240 python3 -m pytest -s -q -p no:cacheprovider \
+    -o python_files='bench_*.py' --benchmark-only packages/fp8-optim/benchmarks/bench_adamw.py \
+    > "$r/optim.txt" 2>&1
+  grep -A20 "^optimizer" "$r/optim.txt"; tail -2 "$r/optim.txt"
+  ;;
 s5h)  # session 5, final: every GPU test
   timeout 250 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 packages/fp8-quant/tests \
     packages/fp8-optim/tests packages/fp8-activations/tests packages/coat-models/tests tests \
