@@ -615,8 +615,8 @@ def make_plan(
     chunks = (tidx << 32) | (start * block_g)
     # On the grid: param and state columns 16-aligned (gradients: checked per launch), and
     # the chunk whole or its tensor's size a multiple of 16.
-    on_grid = (table[:, [0, 2, 3]] % 16 == 0).all(1)
-    numel = table[tidx, 9]
+    on_grid = (table[:, [C_P.value, C_M.value, C_V.value]] % 16 == 0).all(1)
+    numel = table[tidx, C_NUMEL.value]
     whole = numel - start * (block_g * group_size) >= block_g * group_size
     even = on_grid[tidx] & (whole | (numel % 16 == 0))
     chunks, odd_chunks = chunks[even], chunks[~even]
