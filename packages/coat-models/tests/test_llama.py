@@ -174,6 +174,38 @@ def _check_against_fp8_gemms(ref, ids):
         assert coat >= max(WIDE_GRAD_FLOOR_DB, gemms - 1.5), (name, coat, gemms)
 
 
+def test_gradient_accumulation_reduces_weights_once_per_version(monkeypatch):
+    """Micro-batches after the first of a step find every weight's FP8 copy current: the
+    layer skips the weight-maxima reduction (one read of all its weights), with the same
+    gradients bit for bit as computing the maxima every micro-batch."""
+    from coat_models import blocks
+
+    calls = []
+    reduce = blocks.FP8_OPS.weight_amaxes
+    monkeypatch.setattr(blocks.FP8_OPS, "weight_amaxes", lambda ws: calls.append(1) or reduce(ws))
+    ids = [tokens(2, 32, seed=s) for s in (3, 4, 5)]
+
+    def accumulate(model):
+        model.zero_grad(set_to_none=True)
+        for x in ids:
+            causal_lm_loss(model(x).logits, x).backward()
+        return grads(model)
+
+    model = apply_coat(tiny_llama()).train()
+    got = accumulate(model)
+    assert len(calls) == TINY["num_hidden_layers"]  # the first micro-batch only
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1)  # as an optimizer step: new versions, the copies are stale
+    calls.clear()
+    assert all(torch.equal(got[n], g) for n, g in accumulate(model).items())
+    assert len(calls) == TINY["num_hidden_layers"]
+    monkeypatch.setattr(blocks.FP8_OPS, "weight_cache_fresh", lambda ws, cfg: False)
+    calls.clear()
+    assert all(torch.equal(got[n], g) for n, g in accumulate(model).items())
+    assert len(calls) == TINY["num_hidden_layers"] * len(ids)
+
+
 def test_wider_model_error_is_that_of_fp8_gemms():
     _check_against_fp8_gemms(tiny_llama(**WIDE).train(), tokens())
 

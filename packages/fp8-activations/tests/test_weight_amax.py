@@ -75,3 +75,18 @@ def test_bad_weight_amax_is_refused():
         fa.rms_norm_linear(x, None, 1e-6, [w, w], weight_amaxes=[torch.ones(())])
     with pytest.raises(TypeError, match="non-empty list"):
         fa.weight_amaxes(w)
+
+
+def test_weight_cache_fresh_tracks_versions():
+    """``weight_cache_fresh``: False before the first cast and after an in-place update
+    (an optimizer step bumps ``_version``), True in between; always False without the cache."""
+    w = _leaf(32, K, seed=11)
+    x = _leaf(4, K, seed=12)
+    cfg = FP8Config()
+    assert not fa.weight_cache_fresh([w], cfg)
+    fa.fp8_linear(x, w, None, cfg).float().sum().backward()
+    assert fa.weight_cache_fresh([w], cfg)
+    assert not fa.weight_cache_fresh([w], FP8Config(weight_cache=False))
+    with torch.no_grad():
+        w.mul_(1)
+    assert not fa.weight_cache_fresh([w], cfg)

@@ -20,9 +20,10 @@ implementation (``config._attn_implementation``: SDPA, flash attention, eager, .
 fused ``rms_norm_linear(x, norm_weight, eps, weights, biases, config)`` and
 ``swiglu_linear(gate, up, weight, bias, config)``, and ``weight_amaxes(weights)`` (then the
 linears take ``weight_amax=`` / ``weight_amaxes=``: one reduction launch for the layer's
-seven weights instead of two per weight): ``FP8_OPS`` are fp8_activations'
-functional ops (each saves FP8 and hands its output's FP8 form or group maxima to the next
-op), ``coat_models.reference`` the model's exact arithmetic (no fused ops).
+seven weights instead of two per weight), and ``weight_cache_fresh(weights, config)``
+(then the maxima are computed only when a weight will be cast): ``FP8_OPS`` are
+fp8_activations' functional ops (each saves FP8 and hands its output's FP8 form or group
+maxima to the next op), ``coat_models.reference`` the model's exact arithmetic (no fused ops).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ FP8_OPS = SimpleNamespace(
     swiglu_linear=fa.swiglu_linear,
     residual_add=fa.residual_add,
     weight_amaxes=fa.weight_amaxes,
+    weight_cache_fresh=fa.weight_cache_fresh,
 )
 
 
@@ -180,8 +182,15 @@ def decoder_layer(
     gate_up = [mlp_.gate_proj, mlp_.up_proj]
     linears = [*qkv, attn.o_proj, *gate_up, mlp_.down_proj]
     amaxes = getattr(ops, "weight_amaxes", None)
-    # Only while training: the weights' maxima let backward re-cast them without reductions.
-    amaxes = amaxes([lin.weight for lin in linears]) if amaxes and torch.is_grad_enabled() else None
+    weights = [lin.weight for lin in linears]
+    # Only while training: the weights' maxima let backward re-cast them without reductions;
+    # not when every weight's cached FP8 copy is current (micro-batches after the first of a
+    # step): nothing is cast then, and the reduction would read every weight for nothing.
+    fresh = getattr(ops, "weight_cache_fresh", None)
+    if amaxes and torch.is_grad_enabled() and not (fresh and fresh(weights, config)):
+        amaxes = amaxes(weights)
+    else:
+        amaxes = None
     a = amaxes or [None] * len(linears)
     out = attention(
         ops,

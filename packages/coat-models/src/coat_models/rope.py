@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_activations.ops._common import cast_out, cdiv, custom_op, next_pow2, use_triton
+from fp8_quant.ops import launch
 
 Tensor = torch.Tensor
 
@@ -183,7 +184,7 @@ def rope(
     if cos.stride(-1) != 1 or sin.stride(-1) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
     grid, meta = _launch(batch, seq, max(hq, hk), dim // 2)
-    _rope_kernel[grid](
+    launch(_rope_kernel, grid,
         q, k, q_out, k_out, cos, sin, seq, hq, hk, *q.stride(), *k.stride(),
         *cos.stride()[:2], *sin.stride()[:2], INVERSE=inverse, **meta,
     )  # fmt: skip

@@ -14,6 +14,7 @@ from .functional import (
     swiglu,
     swiglu_linear,
     weight_amaxes,
+    weight_cache_fresh,
 )
 from .modules import FP8GELU, FP8LayerNorm, FP8Linear, FP8RMSNorm, FP8SiLU
 from .tensor import FP8Tensor, Granularity, handed_over
@@ -42,4 +43,5 @@ __all__ = [
     "swiglu",
     "swiglu_linear",
     "weight_amaxes",
+    "weight_cache_fresh",
 ]

@@ -24,8 +24,10 @@ from .ops import (
     SwiGLUFunction,
     SwiGLULinearFunction,
 )
+from .ops._common import max_of
 from .ops.linear import quantize_t, use_scaled_mm, weight_fp8
 from .ops.linear import weight_amaxes as _weight_amaxes
+from .ops.linear import weight_cache_fresh as _weight_cache_fresh
 from .tensor import (
     FP8Tensor,
     Granularity,
@@ -155,6 +157,23 @@ def weight_amaxes(weights: Sequence[Tensor]) -> list[Tensor]:
     return _weight_amaxes([w.detach() for w in weights])
 
 
+def weight_cache_fresh(weights: Sequence[Tensor], config: FP8Config | None = None) -> bool:
+    """True when ``config.weight_cache`` is on and every one of ``weights`` already has its
+    FP8 copy for its current version (eager mode): the linears will not cast them, so their
+    ``weight_amax`` / ``weight_amaxes`` are not needed. A layer computes the maxima only
+    when this is False: after an optimizer step, not again for the next micro-batches of
+    gradient accumulation (a read of every weight per micro-batch saved).
+
+    >>> w = torch.randn(32, 64)
+    >>> weight_cache_fresh([w])
+    False
+    """
+    cfg = _config(config)
+    if not cfg.weight_cache or torch.compiler.is_compiling():
+        return False
+    return all(_weight_cache_fresh(w, cfg.fwd_format) for w in weights)
+
+
 def fp8_linear(
     x: Tensor,
     weight: Tensor,
@@ -195,7 +214,7 @@ def fp8_linear(
         b = None if bias is None else bias.to(x.dtype)
         return torch.nn.functional.linear(x, weight.to(x.dtype), b)
     amax = take_group_amax(x) if cfg.precision_flow else None
-    amax = None if amax is None else amax.amax()
+    amax = None if amax is None else max_of(amax)
     eager = not torch.compiler.is_compiling()
     cache = cfg.weight_cache and eager
     rows = x.reshape(-1, x.shape[-1])

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import hw_cast_supported
+from fp8_quant.ops import hw_cast_supported, launch
 
 from .. import reference
 from ._common import (
@@ -85,7 +85,7 @@ def gelu_fwd(
     x_q, x_s = quant_buffers(x, group_size, f, quant_x, eager)
     y_q, y_s, y_a = emit_buffers(y, group_size, f, emit, eager)
     grid, meta = elementwise_launch("gelu_fwd", x, group_size)
-    _gelu_fwd_kernel[grid](
+    launch(_gelu_fwd_kernel, grid,
         x, y, *out_args(y, x_q, x_s, y_q, y_s, y_a), *x.shape,
         FMT=fmt, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], TANH=_APPROX[approximate],
         HW_CAST=hw_cast_supported(x.device), **meta,
@@ -112,7 +112,7 @@ def gelu_bwd(
         return reference.gelu_bwd(dy, x_q, x_s, approximate, group_size)
     dx = torch.empty_like(dy)
     grid, meta = elementwise_launch("gelu_bwd", dy, group_size)
-    _gelu_bwd_kernel[grid](dy, x_q, x_s, dx, *dy.shape, TANH=_APPROX[approximate], **meta)
+    launch(_gelu_bwd_kernel, grid, dy, x_q, x_s, dx, *dy.shape, TANH=_APPROX[approximate], **meta)
     return dx
 
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import hw_cast_supported
+from fp8_quant.ops import hw_cast_supported, launch
 
 from .. import reference
 from ._common import (
@@ -123,7 +123,7 @@ def layer_norm_fwd(
     x_q, x_s = quant_buffers(x, group_size, f, quant_x, eager)
     y_q, y_s, y_a = emit_buffers(y, group_size, f, emit, eager)
     meta = row_launch("layer_norm_fwd", x, group_size)
-    _layer_norm_fwd_kernel[(cdiv(x.shape[0], meta["BM"]),)](
+    launch(_layer_norm_fwd_kernel, (cdiv(x.shape[0], meta["BM"]),),
         x, weight if weight is not None else x, bias if bias is not None else x, y,
         *out_args(y, x_q, x_s, y_q, y_s, y_a), *x.shape, eps,
         FMT=fmt, HAS_W=weight is not None, HAS_B=bias is not None, QUANT_X=quant_x,
@@ -158,7 +158,7 @@ def layer_norm_bwd(
     programs = row_programs("layer_norm_bwd", dy, meta["BM"])
     part_w = dy.new_empty((programs, n), dtype=torch.float32) if weight is not None else dx
     part_b = dy.new_empty((programs, n), dtype=torch.float32) if bias is not None else dx
-    _layer_norm_bwd_kernel[(programs,)](
+    launch(_layer_norm_bwd_kernel, (programs,),
         dy, x_q, x_s, weight if weight is not None else dy, dx, part_w, part_b, m, n, eps,
         HAS_W=weight is not None, HAS_B=bias is not None, **meta,
     )  # fmt: skip

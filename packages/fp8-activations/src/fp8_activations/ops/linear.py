@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import torch
 from fp8_quant import FP8Format, quantize_per_tensor, quantize_per_tensor_transpose
+from fp8_quant import ops as fp8_ops
 
 from .. import reference
 from ..tensor import take_group_amax
-from ._common import custom_op
+from ._common import custom_op, max_of, use_triton
 
 Tensor = torch.Tensor
 
@@ -34,7 +35,10 @@ def quantize_t(
 
     ``amax`` (0-dim) skips the reduction pass: group scaling hands it over.
     """
-    q, q_t, scale = quantize_per_tensor_transpose(x.contiguous(), fmt, amax=amax, backend=backend)
+    if use_triton(x, backend):  # inputs made by this package: skip the public checks
+        q, q_t, scale = fp8_ops.quantize_per_tensor_transpose(x, FP8Format(fmt), amax)
+    else:
+        q, q_t, scale = quantize_per_tensor_transpose(x, fmt, amax=amax, backend=backend)
     if q_t.data_ptr() == q.data_ptr():  # one row (or column): q.T is q; outputs may not alias
         q_t = q_t.clone()
     return q, q_t, scale
@@ -54,6 +58,8 @@ def quantize(
 ) -> tuple[Tensor, Tensor]:
     """Per-tensor quantize ``x``: ``(q, scale)``, the bits of ``quantize_t``'s ``q`` without
     the transposed copy (for a GEMM operand whose transpose backward re-forms itself)."""
+    if use_triton(x, backend):
+        return fp8_ops.quantize_per_tensor(x, FP8Format(fmt), amax)
     return quantize_per_tensor(x, fmt, amax=amax, backend=backend)
 
 
@@ -68,7 +74,7 @@ def grad_amax(dy: Tensor) -> Tensor | None:
     gate_proj / up_proj), or None: the per-tensor quantization then reduces dy itself. The
     same value either way (a max), one read of dy less."""
     group_amax = take_group_amax(dy)
-    return None if group_amax is None else group_amax.amax()
+    return None if group_amax is None else max_of(group_amax)
 
 
 def weight_amaxes(weights) -> list[Tensor]:
@@ -189,13 +195,24 @@ def weight_fp8(
     storage (``.data =`` swaps, ``.to()``), so it never goes stale; micro-batches between two
     optimizer steps reuse it.
     """
-    key = (weight._version, weight.data_ptr(), weight.dtype, fmt)
+    key = _cache_key(weight, fmt)
     hit = getattr(weight, _CACHE_ATTR, None)
     if hit is not None and hit[0] == key:
         return hit[1]
     w = quantize_t(weight.detach(), fmt.value, amax, backend)
     setattr(weight, _CACHE_ATTR, (key, w))
     return w
+
+
+def _cache_key(weight: Tensor, fmt: FP8Format) -> tuple:
+    return weight._version, weight.data_ptr(), weight.dtype, fmt
+
+
+def weight_cache_fresh(weight: Tensor, fmt: FP8Format) -> bool:
+    """Whether ``weight_fp8(weight, fmt, ...)`` would return its cached copy (no cast, so
+    no max |w| needed)."""
+    hit = getattr(weight, _CACHE_ATTR, None)
+    return hit is not None and hit[0] == _cache_key(weight, fmt)
 
 
 _SCALED_MM_PROBE: dict[str, bool] = {}

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import hw_cast_supported
+from fp8_quant.ops import hw_cast_supported, launch
 
 from .. import reference
 from ._common import (
@@ -58,7 +58,7 @@ def residual_add_fwd(
     y = torch.empty_like(x)
     y_q, y_s, y_a = emit_buffers(y, group_size, f, emit, eager)
     grid, meta = elementwise_launch("residual_add_fwd", x, group_size)
-    _residual_add_kernel[grid](
+    launch(_residual_add_kernel, grid,
         x, residual, y, *out_args(y, y_q, y_s, y_a), *x.shape,
         FMT=fmt, EMIT=EMIT_CODES[emit], HW_CAST=hw_cast_supported(x.device), **meta,
     )  # fmt: skip

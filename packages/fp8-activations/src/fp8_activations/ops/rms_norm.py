@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import hw_cast_supported
+from fp8_quant.ops import hw_cast_supported, launch
 
 from .. import reference
 from ._common import (
@@ -138,7 +138,7 @@ def rms_norm_fwd(
     y_q, y_s, y_a = emit_buffers(y, group_size, f, emit, eager)
     rstd = _rstd_buffer(x, save_rstd, eager)
     meta = row_launch("rms_norm_fwd", x, group_size)
-    _rms_norm_fwd_kernel[(cdiv(x.shape[0], meta["BM"]),)](
+    launch(_rms_norm_fwd_kernel, (cdiv(x.shape[0], meta["BM"]),),
         x, weight, y, *out_args(y, x_q, x_s, y_q, y_s, y_a, rstd), *x.shape, eps,
         FMT=fmt, QUANT_X=quant_x, EMIT=EMIT_CODES[emit], SAVE_RSTD=save_rstd,
         HW_CAST=hw_cast_supported(x.device), **meta,
@@ -175,7 +175,7 @@ def rms_norm_bwd(
     programs = row_programs("rms_norm_bwd", dy, meta["BM"])
     dw = torch.empty((programs, n), device=dy.device, dtype=torch.float32)
     parts = [p.contiguous() for p in dy_more] + [dy] * (2 - len(dy_more))
-    _rms_norm_bwd_kernel[(programs,)](
+    launch(_rms_norm_bwd_kernel, (programs,),
         dy, *parts, x_q, x_s, weight, dx, dw, m, n, eps, NDY=1 + len(dy_more), **meta
     )  # fmt: skip
     return dx, sum_rows(dw, weight.dtype)

@@ -24,13 +24,14 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import hw_cast_supported
+from fp8_quant.ops import hw_cast_supported, launch
 
 from .. import reference
 from ._common import (
     cast_out,
     custom_op,
     load_groups_t,
+    max_of,
     store_fp8_t,
     t_launch,
     t_tile,
@@ -73,7 +74,7 @@ def rms_norm_reform_t(
     y_t = torch.empty((n, m), device=x_q.device, dtype=f.torch_dtype)
     y_dtype = torch.empty(1, device=x_q.device, dtype=dtype)  # cast_out reads the dtype off it
     grid, meta = t_launch(m, n, group_size)
-    _reform_t_kernel[grid](
+    launch(_reform_t_kernel, grid,
         x_q, x_s, rstd, weight, amax, y_t.view(torch.uint8), y_dtype, m, n,
         G=group_size, FMT=fmt, HW_CAST=hw_cast_supported(x_q.device), **meta,
     )  # fmt: skip
@@ -109,7 +110,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
             x, norm_weight, eps, group_size, fwd_fmt, x_fp8 is None, "amax", True, backend
         )
         x_q, x_s = x_fp8 if x_fp8 is not None else (x_q, x_s)
-        amax = y_a.amax()
+        amax = max_of(y_a)
         # Only the row-major copy: the weight-gradient GEMMs get y^T re-formed in backward.
         y_q, y_s = quantize(y, fwd_fmt, amax, backend)
         del y

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import hw_cast_supported
+from fp8_quant.ops import hw_cast_supported, launch
 
 from .. import reference
 from ..tensor import attach
@@ -89,7 +89,7 @@ def swiglu_fwd(
     u_q, u_s = quant_buffers(up, group_size, f, quant_up, eager)
     y_q, y_s, y_a = emit_buffers(y, group_size, f, emit, eager)
     grid, meta = elementwise_launch("swiglu_fwd", gate, group_size)
-    _swiglu_fwd_kernel[grid](
+    launch(_swiglu_fwd_kernel, grid,
         gate, up, y, *out_args(y, g_q, g_s, u_q, u_s, y_q, y_s, y_a), *gate.shape,
         FMT=fmt, QUANT_GATE=quant_gate, QUANT_UP=quant_up, EMIT=EMIT_CODES[emit],
         HW_CAST=hw_cast_supported(gate.device), **meta,
@@ -123,7 +123,7 @@ def swiglu_bwd(
         else (None, None) if eager else (dy.new_empty(0, dtype=torch.float32),) * 2
     )  # fmt: skip
     grid, meta = elementwise_launch("swiglu_bwd", dy, group_size)
-    _swiglu_bwd_kernel[grid](
+    launch(_swiglu_bwd_kernel, grid,
         dy, gate_q, gate_s, up_q, up_s, d_gate, d_up, *out_args(d_gate, dg_a, du_a), *dy.shape,
         EMIT=emit_amax, **meta,
     )  # fmt: skip

@@ -19,13 +19,14 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.ops import hw_cast_supported
+from fp8_quant.ops import hw_cast_supported, launch
 
 from .. import reference
 from ._common import (
     cast_out,
     custom_op,
     load_groups_t,
+    max_of,
     store_fp8_t,
     t_launch,
     t_tile,
@@ -65,7 +66,7 @@ def swiglu_reform_t(
     s_t = torch.empty((n, m), device=g_q.device, dtype=f.torch_dtype)
     s_dtype = torch.empty(1, device=g_q.device, dtype=dtype)  # cast_out reads the dtype off it
     grid, meta = t_launch(m, n, group_size)
-    _reform_t_kernel[grid](
+    launch(_reform_t_kernel, grid,
         g_q, g_s, u_q, u_s, amax, s_t.view(torch.uint8), s_dtype, m, n,
         G=group_size, FMT=fmt, HW_CAST=hw_cast_supported(g_q.device), **meta,
     )  # fmt: skip
@@ -97,7 +98,7 @@ class SwiGLULinearFunction(torch.autograd.Function):
         )
         g_q, g_s = gate_fp8 if gate_fp8 is not None else (g_q, g_s)
         u_q, u_s = up_fp8 if up_fp8 is not None else (u_q, u_s)
-        amax = s_amax.amax()
+        amax = max_of(s_amax)
         s_q, s_s = quantize(s, fwd_fmt, amax, backend)  # s.T is re-formed in backward
         del s
         if w_fp8 is not None:

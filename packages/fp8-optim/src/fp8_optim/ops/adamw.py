@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from fp8_quant.ops import cdiv, fp8_encode, hw_cast_supported, triton_interpreting
+from fp8_quant.ops import cdiv, fp8_encode, hw_cast_supported, launch, triton_interpreting
 
 from .. import reference as ref
 
@@ -669,7 +669,9 @@ def fused_adamw_step_(
     s0 = states[0]
     lr_tensor = isinstance(lr, torch.Tensor)
     lr_hi, lr_lo = (0.0, 0.0) if lr_tensor else ref.split_f64(lr)
-    _hyper_kernel[(cdiv(plan.n_tensors, 128),)](
+    launch(
+        _hyper_kernel,
+        (cdiv(plan.n_tensors, 128),),
         plan.table,
         s0["step"],
         plan.hyper,
@@ -694,7 +696,9 @@ def fused_adamw_step_(
     for chunks, even in ((plan.chunks, plan.grads_aligned), (plan.odd_chunks, False)):
         if chunks.numel() == 0:
             continue
-        _adamw_kernel[(chunks.numel(),)](
+        launch(
+            _adamw_kernel,
+            (chunks.numel(),),
             chunks,
             plan.table,
             plan.hyper,

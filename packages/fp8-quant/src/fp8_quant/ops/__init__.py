@@ -3,10 +3,12 @@
 Launchers take already-validated arguments (``fp8_quant.api`` checks them) and return the
 same bits as the matching ``fp8_quant.reference`` function. The ``@triton.jit`` building
 blocks in ``fp8_round`` are public: other packages' kernels import them from here, with
-``hw_cast_supported`` (host) for ``fp8_encode``'s ``HW_CAST``.
+``hw_cast_supported`` (host) for ``fp8_encode``'s ``HW_CAST``, and ``launch``, the
+launcher with less host time than ``kernel[grid](...)``.
 """
 
 from ._host import cdiv, next_pow2
+from ._launch import launch
 from .fp8_round import (
     abs_max,
     fp8_encode,
@@ -17,7 +19,7 @@ from .fp8_round import (
 )
 from .quantize_per_block import quantize_per_block
 from .quantize_per_group import group_amax, quantize_per_group
-from .quantize_per_tensor import quantize_per_tensor, tensor_amax
+from .quantize_per_tensor import max_abs, quantize_per_tensor, tensor_amax
 from .quantize_per_tensor_transpose import quantize_per_tensor_transpose
 
 __all__ = [
@@ -27,6 +29,8 @@ __all__ = [
     "fp8_scale",
     "group_amax",
     "hw_cast_supported",
+    "launch",
+    "max_abs",
     "next_pow2",
     "quantize_per_block",
     "quantize_per_group",

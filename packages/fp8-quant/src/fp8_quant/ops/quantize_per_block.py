@@ -11,6 +11,7 @@ import triton.language as tl
 
 from ..formats import FP8Format
 from ._host import cdiv
+from ._launch import launch
 from .fp8_round import abs_max, fp8_encode, fp8_scale, hw_cast_supported
 
 _MAX_TILE = 16384  # elements of a sub-tile: 64 per thread at 8 warps
@@ -73,7 +74,7 @@ def quantize_per_block(
     # Sub-tile: the whole block if small enough, else as wide as allowed (rows are contiguous).
     tn = min(bn, _MAX_TILE)
     tm = min(bm, max(1, _MAX_TILE // tn))
-    _per_block_kernel[(scales.numel(),)](
+    launch(_per_block_kernel, (scales.numel(),),
         x, q.view(torch.uint8), scales,
         m, n, x.stride(0), x.stride(1),
         FMT=fmt.value, HW_CAST=hw_cast_supported(x.device),

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ..formats import FP8Format
 from ._host import cdiv, next_pow2
+from ._launch import launch
 from .fp8_round import abs_max, fp8_encode, fp8_scale, hw_cast_supported
 
 
@@ -106,7 +107,7 @@ def _launch(x: torch.Tensor, group_size: int, fmt: FP8Format | None):
     if x.numel() == 0:
         return q, out
 
-    launch = LAUNCH
+    tune = LAUNCH
     chunk = min(group_size, _MAX_CHUNK)
     if n % group_size == 0 and x.is_contiguous():
         x2 = x.view(-1, group_size)  # one long column of groups
@@ -114,17 +115,17 @@ def _launch(x: torch.Tensor, group_size: int, fmt: FP8Format | None):
         x2 = x.reshape(-1, n)  # a view unless the strides make that impossible
     m, n2 = x2.shape
     ng2 = cdiv(n2, group_size)
-    bg = min(next_pow2(ng2), max(1, launch.tile // chunk))
-    bm = max(1, launch.tile // (bg * chunk))
+    bg = min(next_pow2(ng2), max(1, tune.tile // chunk))
+    bm = max(1, tune.tile // (bg * chunk))
     grid = (cdiv(m, bm) * cdiv(ng2, bg),)
     q2 = q.view(torch.uint8).view(m, n2) if fmt else x2  # x2 is never written without fmt
-    _group_kernel[grid](
+    launch(_group_kernel, grid,
         x2, q2, out,
         m, n2, ng2,
         x2.stride(0), x2.stride(1), n2, ng2,
         FMT=fmt.value if fmt else "e4m3", G=group_size, CHUNK=chunk,
         BM=bm, BG=bg, QUANTIZE=fmt is not None, HW_CAST=hw_cast_supported(x.device),
-        num_warps=launch.num_warps or (8 if bm * bg * chunk >= 4096 else 4),
+        num_warps=tune.num_warps or (8 if bm * bg * chunk >= 4096 else 4),
     )  # fmt: skip
     return q, out
 

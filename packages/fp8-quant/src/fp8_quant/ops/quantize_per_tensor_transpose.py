@@ -12,6 +12,7 @@ import triton.language as tl
 
 from ..formats import FP8Format
 from ._host import cdiv
+from ._launch import launch
 from .fp8_round import fp8_encode, fp8_scale, hw_cast_supported
 from .quantize_per_tensor import resolve_amax
 
@@ -58,7 +59,7 @@ def quantize_per_tensor_transpose(
     qt = torch.empty((n, m), device=x.device, dtype=fmt.torch_dtype)
     scale = torch.empty((), device=x.device, dtype=torch.float32)
     grid = (max(1, cdiv(m, _BM) * cdiv(n, _BN)),)  # >= 1: it writes scale
-    _per_tensor_transpose_kernel[grid](
+    launch(_per_tensor_transpose_kernel, grid,
         x, q.view(torch.uint8), qt.view(torch.uint8), amax, scale,
         m, n, x.stride(0), x.stride(1),
         FMT=fmt.value, HW_CAST=hw_cast_supported(x.device), BM=_BM, BN=_BN,

@@ -1,0 +1,77 @@
+"""``launch(kernel, grid, *args, **meta)``: ``kernel[grid](*args, **meta)`` with less host time.
+
+Triton's ``JITFunction.run`` costs about 19 us of host time per launch on an H200's host
+(binding keyword arguments, specializing every argument, building a cache key from strings,
+asking torch for the current device and stream, checking globals); the compiled kernel's own
+launcher costs about 7 us (``benchmarks`` of this package, ``profile_host.py`` of
+coat-models). A COAT decoder layer launches ~40 kernels per forward and backward, so the
+difference is about half a millisecond of host time per layer and step.
+
+Here the first launch of each *specialization* goes through ``kernel[grid]``, which compiles
+(or finds) the kernel and returns it; later launches of the same specialization call its
+launcher directly. The specialization key is what Triton specializes on, or finer: per
+tensor argument its dtype and whether its address is 16-byte aligned; per integer whether it
+is 1, a multiple of 16 and fits in 32 bits; the type of other arguments; the values of the
+keyword arguments (constexprs and launch options). So a launch never runs a kernel compiled
+for other arguments: at worst a key is finer than Triton's, and then Triton's own cache
+answers the first call.
+
+The interpreter (``TRITON_INTERPRET=1``) takes the ordinary path on every call, and so does
+a kernel whose first launch found Triton's launch hooks set (its profiler): set them before
+the first launch to see every launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .fp8_round import triton_interpreting
+
+_INTERPRETING = triton_interpreting()
+_INT32 = range(-(2**31), 2**31)
+# (kernel, number of positional args, keyword items, device) -> [(arg keys, entry)]
+_CACHE: dict[tuple, dict[tuple, tuple]] = {}
+
+
+def _key(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if type(a) is int:
+        return a == 1, a & 15 == 0, a in _INT32
+    return type(a)
+
+
+def _hooks_set() -> bool:
+    rt = triton.knobs.runtime
+    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
+    """Launch the ``@triton.jit`` ``kernel`` on ``grid`` (a tuple of 1 to 3 ints) with
+    positional ``args`` (tensors, ints, floats, bools) and keyword ``meta`` (constexprs and
+    launch options such as ``num_warps``): the same kernel and bits as
+    ``kernel[grid](*args, **meta)``. Launches on the current device's current stream."""
+    if _INTERPRETING:
+        kernel[grid](*args, **meta)
+        return
+    device = torch._C._cuda_getDevice()
+    site = (kernel, len(args), tuple(meta.items()), device)
+    entries = _CACHE.get(site)
+    key = tuple(map(_key, args))
+    entry = None if entries is None else entries.get(key)
+    if entry is None:
+        compiled = kernel[grid](*args, **meta)
+        if compiled is not None and not _hooks_set():
+            names = [p.name for p in kernel.params][len(args) :]
+            defaults = {p.name: p.default for p in kernel.params}
+            tail = tuple(meta[n] if n in meta else defaults[n] for n in names)
+            _CACHE.setdefault(site, {})[key] = (
+                compiled.run, compiled.function, compiled.packed_metadata, tail
+            )  # fmt: skip
+        return
+    run, function, packed, tail = entry
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    run(grid[0], g1, g2, stream, function, packed, None, None, None, *args, *tail)
