@@ -818,3 +818,45 @@ def test_gpu_activation_memory_and_checkpointing():
     # the replay gives coat/plain 0.53 and ckpt/coat 0.54.
     assert p_coat < 0.8 * p_plain, mib
     assert p_ckpt < 0.7 * p_coat, mib
+
+
+@pytest.mark.gpu
+def test_gpu_fast_host_path_is_the_previous_path_bit_for_bit(monkeypatch):
+    """The host-time cuts change no bit: direct launches of compiled kernels
+    (``fp8_quant.ops.launch``) and skipping the weight maxima on later micro-batches,
+    against ``kernel[grid]`` launches and maxima every micro-batch: two steps of two
+    micro-batches, fp32 master weights under bf16 autocast, losses and every gradient."""
+    import fp8_quant.ops._launch as launch_module
+    from coat_models import blocks
+
+    ref = tiny_llama(**WIDE).cuda().train()
+    ids = [tokens(2, 64, seed=s).cuda() for s in (1, 2)]
+
+    def run():
+        model = apply_coat(copy.deepcopy(ref))
+        out = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            for x in ids:
+                with torch.autocast("cuda", torch.bfloat16):
+                    loss = model(x, labels=x).loss
+                loss.backward()
+                out.append(loss.detach())
+            out += [p.grad.clone() for p in model.parameters()]
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-1e-3)
+        return out
+
+    fast = run()
+
+    class NoStore(dict):  # every launch through kernel[grid]
+        def get(self, key, default=None):
+            return None
+
+    monkeypatch.setattr(launch_module, "_CACHE", NoStore())
+    monkeypatch.setattr(blocks.FP8_OPS, "weight_cache_fresh", lambda ws, cfg: False)
+    slow = run()
+    assert len(fast) == len(slow)
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)

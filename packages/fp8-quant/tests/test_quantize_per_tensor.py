@@ -97,23 +97,6 @@ def test_adversarial_gpu(cuda, dtype, fmt, adversarial, assert_same_bits):
     _check(x.to(cuda).t(), fmt, assert_same_bits)
 
 
-@pytest.mark.parametrize("n", [1, 13, 8192, 8193, 40000], ids=lambda n: f"N{n}")
-def test_max_abs_is_torch_amax(interpreter, n):
-    """``ops.max_abs``: one launch, programs combined by an integer atomic max: the same
-    value as ``abs().amax()``, also for zeros, subnormals, infinities and NaN."""
-    from fp8_quant.ops import max_abs
-
-    gen = torch.Generator().manual_seed(n)
-    x = torch.randn(n, generator=gen) * torch.logspace(-40, 30, n)
-    assert torch.equal(max_abs(x), x.abs().amax())
-    assert torch.equal(max_abs(torch.zeros(n)), torch.tensor(0.0))
-    x[n // 2] = -float("inf")
-    assert torch.equal(max_abs(x), torch.tensor(float("inf")))
-    x[n - 1] = float("nan")
-    assert max_abs(x).isnan()
-    assert max_abs(x).dim() == 0 and max_abs(x).dtype == torch.float32
-
-
 @pytest.mark.gpu
 def test_fast_launch_respecializes_for_unaligned_input(assert_same_bits):
     """``ops.launch`` reuses a compiled kernel only for arguments Triton would specialize

@@ -24,7 +24,6 @@ from .ops import (
     SwiGLUFunction,
     SwiGLULinearFunction,
 )
-from .ops._common import max_of
 from .ops.linear import quantize_t, use_scaled_mm, weight_fp8
 from .ops.linear import weight_amaxes as _weight_amaxes
 from .ops.linear import weight_cache_fresh as _weight_cache_fresh
@@ -214,7 +213,7 @@ def fp8_linear(
         b = None if bias is None else bias.to(x.dtype)
         return torch.nn.functional.linear(x, weight.to(x.dtype), b)
     amax = take_group_amax(x) if cfg.precision_flow else None
-    amax = None if amax is None else max_of(amax)
+    amax = None if amax is None else amax.amax()
     eager = not torch.compiler.is_compiling()
     cache = cfg.weight_cache and eager
     rows = x.reshape(-1, x.shape[-1])

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from fp8_quant import FP8Format
 from fp8_quant.api import resolve_backend
-from fp8_quant.ops import abs_max, cdiv, fp8_encode, fp8_scale, launch, max_abs, next_pow2
+from fp8_quant.ops import abs_max, cdiv, fp8_encode, fp8_scale, launch, next_pow2
 
 EMIT_CODES = {"none": 0, "amax": 1, "fp8": 2}
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -87,13 +87,6 @@ def _multiprocessors(index: int) -> int:
 
 def use_triton(x: torch.Tensor, backend: str) -> bool:
     return resolve_backend(x, backend) == "triton"
-
-
-def max_of(group_amax: torch.Tensor) -> torch.Tensor:
-    """0-dim max of a tensor of per-group maxima (group scaling's per-tensor amax): one
-    Triton launch on CUDA (``fp8_quant.ops.max_abs``: a fifth of the host time of
-    ``.amax()``), ``.amax()`` elsewhere. The same value either way."""
-    return max_abs(group_amax) if group_amax.is_cuda else group_amax.amax()
 
 
 # ------------------------------------------------------------------ buffers (launchers)

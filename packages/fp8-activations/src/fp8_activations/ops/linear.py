@@ -22,7 +22,7 @@ from fp8_quant import ops as fp8_ops
 
 from .. import reference
 from ..tensor import take_group_amax
-from ._common import custom_op, max_of, use_triton
+from ._common import custom_op, use_triton
 
 Tensor = torch.Tensor
 
@@ -74,7 +74,7 @@ def grad_amax(dy: Tensor) -> Tensor | None:
     gate_proj / up_proj), or None: the per-tensor quantization then reduces dy itself. The
     same value either way (a max), one read of dy less."""
     group_amax = take_group_amax(dy)
-    return None if group_amax is None else max_of(group_amax)
+    return None if group_amax is None else group_amax.amax()
 
 
 def weight_amaxes(weights) -> list[Tensor]:

@@ -26,7 +26,6 @@ from ._common import (
     cast_out,
     custom_op,
     load_groups_t,
-    max_of,
     store_fp8_t,
     t_launch,
     t_tile,
@@ -98,7 +97,7 @@ class SwiGLULinearFunction(torch.autograd.Function):
         )
         g_q, g_s = gate_fp8 if gate_fp8 is not None else (g_q, g_s)
         u_q, u_s = up_fp8 if up_fp8 is not None else (u_q, u_s)
-        amax = max_of(s_amax)
+        amax = s_amax.amax()
         s_q, s_s = quantize(s, fwd_fmt, amax, backend)  # s.T is re-formed in backward
         del s
         if w_fp8 is not None:

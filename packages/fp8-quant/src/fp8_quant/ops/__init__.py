@@ -19,7 +19,7 @@ from .fp8_round import (
 )
 from .quantize_per_block import quantize_per_block
 from .quantize_per_group import group_amax, quantize_per_group
-from .quantize_per_tensor import max_abs, quantize_per_tensor, tensor_amax
+from .quantize_per_tensor import quantize_per_tensor, tensor_amax
 from .quantize_per_tensor_transpose import quantize_per_tensor_transpose
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "group_amax",
     "hw_cast_supported",
     "launch",
-    "max_abs",
     "next_pow2",
     "quantize_per_block",
     "quantize_per_group",

@@ -36,15 +36,20 @@ _CACHE: dict[tuple, dict[tuple, tuple]] = {}
 
 def _key(a):
     if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() & 15 == 0
+        return a.dtype, (a.data_ptr() & 15) == 0
     if type(a) is int:
-        return a == 1, a & 15 == 0, a in _INT32
+        return a == 1, (a & 15) == 0, a in _INT32
     return type(a)
+
+
+def _hook_set(hook) -> bool:
+    # Triton 3.6+ keeps launch hooks in always-present chains (empty: no hook).
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _hooks_set() -> bool:
     rt = triton.knobs.runtime
-    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+    return _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
@@ -56,7 +61,8 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
         kernel[grid](*args, **meta)
         return
     device = torch._C._cuda_getDevice()
-    site = (kernel, len(args), tuple(meta.items()), device)
+    # id(): kernels are module-level objects; hashing a JITFunction hashes its source key.
+    site = (id(kernel), len(args), tuple(meta.items()), device)
     entries = _CACHE.get(site)
     key = tuple(map(_key, args))
     entry = None if entries is None else entries.get(key)

@@ -13,7 +13,7 @@ import triton.language as tl
 from ..formats import FP8Format
 from ._host import cdiv, next_pow2
 from ._launch import launch
-from .fp8_round import abs_max, fp8_encode, fp8_scale, hw_cast_supported
+from .fp8_round import fp8_encode, fp8_scale, hw_cast_supported
 from .quantize_per_group import group_amax
 
 _BLOCK = 8192  # elements per program (32 per thread at 8 warps)
@@ -36,28 +36,6 @@ def _per_tensor_kernel(
     tl.store(q_ptr + offs, fp8_encode(x * inv_scale, FMT, HW_CAST), mask=mask)
 
 
-@triton.jit
-def _max_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    # abs_max reduces the sign-cleared bits as int32 (NaN sorts above +inf), so one integer
-    # atomic max per program combines the programs' maxima in float order, NaN included.
-    tl.atomic_max(out_ptr, abs_max(x, 0).to(tl.int32, bitcast=True))
-
-
-def max_abs(x: torch.Tensor) -> torch.Tensor:
-    """0-dim fp32 ``x.abs().amax()`` of a contiguous fp32 tensor (NaN if any element is NaN),
-    in one launch. For the small tensors of partial maxima that group scaling reduces: torch's
-    ``amax`` of a 2-D tensor of a few MB costs ~50 us of host time on an H200's host (a
-    multi-block reduction with a zeroed staging buffer), this ~15 us (``torch.zeros`` and a
-    launch)."""
-    out = torch.zeros((), device=x.device, dtype=torch.float32)
-    n = x.numel()
-    if n:
-        launch(_max_kernel, (cdiv(n, _BLOCK),), x, out.view(torch.int32), n, BLOCK=_BLOCK)
-    return out
-
-
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """0-dim fp32 max of ``|x|`` (NaN if any element is NaN): partial maxima, then a tiny
     reduction of them. Non-contiguous 2-D inputs are read in place, row by row."""
@@ -67,7 +45,7 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     else:
         x2 = x.reshape(-1, x.shape[-1])
         group = min(_AMAX_GROUP, next_pow2(x.shape[-1]))
-    return max_abs(group_amax(x2, group))
+    return group_amax(x2, group).amax()
 
 
 def resolve_amax(x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
@@ -75,7 +53,7 @@ def resolve_amax(x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
     if amax is None:
         return tensor_amax(x)
     if amax.dim() == 0 and amax.dtype == torch.float32 and amax.device == x.device:
-        return amax  # the common case (group scaling's max_abs): two torch calls less
+        return amax  # the common case (group scaling's amax): two torch calls less
     return amax.reshape(()).to(device=x.device, dtype=torch.float32)
 
 

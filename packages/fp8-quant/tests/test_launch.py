@@ -1,0 +1,91 @@
+"""``ops.launch``: after the first launch of a specialization, later launches call the
+compiled kernel's launcher directly; anything Triton specializes on (dtype, 16-byte
+alignment, an integer being 1, a multiple of 16 or past 32 bits, constexpr values) gets a
+launch through ``kernel[grid]`` first. On CPU with a stand-in kernel (the interpreter never
+takes the direct path); the GPU tests run every kernel through it."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import triton
+from fp8_quant.ops import _launch
+
+
+class _Param:
+    def __init__(self, p: inspect.Parameter):
+        self.name, self.default = p.name, p.default
+
+
+class FakeKernel:
+    """Records how each launch went: ``("jit", grid, args, meta)`` through ``kernel[grid]``,
+    ``("direct", grid, stream, args)`` through the compiled kernel's launcher."""
+
+    def __init__(self):
+        def signature(X, Y, n, eps, BLOCK: int, FLAG: bool = True):  # noqa: N803
+            pass
+
+        self.params = [_Param(p) for p in inspect.signature(signature).parameters.values()]
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.log.append(("jit", grid, args, meta))
+            compiled = type("Compiled", (), {})()
+            compiled.function, compiled.packed_metadata = "fn", "meta"
+            compiled.run = lambda *a: self.log.append(("direct", a[:3], a[3], a[9:]))
+            return compiled
+
+        return run
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setattr(_launch, "_INTERPRETING", False)
+    monkeypatch.setattr(_launch, "_CACHE", {})
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
+    return FakeKernel()
+
+
+def test_direct_after_first_launch(kernel):
+    x, y = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16)
+    _launch.launch(kernel, (3,), x, y, 4096, 1e-6, BLOCK=64, num_warps=4)
+    _launch.launch(kernel, (5, 2), x, y, 4096, 1e-5, BLOCK=64, num_warps=4)
+    assert [e[0] for e in kernel.log] == ["jit", "direct"]
+    # Grid padded to three dims, the current stream, every argument in signature order:
+    # positional ones, then the constexprs (FLAG from its default).
+    assert kernel.log[1] == ("direct", (5, 2, 1), 1234, (x, y, 4096, 1e-5, 64, True))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda x, y, n: (x[1:], y, n), id="unaligned-tensor"),
+        pytest.param(lambda x, y, n: (x.double(), y, n), id="dtype"),
+        pytest.param(lambda x, y, n: (x, y, 1), id="int-is-1"),
+        pytest.param(lambda x, y, n: (x, y, 4097), id="int-not-multiple-of-16"),
+        pytest.param(lambda x, y, n: (x, y, 2**33), id="int-past-32-bits"),
+    ],
+)
+def test_new_specialization_goes_through_triton(kernel, change):
+    x, y = torch.zeros(64), torch.zeros(64)
+    _launch.launch(kernel, (1,), x, y, 4096, 0.5, BLOCK=64)
+    _launch.launch(kernel, (1,), *change(x, y, 4096), 0.5, BLOCK=64)
+    _launch.launch(kernel, (1,), x, y, 4096, 0.5, BLOCK=128)  # another constexpr value
+    assert [e[0] for e in kernel.log] == ["jit", "jit", "jit"]
+
+
+def test_hooks_keep_every_launch_on_triton(kernel, monkeypatch):
+    rt = triton.knobs.runtime
+    hook = rt.launch_enter_hook
+    if hasattr(hook, "calls"):  # Triton 3.6+: a chain of hooks
+        monkeypatch.setattr(hook, "calls", [print])
+    else:
+        monkeypatch.setattr(rt, "launch_enter_hook", print)
+    x = torch.zeros(64)
+    for _ in range(3):
+        _launch.launch(kernel, (1,), x, x, 16, 0.5, BLOCK=64)
+    assert [e[0] for e in kernel.log] == ["jit", "jit", "jit"]
