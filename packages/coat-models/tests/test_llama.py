@@ -206,6 +206,48 @@ def test_gradient_accumulation_reduces_weights_once_per_version(monkeypatch):
     assert len(calls) == TINY["num_hidden_layers"] * len(ids)
 
 
+def test_torch_compile_runs_coat_layers_eagerly(monkeypatch):
+    """``torch.compile(model)``: COAT layers leave the traced graph (one break per layer) and
+    run their eager path, precision flow included (``decoder_layer`` runs at every call, not
+    once while tracing); the same loss and gradients, bit for bit. Per-layer compilation,
+    what users do for speed, likewise."""
+    from coat_models import blocks
+
+    calls = []
+    layer_fn = blocks.decoder_layer
+
+    def counted(*args, **kwargs):
+        calls.append(torch.compiler.is_compiling())
+        return layer_fn(*args, **kwargs)
+
+    monkeypatch.setattr(blocks, "decoder_layer", counted)
+    torch._dynamo.reset()
+    model = apply_coat(tiny_llama()).train()
+    ids = tokens(2, 32)
+
+    def loss_and_grads(fn):
+        model.zero_grad(set_to_none=True)
+        loss = fn(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    want = loss_and_grads(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    for _ in range(2):
+        calls.clear()
+        got = loss_and_grads(compiled)
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        assert calls == [False] * TINY["num_hidden_layers"]  # run, not traced
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    for _ in range(2):
+        calls.clear()
+        got = loss_and_grads(model)
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        assert calls == [False] * TINY["num_hidden_layers"]
+    torch._dynamo.reset()
+
+
 def test_wider_model_error_is_that_of_fp8_gemms():
     _check_against_fp8_gemms(tiny_llama(**WIDE).train(), tokens())
 

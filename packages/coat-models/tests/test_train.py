@@ -58,7 +58,7 @@ def test_config_cuda_graphs_needs_fp8_activations_without_weight_cache():
 @pytest.mark.parametrize("accum", [1, 2])
 def test_gpu_trainer_cuda_graphs_same_losses(accum):
     """coat-train --cuda-graphs: the same losses and weights as the eager run, bit for bit,
-    with the layers' graphs recorded (and replayed on the first micro-batch of each step)."""
+    with the layers' graphs recorded (and replayed on every micro-batch)."""
     from coat_models.data import load_data
     from coat_models.presets import build_model, preset_config
     from coat_models.train import Trainer

@@ -25,12 +25,11 @@ What a replay computes is what was recorded, so:
   were overwritten (a second backward with ``retain_graph=True``) raises instead of returning
   wrong gradients; gradients taken with ``torch.autograd.grad`` are the graphs' buffers,
   valid until the next replay;
-* a parameter's ``.grad`` is then the graph's own output buffer, valid until the next replay
-  of any layer (the graphs share one memory pool): so graphs replay only while no graphed
-  layer's parameter has a ``.grad``, i.e. the first micro-batch after
-  ``zero_grad(set_to_none=True)``. Further micro-batches of a gradient accumulation run
-  eagerly (and add to those buffers in place, correctly); ``zero_grad(set_to_none=False)``
-  keeps every step eager.
+* after the first micro-batch of a step a parameter's ``.grad`` is the graph's own output
+  buffer (``AccumulateGrad`` takes it over), valid until the next replay: every further
+  replay (the next micro-batch of a gradient accumulation, or a step after
+  ``zero_grad(set_to_none=False)``) first gives such parameters a copy of their own, which
+  the replay's gradients are added to in place. Every micro-batch replays;
 
 The layer output carries no FP8 hand-over for the next layer (which quantizes its input
 itself: the same bits, one quantization more). Layer outputs (e.g. with
@@ -223,17 +222,37 @@ class _Guard(torch.autograd.Function):
 _NEUTRAL_KWARGS = {"position_ids", "cache_position", "num_items_in_batch"}
 
 
+_OWN = "_coat_own_grad"  # on a .grad tensor that is no graph's output buffer
+
+
+def _own_grads(layers: list[nn.Module]) -> None:
+    """Give every graphed layer parameter that holds a ``.grad`` one of its own.
+
+    A replayed backward writes the weight gradients into the graph's output buffers, and
+    ``AccumulateGrad`` takes such a buffer over as ``.grad`` when the parameter has none
+    (the first micro-batch after ``zero_grad(set_to_none=True)``): the next replay would
+    overwrite it. So before a replay, a ``.grad`` that may be such a buffer is replaced by a
+    copy (once per step: the copy is marked), and the replay's gradient is then added to it
+    in place, as in eager accumulation. The same values; one copy of the layers' gradients
+    per optimizer step with gradient accumulation, none without."""
+    for layer in layers:
+        for p in layer.parameters():
+            g = p.grad
+            if g is not None and not getattr(g, _OWN, False):
+                g = g.clone()
+                setattr(g, _OWN, True)
+                p.grad = g
+
+
 def _may_replay(state: dict, layers: list[nn.Module]) -> bool:
-    """Decided at the first layer of each forward. Graphs replay only when (a) no graphed
-    layer's parameter holds a ``.grad``: the replays' weight gradients are the graphs'
-    output buffers, which ``AccumulateGrad`` takes over and the next replay of any layer
-    overwrites (accumulation runs eagerly instead, adding to them in place); and (b) the
-    previous graphed forward's backward has run or its output is gone (no pending
-    recordings to overwrite)."""
+    """Decided at the first layer of each forward: graphs replay unless the previous graphed
+    forward still waits for its backward (its recordings must not be overwritten); the
+    layers' gradients are then made their own (``_own_grads``)."""
     pending = state.get("pending")
     if pending is not None and pending() is not None:
         return False
-    return all(p.grad is None for layer in layers for p in layer.parameters())
+    _own_grads(layers)
+    return True
 
 
 def _on_gpu(hidden) -> bool:

@@ -180,6 +180,12 @@ class _CoatDecoderLayer(_CoatMixin):
         checkpointing = getattr(self, "gradient_checkpointing", False)
         if not (self.training and (torch.is_grad_enabled() or checkpointing)):
             return super().forward(hidden_states, *args, **kwargs)
+        if torch.compiler.is_compiling():
+            return _coat_forward_eager(self, hidden_states, *args, **kwargs)
+        return self._coat_forward(hidden_states, *args, **kwargs)
+
+    def _coat_forward(self, hidden_states, *args, **kwargs):
+        checkpointing = getattr(self, "gradient_checkpointing", False)
         if args:
             kwargs = _bind(self._coat_original_class, (hidden_states, *args), kwargs)
             hidden_states = kwargs.pop("hidden_states")
@@ -216,6 +222,16 @@ class _CoatDecoderLayer(_CoatMixin):
 
     def extra_repr(self) -> str:
         return f"coat={self.coat_config}"
+
+
+@torch.compiler.disable
+def _coat_forward_eager(layer, hidden_states, *args, **kwargs):
+    """A COAT layer's training forward inside ``torch.compile``: run eagerly, outside the
+    traced graph (a graph break per layer). Traced, the FP8 ops are opaque custom ops that
+    hand nothing over (each quantizes its own input again, and the layer saves more), which
+    measured slower than eager; eagerly the layer keeps its whole precision flow, and
+    ``torch.compile(model)`` compiles the rest of the model (embeddings, final norm, loss)."""
+    return layer._coat_forward(hidden_states, *args, **kwargs)
 
 
 class _CoatCausalLM(_CoatMixin):
