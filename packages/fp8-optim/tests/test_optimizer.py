@@ -422,7 +422,7 @@ def test_load_state_dict_rejects_mismatches():
     clones, opt2 = _clone_setup(params)
     bad = _save_load(sd)
     bad["state"][0]["exp_avg"] = bad["state"][0]["exp_avg"][:10]
-    with pytest.raises(ValueError, match="elements"):
+    with pytest.raises(ValueError, match="shape"):
         opt2.load_state_dict(bad)
     bad = _save_load(sd)
     bad["state"][1]["max_exp_avg_sq"] = torch.zeros(300)
@@ -467,3 +467,403 @@ def test_state_dict_moves_between_cpu_and_cuda(h):
         for k, v in opt_cuda.state[p].items():
             assert not opt_cpu.state[q][k].is_cuda
             h.assert_same_bits(opt_cpu.state[q][k], v.cpu(), k)
+
+
+# ------------------------------------------------------------- zero-size and meta params
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_zero_size_parameters(backend, request, h):
+    if backend == "triton":
+        request.getfixturevalue("needs_triton")
+    shapes = ((0, 4), (0,), (4, 0), (0, 256), (37, 41))
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    cfg = CoatAdamWConfig(backend=backend)
+    opt = CoatAdamW(params, lr=1e-2, config=cfg)
+    _feed(params, opt, 2, seed=0)
+    sd = _save_load(opt.state_dict())
+    assert sd["state"][0]["exp_avg_amax"].shape == (0,)
+    assert sd["state"][3]["exp_avg_amax"].shape == (0, 2)  # rows of whole groups: (rows, 2)
+    assert sd["state"][4]["step"].item() == 2
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = CoatAdamW(clones, lr=1e-2, config=cfg)
+    opt2.load_state_dict(sd)
+    h.assert_same_state(opt, params, opt2, clones)
+    _feed(params, opt, 1, seed=1)
+    _feed(clones, opt2, 1, seed=1)
+    h.assert_same_state(opt, params, opt2, clones)
+    adamw = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params])
+    adamw.load_state_dict(opt.to_adamw_state_dict())
+    assert adamw.state_dict()["state"][0]["exp_avg"].shape == (0, 4)
+
+
+def test_meta_parameters_get_a_clear_error():
+    with pytest.raises(ValueError, match="meta device.*to_empty"):
+        CoatAdamW([torch.nn.Parameter(torch.empty(4, 4, device="meta"))])
+    with pytest.raises(ValueError, match="meta"):
+        CoatAdamW([_p(4)], lr=torch.tensor(1e-3, device="meta"))
+    p = _p(4, 4)
+    opt = CoatAdamW([p])
+    # moved after construction (module.to("meta") with swap_module_params_on_conversion)
+    torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(4, 4, device="meta")))
+    p.grad = torch.empty(4, 4, device="meta")
+    with pytest.raises(ValueError, match="meta device"):
+        opt.step()
+    assert not opt.state[p]
+
+
+# ------------------------------------------------------------------- param-group keys
+@pytest.mark.parametrize("key", ["optim_bits", "min_8bit_size", "percentile_clipping", "lr_"])
+def test_unknown_param_group_keys_are_rejected(key):
+    with pytest.raises(
+        ValueError, match=rf"unknown parameter-group key\(s\) \['{key}'\].*lr, betas"
+    ):
+        CoatAdamW([{"params": [_p(4)], key: 8}])
+    opt = CoatAdamW([_p(4)])
+    with pytest.raises(ValueError, match=key):
+        opt.add_param_group({"params": [_p(3)], key: 8})
+    assert len(opt.param_groups) == 1
+    params, opt = _trained()
+    sd = opt.state_dict()
+    sd["param_groups"][1][key] = 8
+    clones, opt2 = _clone_setup(params)
+    with pytest.raises(ValueError, match=key):
+        opt2.load_state_dict(sd)
+
+
+def test_torch_group_keys_are_accepted_and_checked():
+    # What torch.optim.AdamW's own groups hold: accepted; values that change the update: not.
+    torch_keys = dict(amsgrad=False, foreach=None, fused=None, capturable=False)
+    torch_keys.update(differentiable=False, decoupled_weight_decay=True)
+    CoatAdamW([{"params": [_p(4)], **torch_keys}])
+    for bad, match in (
+        (dict(amsgrad=True), "amsgrad"),
+        (dict(differentiable=True), "differentiable"),
+        (dict(decoupled_weight_decay=False, weight_decay=0.1), "decoupled"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            CoatAdamW([{"params": [_p(4)], **bad}])
+    # named parameters, as torch >= 2.6 takes them: "param_names" in the group
+    model = torch.nn.Linear(4, 4)
+    opt = CoatAdamW(model.named_parameters(), lr=1e-2)
+    assert opt.param_groups[0]["param_names"] == ["weight", "bias"]
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt2 = CoatAdamW(torch.nn.Linear(4, 4).named_parameters())
+    opt2.load_state_dict(_save_load(opt.state_dict()))
+    assert opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+
+
+def _schedulers():
+    sched = torch.optim.lr_scheduler
+    yield "LambdaLR", lambda opt: sched.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    yield "OneCycleLR", lambda opt: sched.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    yield "SWALR", lambda opt: torch.optim.swa_utils.SWALR(opt, swa_lr=1e-3, anneal_epochs=2)
+
+    def hf_cosine(opt):
+        from transformers import get_scheduler
+
+        return get_scheduler("cosine", opt, num_warmup_steps=2, num_training_steps=10)
+
+    yield "hf-get_scheduler", hf_cosine
+
+
+@pytest.mark.parametrize(
+    "make_sched", [m for _, m in _schedulers()], ids=[n for n, _ in _schedulers()]
+)
+def test_schedulers_keys_and_resume(make_sched, h):
+    # The keys schedulers add (initial_lr; OneCycleLR's max_lr, min_lr, base_momentum,
+    # max_momentum and its betas; SWALR's swa_lr) pass construction, step and a resume.
+    def setup():
+        params = h.make_params(((37, 41), (300,)))
+        opt = CoatAdamW([{"params": params[:1]}, {"params": params[1:], "lr": 3e-3}], lr=1e-2)
+        return params, opt, make_sched(opt)
+
+    params, opt, sched = setup()
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape) * 1e-2
+        opt.step()
+        sched.step()
+    own = {"params", "lr", "betas", "eps", "weight_decay", "maximize"}
+    assert set(opt.param_groups[0]) - own  # the scheduler did add its keys
+    saved_opt, saved_sched = _save_load(opt.state_dict()), _save_load(sched.state_dict())
+    clones, opt2, sched2 = setup()
+    for p, q in zip(params, clones, strict=True):
+        q.data.copy_(p.data)
+    opt2.load_state_dict(saved_opt)
+    sched2.load_state_dict(saved_sched)
+    for _ in range(2):
+        for p, q in zip(params, clones, strict=True):
+            p.grad = torch.randn(p.shape) * 1e-2
+            q.grad = p.grad.clone()
+        opt.step()
+        opt2.step()
+        sched.step()
+        sched2.step()
+    h.assert_same_state(opt, params, opt2, clones)
+
+
+# --------------------------------------------------------------------- bad lr values
+@pytest.mark.parametrize(
+    "lr",
+    [math.inf, math.nan, -1e-3, torch.tensor(math.nan), torch.tensor(math.inf), torch.tensor(-1.0)],
+    ids=["inf", "nan", "negative", "tensor-nan", "tensor-inf", "tensor-negative"],
+)
+def test_bad_lr_is_rejected_at_construction(lr):
+    with pytest.raises(ValueError, match="lr"):
+        CoatAdamW([_p(4)], lr=lr)
+    with pytest.raises(ValueError, match="lr"):
+        CoatAdamW([{"params": [_p(4)], "lr": lr}])
+
+
+def _set_float(opt):
+    opt.param_groups[1]["lr"] = math.inf
+
+
+def _fill_cpu_tensor(opt):
+    opt.param_groups[1]["lr"].fill_(math.nan)
+
+
+def _new_tensor(opt):
+    opt.param_groups[1]["lr"] = torch.tensor(-1.0)
+
+
+def _betas(opt):
+    opt.param_groups[0]["betas"] = (0.9, 1.0)
+
+
+def _scheduler_to_inf(opt):
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: math.inf if s >= 1 else 1.0)
+    sched.step()
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+@pytest.mark.parametrize(
+    "spoil",
+    [_set_float, _fill_cpu_tensor, _new_tensor, _betas, _scheduler_to_inf],
+    ids=["float-inf", "cpu-tensor-filled-nan", "new-tensor-negative", "betas", "scheduler-inf"],
+)
+def test_bad_hyperparameters_set_later_are_rejected_on_step(spoil, h):
+    # Group 0 is fine and comes first: the step must change nothing at all, not half.
+    params = h.make_params(((37, 41), (300,)))
+    opt = CoatAdamW(
+        [{"params": params[:1]}, {"params": params[1:], "lr": torch.tensor(1e-2)}], lr=1e-2
+    )
+    h.run_steps(params, opt, 1)
+    before = [p.detach().clone() for p in params]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    spoil(opt)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    with pytest.raises(ValueError, match="lr|betas"):
+        opt.step()
+    for p, b, st in zip(params, before, states, strict=True):
+        h.assert_same_bits(p, b)
+        for k, v in st.items():
+            h.assert_same_bits(opt.state[p][k], v, k)
+
+
+@pytest.mark.gpu
+def test_cuda_tensor_lr_is_read_only_when_new():
+    # A CUDA lr is read on the host when first seen (construction, load, a new tensor),
+    # never after an in-place change: the step makes no device-to-host sync.
+    p = torch.nn.Parameter(torch.randn(300, device="cuda"))
+    with pytest.raises(ValueError, match="lr"):
+        CoatAdamW([p], lr=torch.tensor(math.nan, device="cuda"))
+    lr = torch.tensor(1e-2, device="cuda")
+    opt = CoatAdamW([p], lr=lr)
+    p.grad = torch.randn_like(p)
+    opt.step()  # builds the launch plan
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            lr.mul_(0.5)  # what a scheduler does to a tensor lr: in place, on the device
+            opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert opt.nonfinite_groups() == 0
+    # A NaN written in place is not read (documented): every group skips, and is counted.
+    before = p.detach().clone()
+    lr.fill_(math.nan)
+    opt.step()
+    assert opt.nonfinite_groups() == reference.num_groups(300, 128)
+    assert torch.equal(p, before)
+    opt.param_groups[0]["lr"] = torch.tensor(math.inf, device="cuda")  # a new tensor: read
+    with pytest.raises(ValueError, match="lr"):
+        opt.step()
+
+
+# ------------------------------------------------------------- state dict validation
+def _set_byte(name, index, byte):
+    def spoil(s):
+        s[name].view(-1).view(torch.uint8)[index] = byte
+
+    return spoil
+
+
+def _set(name, value, index=0):
+    def spoil(s):
+        s[name].view(-1)[index] = value
+
+    return spoil
+
+
+def _replace(name, fn):
+    def spoil(s):
+        s[name] = fn(s[name])
+
+    return spoil
+
+
+def _replace_groups(fn):
+    def spoil(s):
+        for name in ("exp_avg_amax", "exp_avg_k"):
+            s[name] = fn(s[name])
+
+    return spoil
+
+
+def _drop(*names):
+    def spoil(s):
+        for n in names:
+            del s[n]
+
+    return spoil
+
+
+def _add(name, value):
+    def spoil(s):
+        s[name] = value
+
+    return spoil
+
+
+# (spoil the state of parameter 0, (37, 41), group size 128: 12 groups, error message)
+_BAD_STATES = {
+    "nan-code-m": (_set_byte("exp_avg", 5, 0x7F), "exp_avg holds NaN or inf FP8 codes"),
+    "neg-nan-code-m": (_set_byte("exp_avg", 5, 0xFF), "exp_avg holds NaN or inf FP8 codes"),
+    "nan-code-v": (_set_byte("exp_avg_sq", 1516, 0x7F), "exp_avg_sq holds NaN, inf or negative"),
+    "negative-code-v": (_set_byte("exp_avg_sq", 7, 0x81), "exp_avg_sq holds NaN, inf or negative"),
+    "k-zero": (_set("exp_avg_k", 0, index=11), "exp_avg_k holds 0"),
+    "negative-amax": (_set("exp_avg_sq_amax", -1.0), "exp_avg_sq_amax holds -1.0"),
+    "nan-amax": (_set("exp_avg_amax", math.nan, index=3), "exp_avg_amax holds nan"),
+    "inf-amax": (_set("exp_avg_amax", math.inf), "exp_avg_amax holds inf"),
+    "subnormal-amax": (_set("exp_avg_amax", 1e-40), "normal fp32"),
+    "transposed": (_replace("exp_avg", lambda x: x.reshape(41, 37)), r"shape \(41, 37\)"),
+    "flat-moment": (_replace("exp_avg_sq", lambda x: x.reshape(-1)), "shape"),
+    "amax-count": (_replace_groups(lambda x: x[:5]), "do not fit"),
+    "amax-shape": (_replace_groups(lambda x: x.reshape(3, 4)), "expected one of"),
+    "amax-k-shapes": (_replace("exp_avg_k", lambda x: x[:5]), "one per group"),
+    "amax-dtype": (_replace("exp_avg_amax", lambda x: x.double()), "float32"),
+    "codes-dtype": (_replace("exp_avg", lambda x: x.view(torch.int8)), "expected FP8 codes"),
+    "codes-without-amax": (_drop("exp_avg_amax", "exp_avg_k"), "expected a float tensor"),
+    "amax-without-k": (_drop("exp_avg_sq_k"), "exp_avg_sq_amax but not exp_avg_sq_k"),
+    "no-moment": (_drop("exp_avg_sq", "exp_avg_sq_amax", "exp_avg_sq_k"), "lacks 'exp_avg_sq'"),
+    "unknown-key": (_add("momentum_buffer", torch.zeros(3)), "unknown keys"),
+    "step-nan": (_add("step", torch.tensor(math.nan)), "step"),
+    "step-negative": (_add("step", torch.tensor(-1.0)), "step"),
+    "step-fraction": (_add("step", torch.tensor(2.5)), "step"),
+    "step-vector": (_add("step", torch.ones(2)), "step"),
+    "moment-not-tensor": (_add("exp_avg", 0.0), "not a tensor"),
+}
+
+
+@pytest.mark.parametrize("spoil, match", _BAD_STATES.values(), ids=_BAD_STATES.keys())
+def test_load_state_dict_validates_states(spoil, match, h):
+    params, opt = _trained()
+    sd = _save_load(opt.state_dict())
+    clones, opt2 = _clone_setup(params)
+    opt2.load_state_dict(sd)
+    opt2.param_groups[0]["lr"] = 5e-3
+    bad = _save_load(sd)
+    spoil(bad["state"][0])
+    with pytest.raises((ValueError, TypeError), match=match):
+        opt2.load_state_dict(bad)
+    h.assert_same_state(opt, params, opt2, clones)  # nothing was replaced
+    assert opt2.param_groups[0]["lr"] == 5e-3
+
+
+@pytest.mark.parametrize(
+    "name, byte",
+    [("exp_avg", 0x7C), ("exp_avg", 0xFC), ("exp_avg", 0xFE), ("exp_avg_sq", 0x7D)],
+    ids=["m+inf", "m-inf", "m-nan", "v-nan"],
+)
+def test_load_state_dict_rejects_e5m2_inf_and_nan_codes(name, byte, h):
+    # E5M2 has infinities (0x7C, 0xFC) and several NaNs; its largest finite code is 0x7B.
+    params, opt = _trained(m_format="e5m2", v_format="e5m2")
+    sd = _save_load(opt.state_dict())
+    assert sd["state"][1]["exp_avg"].dtype == torch.float8_e5m2
+    clones, opt2 = _clone_setup(params, m_format="e5m2", v_format="e5m2")
+    opt2.load_state_dict(sd)
+    h.assert_same_state(opt, params, opt2, clones)
+    spoil = _set_byte(name, 17, byte)
+    spoil(sd["state"][1])
+    with pytest.raises(ValueError, match=f"{name} holds NaN"):
+        opt2.load_state_dict(sd)
+
+
+@pytest.mark.parametrize(
+    "spoil, match",
+    [
+        (_set("exp_avg", math.nan, index=7), "exp_avg holds NaN or inf values"),
+        (_set("exp_avg_sq", -1e-6), "exp_avg_sq holds negative, NaN or inf values"),
+        (_set("exp_avg_sq", math.inf), "exp_avg_sq holds negative, NaN or inf values"),
+        (_replace("exp_avg", lambda x: x.to(torch.float8_e4m3fn)), "expected a float tensor"),
+        (_replace("exp_avg", lambda x: x.to(torch.int32)), "expected a float tensor"),
+    ],
+    ids=["nan-m", "negative-v", "inf-v", "fp8-without-amax", "int"],
+)
+def test_load_adamw_state_dict_validates_states(spoil, match):
+    params = [_p(37, 41), _p(300)]
+    adamw = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    adamw.step()
+    sd = _save_load(adamw.state_dict())
+    spoil(sd["state"][1 if "sq" in match else 0])
+    opt = CoatAdamW([torch.nn.Parameter(p.detach().clone()) for p in params])
+    with pytest.raises((ValueError, TypeError), match=match):
+        opt.load_adamw_state_dict(sd)
+    assert not opt.state
+
+
+def test_load_state_dict_rejects_bad_structure():
+    opt = CoatAdamW([_p(4)])
+    for bad in (None, {"state": {}}, {"state": [], "param_groups": []}):
+        with pytest.raises(TypeError, match="optimizer state dict"):
+            opt.load_state_dict(bad)
+    sd = opt.state_dict()
+    del sd["param_groups"][0]["betas"]
+    with pytest.raises(ValueError, match="lacks 'betas'"):
+        opt.load_state_dict(sd)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [{}, dict(v_format="e5m2", group_size=64), dict(m_dre=False, v_dre=False),
+     dict(high_precision_states=True)],
+    ids=["default", "e5m2-g64", "no-dre", "fp32-states"],
+)  # fmt: skip
+def test_every_state_training_makes_loads_bit_exactly(cfg, h):
+    # Heavy gradients (scales 1e-5..1, zeros, spikes), a step with a non-finite gradient
+    # (its groups skipped) and bf16 params: all states this makes pass the checks and load
+    # bit for bit, and both optimizers then take the same next step.
+    shapes = (*h.ODD_SHAPES, (0, 8), (256, 128))
+    params = h.make_params(shapes, dtype=torch.bfloat16)
+    opt = CoatAdamW(params, lr=1e-2, config=CoatAdamWConfig(**cfg))
+    h.run_steps(params, opt, 3)
+    for p, g in zip(params, h.heavy_grads(params, 9), strict=True):
+        p.grad = g
+    params[0].grad.view(-1)[5] = math.inf
+    params[2].grad.view(-1)[-1] = math.nan
+    opt.step()
+    assert opt.nonfinite_groups() > 0
+    sd = _save_load(opt.state_dict())
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = CoatAdamW(clones, lr=1e-2, config=CoatAdamWConfig(**cfg))
+    opt2.load_state_dict(sd)
+    h.assert_same_state(opt, params, opt2, clones)
+    h.run_steps(params, opt, 1, seed=4)
+    h.run_steps(clones, opt2, 1, seed=4)
+    h.assert_same_state(opt, params, opt2, clones)

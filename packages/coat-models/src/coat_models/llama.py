@@ -9,8 +9,10 @@ hooks, ``isinstance`` checks and gradient checkpointing behave as before;
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -41,6 +43,49 @@ def _children(module: nn.Module) -> set[str]:
     return {name for name, _ in module.named_children()}
 
 
+@contextlib.contextmanager
+def _probing(*roots: nn.Module):
+    """Run probe code on ``roots`` without side effects: every module under them in eval
+    mode and without forward hooks while it runs; each module's own ``training`` flag and
+    hooks come back afterwards, also when the probe raises. (``layer.train(flag)`` would
+    instead set one flag on every submodule, and the user's hooks would see probe data.)"""
+    saved = []
+    for module in {id(m): m for root in roots for m in root.modules()}.values():
+        saved.append((module, module.training, module._forward_pre_hooks, module._forward_hooks))
+        module.training = False
+        module._forward_pre_hooks, module._forward_hooks = OrderedDict(), OrderedDict()
+    try:
+        yield
+    finally:
+        for module, training, pre_hooks, hooks in saved:
+            module.training = training
+            module._forward_pre_hooks, module._forward_hooks = pre_hooks, hooks
+
+
+def _wrapped_by_adapter(module: nn.Module) -> bool:
+    """An adapter around a layer (PEFT's LoRA, IA3, ...) keeps the original as ``base_layer``."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module)
+
+
+_ADAPTERS_UNSUPPORTED = (
+    "COAT's fused layers read the projection weights directly and would bypass the adapter. "
+    "LoRA/PEFT adapters are not supported yet: train the adapters without COAT, or merge "
+    "them into the weights (PEFT: merge_and_unload()) before apply_coat"
+)
+
+
+def _adapter_problem(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be converted because of adapters, or ``None``."""
+    for fqn, module in model.named_modules():
+        if _wrapped_by_adapter(module):
+            cls = type(module)
+            return (
+                f"{fqn or 'the model'} is wrapped by an adapter ({cls.__module__}."
+                f"{cls.__qualname__} around its base_layer): {_ADAPTERS_UNSUPPORTED}"
+            )
+    return None
+
+
 def _layer_problem(layer: nn.Module) -> str | None:
     """Why ``layer`` is not a Llama-shaped decoder layer, or ``None`` if it is (by structure)."""
     if _children(layer) != _LAYER_CHILDREN:
@@ -51,10 +96,9 @@ def _layer_problem(layer: nn.Module) -> str | None:
         return f"self_attn has sub-modules {names}, expected {sorted(_ATTN_CHILDREN)}"
     if not _MLP_CHILDREN <= _children(mlp) or _children(mlp) - _MLP_CHILDREN - {"act_fn"}:
         return f"mlp has sub-modules {sorted(_children(mlp))}, expected {sorted(_MLP_CHILDREN)}"
-    for owner, names in ((attn, _ATTN_CHILDREN), (mlp, _MLP_CHILDREN)):
-        for name in sorted(names):
-            if type(getattr(owner, name)) is not nn.Linear:
-                return f"{name} is a {type(getattr(owner, name)).__name__}, not an nn.Linear"
+    problem = _projection_problem(layer)
+    if problem is not None:
+        return problem
     for attr in ("head_dim", "scaling", "layer_idx", "config", "attention_dropout"):
         if not hasattr(attn, attr):
             return f"self_attn has no attribute {attr!r}"
@@ -63,7 +107,11 @@ def _layer_problem(layer: nn.Module) -> str | None:
             return f"the modeling file of {type(attn).__name__} defines no {fn}"
     probe = torch.linspace(-6, 6, 97)
     act = getattr(mlp, "act_fn", None)
-    if not callable(act) or not torch.allclose(act(probe), F.silu(probe), rtol=1e-5, atol=1e-6):
+    if not callable(act):
+        return "the MLP activation is not SiLU (SwiGLU needed)"
+    with _probing(mlp):
+        silu = torch.allclose(act(probe), F.silu(probe), rtol=1e-5, atol=1e-6)
+    if not silu:
         return "the MLP activation is not SiLU (SwiGLU needed)"
     for name in ("input_layernorm", "post_attention_layernorm"):
         norm = getattr(layer, name)
@@ -77,6 +125,60 @@ def _layer_problem(layer: nn.Module) -> str | None:
         if getattr(norm, "variance_epsilon", getattr(norm, "eps", None)) is None:
             return f"{name} has no variance_epsilon/eps attribute"
     return None
+
+
+_PROJECTIONS = (
+    *(("self_attn", n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+    *(("mlp", n) for n in ("gate_proj", "up_proj", "down_proj")),
+)
+
+
+def _projection_problem(layer: nn.Module) -> str | None:
+    """Why the seven projections of ``layer`` are not plain ``nn.Linear`` modules, or None."""
+    for owner, name in _PROJECTIONS:
+        lin = getattr(getattr(layer, owner, None), name, None)
+        if type(lin) is nn.Linear:
+            continue
+        if _wrapped_by_adapter(lin):
+            cls = type(lin)
+            return (
+                f"{owner}.{name} is wrapped by an adapter ({cls.__module__}.{cls.__qualname__} "
+                f"around an nn.Linear): {_ADAPTERS_UNSUPPORTED}"
+            )
+        return f"{owner}.{name} is a {type(lin).__name__}, not an nn.Linear"
+    return None
+
+
+def check_coat_layer(layer: nn.Module) -> None:
+    """Raise ``TypeError`` if a projection of a COAT layer is no longer a plain ``nn.Linear``
+    (PEFT's ``get_peft_model`` after ``apply_coat`` wraps them): the COAT path reads the
+    weights directly and would silently train without the wrapper.
+
+    Runs at the start of every COAT training forward. No cached verdict (wrapping may happen
+    at any time, and a cache would cost as much to validate): nine dict lookups and seven
+    type tests, under a microsecond of host time per layer.
+    """
+    try:
+        modules = layer._modules
+        attn, mlp = modules["self_attn"]._modules, modules["mlp"]._modules
+        ok = (
+            type(attn["q_proj"]) is nn.Linear
+            and type(attn["k_proj"]) is nn.Linear
+            and type(attn["v_proj"]) is nn.Linear
+            and type(attn["o_proj"]) is nn.Linear
+            and type(mlp["gate_proj"]) is nn.Linear
+            and type(mlp["up_proj"]) is nn.Linear
+            and type(mlp["down_proj"]) is nn.Linear
+        )
+    except KeyError:
+        ok = False
+    if not ok:
+        index = getattr(getattr(layer, "self_attn", None), "layer_idx", "?")
+        problem = _projection_problem(layer) or "its sub-modules changed"
+        raise TypeError(
+            f"COAT decoder layer {index} cannot train: {problem} (to train without COAT, "
+            "call coat_models.revert_coat(model))"
+        )
 
 
 @torch.no_grad()
@@ -98,11 +200,13 @@ def _layer_mismatch(base: nn.Module, layer: nn.Module) -> str | None:
         generator=torch.Generator(weight.device).manual_seed(0),
     )
     position_ids = torch.arange(8, device=weight.device)[None]
-    cos_sin = base.rotary_emb(x, position_ids)
-    was_training = layer.training
-    layer.eval()
-    try:
-        want = layer(x, attention_mask=None, position_embeddings=cos_sin, position_ids=position_ids)
+    # The original class's forward, not layer(...): no hooks of the layer, no COAT path.
+    forward = _original_class(layer).forward
+    with _probing(layer, base.rotary_emb):
+        cos_sin = base.rotary_emb(x, position_ids)
+        want = forward(
+            layer, x, attention_mask=None, position_embeddings=cos_sin, position_ids=position_ids
+        )
         got = blocks.decoder_layer(
             reference,
             layer,
@@ -111,8 +215,6 @@ def _layer_mismatch(base: nn.Module, layer: nn.Module) -> str | None:
             position_embeddings=cos_sin,
             attn_kwargs={"position_ids": position_ids},
         )
-    finally:
-        layer.train(was_training)
     if isinstance(want, tuple):
         want = want[0]
     tol = 1e-4 if x.dtype in (torch.float32, torch.float64) else 2e-2
@@ -180,6 +282,7 @@ class _CoatDecoderLayer(_CoatMixin):
         checkpointing = getattr(self, "gradient_checkpointing", False)
         if not (self.training and (torch.is_grad_enabled() or checkpointing)):
             return super().forward(hidden_states, *args, **kwargs)
+        check_coat_layer(self)
         if torch.compiler.is_compiling():
             return _coat_forward_eager(self, hidden_states, *args, **kwargs)
         return self._coat_forward(hidden_states, *args, **kwargs)
@@ -240,7 +343,9 @@ class _CoatCausalLM(_CoatMixin):
     and returns ``logits=None``."""
 
     def forward(self, *args, **kwargs):
-        if not (self.training and torch.is_grad_enabled()):
+        # A head wrapped since apply_coat (PEFT's LoRA on lm_head) computes more than its
+        # weight: the model's own head and loss then, not the fused loss that would skip it.
+        if not (self.training and torch.is_grad_enabled()) or type(self.lm_head) is not nn.Linear:
             return super().forward(*args, **kwargs)
         named = _bind(self._coat_original_class, args, kwargs)
         labels = named.pop("labels", None)
@@ -358,7 +463,9 @@ def apply_coat(
             ``logits=None``.
         layer_filter: ``(index, layer) -> bool``; layers for which it is false stay plain.
 
-    Returns the same ``model``. Raises ``TypeError`` naming what is supported otherwise.
+    Returns the same ``model``. Raises ``TypeError`` naming what is supported otherwise,
+    and for a model with adapters (PEFT's LoRA) around its layers: COAT would bypass them.
+    A projection wrapped after conversion makes that layer raise when it would train.
 
     >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=256, ...))
     >>> apply_coat(model).train()
@@ -366,6 +473,9 @@ def apply_coat(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_coat takes a torch.nn.Module, got {type(model).__name__}")
+    problem = _adapter_problem(model)
+    if problem is not None:
+        raise TypeError(f"apply_coat cannot convert {type(model).__name__}: {problem}")
     if _is_vlm(model):
         from .vila import apply_coat_vlm  # vila builds on this module
 

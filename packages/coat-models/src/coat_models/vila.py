@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from fp8_activations import convert_to_fp8_activations, revert_fp8_activations
 from torch import nn
 
-from .llama import apply_coat, revert_coat, set_fused_loss
+from .llama import _adapter_problem, _probing, apply_coat, revert_coat, set_fused_loss
 from .presets import round_up
 from .vl_data import IMAGE_TOKEN_ID, VL_VOCAB, num_image_tokens
 
@@ -69,8 +69,10 @@ def _gelus_to_torch(root: nn.Module) -> list[tuple[str, nn.Module]]:
     for fqn, m in list(root.named_modules()):
         if type(m).__module__ != "transformers.activations":
             continue
+        with _probing(m):  # no hooks fire, no training flag changes
+            got = m(probe)
         for approximate in ("none", "tanh"):
-            if torch.allclose(m(probe), F.gelu(probe, approximate=approximate), atol=1e-6):
+            if torch.allclose(got, F.gelu(probe, approximate=approximate), atol=1e-6):
                 parent, _, name = fqn.rpartition(".")
                 setattr(root.get_submodule(parent), name, nn.GELU(approximate).train(m.training))
                 swapped.append((fqn, m))
@@ -109,6 +111,9 @@ def apply_coat_vlm(
     >>> model(input_ids=ids, pixel_values=pixels, labels=labels).loss.backward()
     """
     parts = _llava_parts(model)
+    problem = _adapter_problem(model)
+    if problem is not None:
+        raise TypeError(f"apply_coat_vlm cannot convert {type(model).__name__}: {problem}")
     if is_coat_vlm(model):
         revert_coat_vlm(model)
     try:

@@ -84,10 +84,10 @@ def group_state_shape(shape: tuple[int, ...], group_size: int) -> tuple[int, ...
     """Shape of a per-group state in state dicts: ``(rows, groups per row)`` when rows hold
     whole groups (so it shards like the parameter), else ``(groups,)``. It depends only on
     the parameter's global shape, never on how it is sharded."""
-    numel = _numel(shape)
-    if len(shape) >= 2 and (numel // shape[0]) % group_size == 0:
-        return (shape[0], numel // shape[0] // group_size)
-    return (_ceil_div(numel, group_size),)
+    cols = _numel(shape[1:])  # not numel // rows: a parameter may have 0 rows
+    if len(shape) >= 2 and cols % group_size == 0:
+        return (shape[0], cols // group_size)
+    return (_ceil_div(_numel(shape), group_size),)
 
 
 def gather(t):

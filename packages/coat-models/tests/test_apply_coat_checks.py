@@ -1,0 +1,237 @@
+"""apply_coat's checks have no side effects, and adapters (PEFT's LoRA) are refused, never
+bypassed: a COAT layer reads its projections' weights directly, so a wrapper around one
+would silently drop out of training."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from coat_models import apply_coat, is_coat, revert_coat
+from coat_models.vila import apply_coat_vlm, llava_tiny_config
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 256
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**TINY))
+
+
+def tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+# ------------------------------------------------------------------ the probe: no side effects
+class HookCounter:
+    """Forward pre-hooks and hooks on every module of ``model``, counting calls."""
+
+    def __init__(self, model: nn.Module):
+        self.calls = 0
+        self.handles = []
+        for m in model.modules():
+            self.handles.append(m.register_forward_pre_hook(self._count))
+            self.handles.append(m.register_forward_hook(self._count))
+
+    def _count(self, *args):
+        self.calls += 1
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def mixed_flags(model: nn.Module) -> dict[str, bool]:
+    """Give the modules of ``model`` a mix of train/eval flags; returns them by name."""
+    model.train()
+    for i, (_, m) in enumerate(model.named_modules()):
+        if i % 3 == 1:
+            m.training = False
+    return {name: m.training for name, m in model.named_modules()}
+
+
+def flags(model: nn.Module) -> dict[str, bool]:
+    return {name: m.training for name, m in model.named_modules()}
+
+
+def test_probe_fires_no_hooks_and_keeps_every_training_flag():
+    model = tiny_llama()
+    want = mixed_flags(model)
+    layer0 = [v for k, v in want.items() if k.startswith("model.layers.0")]
+    assert any(layer0) and not all(layer0)  # the probed layer holds both flags
+    hooks = HookCounter(model)
+    apply_coat(model)
+    assert is_coat(model)
+    assert hooks.calls == 0
+    assert flags(model) == want
+    model.eval()(tokens())  # the hooks are still there, and still removable
+    assert hooks.calls > 0
+    hooks.remove()
+    calls = hooks.calls
+    model(tokens())
+    assert hooks.calls == calls
+
+
+def _rejected_by_a_probe():
+    one = {**TINY, "num_hidden_layers": 1, "head_dim": 16}
+    granite = transformers.GraniteConfig(**one, residual_multiplier=0.5)
+    # the layer probe runs, then raises
+    yield "granite", transformers.GraniteForCausalLM(granite), "computes something else"
+    # the SiLU probe of the MLP activation
+    yield "gemma", transformers.GemmaForCausalLM(transformers.GemmaConfig(**one)), "SiLU"
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [m[1:] for m in _rejected_by_a_probe()],
+    ids=[m[0] for m in _rejected_by_a_probe()],
+)
+def test_probe_has_no_side_effects_when_it_raises(model, match):
+    want = mixed_flags(model)
+    hooks = HookCounter(model)
+    with pytest.raises(TypeError, match=match):
+        apply_coat(model)
+    assert hooks.calls == 0
+    assert flags(model) == want
+    assert not is_coat(model)
+
+
+def test_vlm_probes_fire_no_hooks_and_keep_every_training_flag():
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(llava_tiny_config())
+    want = mixed_flags(model)
+    hooks = HookCounter(model)
+    apply_coat_vlm(model, vision=True)
+    assert hooks.calls == 0
+    # modules that conversion kept (FP8 twins replace some) keep their own flags
+    assert {k: v for k, v in flags(model).items() if k in want} == {
+        k: v for k, v in want.items() if k in flags(model)
+    }
+    assert flags(model)["model.language_model.layers.0"] == want["model.language_model.layers.0"]
+
+
+# ------------------------------------------------------------------------------- adapters
+class LowRank(nn.Module):
+    """What a LoRA adapter does to a projection: the original ``nn.Linear`` as
+    ``base_layer``, a trainable low-rank path added to its output, and ``weight`` forwarded
+    to the base layer (so code that reads ``.weight`` sees a plain linear)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base_layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+def wrap(model: nn.Module, fqn: str) -> LowRank:
+    parent, _, name = fqn.rpartition(".")
+    owner = model.get_submodule(parent)
+    adapter = LowRank(getattr(owner, name))
+    setattr(owner, name, adapter)
+    return adapter
+
+
+def test_apply_coat_refuses_a_model_with_adapters():
+    model = tiny_llama()
+    wrap(model, "model.layers.1.mlp.down_proj")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(
+        TypeError, match=r"model\.layers\.1\.mlp\.down_proj is wrapped by an adapter"
+    ) as e:
+        apply_coat(model)
+    assert "not supported yet" in str(e.value) and "merge_and_unload" in str(e.value)
+    assert not is_coat(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_vlm_with_adapters_is_refused():
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(llava_tiny_config())
+    wrap(model, "model.multi_modal_projector.linear_1")
+    with pytest.raises(TypeError, match="apply_coat_vlm cannot convert.*wrapped by an adapter"):
+        apply_coat_vlm(model)
+    with pytest.raises(TypeError, match="apply_coat cannot convert.*wrapped by an adapter"):
+        apply_coat(model)
+
+
+@pytest.mark.parametrize("fqn", ["self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj"])
+def test_coat_layer_refuses_to_train_with_a_wrapped_projection(fqn):
+    ref = tiny_llama()
+    model = apply_coat(copy.deepcopy(ref))
+    for m in (ref, model):  # wrapped after apply_coat, as get_peft_model(apply_coat(m)) does
+        torch.manual_seed(1)
+        wrap(m, f"model.layers.1.{fqn}")
+    ids = tokens()
+    with pytest.raises(TypeError, match=rf"COAT decoder layer 1 cannot train: {fqn} is wrapped"):
+        model.train()(ids, labels=ids)
+    # evaluation runs the original forward, adapter included: the same as unconverted
+    assert torch.equal(model.eval()(ids).logits, ref.eval()(ids).logits)
+    # and without COAT it trains, adapter included
+    revert_coat(model).train()(ids, labels=ids).loss.backward()
+    adapter = model.get_submodule(f"model.layers.1.{fqn}")
+    assert adapter.lora_A.weight.grad is not None and adapter.lora_A.weight.grad.abs().sum() > 0
+
+
+def test_fused_loss_leaves_a_wrapped_head_to_the_model():
+    # A wrapped lm_head: the model's own head and loss, so the adapter trains.
+    ref = tiny_llama()
+    model = apply_coat(copy.deepcopy(ref), fused_loss=True)
+    for m in (ref, model):
+        torch.manual_seed(1)
+        wrap(m, "lm_head")
+    ids = tokens()
+    out = model.train()(ids, labels=ids)
+    assert out.logits is not None  # not the fused loss (which returns no logits)
+    out.loss.backward()
+    grad = model.lm_head.lora_A.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+
+
+def test_peft_lora():
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    ids = tokens()
+    # apply_coat on a PEFT model says why it refuses
+    with pytest.raises(TypeError, match="q_proj is wrapped by an adapter.*LoRA/PEFT"):
+        apply_coat(peft.get_peft_model(tiny_llama(), lora))
+    # LoRA added after apply_coat: training refuses instead of bypassing the adapters
+    model = peft.get_peft_model(apply_coat(tiny_llama()), lora)
+    with pytest.raises(TypeError, match="COAT decoder layer 0 cannot train.*lora"):
+        model.train()(ids, labels=ids)
+    # without COAT all 8 LoRA matrices train (B starts at zero, so A's gradient is zero)
+    revert_coat(model)
+    model.train()(ids, labels=ids).loss.backward()
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert len(lora_b) == 4 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora_b)
