@@ -489,6 +489,7 @@ def _resume_point(args, mode_dir: Path) -> Path | None:
             raise _earlier_run(mode_dir)
         return None
     if args.resume != "latest":
+        _say(f"{PROG}: resuming from {args.resume}", flush=True)
         return Path(args.resume)
     try:
         found = checkpoint.newest(ckpts)
@@ -500,7 +501,7 @@ def _resume_point(args, mode_dir: Path) -> Path | None:
         # Nothing complete was ever written here (a run killed before its first checkpoint).
         _say(f"{PROG}: no checkpoint in {ckpts}: mode starts from step 0", file=sys.stderr)
     else:
-        _say(f"{PROG}: resuming from {found}", file=sys.stderr)
+        _say(f"{PROG}: resuming from {found}", flush=True)
     return found
 
 
