@@ -277,9 +277,8 @@ def _start_afresh(mode_dir: Path) -> None:
     half-written checkpoints; never a complete checkpoint: ``_resume_point`` refuses those).
     Called once the mode's model and trainer exist, so a run that fails before leaves the
     earlier results. Rank 0 deletes, the others wait for it."""
-    _barrier()
-    run_on_rank0(lambda: shutil.rmtree(mode_dir, ignore_errors=True))
-    _barrier()
+    _barrier()  # every rank has built its trainer
+    run_on_rank0(lambda: shutil.rmtree(mode_dir, ignore_errors=True))  # the others wait for it
 
 
 # ------------------------------------------------------------------- the output directory
@@ -482,8 +481,8 @@ def _resume_point(args, mode_dir: Path) -> Path | None:
     what a killed run left is finished (``checkpoint.recover``: a complete checkpoint not yet
     renamed into place is published, half-written ones are deleted)."""
     ckpts = mode_dir / "checkpoints"
-    run_on_rank0(lambda: checkpoint.recover(ckpts))
-    _barrier()
+    _barrier()  # every rank is past the previous mode
+    run_on_rank0(lambda: checkpoint.recover(ckpts))  # the others wait for it
     if args.resume is None:
         if checkpoint.has_checkpoints(ckpts):
             raise _earlier_run(mode_dir)

@@ -361,8 +361,9 @@ def _is_rank0() -> bool:
 
 
 def run_on_rank0(fn) -> None:
-    """Run ``fn()`` on rank 0 alone (in one process: run it); if it fails there, every rank
-    raises (the others would otherwise wait for rank 0 in their next collective forever)."""
+    """Run ``fn()`` on rank 0 alone (in one process: run it); the other ranks wait until it
+    is done, and if it fails there every rank raises (rather than waiting for rank 0 in
+    their next collective forever)."""
     error = None
     if _is_rank0():
         try:
