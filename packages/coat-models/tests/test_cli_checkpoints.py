@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,28 +110,27 @@ _FORK_SERVER = textwrap.dedent(
     from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
     from coat_models import checkpoint, cli
 
-    base, work, stages, argv = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4:]
     killed = {}
-    for stage in stages:
-        out = os.path.join(work, stage.replace(":", "-"))
-        shutil.copytree(base, out)
+    for job in json.loads(sys.argv[1]):  # {"base", "out", "stage", "argv"}
+        out = job["out"]
+        shutil.copytree(job["base"], out)
         pid = os.fork()
         if pid == 0:
             log = os.open(out + ".log", os.O_WRONLY | os.O_CREAT, 0o644)
             os.dup2(log, 1)
             os.dup2(log, 2)
 
-            def kill_at(reached, stage=stage):
+            def kill_at(reached, stage=job["stage"]):
                 if reached == stage:
                     os.kill(os.getpid(), signal.SIGKILL)
 
             checkpoint._reached = kill_at
-            code = cli.main([a.replace("{out}", out) for a in argv] + ["--out", out])
+            code = cli.main([a.replace("{out}", out) for a in job["argv"]] + ["--out", out])
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(100 + code)  # the stage was never reached
         _, status = os.waitpid(pid, 0)
-        killed[stage] = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        killed[out] = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     print(json.dumps(killed))
     """
 )
@@ -159,38 +159,44 @@ KILLED = {
 }
 
 
-@pytest.mark.parametrize("scenario", list(KILLED))
-def test_killed_at_each_stage_of_save_and_prune_resumes_bit_identically(runs, tmp_path, scenario):
+def test_killed_at_each_stage_of_save_and_prune_resumes_bit_identically(runs, tmp_path):
     """SIGKILL at every step of a re-save and a prune with --keep-checkpoints 1: at each a
     complete checkpoint is on disk, and --resume continues from step 4 (the old or the new
     copy) to the uninterrupted run's records, float for float."""
-    resume_from, stages = KILLED[scenario]
-    base = tmp_path / "base"
-    shutil.copytree(runs / "base", base)
-    if scenario == "replace-the-only-one":
-        (base / "saved").mkdir()
-        shutil.move(base / "bf16/checkpoints/step_0000002", base / "saved")
-    argv = [*ARGS, "--keep-checkpoints", "1", "--resume", resume_from]
+    jobs = []
+    for scenario, (resume_from, stages) in KILLED.items():
+        base = tmp_path / scenario / "base"
+        shutil.copytree(runs / "base", base)
+        if scenario == "replace-the-only-one":
+            (base / "saved").mkdir()
+            shutil.move(base / "bf16/checkpoints/step_0000002", base / "saved")
+        argv = [*ARGS, "--keep-checkpoints", "1", "--resume", resume_from]
+        for stage in stages:
+            out = tmp_path / scenario / stage.replace(":", "-")
+            jobs.append({"base": str(base), "out": str(out), "stage": stage, "argv": argv})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-c", _FORK_SERVER, base, tmp_path, ",".join(stages), *argv]
     proc = subprocess.run(
-        [str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", _FORK_SERVER, json.dumps(jobs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     killed = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert killed == dict.fromkeys(stages, True), killed
+    assert killed == {job["out"]: True for job in jobs}, killed
     want = records(runs / "ref")
-    for stage in stages:
-        out = tmp_path / stage.replace(":", "-")
+    for job in jobs:
+        out, stage = Path(job["out"]), job["stage"]
         ckpts = out / "bf16" / "checkpoints"
-        log = (tmp_path / f"{stage.replace(':', '-')}.log").read_text()
+        log = Path(job["out"] + ".log").read_text()
         assert "resuming from" in log and "Traceback" not in log, log
-        assert complete(ckpts), f"{stage}: no complete checkpoint left: {names(ckpts)}"
+        assert complete(ckpts), f"{out}: no complete checkpoint left: {names(ckpts)}"
         code, said, err = train([*ARGS, "--keep-checkpoints", "1", "--resume", "--out", out])
-        assert code == 0, f"{stage}: {err}"
-        assert f"resuming from {ckpts / 'step_0000004'}" in said, f"{stage}: {said}"
-        assert records(out) == want, stage
-        assert names(ckpts) == ["step_0000006"], stage
+        assert code == 0, f"{out}: {err}"
+        assert f"resuming from {ckpts / 'step_0000004'}" in said, f"{out}: {said}"
+        assert records(out) == want, out
+        assert names(ckpts) == ["step_0000006"], out
 
 
 def test_resume_from_an_older_checkpoint_supersedes_later_ones(runs, tmp_path):
