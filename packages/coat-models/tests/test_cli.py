@@ -175,31 +175,74 @@ def test_checkpoints_are_atomic(tmp_path, capsys, monkeypatch):
     assert "no checkpoint" in err
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000002", "step_0000004"]
     files = sorted(p.name for p in (ckpts / "step_0000004").iterdir())
-    assert files == ["model.pt", "optimizer.pt", "trainer.pt"]
+    assert files == ["manifest.json", "model.pt", "optimizer.pt", "trainer.pt"]
 
 
-def _npy_with_big_ids(tmp_path):
-    np.save(tmp_path / "ids.npy", np.arange(5000, dtype=np.int32))
-    return tmp_path / "ids.npy"
+def _inputs(tmp_path) -> dict:
+    """The files the bad-input cases name, by placeholder."""
+    from transformers import GPT2Config
+
+    paths = {name: tmp_path / name for name in ("ids.npy", "empty.bin", "empty.txt", "a_file")}
+    np.save(paths["ids.npy"], np.arange(5000, dtype=np.int32))
+    paths["empty.bin"].write_bytes(b"")
+    paths["empty.txt"].write_bytes(b"")
+    paths["a_file"].write_text("not a directory")
+    config = preset_config("tiny", data_vocab=257)
+    for name in ("bad_weights", "bad_tokenizer", "gpt2", "no_manifest", "bad_manifest"):
+        paths[name] = tmp_path / name
+    config.save_pretrained(paths["bad_weights"])
+    (paths["bad_weights"] / "model.safetensors").write_bytes(b"\x08" + b"garbage" * 9)
+    config.save_pretrained(paths["bad_tokenizer"])
+    (paths["bad_tokenizer"] / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=320).save_pretrained(paths["gpt2"])
+    paths["no_manifest"].mkdir()
+    (paths["no_manifest"] / "model.pt").write_bytes(b"PK")
+    paths["bad_manifest"].mkdir()
+    (paths["bad_manifest"] / "manifest.json").write_text('{"format": "coat-check')
+    return {name.replace(".", "_"): path for name, path in paths.items()} | {"tmp": tmp_path}
 
 
 def _ram_bytes():
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+SMALL = ["--corpus-mib", "1"]
 BAD_INPUTS = [
     (["--preset", "huge"], "unknown preset 'huge': choose one of tiny, 125m"),
     (["--compare", "bf16,fp4"], "unknown mode fp4"),
     (["--mode", "bf16", "--compare", "bf16,coat"], "use --mode or --compare, not both"),
     (["--mode", "bf16", "--master-dtype", "bf16"], "needs CoatAdamW's stochastic rounding"),
     (["--data", "{tmp}/missing.txt"], "no such file"),
+    (["--data", "{empty_bin}"], "empty.bin is empty: pass a file of token ids"),
+    (["--data", "{empty_txt}"], "empty.txt holds no tokens"),
     (["--model-dir", "{tmp}"], "no config.json"),
     (["--preset", "tiny", "--model-dir", "{tmp}"], "use --preset or --model-dir, not both"),
-    (["--data", "{npy}", "--vocab-size", "1024"], "token id 4999 but the model's vocabulary"),
+    (["--data", "{ids_npy}", "--vocab-size", "1024"], "token id 4999 but the model's vocabulary"),
+    (["--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
+    (["--vocab-size", "-5"], "--vocab-size must be >= 1, got -5"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--threads", "0"], "--threads must be >= 1"),
-    (["--seq-len", "100000", "--corpus-mib", "0.05"], "fewer than --seq-len 100000"),
+    (["--seed", "-1"], "--seed must be in [0, 2**63 - 1], got -1"),
+    (["--seed", str(2**63)], f"--seed must be in [0, 2**63 - 1], got {2**63}"),
+    (["--corpus-mib", "nan"], "--corpus-mib must be a number > 0, got nan"),
+    (["--corpus-mib", "0"], "--corpus-mib must be a number > 0"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number, got nan"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
+    (["--keep-checkpoints", "0", "--save-every", "2"], "--keep-checkpoints must be >= 1 with"),
+    (
+        ["--seq-len", "100000", "--corpus-mib", "0.05"],
+        "fewer than --seq-len 100000 + 1: use more data (a larger --corpus-mib, or --data FILE)",
+    ),
     (["--resume", "{tmp}/nope"], "no such checkpoint directory"),
+    (["--resume", "{no_manifest}"], "no_manifest has no manifest.json: it is not a complete"),
+    (["--resume", "{bad_manifest}"], "manifest.json is not valid JSON"),
+    (["--model-dir", "{bad_weights}", *SMALL], "model.safetensors is not a readable safetensors"),
+    (["--model-dir", "{bad_tokenizer}", *SMALL], "cannot read its tokenizer"),
+    (["--model-dir", "{gpt2}", "--mode", "coat", *SMALL], "mode coat: apply_coat supports Llama"),
+    (["--out", "{a_file}"], "a_file is a file: pass a directory"),
+    (["--out", "{a_file}/run"], "a_file is a file, not a directory: pass another --out"),
+    (["--out", "/proc/coat-train-test/run"], "cannot create a directory in /proc"),
     (["--mode", "bf16", "--cuda-graphs"], "add a mode with FP8 activations"),
     (["--mode", "coat", "--cuda-graphs", "--fp8-weight-cache"], "drop --fp8-weight-cache"),
     (["--mode", "coat", "--cuda-graphs", "--activation-checkpointing"], "runs in one process"),
@@ -209,12 +252,28 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[m[:24] for _, m in BAD_INPUTS])
 def test_bad_input_gives_one_clear_line(tmp_path, capsys, argv, message):
-    npy = _npy_with_big_ids(tmp_path)
-    argv = [a.format(tmp=tmp_path, npy=npy) for a in argv]
-    code, _, err = run([*argv, "--out", tmp_path / "out", "--no-progress"], capsys)
-    assert code == 2
+    """One line, exit 2, no traceback, and nothing written: no --out directory appears."""
+    paths = _inputs(tmp_path)
+    argv = [a.format(**paths) for a in argv]
+    if "--out" not in argv:
+        argv += ["--out", tmp_path / "out"]
+    before = sorted(tmp_path.rglob("*"))
+    code, _, err = run([*argv, "--no-progress"], capsys)
+    assert code == 2, err
     assert err.startswith("coat-train: error: ") and message in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_out_is_checked_before_data_and_model(tmp_path, capsys, monkeypatch):
+    def not_reached(*a, **k):
+        raise AssertionError("loaded data before checking --out")
+
+    monkeypatch.setattr(cli, "load_data", not_reached)
+    monkeypatch.setattr(cli, "build_model", not_reached)
+    (tmp_path / "f").write_text("")
+    code, _, err = run(["--out", tmp_path / "f" / "run", *FAST], capsys)
+    assert code == 2 and "is a file, not a directory" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")

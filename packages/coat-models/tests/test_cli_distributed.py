@@ -29,8 +29,11 @@ deterministic kernels; measured with torch 2.13):
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -147,8 +150,41 @@ def test_resume_under_torchrun_reproduces_losses_bit_for_bit(runs):
     assert [key(r) for r in a] == [key(r) for r in b]  # exact floats, no duplicated steps
     ckpts = sorted(p.name for p in (runs / "killed/coat/checkpoints").iterdir())
     assert ckpts == ["step_0000002", "step_0000004"]
-    assert sorted(p.name for p in (runs / "killed/coat/checkpoints/step_0000004").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
+    newest = runs / "killed/coat/checkpoints/step_0000004"
+    assert sorted(p.name for p in newest.iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]  # fmt: skip
+
+
+def test_manifest_covers_every_rank_s_files(runs):
+    """Rank 0 writes the manifest after the barrier: it lists both ranks' shards and DCP's
+    .metadata with their SHA-256, and how the run was launched."""
+    newest = runs / "killed/coat/checkpoints/step_0000004"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["kind"] == "dcp" and manifest["world_size"] == WORLD
+    assert manifest["step"] == 4 and manifest["info"]["parallel"] == {
+        "strategy": "fsdp", "world_size": WORLD}  # fmt: skip
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    for name, entry in manifest["files"].items():
+        data = (newest / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_changed_shard_is_refused_on_every_rank(runs):
+    """A byte of rank 0's shard changed. Rank 1 hashes that file (the ranks share the
+    hashing); both ranks stop with exit 2 before reading anything, none hangs."""
+    assert codes(runs, 0)["tampered"] == codes(runs, 1)["tampered"] == 2
+    err = output(runs, "tampered", 0, "err")
+    assert "step_0000004 is corrupt: the SHA-256 of __0_0.distcp differs" in err, err
+    assert "--resume" in err and "step_0000002" in err
+
+
+def test_planted_metadata_runs_no_code_under_torchrun(runs):
+    """A .metadata that would create a directory when unpickled, with a manifest forged to
+    match and the right launch: every rank refuses it in the metadata unpickler."""
+    assert codes(runs, 0)["planted"] == codes(runs, 1)["planted"] == 2
+    err = output(runs, "planted", 0, "err")
+    assert "posix.mkdir is not part of a checkpoint's metadata: refused" in err, err
+    assert not (runs / "code-ran").exists()
 
 
 def test_resume_across_launches_is_refused(runs, capsys):
@@ -188,9 +224,19 @@ def test_bad_combinations_give_one_clear_line(tmp_path, capsys, monkeypatch, arg
 
 
 # ------------------------------------------------------------------- the 2-process side
+class _Payload:
+    """Unpickled by a plain unpickler, it creates ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
 def _worker(out: Path) -> None:
     import torch.distributed as dist
-    from coat_models import train
+    from coat_models import checkpoint, train
     from coat_models.distributed import init_distributed
 
     init_distributed()
@@ -232,6 +278,22 @@ def _worker(out: Path) -> None:
     coat_train("killed", [*FSDP_ARGS, "--fsdp", "--activation-checkpointing"])
     train.Trainer.run_step = run_step
     coat_train("resumed", [*FSDP_ARGS, "--fsdp", "--resume"], out_name="killed")
+    planted = out / "planted_ckpt"
+    if rank == 0:
+        shutil.copytree(out / "killed", out / "tampered")
+        shard = out / "tampered/coat/checkpoints/step_0000004/__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+        planted.mkdir()
+        payload = pickle.dumps(_Payload(out / "code-ran"), protocol=2)
+        (planted / ".metadata").write_bytes(payload)
+        launch = {"parallel": {"strategy": "fsdp", "world_size": WORLD}}
+        checkpoint.write_manifest(planted, kind="dcp", world_size=WORLD, step=2, serial=1,
+                                  info=launch)  # fmt: skip
+    dist.barrier()
+    coat_train("tampered", [*FSDP_ARGS, "--fsdp", "--resume"])
+    coat_train("planted", [*FSDP_ARGS, "--fsdp", "--resume", planted])
     single = out / "ref_fsdp/coat/checkpoints/step_0000002"
     coat_train("from_single", [*FSDP_ARGS, "--fsdp", "--resume", single])
     (out / f"codes.rank{rank}.json").write_text(json.dumps(done))

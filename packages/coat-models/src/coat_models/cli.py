@@ -8,11 +8,15 @@ See the "coat-train" section of packages/coat-models/README.md for every option.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import gc
 import json
+import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -20,7 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import checkpoint
+from .checkpoint import CheckpointError
 from .data import STDLIB_MAX_BYTES, DataError, load_data
+from .distributed import run_on_rank0
 from .plot import loss_plot_png
 from .presets import (
     MODEL_DIR_DEFAULTS,
@@ -38,7 +45,6 @@ from .train import (
     Trainer,
     TrainError,
     fmt_bytes,
-    latest_checkpoint,
     write_atomic,
 )
 from .vl_train import VL_PRESETS
@@ -46,6 +52,7 @@ from .vl_train import VL_PRESETS
 ALL_PRESETS = [*PRESETS, *VL_PRESETS]
 
 PROG = "coat-train"
+LOCK_FILE = ".lock"  # in --out: held (flock) by the coat-train writing there, with its PID
 
 
 class UsageError(ValueError):
@@ -265,17 +272,71 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _clean_mode_dir(mode_dir: Path, fresh: bool) -> None:
-    """A fresh run replaces what an earlier one left in ``mode_dir``; checkpoints a killed run
-    left half-written (never complete) go too. Rank 0 cleans, the others wait for it."""
-    _barrier()  # every rank has looked for its resume point
+def _start_afresh(mode_dir: Path) -> None:
+    """A fresh run replaces what an earlier one left in ``mode_dir`` (metrics, summary,
+    half-written checkpoints; never a complete checkpoint: ``_resume_point`` refuses those).
+    Called once the mode's model and trainer exist, so a run that fails before leaves the
+    earlier results. Rank 0 deletes, the others wait for it."""
+    _barrier()  # every rank has built its trainer
+    run_on_rank0(lambda: shutil.rmtree(mode_dir, ignore_errors=True))  # the others wait for it
+
+
+# ------------------------------------------------------------------- the output directory
+def _check_out(out: Path) -> None:
+    """Refuse an ``--out`` this process cannot create or write, before data and model are
+    loaded. Leaves nothing behind (its probe directory is removed at once)."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file: pass a directory")
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--out {out}: {parent} is a file, not a directory: pass another --out")
+    # os.access says yes to root everywhere but read-only mounts; a real mkdir does not lie.
+    try:
+        probe = tempfile.mkdtemp(prefix=".coat-train-probe-", dir=parent)
+    except OSError as e:
+        raise UsageError(
+            f"--out {out}: cannot create a directory in {parent} ({e.strerror}): pass another --out"
+        ) from None
+    os.rmdir(probe)
+
+
+@contextlib.contextmanager
+def _output_lock(out: Path):
+    """Hold an exclusive ``flock`` on ``out/.lock`` for the run (rank 0 under torchrun): two
+    coat-train processes on one ``--out`` would interleave their metrics and delete each
+    other's checkpoints. The kernel drops the lock with the process, so a killed run leaves
+    none behind; the file stays (deleting it would let a third process lock a new file while
+    a second still holds the old one)."""
+    error, fd = None, None
     if _rank() == 0:
-        if fresh:
-            shutil.rmtree(mode_dir, ignore_errors=True)
-        ckpts = mode_dir / "checkpoints"
-        for stale in [*ckpts.glob(".tmp-*"), *ckpts.glob("step_*.partial")]:
-            shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            fd = None
+            error = (
+                f"--out {out} is in use by another coat-train (PID {holder}): wait for it to "
+                "finish, or pass another --out"
+            )
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise UsageError(error)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _master_dtype(mode: str, requested: str, compare: bool) -> str:
@@ -322,11 +383,25 @@ def _check_fits(
             )
 
 
-def _count_params(config) -> int:
+def _count_params(config, modes) -> int:
+    """Parameters of the model ``config`` describes, built on the meta device (no memory).
+    For modes with FP8 activations, ``apply_coat``'s structural check runs on it too, so an
+    architecture it does not support is refused before anything is written."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as e:  # e.g. a config transformers has no causal LM for
+        raise ModelError(f"cannot build a causal LM from this config: {e}") from None
+    fp8 = [m for m in modes if MODES[m][0]]
+    if fp8:
+        from coat_models import apply_coat
+
+        try:
+            apply_coat(model)  # on meta weights: the structure alone (no probe run)
+        except TypeError as e:
+            raise ModelError(f"mode {fp8[0]}: {e}") from None
     return sum(p.numel() for p in model.parameters())
 
 
@@ -334,6 +409,8 @@ def _settings(args):
     """(preset defaults, model label) for --preset or --model-dir."""
     if args.preset and args.model_dir:
         raise UsageError("use --preset or --model-dir, not both")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise UsageError(f"--vocab-size must be >= 1, got {args.vocab_size}")
     if args.model_dir:
         if args.vocab_size:
             raise UsageError("--vocab-size applies to presets; a --model-dir has its own")
@@ -373,17 +450,22 @@ def _train_config(args, defaults, mode: str, master: str) -> TrainConfig:
         raise UsageError(str(e)) from None
 
 
-def _resume_point(args, mode_dir: Path, single: bool) -> Path | None:
-    ckpts = mode_dir / "checkpoints"
+def _earlier_run(mode_dir: Path) -> UsageError:
+    return UsageError(
+        f"{mode_dir} holds checkpoints of an earlier run: pass --resume to continue it, or "
+        f"another --out (or delete {mode_dir / 'checkpoints'})"
+    )
+
+
+def _check_resume(args, out: Path, modes: list[str]) -> None:
+    """The resume options against what is on disk, before anything is written (reads the
+    manifest of ``--resume DIR``: JSON, nothing else)."""
     if args.resume is None:
-        if latest_checkpoint(ckpts) is not None:
-            raise UsageError(
-                f"{mode_dir} holds checkpoints of an earlier run: pass --resume to continue "
-                f"it, or another --out (or delete {ckpts})"
-            )
-        return None
-    if args.resume != "latest":
-        if not single:
+        for mode in modes:
+            if checkpoint.has_checkpoints(out / mode / "checkpoints"):
+                raise _earlier_run(out / mode)
+    elif args.resume != "latest":
+        if len(modes) != 1:
             raise UsageError(
                 "--resume CHECKPOINT needs a single --mode; with --compare use "
                 "plain --resume (each mode's newest checkpoint)"
@@ -391,11 +473,48 @@ def _resume_point(args, mode_dir: Path, single: bool) -> Path | None:
         path = Path(args.resume)
         if not path.is_dir():
             raise UsageError(f"--resume {path}: no such checkpoint directory")
-        return path
-    found = latest_checkpoint(ckpts)
+        checkpoint.read_manifest(path)
+
+
+def _resume_point(args, mode_dir: Path) -> Path | None:
+    """Where this mode continues from (``None``: step 0), with the output lock held: first
+    what a killed run left is finished (``checkpoint.recover``: a complete checkpoint not yet
+    renamed into place is published, half-written ones are deleted)."""
+    ckpts = mode_dir / "checkpoints"
+    _barrier()  # every rank is past the previous mode
+    run_on_rank0(lambda: checkpoint.recover(ckpts))  # the others wait for it
+    if args.resume is None:
+        if checkpoint.has_checkpoints(ckpts):
+            raise _earlier_run(mode_dir)
+        return None
+    if args.resume != "latest":
+        _say(f"{PROG}: resuming from {args.resume}", flush=True)
+        return Path(args.resume)
+    try:
+        found = checkpoint.newest(ckpts)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"{e}: delete it, or pass --resume DIR with the checkpoint to continue from"
+        ) from None
     if found is None:
+        # Nothing complete was ever written here (a run killed before its first checkpoint).
         _say(f"{PROG}: no checkpoint in {ckpts}: mode starts from step 0", file=sys.stderr)
+    else:
+        _say(f"{PROG}: resuming from {found}", flush=True)
     return found
+
+
+def _unusable_newest(e: CheckpointError, newest: Path) -> CheckpointError:
+    """The error of a newest checkpoint that failed its checks, with what to do: never a
+    silent fall back to an older one."""
+    older = [p for p in checkpoint.ordered(newest.parent) if p != newest]
+    if older:
+        todo = (
+            f"delete {newest} to resume from the previous checkpoint, or pass --resume {older[-1]}"
+        )
+    else:
+        todo = f"there is no older checkpoint: delete {newest.parent} to start afresh"
+    return CheckpointError(f"{e}; {todo}")
 
 
 def _free(device: torch.device):
@@ -427,6 +546,9 @@ def _check_cuda_graphs(args, modes, device, strategy) -> None:
 
 
 def run(args) -> int:
+    """Validate everything, then train. Nothing is written before every check that can be
+    made up front has passed; then the output directory is locked, and each mode's earlier
+    results are replaced only once its model and trainer are built."""
     modes = _modes(args)
     strategy = _strategy(args)
     device = _device(args.device) if strategy is None else _rank_device(args.device)
@@ -436,12 +558,14 @@ def run(args) -> int:
     cfgs = [_train_config(args, defaults, m, d) for m, d in zip(modes, masters, strict=True)]
     if args.cuda_graphs:
         _check_cuda_graphs(args, modes, device, strategy)
-    if args.corpus_mib <= 0:
-        raise UsageError("--corpus-mib must be > 0")
+    if not (math.isfinite(args.corpus_mib) and args.corpus_mib > 0):
+        raise UsageError(f"--corpus-mib must be a number > 0, got {args.corpus_mib}")
     if args.threads is not None:
         if args.threads < 1:
             raise UsageError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    _check_out(out)
     if (args.preset or "tiny") in VL_PRESETS:
         return run_vl(args, cfgs, modes, masters, device, label)
 
@@ -463,11 +587,13 @@ def run(args) -> int:
             args.preset or "tiny", data.vocab_size, args.vocab_size, max(c.seq_len for c in cfgs)
         )
     data.check_fits(config.vocab_size)
-    n_params = _count_params(config)
+    for cfg in cfgs:
+        data.check_windows(cfg.seq_len)
+    n_params = _count_params(config, modes)
     _check_fits(n_params, modes, masters, device, label, strategy)
+    _check_resume(args, out, modes)
     describe = {"model": label, "params": n_params, "vocab_size": config.vocab_size}
 
-    out = Path(args.out)
     c0 = cfgs[0]
     ranks = f" x {dist.get_world_size()} ranks" if strategy else ""
     _say(
@@ -483,63 +609,69 @@ def run(args) -> int:
     )
 
     summaries, curves = [], {}
-    for cfg in cfgs:
-        mode_dir = out / cfg.mode
-        resume = _resume_point(args, mode_dir, single=len(modes) == 1)
-        _clean_mode_dir(mode_dir, fresh=resume is None)
-        t0 = time.perf_counter()
-        trainer = oom = None
-        try:
-            model = build_model(
-                config,
-                device=device,
-                master_dtype=MASTER_DTYPES[cfg.master_dtype],
-                seed=cfg.seed,
-                weights_dir=weights_dir,
-            )
-            trainer = Trainer(
-                model,
-                data,
-                cfg,
-                device=device,
-                out_dir=mode_dir,
-                progress=not args.no_progress,
-                describe=describe,
-                strategy=strategy,
-                activation_checkpointing=args.activation_checkpointing,
-            )
-            del model
-            summary = trainer.fit(resume)
-        except (RuntimeError, torch.OutOfMemoryError) as e:
-            if not is_oom(e):
+    with _output_lock(out):
+        for cfg in cfgs:
+            mode_dir = out / cfg.mode
+            resume = _resume_point(args, mode_dir)
+            t0 = time.perf_counter()
+            trainer = oom = None
+            try:
+                model = build_model(
+                    config,
+                    device=device,
+                    master_dtype=MASTER_DTYPES[cfg.master_dtype],
+                    seed=cfg.seed,
+                    weights_dir=weights_dir,
+                )
+                trainer = Trainer(
+                    model,
+                    data,
+                    cfg,
+                    device=device,
+                    out_dir=mode_dir,
+                    progress=not args.no_progress,
+                    describe=describe,
+                    strategy=strategy,
+                    activation_checkpointing=args.activation_checkpointing,
+                )
+                del model
+                if resume is None:
+                    _start_afresh(mode_dir)
+                summary = trainer.fit(resume)
+            except CheckpointError as e:
+                if args.resume == "latest" and resume is not None:
+                    raise _unusable_newest(e, resume) from None
                 raise
-            oom = True
-        finally:
-            if trainer is not None:
-                trainer.close()
-            trainer = None
-            _free(device)
-        if oom:
-            raise TrainError(
-                f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
-                f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise --grad-accum "
-                f"to keep the batch) or --seq-len"
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                if not is_oom(e):
+                    raise
+                oom = True
+            finally:
+                if trainer is not None:
+                    trainer.close()
+                trainer = None
+                _free(device)
+            if oom:
+                raise TrainError(
+                    f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
+                    f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise "
+                    "--grad-accum to keep the batch) or --seq-len"
+                )
+            summary["wall_s"] = time.perf_counter() - t0
+            summaries.append(summary)
+            if _rank() != 0:  # under torchrun rank 0 alone writes files and prints
+                continue
+            write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
+            curves[cfg.mode] = _curves(mode_dir / "metrics.jsonl")
+            print(
+                f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
+                f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}",
+                flush=True,
             )
-        summary["wall_s"] = time.perf_counter() - t0
-        summaries.append(summary)
-        if _rank() != 0:  # under torchrun rank 0 alone writes files and prints
-            continue
-        write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
-        curves[cfg.mode] = _curves(mode_dir / "metrics.jsonl")
-        print(
-            f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
-            f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}",
-            flush=True,
-        )
 
-    if _rank() != 0:
-        return 0
-    return _finish(args, out, device, describe, data.source, summaries, curves)
+        if _rank() != 0:
+            return 0
+        return _finish(args, out, device, describe, data.source, summaries, curves)
 
 
 def run_vl(args, cfgs, modes, masters, device, label) -> int:
@@ -568,39 +700,40 @@ def run_vl(args, cfgs, modes, masters, device, label) -> int:
         flush=True,
     )
     out, summaries, curves = Path(args.out), [], {}
-    for cfg in cfgs:
-        mode_dir = out / cfg.mode
-        shutil.rmtree(mode_dir, ignore_errors=True)
-        t0 = time.perf_counter()
-        oom = False
-        try:
-            summary = train_vlm(
-                name, cfg, device=device, out_dir=mode_dir, progress=not args.no_progress
+    with _output_lock(out):
+        for cfg in cfgs:
+            mode_dir = out / cfg.mode
+            shutil.rmtree(mode_dir, ignore_errors=True)
+            t0 = time.perf_counter()
+            oom = False
+            try:
+                summary = train_vlm(
+                    name, cfg, device=device, out_dir=mode_dir, progress=not args.no_progress
+                )
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                if not is_oom(e):
+                    raise
+                oom = True
+            finally:
+                _free(device)
+            if oom:
+                raise TrainError(
+                    f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
+                    f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise "
+                    "--grad-accum to keep the batch)"
+                )
+            summary["wall_s"] = time.perf_counter() - t0
+            summaries.append(summary)
+            write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
+            curves[cfg.mode] = _curves(mode_dir / "metrics.jsonl")
+            print(
+                f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
+                f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}, caption "
+                f"accuracy {summary['val_caption_acc']:.2f}",
+                flush=True,
             )
-        except (RuntimeError, torch.OutOfMemoryError) as e:
-            if not is_oom(e):
-                raise
-            oom = True
-        finally:
-            _free(device)
-        if oom:
-            raise TrainError(
-                f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
-                f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise --grad-accum "
-                "to keep the batch)"
-            )
-        summary["wall_s"] = time.perf_counter() - t0
-        summaries.append(summary)
-        write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
-        curves[cfg.mode] = _curves(mode_dir / "metrics.jsonl")
-        print(
-            f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
-            f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}, caption "
-            f"accuracy {summary['val_caption_acc']:.2f}",
-            flush=True,
-        )
-    describe = {"model": label, "params": n_params}
-    return _finish(args, out, device, describe, "shapes-caption (generated)", summaries, curves)
+        describe = {"model": label, "params": n_params}
+        return _finish(args, out, device, describe, "shapes-caption (generated)", summaries, curves)
 
 
 def _finish(args, out: Path, device, describe: dict, source: str, summaries, curves) -> int:
@@ -733,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
     own_group = not dist.is_initialized()  # run() joins torchrun's group for --fsdp / --ddp
     try:
         return run(args)
-    except (UsageError, DataError, ModelError) as e:
+    except (UsageError, DataError, ModelError, CheckpointError) as e:
         _say(f"{PROG}: error: {e}", file=sys.stderr)  # the same on every rank
         return 2
     except TrainError as e:

@@ -45,6 +45,18 @@ class TokenData:
     source: str  # one line for the run header
     fingerprint: str  # sha256 prefix over both splits: resume refuses other data
 
+    def check_windows(self, seq_len: int) -> None:
+        """Refuse a ``seq_len`` that no training batch (a window of ``seq_len + 1`` tokens:
+        inputs and their next-token labels) or no validation window fits in."""
+        if len(self.train) <= seq_len:
+            raise DataError(
+                f"the training split has {len(self.train)} tokens, fewer than --seq-len "
+                f"{seq_len} + 1: use more data (a larger --corpus-mib, or --data FILE), a "
+                "smaller --val-fraction or a shorter --seq-len"
+            )
+        if len(self.val) < seq_len:
+            raise DataError(_short_val(len(self.val), seq_len))
+
     def check_fits(self, model_vocab: int) -> None:
         if self.vocab_size > model_vocab:
             raise DataError(
@@ -126,12 +138,14 @@ def load_token_file(path: str | os.PathLike, bin_dtype: str = "uint16") -> np.nd
     if path.suffix == ".npy":
         try:
             ids = np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError as e:
+        except (ValueError, EOFError, OSError) as e:  # garbage, truncated or empty
             raise DataError(f"{path}: not a plain .npy array ({e})") from None
     else:
         if bin_dtype not in BIN_DTYPES:
             raise DataError(f"--data-dtype must be one of {sorted(BIN_DTYPES)}, got {bin_dtype!r}")
         dtype = np.dtype(BIN_DTYPES[bin_dtype])
+        if path.stat().st_size == 0:  # np.memmap cannot map an empty file
+            raise DataError(f"{path} is empty: pass a file of token ids")
         if path.stat().st_size % dtype.itemsize:
             raise DataError(
                 f"{path}: size {path.stat().st_size} bytes is not a multiple of "
@@ -170,6 +184,8 @@ def load_data(
         encode, _, vocab = _encoder(tokenizer)
         ids = encode(path.read_bytes())
         kind = f"text, {path.stat().st_size / 2**20:.2f} MiB"
+    if len(ids) == 0:
+        raise DataError(f"--data {path} holds no tokens: pass a non-empty file")
     n_val = int(len(ids) * val_fraction)
     train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
     return TokenData(train, val, vocab, f"{path} ({kind})", _fingerprint(train, val))
@@ -186,7 +202,8 @@ class BatchSampler:
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
         if len(tokens) <= seq_len:
             raise DataError(
-                f"the training split has {len(tokens)} tokens, fewer than --seq-len {seq_len} + 1"
+                f"the training split has {len(tokens)} tokens, fewer than --seq-len {seq_len} "
+                "+ 1: use more data or a shorter --seq-len"
             )
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
 
@@ -198,14 +215,18 @@ class BatchSampler:
         return torch.from_numpy(np.stack(rows))
 
 
+def _short_val(n_tokens: int, seq_len: int) -> str:
+    return (
+        f"the validation split has {n_tokens} tokens, fewer than --seq-len {seq_len}: "
+        "use more data, a larger --val-fraction or a shorter --seq-len"
+    )
+
+
 def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int):
     """The fixed validation set: the first ``max_batches`` batches of consecutive
     non-overlapping windows of the validation split (fewer if the split is short)."""
     n_windows = min(len(tokens) // seq_len, batch_size * max_batches)
     if n_windows == 0:
-        raise DataError(
-            f"the validation split has {len(tokens)} tokens, fewer than --seq-len {seq_len}: "
-            f"use more data, a larger --val-fraction or a shorter --seq-len"
-        )
+        raise DataError(_short_val(len(tokens), seq_len))
     windows = np.asarray(tokens[: n_windows * seq_len], dtype=np.int64).reshape(n_windows, seq_len)
     return [torch.from_numpy(windows[i : i + batch_size]) for i in range(0, n_windows, batch_size)]

@@ -13,6 +13,10 @@ Run one process per GPU under ``torchrun --nproc-per-node N``::
     save_checkpoint("ckpt/step100", model, optimizer, extra={"step": 100})
     extra = load_checkpoint("ckpt/step100", model, optimizer)   # any number of ranks
 
+A checkpoint directory carries a manifest with the SHA-256 of every file
+(``coat_models.checkpoint``); loading checks it before reading anything, and DCP's pickled
+``.metadata`` is read by an unpickler that builds only DCP's own metadata classes.
+
 See ``docs/DISTRIBUTED_NOTES.md`` for the design; why CoatAdamW's FP8 states do not depend
 on the number of ranks is in ``fp8_optim.dtensor``.
 """
@@ -20,15 +24,19 @@ on the number of ranks is in ``fp8_optim.dtensor``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
-import shutil
+import pickle
 import warnings
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from . import checkpoint
 
 __all__ = [
     "STRATEGIES",
@@ -42,8 +50,10 @@ __all__ = [
     "load_checkpoint",
     "prepare_data_parallel",
     "read_checkpoint_extra",
+    "run_on_rank0",
     "save_checkpoint",
     "shard_model",
+    "verify_checkpoint",
     "wrap_ddp",
 ]
 
@@ -350,51 +360,132 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def save_checkpoint(path, model: nn.Module, optimizer=None, *, extra: dict | None = None) -> None:
+def run_on_rank0(fn) -> None:
+    """Run ``fn()`` on rank 0 alone (in one process: run it); the other ranks wait until it
+    is done, and if it fails there every rank raises (rather than waiting for rank 0 in
+    their next collective forever)."""
+    error = None
+    if _is_rank0():
+        try:
+            fn()
+        except Exception as e:
+            if not dist.is_initialized() or dist.get_world_size() == 1:
+                raise
+            error = f"{type(e).__name__}: {e}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise RuntimeError(f"rank 0 failed: {box[0]}")
+
+
+def save_checkpoint(
+    path,
+    model: nn.Module,
+    optimizer=None,
+    *,
+    extra: dict | None = None,
+    step: int | None = None,
+    info: dict | None = None,
+) -> None:
     """Save model and optimizer (FP8 states included) sharded with ``torch.distributed.checkpoint``.
 
-    Every rank calls it. ``path`` is a directory; it appears only once complete (written
-    as ``<path>.partial`` and renamed), replacing an older one. ``extra`` (step, scheduler
-    state, ...: anything ``torch.load(weights_only=True)`` reads back) is returned by
-    ``load_checkpoint``; DCP stores one copy, so it must be equal on every rank (gather
-    per-rank values such as RNG states into it). Works for FSDP2, DDP and single-process
-    models alike.
+    Every rank calls it. ``path`` is a directory; it appears only once complete: written as
+    ``<path>.partial``, then rank 0 (after a barrier, so every rank's shards are on disk)
+    hashes every file into its ``manifest.json`` (``coat_models.checkpoint``: kind ``"dcp"``,
+    the number of ranks, ``step``, JSON ``info``) and renames it into place, replacing an
+    older one without a moment where neither is complete. Rank 0 must see every rank's files
+    (one machine, or a shared file system). ``extra`` (step, scheduler state, ...: anything
+    ``torch.load(weights_only=True)`` reads back) is returned by ``load_checkpoint``; DCP
+    stores one copy, so it must be equal on every rank (gather per-rank values such as RNG
+    states into it). Works for FSDP2, DDP and single-process models alike.
     """
     import torch.distributed.checkpoint as dcp
 
-    path = os.fspath(path)
-    partial = path + ".partial"
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
     state = _dcp_state(model, optimizer)
     if extra is not None:
         buffer = io.BytesIO()
         torch.save(extra, buffer)
         buffer.seek(0)
         state["extra"] = buffer
-    if _is_rank0() and os.path.exists(partial):
-        shutil.rmtree(partial)
+
+    def remove_stale():  # a save of this path that was killed before it finished
+        if partial.exists():
+            checkpoint.remove(partial, "stale")
+
+    run_on_rank0(remove_stale)
     _barrier()
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=partial)
     _barrier()
-    if _is_rank0():
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.replace(partial, path)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+
+    def seal_and_publish():
+        checkpoint.write_manifest(
+            partial,
+            kind="dcp",
+            world_size=world,
+            step=step,
+            serial=checkpoint.next_serial(path.parent),
+            info=info,
+        )
+        checkpoint.publish(partial, path)
+
+    run_on_rank0(seal_and_publish)
     _barrier()
 
 
-def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = True) -> dict | None:
+def verify_checkpoint(path) -> checkpoint.Manifest:
+    """Check a ``save_checkpoint`` directory against its manifest before anything in it is
+    read: exactly the listed files, each with its SHA-256. Every rank calls it; the ranks
+    share the hashing (rank r hashes files r, r + N, ...) and every rank raises the same
+    ``CheckpointError`` if any file differs. Returns the manifest.
+
+    >>> verify_checkpoint("ckpt/step100").step
+    100
+    """
+    manifest = checkpoint.read_manifest(Path(path))
+    if manifest.kind != "dcp":
+        raise checkpoint.CheckpointError(
+            f"{path} was written by one process with torch.save (kind {manifest.kind!r}), not "
+            "by save_checkpoint"
+        )
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problem = None
+    try:
+        checkpoint.verify(Path(path), manifest, sorted(manifest.files)[rank::world])
+    except checkpoint.CheckpointError as e:
+        problem = str(e)
+    if world > 1:
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        raise checkpoint.CheckpointError(problem)
+    return manifest
+
+
+def load_checkpoint(
+    path, model: nn.Module, optimizer=None, *, strict: bool = True, verify: bool = True
+) -> dict | None:
     """Load what ``save_checkpoint`` wrote into ``model`` (and ``optimizer``), on any number of
     ranks: DCP reads each rank's shard. Every rank calls it; returns ``extra`` (or ``None``).
 
-    The checkpoint is checked against the model and optimizer first: a missing or extra
-    tensor, or a shape or dtype that differs (another model size, another optimizer or FP8
-    format, another group size) raises ``CheckpointMismatchError`` naming them, and nothing
-    is loaded. ``strict=False`` skips the model keys the checkpoint lacks.
+    First the files are checked against the checkpoint's manifest (``verify_checkpoint``;
+    ``verify=False`` skips it when the caller has just done so): a changed, missing or added
+    file raises ``CheckpointError`` and nothing is read. Then the checkpoint is checked
+    against the model and optimizer: a missing or extra tensor, or a shape or dtype that
+    differs (another model size, another optimizer or FP8 format, another group size) raises
+    ``CheckpointMismatchError`` naming them, and nothing is loaded. ``strict=False`` skips
+    the model keys the checkpoint lacks.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    if verify:
+        verify_checkpoint(path)
     path = os.fspath(path)
     saved = _saved_metadata(path)
     state = _dcp_state(model, optimizer)
@@ -404,7 +495,7 @@ def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = Tr
     if "extra" in saved:
         state["extra"] = io.BytesIO()
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=_reader(path))
     options = StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -421,28 +512,98 @@ def load_checkpoint(path, model: nn.Module, optimizer=None, *, strict: bool = Tr
     return _extra(state)
 
 
-def read_checkpoint_extra(path) -> dict | None:
+def read_checkpoint_extra(path, *, verify: bool = True) -> dict | None:
     """The ``extra`` of a ``save_checkpoint`` checkpoint alone (or ``None``), without model or
-    optimizer: e.g. to check a run's settings before loading. Every rank calls it.
+    optimizer: e.g. to check a run's settings before loading. Every rank calls it; the files
+    are verified first as in ``load_checkpoint``.
 
     >>> read_checkpoint_extra("ckpt/step100")["step"]
     100
     """
     import torch.distributed.checkpoint as dcp
 
+    if verify:
+        verify_checkpoint(path)
     path = os.fspath(path)
     if "extra" not in _saved_metadata(path):
         return None
     state = {"extra": io.BytesIO()}
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=_reader(path))
     return _extra(state)
+
+
+# DCP pickles its .metadata. These are the only globals a .metadata of torch 2.13 refers to
+# (checked on FSDP2, DDP and one-process checkpoints of COAT models): its own dataclasses,
+# torch.Size, dtypes and layouts, and the Path of the checkpoint. Anything else, e.g. a
+# function that a planted file would call, is refused before it is looked up.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_CLASSES.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"{module}.{name} is not part of a checkpoint's metadata: refused"
+        )
+
+
+def _read_metadata(path: str):
+    """DCP's ``Metadata`` of ``path``, unpickled with ``_MetadataUnpickler``."""
+    metadata_path = os.path.join(path, ".metadata")
+    with open(metadata_path, "rb") as f:
+        try:
+            return _MetadataUnpickler(f).load()
+        except Exception as e:  # any garbage: truncated, another pickle, refused class
+            raise checkpoint.CheckpointError(
+                f"{metadata_path} is not the metadata of a DCP checkpoint ({e})"
+            ) from None
+
+
+@functools.cache
+def _reader_class():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(dcp.FileSystemReader):
+        """``FileSystemReader`` whose ``.metadata`` goes through ``_MetadataUnpickler``."""
+
+        def read_metadata(self, *args, **kwargs):
+            if kwargs.get("rank") is not None:  # per-rank metadata: save_checkpoint writes none
+                raise FileNotFoundError("save_checkpoint writes no per-rank metadata")
+            metadata = _read_metadata(os.fspath(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader
+
+
+def _reader(path: str):
+    return _reader_class()(path)
 
 
 def _saved_metadata(path: str) -> dict:
     """The checkpoint's ``state_dict_metadata``; a clear error where there is none."""
-    import torch.distributed.checkpoint as dcp
-
     if not os.path.exists(os.path.join(path, ".metadata")):
         hint = (
             " (an interrupted save left only <path>.partial)"
@@ -452,7 +613,10 @@ def _saved_metadata(path: str) -> dict:
         raise FileNotFoundError(
             f"no checkpoint at {path!r}{hint}: expected a directory written by save_checkpoint"
         )
-    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    metadata = _read_metadata(path)
+    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+        raise checkpoint.CheckpointError(f"{path}/.metadata holds no DCP state_dict_metadata")
+    return metadata.state_dict_metadata
 
 
 def _extra(state: dict) -> dict | None:

@@ -3,7 +3,9 @@ config/checkpoint directory on disk."""
 
 from __future__ import annotations
 
+import json
 import math
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +62,8 @@ def preset_config(name: str, data_vocab: int, vocab_size: int | None = None, max
 
     if name not in PRESETS:
         raise ModelError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    if vocab_size is not None and vocab_size < 1:
+        raise ModelError(f"--vocab-size must be >= 1, got {vocab_size}")
     p = PRESETS[name]
     vocab = vocab_size or p.vocab or round_up(data_vocab, 64)
     return LlamaConfig(
@@ -93,7 +97,33 @@ def model_dir_config(path: str):
         config = AutoConfig.from_pretrained(d, local_files_only=True)
     except (ValueError, OSError) as e:
         raise ModelError(f"--model-dir {path}: cannot read config.json ({e})") from None
-    return config, any((d / f).is_file() for f in _WEIGHT_FILES)
+    has_weights = any((d / f).is_file() for f in _WEIGHT_FILES)
+    if has_weights:
+        _check_safetensors(d)
+    return config, has_weights
+
+
+def _check_safetensors(d: Path) -> None:
+    """Read the headers of the directory's safetensors files (cheap: no tensor data), so that
+    a garbage or truncated file is refused before the run touches its output directory."""
+    from safetensors import safe_open
+
+    index = d / "model.safetensors.index.json"
+    names = ["model.safetensors"] if (d / "model.safetensors").is_file() else []
+    if index.is_file():
+        try:
+            names += sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelError(f"--model-dir {d}: {index.name} is not a weight index ({e})") from None
+    for name in names:
+        try:
+            with safe_open(d / name, framework="pt"):
+                pass
+        except Exception as e:  # safetensors raises its own SafetensorError, or OSError
+            raise ModelError(
+                f"--model-dir {d}: {name} is not a readable safetensors file ({e}): replace it "
+                "or remove it to train from random weights"
+            ) from None
 
 
 def model_dir_tokenizer(path: str):
@@ -102,7 +132,17 @@ def model_dir_tokenizer(path: str):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # the tokenizers library raises plain Exception on a bad file
+        raise ModelError(
+            f"--model-dir {path}: cannot read its tokenizer ({_first_line(e)}): replace or "
+            "remove the tokenizer files (without them the data is byte-level)"
+        ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights_dir=None):
@@ -112,17 +152,21 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    try:
-        if weights_dir is not None:
+    if weights_dir is not None:
+        try:
             model = AutoModelForCausalLM.from_pretrained(
                 weights_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
-            ).to(device)
-        else:
+            )
+        except (ValueError, OSError, pickle.UnpicklingError) as e:  # no causal LM, bad weights
+            raise ModelError(f"cannot load the model in {weights_dir}: {_first_line(e)}") from None
+        model = model.to(device)
+    else:
+        try:
             with torch.device(device):
                 model = AutoModelForCausalLM.from_config(
                     config, dtype=torch.float32, attn_implementation="sdpa"
                 )
-    except ValueError as e:  # e.g. a config transformers has no causal LM for
-        raise ModelError(f"cannot build a causal LM from this config: {e}") from None
+        except ValueError as e:  # e.g. a config transformers has no causal LM for
+            raise ModelError(f"cannot build a causal LM from this config: {e}") from None
     # Init in fp32 then cast, so fp32- and bf16-master runs start from the same weights.
     return model.to(master_dtype).train()

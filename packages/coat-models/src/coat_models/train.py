@@ -29,8 +29,8 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import random
-import shutil
 import sys
 import time
 import weakref
@@ -43,8 +43,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import distributed
+from . import checkpoint, distributed
 from .data import BatchSampler, TokenData, val_batches
+from .presets import ModelError
 
 MODES = {  # mode -> (FP8 activations, FP8 optimizer states)
     "bf16": (False, False),
@@ -54,7 +55,7 @@ MODES = {  # mode -> (FP8 activations, FP8 optimizer states)
 }
 MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TRAIN_LOSS_WINDOW = 10  # the summary's train loss is the mean of the last 10 steps
-CHECKPOINT_FILES = ("model.pt", "optimizer.pt", "trainer.pt")
+CHECKPOINT_FILES = ("model.pt", "optimizer.pt", "trainer.pt")  # one process; under torchrun: DCP
 
 
 class TrainError(RuntimeError):
@@ -111,8 +112,24 @@ class TrainConfig:
         for name in ("warmup", "eval_every", "save_every", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.save_every and self.keep_checkpoints < 1:
+            raise ValueError(
+                "--keep-checkpoints must be >= 1 with --save-every (0 would delete each "
+                "checkpoint as soon as it is written)"
+            )
+        if not 0 <= self.seed < 2**63:  # numpy's and torch's generators take int64 seeds
+            raise ValueError(f"--seed must be in [0, 2**63 - 1], got {self.seed}")
+        # Comparisons alone let nan through (every comparison with nan is false) and inf.
+        for name in ("lr", "min_lr_ratio", "grad_clip", "weight_decay"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.grad_clip >= 0):
             raise ValueError("need --lr > 0, 0 <= --min-lr-ratio <= 1 and --grad-clip >= 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.cuda_graphs and not MODES[self.mode][0]:
             raise ValueError(
                 f"--cuda-graphs records COAT's FP8 decoder layers: mode {self.mode} has none "
@@ -448,7 +465,7 @@ def prepare(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
         try:
             model = _coat_api("apply_coat")(model, FP8Config(weight_cache=cfg.weight_cache))
         except TypeError as e:  # documented: an unsupported architecture, named in e
-            raise TrainError(f"mode {cfg.mode}: {e}") from None
+            raise ModelError(f"mode {cfg.mode}: {e}") from None
         enable_graphs(model, cfg)
     if fp8_optim:
         opt = _coat_api("create_optimizer")(
@@ -492,7 +509,7 @@ def prepare_distributed(
             activation_checkpointing=activation_checkpointing,
         )
     except TypeError as e:  # apply_coat: an unsupported architecture, named in e
-        raise TrainError(f"mode {cfg.mode}: {e}") from None
+        raise ModelError(f"mode {cfg.mode}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,35 +578,6 @@ def _set_rng_state(s: dict) -> None:
     name, keys, *rest = s["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     random.setstate((s["python"][0], tuple(s["python"][1]), s["python"][2]))
-
-
-def _fsync_save(obj, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:07d}"
-
-
-def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first: only fully written ones carry a step_NNNNNNN name
-    (one being written is ``.tmp-step_*`` in one process, ``step_*.partial`` under torchrun)."""
-    if not ckpt_dir.is_dir():
-        return []
-    return sorted(
-        d
-        for d in ckpt_dir.iterdir()
-        if d.is_dir() and d.name.startswith("step_") and d.name[5:].isdigit()
-    )
-
-
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The newest complete checkpoint, or ``None``."""
-    done = complete_checkpoints(ckpt_dir)
-    return done[-1] if done else None
 
 
 def _launch(parallel: dict | None) -> str:
@@ -758,37 +746,46 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Write model, optimizer (its FP8 states included), scheduler, step, RNG states and
-        data position; a ``step_*`` directory is always complete. One process: ``torch.save``
-        files in a temporary directory, then renamed. Under torchrun: every rank calls it and
-        ``torch.distributed.checkpoint`` writes each rank's shards (``distributed.save_checkpoint``:
-        ``<dir>.partial``, renamed when every rank is done)."""
-        final = self.ckpt_dir / checkpoint_name(self.step)
+        data position as ``ckpt_dir/step_NNNNNNN``, then prune to the newest
+        ``keep_checkpoints``. A ``step_*`` directory is always complete and carries a
+        manifest with the SHA-256 of every file (``coat_models.checkpoint``: written into a
+        temporary directory, the manifest last, then renamed into place). One process:
+        ``torch.save`` files. Under torchrun: every rank calls it and
+        ``torch.distributed.checkpoint`` writes each rank's shards; rank 0 writes the
+        manifest and renames (``distributed.save_checkpoint``)."""
+        final = self.ckpt_dir / checkpoint.checkpoint_name(self.step)
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         state = self._trainer_state()
+        info = {"parallel": self.parallel}
         if self.strategy is not None:
             rngs = [None] * self.world
             dist.all_gather_object(rngs, state["rng"])
             state["rng"] = rngs  # DCP keeps one copy of ``extra``: every rank's, by rank
-            distributed.save_checkpoint(final, self.model, self.optimizer, extra=state)
+            distributed.save_checkpoint(
+                final, self.model, self.optimizer, extra=state, step=self.step, info=info
+            )
         else:
             tmp = self.ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp.exists():  # this process was here before and failed (e.g. disk full)
+                checkpoint.remove(tmp)
             tmp.mkdir()
-            _fsync_save(self.model.state_dict(), tmp / "model.pt")
-            _fsync_save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-            _fsync_save(state, tmp / "trainer.pt")
-            if final.exists():  # a re-run after resuming from an earlier checkpoint
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            fd = os.open(self.ckpt_dir, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            checkpoint.write_torch_files(
+                tmp,
+                {
+                    "model.pt": self.model.state_dict(),
+                    "optimizer.pt": self.optimizer.state_dict(),
+                    "trainer.pt": state,
+                },
+            )
+            serial = checkpoint.next_serial(self.ckpt_dir)
+            checkpoint.write_manifest(
+                tmp, kind="torch", world_size=1, step=self.step, serial=serial, info=info
+            )
+            checkpoint.publish(tmp, final)
         if self.is_main:
-            done = complete_checkpoints(self.ckpt_dir)
-            for d in done[: max(0, len(done) - self.cfg.keep_checkpoints)]:
-                shutil.rmtree(d)
+            # By serial: the checkpoint just written is the newest, even where a run resumed
+            # from an older one left checkpoints of higher steps.
+            checkpoint.prune(self.ckpt_dir, self.cfg.keep_checkpoints)
         return final
 
     def _trainer_state(self) -> dict:
@@ -819,39 +816,46 @@ class Trainer:
         """Restore everything ``save_checkpoint`` wrote; refuses a checkpoint of other
         numerics (mode, schedule, batch, data, ...), which could not continue exactly.
 
-        Also refused: a checkpoint of another launch (one process vs torchrun, ``--fsdp`` vs
-        ``--ddp``, another number of ranks). Its weights would load (DCP reshards), but the
-        run would not continue with the numbers of the run that wrote it: another reduction
-        order and, under FSDP2, bf16 instead of autocast compute."""
+        Nothing is read before the manifest is: it says how the checkpoint was written, and
+        every file is hashed against it before any is opened (``CheckpointError`` on a
+        difference). Model, optimizer and trainer state go through
+        ``torch.load(weights_only=True)``; DCP only under torchrun, for a checkpoint whose
+        manifest says DCP.
+
+        Refused (``TrainError``): a checkpoint of another launch (one process vs torchrun,
+        ``--fsdp`` vs ``--ddp``, another number of ranks). Its weights would load (DCP
+        reshards), but the run would not continue with the numbers of the run that wrote
+        it: another reduction order and, under FSDP2, bf16 instead of autocast compute."""
         path = Path(path)
-        dcp_format = (path / ".metadata").is_file()
-        if dcp_format:
-            state = distributed.read_checkpoint_extra(path)
-            if not isinstance(state, dict) or "parallel" not in state:
-                raise TrainError(f"{path} is not a coat-train checkpoint (no training state)")
-        else:
-            missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file()]
-            if missing:
-                raise TrainError(
-                    f"{path} is not a complete checkpoint (missing {', '.join(missing)})"
-                )
-            state = None
-        if self.strategy is not None and not dcp_format:
+        manifest = checkpoint.read_manifest(path)
+        written_by = manifest.info.get("parallel")
+        if not (written_by is None or isinstance(written_by, dict)):
+            raise checkpoint.CheckpointError(f"{path}: its manifest's launch is {written_by!r}")
+        if manifest.kind == "torch" and self.strategy is not None:
             raise TrainError(
                 f"cannot resume from {path} with --{self.strategy} on {self.world} ranks: it "
                 "was written by a run in one process; resume it in one process (without "
                 "torchrun, --fsdp or --ddp), or start this run afresh with another --out"
             )
-        if dcp_format and state["parallel"] != self.parallel:
+        if manifest.kind == "dcp" and (self.strategy is None or written_by != self.parallel):
+            written = _launch(written_by) if written_by else f"{manifest.world_size} ranks"
             raise TrainError(
-                f"cannot resume from {path}: it was written by {_launch(state['parallel'])}, "
-                f"this run is {_launch(self.parallel)}; resume with the launch that wrote it "
-                "(the same --fsdp/--ddp and torchrun --nproc-per-node), or start afresh with "
-                "another --out"
+                f"cannot resume from {path}: it was written by {written}, this run is "
+                f"{_launch(self.parallel)}; resume with the launch that wrote it (the same "
+                "--fsdp/--ddp and torchrun --nproc-per-node), or start afresh with another --out"
             )
-        load = partial(torch.load, map_location=self.device, weights_only=True)
-        if state is None:
-            state = load(path / "trainer.pt")
+        if manifest.kind == "dcp":
+            distributed.verify_checkpoint(path)
+            state = distributed.read_checkpoint_extra(path, verify=False)
+        else:
+            checkpoint.verify(path, manifest)
+            if set(manifest.files) != set(CHECKPOINT_FILES):
+                raise checkpoint.CheckpointError(
+                    f"{path} holds {', '.join(sorted(manifest.files))}, not "
+                    f"{', '.join(CHECKPOINT_FILES)}: not a coat-train checkpoint"
+                )
+            state = self._load_file(path / "trainer.pt")
+        _check_trainer_state(state, path, manifest.step)
         diff = {
             k: (v, self.cfg.numerics().get(k))
             for k, v in state["config"].items()
@@ -864,18 +868,37 @@ class Trainer:
         if diff:
             said = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
             raise TrainError(f"cannot resume from {path}: settings differ ({said})")
-        if dcp_format:
-            distributed.load_checkpoint(path, self.model, self.optimizer)
-            rng = state["rng"][self.rank]
-        else:
-            self.model.load_state_dict(load(path / "model.pt"))
-            self.optimizer.load_state_dict(load(path / "optimizer.pt"))
-            rng = state["rng"]
-        self.scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(rng)
+        try:
+            if manifest.kind == "dcp":
+                distributed.load_checkpoint(path, self.model, self.optimizer, verify=False)
+                rng = state["rng"][self.rank]
+            else:
+                self.model.load_state_dict(self._load_file(path / "model.pt"))
+                self.optimizer.load_state_dict(self._load_file(path / "optimizer.pt"))
+                rng = state["rng"]
+            self.scheduler.load_state_dict(state["scheduler"])
+            _set_rng_state(rng)
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+            # Same settings and model, yet the tensors do not fit: not a file this run's
+            # code wrote. Nothing is half-loaded that the run goes on with: it stops here.
+            if isinstance(e, checkpoint.CheckpointError):
+                raise
+            raise checkpoint.CheckpointError(
+                f"{path} does not fit this model and optimizer: {_first_line(e)}"
+            ) from None
         self.step = state["step"]
         self.totals = state["totals"]
         self.train_losses = list(state["train_losses"])
+
+    def _load_file(self, path: Path):
+        """``torch.load(weights_only=True)`` of a verified file; what it cannot read becomes a
+        ``CheckpointError`` (one line)."""
+        try:
+            return torch.load(path, map_location=self.device, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
+            raise checkpoint.CheckpointError(
+                f"{path} is not a checkpoint file this code can read: {_first_line(e)}"
+            ) from None
 
     # -- the whole run -----------------------------------------------------------------------
     def fit(self, resume: Path | None = None) -> dict:
@@ -975,12 +998,64 @@ def _plain(v):
     return list(v) if isinstance(v, tuple) else v
 
 
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+_TRAINER_STATE = {  # key -> type of what trainer.pt / DCP's extra holds
+    "step": int,
+    "scheduler": dict,
+    "rng": (dict, list),
+    "data": dict,
+    "config": dict,
+    "describe": dict,
+    "totals": dict,
+    "train_losses": list,
+}
+
+
+def _check_trainer_state(state, path: Path, step: int | None) -> None:
+    """The training state a checkpoint must hold, with the step its manifest names."""
+    if not isinstance(state, dict):
+        raise checkpoint.CheckpointError(
+            f"{path} is not a coat-train checkpoint (no training state)"
+        )
+    for key, kind in _TRAINER_STATE.items():
+        if not isinstance(state.get(key), kind):
+            raise checkpoint.CheckpointError(
+                f"{path} is not a coat-train checkpoint (its training state has no valid {key!r})"
+            )
+    if "fingerprint" not in state["data"]:
+        raise checkpoint.CheckpointError(f"{path}: its training state names no data")
+    if step is not None and state["step"] != step:
+        raise checkpoint.CheckpointError(
+            f"{path}: its manifest says step {step}, its training state step {state['step']}"
+        )
+
+
 def _metrics_until(path: Path, step: int) -> list[str]:
-    """Lines of a metrics file up to ``step`` (a resumed run rewrites what came after)."""
+    """Lines of a metrics file up to ``step`` (a resumed run rewrites what came after). A
+    torn last line (the process was killed while writing it) is dropped: its step is after
+    the checkpoint, which is written once the step's lines are out."""
     if not path.is_file():
         return []
-    return [
-        line
-        for line in path.read_text().splitlines(True)
-        if line.strip() and json.loads(line)["step"] <= step
-    ]
+    lines = path.read_text(errors="replace").splitlines(True)
+    kept = []
+    for number, line in enumerate(lines, 1):
+        last = number == len(lines)
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not line.endswith("\n") or not isinstance(record.get("step"), int):
+                raise ValueError("torn")
+        except (ValueError, AttributeError):
+            if last:
+                break
+            raise TrainError(
+                f"{path} line {number} is not a metrics record: repair or delete the file "
+                "(the run's checkpoints do not depend on it)"
+            ) from None
+        if record["step"] <= step:
+            kept.append(line)
+    return kept

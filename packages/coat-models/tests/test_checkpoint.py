@@ -1,0 +1,240 @@
+"""coat_models.checkpoint and the DCP helpers' checks: manifests, hashes, publish / prune /
+recover, and DCP metadata that can run no code."""
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from coat_models import checkpoint, distributed
+from coat_models.checkpoint import CheckpointError
+
+
+class Payload:
+    """A pickle that creates ``marker`` when unpickled by a plain unpickler."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def make_checkpoint(directory, step=1, serial=None, files=None):
+    directory.mkdir(parents=True)
+    for name, data in (files or {"a.pt": b"alpha" * 100, "b.pt": b"beta" * 50}).items():
+        (directory / name).write_bytes(data)
+    if serial is None:
+        serial = checkpoint.next_serial(directory.parent)
+    return checkpoint.write_manifest(
+        directory, kind="torch", world_size=1, step=step, serial=serial, info={"k": [1]}
+    )
+
+
+def complete(parent) -> list[str]:
+    """Names of the directories in ``parent`` that verify and that ``recover`` keeps (trash
+    is on its way out, whatever it holds)."""
+    names = []
+    for d in sorted(parent.iterdir()) if parent.is_dir() else []:
+        if d.name.startswith(".trash-"):
+            continue
+        try:
+            checkpoint.verify(d, checkpoint.read_manifest(d))
+        except (CheckpointError, OSError):
+            continue
+        names.append(d.name)
+    return names
+
+
+def test_manifest_round_trip(tmp_path):
+    d = tmp_path / "step_0000001"
+    written = make_checkpoint(d, step=1)
+    read = checkpoint.read_manifest(d)
+    assert read == written
+    assert read.files["a.pt"][0] == 500 and read.info == {"k": [1]} and read.serial == 1
+    raw = json.loads((d / "manifest.json").read_text())
+    assert raw["format"] == "coat-checkpoint" and raw["kind"] == "torch"
+    checkpoint.verify(d, read)
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = [
+    ("flip", lambda d: _flip(d / "b.pt"), "the SHA-256 of b.pt differs from its manifest"),
+    ("truncate", lambda d: (d / "a.pt").write_bytes(b"alpha"), "a.pt has 5 bytes, its manifest"),
+    ("added", lambda d: (d / ".metadata").write_bytes(b"x"), "does not list (.metadata)"),
+    ("deleted", lambda d: (d / "a.pt").unlink(), "lacks a.pt"),
+]
+
+
+@pytest.mark.parametrize("name,corrupt,message", CORRUPTIONS, ids=[c[0] for c in CORRUPTIONS])
+def test_verify_names_what_changed(tmp_path, name, corrupt, message):
+    d = tmp_path / "step_0000001"
+    manifest = make_checkpoint(d)
+    corrupt(d)
+    with pytest.raises(CheckpointError, match="corrupt|not list|lacks") as e:
+        checkpoint.verify(d, manifest)
+    assert message in str(e.value) and str(d) in str(e.value)
+
+
+BAD_MANIFESTS = [
+    ("torn", lambda m: m[: len(m) // 2], "is not valid JSON"),
+    ("other-format", lambda m: m.replace("coat-checkpoint", "x"), "format is not"),
+    ("outside-dir", lambda m: m.replace('"a.pt"', '"../a.pt"'), "file name '../a.pt'"),
+    ("bad-hash", lambda m: m.replace('"sha256": "', '"sha256": "zz'), "SHA-256 of"),
+    ("bad-kind", lambda m: m.replace('"torch"', '"pickle"'), "kind 'pickle'"),
+]
+
+
+@pytest.mark.parametrize("name,edit,message", BAD_MANIFESTS, ids=[b[0] for b in BAD_MANIFESTS])
+def test_bad_manifest_is_refused(tmp_path, name, edit, message):
+    d = tmp_path / "step_0000001"
+    make_checkpoint(d)
+    path = d / "manifest.json"
+    path.write_text(edit(path.read_text()))
+    with pytest.raises(CheckpointError, match="manifest") as e:
+        checkpoint.read_manifest(d)
+    assert message in str(e.value)
+
+
+def test_no_manifest_and_no_directory(tmp_path):
+    (tmp_path / "step_0000001").mkdir()
+    with pytest.raises(CheckpointError, match="has no manifest.json: it is not a complete"):
+        checkpoint.read_manifest(tmp_path / "step_0000001")
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        checkpoint.read_manifest(tmp_path / "nowhere")
+
+
+def test_newest_is_by_serial_and_prune_keeps_it(tmp_path):
+    """A run resumed from step 2 writes step 4 after an earlier run's step 6: its step 4 is
+    the newest, and pruning keeps it rather than the higher step."""
+    for step in (2, 4, 6):
+        make_checkpoint(tmp_path / checkpoint.checkpoint_name(step), step=step)
+    assert checkpoint.newest(tmp_path).name == "step_0000006"
+    fresh = tmp_path / ".tmp-step_0000004-1"
+    make_checkpoint(fresh, step=4)
+    checkpoint.publish(fresh, tmp_path / "step_0000004")
+    assert checkpoint.newest(tmp_path).name == "step_0000004"
+    assert checkpoint.read_manifest(tmp_path / "step_0000004").serial == 4
+    deleted = checkpoint.prune(tmp_path, keep=1)
+    assert sorted(p.name for p in deleted) == ["step_0000002", "step_0000006"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000004"]
+
+
+def test_newest_refuses_a_checkpoint_it_cannot_read(tmp_path):
+    make_checkpoint(tmp_path / "step_0000002", step=2)
+    (tmp_path / "step_0000009").mkdir()  # no manifest: it might be the newest
+    with pytest.raises(CheckpointError, match="step_0000009 has no manifest.json"):
+        checkpoint.newest(tmp_path)
+    assert checkpoint.prune(tmp_path, keep=1) == []  # left alone: not ours to judge
+    assert checkpoint.has_checkpoints(tmp_path)
+
+
+def test_publish_and_prune_keep_a_complete_checkpoint_at_every_stage(tmp_path, monkeypatch):
+    """At every fault-injection point of a re-save (step 4 exists) and a prune to 1, a
+    complete checkpoint that ``recover`` keeps is on disk."""
+    parent = tmp_path / "checkpoints"
+    make_checkpoint(parent / "step_0000002", step=2)
+    make_checkpoint(parent / "step_0000004", step=4)
+    seen = []
+
+    def check(stage):
+        seen.append((stage, complete(parent)))
+
+    monkeypatch.setattr(checkpoint, "_reached", check)
+    tmp = parent / ".tmp-step_0000004-7"
+    make_checkpoint(tmp, step=4, files={"a.pt": b"new" * 10})
+    checkpoint.publish(tmp, parent / "step_0000004")
+    checkpoint.prune(parent, keep=1)
+    stages = [s for s, _ in seen]
+    for stage in ("manifest", "replace:trash", "publish", "replace:delete", "prune:trash"):
+        assert stage in stages
+    assert all(done for _, done in seen), seen
+    # while the old step 4 is in the trash, the new one is complete under its temporary name
+    assert dict(seen)["replace:trash"] == [".tmp-step_0000004-7", "step_0000002"]
+    assert sorted(p.name for p in parent.iterdir()) == ["step_0000004"]
+    assert (parent / "step_0000004" / "a.pt").read_bytes() == b"new" * 10
+
+
+def test_recover_publishes_complete_and_deletes_incomplete(tmp_path):
+    parent = tmp_path
+    make_checkpoint(parent / "step_0000002", step=2)
+    make_checkpoint(parent / ".tmp-step_0000004-3", step=4)  # killed after its manifest
+    (parent / ".tmp-step_0000006-3").mkdir()  # killed while writing
+    (parent / ".tmp-step_0000006-3" / "model.pt").write_bytes(b"half")
+    (parent / "step_0000008.partial").mkdir()  # a DCP save killed before its manifest
+    (parent / ".trash-step_0000000-ab").mkdir()  # a delete killed half-way
+    assert checkpoint.has_checkpoints(parent)
+    checkpoint.recover(parent)
+    assert sorted(p.name for p in parent.iterdir()) == ["step_0000002", "step_0000004"]
+    assert checkpoint.newest(parent).name == "step_0000004"
+
+
+def test_recover_drops_an_in_progress_copy_older_than_the_published_one(tmp_path):
+    make_checkpoint(tmp_path / ".tmp-step_0000004-3", step=4, serial=1)
+    make_checkpoint(tmp_path / "step_0000004", step=4, serial=2, files={"a.pt": b"newer"})
+    checkpoint.recover(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000004"]
+    assert (tmp_path / "step_0000004" / "a.pt").read_bytes() == b"newer"
+
+
+# ------------------------------------------------------------------ DCP in one process
+@pytest.fixture
+def dcp_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    path = tmp_path / "ckpt" / "step_0000001"
+    distributed.save_checkpoint(path, model, opt, extra={"step": 1}, step=1, info={"x": 1})
+    return path, model, opt
+
+
+def test_dcp_checkpoint_has_a_manifest_and_loads(dcp_checkpoint):
+    path, model, opt = dcp_checkpoint
+    manifest = distributed.verify_checkpoint(path)
+    assert manifest.kind == "dcp" and manifest.world_size == 1 and manifest.step == 1
+    assert sorted(manifest.files) == [".metadata", "__0_0.distcp"]
+    assert distributed.read_checkpoint_extra(path) == {"step": 1}
+    want = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert distributed.load_checkpoint(path, model, opt) == {"step": 1}
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), want, strict=True))
+
+
+def test_dcp_changed_shard_is_refused_before_reading(dcp_checkpoint):
+    path, model, opt = dcp_checkpoint
+    _flip(path / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match="SHA-256 of __0_0.distcp differs"):
+        distributed.load_checkpoint(path, model, opt)
+
+
+@pytest.mark.parametrize("forged_manifest", [False, True], ids=["no-manifest", "forged-manifest"])
+def test_dcp_planted_metadata_runs_no_code(dcp_checkpoint, tmp_path, forged_manifest):
+    """A ``.metadata`` that would call ``os.mkdir`` when unpickled: without a manifest
+    nothing is read; with a manifest forged to match, the metadata unpickler refuses it."""
+    path, model, opt = dcp_checkpoint
+    marker = tmp_path / "code-ran"
+    (path / "manifest.json").unlink()
+    (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    if forged_manifest:
+        checkpoint.write_manifest(path, kind="dcp", world_size=1, step=1, serial=1)
+        message = "posix.mkdir is not part of a checkpoint's metadata: refused"
+    else:
+        message = "has no manifest.json"
+    with pytest.raises(CheckpointError, match=message):
+        distributed.read_checkpoint_extra(path)
+    with pytest.raises(CheckpointError, match=message):
+        distributed.load_checkpoint(path, model, opt)
+    # A caller that skips the hash check still gets no code run from the metadata.
+    with pytest.raises(CheckpointError, match="posix.mkdir is not part of a checkpoint's"):
+        distributed.read_checkpoint_extra(path, verify=False)
+    assert not marker.exists()

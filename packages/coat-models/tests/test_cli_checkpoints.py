@@ -1,0 +1,386 @@
+"""coat-train's checkpoints on CPU: killed at every step of a save and a prune, corrupted,
+planted, resumed from older ones; the output lock; torn metrics; failed runs that must not
+lose earlier results.
+
+Every run here uses ``--threads 1``: the forked children and this process then compute the
+same bits, and "resumes exactly" means equal floats, step by step.
+"""
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from coat_models import checkpoint, cli
+from coat_models.train import Trainer
+
+ARGS = (
+    "--preset tiny --batch-size 4 --seq-len 64 --eval-batches 2 --corpus-mib 1 --no-progress "
+    "--threads 1 --steps 6 --save-every 2 --eval-every 2"
+).split()
+
+
+def train(argv) -> tuple[int, str, str]:
+    """``coat-train argv`` in this process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+@contextlib.contextmanager
+def interrupted_before(step):
+    """Trainer.run_step raises KeyboardInterrupt (Ctrl-C) before optimizer step ``step``."""
+    run_step = Trainer.run_step
+
+    def interrupted(trainer):
+        if trainer.step + 1 == step:
+            raise KeyboardInterrupt
+        return run_step(trainer)
+
+    Trainer.run_step = interrupted
+    try:
+        yield
+    finally:
+        Trainer.run_step = run_step
+
+
+def records(out) -> list[tuple]:
+    """What must not change when a run is interrupted and resumed: every metrics record's
+    type, step, losses, learning rate and gradient norm (exact floats), in order."""
+    lines = (out / "bf16" / "metrics.jsonl").read_text().splitlines()
+    keys = ("type", "step", "loss", "val_loss", "lr", "grad_norm")
+    return [tuple(json.loads(line).get(k) for k in keys) for line in lines]
+
+
+def names(path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``ref``: 6 uninterrupted steps (checkpoints at 2, 4, 6, the newest one kept).
+    ``base``: the same run with two checkpoints kept, stopped by Ctrl-C before step 5."""
+    threads = torch.get_num_threads()
+    root = tmp_path_factory.mktemp("cli_checkpoints")
+    assert train([*ARGS, "--keep-checkpoints", "1", "--out", root / "ref"])[0] == 0
+    with interrupted_before(5):
+        assert train([*ARGS, "--keep-checkpoints", "2", "--out", root / "base"])[0] == 130
+    assert names(root / "base/bf16/checkpoints") == ["step_0000002", "step_0000004"]
+    yield root
+    torch.set_num_threads(threads)
+
+
+def copy_base(runs, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(runs / "base", out)
+    return out, out / "bf16" / "checkpoints"
+
+
+def complete(ckpts) -> list[str]:
+    """Directories ``recover`` keeps (no trash) that verify against their manifest."""
+    found = []
+    for d in sorted(ckpts.iterdir()):
+        if d.name.startswith(".trash-"):
+            continue
+        try:
+            checkpoint.verify(d, checkpoint.read_manifest(d))
+        except (checkpoint.CheckpointError, OSError):
+            continue
+        found.append(d.name)
+    return found
+
+
+# ------------------------------------------------------------ killed during a save
+# Forks one child per stage from a process that has imported torch, transformers and
+# coat_models but run nothing (safe to fork; the children skip those imports). Each child
+# runs coat-train in a copy of a prepared --out and SIGKILLs itself when a save reaches the
+# given stage (checkpoint._reached).
+_FORK_SERVER = textwrap.dedent(
+    """
+    import json, os, shutil, signal, sys
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
+    from coat_models import checkpoint, cli
+
+    killed = {}
+    for job in json.loads(sys.argv[1]):  # {"base", "out", "stage", "argv"}
+        out = job["out"]
+        shutil.copytree(job["base"], out)
+        pid = os.fork()
+        if pid == 0:
+            log = os.open(out + ".log", os.O_WRONLY | os.O_CREAT, 0o644)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+
+            def kill_at(reached, stage=job["stage"]):
+                if reached == stage:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            checkpoint._reached = kill_at
+            code = cli.main([a.replace("{out}", out) for a in job["argv"]] + ["--out", out])
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(100 + code)  # the stage was never reached
+        _, status = os.waitpid(pid, 0)
+        killed[out] = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    print(json.dumps(killed))
+    """
+)
+# Both start from the base run (step 2 and step 4 saved) and resume from step 2 with
+# --keep-checkpoints 1, so their first save replaces the step-4 checkpoint already there.
+KILLED = {
+    # step 2 moved out of the checkpoints directory first: the step 4 being replaced is the
+    # only checkpoint there (the --keep-checkpoints 1 case of the issue)
+    "replace-the-only-one": (
+        "{out}/saved/step_0000002",
+        [
+            "write:model.pt",
+            "write:optimizer.pt",
+            "write:trainer.pt",
+            "manifest",  # the new step 4 complete under its temporary name
+            "replace:trash",  # the old step 4 renamed away
+            "publish",  # the new step 4 in place
+            "replace:delete",  # the old step 4 part-deleted
+        ],
+    ),
+    # step 2 stays: after the save, pruning to one deletes it
+    "prune": (
+        "{out}/bf16/checkpoints/step_0000002",
+        ["prune:trash", "prune:delete"],  # step 2 renamed away; part-deleted
+    ),
+}
+
+
+def test_killed_at_each_stage_of_save_and_prune_resumes_bit_identically(runs, tmp_path):
+    """SIGKILL at every step of a re-save and a prune with --keep-checkpoints 1: at each a
+    complete checkpoint is on disk, and --resume continues from step 4 (the old or the new
+    copy) to the uninterrupted run's records, float for float."""
+    jobs = []
+    for scenario, (resume_from, stages) in KILLED.items():
+        base = tmp_path / scenario / "base"
+        shutil.copytree(runs / "base", base)
+        if scenario == "replace-the-only-one":
+            (base / "saved").mkdir()
+            shutil.move(base / "bf16/checkpoints/step_0000002", base / "saved")
+        argv = [*ARGS, "--keep-checkpoints", "1", "--resume", resume_from]
+        for stage in stages:
+            out = tmp_path / scenario / stage.replace(":", "-")
+            jobs.append({"base": str(base), "out": str(out), "stage": stage, "argv": argv})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_SERVER, json.dumps(jobs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    killed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert killed == {job["out"]: True for job in jobs}, killed
+    want = records(runs / "ref")
+    for job in jobs:
+        out, stage = Path(job["out"]), job["stage"]
+        ckpts = out / "bf16" / "checkpoints"
+        log = Path(job["out"] + ".log").read_text()
+        assert "resuming from" in log and "Traceback" not in log, log
+        assert complete(ckpts), f"{out}: no complete checkpoint left: {names(ckpts)}"
+        code, said, err = train([*ARGS, "--keep-checkpoints", "1", "--resume", "--out", out])
+        assert code == 0, f"{out}: {err}"
+        assert f"resuming from {ckpts / 'step_0000004'}" in said, f"{out}: {said}"
+        assert records(out) == want, out
+        assert names(ckpts) == ["step_0000006"], out
+
+
+def test_resume_from_an_older_checkpoint_supersedes_later_ones(runs, tmp_path):
+    """After resuming from step 2, the step 4 this run writes is the newest checkpoint, not
+    the earlier run's step 6: pruning keeps it, and --resume continues from it."""
+    out = tmp_path / "run"
+    ckpts = out / "bf16" / "checkpoints"
+    assert train([*ARGS, "--keep-checkpoints", "3", "--out", out])[0] == 0
+    assert names(ckpts) == ["step_0000002", "step_0000004", "step_0000006"]
+    resume_2 = ["--resume", ckpts / "step_0000002"]
+    with interrupted_before(5):
+        code, *_ = train([*ARGS, "--keep-checkpoints", "1", *resume_2, "--out", out])
+    assert code == 130
+    assert names(ckpts) == ["step_0000004"]
+    code, said, err = train([*ARGS, "--keep-checkpoints", "1", "--resume", "--out", out])
+    assert code == 0, err
+    assert f"resuming from {ckpts / 'step_0000004'}" in said
+    assert records(out) == records(runs / "ref")
+
+
+# ------------------------------------------------------------------- corrupt or planted
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+CORRUPT_NEWEST = [
+    ("flipped", lambda d: _flip_byte(d / "model.pt"), "the SHA-256 of model.pt differs"),
+    ("truncated", lambda d: os.truncate(d / "optimizer.pt", 100), "optimizer.pt has 100 bytes"),
+    ("no-manifest", lambda d: (d / "manifest.json").unlink(), "has no manifest.json"),
+]
+
+
+@pytest.mark.parametrize("name,corrupt,message", CORRUPT_NEWEST, ids=[c[0] for c in CORRUPT_NEWEST])
+def test_corrupt_newest_checkpoint_is_named_not_skipped(runs, tmp_path, name, corrupt, message):
+    """The newest checkpoint fails its checks: one line naming it and the way on, exit 2,
+    nothing changed; the run neither falls back to step 2 silently nor starts afresh."""
+    out, ckpts = copy_base(runs, tmp_path)
+    corrupt(ckpts / "step_0000004")
+    metrics = (out / "bf16" / "metrics.jsonl").read_bytes()
+    code, _, err = train([*ARGS, "--keep-checkpoints", "2", "--resume", "--out", out])
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "step_0000004" in err and message in err, err
+    if name != "no-manifest":  # it names the previous checkpoint to continue from
+        assert f"--resume {ckpts / 'step_0000002'}" in err, err
+    assert (out / "bf16" / "metrics.jsonl").read_bytes() == metrics
+    assert names(ckpts) == ["step_0000002", "step_0000004"]
+    if name == "flipped":  # the way it names works, and ends where the uninterrupted run does
+        resume_2 = ["--resume", ckpts / "step_0000002"]
+        code, _, err = train([*ARGS, "--keep-checkpoints", "1", *resume_2, "--out", out])
+        assert code == 0, err
+        assert records(out) == records(runs / "ref")
+
+
+class Payload:
+    """A pickle that creates ``marker`` when a plain unpickler reads it."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.mark.parametrize("forged_manifest", [False, True], ids=["no-manifest", "forged-manifest"])
+def test_planted_dcp_metadata_is_never_unpickled(runs, tmp_path, forged_manifest):
+    """``checkpoints/step_9999999/.metadata`` planted (a pickle that would run code): not
+    read, found by --resume or named by --resume DIR. Without a manifest it is no
+    checkpoint; with one forged to match, a one-process run refuses DCP before reading."""
+    out, ckpts = copy_base(runs, tmp_path)
+    marker = tmp_path / "code-ran"
+    planted = ckpts / "step_9999999"
+    planted.mkdir()
+    (planted / ".metadata").write_bytes(pickle.dumps(Payload(marker), protocol=2))
+    if forged_manifest:
+        info = {"parallel": {"strategy": "fsdp", "world_size": 2}}
+        checkpoint.write_manifest(
+            planted, kind="dcp", world_size=2, step=9999999, serial=99, info=info
+        )
+    for resume in (["--resume"], ["--resume", planted]):
+        code, _, err = train([*ARGS, *resume, "--out", out])
+        if forged_manifest:
+            assert code == 1 and "written by --fsdp on 2 ranks, this run is one process" in err
+        else:
+            assert code == 2 and "step_9999999 has no manifest.json" in err, err
+        assert not marker.exists()
+
+
+def test_forged_manifest_cannot_make_a_torch_file_run_code(runs, tmp_path):
+    """trainer.pt replaced by a code-running pickle and the manifest rewritten to match:
+    torch.load(weights_only=True) refuses it; one line, exit 2."""
+    out, ckpts = copy_base(runs, tmp_path)
+    marker = tmp_path / "code-ran"
+    newest = ckpts / "step_0000004"
+    (newest / "trainer.pt").write_bytes(pickle.dumps(Payload(marker), protocol=2))
+    manifest = checkpoint.read_manifest(newest)
+    (newest / "manifest.json").unlink()
+    checkpoint.write_manifest(
+        newest, kind="torch", world_size=1, step=4, serial=manifest.serial, info=manifest.info
+    )
+    code, _, err = train([*ARGS, "--resume", "--out", out])
+    assert code == 2 and err.count("\n") == 1, err
+    assert "trainer.pt is not a checkpoint file this code can read" in err
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- metrics
+def test_torn_last_metrics_line_is_trimmed(runs, tmp_path):
+    """A kill while a metrics line was being written leaves half a line: --resume drops it."""
+    out, _ = copy_base(runs, tmp_path)
+    with open(out / "bf16" / "metrics.jsonl", "a") as f:
+        f.write('{"mode": "bf16", "type": "train", "step": 5, "lo')
+    code, _, err = train([*ARGS, "--keep-checkpoints", "1", "--resume", "--out", out])
+    assert code == 0, err
+    assert records(out) == records(runs / "ref")
+
+
+def test_garbage_inside_metrics_is_an_error(runs, tmp_path):
+    out, _ = copy_base(runs, tmp_path)
+    path = out / "bf16" / "metrics.jsonl"
+    lines = path.read_text().splitlines(True)
+    path.write_text(lines[0] + "garbage\n" + "".join(lines[1:]))
+    code, _, err = train([*ARGS, "--resume", "--out", out])
+    assert code == 1 and "metrics.jsonl line 2 is not a metrics record" in err, err
+
+
+# ------------------------------------------------------------------ the output directory
+_LOCK_HOLDER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from coat_models.cli import _output_lock
+
+    with _output_lock(Path(sys.argv[1])):
+        print("locked", flush=True)
+        sys.stdin.read()
+    """
+)
+
+
+def test_second_process_on_one_out_is_refused(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _LOCK_HOLDER, str(out)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        code, _, err = train([*ARGS, "--steps", "2", "--out", out])
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"is in use by another coat-train (PID {holder.pid}): wait for it" in err
+        assert names(out) == [".lock"]  # nothing else written
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert holder.returncode == 0
+    code, _, err = train([*ARGS, "--steps", "2", "--out", out])  # the lock went with the holder
+    assert code == 0, err
+
+
+def _snapshot(root) -> dict:
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_failed_new_run_keeps_the_previous_results(runs, tmp_path, monkeypatch):
+    """A new run in the same --out that fails, at the checks or when its model is built,
+    leaves the earlier run's results as they were."""
+    out = tmp_path / "run"
+    argv = [*ARGS, "--steps", "2", "--save-every", "0", "--out", out]
+    assert train(argv)[0] == 0
+    before = _snapshot(out)
+    code, _, err = train([*argv, "--seq-len", "100000", "--corpus-mib", "0.05"])
+    assert code == 2 and "fewer than --seq-len 100000 + 1" in err
+    assert _snapshot(out) == before
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
+
+    monkeypatch.setattr(cli, "build_model", no_memory)
+    code, _, err = train(argv)
+    assert code == 1 and "out of memory in mode bf16" in err
+    assert _snapshot(out) == before
