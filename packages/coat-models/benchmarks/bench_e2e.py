@@ -104,16 +104,21 @@ def parse_args(argv=None):
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or not names:
-        p.error(f"unknown variant {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+        usage_error(f"unknown variant {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
     if args.steps < 1:
-        p.error("--steps must be >= 1")
+        usage_error("--steps must be >= 1")
     if "torchao" in names and importlib.util.find_spec("torchao") is None:
-        p.error(
+        usage_error(
             "variant torchao needs torchao, which this project does not depend on: "
             "pip install torchao (or leave torchao out of --variants)"
         )
     args.variants = names
     return args
+
+
+def usage_error(message: str):
+    print(f"bench_e2e: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def free():
