@@ -587,15 +587,15 @@ class StepLog:
     Speed is measured per window, the steps between two reads: from the start of its first
     step (``open``) to the moment ``read`` has the values, when the GPU has finished them.
     Each record gets the window's mean step time and tokens/s and says which steps it
-    covers (``window: [first, last]``). ``mean`` and ``max`` reduce over ranks under
-    torchrun: ``mean`` a float64 tensor of losses, ``max`` a number.
+    covers (``window: [first, last]``). Under torchrun ``rank_mean`` (a float64 tensor of
+    losses) and ``rank_max`` (the window's time) reduce over ranks.
 
     >>> log.open(); ...; log.add(step, loss, grad_norm, lr); records = log.read()
     """
 
-    def __init__(self, tokens_per_step: int, mean=None, max=None):
+    def __init__(self, tokens_per_step: int, rank_mean=None, rank_max=None):
         self.tokens_per_step = tokens_per_step
-        self._mean, self._max = mean, max
+        self._mean, self._max = rank_mean, rank_max
         self._steps: list[tuple] = []  # (step, loss, grad norm, lr), tensors on the device
         self._t0: float | None = None
 
@@ -606,9 +606,6 @@ class StepLog:
 
     def add(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr) -> None:
         self._steps.append((step, loss.detach(), grad_norm.detach(), lr))
-
-    def __len__(self) -> int:
-        return len(self._steps)
 
     def read(self) -> list[dict]:
         """``train`` records of the steps added since the last read (waits for them)."""
@@ -788,8 +785,8 @@ class Trainer:
         self.meter = PeakMeter(device)
         self.step_log = StepLog(
             cfg.tokens_per_step,
-            mean=self._mean if strategy else None,
-            max=self._max if strategy else None,
+            rank_mean=self._mean if strategy else None,
+            rank_max=self._max if strategy else None,
         )
         self.totals = {"timed_tokens": 0, "timed_time": 0.0, "memory": None}
         self.train_losses: list[float] = []
