@@ -1,10 +1,19 @@
 """End-to-end training benchmark on one GPU (issue 6, benchmark 1): full-parameter training of
 Llama-2-7B shapes at seq 2048, per variant (bf16; coat; coat with bf16 master weights; and, on
-request, coat-cache: coat keeping the FP8 weight copies between steps, ``--fp8-weight-cache``):
+request, coat-cache: coat keeping the FP8 weight copies between steps, ``--fp8-weight-cache``;
+torchao: torchao's float8 training, tensorwise scaling, each decoder layer compiled):
 
 - the largest micro-batch that fits (1, 2, 4, 8, ... until CUDA runs out of memory),
 - peak memory (``torch.cuda.max_memory_allocated``) and its breakdown at each micro-batch,
-- tokens/s at each micro-batch (the first step of each trial is warm-up, not timed).
+- tokens/s at each micro-batch.
+
+Each trial runs as coat-train's loop does: a warm-up step, then one step that counts memory
+(the breakdown; its hooks cost host time), then ``--steps`` timed steps queued without
+waiting for the GPU and read once at the end (tokens/s over that window). The torchao variant
+is the loop a torchao user writes (``torchao_model``, ``torchao_trial``): two warm-up steps
+(compilation), the timed window, peak memory without a breakdown (the tracker's hooks cannot
+see into compiled layers). torchao is not a dependency of this project: install it to run
+that variant (``--variants bf16,coat,torchao``).
 
 All in one process, baseline and ours side by side (~8 minutes on an H200):
 
@@ -18,24 +27,42 @@ run it as a script.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import importlib.util
 import json
+import math
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 from coat_models.cli import format_table, is_oom
-from coat_models.data import load_data
+from coat_models.data import BatchSampler, load_data
 from coat_models.presets import build_model, preset_config
-from coat_models.train import MASTER_DTYPES, TrainConfig, Trainer, fmt_bytes, memory_report
+from coat_models.train import (
+    MASTER_DTYPES,
+    MemoryTracker,
+    TrainConfig,
+    Trainer,
+    decay_groups,
+    fmt_bytes,
+    lr_factor,
+    memory_report,
+    optimizer_state_bytes,
+    pinned,
+    tensor_bytes,
+)
 
-# name -> (mode, master dtype, FP8 weight cache kept between steps: TrainConfig.weight_cache)
+# name -> (mode, master dtype, FP8 weight cache kept between steps: TrainConfig.weight_cache);
+# mode "torchao" is no coat-train mode: torchao_model/torchao_trial below, fused torch AdamW.
 VARIANTS = {
     "bf16": ("bf16", "fp32", False),
     "coat": ("coat", "fp32", False),
     "coat-bf16master": ("coat", "bf16", False),
     "coat-cache": ("coat", "fp32", True),
+    "torchao": ("torchao", "fp32", False),
 }
 DEFAULT_VARIANTS = "bf16,coat,coat-bf16master"
 # Targets of issue 6 against bf16: peak memory at the same micro-batch, tokens/s at the best.
@@ -46,7 +73,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="llama2-7b")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=4, help="steps per trial (first is warm-up)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=4,
+        help="timed steps per trial (after a warm-up step and a memory-counting step, or two "
+        "warm-up steps for torchao)",
+    )
     p.add_argument("--max-micro-batch", type=int, default=32)
     p.add_argument(
         "--lr",
@@ -62,8 +95,30 @@ def parse_args(argv=None):
         "--max-micro-batch); each variant stops at its first out-of-memory one",
     )
     p.add_argument("--budget-s", type=float, default=480, help="stop searching after this")
-    p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script only")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--device",
+        default="cuda",
+        help="cpu: a smoke test of this script only (torchao then emulates float8)",
+    )
+    args = p.parse_args(argv)
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or not names:
+        usage_error(f"unknown variant {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+    if args.steps < 1:
+        usage_error("--steps must be >= 1")
+    if "torchao" in names and importlib.util.find_spec("torchao") is None:
+        usage_error(
+            "variant torchao needs torchao, which this project does not depend on: "
+            "pip install torchao (or leave torchao out of --variants)"
+        )
+    args.variants = names
+    return args
+
+
+def usage_error(message: str):
+    print(f"bench_e2e: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def free():
@@ -79,7 +134,8 @@ def peak(memory: dict) -> int:
 
 
 def trial(model, data, mode, master, cache, mb, args, device) -> dict:
-    """``args.steps`` steps at micro-batch ``mb``; peak memory, breakdown and tokens/s."""
+    """One coat-train variant at micro-batch ``mb``: a warm-up step, a step counting memory,
+    ``args.steps`` timed steps read once; peak memory, breakdown and tokens/s."""
     cfg = TrainConfig(
         mode=mode,
         master_dtype=master,
@@ -97,18 +153,23 @@ def trial(model, data, mode, master, cache, mb, args, device) -> dict:
         free()
         trainer.meter.reset()
         trainer.tracker.reset_peak()
-        times, losses = [], []
+        warm = trainer.run_step()  # kernels, autotuning, optimizer state
+        counted = trainer.run_step(track_memory=True)  # the breakdown: hooks cost host time
         for _ in range(args.steps):
-            rec = trainer.run_step()
-            times.append(rec["step_time_s"])
-            losses.append(rec["loss"])
-        timed = times[1:] or times
+            trainer.queue_step()  # as coat-train between its log points
+        timed = trainer.read_steps()
+        if not all(math.isfinite(r["loss"]) for r in timed):
+            raise RuntimeError(f"bench_e2e: non-finite loss in {mode} at micro-batch {mb}")
         return {
             "micro_batch": mb,
             "fits": True,
-            "tokens_per_s": mb * args.seq_len * len(timed) / sum(timed),
-            "step_times_s": times,
-            "losses": losses,
+            "tokens_per_s": timed[-1]["tokens_per_s"],
+            "step_times_s": {
+                "warmup": warm["step_time_s"],
+                "counting_memory": counted["step_time_s"],
+                "timed_mean": timed[-1]["step_time_s"],
+            },
+            "losses": [warm["loss"], counted["loss"], *(r["loss"] for r in timed)],
             "memory": memory_report(trainer.tracker, trainer.meter),
         }
     except (torch.OutOfMemoryError, RuntimeError) as e:
@@ -125,6 +186,99 @@ def trial(model, data, mode, master, cache, mb, args, device) -> dict:
     return {"micro_batch": mb, "fits": False}
 
 
+def torchao_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """What a torchao user does to a Hugging Face Llama: ``convert_to_float8_training`` with
+    the tensorwise recipe (every decoder-layer linear; not the LM head, as torchao's example
+    leaves out the last layer; dims must be multiples of 16), then ``torch.compile`` of each
+    decoder layer (static shapes: one compilation per micro-batch). In place; on CPU float8
+    is emulated (a smoke test: no float8 GEMM there)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    if device.type != "cuda":
+        config = dataclasses.replace(config, emulate=True)
+
+    def keep(mod: torch.nn.Module, fqn: str) -> bool:
+        if fqn.endswith("lm_head"):
+            return False
+        return isinstance(mod, torch.nn.Linear) and all(n % 16 == 0 for n in mod.weight.shape)
+
+    convert_to_float8_training(model, module_filter_fn=keep, config=config)
+    for layer in model.model.layers:
+        layer.compile(dynamic=False)
+    return model
+
+
+def torchao_trial(model, data, mb, args, device) -> dict:
+    """``torchao_model`` at micro-batch ``mb`` in a plain loop (bf16 autocast, fp32 master
+    weights, fused torch AdamW with coat-train's groups, clip 1.0, its LR schedule): two
+    warm-up steps (compilation), ``args.steps`` timed steps synchronized once at the end;
+    peak memory (no breakdown: weights and optimizer state only)."""
+    cfg = TrainConfig(batch_size=mb, seq_len=args.seq_len, lr=args.lr, steps=10**6, warmup=10)
+    optimizer = None
+    try:
+        optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr,
+                                      betas=cfg.betas, fused=device.type == "cuda")  # fmt: skip
+        schedule = partial(lr_factor, warmup=cfg.warmup, steps=cfg.steps,
+                           min_ratio=cfg.min_lr_ratio)  # fmt: skip
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        sampler = BatchSampler(data.train, mb, args.seq_len, seed=cfg.seed)
+        free()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+        def step(i: int) -> torch.Tensor:
+            ids = pinned(sampler.batch(i), device).to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        losses, warm = [], []
+        for i in (1, 2):  # compile (each layer's forward and backward), then settle
+            t0 = time.perf_counter()
+            losses.append(step(i).item())
+            warm.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        timed = [step(3 + i) for i in range(args.steps)]
+        timed = torch.stack(timed).tolist()  # waits for the window's steps
+        window = time.perf_counter() - t0
+        if not all(math.isfinite(v) for v in timed):
+            raise RuntimeError(f"bench_e2e: non-finite loss in torchao at micro-batch {mb}")
+        measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        memory = {
+            "device": device.type,
+            "measured_by": "cuda max_memory_allocated" if measured is not None else None,
+            "measured_peak": measured,
+            "tracked_peak": None,  # compiled layers: no saved-tensor hooks
+            **dict.fromkeys(MemoryTracker.KINDS),
+            "weights": tensor_bytes(list(model.parameters()) + list(model.buffers())),
+            "optimizer_state": optimizer_state_bytes(optimizer),
+            "other": None,
+        }
+        return {
+            "micro_batch": mb,
+            "fits": True,
+            "tokens_per_s": mb * args.seq_len * args.steps / window,
+            "step_times_s": {"warmup": warm, "timed_mean": window / args.steps},
+            "losses": [*losses, *timed],
+            "memory": memory,
+        }
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not is_oom(e):
+            raise
+    finally:
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        optimizer = None
+        free()
+    return {"micro_batch": mb, "fits": False}
+
+
 def run_variant(name, data, config, args, device, t_start) -> list[dict]:
     mode, master, cache = VARIANTS[name]
     if device.type == "cuda":
@@ -137,6 +291,8 @@ def run_variant(name, data, config, args, device, t_start) -> list[dict]:
         print(f"[{name}] skipped: weights+grads+optimizer state alone need {fmt_bytes(static)}")
         return []
     model = build_model(config, device=device, master_dtype=MASTER_DTYPES[master], seed=0)
+    if mode == "torchao":
+        model = torchao_model(model, device)
     rows = []
     if args.micro_batches:
         sizes = [int(v) for v in args.micro_batches.split(",")]
@@ -149,7 +305,10 @@ def run_variant(name, data, config, args, device, t_start) -> list[dict]:
             print(f"[{name}] stopped at micro-batch {mb}: time budget {args.budget_s:g}s spent")
             break
         t0 = time.perf_counter()
-        r = trial(model, data, mode, master, cache, mb, args, device)
+        if mode == "torchao":
+            r = torchao_trial(model, data, mb, args, device)
+        else:
+            r = trial(model, data, mode, master, cache, mb, args, device)
         r["wall_s"] = time.perf_counter() - t0
         rows.append(r)
         if not r["fits"]:
@@ -181,7 +340,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     data = load_data()
     config = preset_config(args.preset, data.vocab_size, max_seq=args.seq_len)
-    names = [v.strip() for v in args.variants.split(",")]
+    names = args.variants
     print(
         f"bench_e2e: {args.preset}, seq {args.seq_len}, {gpu}, "
         f"torch {torch.__version__}; variants {', '.join(names)}",
@@ -226,7 +385,9 @@ def main(argv=None) -> int:
             if base and name != "bf16":
                 b_best = max(base, key=lambda r: r["tokens_per_s"])
                 b_common = next(r for r in base if r["micro_batch"] == common)
-                s["memory_ratio_at_common"] = peak(b_common["memory"]) / s["peak_at_common"]
+                b_peak, own = peak(b_common["memory"]), s["peak_at_common"]
+                # None where nothing measured it (torchao in the CPU smoke test)
+                s["memory_ratio_at_common"] = b_peak / own if b_peak and own else None
                 s["speed_ratio_at_best"] = s["best_tokens_per_s"] / b_best["tokens_per_s"]
                 s["targets"] = TARGETS.get(name)
             summary[name] = s
@@ -236,12 +397,15 @@ def main(argv=None) -> int:
         )
         for name, s in summary.items():
             t = s.get("targets") or {}
+            mem_ratio = s.get("memory_ratio_at_common", 1)
+            mem_ratio = "n/a" if mem_ratio is None else f"{mem_ratio:.2f}x"
+            note = "baseline" if name == "bf16" else "no target"
             print(
                 f"{name:<17} {s['largest_micro_batch']:>10} {s['best_micro_batch']:>8} "
                 f"{s['best_tokens_per_s']:>11,.0f} {fmt_bytes(s['peak_at_common']):>12} "
-                f"{s.get('memory_ratio_at_common', 1):>9.2f}x "
+                f"{mem_ratio:>10} "
                 f"{s.get('speed_ratio_at_best', 1):>10.2f}x  "
-                + (f">= {t['memory']}x mem, >= {t['speed']}x speed" if t else "baseline")
+                + (f">= {t['memory']}x mem, >= {t['speed']}x speed" if t else note)
             )
         # The coat-train table at the common micro-batch, for the README / BENCHMARKS.md.
         table_runs = []
@@ -253,7 +417,7 @@ def main(argv=None) -> int:
                     {
                         "mode": name,
                         "master_dtype": master,
-                        "steps": args.steps,
+                        "steps": args.steps + 2,  # warm-up, memory, timed
                         "train_loss": r["losses"][-1],
                         "train_loss_window": 1,
                         "val_loss": None,
@@ -261,7 +425,10 @@ def main(argv=None) -> int:
                         "memory": r["memory"],
                     }
                 )
-        print(f"\nat micro-batch {common}:\n" + format_table(table_runs))
+        # format_table names coat-train's timed steps (2-N); here the first two are untimed
+        n = args.steps + 2
+        table = format_table(table_runs).replace(f"(steps 2-{n})", f"(steps 3-{n})")
+        print(f"\nat micro-batch {common}:\n" + table)
     out = os.environ.get("BENCH_OUT")
     if out:
         with open(out, "w") as f:

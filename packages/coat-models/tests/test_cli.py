@@ -101,15 +101,15 @@ def test_tiny_preset_learns_quickly(tmp_path, capsys):
 
 
 def interrupt_before(step):
-    """A Trainer.run_step that raises KeyboardInterrupt before optimizer step ``step``."""
-    orig = Trainer.run_step
+    """A Trainer.queue_step that raises KeyboardInterrupt before optimizer step ``step``."""
+    orig = Trainer.queue_step
 
-    def run_step(trainer):
+    def queue_step(trainer, *args, **kwargs):
         if trainer.step + 1 == step:
             raise KeyboardInterrupt
-        return orig(trainer)
+        return orig(trainer, *args, **kwargs)
 
-    return run_step
+    return queue_step
 
 
 @pytest.mark.parametrize(
@@ -128,7 +128,7 @@ def test_resume_reproduces_losses_bit_for_bit(tmp_path, capsys, monkeypatch, mod
     assert code == 0
     # B: killed before step 4 (after the step-2 checkpoint and a logged step 3), resumed.
     with monkeypatch.context() as m:
-        m.setattr(Trainer, "run_step", interrupt_before(4))
+        m.setattr(Trainer, "queue_step", interrupt_before(4))
         code, _, err = run([*args, "--out", tmp_path / "b"], capsys)
     assert code == 130 and "interrupted" in err
     ckpts = tmp_path / "b" / mode / "checkpoints"
@@ -298,10 +298,10 @@ def test_model_too_large_for_memory(tmp_path, capsys):
     ids=["cuda", "cpu"],
 )
 def test_out_of_memory_is_one_clear_line(tmp_path, capsys, monkeypatch, error):
-    def boom(self):
+    def boom(self, *args, **kwargs):
         raise error
 
-    monkeypatch.setattr(Trainer, "run_step", boom)
+    monkeypatch.setattr(Trainer, "queue_step", boom)
     code, _, err = run(["--steps", 2, "--out", tmp_path, *FAST], capsys)
     assert code == 1 and "Traceback" not in err
     assert "out of memory in mode bf16 with micro-batch 4 x 64 tokens on cpu: lower" in err

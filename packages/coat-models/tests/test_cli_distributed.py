@@ -267,16 +267,16 @@ def _worker(out: Path) -> None:
     coat_train("ddp", [*DDP_ARGS, "--ddp"])
     coat_train("fsdp", [*FSDP_ARGS, "--fsdp", "--activation-checkpointing"])
     # the same run killed before step 4 (after the step-2 checkpoint), then resumed
-    run_step = train.Trainer.run_step
+    queue_step = train.Trainer.queue_step
 
-    def interrupted(trainer):
+    def interrupted(trainer, *args, **kwargs):
         if trainer.step + 1 == 4:
             raise KeyboardInterrupt
-        return run_step(trainer)
+        return queue_step(trainer, *args, **kwargs)
 
-    train.Trainer.run_step = interrupted
+    train.Trainer.queue_step = interrupted
     coat_train("killed", [*FSDP_ARGS, "--fsdp", "--activation-checkpointing"])
-    train.Trainer.run_step = run_step
+    train.Trainer.queue_step = queue_step
     coat_train("resumed", [*FSDP_ARGS, "--fsdp", "--resume"], out_name="killed")
     planted = out / "planted_ckpt"
     if rank == 0:

@@ -158,7 +158,7 @@ _RSS_SCRIPT = textwrap.dedent(
                         master_dtype=torch.float32, seed=0)
     tr = Trainer(model, data, cfg, device=cpu, progress=False)
     for _ in range(2):  # optimizer state, kernel caches
-        tr.run_step()
+        tr.run_step(track_memory=True)
     trk = tr.tracker
     trk.reset_peak()
     resident = sum(trk.live.values())
@@ -235,11 +235,11 @@ def test_breakdown_vs_cuda_allocator_peak(mode, capsys):
         seed=0,
     )
     tr = Trainer(model, data, cfg, device=cuda, progress=False)
-    tr.run_step()
+    tr.run_step(track_memory=True)
     tr.tracker.reset_peak()
     tr.meter.reset()
     for _ in range(2):
-        tr.run_step()
+        tr.run_step(track_memory=True)
     rep = memory_report(tr.tracker, tr.meter)
     with capsys.disabled():
         print(f"\n{mode}: {json.dumps(rep)}")
@@ -251,3 +251,211 @@ def test_breakdown_vs_cuda_allocator_peak(mode, capsys):
     # the rest: at most 30% of the peak at this activation-heavy shape for bf16, 45% for coat,
     # whose saved activations are smaller while its kernels' temporaries are not.
     assert rep["other"] <= GPU_OTHER_TOLERANCE[mode] * rep["measured_peak"], rep
+
+
+# ---------------------------------------------------------------------------------------------
+# The step loop does not wait for the device between log points
+
+
+def _tiny_trainer(tmp_path, mode="bf16", **overrides):
+    from coat_models.data import load_data
+    from coat_models.presets import build_model, preset_config
+    from coat_models.train import Trainer
+
+    data = load_data(max_bytes=2**20)
+    fields = dict(mode=mode, steps=40, batch_size=2, seq_len=32, eval_every=0, eval_batches=1,
+                  log_every=10)  # fmt: skip
+    cfg = TrainConfig(**{**fields, **overrides})
+    cpu = torch.device("cpu")
+    model = build_model(preset_config("tiny", data.vocab_size, max_seq=32), device=cpu,
+                        master_dtype=torch.float32, seed=0)  # fmt: skip
+    return Trainer(model, data, cfg, device=cpu, out_dir=tmp_path, progress=False)
+
+
+# Every way Python code reads a tensor's value on the host: on a GPU each one waits for the
+# device (cpu/numpy copy it; the others go through item()).
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
+# Where the trainer may read: what it reads at log points, evaluation and checkpoints.
+LOG_POINT_METHODS = ("read_steps", "evaluate", "save_checkpoint", "_record_memory")
+
+
+def _host_reads_during_fit(trainer, monkeypatch):
+    """Run ``trainer.fit()`` counting host reads of tensors: ([(step, how, where)] outside
+    ``LOG_POINT_METHODS``, the steps at which ``read_steps`` returned records, the summary).
+
+    Not counted: reads of torch AdamW's step counters, host tensors by design when not fused
+    (coat-train uses fused AdamW on CUDA, whose counters stay on the device)."""
+    import traceback
+
+    from coat_models.train import Trainer
+
+    depth, outside, reads = [0], [], []
+
+    def at_log_point(name):
+        orig = getattr(Trainer, name)
+
+        def method(self, *args, **kwargs):
+            depth[0] += 1
+            try:
+                out = orig(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if name == "read_steps" and out:
+                reads.append(self.step)
+            return out
+
+        monkeypatch.setattr(Trainer, name, method)
+
+    def counted(name):
+        orig = getattr(torch.Tensor, name)
+
+        def read(t, *args, **kwargs):
+            counters = (s.get("step") for s in trainer.optimizer.state.values())
+            if not depth[0] and not any(t is c for c in counters):
+                where = traceback.extract_stack(limit=3)[0]
+                outside.append((trainer.step, name, f"{where.filename}:{where.lineno}"))
+            return orig(t, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    for name in LOG_POINT_METHODS:
+        at_log_point(name)
+    try:
+        for name in HOST_READS:
+            counted(name)
+        summary = trainer.fit()
+    finally:
+        for name in HOST_READS:  # before pytest's own code runs again
+            monkeypatch.setattr(torch.Tensor, name, getattr(torch._C.TensorBase, name))
+        trainer.close()
+    return outside, reads, summary
+
+
+@pytest.mark.parametrize("mode", ["bf16", pytest.param("coat-act", marks=needs_coat)])
+def test_trainer_reads_the_device_only_at_log_points(tmp_path, monkeypatch, mode):
+    """40 steps, --log-every 10: the host reads tensor values only when it reads the queued
+    steps (first step, every 10 steps, the progress line's every 4th, the last) and in
+    evaluation; metrics.jsonl still has one record per step, filled at the reads."""
+    tr = _tiny_trainer(tmp_path, mode)
+    outside, reads, summary = _host_reads_during_fit(tr, monkeypatch)
+    assert outside == []
+    assert reads == [1, 4, 8, 10, 12, 16, 20, 24, 28, 30, 32, 36, 40]
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["type"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 41))
+    ends = iter(reads)
+    start, end = 1, next(ends)
+    for r in train:  # each record says which read window its speed is the mean over
+        if r["step"] > end:
+            start, end = end + 1, next(ends)
+        assert r["window"] == [start, end]
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["tokens_per_s"] > 0
+    assert summary["steps"] == 40 and summary["memory"]["optimizer_state"] > 0
+
+
+def test_host_read_check_catches_a_read_inside_a_step(tmp_path, monkeypatch):
+    """The check above can fail: a float(loss) inside every training forward is found at
+    every step, log points included (it is not in the reads of a log point)."""
+    tr = _tiny_trainer(tmp_path, steps=20, log_every=5)
+
+    def read_loss(module, args, out):
+        float(out.loss.detach())
+
+    tr.model.register_forward_hook(read_loss)
+    outside, reads, _ = _host_reads_during_fit(tr, monkeypatch)
+    assert reads == [1, 2, 4, 5, 6, 8, 10, 12, 14, 15, 16, 18, 20]
+    # trainer.step is the number of steps done: a read inside step s is seen at s - 1
+    assert sorted({s + 1 for s, how, _ in outside}) == list(range(1, 21))
+    assert {how for _, how, _ in outside} == {"__float__"}
+
+
+def test_metrics_do_not_depend_on_when_they_are_read(tmp_path):
+    """Losses, grad norms and lrs per step are the same numbers read every step or every 7
+    steps; the summary's tokens/s is the timed tokens over the timed windows (steps 2-20)."""
+    runs = {}
+    for every in (1, 7):
+        tr = _tiny_trainer(tmp_path / str(every), steps=20, log_every=every)
+        summary = tr.fit()
+        tr.close()
+        recs = (tmp_path / str(every) / "metrics.jsonl").read_text().splitlines()
+        runs[every] = [json.loads(line) for line in recs], summary
+    key = lambda r: (r["type"], r["step"], r.get("loss"), r.get("grad_norm"), r.get("lr"))
+    assert [key(r) for r in runs[1][0]] == [key(r) for r in runs[7][0]]
+    train = [r for r in runs[7][0] if r["type"] == "train"]
+    windows = sorted({tuple(r["window"]) for r in train})
+    assert windows[:3] == [(1, 1), (2, 2), (3, 4)] and (7, 7) in windows and (9, 10) in windows
+    timed = [r for r in train if r["step"] > 1]
+    want = sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed)
+    assert runs[7][1]["tokens_per_s"] == pytest.approx(want, rel=1e-9)
+    assert runs[7][1]["train_loss"] == runs[1][1]["train_loss"]
+
+
+def test_non_finite_loss_is_reported_at_the_next_read_naming_its_step(tmp_path):
+    """A NaN loss at step 5 (not a log point) stops the run when step 8 is read; the error
+    names step 5, and the steps before it are in metrics.jsonl."""
+    from coat_models.train import TrainError
+
+    tr = _tiny_trainer(tmp_path, steps=40, log_every=10)
+
+    def poison(module, args, out):
+        if tr.step + 1 == 5:  # step 5 is running
+            out.loss = out.loss * float("nan")
+
+    tr.model.register_forward_hook(poison)
+    with pytest.raises(TrainError, match=r"the loss became nan at step 5 \(read at step 8\)"):
+        tr.fit()
+    assert tr.step == 8
+    recs = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in recs] == [1, 2, 3, 4]
+    tr.close()
+
+
+@pytest.mark.parametrize("mode", ["bf16", pytest.param("coat-act", marks=needs_coat)])
+def test_breakdown_of_the_counted_steps_equals_counting_every_step(tmp_path, mode):
+    """fit counts memory on the first timed step and the last only; its breakdown is the one
+    of counting every step (steps 2-N have the same tensors; step 1 has no optimizer state
+    yet, which start() counts when counting resumes after it)."""
+    from coat_models.train import memory_report
+
+    # 16 x 32 tokens: enough activations to be part of the peak
+    tr = _tiny_trainer(tmp_path / "fit", mode, steps=6, batch_size=16)
+    got = tr.fit()["memory"]
+    tr.close()
+    tr = _tiny_trainer(tmp_path / "all", mode, steps=6, batch_size=16)
+    tr.tracker.reset_peak()
+    for _ in range(6):
+        tr.run_step(track_memory=True)
+    want = memory_report(tr.tracker, tr.meter)
+    tr.close()
+    assert got == want
+    assert got["optimizer_state"] > 0 and got["activations"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_steps_between_reads_never_sync(mode):
+    """With torch.cuda.set_sync_debug_mode("error"), queued steps (one of them counting
+    memory) raise on any device-to-host sync; the read after them is the only one."""
+    from coat_models.data import load_data
+    from coat_models.presets import build_model, preset_config
+    from coat_models.train import Trainer
+
+    data = load_data(max_bytes=2**20)
+    cuda = torch.device("cuda")
+    cfg = TrainConfig(mode=mode, steps=10, batch_size=4, seq_len=128, eval_batches=1)
+    model = build_model(preset_config("tiny", data.vocab_size, max_seq=128), device=cuda,
+                        master_dtype=torch.float32, seed=0)  # fmt: skip
+    tr = Trainer(model, data, cfg, device=cuda, progress=False)
+    for _ in range(2):  # lazy setup (optimizer state, autotuning, handles) may sync
+        tr.run_step(track_memory=False)
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        for i in range(4):
+            tr.queue_step(track_memory=i == 1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    recs = tr.read_steps()
+    tr.close()
+    assert [r["step"] for r in recs] == [3, 4, 5, 6]
+    assert all(math.isfinite(r["loss"]) and r["window"] == [3, 6] for r in recs)

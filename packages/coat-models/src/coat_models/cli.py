@@ -146,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--eval-every", type=int, help="steps between validation passes")
     t.add_argument("--eval-batches", type=int, help="validation batches per pass")
+    t.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        help="steps between reads of loss, grad norm and speed from the GPU (the training "
+        "loop does not wait for the GPU in between; metrics.jsonl still has every step; "
+        "default 10)",
+    )
     g = p.add_argument_group(
         "several GPUs (under torchrun --nproc-per-node N; rank r takes micro-batches "
         "r, N + r, ...: N ranks with --grad-accum A see the tokens of one process with N*A)"
@@ -441,6 +449,7 @@ def _train_config(args, defaults, mode: str, master: str) -> TrainConfig:
             seed=args.seed,
             eval_every=pick(args.eval_every, defaults.eval_every),
             eval_batches=pick(args.eval_batches, defaults.eval_batches),
+            log_every=args.log_every,
             save_every=args.save_every,
             keep_checkpoints=args.keep_checkpoints,
             weight_cache=args.fp8_weight_cache,

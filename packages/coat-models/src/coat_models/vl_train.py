@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -29,13 +28,16 @@ from .train import (
     MemoryTracker,
     PeakMeter,
     Progress,
+    StepLog,
     TrainConfig,
     TrainError,
     decay_groups,
     enable_graphs,
     fmt_bytes,
+    loss_error,
     lr_factor,
     memory_report,
+    pinned,
 )
 from .vila import _llava_parts, apply_coat_vlm, llava_tiny_config, vila7b_config
 from .vl_data import IGNORE_INDEX, MAX_CAPTION_BYTES, ShapesCaptions, num_image_tokens
@@ -142,7 +144,7 @@ def prepare_vlm(
 
 def vlm_loss(model, batch: dict, device) -> torch.Tensor:
     """Mean caption-token loss of one batch under bf16 autocast."""
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    batch = {k: pinned(v, device).to(device, non_blocking=True) for k, v in batch.items()}
     with torch.autocast(device.type, dtype=torch.bfloat16):
         return model(**batch).loss
 
@@ -197,6 +199,7 @@ def train_vlm(
     ``vision`` / ``freeze_vision`` default to the preset's (FP8 activations in the tower; a
     frozen tower); ``fp8_config`` (``fp8_activations.FP8Config``) goes to ``apply_coat_vlm``.
     Writes ``out_dir/metrics.jsonl`` when ``out_dir`` is given (``train`` records per step,
+    written when read from the device every ``cfg.log_every`` steps as in ``Trainer.fit``;
     ``eval`` records with ``val_loss`` and ``val_caption_acc``). Returns the dict of
     ``Trainer.summary()`` plus ``preset``, ``val_caption_acc``, ``vision_fp8``,
     ``freeze_vision``, ``seq_len`` and ``losses`` (every step's training loss).
@@ -235,6 +238,8 @@ def train_vlm(
     val = task.val_batches(cfg.batch_size)[: cfg.eval_batches]
     tracker, meter = MemoryTracker(model), PeakMeter(device)
     bar = Progress(cfg.mode, cfg.steps, enabled=progress)
+    step_log = StepLog(cfg.tokens_per_step)
+    trained = [q for q in model.parameters() if q.requires_grad]
     torch.manual_seed(cfg.seed)  # whatever setup drew, every mode starts alike
     tracker.reset_peak()
     meter.reset()
@@ -246,16 +251,28 @@ def train_vlm(
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             log = stack.enter_context(open(Path(out_dir) / "metrics.jsonl", "w"))
         for step in range(1, cfg.steps + 1):
-            rec = _train_step(model, optimizer, scheduler, tracker, task, cfg, step, device)
-            rec["mem_tracked_peak"], rec["mem_measured_peak"] = tracker.peak, meter.peak()
-            losses.append(rec["loss"])
-            if step > 1:  # the first step warms up (kernels, caches, optimizer state)
-                timed_tokens += rec["tokens"]
-                timed_time += rec["step_time_s"]
-            _emit(log, cfg.mode, rec)
+            # Memory is counted on the first timed step and the last (as in Trainer.fit).
+            track = step == min(2, cfg.steps) or step == cfg.steps
+            _train_step(model, optimizer, scheduler, tracker, task, cfg, step, device,
+                        step_log, trained, track)  # fmt: skip
+            evaluating = step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)
+            # The host waits for the device only at these steps (see Trainer.fit).
+            if not (step == 1 or evaluating or step % cfg.log_every == 0 or step % bar.every == 0):
+                continue
+            recs = step_log.read()
+            for rec in recs:
+                if not math.isfinite(rec["loss"]):
+                    raise loss_error(cfg.mode, cfg.lr, rec, step)
+                rec["mem_tracked_peak"], rec["mem_measured_peak"] = tracker.peak, meter.peak()
+                losses.append(rec["loss"])
+                _emit(log, cfg.mode, {"type": "train", **rec})
+            if recs[0]["step"] > 1:  # the first step warms up (kernels, caches, optimizer state)
+                timed_tokens += sum(r["tokens"] for r in recs)
+                timed_time += sum(r["step_time_s"] for r in recs)
+            rec = recs[-1]
             fields = {"loss": f"{rec['loss']:.4f}", "tok/s": f"{rec['tokens_per_s']:,.0f}",
                       "mem": fmt_bytes(rec["mem_measured_peak"] or tracker.peak)}  # fmt: skip
-            if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            if evaluating:
                 val_loss, val_acc = evaluate_vlm(model, val, device)
                 _emit(log, cfg.mode, {"type": "eval", "step": step, "val_loss": val_loss,
                                       "val_caption_acc": val_acc})  # fmt: skip
@@ -284,32 +301,34 @@ def train_vlm(
     }
 
 
-def _train_step(model, optimizer, scheduler, tracker, task, cfg, step, device) -> dict:
-    """One optimizer step over ``cfg.grad_accum`` micro-batches; its ``train`` record."""
-    t0 = time.perf_counter()
+def _train_step(model, optimizer, scheduler, tracker, task, cfg, step, device, step_log,
+                trained, track: bool) -> None:  # fmt: skip
+    """One optimizer step over ``cfg.grad_accum`` micro-batches, queued without waiting for
+    the device: its loss and gradient norm go to ``step_log``. ``track``: count its memory."""
+    step_log.open()
+    if track and not tracker.active:
+        tracker.start(optimizer)
+    elif not track and tracker.active:
+        tracker.stop()
     loss_sum = torch.zeros((), device=device)
-    with tracker.saving():
+    with tracker.saving() if track else contextlib.nullcontext():
         for micro in range(cfg.grad_accum):
             loss = vlm_loss(model, task.batch(step, cfg.batch_size, micro), device)
             (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach().float()
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    trained = [q for q in model.parameters() if q.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(trained, max_norm)
+    if cfg.grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)
+    else:  # the norm alone: clipping at inf would still rescale every gradient by 1
+        grad_norm = torch.nn.utils.get_total_norm([q.grad for q in trained if q.grad is not None])
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
-    tracker.after_optimizer_step(optimizer)
+    if track:
+        tracker.after_optimizer_step(optimizer)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    tracker.grads_dropped()
-    loss = (loss_sum / cfg.grad_accum).item()  # syncs: the step time below is real
-    dt = time.perf_counter() - t0
-    if not math.isfinite(loss):
-        raise TrainError(f"mode {cfg.mode}: the loss became {loss} at step {step}: "
-                         f"lower --lr (now {cfg.lr:g}) or raise --warmup")  # fmt: skip
-    return {"type": "train", "step": step, "loss": loss, "lr": float(lr),
-            "grad_norm": float(grad_norm), "tokens": cfg.tokens_per_step, "step_time_s": dt,
-            "tokens_per_s": cfg.tokens_per_step / dt}  # fmt: skip
+    if track:
+        tracker.grads_dropped()
+    step_log.add(step, loss_sum / cfg.grad_accum, grad_norm, lr)
 
 
 def _emit(log, mode: str, record: dict) -> None:
