@@ -38,19 +38,19 @@ def train(argv) -> tuple[int, str, str]:
 
 @contextlib.contextmanager
 def interrupted_before(step):
-    """Trainer.run_step raises KeyboardInterrupt (Ctrl-C) before optimizer step ``step``."""
-    run_step = Trainer.run_step
+    """Trainer.queue_step raises KeyboardInterrupt (Ctrl-C) before optimizer step ``step``."""
+    queue_step = Trainer.queue_step
 
-    def interrupted(trainer):
+    def interrupted(trainer, *args, **kwargs):
         if trainer.step + 1 == step:
             raise KeyboardInterrupt
-        return run_step(trainer)
+        return queue_step(trainer, *args, **kwargs)
 
-    Trainer.run_step = interrupted
+    Trainer.queue_step = interrupted
     try:
         yield
     finally:
-        Trainer.run_step = run_step
+        Trainer.queue_step = queue_step
 
 
 def records(out) -> list[tuple]:
