@@ -275,6 +275,9 @@ def runs(tmp_path_factory):
 
 
 # --------------------------------------------------------------------------------- tests
+# Every test that takes `runs` is marked slow: the first one pays for the 2-process launch
+# and the single-process references (about 10 s on 2 CPU cores).
+@pytest.mark.slow
 def test_optimizer_on_shards_is_bit_identical_to_unsharded(runs):
     """CoatAdamW on DTensor shards == CoatAdamW on the full tensors, every bit of every
     parameter and state, over 4 steps, for fp32 and bf16 (stochastic rounding) params."""
@@ -307,6 +310,7 @@ def test_optimizer_on_shards_is_bit_identical_to_unsharded(runs):
             assert torch.equal(got["opt"]["adamw"][i][key], want[i][key]), (OPT_SHAPES[i], key)
 
 
+@pytest.mark.slow
 def test_fsdp_gradients_match_single_process(runs):
     """COAT Llama under fully_shard (bf16 policy, activation checkpointing): the first
     step's reduced gradients against the single-process emulation."""
@@ -316,6 +320,7 @@ def test_fsdp_gradients_match_single_process(runs):
         assert diff <= GRAD_RTOL, (name, diff.item())
 
 
+@pytest.mark.slow
 def test_fsdp_bf16_policy_gradients_as_close_to_fp32_as_autocast(runs):
     """FSDP2's bf16 policy (bf16 parameters) is not the single-GPU recipe (bf16 autocast
     over fp32 parameters): against plain fp32 gradients of the unconverted model, the
@@ -339,16 +344,19 @@ def test_fsdp_bf16_policy_gradients_as_close_to_fp32_as_autocast(runs):
     assert error(got["fsdp_grads"], fp32) <= 1.25 * error(autocast, fp32)
 
 
+@pytest.mark.slow
 def test_fsdp_losses_match_single_process(runs):
     _, ref, got = runs
     torch.testing.assert_close(got["fsdp_losses"], ref["fsdp_losses"], rtol=LOSS_RTOL, atol=0)
 
 
+@pytest.mark.slow
 def test_ddp_losses_match_single_process(runs):
     _, ref, got = runs
     torch.testing.assert_close(got["ddp_losses"], ref["ddp_losses"], rtol=LOSS_RTOL, atol=0)
 
 
+@pytest.mark.slow
 def test_checkpoint_1_to_2_ranks_is_bit_identical_and_resumes(runs):
     """Saved by one process, loaded by FSDP2 on 2 ranks: every parameter and FP8 state
     equal to the bit; the 2 ranks then continue with the uninterrupted run's losses."""
@@ -365,6 +373,7 @@ def test_checkpoint_1_to_2_ranks_is_bit_identical_and_resumes(runs):
     )
 
 
+@pytest.mark.slow
 def test_checkpoint_2_to_1_rank_is_bit_identical_and_resumes(runs):
     """Saved by FSDP2 on 2 ranks, loaded here in one plain process: bit-identical, and the
     single process continues with the 2-rank run's losses."""
@@ -383,6 +392,7 @@ def test_checkpoint_2_to_1_rank_is_bit_identical_and_resumes(runs):
     torch.testing.assert_close(losses, got["fsdp_losses"][SAVE_AT:], rtol=LOSS_RTOL, atol=0)
 
 
+@pytest.mark.slow
 def test_ddp_checkpoint_loads_in_one_process(runs):
     from coat_models.distributed import load_checkpoint
 
@@ -396,6 +406,7 @@ def test_ddp_checkpoint_loads_in_one_process(runs):
     torch.testing.assert_close(losses, got["ddp_losses"][SAVE_AT:], rtol=LOSS_RTOL, atol=0)
 
 
+@pytest.mark.slow
 def test_parameters_without_gradient_on_a_rank(runs):
     """``extra`` gets no gradient on rank 1 (FSDP2 reduces zeros for it), ``never`` none on
     any rank (skipped, no state), ``head`` is an empty shard on rank 1: same parameters and
@@ -422,6 +433,7 @@ def test_parameters_without_gradient_on_a_rank(runs):
         assert torch.equal(bits(loaded[key]), bits(value)), key
 
 
+@pytest.mark.slow
 def test_mismatched_checkpoint_gives_a_clear_error(runs):
     from coat_models.distributed import CheckpointMismatchError, load_checkpoint
 
