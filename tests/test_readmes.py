@@ -35,17 +35,7 @@ def test_every_package_has_a_readme_with_examples():
         assert runner.python_blocks(path), path
 
 
-# coat-models' examples train tiny models (a Trainer run among them): ~20 s on a busy CPU.
-SLOW = {"coat-models"}
-
-
-@pytest.mark.parametrize(
-    "readme",
-    [
-        pytest.param(p, id=p.parent.name, marks=pytest.mark.slow if p.parent.name in SLOW else ())
-        for p in READMES
-    ],
-)
+@pytest.mark.parametrize("readme", READMES, ids=[p.parent.name for p in READMES])
 def test_readme_examples_run(readme, one_thread):
     results = runner.run_readme(readme, torchrun=False, log=lambda _: None)
     ran = [b.where for b, status in results if status == "ran"]
