@@ -1,11 +1,18 @@
-"""Developer sessions: `nox -s tests` (CPU, Triton via its interpreter), `nox -s bench` (GPU),
-`nox -s lint`, `nox -s demo` (the main job: a small COAT vs BF16 training comparison).
+"""Developer sessions: `nox -s tests` (CPU, Triton via its interpreter; every test, slow ones
+included), `nox -s readme` (each package built and installed alone in a fresh venv, its README's
+examples run there), `nox -s bench` (GPU), `nox -s lint`, `nox -s demo` (the main job: a small
+COAT vs BF16 training comparison).
 
 On a machine without nox (e.g. the GPU box), the same commands run with the packages on
 PYTHONPATH; see README.md.
 """
 
 import os
+import re
+import shutil
+import tomllib
+import zipfile
+from pathlib import Path
 
 import nox
 
@@ -40,6 +47,67 @@ def tests(session):
         "tests",
         *session.posargs,
     )
+
+
+# What a README's examples need beyond the package itself. fp8-quant's Triton-kernel example
+# runs on CPU through Triton's interpreter, which must be switched on before triton is imported
+# and which imports numpy without declaring it. Nothing else sets TRITON_INTERPRET here: the
+# other examples run on CPU through the plain-PyTorch reference.
+README_NEEDS = {"fp8-quant": (["numpy"], {"TRITON_INTERPRET": "1"})}
+
+
+def _declared_siblings(package: str) -> list[str]:
+    """The packages of this repository that ``package`` depends on, directly or through one
+    another, as their pyproject.toml files declare them."""
+    found, todo = [], [package]
+    while todo:
+        project = tomllib.loads(Path(f"packages/{todo.pop()}/pyproject.toml").read_text())
+        for requirement in project["project"]["dependencies"]:
+            name = re.match(r"[A-Za-z0-9._-]+", requirement).group(0)
+            if name in PACKAGES and name not in found:
+                found.append(name)
+                todo.append(name)
+    return found
+
+
+def _check_wheel(session, wheel: Path) -> None:
+    """What pip's install would not complain about but a user would miss."""
+    names = zipfile.ZipFile(wheel).namelist()
+    module = wheel.name.split("-")[0]
+    for want in (f"{module}/py.typed", "licenses/LICENSE"):
+        if not any(n == want or n.endswith(f".dist-info/{want}") for n in names):
+            session.error(f"{wheel.name} lacks {want}")
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def readme(session, package):
+    """One package alone: build its wheel and its declared siblings' (`pip wheel --no-deps`),
+    install them into this fresh venv after torch, run its README's python blocks there."""
+    session.install(TORCH)
+    wheels = Path(session.create_tmp()) / "wheels"
+    shutil.rmtree(wheels, ignore_errors=True)
+    for name in [package, *_declared_siblings(package)]:
+        session.run(
+            "python",
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "-w",
+            str(wheels),
+            f"./packages/{name}",
+        )
+    built = sorted(wheels.glob("*.whl"))
+    for wheel in built:
+        _check_wheel(session, wheel)
+    # Only these wheels and what they declare: an undeclared import fails the examples below.
+    session.install(*map(str, built))
+    extras, env = README_NEEDS.get(package, ([], {}))
+    if extras:
+        session.install(*extras)
+    session.run("python", "scripts/run_readme.py", f"packages/{package}/README.md", env=env)
 
 
 @nox.session

@@ -2,7 +2,7 @@
 memory and tokens/s per GPU of ``bf16`` and ``coat`` at each micro-batch, up to each mode's
 largest that fits.
 
-Run on 2 GPUs (any N works; the lead's ``nvidia-h200-x2``)::
+Run on 2 GPUs (any N works)::
 
     P=packages; export PYTHONPATH=$P/fp8-quant/src:$P/fp8-optim/src
     export PYTHONPATH=$PYTHONPATH:$P/fp8-activations/src:$P/coat-models/src

@@ -74,7 +74,14 @@ def _grad_layouts(shape, dtype, seed):
     yield "expanded", torch.randn(1, 1, 1, d, generator=g).to(DEVICE, dtype).expand(shape)
 
 
-@pytest.mark.parametrize("batch, seq, hq, hk, dim, cos_batch, dtype", CASES)
+# The 32-head case's backward takes ~9 s through the Triton interpreter on CPU.
+BACKWARD_CASES = [
+    pytest.param(*c.values, id=c.id, marks=pytest.mark.slow) if c.id == "gqa32x8-S130-bf16" else c
+    for c in CASES
+]
+
+
+@pytest.mark.parametrize("batch, seq, hq, hk, dim, cos_batch, dtype", BACKWARD_CASES)
 def test_backward_equals_autograd_of_reference_and_transformers(
     batch, seq, hq, hk, dim, cos_batch, dtype
 ):

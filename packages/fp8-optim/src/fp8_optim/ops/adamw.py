@@ -491,8 +491,8 @@ def _adamw_kernel(
     smask = emask & _bc(gok)
     # One relaxed atomic per skipped group: Triton lets exactly one of the threads holding a
     # group's flag do it, whatever the layout (groups can be held by several warps). Inline
-    # PTX electing one lane per warp (match.any) counted such groups twice: caught by the
-    # GPU test, docs/device/s5-run6.
+    # PTX electing one lane per warp (match.any) counted such groups twice (caught by the
+    # GPU test of the non-finite policy).
     tl.atomic_add(bad_ptr + rg * 0, 1, mask=gmask & (gok == 0), sem="relaxed")
 
     if p_base.dtype.element_ty == tl.bfloat16:
