@@ -35,13 +35,13 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from tqdm import tqdm
 
 from . import checkpoint, distributed
 from .data import BatchSampler, TokenData, val_batches
@@ -162,8 +162,25 @@ class TrainConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 
+def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
+    """The run's LR schedule: transformers' ``get_cosine_with_min_lr_schedule_with_warmup``
+    (a ``LambdaLR``; its state goes into checkpoints). The LR of 0-based step ``s`` is
+    ``lr * s / warmup`` while ``s < warmup`` (the first step at 0), then a half cosine from
+    ``lr`` down to ``lr * min_lr_ratio``, reached after ``steps`` steps."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer,
+        num_warmup_steps=cfg.warmup,
+        num_training_steps=cfg.steps,
+        min_lr_rate=cfg.min_lr_ratio,
+    )
+
+
 def lr_factor(step: int, *, warmup: int, steps: int, min_ratio: float) -> float:
-    """LR multiplier for 0-based ``step``: linear warmup to 1, then cosine to ``min_ratio``."""
+    """The schedule coat-train used before ``lr_scheduler`` (warmup reaches ``(s + 1) /
+    warmup`` at step ``s``, one step ahead of transformers'). Kept only for
+    benchmarks/bench_e2e.py's plain loop until it calls ``lr_scheduler``."""
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, steps - warmup))
@@ -558,9 +575,12 @@ def fmt_bytes(n: int | None) -> str:
 
 
 class Progress:
-    """One stderr status line: on a terminal rewritten at every ``update`` (the trainers call
-    it when they read the step values from the device: every ``--log-every`` steps), else
-    printed at the steps that are multiples of ``every`` (10% of the run) and at the last."""
+    """The run's progress on stderr, drawn by tqdm. The trainers call ``update`` only where
+    they read the step values from the device (every ``--log-every`` steps, at evaluations
+    and at the steps that are multiples of ``every``), so the bar never makes the host wait.
+    On a terminal the bar is redrawn at each update; elsewhere (a log file, CI) one line in
+    tqdm's format is printed at the multiples of ``every`` (10% of the run) and at the last
+    step, as a redrawn bar would fill a log with carriage returns."""
 
     def __init__(self, label: str, total: int, stream=None, enabled: bool = True):
         self.label, self.total, self.enabled = label, total, enabled
@@ -569,27 +589,48 @@ class Progress:
         # The same on every rank (not tied to the terminal): trainers read values here.
         self.every = max(1, total // 10)
         self.t0 = time.perf_counter()
+        self._bar = None
 
     def update(self, step: int, fields: dict, first_step: int = 1):
-        if not self.enabled or (not self.tty and step % self.every and step != self.total):
+        """Show ``step`` of ``total`` with ``fields`` (name -> formatted value); a run
+        resumed at ``first_step`` counts its rate from there."""
+        if not self.enabled:
             return
-        elapsed = time.perf_counter() - self.t0
-        done = step - first_step + 1
-        eta = elapsed / max(done, 1) * (self.total - step)
-        width = 20
-        fill = round(width * step / self.total)
-        bar = "#" * fill + "-" * (width - fill)
-        text = "  ".join(f"{k} {v}" for k, v in fields.items())
-        line = f"[{self.label}] {step:>{len(str(self.total))}}/{self.total} |{bar}| {text}"
-        line += f"  eta {eta:.0f}s"
+        postfix = ", ".join(f"{k} {v}" for k, v in fields.items())
         if self.tty:
-            self.stream.write("\r" + line.ljust(getattr(self, "_width", 0)))
-            self._width = len(line)
+            if self._bar is None:
+                self._bar = tqdm(
+                    total=self.total,
+                    initial=first_step - 1,
+                    desc=f"[{self.label}]",
+                    unit="step",
+                    file=self.stream,
+                    dynamic_ncols=True,
+                    mininterval=0,  # the calls are already sparse: draw each one
+                )
+            self._bar.set_postfix_str(postfix, refresh=False)
+            self._bar.update(step - self._bar.n)
             if step == self.total:
-                self.stream.write("\n")
-        else:
+                self.close()
+        elif step % self.every == 0 or step == self.total:
+            line = tqdm.format_meter(
+                step,
+                self.total,
+                time.perf_counter() - self.t0,
+                prefix=f"[{self.label}]",
+                ascii=True,  # a log file may not be read as UTF-8
+                unit="step",
+                postfix=postfix,
+                initial=first_step - 1,
+            )
             self.stream.write(line + "\n")
-        self.stream.flush()
+            self.stream.flush()
+
+    def close(self):
+        """End the terminal bar (its line stays); the trainers call it when they stop."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -762,10 +803,7 @@ class Trainer:
             self.model, self.optimizer = prepare_distributed(
                 model, cfg, strategy, activation_checkpointing
             )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            partial(lr_factor, warmup=cfg.warmup, steps=cfg.steps, min_ratio=cfg.min_lr_ratio),
-        )
+        self.scheduler = lr_scheduler(self.optimizer, cfg)
         self.sampler = BatchSampler(data.train, cfg.batch_size, cfg.seq_len, cfg.seed)
         self.val = val_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
         self.tracker = MemoryTracker(self.model, grad_hooks=strategy != "fsdp")
@@ -1171,6 +1209,7 @@ class Trainer:
 
     def close(self):
         self.tracker.close()
+        self.progress.close()
 
 
 def _plain(v):

@@ -16,7 +16,6 @@ import contextlib
 import json
 import math
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,7 +34,7 @@ from .train import (
     enable_graphs,
     fmt_bytes,
     loss_error,
-    lr_factor,
+    lr_scheduler,
     memory_report,
     pinned,
 )
@@ -233,8 +232,7 @@ def train_vlm(
         vision=vision, freeze_vision=freeze_vision, fp8_config=fp8_config,
     )  # fmt: skip
     enable_graphs(model, cfg)
-    schedule = partial(lr_factor, warmup=cfg.warmup, steps=cfg.steps, min_ratio=cfg.min_lr_ratio)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scheduler = lr_scheduler(optimizer, cfg)
     val = task.val_batches(cfg.batch_size)[: cfg.eval_batches]
     tracker, meter = MemoryTracker(model), PeakMeter(device)
     bar = Progress(cfg.mode, cfg.steps, enabled=progress)
@@ -246,6 +244,7 @@ def train_vlm(
     losses, timed_tokens, timed_time, val_loss, val_acc = [], 0, 0.0, None, None
     with contextlib.ExitStack() as stack:
         stack.callback(tracker.close)
+        stack.callback(bar.close)
         log = None
         if out_dir is not None:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
