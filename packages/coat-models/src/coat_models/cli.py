@@ -28,7 +28,7 @@ from . import checkpoint
 from .checkpoint import CheckpointError
 from .data import STDLIB_MAX_BYTES, DataError, load_data
 from .distributed import run_on_rank0
-from .plot import loss_plot_png
+from .plot import PlotUnavailable, loss_plot_png
 from .presets import (
     MODEL_DIR_DEFAULTS,
     PRESETS,
@@ -746,22 +746,28 @@ def run_vl(args, cfgs, modes, masters, device, label) -> int:
 
 
 def _finish(args, out: Path, device, describe: dict, source: str, summaries, curves) -> int:
-    """Loss plot, summary.json and the compare table of a finished run."""
+    """Loss plot (with matplotlib), summary.json and the compare table of a finished run."""
     png = out / "loss.png"
-    write_atomic(png, loss_plot_png(curves))
+    try:
+        write_atomic(png, loss_plot_png(curves))
+        plot_line = f"loss curves: {png}"
+    except PlotUnavailable as e:
+        png.unlink(missing_ok=True)  # an earlier run's picture is not this run's
+        png = None
+        plot_line = f"loss curves: not drawn, {e}"
     result = {
         "args": vars(args),
         "device": device.type,
         "model": describe,
         "data": source,
         "runs": summaries,
-        "plot": str(png),
+        "plot": None if png is None else str(png),
     }
     write_atomic(out / "summary.json", json.dumps(result, indent=1))
     print()
     print(format_table(summaries))
     print()
-    print(f"loss curves: {png}")
+    print(plot_line)
     print(f"metrics:     {', '.join(str(out / s['mode'] / 'metrics.jsonl') for s in summaries)}")
     print(f"summary:     {out / 'summary.json'}")
     return 0
