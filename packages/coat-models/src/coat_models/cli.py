@@ -647,6 +647,7 @@ def run(args) -> int:
                 if resume is None:
                     _start_afresh(mode_dir)
                 summary = trainer.fit(resume)
+                summary["export"] = str(trainer.export(mode_dir / "final", tokenizer))
             except CheckpointError as e:
                 if args.resume == "latest" and resume is not None:
                     raise _unusable_newest(e, resume) from None
@@ -674,7 +675,8 @@ def run(args) -> int:
             curves[cfg.mode] = _curves(mode_dir / "metrics.jsonl")
             print(
                 f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
-                f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}",
+                f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}; model: "
+                f"{summary['export']}",
                 flush=True,
             )
 
@@ -769,6 +771,7 @@ def _finish(args, out: Path, device, describe: dict, source: str, summaries, cur
     print()
     print(plot_line)
     print(f"metrics:     {', '.join(str(out / s['mode'] / 'metrics.jsonl') for s in summaries)}")
+    print(f"models:      {', '.join(s['export'] for s in summaries if s.get('export'))}")
     print(f"summary:     {out / 'summary.json'}")
     return 0
 

@@ -31,6 +31,7 @@ import math
 import os
 import pickle
 import random
+import shutil
 import sys
 import time
 import weakref
@@ -749,6 +750,32 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+def export_pretrained(
+    model: torch.nn.Module, path: Path, *, tokenizer=None, state_dict: dict | None = None
+) -> Path:
+    """Write ``model`` as a Hugging Face directory at ``path``: ``save_pretrained``
+    (safetensors weights in the master dtype, ``config.json``) and the tokenizer's files when
+    given; ``AutoModelForCausalLM.from_pretrained(path)`` loads it. ``apply_coat`` keeps the
+    weights' names and the model's class name, so a COAT model is saved as the plain model.
+    ``state_dict``: the full weights when ``model`` is sharded (then ``model`` supplies the
+    config and the class name). Written to a temporary directory, then renamed into place
+    (an earlier export at ``path`` is replaced)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state_dict)
+    # FSDP2 renames the class (FSDPLlamaForCausalLM): the config must name the model's own.
+    name = type(model).__name__.removeprefix("FSDP")
+    if model.config.architectures != [name]:
+        model.config.architectures = [name]
+        model.config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
 # ---------------------------------------------------------------------------------------------
 # The run
 
@@ -1206,6 +1233,26 @@ class Trainer:
             "params": sum(p.numel() for p in self.model.parameters()),
             "memory": t["memory"],
         }
+
+    def export(self, path: Path, tokenizer=None) -> Path:
+        """The trained model as a Hugging Face directory at ``path`` (``export_pretrained``).
+        Under torchrun every rank must call it: the full weights are gathered to the CPU of
+        rank 0 (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``), which
+        writes; the others wait for it."""
+        if self.strategy is None:
+            return export_pretrained(self.model, path, tokenizer=tokenizer)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)  # collective
+        model = getattr(self.model, "module", self.model)  # DDP wraps, FSDP2 does not
+        if self.is_main:
+            export_pretrained(model, path, tokenizer=tokenizer, state_dict=state)
+        dist.barrier()
+        return Path(path)
 
     def close(self):
         self.tracker.close()

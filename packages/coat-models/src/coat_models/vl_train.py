@@ -32,6 +32,7 @@ from .train import (
     TrainError,
     decay_groups,
     enable_graphs,
+    export_pretrained,
     fmt_bytes,
     loss_error,
     lr_scheduler,
@@ -201,7 +202,8 @@ def train_vlm(
     written when read from the device every ``cfg.log_every`` steps as in ``Trainer.fit``;
     ``eval`` records with ``val_loss`` and ``val_caption_acc``). Returns the dict of
     ``Trainer.summary()`` plus ``preset``, ``val_caption_acc``, ``vision_fp8``,
-    ``freeze_vision``, ``seq_len`` and ``losses`` (every step's training loss).
+    ``freeze_vision``, ``seq_len``, ``losses`` (every step's training loss) and ``export``
+    (``out_dir/final``, the trained VLM saved by ``save_pretrained``; None without ``out_dir``).
     Without ``fp8_config``, FP8 activations use ``FP8Config(weight_cache=cfg.weight_cache)``.
     Raises ``TrainError`` for settings it cannot run (checkpoints, a too short ``seq_len``,
     a non-finite loss).
@@ -279,6 +281,8 @@ def train_vlm(
                 fields["caption acc"] = f"{val_acc:.2f}"
             bar.update(step, fields)
         memory = memory_report(tracker, meter)
+    # The VLM as a Hugging Face directory (AutoModelForImageTextToText.from_pretrained).
+    export = None if out_dir is None else str(export_pretrained(model, Path(out_dir) / "final"))
     window = losses[-TRAIN_LOSS_WINDOW:]
     return {
         "mode": cfg.mode,
@@ -297,6 +301,7 @@ def train_vlm(
         "freeze_vision": freeze_vision,
         "seq_len": cfg.seq_len,
         "losses": losses,
+        "export": export,
     }
 
 
