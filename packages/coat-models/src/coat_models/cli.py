@@ -11,6 +11,8 @@ import argparse
 import contextlib
 import fcntl
 import gc
+import importlib
+import importlib.metadata
 import json
 import math
 import os
@@ -41,6 +43,8 @@ from .presets import (
 from .train import (
     MASTER_DTYPES,
     MODES,
+    REPORT_TO,
+    TENSORBOARD_HINT,
     TrainConfig,
     Trainer,
     TrainError,
@@ -57,6 +61,21 @@ LOCK_FILE = ".lock"  # in --out: held (flock) by the coat-train writing there, w
 
 class UsageError(ValueError):
     """Bad command line; the message says what to change."""
+
+
+VERSIONED = ("fp8-quant", "fp8-optim", "fp8-activations", "coat-models", "torch", "triton",
+             "transformers")  # fmt: skip
+
+
+def _versions() -> str:
+    """``coat-train --version``: one ``name version`` line per package, as installed."""
+    lines = []
+    for name in VERSIONED:
+        try:
+            lines.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            lines.append(f"{name} not installed")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,6 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
         "slowing a small model down many times on a machine busy with other work",
     )
     o.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    o.add_argument(
+        "--report-to",
+        choices=list(REPORT_TO),
+        default="none",
+        help="metrics besides --out/MODE/metrics.jsonl: tensorboard writes event files to "
+        "--out/MODE/tensorboard (needs the tensorboard package; default: none)",
+    )
+    p.add_argument(
+        "--version",
+        action="store_true",
+        help="print the versions of the COAT packages, torch, triton and transformers, and exit",
+    )
     return p
 
 
@@ -454,6 +485,7 @@ def _train_config(args, defaults, mode: str, master: str) -> TrainConfig:
             keep_checkpoints=args.keep_checkpoints,
             weight_cache=args.fp8_weight_cache,
             cuda_graphs=args.cuda_graphs and MODES[mode][0],
+            report_to=args.report_to,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -573,6 +605,11 @@ def run(args) -> int:
         if args.threads < 1:
             raise UsageError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
+    if args.report_to == "tensorboard":
+        try:
+            importlib.import_module("torch.utils.tensorboard")  # imports tensorboard
+        except ImportError:
+            raise UsageError(TENSORBOARD_HINT) from None
     out = Path(args.out)
     _check_out(out)
     if (args.preset or "tiny") in VL_PRESETS:
@@ -881,6 +918,9 @@ MEMORY_NOTE = {
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.version:
+        print(_versions())
+        return 0
     own_group = not dist.is_initialized()  # run() joins torchrun's group for --fsdp / --ddp
     try:
         return run(args)

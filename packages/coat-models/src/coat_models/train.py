@@ -56,6 +56,7 @@ MODES = {  # mode -> (FP8 activations, FP8 optimizer states)
 }
 MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TRAIN_LOSS_WINDOW = 10  # the summary's train loss is the mean of the last 10 steps
+REPORT_TO = ("none", "tensorboard")
 CHECKPOINT_FILES = ("model.pt", "optimizer.pt", "trainer.pt")  # one process; under torchrun: DCP
 
 
@@ -98,8 +99,15 @@ class TrainConfig:
     # eager step, tested). Their saved activations then live in the graphs' memory pool, which
     # the memory breakdown cannot see ("other"). Not part of the numbers.
     cuda_graphs: bool = False
+    # Where metrics go besides metrics.jsonl: "none", or "tensorboard" (event files in
+    # out_dir/tensorboard; needs the tensorboard package). Not part of the numbers.
+    report_to: str = "none"
 
     def __post_init__(self):
+        if self.report_to not in REPORT_TO:
+            raise ValueError(
+                f"--report-to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}"
+            )
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}: choose one of {', '.join(MODES)}")
         if self.master_dtype not in MASTER_DTYPES:
@@ -159,6 +167,7 @@ class TrainConfig:
             "keep_checkpoints",
             "weight_cache",
             "cuda_graphs",
+            "report_to",
         }
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
@@ -750,6 +759,33 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+TENSORBOARD_HINT = (
+    "--report-to tensorboard needs the tensorboard package: pip install tensorboard "
+    "(or pip install 'coat-models[tensorboard]'), or leave out --report-to"
+)
+
+
+def tensorboard_writer(log_dir: Path, purge_step: int | None = None):
+    """torch's ``SummaryWriter`` on ``log_dir``; ``purge_step``: a resumed run's first step
+    (TensorBoard hides what an earlier, killed run logged from there on). ``TrainError``
+    (``TENSORBOARD_HINT``) without the tensorboard package."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise TrainError(TENSORBOARD_HINT) from None
+    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+
+
+def log_scalars(writer, record: dict) -> None:
+    """Each number of a metrics record as the scalar ``<type>/<name>`` at its step (e.g.
+    ``train/loss``, ``eval/val_loss``); nothing without a writer."""
+    if writer is None:
+        return
+    for name, value in record.items():
+        if name != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+            writer.add_scalar(f"{record['type']}/{name}", value, record["step"])
+
+
 def export_pretrained(
     model: torch.nn.Module, path: Path, *, tokenizer=None, state_dict: dict | None = None
 ) -> Path:
@@ -1127,12 +1163,17 @@ class Trainer:
         self.meter.reset()
         first = self.step + 1
         opened = open(metrics_path, "a") if self.is_main else contextlib.nullcontext()
-        with opened as log:
+        board = None
+        if cfg.report_to == "tensorboard" and self.is_main:
+            purge = first if resume is not None else None
+            board = tensorboard_writer(self.out_dir / "tensorboard", purge_step=purge)
+        with opened as log, board or contextlib.nullcontext():
 
             def emit(record):
                 if log is not None:
                     log.write(json.dumps({"mode": cfg.mode, **record}) + "\n")
                     log.flush()
+                log_scalars(board, record)
 
             def log_steps():
                 """Read the queued steps, log them; the last record (None if none)."""

@@ -34,10 +34,12 @@ from .train import (
     enable_graphs,
     export_pretrained,
     fmt_bytes,
+    log_scalars,
     loss_error,
     lr_scheduler,
     memory_report,
     pinned,
+    tensorboard_writer,
 )
 from .vila import _llava_parts, apply_coat_vlm, llava_tiny_config, vila7b_config
 from .vl_data import IGNORE_INDEX, MAX_CAPTION_BYTES, ShapesCaptions, num_image_tokens
@@ -251,6 +253,9 @@ def train_vlm(
         if out_dir is not None:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             log = stack.enter_context(open(Path(out_dir) / "metrics.jsonl", "w"))
+        board = None
+        if cfg.report_to == "tensorboard" and out_dir is not None:
+            board = stack.enter_context(tensorboard_writer(Path(out_dir) / "tensorboard"))
         for step in range(1, cfg.steps + 1):
             # Memory is counted on the first timed step and the last (as in Trainer.fit).
             track = step == min(2, cfg.steps) or step == cfg.steps
@@ -266,7 +271,7 @@ def train_vlm(
                     raise loss_error(cfg.mode, cfg.lr, rec, step)
                 rec["mem_tracked_peak"], rec["mem_measured_peak"] = tracker.peak, meter.peak()
                 losses.append(rec["loss"])
-                _emit(log, cfg.mode, {"type": "train", **rec})
+                _emit(log, board, cfg.mode, {"type": "train", **rec})
             if recs[0]["step"] > 1:  # the first step warms up (kernels, caches, optimizer state)
                 timed_tokens += sum(r["tokens"] for r in recs)
                 timed_time += sum(r["step_time_s"] for r in recs)
@@ -275,7 +280,7 @@ def train_vlm(
                       "mem": fmt_bytes(rec["mem_measured_peak"] or tracker.peak)}  # fmt: skip
             if evaluating:
                 val_loss, val_acc = evaluate_vlm(model, val, device)
-                _emit(log, cfg.mode, {"type": "eval", "step": step, "val_loss": val_loss,
+                _emit(log, board, cfg.mode, {"type": "eval", "step": step, "val_loss": val_loss,
                                       "val_caption_acc": val_acc})  # fmt: skip
                 fields["val"] = f"{val_loss:.4f}"
                 fields["caption acc"] = f"{val_acc:.2f}"
@@ -335,7 +340,8 @@ def _train_step(model, optimizer, scheduler, tracker, task, cfg, step, device, s
     step_log.add(step, loss_sum / cfg.grad_accum, grad_norm, lr)
 
 
-def _emit(log, mode: str, record: dict) -> None:
+def _emit(log, board, mode: str, record: dict) -> None:
     if log is not None:
         log.write(json.dumps({"mode": mode, **record}) + "\n")
         log.flush()
+    log_scalars(board, record)
