@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 from coat_models import cli
-from coat_models.plot import decode_png
 
 FAST = "--preset llava-tiny --batch-size 8 --eval-batches 1 --threads 1 --no-progress".split()
 
@@ -48,8 +47,7 @@ def test_llava_tiny_compare_end_to_end(tmp_path, capsys):
     assert runs[1]["memory"]["activations"] < runs[0]["memory"]["activations"]
     header = next(line for line in stdout.splitlines() if "(fp32 master)" in line)
     assert "coat/bf16" in header and "caption accuracy" in stdout
-    img = decode_png((out / "loss.png").read_bytes())
-    assert img.shape == (560, 900, 3)
+    assert ("loss curves: not drawn" in stdout) != (out / "loss.png").is_file()
 
 
 VL_BAD = [

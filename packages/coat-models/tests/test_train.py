@@ -1,6 +1,7 @@
 """coat_models.train: LR schedule, memory accounting (against the OS and the CUDA allocator),
 mode setup."""
 
+import io
 import json
 import math
 import os
@@ -10,7 +11,9 @@ import textwrap
 
 import pytest
 import torch
-from coat_models.train import MemoryTracker, TrainConfig, lr_factor
+from coat_models.presets import PRESETS
+from coat_models.train import MemoryTracker, Progress, TrainConfig, lr_factor, lr_scheduler
+from coat_models.vl_train import VL_PRESETS
 
 
 def _coat_available() -> bool:
@@ -26,13 +29,91 @@ needs_coat = pytest.mark.skipif(not _coat_available(), reason="coat_models.apply
 MODES = ["bf16", pytest.param("coat", marks=needs_coat)]
 
 
-def test_lr_schedule_warmup_then_cosine():
-    f = lambda s: lr_factor(s, warmup=10, steps=110, min_ratio=0.1)
-    assert [f(s) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
-    assert f(10) == 1.0
-    assert math.isclose(f(60), 0.55)  # half way through the cosine
-    assert math.isclose(f(110), 0.1) and math.isclose(f(500), 0.1)
-    assert all(f(s) >= f(s + 1) for s in range(10, 120))
+def _lrs(cfg: TrainConfig) -> list[float]:
+    """The LR of each of ``cfg.steps`` optimizer steps under ``lr_scheduler``."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=cfg.lr)
+    sched = lr_scheduler(opt, cfg)
+    lrs = []
+    for _ in range(cfg.steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+SCHEDULES = [
+    pytest.param(p.steps, p.lr, p.warmup, 0.1, id=name)
+    for name, p in {**PRESETS, **VL_PRESETS}.items()
+] + [
+    pytest.param(7, 1e-3, 0, 0.0, id="no-warmup-to-zero"),
+    pytest.param(5, 1e-3, 8, 0.5, id="warmup-longer-than-run"),
+]
+
+
+@pytest.mark.parametrize("steps,lr,warmup,ratio", SCHEDULES)
+def test_lr_schedule_against_the_hand_made_one(steps, lr, warmup, ratio):
+    """transformers' schedule against coat-train's former ``lr_factor``: the same LR at every
+    step from the end of warmup on; during warmup one step behind (``s / warmup`` instead of
+    ``(s + 1) / warmup``: the first step has LR 0, every warmup step is ``lr / warmup`` lower)."""
+    cfg = TrainConfig(steps=steps, lr=lr, warmup=warmup, min_lr_ratio=ratio)
+    new = _lrs(cfg)
+    old = [lr * lr_factor(s, warmup=warmup, steps=steps, min_ratio=ratio) for s in range(steps)]
+    w = min(warmup, steps)
+    if warmup:
+        assert new[:w] == pytest.approx([lr * s / warmup for s in range(w)], rel=1e-12, abs=0)
+        assert [o - n for o, n in zip(old[:w], new[:w], strict=True)] == pytest.approx(
+            [lr / warmup] * w
+        )
+    assert new[w:] == pytest.approx(old[w:], rel=1e-12, abs=0)
+    if steps > warmup + 1:  # cosine: decreasing, from lr towards lr * ratio
+        assert new[warmup] == lr
+        assert all(a > b for a, b in zip(new[warmup:], new[warmup + 1 :], strict=False))
+        assert new[-1] > lr * ratio
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+FIELDS = {"loss": "4.1234", "lr": "3.00e-03", "tok/s": "1,234", "mem": "1.0 MiB"}
+
+
+def test_progress_off_a_terminal_prints_every_tenth_and_the_last():
+    stream = io.StringIO()
+    bar = Progress("coat", 25, stream=stream)
+    for step in range(1, 26):
+        bar.update(step, {**FIELDS, "val": "3.9"} if step == 25 else FIELDS)
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue()
+    assert [line.split("|")[2].split()[0] for line in lines] == [
+        f"{s}/25" for s in (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 25)
+    ]
+    assert all(line.startswith("[coat]") for line in lines)
+    for field in ("loss 4.1234", "lr 3.00e-03", "tok/s 1,234", "mem 1.0 MiB"):
+        assert field in lines[-1]
+    assert "val 3.9" in lines[-1] and "val" not in lines[-2]
+
+
+def test_progress_on_a_terminal_redraws_at_each_update_and_ends_the_line():
+    stream = _Terminal()
+    bar = Progress("bf16", 30, stream=stream)
+    for step in (10, 20, 30):
+        bar.update(step, FIELDS, first_step=11)  # resumed after step 10
+    text = stream.getvalue()
+    assert text.count("\r") >= 3 and text.endswith("\n")
+    assert "30/30" in text and "loss 4.1234" in text and "tok/s 1,234" in text
+    assert bar._bar is None  # closed at the last step
+
+
+@pytest.mark.parametrize("stream", [io.StringIO(), _Terminal()], ids=["log", "terminal"])
+def test_progress_disabled_prints_nothing(stream):
+    bar = Progress("bf16", 10, stream=stream, enabled=False)
+    for step in range(1, 11):
+        bar.update(step, FIELDS)
+    bar.close()
+    assert stream.getvalue() == ""
 
 
 def test_config_rejects_bf16_master_with_torch_adamw():

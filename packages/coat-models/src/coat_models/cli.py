@@ -11,6 +11,8 @@ import argparse
 import contextlib
 import fcntl
 import gc
+import importlib
+import importlib.metadata
 import json
 import math
 import os
@@ -28,7 +30,7 @@ from . import checkpoint
 from .checkpoint import CheckpointError
 from .data import STDLIB_MAX_BYTES, DataError, load_data
 from .distributed import run_on_rank0
-from .plot import loss_plot_png
+from .plot import PlotUnavailable, loss_plot_png
 from .presets import (
     MODEL_DIR_DEFAULTS,
     PRESETS,
@@ -41,6 +43,8 @@ from .presets import (
 from .train import (
     MASTER_DTYPES,
     MODES,
+    REPORT_TO,
+    TENSORBOARD_HINT,
     TrainConfig,
     Trainer,
     TrainError,
@@ -57,6 +61,21 @@ LOCK_FILE = ".lock"  # in --out: held (flock) by the coat-train writing there, w
 
 class UsageError(ValueError):
     """Bad command line; the message says what to change."""
+
+
+VERSIONED = ("fp8-quant", "fp8-optim", "fp8-activations", "coat-models", "torch", "triton",
+             "transformers")  # fmt: skip
+
+
+def _versions() -> str:
+    """``coat-train --version``: one ``name version`` line per package, as installed."""
+    lines = []
+    for name in VERSIONED:
+        try:
+            lines.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            lines.append(f"{name} not installed")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,6 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
         "slowing a small model down many times on a machine busy with other work",
     )
     o.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    o.add_argument(
+        "--report-to",
+        choices=list(REPORT_TO),
+        default="none",
+        help="metrics besides --out/MODE/metrics.jsonl: tensorboard writes event files to "
+        "--out/MODE/tensorboard (needs the tensorboard package; default: none)",
+    )
+    p.add_argument(
+        "--version",
+        action="store_true",
+        help="print the versions of the COAT packages, torch, triton and transformers, and exit",
+    )
     return p
 
 
@@ -454,6 +485,7 @@ def _train_config(args, defaults, mode: str, master: str) -> TrainConfig:
             keep_checkpoints=args.keep_checkpoints,
             weight_cache=args.fp8_weight_cache,
             cuda_graphs=args.cuda_graphs and MODES[mode][0],
+            report_to=args.report_to,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -573,6 +605,11 @@ def run(args) -> int:
         if args.threads < 1:
             raise UsageError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
+    if args.report_to == "tensorboard":
+        try:
+            importlib.import_module("torch.utils.tensorboard")  # imports tensorboard
+        except ImportError:
+            raise UsageError(TENSORBOARD_HINT) from None
     out = Path(args.out)
     _check_out(out)
     if (args.preset or "tiny") in VL_PRESETS:
@@ -647,6 +684,7 @@ def run(args) -> int:
                 if resume is None:
                     _start_afresh(mode_dir)
                 summary = trainer.fit(resume)
+                summary["export"] = str(trainer.export(mode_dir / "final", tokenizer))
             except CheckpointError as e:
                 if args.resume == "latest" and resume is not None:
                     raise _unusable_newest(e, resume) from None
@@ -674,7 +712,8 @@ def run(args) -> int:
             curves[cfg.mode] = _curves(mode_dir / "metrics.jsonl")
             print(
                 f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
-                f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}",
+                f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}; model: "
+                f"{summary['export']}",
                 flush=True,
             )
 
@@ -746,23 +785,30 @@ def run_vl(args, cfgs, modes, masters, device, label) -> int:
 
 
 def _finish(args, out: Path, device, describe: dict, source: str, summaries, curves) -> int:
-    """Loss plot, summary.json and the compare table of a finished run."""
+    """Loss plot (with matplotlib), summary.json and the compare table of a finished run."""
     png = out / "loss.png"
-    write_atomic(png, loss_plot_png(curves))
+    try:
+        write_atomic(png, loss_plot_png(curves))
+        plot_line = f"loss curves: {png}"
+    except PlotUnavailable as e:
+        png.unlink(missing_ok=True)  # an earlier run's picture is not this run's
+        png = None
+        plot_line = f"loss curves: not drawn, {e}"
     result = {
         "args": vars(args),
         "device": device.type,
         "model": describe,
         "data": source,
         "runs": summaries,
-        "plot": str(png),
+        "plot": None if png is None else str(png),
     }
     write_atomic(out / "summary.json", json.dumps(result, indent=1))
     print()
     print(format_table(summaries))
     print()
-    print(f"loss curves: {png}")
+    print(plot_line)
     print(f"metrics:     {', '.join(str(out / s['mode'] / 'metrics.jsonl') for s in summaries)}")
+    print(f"models:      {', '.join(s['export'] for s in summaries if s.get('export'))}")
     print(f"summary:     {out / 'summary.json'}")
     return 0
 
@@ -872,6 +918,9 @@ MEMORY_NOTE = {
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.version:
+        print(_versions())
+        return 0
     own_group = not dist.is_initialized()  # run() joins torchrun's group for --fsdp / --ddp
     try:
         return run(args)

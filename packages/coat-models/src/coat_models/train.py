@@ -31,17 +31,18 @@ import math
 import os
 import pickle
 import random
+import shutil
 import sys
 import time
 import weakref
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from tqdm import tqdm
 
 from . import checkpoint, distributed
 from .data import BatchSampler, TokenData, val_batches
@@ -55,6 +56,7 @@ MODES = {  # mode -> (FP8 activations, FP8 optimizer states)
 }
 MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TRAIN_LOSS_WINDOW = 10  # the summary's train loss is the mean of the last 10 steps
+REPORT_TO = ("none", "tensorboard")
 CHECKPOINT_FILES = ("model.pt", "optimizer.pt", "trainer.pt")  # one process; under torchrun: DCP
 
 
@@ -97,8 +99,15 @@ class TrainConfig:
     # eager step, tested). Their saved activations then live in the graphs' memory pool, which
     # the memory breakdown cannot see ("other"). Not part of the numbers.
     cuda_graphs: bool = False
+    # Where metrics go besides metrics.jsonl: "none", or "tensorboard" (event files in
+    # out_dir/tensorboard; needs the tensorboard package). Not part of the numbers.
+    report_to: str = "none"
 
     def __post_init__(self):
+        if self.report_to not in REPORT_TO:
+            raise ValueError(
+                f"--report-to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}"
+            )
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}: choose one of {', '.join(MODES)}")
         if self.master_dtype not in MASTER_DTYPES:
@@ -158,12 +167,30 @@ class TrainConfig:
             "keep_checkpoints",
             "weight_cache",
             "cuda_graphs",
+            "report_to",
         }
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 
+def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
+    """The run's LR schedule: transformers' ``get_cosine_with_min_lr_schedule_with_warmup``
+    (a ``LambdaLR``; its state goes into checkpoints). The LR of 0-based step ``s`` is
+    ``lr * s / warmup`` while ``s < warmup`` (the first step at 0), then a half cosine from
+    ``lr`` down to ``lr * min_lr_ratio``, reached after ``steps`` steps."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer,
+        num_warmup_steps=cfg.warmup,
+        num_training_steps=cfg.steps,
+        min_lr_rate=cfg.min_lr_ratio,
+    )
+
+
 def lr_factor(step: int, *, warmup: int, steps: int, min_ratio: float) -> float:
-    """LR multiplier for 0-based ``step``: linear warmup to 1, then cosine to ``min_ratio``."""
+    """The schedule coat-train used before ``lr_scheduler`` (warmup reaches ``(s + 1) /
+    warmup`` at step ``s``, one step ahead of transformers'). Kept only for
+    benchmarks/bench_e2e.py's plain loop until it calls ``lr_scheduler``."""
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, steps - warmup))
@@ -558,9 +585,12 @@ def fmt_bytes(n: int | None) -> str:
 
 
 class Progress:
-    """One stderr status line: on a terminal rewritten at every ``update`` (the trainers call
-    it when they read the step values from the device: every ``--log-every`` steps), else
-    printed at the steps that are multiples of ``every`` (10% of the run) and at the last."""
+    """The run's progress on stderr, drawn by tqdm. The trainers call ``update`` only where
+    they read the step values from the device (every ``--log-every`` steps, at evaluations
+    and at the steps that are multiples of ``every``), so the bar never makes the host wait.
+    On a terminal the bar is redrawn at each update; elsewhere (a log file, CI) one line in
+    tqdm's format is printed at the multiples of ``every`` (10% of the run) and at the last
+    step, as a redrawn bar would fill a log with carriage returns."""
 
     def __init__(self, label: str, total: int, stream=None, enabled: bool = True):
         self.label, self.total, self.enabled = label, total, enabled
@@ -569,27 +599,48 @@ class Progress:
         # The same on every rank (not tied to the terminal): trainers read values here.
         self.every = max(1, total // 10)
         self.t0 = time.perf_counter()
+        self._bar = None
 
     def update(self, step: int, fields: dict, first_step: int = 1):
-        if not self.enabled or (not self.tty and step % self.every and step != self.total):
+        """Show ``step`` of ``total`` with ``fields`` (name -> formatted value); a run
+        resumed at ``first_step`` counts its rate from there."""
+        if not self.enabled:
             return
-        elapsed = time.perf_counter() - self.t0
-        done = step - first_step + 1
-        eta = elapsed / max(done, 1) * (self.total - step)
-        width = 20
-        fill = round(width * step / self.total)
-        bar = "#" * fill + "-" * (width - fill)
-        text = "  ".join(f"{k} {v}" for k, v in fields.items())
-        line = f"[{self.label}] {step:>{len(str(self.total))}}/{self.total} |{bar}| {text}"
-        line += f"  eta {eta:.0f}s"
+        postfix = ", ".join(f"{k} {v}" for k, v in fields.items())
         if self.tty:
-            self.stream.write("\r" + line.ljust(getattr(self, "_width", 0)))
-            self._width = len(line)
+            if self._bar is None:
+                self._bar = tqdm(
+                    total=self.total,
+                    initial=first_step - 1,
+                    desc=f"[{self.label}]",
+                    unit="step",
+                    file=self.stream,
+                    dynamic_ncols=True,
+                    mininterval=0,  # the calls are already sparse: draw each one
+                )
+            self._bar.set_postfix_str(postfix, refresh=False)
+            self._bar.update(step - self._bar.n)
             if step == self.total:
-                self.stream.write("\n")
-        else:
+                self.close()
+        elif step % self.every == 0 or step == self.total:
+            line = tqdm.format_meter(
+                step,
+                self.total,
+                time.perf_counter() - self.t0,
+                prefix=f"[{self.label}]",
+                ascii=True,  # a log file may not be read as UTF-8
+                unit="step",
+                postfix=postfix,
+                initial=first_step - 1,
+            )
             self.stream.write(line + "\n")
-        self.stream.flush()
+            self.stream.flush()
+
+    def close(self):
+        """End the terminal bar (its line stays); the trainers call it when they stop."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -708,6 +759,59 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+TENSORBOARD_HINT = (
+    "--report-to tensorboard needs the tensorboard package: pip install tensorboard "
+    "(or pip install 'coat-models[tensorboard]'), or leave out --report-to"
+)
+
+
+def tensorboard_writer(log_dir: Path, purge_step: int | None = None):
+    """torch's ``SummaryWriter`` on ``log_dir``; ``purge_step``: a resumed run's first step
+    (TensorBoard hides what an earlier, killed run logged from there on). ``TrainError``
+    (``TENSORBOARD_HINT``) without the tensorboard package."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise TrainError(TENSORBOARD_HINT) from None
+    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+
+
+def log_scalars(writer, record: dict) -> None:
+    """Each number of a metrics record as the scalar ``<type>/<name>`` at its step (e.g.
+    ``train/loss``, ``eval/val_loss``); nothing without a writer."""
+    if writer is None:
+        return
+    for name, value in record.items():
+        if name != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+            writer.add_scalar(f"{record['type']}/{name}", value, record["step"])
+
+
+def export_pretrained(
+    model: torch.nn.Module, path: Path, *, tokenizer=None, state_dict: dict | None = None
+) -> Path:
+    """Write ``model`` as a Hugging Face directory at ``path``: ``save_pretrained``
+    (safetensors weights in the master dtype, ``config.json``) and the tokenizer's files when
+    given; ``AutoModelForCausalLM.from_pretrained(path)`` loads it. ``apply_coat`` keeps the
+    weights' names and the model's class name, so a COAT model is saved as the plain model.
+    ``state_dict``: the full weights when ``model`` is sharded (then ``model`` supplies the
+    config and the class name). Written to a temporary directory, then renamed into place
+    (an earlier export at ``path`` is replaced)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state_dict)
+    # FSDP2 renames the class (FSDPLlamaForCausalLM): the config must name the model's own.
+    name = type(model).__name__.removeprefix("FSDP")
+    if model.config.architectures != [name]:
+        model.config.architectures = [name]
+        model.config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
 # ---------------------------------------------------------------------------------------------
 # The run
 
@@ -762,10 +866,7 @@ class Trainer:
             self.model, self.optimizer = prepare_distributed(
                 model, cfg, strategy, activation_checkpointing
             )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            partial(lr_factor, warmup=cfg.warmup, steps=cfg.steps, min_ratio=cfg.min_lr_ratio),
-        )
+        self.scheduler = lr_scheduler(self.optimizer, cfg)
         self.sampler = BatchSampler(data.train, cfg.batch_size, cfg.seq_len, cfg.seed)
         self.val = val_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
         self.tracker = MemoryTracker(self.model, grad_hooks=strategy != "fsdp")
@@ -1062,12 +1163,17 @@ class Trainer:
         self.meter.reset()
         first = self.step + 1
         opened = open(metrics_path, "a") if self.is_main else contextlib.nullcontext()
-        with opened as log:
+        board = None
+        if cfg.report_to == "tensorboard" and self.is_main:
+            purge = first if resume is not None else None
+            board = tensorboard_writer(self.out_dir / "tensorboard", purge_step=purge)
+        with opened as log, board or contextlib.nullcontext():
 
             def emit(record):
                 if log is not None:
                     log.write(json.dumps({"mode": cfg.mode, **record}) + "\n")
                     log.flush()
+                log_scalars(board, record)
 
             def log_steps():
                 """Read the queued steps, log them; the last record (None if none)."""
@@ -1169,8 +1275,29 @@ class Trainer:
             "memory": t["memory"],
         }
 
+    def export(self, path: Path, tokenizer=None) -> Path:
+        """The trained model as a Hugging Face directory at ``path`` (``export_pretrained``).
+        Under torchrun every rank must call it: the full weights are gathered to the CPU of
+        rank 0 (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``), which
+        writes; the others wait for it."""
+        if self.strategy is None:
+            return export_pretrained(self.model, path, tokenizer=tokenizer)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)  # collective
+        model = getattr(self.model, "module", self.model)  # DDP wraps, FSDP2 does not
+        if self.is_main:
+            export_pretrained(model, path, tokenizer=tokenizer, state_dict=state)
+        dist.barrier()
+        return Path(path)
+
     def close(self):
         self.tracker.close()
+        self.progress.close()
 
 
 def _plain(v):

@@ -16,7 +16,6 @@ import contextlib
 import json
 import math
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,11 +32,14 @@ from .train import (
     TrainError,
     decay_groups,
     enable_graphs,
+    export_pretrained,
     fmt_bytes,
+    log_scalars,
     loss_error,
-    lr_factor,
+    lr_scheduler,
     memory_report,
     pinned,
+    tensorboard_writer,
 )
 from .vila import _llava_parts, apply_coat_vlm, llava_tiny_config, vila7b_config
 from .vl_data import IGNORE_INDEX, MAX_CAPTION_BYTES, ShapesCaptions, num_image_tokens
@@ -202,7 +204,8 @@ def train_vlm(
     written when read from the device every ``cfg.log_every`` steps as in ``Trainer.fit``;
     ``eval`` records with ``val_loss`` and ``val_caption_acc``). Returns the dict of
     ``Trainer.summary()`` plus ``preset``, ``val_caption_acc``, ``vision_fp8``,
-    ``freeze_vision``, ``seq_len`` and ``losses`` (every step's training loss).
+    ``freeze_vision``, ``seq_len``, ``losses`` (every step's training loss) and ``export``
+    (``out_dir/final``, the trained VLM saved by ``save_pretrained``; None without ``out_dir``).
     Without ``fp8_config``, FP8 activations use ``FP8Config(weight_cache=cfg.weight_cache)``.
     Raises ``TrainError`` for settings it cannot run (checkpoints, a too short ``seq_len``,
     a non-finite loss).
@@ -233,8 +236,7 @@ def train_vlm(
         vision=vision, freeze_vision=freeze_vision, fp8_config=fp8_config,
     )  # fmt: skip
     enable_graphs(model, cfg)
-    schedule = partial(lr_factor, warmup=cfg.warmup, steps=cfg.steps, min_ratio=cfg.min_lr_ratio)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scheduler = lr_scheduler(optimizer, cfg)
     val = task.val_batches(cfg.batch_size)[: cfg.eval_batches]
     tracker, meter = MemoryTracker(model), PeakMeter(device)
     bar = Progress(cfg.mode, cfg.steps, enabled=progress)
@@ -246,10 +248,14 @@ def train_vlm(
     losses, timed_tokens, timed_time, val_loss, val_acc = [], 0, 0.0, None, None
     with contextlib.ExitStack() as stack:
         stack.callback(tracker.close)
+        stack.callback(bar.close)
         log = None
         if out_dir is not None:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             log = stack.enter_context(open(Path(out_dir) / "metrics.jsonl", "w"))
+        board = None
+        if cfg.report_to == "tensorboard" and out_dir is not None:
+            board = stack.enter_context(tensorboard_writer(Path(out_dir) / "tensorboard"))
         for step in range(1, cfg.steps + 1):
             # Memory is counted on the first timed step and the last (as in Trainer.fit).
             track = step == min(2, cfg.steps) or step == cfg.steps
@@ -265,7 +271,7 @@ def train_vlm(
                     raise loss_error(cfg.mode, cfg.lr, rec, step)
                 rec["mem_tracked_peak"], rec["mem_measured_peak"] = tracker.peak, meter.peak()
                 losses.append(rec["loss"])
-                _emit(log, cfg.mode, {"type": "train", **rec})
+                _emit(log, board, cfg.mode, {"type": "train", **rec})
             if recs[0]["step"] > 1:  # the first step warms up (kernels, caches, optimizer state)
                 timed_tokens += sum(r["tokens"] for r in recs)
                 timed_time += sum(r["step_time_s"] for r in recs)
@@ -274,12 +280,14 @@ def train_vlm(
                       "mem": fmt_bytes(rec["mem_measured_peak"] or tracker.peak)}  # fmt: skip
             if evaluating:
                 val_loss, val_acc = evaluate_vlm(model, val, device)
-                _emit(log, cfg.mode, {"type": "eval", "step": step, "val_loss": val_loss,
+                _emit(log, board, cfg.mode, {"type": "eval", "step": step, "val_loss": val_loss,
                                       "val_caption_acc": val_acc})  # fmt: skip
                 fields["val"] = f"{val_loss:.4f}"
                 fields["caption acc"] = f"{val_acc:.2f}"
             bar.update(step, fields)
         memory = memory_report(tracker, meter)
+    # The VLM as a Hugging Face directory (AutoModelForImageTextToText.from_pretrained).
+    export = None if out_dir is None else str(export_pretrained(model, Path(out_dir) / "final"))
     window = losses[-TRAIN_LOSS_WINDOW:]
     return {
         "mode": cfg.mode,
@@ -298,6 +306,7 @@ def train_vlm(
         "freeze_vision": freeze_vision,
         "seq_len": cfg.seq_len,
         "losses": losses,
+        "export": export,
     }
 
 
@@ -331,7 +340,8 @@ def _train_step(model, optimizer, scheduler, tracker, task, cfg, step, device, s
     step_log.add(step, loss_sum / cfg.grad_accum, grad_norm, lr)
 
 
-def _emit(log, mode: str, record: dict) -> None:
+def _emit(log, board, mode: str, record: dict) -> None:
     if log is not None:
         log.write(json.dumps({"mode": mode, **record}) + "\n")
         log.flush()
+    log_scalars(board, record)

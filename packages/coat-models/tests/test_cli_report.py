@@ -1,0 +1,74 @@
+"""coat-train --report-to tensorboard and --version."""
+
+import importlib.metadata
+import json
+import sys
+
+import pytest
+from coat_models import cli
+
+ARGV = (
+    "--preset tiny --steps 4 --eval-every 2 --batch-size 2 --seq-len 32 --eval-batches 1 "
+    "--log-every 2 --corpus-mib 1 --no-progress"
+).split()
+
+
+def test_tensorboard_events_hold_the_metrics(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    code = cli.main([*ARGV, "--report-to", "tensorboard", "--out", str(tmp_path)])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    records = [
+        json.loads(r) for r in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()
+    ]
+    events = EventAccumulator(str(tmp_path / "bf16" / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"} <= tags
+    assert "eval/val_loss" in tags
+    for kind, tag, key in (("train", "train/loss", "loss"), ("eval", "eval/val_loss", "val_loss")):
+        expected = [(r["step"], r[key]) for r in records if r["type"] == kind]
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in got] == [s for s, _ in expected]
+        assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-6)
+
+
+def test_without_report_to_no_event_files(tmp_path, capsys):
+    code = cli.main([*ARGV, "--steps", "2", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    assert not (tmp_path / "bf16" / "tensorboard").exists()
+
+
+def test_tensorboard_missing_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    # None in sys.modules makes `import` raise ImportError, as where it is not installed.
+    for name in [
+        n for n in sys.modules if n.startswith(("tensorboard", "torch.utils.tensorboard"))
+    ]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    code = cli.main([*ARGV, "--report-to", "tensorboard", "--out", str(tmp_path / "run")])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert err == (
+        "coat-train: error: --report-to tensorboard needs the tensorboard package: pip install "
+        "tensorboard (or pip install 'coat-models[tensorboard]'), or leave out --report-to\n"
+    )
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_report_to_unknown_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*ARGV, "--report-to", "wandb"])
+    assert e.value.code == 2
+    assert "invalid choice: 'wandb'" in capsys.readouterr().err
+
+
+def test_version_names_every_package(capsys):
+    assert cli.main(["--version"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = ["fp8-quant", "fp8-optim", "fp8-activations", "coat-models"]
+    names += ["torch", "triton", "transformers"]
+    assert lines == [f"{n} {importlib.metadata.version(n)}" for n in names]

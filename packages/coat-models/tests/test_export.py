@@ -1,0 +1,90 @@
+"""The end-of-run export: a standard Hugging Face directory (save_pretrained, safetensors,
+config) that AutoModelForCausalLM loads back with the trained weights."""
+
+import json
+
+import pytest
+import torch
+from coat_models import cli
+from coat_models.data import load_data
+from coat_models.presets import build_model, preset_config
+from coat_models.train import TrainConfig, Trainer
+
+
+def _coat_available() -> bool:
+    try:
+        from coat_models import apply_coat, create_optimizer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_coat = pytest.mark.skipif(not _coat_available(), reason="coat_models.apply_coat missing")
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load_data(max_bytes=2**20)
+
+
+@pytest.mark.parametrize(
+    "mode,master",
+    [
+        ("bf16", "fp32"),
+        pytest.param("coat", "fp32", marks=needs_coat),
+        pytest.param("coat", "bf16", marks=needs_coat),
+    ],
+    ids=["bf16", "coat", "coat-bf16-master"],
+)
+def test_export_loads_back_with_the_trained_weights(tmp_path, data, mode, master):
+    from transformers import AutoModelForCausalLM
+
+    cpu = torch.device("cpu")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[master]
+    cfg = TrainConfig(mode=mode, master_dtype=master, steps=3, batch_size=2, seq_len=32,
+                      warmup=1, eval_every=0, eval_batches=1)  # fmt: skip
+    model = build_model(preset_config("tiny", data.vocab_size, max_seq=32), device=cpu,
+                        master_dtype=dtype, seed=0)  # fmt: skip
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(model, data, cfg, device=cpu, out_dir=tmp_path / mode, progress=False)
+    trainer.fit()
+    path = trainer.export(tmp_path / mode / "final")
+    trainer.close()
+    assert path == tmp_path / mode / "final"
+    assert (path / "model.safetensors").is_file() and (path / "config.json").is_file()
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert not list(tmp_path.glob(f"{mode}/.final.tmp-*"))
+
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    trained = trainer.model.state_dict()
+    assert set(loaded.state_dict()) == set(trained)
+    for name, value in loaded.state_dict().items():
+        assert value.dtype == dtype, name
+        assert torch.equal(value, trained[name]), name
+    assert any(not torch.equal(trained[k], initial[k]) for k in initial)  # it did train
+
+    ids = torch.from_numpy(data.val[:64].astype("int64")).view(2, 32)
+    trainer.model.eval()
+    loaded.eval()
+    with torch.no_grad():
+        ours, theirs = trainer.model(input_ids=ids).logits, loaded(input_ids=ids).logits
+    if master == "fp32":  # model.eval() runs the plain model's ops: the same logits
+        assert torch.equal(ours, theirs)
+    else:
+        # bf16 weights: COAT's bf16 ops round in other places than transformers' (the
+        # weights are equal bit for bit, above): within two bf16 roundings of a logit of 1.
+        torch.testing.assert_close(ours, theirs, rtol=2**-7, atol=2**-7)
+
+
+def test_cli_names_the_export_in_its_output_and_summary(tmp_path, capsys):
+    argv = "--preset tiny --steps 2 --eval-every 2 --batch-size 2 --seq-len 32 --eval-batches 1"
+    code = cli.main([*argv.split(), "--corpus-mib", "1", "--no-progress", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    final = tmp_path / "bf16" / "final"
+    assert f"models:      {final}" in out.splitlines()
+    assert json.loads((tmp_path / "bf16" / "summary.json").read_text())["export"] == str(final)
+    run = json.loads((tmp_path / "summary.json").read_text())["runs"][0]
+    assert run["export"] == str(final)
+    assert (final / "model.safetensors").is_file()
