@@ -29,8 +29,10 @@ def _install(session):
     session.install("pytest", "pytest-benchmark", "numpy")
     session.install("--no-deps", *[f"-e./packages/{p}" for p in PACKAGES])
     session.install("triton>=3.6", "transformers>=5.17")
-    # Hugging Face Trainer needs accelerate; only the Trainer integration test uses it.
-    session.install("accelerate")
+    # Hugging Face Trainer needs accelerate (the Trainer integration tests); matplotlib and
+    # tensorboard are coat-models' optional extras (plot, --report-to tensorboard) and peft
+    # the library whose adapters apply_coat refuses: installed so that those tests run here.
+    session.install("accelerate", "matplotlib", "tensorboard", "peft")
 
 
 @nox.session
