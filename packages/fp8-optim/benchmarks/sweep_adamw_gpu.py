@@ -33,7 +33,7 @@ import time
 import torch
 import triton
 from fp8_optim import CoatAdamW
-from fp8_optim.ops import AdamWLaunch, adamw
+from fp8_optim.ops import AdamWLaunch
 
 L = AdamWLaunch
 # (name, launch): the default first, then by expected value; names are
@@ -127,7 +127,7 @@ class Timer:
 
 
 def set_launch(opt: CoatAdamW, launch: AdamWLaunch) -> None:
-    adamw.LAUNCH = launch
+    opt._launch = launch
     opt._plans.clear()  # plans take the launch shape when they are built
 
 
@@ -267,7 +267,6 @@ def main() -> int:
         if elapsed() + dt > args.budget_s and rnd + 1 < args.rounds:
             log(f"budget: stopping after {done_rounds} rounds")
             break
-    adamw.LAUNCH = None
     meta["rounds_done"] = done_rounds
     meta["gpu_state_after"] = gpu_state() if cuda else None
     meta["elapsed_s"] = round(elapsed(), 1)
