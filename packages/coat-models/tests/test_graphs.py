@@ -13,21 +13,10 @@ import coat_models
 import pytest
 import torch
 from coat_models import apply_coat, disable_cuda_graphs, enable_cuda_graphs, graphs, revert_coat
+from coat_models.testing import tiny_llama
 from fp8_activations import FP8Config
-from transformers import LlamaConfig, LlamaForCausalLM
 
 NO_CACHE = FP8Config(weight_cache=False)
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    """2 layers, hidden 64 (4 heads, GQA with 2 KV heads), MLP 176, SDPA."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
 
 
 def test_needs_a_coat_model():

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 from coat_models import apply_coat, is_coat, linear_cross_entropy, revert_coat
+from coat_models.testing import TINY_LLAMA as TINY
+from coat_models.testing import tiny_llama
 from fp8_activations import handed_over
 from fp8_activations.ops import cached_weight_fp8
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
@@ -27,23 +29,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-# 2 layers, hidden 64 (4 heads of 16, GQA with 2 KV heads), MLP 176 (11 x 16).
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-
-
-def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**{**TINY, "attn_implementation": "sdpa", **overrides}))
 
 
 def tokens(batch: int = 4, seq: int = 64, seed: int = 1) -> torch.Tensor:

@@ -34,6 +34,7 @@ import torch
 import triton
 from fp8_optim import CoatAdamW
 from fp8_optim.ops import AdamWLaunch
+from fp8_quant.timing import cuda_ms_per_call
 
 L = AdamWLaunch
 # (name, launch): the default first, then by expected value; names are
@@ -100,16 +101,8 @@ class Timer:
     def stream(self, fn) -> float:
         if not self.cuda:
             return self.host_ms(fn)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(self.sleep_cycles)  # the host queues every step meanwhile
-        start.record()
-        for _ in range(self.iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / self.iters
+        # The host queues every step during the sleep.
+        return cuda_ms_per_call(fn, self.iters, sleep_cycles=self.sleep_cycles, warmup=False)
 
     def host_ms(self, fn) -> float:
         """Host time of one call (median of 5), launches only (device kept busy on GPU)."""
