@@ -8,16 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from coat_models import apply_coat, create_optimizer
-from transformers import LlamaConfig, LlamaForCausalLM
+from coat_models.testing import tiny_llama
+from transformers import LlamaForCausalLM
 
 
 def _model() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return tiny_llama(0, vocab_size=128, max_position_embeddings=64)
 
 
 def _steps(model, optimizer, batches) -> list[float]:

@@ -68,7 +68,7 @@ def _layer(variant: str):
         from coat_models import apply_coat
         from fp8_activations import FP8Config
 
-        apply_coat(model, FP8Config(weight_cache=variant != "coat_graphed"))
+        apply_coat(model, config=FP8Config(weight_cache=variant != "coat_graphed"))
     elif variant == "torchao_float8_compile":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

@@ -10,20 +10,12 @@ import pytest
 import torch
 import transformers
 from coat_models import apply_coat, is_coat, revert_coat
+from coat_models.testing import TINY_LLAMA as TINY
+from coat_models.testing import tiny_llama
 from coat_models.vila import apply_coat_vlm, llava_tiny_config
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 256
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 
 
 @pytest.fixture(autouse=True)
@@ -32,11 +24,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**TINY))
 
 
 def tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:

@@ -37,23 +37,11 @@ GRAD_RTOL = 1e-6
 
 # ----------------------------------------------------------------------------------- shared
 def tiny_llama(seed: int = 0, coat: bool = True, **overrides):
-    """2 layers, hidden 64 (4 heads, 2 KV heads), MLP 176, vocab 256; COAT applied."""
+    """coat_models.testing's tiny Llama with 64 positions, in train mode; COAT applied."""
     from coat_models import apply_coat
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from coat_models.testing import tiny_llama as build
 
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    kw.update(overrides)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**kw)).train()
+    model = build(seed, **{"max_position_embeddings": 64, **overrides}).train()
     return apply_coat(model) if coat else model
 
 

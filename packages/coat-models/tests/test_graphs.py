@@ -13,21 +13,10 @@ import coat_models
 import pytest
 import torch
 from coat_models import apply_coat, disable_cuda_graphs, enable_cuda_graphs, graphs, revert_coat
+from coat_models.testing import tiny_llama
 from fp8_activations import FP8Config
-from transformers import LlamaConfig, LlamaForCausalLM
 
 NO_CACHE = FP8Config(weight_cache=False)
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    """2 layers, hidden 64 (4 heads, GQA with 2 KV heads), MLP 176, SDPA."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
 
 
 def test_needs_a_coat_model():
@@ -42,7 +31,7 @@ def test_needs_the_weight_cache_off():
 
 def test_needs_cuda():
     with pytest.raises(ValueError, match="CUDA"):
-        enable_cuda_graphs(apply_coat(tiny_llama(), NO_CACHE))
+        enable_cuda_graphs(apply_coat(tiny_llama(), config=NO_CACHE))
 
 
 def test_guard_refuses_overwritten_recordings():
@@ -84,7 +73,7 @@ def test_may_replay_unless_pending_and_gives_grads_their_own_memory():
 
 
 def test_signature_follows_parameters():
-    model = apply_coat(tiny_llama(), NO_CACHE)
+    model = apply_coat(tiny_llama(), config=NO_CACHE)
     layers = graphs._coat_layers(model)
     before = graphs._signature(layers)
     layers[0].mlp.up_proj.weight.requires_grad_(False)
@@ -94,7 +83,7 @@ def test_signature_follows_parameters():
 def test_copies_carry_no_graphs():
     """deepcopy / pickle of a converted model leave the graphs (and the weakref to the
     model) behind: they belong to the original's tensors."""
-    model = apply_coat(tiny_llama(), NO_CACHE)
+    model = apply_coat(tiny_llama(), config=NO_CACHE)
     for layer in graphs._coat_layers(model):
         layer.__dict__["_coat_graph_owner"] = weakref.ref(model)
         layer.__dict__["_coat_graphed"] = object()
@@ -137,8 +126,8 @@ def _step_grads(model, ids, forwards: int = 1):
 
 def test_replay_rules_emulated_on_cpu(monkeypatch):
     ref = tiny_llama()
-    eager = apply_coat(copy.deepcopy(ref), NO_CACHE)
-    model = apply_coat(copy.deepcopy(ref), NO_CACHE)
+    eager = apply_coat(copy.deepcopy(ref), config=NO_CACHE)
+    model = apply_coat(copy.deepcopy(ref), config=NO_CACHE)
     calls = _emulated(monkeypatch, model)
     state = graphs._STATES[model]
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -194,8 +183,8 @@ def _train(model, stream, micro_batches: int, use_graphs: bool):
 def test_gpu_graphed_training_matches_eager(micro_batches):
     stream = torch.randint(0, 256, (4, 4, 64), generator=torch.Generator().manual_seed(1)).cuda()
     ref = tiny_llama().cuda()
-    eager = apply_coat(copy.deepcopy(ref), NO_CACHE)
-    graphed = apply_coat(copy.deepcopy(ref), NO_CACHE)
+    eager = apply_coat(copy.deepcopy(ref), config=NO_CACHE)
+    graphed = apply_coat(copy.deepcopy(ref), config=NO_CACHE)
     want_loss, want_params, _ = _train(eager, stream, micro_batches, use_graphs=False)
     got_loss, got_params, replayed = _train(graphed, stream, micro_batches, use_graphs=True)
     layers = graphed.model.layers

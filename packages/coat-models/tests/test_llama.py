@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 from coat_models import apply_coat, is_coat, linear_cross_entropy, revert_coat
+from coat_models.testing import TINY_LLAMA as TINY
+from coat_models.testing import tiny_llama
 from fp8_activations import handed_over
-from fp8_activations.ops.linear import _CACHE_ATTR as _CACHE
+from fp8_activations.ops import cached_weight_fp8
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 VOCAB = 256
@@ -27,23 +29,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-# 2 layers, hidden 64 (4 heads of 16, GQA with 2 KV heads), MLP 176 (11 x 16).
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-
-
-def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**{**TINY, "attn_implementation": "sdpa", **overrides}))
 
 
 def tokens(batch: int = 4, seq: int = 64, seed: int = 1) -> torch.Tensor:
@@ -357,14 +342,33 @@ def test_revert_restores_original_modules():
     assert all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
 
 
-def test_layer_filter_and_reapply():
+def test_module_filter_and_reapply():
     ref = tiny_llama().train()
-    model = apply_coat(copy.deepcopy(ref), layer_filter=lambda i, layer: i == 1)
+    seen = []
+
+    def keep_second(module, fqn):
+        seen.append((fqn, module))
+        return fqn == "model.layers.1"
+
+    model = apply_coat(copy.deepcopy(ref), module_filter_fn=keep_second)
+    # Called once per decoder layer, with its name in model.named_modules().
+    assert [fqn for fqn, _ in seen] == ["model.layers.0", "model.layers.1"]
+    assert all(m is model.get_submodule(fqn) for fqn, m in seen)
     assert not is_coat(model.model.layers[0]) and is_coat(model.model.layers[1])
+    assert "coat_config" not in model.model.layers[0].__dict__
     apply_coat(model)  # again, all layers: converting twice is fine
     assert is_coat(model.model.layers[0])
     ids = tokens()
     assert sqnr(logits_and_grads(ref, ids)[0], logits_and_grads(model, ids)[0]) >= LOGITS_FLOOR_DB
+
+
+def test_keyword_only_arguments():
+    from fp8_activations import FP8Config
+
+    with pytest.raises(TypeError, match="positional"):
+        apply_coat(tiny_llama(), FP8Config())
+    with pytest.raises(TypeError, match="module_filter_fn must be a callable"):
+        apply_coat(tiny_llama(), module_filter_fn="model.layers.0")
 
 
 def test_base_model_without_head():
@@ -564,7 +568,7 @@ def test_llama2_7b_layer_saved_bytes():
         layer(x, attention_mask=None, position_embeddings=cos_sin)  # fills the weight cache
         outside = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), x, *cos_sin)}
         for p in layer.parameters():
-            outside |= {t.untyped_storage().data_ptr() for t in getattr(p, _CACHE, (0, ()))[1]}
+            outside |= {t.untyped_storage().data_ptr() for t in cached_weight_fp8(p)}
         storages = _saved_storages(layer, x, attention_mask=None, position_embeddings=cos_sin)
         saved = sum(n for ptr, n in storages.items() if ptr not in outside)
         per_layer.add(saved - seq * _per_token_bytes(h, f, heads))
@@ -868,8 +872,8 @@ def test_gpu_fast_host_path_is_the_previous_path_bit_for_bit(monkeypatch):
     (``fp8_quant.ops.launch``) and skipping the weight maxima on later micro-batches,
     against ``kernel[grid]`` launches and maxima every micro-batch: two steps of two
     micro-batches, fp32 master weights under bf16 autocast, losses and every gradient."""
-    import fp8_quant.ops._launch as launch_module
     from coat_models import blocks
+    from fp8_quant.ops import ordinary_launches
 
     ref = tiny_llama(**WIDE).cuda().train()
     ids = [tokens(2, 64, seed=s).cuda() for s in (1, 2)]
@@ -892,13 +896,9 @@ def test_gpu_fast_host_path_is_the_previous_path_bit_for_bit(monkeypatch):
 
     fast = run()
 
-    class NoStore(dict):  # every launch through kernel[grid]
-        def get(self, key, default=None):
-            return None
-
-    monkeypatch.setattr(launch_module, "_CACHE", NoStore())
     monkeypatch.setattr(blocks.FP8_OPS, "weight_cache_fresh", lambda ws, cfg: False)
-    slow = run()
+    with ordinary_launches():  # every launch through kernel[grid]
+        slow = run()
     assert len(fast) == len(slow)
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)

@@ -162,11 +162,32 @@ def test_apply_coat_hands_llava_to_apply_coat_vlm():
     assert not is_coat_vlm(model) and module_types(model) == types
 
 
+def test_module_filter_sees_names_in_the_whole_model():
+    from coat_models import apply_coat, is_coat
+
+    seen = []
+
+    def skip_some(module, fqn):
+        seen.append(fqn)
+        assert module is model.get_submodule(fqn)
+        return fqn not in ("model.language_model.layers.0", "model.multi_modal_projector.linear_1")
+
+    model = tiny_llava()
+    apply_coat(model, module_filter_fn=skip_some)
+    layers = model.model.language_model.layers
+    assert seen[:2] == ["model.language_model.layers.0", "model.language_model.layers.1"]
+    assert "model.multi_modal_projector.linear_2" in seen
+    assert not is_coat(layers[0]) and is_coat(layers[1])
+    projector = model.model.multi_modal_projector
+    assert type(projector.linear_1) is torch.nn.Linear
+    assert type(projector.linear_2).__name__ == "FP8Linear"
+
+
 def test_config_reaches_every_converted_part():
     from fp8_activations import FP8Config
 
     config = FP8Config(weight_cache=False)
-    model = apply_coat_vlm(tiny_llava(), config, vision=True)
+    model = apply_coat_vlm(tiny_llava(), config=config, vision=True)
     fp8 = [m for m in model.modules() if type(m).__name__.startswith("FP8")]
     layers = model.model.language_model.layers
     # projector: 2 linears + GELU; tower: 2 layers x (4 attention linears, 2 LayerNorms, fc1,

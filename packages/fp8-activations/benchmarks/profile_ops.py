@@ -42,6 +42,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from fp8_quant.timing import cuda_ms_per_call
 
 TOKENS, HIDDEN, MLP = 8192, 4096, 11008
 
@@ -137,15 +138,7 @@ class Clock:
     def _events(self, fn, iters: int = 10) -> float:
         """Fallback without CUPTI: CUDA events around back-to-back calls (no L2 flush; a
         host-bound call reads as its host time)."""
-        fn()
-        self._sync()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        self._sync()
-        return start.elapsed_time(end) / iters
+        return cuda_ms_per_call(fn, iters)
 
     def _profile(self, fn, iters, flush=True):
         fn()

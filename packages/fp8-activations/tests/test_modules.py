@@ -136,6 +136,20 @@ def test_filter_and_gemma_style_norm_skipped():
     assert type(model.fc1) is FP8Linear
 
 
+def test_filter_gets_each_fqn_and_arguments_are_keyword_only():
+    model = _model()
+    seen = []
+    convert_to_fp8_activations(model, module_filter_fn=lambda m, fqn: seen.append(fqn) or True)
+    assert seen == [fqn for fqn, _ in _model().named_modules()]  # top down, "" the root
+    back = []
+    revert_fp8_activations(model, module_filter_fn=lambda m, fqn: back.append(fqn) or fqn != "fc1")
+    assert type(model.fc1) is FP8Linear and type(model.fc2) is nn.Linear and "fc2" in back
+    with pytest.raises(TypeError, match="positional"):
+        convert_to_fp8_activations(_model(), fa.FP8Config())
+    with pytest.raises(TypeError, match="module_filter_fn must be a callable"):
+        convert_to_fp8_activations(_model(), module_filter_fn="fc1")
+
+
 def test_single_module_and_direct_construction():
     lin = convert_to_fp8_activations(nn.Linear(32, 16))
     assert isinstance(lin, FP8Linear) and isinstance(lin, nn.Linear)

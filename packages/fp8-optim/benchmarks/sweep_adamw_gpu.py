@@ -33,7 +33,8 @@ import time
 import torch
 import triton
 from fp8_optim import CoatAdamW
-from fp8_optim.ops import AdamWLaunch, adamw
+from fp8_optim.ops import AdamWLaunch
+from fp8_quant.timing import cuda_ms_per_call
 
 L = AdamWLaunch
 # (name, launch): the default first, then by expected value; names are
@@ -100,16 +101,8 @@ class Timer:
     def stream(self, fn) -> float:
         if not self.cuda:
             return self.host_ms(fn)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(self.sleep_cycles)  # the host queues every step meanwhile
-        start.record()
-        for _ in range(self.iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / self.iters
+        # The host queues every step during the sleep.
+        return cuda_ms_per_call(fn, self.iters, sleep_cycles=self.sleep_cycles, warmup=False)
 
     def host_ms(self, fn) -> float:
         """Host time of one call (median of 5), launches only (device kept busy on GPU)."""
@@ -127,7 +120,7 @@ class Timer:
 
 
 def set_launch(opt: CoatAdamW, launch: AdamWLaunch) -> None:
-    adamw.LAUNCH = launch
+    opt._launch = launch
     opt._plans.clear()  # plans take the launch shape when they are built
 
 
@@ -267,7 +260,6 @@ def main() -> int:
         if elapsed() + dt > args.budget_s and rnd + 1 < args.rounds:
             log(f"budget: stopping after {done_rounds} rounds")
             break
-    adamw.LAUNCH = None
     meta["rounds_done"] = done_rounds
     meta["gpu_state_after"] = gpu_state() if cuda else None
     meta["elapsed_s"] = round(elapsed(), 1)

@@ -25,6 +25,7 @@ import fp8_quant
 import pytest
 import torch
 from fp8_quant import reference
+from fp8_quant.timing import cuda_ms_per_call
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="benchmarks need CUDA")
 
@@ -43,20 +44,9 @@ def _do_bench(fn) -> float:
 
 
 def _stream(fn, calls: int = 20, rounds: int = 5) -> float:
-    """Median ms per call of ``calls`` calls run back to back (see the module docstring)."""
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(20_000_000)  # ~10 ms: far longer than queueing the calls below
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[rounds // 2]
+    """Median ms per call of ``calls`` calls run back to back (see the module docstring);
+    a ~10 ms GPU sleep first, far longer than queueing the calls."""
+    return cuda_ms_per_call(fn, calls, rounds=rounds, sleep_cycles=20_000_000)
 
 
 def _row(ms: float, stream_ms: float, nbytes: int, note: str) -> dict:

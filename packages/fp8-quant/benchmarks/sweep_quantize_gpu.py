@@ -45,6 +45,7 @@ import triton
 from fp8_quant import FP8Format, quantize_per_group, reference
 from fp8_quant.ops import hw_cast_supported
 from fp8_quant.ops.fp8_round import HW_CAST_ENV
+from fp8_quant.timing import cuda_ms_per_call
 
 qpg = importlib.import_module("fp8_quant.ops.quantize_per_group")  # the module, not the op
 GroupLaunch = qpg.GroupLaunch
@@ -92,18 +93,8 @@ class Timer:
     def stream(self, fn) -> float:
         if not self.cuda:
             return self._host(fn, 2)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        fn()
-        torch.cuda.synchronize()
-        if self.sleep_cycles:
-            torch.cuda._sleep(self.sleep_cycles)  # the host queues every call meanwhile
-        start.record()
-        for _ in range(self.iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / self.iters
+        # The host queues every call during the sleep.
+        return cuda_ms_per_call(fn, self.iters, sleep_cycles=self.sleep_cycles)
 
     def host_us(self, fn) -> float:
         """Host time per call while the device is busy (launches only, no waiting)."""

@@ -50,6 +50,20 @@ def kernel(monkeypatch):
     return FakeKernel()
 
 
+def test_ordinary_launches_context(kernel):
+    x, y = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16)
+    _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
+    with _launch.ordinary_launches(), _launch.ordinary_launches():
+        _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)  # cached, yet kernel[grid]
+        with pytest.raises(RuntimeError):
+            with _launch.ordinary_launches():
+                raise RuntimeError  # the context unwinds on errors too
+        _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
+    _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
+    assert [e[0] for e in kernel.log] == ["jit", "jit", "jit", "direct"]
+    assert _launch._ORDINARY == 0
+
+
 def test_direct_after_first_launch(kernel):
     x, y = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16)
     _launch.launch(kernel, (3,), x, y, 4096, 1e-6, BLOCK=64, num_warps=4)

@@ -5,8 +5,9 @@
 >>> optimizer = create_optimizer(model, lr=3e-4)
 """
 
+from .convert import apply_coat, revert_coat
 from .graphs import disable_cuda_graphs, enable_cuda_graphs
-from .llama import apply_coat, is_coat, revert_coat
+from .llama import is_coat
 from .loss import linear_cross_entropy
 from .optim import create_optimizer, param_groups
 

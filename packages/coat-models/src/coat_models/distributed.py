@@ -270,7 +270,7 @@ def prepare_data_parallel(
     >>> model, optimizer = prepare_data_parallel(model, "fsdp", fp8_activations=True,
     ...                                          fp8_optimizer=True, lr=3e-4)
     """
-    from .llama import apply_coat
+    from .convert import apply_coat
     from .optim import create_optimizer, param_groups
 
     if strategy not in STRATEGIES:

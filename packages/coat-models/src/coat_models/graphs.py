@@ -76,9 +76,9 @@ class _LayerBody(nn.Module):
 
 
 def _coat_layers(model: nn.Module) -> list[nn.Module]:
-    from .llama import _CoatDecoderLayer
-
-    return [m for m in model.modules() if isinstance(m, _CoatDecoderLayer)]
+    # By the class-level marker of ``llama._CoatDecoderLayer``: ``llama`` imports this module,
+    # so this one does not import it back.
+    return [m for m in model.modules() if getattr(type(m), "_coat_decoder_layer", False) is True]
 
 
 def enable_cuda_graphs(model: nn.Module) -> nn.Module:
@@ -95,7 +95,7 @@ def enable_cuda_graphs(model: nn.Module) -> nn.Module:
         if cfg is None or cfg.weight_cache:
             raise ValueError(
                 "CUDA graphs replay what was recorded, so the FP8 weight cache (a Python-side "
-                "decision) must be off: apply_coat(model, FP8Config(weight_cache=False))"
+                "decision) must be off: apply_coat(model, config=FP8Config(weight_cache=False))"
             )
         if any(type(p.data) is not torch.Tensor for p in layer.parameters()):
             raise ValueError(

@@ -224,15 +224,6 @@ def _layer_mismatch(base: nn.Module, layer: nn.Module) -> str | None:
     return None
 
 
-def _is_vlm(model: nn.Module) -> bool:
-    """A LLaVA-style model (``coat_models.vila``): vision tower, projector, language model."""
-    parts = ("vision_tower", "multi_modal_projector", "language_model")
-    return any(
-        isinstance(inner, nn.Module) and all(hasattr(inner, p) for p in parts)
-        for inner in (model, getattr(model, "model", None))
-    )
-
-
 def _base_model(model: nn.Module) -> nn.Module:
     base = getattr(model, "base_model", model)
     for attr in ("layers", "rotary_emb"):
@@ -275,6 +266,9 @@ class _CoatDecoderLayer(_CoatMixin):
     """Mixed in before a decoder layer's class: training runs ``blocks.decoder_layer``."""
 
     coat_config = None
+    # The marker ``graphs`` finds COAT layers by (it does not import this module, which
+    # imports it). On the class, so that a reverted layer loses it with its class.
+    _coat_decoder_layer = True
 
     def forward(self, hidden_states, *args, **kwargs):
         # Reentrant gradient checkpointing runs its first forward without grad: take the COAT
@@ -432,61 +426,36 @@ def _head_supported(model: nn.Module) -> bool:
     )
 
 
-# ------------------------------------------------------------------------------ public API
-def apply_coat(
+# ------------------------------------------------------------------------------ conversion
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+def convert_llama(
     model: nn.Module,
-    config: FP8Config | None = None,
     *,
+    config: FP8Config | None = None,
+    module_filter_fn: FilterFn | None = None,
     fused_loss: bool = True,
-    layer_filter: Callable[[int, nn.Module], bool] | None = None,
+    prefix: str = "",
 ) -> nn.Module:
-    """Convert a Llama-shaped Hugging Face model to COAT FP8 training, in place.
+    """``coat_models.apply_coat`` for a Llama-shaped model (the public entry point, which
+    also dispatches LLaVA models, lives in ``coat_models.convert``; see its docstring).
 
-    While ``model.training`` and autograd is on, each decoder layer runs the three COAT
-    blocks (``coat_models.blocks``) with FP8 GEMMs and FP8 activations saved for backward;
-    ``model.eval()`` or ``torch.no_grad()`` runs the original code, bit for bit. The
-    embedding, final norm and LM head stay in the model's dtype. Parameters, buffers and the
-    state dict are untouched: ``save_pretrained`` writes a standard checkpoint and
-    ``from_pretrained`` weights can be loaded before or after conversion.
-
-    Args:
-        model: ``LlamaForCausalLM``, ``LlamaModel`` or another Llama-shaped model (Mistral,
-            Qwen2, ...) of transformers 5.17+, on any device and in any float dtype. A
-            LLaVA-style model (``LlavaForConditionalGeneration``) goes to
-            ``coat_models.vila.apply_coat_vlm`` (language model and projector), plus the
-            fused loss here; ``layer_filter`` does not apply to it.
-        config: ``fp8_activations.FP8Config`` (group size, formats, weight cache, backend);
-            ``None`` takes its defaults.
-        fused_loss: for ``*ForCausalLM`` models, compute the training loss (when ``labels``
-            are passed) chunk by chunk from the hidden states instead of building the full
-            ``(batch, seq, vocab)`` logits and their fp32 copy; such calls return
-            ``logits=None``.
-        layer_filter: ``(index, layer) -> bool``; layers for which it is false stay plain.
-
-    Returns the same ``model``. Raises ``TypeError`` naming what is supported otherwise,
-    and for a model with adapters (PEFT's LoRA) around its layers: COAT would bypass them.
-    A projection wrapped after conversion makes that layer raise when it would train.
-
-    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=256, ...))
-    >>> apply_coat(model).train()
-    >>> model(input_ids, labels=input_ids).loss.backward()
+    ``module_filter_fn(layer, fqn)`` is called once per decoder layer, ``fqn`` being the
+    layer's name in ``model.named_modules()`` with ``prefix`` (``"."``-joined) in front: the
+    name in the model the user passed when ``model`` is a part of it (a VLM's language
+    model). Layers for which it returns False stay plain.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"apply_coat takes a torch.nn.Module, got {type(model).__name__}")
-    problem = _adapter_problem(model)
-    if problem is not None:
-        raise TypeError(f"apply_coat cannot convert {type(model).__name__}: {problem}")
-    if _is_vlm(model):
-        from .vila import apply_coat_vlm  # vila builds on this module
-
-        apply_coat_vlm(model, config)
-        set_fused_loss(model, fused_loss)
-        return model
     if config is None:
         config = FP8Config()
     if not isinstance(config, FP8Config):
         raise TypeError(
             f"config must be an fp8_activations.FP8Config or None, got {type(config).__name__}"
+        )
+    if module_filter_fn is not None and not callable(module_filter_fn):
+        raise TypeError(
+            "module_filter_fn must be a callable (module, fqn) -> bool or None, got "
+            f"{type(module_filter_fn).__name__}"
         )
     base = _base_model(model)
     layers = list(base.layers)
@@ -504,10 +473,17 @@ def apply_coat(
                 f"apply_coat supports {SUPPORTED}; layer {index} of {type(model).__name__} "
                 f"({type(layer).__name__}) is not supported: {problem}"
             )
-    for index, layer in enumerate(layers):
+    if module_filter_fn is not None:
+        names = {id(m): name for name, m in model.named_modules()}
+        fqns = [".".join(filter(None, (prefix, names[id(layer)]))) for layer in layers]
+        keep = [bool(module_filter_fn(layer, fqn)) for layer, fqn in zip(layers, fqns, strict=True)]
+    else:
+        keep = [True] * len(layers)
+    for layer, convert in zip(layers, keep, strict=True):
         original = _original_class(layer)
-        if layer_filter is not None and not layer_filter(index, layer):
+        if not convert:
             layer.__class__ = original
+            layer.__dict__.pop("coat_config", None)
             continue
         layer.__class__ = _coat_class(_CoatDecoderLayer, original)
         layer.coat_config = config
@@ -515,13 +491,9 @@ def apply_coat(
     return model
 
 
-def revert_coat(model: nn.Module) -> nn.Module:
-    """Undo ``apply_coat`` in place: every module gets its original class back."""
-    graphs.disable_cuda_graphs(model)
-    if _is_vlm(model):
-        from .vila import revert_coat_vlm
-
-        revert_coat_vlm(model)
+def revert_classes(model: nn.Module) -> nn.Module:
+    """Give every module of ``model`` its original class back (the Llama part of
+    ``coat_models.revert_coat``)."""
     for module in model.modules():
         original = _original_class(module)
         if original is not type(module):

@@ -36,8 +36,8 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-from fp8_activations.ops._common import cast_out, cdiv, custom_op, next_pow2, use_triton
-from fp8_quant.ops import launch
+from fp8_activations.ops.kernel_utils import cast_out, custom_op, use_triton
+from fp8_quant.ops import cdiv, launch, next_pow2
 
 Tensor = torch.Tensor
 
@@ -165,7 +165,7 @@ def _launch(batch: int, seq: int, heads: int, half: int):
     return (cdiv(seq, bt), batch), meta
 
 
-@custom_op("coat_rope")
+@custom_op("rope", namespace="coat_models")
 def rope(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inverse: bool, backend: str,
     *, eager: bool = False,

@@ -522,7 +522,7 @@ def prepare(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
         from fp8_activations import FP8Config
 
         try:
-            model = _coat_api("apply_coat")(model, FP8Config(weight_cache=cfg.weight_cache))
+            model = _coat_api("apply_coat")(model, config=FP8Config(weight_cache=cfg.weight_cache))
         except TypeError as e:  # documented: an unsupported architecture, named in e
             raise ModelError(f"mode {cfg.mode}: {e}") from None
         enable_graphs(model, cfg)

@@ -8,7 +8,7 @@ linear) and a Llama-shaped language model. ``apply_coat_vlm`` converts it in pla
   (``fp8_activations.convert_to_fp8_activations``: linear, LayerNorm, GELU);
 - ``freeze_vision=True`` sets ``requires_grad=False`` on the tower, as VILA's stage-3 SFT does;
 - the training loss is computed from the LM's hidden states chunk by chunk (no full logits).
-``coat_models.apply_coat`` hands LLaVA models to ``apply_coat_vlm``.
+``coat_models.apply_coat`` hands LLaVA models to ``apply_coat_vlm`` (``coat_models.convert``).
 
 Parameter names and the state dict do not change, and ``model.eval()`` / ``generate()`` run
 the plain path. In transformers 5.17+ the parts live at ``model.model.vision_tower``,
@@ -28,7 +28,15 @@ import torch.nn.functional as F
 from fp8_activations import convert_to_fp8_activations, revert_fp8_activations
 from torch import nn
 
-from .llama import _adapter_problem, _probing, apply_coat, revert_coat, set_fused_loss
+from . import graphs
+from .llama import (
+    FilterFn,
+    _adapter_problem,
+    _probing,
+    convert_llama,
+    revert_classes,
+    set_fused_loss,
+)
 from .presets import round_up
 from .vl_data import IMAGE_TOKEN_ID, VL_VOCAB, num_image_tokens
 
@@ -82,8 +90,9 @@ def _gelus_to_torch(root: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def apply_coat_vlm(
     model: nn.Module,
-    config=None,
     *,
+    config=None,
+    module_filter_fn: FilterFn | None = None,
     vision: bool = False,
     freeze_vision: bool = False,
     fused_loss: bool = True,
@@ -94,6 +103,10 @@ def apply_coat_vlm(
         model: ``LlavaForConditionalGeneration`` / ``LlavaModel`` (or the same composition)
             with a Llama-shaped language model; any device, any float dtype.
         config: ``FP8Config`` for every converted part (``None``: defaults).
+        module_filter_fn: ``(module, fqn) -> bool``, ``fqn`` the module's name in
+            ``model.named_modules()``; called for each decoder layer of the language model
+            and for each module of the projector (and with ``vision`` the tower) that would
+            get FP8 activations. Modules for which it returns False stay plain.
         vision: also give the vision tower FP8 activations (its linears, LayerNorms, GELUs;
             attention and the patch embedding stay as they are).
         freeze_vision: ``requires_grad=False`` on every vision-tower parameter (undone by
@@ -116,15 +129,30 @@ def apply_coat_vlm(
         raise TypeError(f"apply_coat_vlm cannot convert {type(model).__name__}: {problem}")
     if is_coat_vlm(model):
         revert_coat_vlm(model)
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def part_filter(part: nn.Module):
+        """``module_filter_fn`` seen from inside ``part``: its fqns get the part's prefix."""
+        if module_filter_fn is None:
+            return None
+        prefix = names[id(part)]
+        return lambda m, fqn: module_filter_fn(m, ".".join(filter(None, (prefix, fqn))))
+
     try:
-        apply_coat(parts.language_model, config)
+        convert_llama(
+            parts.language_model,
+            config=config,
+            module_filter_fn=module_filter_fn,
+            prefix=names[id(parts.language_model)],
+        )
     except TypeError as e:
         raise TypeError(f"apply_coat_vlm: the language model is not supported: {e}") from None
     converted = ["multi_modal_projector"] + (["vision_tower"] if vision else [])
     gelus = []
     for name in converted:
-        gelus += [(f"{name}.{fqn}", m) for fqn, m in _gelus_to_torch(getattr(parts, name))]
-        convert_to_fp8_activations(getattr(parts, name), config=config)
+        part = getattr(parts, name)
+        gelus += [(f"{name}.{fqn}", m) for fqn, m in _gelus_to_torch(part)]
+        convert_to_fp8_activations(part, config=config, module_filter_fn=part_filter(part))
     frozen = []
     if freeze_vision:
         for name, p in parts.vision_tower.named_parameters():
@@ -144,7 +172,8 @@ def revert_coat_vlm(model: nn.Module) -> nn.Module:
     if state is None:
         return model
     set_fused_loss(model, False)
-    revert_coat(parts.language_model)
+    graphs.disable_cuda_graphs(parts.language_model)
+    revert_classes(parts.language_model)
     for name in state["converted"]:
         revert_fp8_activations(getattr(parts, name))
     for fqn, original in state["gelus"]:

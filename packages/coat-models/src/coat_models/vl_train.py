@@ -132,7 +132,7 @@ def prepare_vlm(
     A frozen tower gets no optimizer state."""
     fp8_act, fp8_opt = MODES[mode]
     if fp8_act:
-        apply_coat_vlm(model, fp8_config, vision=vision, freeze_vision=freeze_vision)
+        apply_coat_vlm(model, config=fp8_config, vision=vision, freeze_vision=freeze_vision)
     elif freeze_vision:
         _llava_parts(model).vision_tower.requires_grad_(False)
     if fp8_opt:

@@ -78,18 +78,33 @@ def _swap(module: nn.Module, fqn: str, fn: Callable[[nn.Module, str], nn.Module 
     return module
 
 
+def _check_filter(module_filter_fn) -> None:
+    if module_filter_fn is not None and not callable(module_filter_fn):
+        raise TypeError(
+            "module_filter_fn must be a callable (module, fqn) -> bool or None, got "
+            f"{type(module_filter_fn).__name__}"
+        )
+
+
 def convert_to_fp8_activations(
-    model: nn.Module, module_filter_fn: FilterFn | None = None, config: FP8Config | None = None
+    model: nn.Module,
+    *,
+    config: FP8Config | None = None,
+    module_filter_fn: FilterFn | None = None,
 ) -> nn.Module:
     """Replace supported modules of ``model`` by FP8 modules, in place; returns the model
     (a new object only when ``model`` itself is a supported module).
 
-    ``module_filter_fn(module, fqn) -> bool``: convert only where it returns True, e.g.
-    ``lambda m, fqn: "lm_head" not in fqn``.
+    ``config`` (keyword-only): ``FP8Config``, ``None`` for its defaults.
+    ``module_filter_fn(module, fqn) -> bool``, ``fqn`` the module's name in
+    ``model.named_modules()`` (``""`` for ``model`` itself): called, top down, for each
+    module not yet converted; where it returns False that module stays as it is (its
+    children are still visited), e.g. ``lambda m, fqn: "lm_head" not in fqn``.
 
     >>> model = convert_to_fp8_activations(nn.Sequential(nn.Linear(64, 64), nn.GELU()))
     """
     config = _config(config)
+    _check_filter(module_filter_fn)
 
     def fn(m, fqn):
         if isinstance(m, _FP8Module) or (module_filter_fn and not module_filter_fn(m, fqn)):
@@ -99,9 +114,13 @@ def convert_to_fp8_activations(
     return _swap(model, "", fn)
 
 
-def revert_fp8_activations(model: nn.Module, module_filter_fn: FilterFn | None = None) -> nn.Module:
+def revert_fp8_activations(
+    model: nn.Module, *, module_filter_fn: FilterFn | None = None
+) -> nn.Module:
     """Inverse of ``convert_to_fp8_activations``: FP8 modules back to the originals (sharing
-    the current Parameters), in place."""
+    the current Parameters), in place; ``module_filter_fn(module, fqn) -> bool`` as there
+    (called for each FP8 module)."""
+    _check_filter(module_filter_fn)
 
     def fn(m, fqn):
         if not isinstance(m, _FP8Module) or (module_filter_fn and not module_filter_fn(m, fqn)):

@@ -28,7 +28,8 @@ class CoatAdamWConfig:
     * ``seed``: seed of the stochastic-rounding streams (``0 <= seed < 2**32``); the bits
       depend only on (seed, parameter index, step, element index), so runs and resumed runs
       are reproducible.
-    * ``backend``: ``"auto"`` (Triton kernel for CUDA parameters, reference for CPU ones),
+    * ``backend``: ``"auto"`` (Triton kernel for CUDA parameters, reference for CPU ones;
+      ``FP8_QUANT_BACKEND`` overrides it, as ``fp8_quant.resolve_backend`` does everywhere),
       ``"triton"`` (CPU parameters need ``TRITON_INTERPRET=1``) or ``"reference"``.
 
     >>> round(CoatAdamWConfig(v_format="e5m2").state_bytes_per_param(2**20), 4)

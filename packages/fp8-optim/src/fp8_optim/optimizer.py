@@ -7,7 +7,7 @@ from collections import defaultdict
 from itertools import chain
 
 import torch
-from fp8_quant import FP8Format
+from fp8_quant import FP8Format, resolve_backend
 
 from . import reference
 from .config import CoatAdamWConfig
@@ -122,6 +122,9 @@ class CoatAdamW(torch.optim.Optimizer):
         self._sr_offset: dict[torch.Tensor, int] = {}
         self._shards: dict[torch.Tensor, ShardedParam] = {}
         self._plans: dict = {}
+        # The kernel's launch shape (ops.AdamWLaunch; None: the default). No shape changes a
+        # bit; the launch sweep and the tests set it, then clear ``_plans``.
+        self._launch = None
         self._bad: dict[torch.device, torch.Tensor] = {}
         # The tensor lr last validated per group index: a GPU lr is read on the host only
         # when a new tensor appears (see the class docstring).
@@ -185,6 +188,7 @@ class CoatAdamW(torch.optim.Optimizer):
                 self._lr_seen[gi] = lr
             else:
                 _check_hyper(group)
+        resolved: dict[bool, str] = {}  # is_cuda -> backend, for this step
         for gi, group in enumerate(self.param_groups):
             buckets: dict[tuple, list[torch.Tensor]] = {}
             for p in group["params"]:
@@ -208,7 +212,7 @@ class CoatAdamW(torch.optim.Optimizer):
                 if not state:
                     _check_param(p)  # once per parameter: it may have moved (to meta)
                     self._init_state(t, state)
-                key = (self._backend(t), t.get_device(), t.dtype, g.dtype)
+                key = (self._backend(t, resolved), t.get_device(), t.dtype, g.dtype)
                 buckets.setdefault(key, []).append(p)
             for key, ps in buckets.items():
                 if key[0] == "reference":
@@ -224,17 +228,14 @@ class CoatAdamW(torch.optim.Optimizer):
         shard = self._shards.get(p)
         return p if shard is None else shard.work
 
-    def _backend(self, p: torch.Tensor) -> str:
-        backend = self.config.backend
-        if backend == "auto":
-            return "triton" if p.is_cuda else "reference"
-        from fp8_quant.ops import triton_interpreting  # imports triton: only when asked
-
-        if backend == "triton" and not p.is_cuda and not triton_interpreting():
-            raise ValueError(
-                "backend='triton' needs CUDA parameters; for CPU parameters set "
-                "TRITON_INTERPRET=1 before importing triton, or use backend='reference'"
-            )
+    def _backend(self, p: torch.Tensor, resolved: dict) -> str:
+        """``fp8_quant.resolve_backend``'s choice for ``p`` (the one rule of every package:
+        ``FP8_QUANT_BACKEND`` steers ``"auto"`` here too), memoized in ``resolved`` per
+        device kind for the step: it depends on nothing else, and a step asks per tensor."""
+        cuda = p.is_cuda
+        backend = resolved.get(cuda)
+        if backend is None:
+            backend = resolved[cuda] = resolve_backend(p, self.config.backend)
         return backend
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
@@ -316,6 +317,7 @@ class CoatAdamW(torch.optim.Optimizer):
                 [self._sr_offset.get(p, 0) for p in params],
                 group_size=self.config.group_size,
                 high_precision=self.config.high_precision_states,
+                launch=self._launch,
             )
             self._plans[(gi, key)] = (ptrs, grad_ptrs, plan)
         else:

@@ -9,6 +9,7 @@ from .api import (
     quantize_per_group,
     quantize_per_tensor,
     quantize_per_tensor_transpose,
+    resolve_backend,
 )
 from .formats import E4M3, E5M2, FP8Format
 
@@ -26,4 +27,5 @@ __all__ = [
     "quantize_per_group",
     "quantize_per_tensor",
     "quantize_per_tensor_transpose",
+    "resolve_backend",
 ]

@@ -19,6 +19,11 @@ _BACKENDS = ("auto", "reference", "triton")
 
 
 def resolve_backend(x: torch.Tensor, backend: str) -> str:
+    """``"triton"`` or ``"reference"``: what ``backend`` (``"auto"``, ``"triton"``,
+    ``"reference"``) runs for ``x``. The one rule of every package built on fp8_quant
+    (fp8_activations' ops, CoatAdamW): ``"auto"`` is ``FP8_QUANT_BACKEND`` when set, else
+    triton for CUDA tensors and reference otherwise. Raises ``ValueError`` for other names
+    and for ``"triton"`` on a CPU tensor without ``TRITON_INTERPRET=1``."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":

@@ -1,9 +1,12 @@
 """One file per op: Triton kernels, their launchers, the ``torch.library`` custom ops that
-wrap them (so ``torch.compile`` sees opaque nodes) and one ``autograd.Function``."""
+wrap them (so ``torch.compile`` sees opaque nodes) and one ``autograd.Function``.
+
+``kernel_utils`` is the public part of what they share, for kernels of other packages
+(``coat_models.rope``); ``_common`` is private to these files."""
 
 from .gelu import GELUFunction
 from .layer_norm import LayerNormFunction
-from .linear import FP8LinearFunction, quantize_t
+from .linear import FP8LinearFunction, cached_weight_fp8, quantize_t
 from .residual_add import ResidualAddFunction
 from .rms_norm import RMSNormFunction
 from .rms_norm_linear import RMSNormLinearFunction
@@ -21,5 +24,6 @@ __all__ = [
     "SiLUFunction",
     "SwiGLUFunction",
     "SwiGLULinearFunction",
+    "cached_weight_fp8",
     "quantize_t",
 ]

@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 from fp8_quant import FP8Format
-from fp8_quant.api import resolve_backend
 from fp8_quant.ops import abs_max, cdiv, fp8_encode, fp8_scale, launch, next_pow2
+
+from .kernel_utils import cast_out, custom_op, use_triton  # noqa: F401 (the op files' imports)
 
 EMIT_CODES = {"none": 0, "amax": 1, "fp8": 2}
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -51,42 +52,10 @@ CONFIG: dict[str, tuple[int, ...]] = {
     "layer_norm_bwd": (32, 2),
 }
 
-# Triton decides when a @jit function is defined whether it runs in the interpreter;
-# ``cast_out`` needs to know (the interpreter truncates fp32 -> bf16, GPUs round).
-_INTERPRETED = tl.constexpr(type(abs_max).__name__ == "InterpretedFunction")
-
-
-def custom_op(name: str):
-    """``torch.library.custom_op("fp8_activations::<name>")`` that eager code calls directly.
-
-    The decorated function takes a keyword-only ``eager: bool = False``. Under
-    ``torch.compile`` the registered op is traced (an opaque node with a fake
-    implementation) and must return a tensor for every output, so it runs with
-    ``eager=False`` (empty tensors for outputs not asked for). Eager code skips the
-    dispatcher, whose host time is as long as a whole memory-bound kernel on an H200, and
-    calls the function with ``eager=True``: ``None`` for outputs not asked for.
-    """
-
-    def wrap(fn):
-        op = torch.library.custom_op(f"fp8_activations::{name}", fn, mutates_args=())
-
-        @functools.wraps(fn)
-        def call(*args):
-            return op(*args) if torch.compiler.is_compiling() else fn(*args, eager=True)
-
-        call.register_fake = op.register_fake
-        return call
-
-    return wrap
-
 
 @functools.cache
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def use_triton(x: torch.Tensor, backend: str) -> bool:
-    return resolve_backend(x, backend) == "triton"
 
 
 # ------------------------------------------------------------------ buffers (launchers)
@@ -245,22 +214,6 @@ def row_sum(v):
 def group_max(v):
     """Max ``|v|`` of each group (the last two axes, ``[..., G // V, V]``), NaN-propagating."""
     return abs_max(abs_max(v, -1), -1)
-
-
-@triton.jit
-def cast_out(y, ptr):
-    """fp32 ``y`` -> the element type of ``ptr``, rounded to nearest even.
-
-    GPUs round (``cvt.rn``); the interpreter truncates fp32 -> bf16, so there bf16 is
-    rounded first in integer arithmetic, where both agree: the interpreter then writes the
-    bits a GPU writes (NaN goes through the plain cast on both).
-    """
-    if _INTERPRETED:
-        if ptr.dtype.element_ty == tl.bfloat16:
-            bits = y.to(tl.int32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-            y = tl.where(y != y, y, bits.to(tl.float32, bitcast=True))
-    return y.to(ptr.dtype.element_ty)
 
 
 @triton.jit

@@ -215,6 +215,14 @@ def weight_cache_fresh(weight: Tensor, fmt: FP8Format) -> bool:
     return hit is not None and hit[0] == _cache_key(weight, fmt)
 
 
+def cached_weight_fp8(weight: Tensor) -> tuple[Tensor, ...]:
+    """The FP8 copy the weight cache holds on ``weight`` (``(w_q, w_t, scale)``, whatever
+    version it was cast from), or ``()``: for memory accounting, which must not count it as
+    an activation."""
+    hit = getattr(weight, _CACHE_ATTR, None)
+    return () if hit is None else tuple(hit[1])
+
+
 _SCALED_MM_PROBE: dict[str, bool] = {}
 
 

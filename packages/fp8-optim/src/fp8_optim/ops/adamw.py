@@ -92,16 +92,15 @@ class AdamWLaunch:
 
 
 # The GPU default, and the interpreter's (it runs a program as numpy ops on the whole tile:
-# bigger programs are faster). LAUNCH, when set, overrides both: the sweep
-# (benchmarks/sweep_adamw_gpu.py) and tests set it; plans take it when they are built.
+# bigger programs are faster). Another shape is an argument, never a module switch:
+# ``make_plan(..., launch=)`` (CoatAdamW passes its ``_launch``, which the sweep
+# benchmarks/sweep_adamw_gpu.py and the tests set on their own optimizer).
 GPU_LAUNCH = AdamWLaunch()
 INTERPRET_LAUNCH = AdamWLaunch(block_g=64)
-LAUNCH: AdamWLaunch | None = None
 
 
 def current_launch() -> AdamWLaunch:
-    if LAUNCH is not None:
-        return LAUNCH
+    """The default launch shape where this process runs kernels (GPU or interpreter)."""
     return INTERPRET_LAUNCH if INTERPRET else GPU_LAUNCH
 
 

@@ -4,11 +4,12 @@ Launchers take already-validated arguments (``fp8_quant.api`` checks them) and r
 same bits as the matching ``fp8_quant.reference`` function. The ``@triton.jit`` building
 blocks in ``fp8_round`` are public: other packages' kernels import them from here, with
 ``hw_cast_supported`` (host) for ``fp8_encode``'s ``HW_CAST``, and ``launch``, the
-launcher with less host time than ``kernel[grid](...)``.
+launcher with less host time than ``kernel[grid](...)`` (``ordinary_launches()``: a
+context in which it is ``kernel[grid]`` again).
 """
 
 from ._host import cdiv, next_pow2
-from ._launch import launch
+from ._launch import launch, ordinary_launches
 from .fp8_round import (
     abs_max,
     fp8_encode,
@@ -31,6 +32,7 @@ __all__ = [
     "hw_cast_supported",
     "launch",
     "next_pow2",
+    "ordinary_launches",
     "quantize_per_block",
     "quantize_per_group",
     "quantize_per_tensor",

@@ -23,6 +23,8 @@ the first launch to see every launch.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 
@@ -32,6 +34,21 @@ _INTERPRETING = triton_interpreting()
 _INT32 = range(-(2**31), 2**31)
 # (kernel, number of positional args, keyword items, device) -> [(arg keys, entry)]
 _CACHE: dict[tuple, dict[tuple, tuple]] = {}
+# Depth of ``ordinary_launches()`` contexts: while > 0, every launch is ``kernel[grid]``.
+_ORDINARY = 0
+
+
+@contextlib.contextmanager
+def ordinary_launches():
+    """Within this context every ``launch`` is ``kernel[grid](...)`` (Triton's own path; the
+    direct launches' cache is neither read nor filled): to check that the fast path changes
+    no bit, or to see every launch in a profiler hooked in later. Not thread-local."""
+    global _ORDINARY
+    _ORDINARY += 1
+    try:
+        yield
+    finally:
+        _ORDINARY -= 1
 
 
 def _key(a):
@@ -57,7 +74,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
     positional ``args`` (tensors, ints, floats, bools) and keyword ``meta`` (constexprs and
     launch options such as ``num_warps``): the same kernel and bits as
     ``kernel[grid](*args, **meta)``. Launches on the current device's current stream."""
-    if _INTERPRETING:
+    if _INTERPRETING or _ORDINARY:
         kernel[grid](*args, **meta)
         return
     device = torch._C._cuda_getDevice()

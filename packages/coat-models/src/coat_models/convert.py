@@ -1,0 +1,87 @@
+"""``apply_coat`` / ``revert_coat``: the one entry point above ``llama`` and ``vila``.
+
+A LLaVA model holds a Llama-shaped language model, so ``vila`` builds on ``llama``; the
+choice between them lives here, above both, so that neither imports the other back.
+"""
+
+from __future__ import annotations
+
+from fp8_activations import FP8Config
+from torch import nn
+
+from . import graphs, llama, vila
+from .llama import FilterFn
+
+
+def _is_vlm(model: nn.Module) -> bool:
+    """A LLaVA-style model (``coat_models.vila``): vision tower, projector, language model."""
+    parts = ("vision_tower", "multi_modal_projector", "language_model")
+    return any(
+        isinstance(inner, nn.Module) and all(hasattr(inner, p) for p in parts)
+        for inner in (model, getattr(model, "model", None))
+    )
+
+
+def apply_coat(
+    model: nn.Module,
+    *,
+    config: FP8Config | None = None,
+    module_filter_fn: FilterFn | None = None,
+    fused_loss: bool = True,
+) -> nn.Module:
+    """Convert a Llama-shaped Hugging Face model to COAT FP8 training, in place.
+
+    While ``model.training`` and autograd is on, each decoder layer runs the three COAT
+    blocks (``coat_models.blocks``) with FP8 GEMMs and FP8 activations saved for backward;
+    ``model.eval()`` or ``torch.no_grad()`` runs the original code, bit for bit. The
+    embedding, final norm and LM head stay in the model's dtype. Parameters, buffers and the
+    state dict are untouched: ``save_pretrained`` writes a standard checkpoint and
+    ``from_pretrained`` weights can be loaded before or after conversion.
+
+    Args:
+        model: ``LlamaForCausalLM``, ``LlamaModel`` or another Llama-shaped model (Mistral,
+            Qwen2, ...) of transformers 5.17+, on any device and in any float dtype. A
+            LLaVA-style model (``LlavaForConditionalGeneration``) goes to
+            ``coat_models.vila.apply_coat_vlm`` (language model and projector).
+        config: keyword-only, ``fp8_activations.FP8Config`` (group size, formats, weight
+            cache, backend); ``None`` takes its defaults.
+        module_filter_fn: ``(module, fqn) -> bool``, with ``fqn`` the module's name in
+            ``model.named_modules()`` (e.g. ``"model.layers.3"``). Called once for each
+            decoder layer (for a LLaVA model also for each projector module that would get
+            FP8 activations); those for which it returns False stay plain. ``None``:
+            convert all.
+        fused_loss: for ``*ForCausalLM`` models, compute the training loss (when ``labels``
+            are passed) chunk by chunk from the hidden states instead of building the full
+            ``(batch, seq, vocab)`` logits and their fp32 copy; such calls return
+            ``logits=None``.
+
+    Returns the same ``model``. Raises ``TypeError`` naming what is supported otherwise,
+    and for a model with adapters (PEFT's LoRA) around its layers: COAT would bypass them.
+    A projection wrapped after conversion makes that layer raise when it would train.
+    Calling it again re-applies with the new arguments.
+
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=256, ...))
+    >>> apply_coat(model, module_filter_fn=lambda m, fqn: fqn != "model.layers.0").train()
+    >>> model(input_ids, labels=input_ids).loss.backward()
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_coat takes a torch.nn.Module, got {type(model).__name__}")
+    problem = llama._adapter_problem(model)
+    if problem is not None:
+        raise TypeError(f"apply_coat cannot convert {type(model).__name__}: {problem}")
+    if _is_vlm(model):
+        return vila.apply_coat_vlm(
+            model, config=config, module_filter_fn=module_filter_fn, fused_loss=fused_loss
+        )
+    return llama.convert_llama(
+        model, config=config, module_filter_fn=module_filter_fn, fused_loss=fused_loss
+    )
+
+
+def revert_coat(model: nn.Module) -> nn.Module:
+    """Undo ``apply_coat`` in place: every module gets its original class back (a LLaVA
+    model also its FP8-activation modules and its tower's ``requires_grad``)."""
+    graphs.disable_cuda_graphs(model)
+    if _is_vlm(model):
+        vila.revert_coat_vlm(model)
+    return llama.revert_classes(model)

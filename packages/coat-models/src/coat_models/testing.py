@@ -1,0 +1,42 @@
+"""Tiny random-init Llama models for tests, examples and benchmarks on a CPU.
+
+One definition of "a tiny Llama" that every test module (and the worker processes some of
+them spawn) imports; tests that need another shape pass overrides.
+
+>>> model = tiny_llama(seed=0, num_hidden_layers=1)
+"""
+
+from __future__ import annotations
+
+import torch
+
+# 2 layers, hidden 64 (4 heads of 16, GQA with 2 KV heads), MLP 176 (11 x 16: FP8 GEMMs
+# need multiples of 16), a 256-token (byte) vocabulary. The shape only: other Llama-shaped
+# configs (Mistral, Qwen2) take it too.
+TINY_LLAMA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def tiny_llama_config(**overrides):
+    """``transformers.LlamaConfig`` of ``TINY_LLAMA`` and SDPA attention, with ``overrides``
+    (any config field)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**TINY_LLAMA, "attn_implementation": "sdpa", **overrides})
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    """A ``LlamaForCausalLM`` of ``tiny_llama_config(**overrides)``, its weights drawn after
+    ``torch.manual_seed(seed)`` (so equal seeds give equal weights), in fp32 on the CPU."""
+    from transformers import LlamaForCausalLM
+
+    config = tiny_llama_config(**overrides)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)

@@ -1,0 +1,54 @@
+"""Device time per call from CUDA events, the one helper every package's benchmarks and
+profiles use (``fp8_quant`` is the package they all depend on).
+
+``triton.testing.do_bench`` times one call at a time and flushes L2 between calls; a
+training step runs its kernels back to back from a warm L2 with the host queueing ahead.
+``cuda_ms_per_call`` measures that: ``calls`` calls between two CUDA events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["cuda_ms_per_call"]
+
+
+def cuda_ms_per_call(
+    fn: Callable[[], object],
+    calls: int = 10,
+    *,
+    rounds: int = 1,
+    sleep_cycles: int = 0,
+    warmup: bool = True,
+) -> float:
+    """Device milliseconds per call of ``fn``, run ``calls`` times back to back on the
+    current CUDA stream between two CUDA events; the median of ``rounds`` such runs.
+
+    ``sleep_cycles``: before each run the GPU sleeps that many cycles
+    (``torch.cuda._sleep``) while the host queues the calls, so that the events measure the
+    device's work and not the host's launch rate (about 2e6 cycles per ms on an H200).
+    Without it a host-bound call reads as its host time. ``warmup``: one call first,
+    outside the timing (Triton compiles on the first call).
+
+    >>> ms = cuda_ms_per_call(lambda: x.mul_(1.0), calls=20, rounds=5, sleep_cycles=20_000_000)
+    """
+    if calls < 1 or rounds < 1:
+        raise ValueError(f"calls and rounds must be >= 1, got {calls} and {rounds}")
+    if warmup:
+        fn()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        if sleep_cycles:
+            torch.cuda._sleep(sleep_cycles)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[rounds // 2]

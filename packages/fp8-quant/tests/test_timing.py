@@ -1,0 +1,31 @@
+"""fp8_quant.timing: the CUDA-event timer the benchmarks share."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fp8_quant.timing import cuda_ms_per_call
+
+
+def test_bad_counts_are_refused_before_any_call():
+    calls = []
+    with pytest.raises(ValueError, match="calls and rounds must be >= 1"):
+        cuda_ms_per_call(lambda: calls.append(1), 0)
+    assert not calls
+
+
+@pytest.mark.gpu
+def test_counts_calls_and_measures_device_time():
+    x = torch.zeros(2**20, device="cuda")
+    calls = []
+
+    def fn():
+        calls.append(1)
+        x.add_(1.0)
+
+    ms = cuda_ms_per_call(fn, 4, rounds=3, sleep_cycles=1_000_000)
+    assert len(calls) == 1 + 4 * 3  # the warm-up call, then calls x rounds
+    assert torch.all(x == 13)
+    assert math.isfinite(ms) and ms > 0  # a measurement came back (its size is not tested)
