@@ -17,7 +17,7 @@ deterministic kernels; measured with torch 2.13):
   process accumulates two bf16 halves. Only the logged loss differs: one process averages
   the micro-batch losses in fp32, the ranks in float64. Measured: 5e-8 relative;
   FSDP_RTOL = 1e-6. (With fp32 master weights the bf16 compute moves the losses by about
-  2e-4 relative: docs/DISTRIBUTED_NOTES.md.)
+  2e-4 relative.)
 * DDP with A = 2 sums the four micro-batch gradients in another fp32 order, (g0 + g2) +
   (g1 + g3) against ((g0 + g1) + g2) + g3: about 1e-7 relative per step, which the FP8
   optimizer states may amplify by a code. Measured: at most 2.3e-6 over 4 steps;

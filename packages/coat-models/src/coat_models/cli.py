@@ -285,7 +285,7 @@ def _rank_device(name: str) -> torch.device:
 
     device = init_distributed()
     # COAT's decoder layer returns a view; the Llama loop does no in-place op on it, so
-    # FSDP2's warning about one does not apply (docs/DISTRIBUTED_NOTES.md)
+    # FSDP2's warning about one does not apply (coat-models README, multi-GPU limits)
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     if name not in ("auto", device.type):
         raise UsageError(

@@ -17,8 +17,8 @@ A checkpoint directory carries a manifest with the SHA-256 of every file
 (``coat_models.checkpoint``); loading checks it before reading anything, and DCP's pickled
 ``.metadata`` is read by an unpickler that builds only DCP's own metadata classes.
 
-See ``docs/DISTRIBUTED_NOTES.md`` for the design; why CoatAdamW's FP8 states do not depend
-on the number of ranks is in ``fp8_optim.dtensor``.
+The multi-GPU section of coat-models' README says what is supported; why CoatAdamW's FP8
+states do not depend on the number of ranks is in ``fp8_optim.dtensor``.
 """
 
 from __future__ import annotations
