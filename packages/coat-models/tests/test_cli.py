@@ -12,18 +12,6 @@ from coat_models import cli
 from coat_models.presets import preset_config
 from coat_models.train import Trainer
 
-
-def _coat_available() -> bool:
-    try:
-        from coat_models import apply_coat, create_optimizer  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-# Skips only while apply_coat / create_optimizer cannot be imported.
-needs_coat = pytest.mark.skipif(not _coat_available(), reason="coat_models.apply_coat missing")
-
 # Small enough for seconds per run on CPU; the tiny preset's shape.
 FAST = "--preset tiny --batch-size 4 --seq-len 64 --eval-batches 2 --corpus-mib 1 --no-progress"
 FAST = FAST.split()
@@ -77,7 +65,7 @@ def check_plot(out, stdout, n_runs):
         assert (rgb == colour).all(axis=1).sum() > 50  # a line of this run's colour (0 if none)
 
 
-@pytest.mark.parametrize("modes", ["bf16", pytest.param("bf16,coat", marks=needs_coat)])
+@pytest.mark.parametrize("modes", ["bf16", "bf16,coat"])
 def test_end_to_end(tmp_path, capsys, modes):
     out = tmp_path / "run"
     argv = ["--compare", modes, "--steps", "6", "--eval-every", "3", "--out", out, *FAST]
@@ -131,8 +119,8 @@ def interrupt_before(step):
     "mode,master,accum",
     [
         ("bf16", "fp32", 2),
-        pytest.param("coat", "fp32", 1, marks=needs_coat),
-        pytest.param("coat", "bf16", 1, marks=needs_coat),
+        ("coat", "fp32", 1),
+        ("coat", "bf16", 1),
     ],
     ids=["bf16-accum2", "coat", "coat-bf16-master"],
 )

@@ -11,17 +11,6 @@ from coat_models.presets import build_model, preset_config
 from coat_models.train import TrainConfig, Trainer
 
 
-def _coat_available() -> bool:
-    try:
-        from coat_models import apply_coat, create_optimizer  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_coat = pytest.mark.skipif(not _coat_available(), reason="coat_models.apply_coat missing")
-
-
 @pytest.fixture(scope="module")
 def data():
     return load_data(max_bytes=2**20)
@@ -31,8 +20,8 @@ def data():
     "mode,master",
     [
         ("bf16", "fp32"),
-        pytest.param("coat", "fp32", marks=needs_coat),
-        pytest.param("coat", "bf16", marks=needs_coat),
+        ("coat", "fp32"),
+        ("coat", "bf16"),
     ],
     ids=["bf16", "coat", "coat-bf16-master"],
 )

@@ -15,18 +15,7 @@ from coat_models.presets import PRESETS
 from coat_models.train import MemoryTracker, Progress, TrainConfig, lr_factor, lr_scheduler
 from coat_models.vl_train import VL_PRESETS
 
-
-def _coat_available() -> bool:
-    try:
-        from coat_models import apply_coat, create_optimizer  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-# Skips only while apply_coat / create_optimizer cannot be imported.
-needs_coat = pytest.mark.skipif(not _coat_available(), reason="coat_models.apply_coat missing")
-MODES = ["bf16", pytest.param("coat", marks=needs_coat)]
+MODES = ["bf16", "coat"]
 
 
 def _lrs(cfg: TrainConfig) -> list[float]:
@@ -135,7 +124,6 @@ def test_config_cuda_graphs_needs_fp8_activations_without_weight_cache():
 
 
 @pytest.mark.gpu
-@needs_coat
 @pytest.mark.parametrize("accum", [1, 2])
 def test_gpu_trainer_cuda_graphs_same_losses(accum):
     """coat-train --cuda-graphs: the same losses and weights as the eager run, bit for bit,
@@ -422,7 +410,7 @@ def _host_reads_during_fit(trainer, monkeypatch):
     return outside, reads, summary
 
 
-@pytest.mark.parametrize("mode", ["bf16", pytest.param("coat-act", marks=needs_coat)])
+@pytest.mark.parametrize("mode", ["bf16", "coat-act"])
 def test_trainer_reads_the_device_only_at_log_points(tmp_path, monkeypatch, mode):
     """40 steps, --log-every 10: the host reads tensor values only when it reads the queued
     steps (first step, every 10 steps, the progress line's every 4th, the last) and in
@@ -501,7 +489,7 @@ def test_non_finite_loss_is_reported_at_the_next_read_naming_its_step(tmp_path):
     tr.close()
 
 
-@pytest.mark.parametrize("mode", ["bf16", pytest.param("coat-act", marks=needs_coat)])
+@pytest.mark.parametrize("mode", ["bf16", "coat-act"])
 def test_breakdown_of_the_counted_steps_equals_counting_every_step(tmp_path, mode):
     """fit counts memory on the first timed step and the last only; its breakdown is the one
     of counting every step (steps 2-N have the same tensors; step 1 has no optimizer state
