@@ -35,7 +35,6 @@ import math
 import os
 import sys
 import time
-from functools import partial
 
 import torch
 from coat_models.cli import format_table, is_oom
@@ -48,7 +47,7 @@ from coat_models.train import (
     Trainer,
     decay_groups,
     fmt_bytes,
-    lr_factor,
+    lr_scheduler,
     memory_report,
     optimizer_state_bytes,
     pinned,
@@ -219,9 +218,7 @@ def torchao_trial(model, data, mb, args, device) -> dict:
     try:
         optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr,
                                       betas=cfg.betas, fused=device.type == "cuda")  # fmt: skip
-        schedule = partial(lr_factor, warmup=cfg.warmup, steps=cfg.steps,
-                           min_ratio=cfg.min_lr_ratio)  # fmt: skip
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scheduler = lr_scheduler(optimizer, cfg)
         sampler = BatchSampler(data.train, mb, args.seq_len, seed=cfg.seed)
         free()
         if device.type == "cuda":

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 from coat_models.presets import PRESETS
-from coat_models.train import MemoryTracker, Progress, TrainConfig, lr_factor, lr_scheduler
+from coat_models.train import MemoryTracker, Progress, TrainConfig, lr_scheduler
 from coat_models.vl_train import VL_PRESETS
 
 MODES = ["bf16", "coat"]
@@ -41,20 +41,22 @@ SCHEDULES = [
 
 
 @pytest.mark.parametrize("steps,lr,warmup,ratio", SCHEDULES)
-def test_lr_schedule_against_the_hand_made_one(steps, lr, warmup, ratio):
-    """transformers' schedule against coat-train's former ``lr_factor``: the same LR at every
-    step from the end of warmup on; during warmup one step behind (``s / warmup`` instead of
-    ``(s + 1) / warmup``: the first step has LR 0, every warmup step is ``lr / warmup`` lower)."""
+def test_lr_schedule_is_linear_warmup_then_cosine_to_the_floor(steps, lr, warmup, ratio):
+    """transformers' schedule as coat-train configures it, against its formula: ``lr * s /
+    warmup`` at 0-based step ``s`` during warmup (the first step has LR 0; coat-train's former
+    hand-made schedule ran one step ahead), then ``lr * (ratio + (1 - ratio) * (1 + cos(pi *
+    progress)) / 2)`` with ``progress = (s - warmup) / (steps - warmup)``."""
     cfg = TrainConfig(steps=steps, lr=lr, warmup=warmup, min_lr_ratio=ratio)
     new = _lrs(cfg)
-    old = [lr * lr_factor(s, warmup=warmup, steps=steps, min_ratio=ratio) for s in range(steps)]
     w = min(warmup, steps)
     if warmup:
         assert new[:w] == pytest.approx([lr * s / warmup for s in range(w)], rel=1e-12, abs=0)
-        assert [o - n for o, n in zip(old[:w], new[:w], strict=True)] == pytest.approx(
-            [lr / warmup] * w
-        )
-    assert new[w:] == pytest.approx(old[w:], rel=1e-12, abs=0)
+    span = max(1, steps - warmup)
+    want = [
+        lr * (ratio + (1 - ratio) * 0.5 * (1 + math.cos(math.pi * (s - warmup) / span)))
+        for s in range(w, steps)
+    ]
+    assert new[w:] == pytest.approx(want, rel=1e-12, abs=0)
     if steps > warmup + 1:  # cosine: decreasing, from lr towards lr * ratio
         assert new[warmup] == lr
         assert all(a > b for a, b in zip(new[warmup:], new[warmup + 1 :], strict=False))

@@ -187,16 +187,6 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
     )
 
 
-def lr_factor(step: int, *, warmup: int, steps: int, min_ratio: float) -> float:
-    """The schedule coat-train used before ``lr_scheduler`` (warmup reaches ``(s + 1) /
-    warmup`` at step ``s``, one step ahead of transformers'). Kept only for
-    benchmarks/bench_e2e.py's plain loop until it calls ``lr_scheduler``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 # ---------------------------------------------------------------------------------------------
 # Memory accounting
 
