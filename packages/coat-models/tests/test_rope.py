@@ -134,6 +134,22 @@ def test_rotation_is_orthogonal_and_backward_is_its_inverse():
     torch.testing.assert_close(norm(qr, dim=-1), norm(q, dim=-1), rtol=1e-12, atol=0)
 
 
+def test_projections_function_gradcheck_and_views():
+    """The projections' node (RoPE + head views): float64 gradcheck (reference kernel), and
+    its outputs are the (batch, heads, seq, head_dim) views of RoPE's output and of v."""
+    cos, sin = _cos_sin(1, 5, 8, torch.float64)
+    q = torch.randn(2, 5, 3 * 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    k = torch.randn(2, 5, 1 * 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    v = torch.randn(2, 5, 1 * 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    fn = lambda q, k, v: rope.ProjectionsRoPEFunction.apply(q, k, v, cos, sin, 8, "reference")
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+    qr, kr, vr = fn(q, k, v)
+    want_q, want_k = rope.rope(q.view(2, 5, 3, 8), k.view(2, 5, 1, 8), cos, sin, False, "reference")
+    assert qr.shape == (2, 3, 5, 8) and torch.equal(qr, want_q.transpose(1, 2))
+    assert kr.shape == (2, 1, 5, 8) and torch.equal(kr, want_k.transpose(1, 2))
+    assert torch.equal(vr, v.view(2, 5, 1, 8).transpose(1, 2))
+
+
 def test_torch_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
     cos, sin = _cos_sin(1, 19, 32, torch.bfloat16)
@@ -230,23 +246,33 @@ def _layer_step(model, ops, config, seed=1):
     return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
 
 
-def _spy(monkeypatch):
-    calls = []
-    fused = rope.apply_rotary_pos_emb
-    monkeypatch.setattr(rope, "apply_rotary_pos_emb", lambda *a: calls.append(1) or fused(*a))
-    return calls
-
-
 def _layer_with_and_without(model, ops, config, monkeypatch):
-    calls = []
-    fused = rope.apply_rotary_pos_emb
-    monkeypatch.setattr(rope, "apply_rotary_pos_emb", lambda *a: calls.append(1) or fused(*a))
+    """The layer's output and gradients three ways: the projections' fused path (RoPE and the
+    head views in one autograd node), the fused RoPE kernel on the head views, and the
+    model's own RoPE. The first two must be equal bit for bit; returns the first and the
+    third."""
+    projections, fused_views = [], []
+    rotate, fused = rope.rotate_projections, rope.apply_rotary_pos_emb
+
+    def spy_rotate(*a):
+        out = rotate(*a)
+        projections.append(out is not None)
+        return out
+
+    monkeypatch.setattr(rope, "rotate_projections", spy_rotate)
+    monkeypatch.setattr(rope, "apply_rotary_pos_emb", lambda *a: fused_views.append(1) or fused(*a))
     got = _layer_step(model, ops, config)
-    assert calls == [1]  # the fused path ran
+    assert projections == [True] and fused_views == []  # the projections' path ran
     with monkeypatch.context() as m:
-        m.setattr(rope, "fusable", lambda *a: False)
+        m.setattr(rope, "rotate_projections", lambda *a: None)
+        views = _layer_step(model, ops, config)
+    assert fused_views == [1]  # the kernel on the head views ran
+    for a, b in zip(got, views, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with monkeypatch.context() as m:
+        m.setattr(rope, "is_rotate_half", lambda fn: False)
         want = _layer_step(model, ops, config)
-    assert calls == [1]
+    assert fused_views == [1] and projections == [True]
     return got, want
 
 

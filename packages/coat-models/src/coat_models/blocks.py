@@ -113,15 +113,23 @@ def attention(
     views, and RoPE's backward reads SDPA's dq, dk in their strides.
     """
     hidden_shape, dtype = (*shape, -1, attn.head_dim), qkv[0].dtype
-    q, k, v = (t.view(hidden_shape).transpose(1, 2) for t in qkv)
-    qkv.clear()
     cos, sin = position_embeddings
     apply_rotary = model_function(attn, "apply_rotary_pos_emb")
     backend = getattr(config, "backend", "auto")
-    if rope.fusable(apply_rotary, q, k, cos, sin, backend):
-        q, k = rope.apply_rotary_pos_emb(q, k, cos, sin, backend)
+    # The projections to SDPA's views and RoPE in one autograd node where the kernel runs.
+    rotated = None
+    if rope.is_rotate_half(apply_rotary):
+        rotated = rope.rotate_projections(*qkv, cos, sin, attn.head_dim, backend)
+    if rotated is not None:
+        q, k, v = rotated
+        qkv.clear()
     else:
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k, v = (t.view(hidden_shape).transpose(1, 2) for t in qkv)
+        qkv.clear()
+        if rope.fusable(apply_rotary, q, k, cos, sin, backend):
+            q, k = rope.apply_rotary_pos_emb(q, k, cos, sin, backend)
+        else:
+            q, k = apply_rotary(q, k, cos, sin)
     if cache is not None:
         k, v = cache.update(k, v, attn.layer_idx)
     attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(

@@ -213,6 +213,64 @@ class RoPEFunction(torch.autograd.Function):
         return dq, dk, None, None, None
 
 
+class ProjectionsRoPEFunction(torch.autograd.Function):
+    """``(q, k, v, cos, sin, head_dim, backend) -> (q_rot, k_rot, v)``: the Q/K/V projections
+    ``(batch, seq, heads * head_dim)`` in, SDPA's ``(batch, heads, seq, head_dim)`` views out
+    (q and k rotated by ``rope``, v as it is). One autograd node instead of RoPE's plus the
+    views' and transposes' (ten per layer, each host time in forward and in backward); the
+    same kernel, the same bits."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cos, sin, head_dim, backend):
+        ctx.save_for_backward(cos, sin)
+        ctx.backend, ctx.shapes = backend, (q.shape, k.shape, v.shape)
+        batch, seq = q.shape[:2]
+        q, k = rope(
+            q.view(batch, seq, -1, head_dim), k.view(batch, seq, -1, head_dim), cos, sin,
+            False, backend,
+        )  # fmt: skip
+        v = v.view(batch, seq, -1, head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        q_shape, k_shape, v_shape = ctx.shapes
+        dq, dk = rope(dq.transpose(1, 2), dk.transpose(1, 2), cos, sin, True, ctx.backend)
+        dv = dv.transpose(1, 2).reshape(v_shape)
+        return dq.view(q_shape), dk.view(k_shape), dv, None, None, None, None
+
+
+def rotate_projections(
+    q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, head_dim: int, backend: str
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``ProjectionsRoPEFunction`` on the Q/K/V projections ``(batch, seq, heads *
+    head_dim)`` (``q`` and ``k`` contiguous, as the linears return them) when
+    ``apply_rotary_pos_emb`` would take their ``(batch, heads, seq, head_dim)`` views (the
+    caller has checked that the model's RoPE is the ``rotate_half`` one), else ``None``."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return None
+    (batch, seq, width), dim = q.shape, head_dim
+    if not (q.is_contiguous() and k.is_contiguous()) or dim % 2:
+        return None
+    if width % dim or k.shape[-1] % dim or v.shape[-1] % dim:
+        return None
+    if k.shape[:2] != (batch, seq) or v.shape[:2] != (batch, seq):
+        return None
+    # apply_rotary_pos_emb's conditions (``_problem``), on the projections' shapes.
+    if q.dtype not in _DTYPES or q.dtype == torch.float64 or k.dtype != q.dtype:
+        return None
+    if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[1:] != (seq, dim):
+        return None
+    if cos.shape[0] not in (1, batch) or not (cos.is_floating_point() and sin.is_floating_point()):
+        return None
+    if len({q.device, k.device, v.device, cos.device, sin.device}) != 1:
+        return None
+    if cos.requires_grad or sin.requires_grad or not use_triton(q, backend):
+        return None
+    return ProjectionsRoPEFunction.apply(q, k, v, cos, sin, head_dim, backend)
+
+
 # ------------------------------------------------------------------------------ public API
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -263,14 +321,22 @@ def apply_rotary_pos_emb(
     return q.transpose(1, 2), k.transpose(1, 2)
 
 
+def is_rotate_half(fn: Callable | None) -> bool:
+    """Whether ``fn`` is the ``apply_rotary_pos_emb`` of one of ``ROTATE_HALF_MODULES`` (not
+    a patched or hub replacement): the function this module's kernel computes."""
+    return (
+        getattr(fn, "__module__", None) in ROTATE_HALF_MODULES
+        and getattr(fn, "__name__", None) == "apply_rotary_pos_emb"
+    )
+
+
 def fusable(fn: Callable | None, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str):
     """Whether ``apply_rotary_pos_emb(q, k, cos, sin, backend)`` here computes what the
     model's ``fn(q, k, cos, sin)`` computes, and in a Triton kernel: ``fn`` is one of
     ``ROTATE_HALF_MODULES``' own (not a patched or hub replacement), the shapes are the
     full-width ones it takes, cos and sin need no gradient, and Triton runs on q's device."""
     return (
-        getattr(fn, "__module__", None) in ROTATE_HALF_MODULES
-        and getattr(fn, "__name__", None) == "apply_rotary_pos_emb"
+        is_rotate_half(fn)
         and _problem(q, k, cos, sin) is None
         and q.dtype != torch.float64
         and not (cos.requires_grad or sin.requires_grad)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from fp8_quant import resolve_backend
 
 from .config import DEFAULT_CONFIG, FP8Config
 from .ops import (
@@ -107,6 +108,13 @@ def _rows(x: Tensor) -> Tensor:
     if x.dim() == 2 and x.is_contiguous() and not torch.compiler.is_compiling():
         return x  # (dynamo rejects one tensor passed twice to an autograd.Function)
     return (x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)).contiguous()
+
+
+def _arg(x: Tensor) -> Tensor:
+    """A tensor input of the Functions that reshape to rows themselves (no view node in the
+    autograd graph, see ``ops._common.rows``): x itself in eager mode, its rows under
+    ``torch.compile`` (dynamo rejects one tensor passed twice to an autograd.Function)."""
+    return _rows(x) if torch.compiler.is_compiling() else x
 
 
 def _needs_grad(*tensors) -> bool:
@@ -212,31 +220,31 @@ def fp8_linear(
     if x.numel() == 0:
         b = None if bias is None else bias.to(x.dtype)
         return torch.nn.functional.linear(x, weight.to(x.dtype), b)
+    backend = resolve_backend(x, cfg.backend)  # once per op: the kernels take it resolved
     amax = take_group_amax(x) if cfg.precision_flow else None
     amax = None if amax is None else amax.amax()
     eager = not torch.compiler.is_compiling()
     cache = cfg.weight_cache and eager
-    rows = x.reshape(-1, x.shape[-1])
     x_fp8 = None
     if cfg.precision_flow and eager:
         # Several linears on one x (Q/K/V, gate/up): the first quantizes x and attaches
         # (q, q.T, scale) to x; the next ones take it, so x is quantized once and its q.T
         # saved once (the same bits each would compute: same x, amax, format, backend).
-        key = (cfg.fwd_format.value, cfg.backend)
+        key = (cfg.fwd_format.value, backend)
         x_fp8 = take_per_tensor(x, key)
         if x_fp8 is None:
             with torch.no_grad():
-                x_fp8 = quantize_t(rows, cfg.fwd_format.value, amax, cfg.backend)
+                x_fp8 = quantize_t(_rows(x), cfg.fwd_format.value, amax, backend)
             attach_per_tensor(x, x_fp8, key)
     y = FP8LinearFunction.apply(
-        rows,
+        _arg(x),
         weight,
         bias,
         amax,
-        weight_fp8(weight, cfg.fwd_format, cfg.backend, weight_amax) if cache else None,
+        weight_fp8(weight, cfg.fwd_format, backend, weight_amax) if cache else None,
         cfg.fwd_format.value,
         cfg.grad_format.value,
-        cfg.backend,
+        backend,
         use_scaled_mm(x, weight, cfg.gemm),
         x_fp8,
         weight_amax,
@@ -263,10 +271,11 @@ def rms_norm(
     w = weight if weight is not None else x.new_ones(n)
     if x.numel() == 0:
         return torch.nn.functional.rms_norm(x, (n,), w, eps)
+    backend = resolve_backend(x, cfg.backend)
     mode = _emit(cfg, "amax")
     y, *hand = RMSNormFunction.apply(
-        _rows(x), w, _handed_fp8(x, cfg), _needs_grad(x, weight), eps, cfg.group_size,
-        cfg.fwd_format.value, mode, cfg.backend,
+        _arg(x), w, _handed_fp8(x, cfg), _needs_grad(x, weight), eps, cfg.group_size,
+        cfg.fwd_format.value, mode, backend,
     )  # fmt: skip
     return _hand_over(y, x.shape, cfg, mode, *hand)
 
@@ -331,19 +340,19 @@ def rms_norm_linear(
             fp8_linear(normed, w, b, cfg, weight_amax=a)
             for w, b, a in zip(weights, biases, amaxes, strict=True)
         )
+    backend = resolve_backend(x, cfg.backend)
     w_norm = norm_weight if norm_weight is not None else x.new_ones(n)
     cache = cfg.weight_cache and not torch.compiler.is_compiling()
     w_fp8 = (
         tuple(
-            weight_fp8(w, cfg.fwd_format, cfg.backend, a)
-            for w, a in zip(weights, amaxes, strict=True)
+            weight_fp8(w, cfg.fwd_format, backend, a) for w, a in zip(weights, amaxes, strict=True)
         )
         if cache
         else None
     )
     outs = RMSNormLinearFunction.apply(
-        _rows(x), w_norm, _handed_fp8(x, cfg), w_fp8, eps, cfg.group_size, cfg.fwd_format.value,
-        cfg.grad_format.value, cfg.backend, tuple(use_scaled_mm(x, w, cfg.gemm) for w in weights),
+        _arg(x), w_norm, _handed_fp8(x, cfg), w_fp8, eps, cfg.group_size, cfg.fwd_format.value,
+        cfg.grad_format.value, backend, tuple(use_scaled_mm(x, w, cfg.gemm) for w in weights),
         None if weight_amaxes is None else tuple(amaxes),
         *(t for pair in zip(weights, biases, strict=True) for t in pair),
     )  # fmt: skip
@@ -375,10 +384,11 @@ def layer_norm(
     _check_param(bias, x, "bias", shape[0])
     if x.numel() == 0:
         return torch.nn.functional.layer_norm(x, shape, weight, bias, eps)
+    backend = resolve_backend(x, cfg.backend)
     mode = _emit(cfg, "amax")
     y, *hand = LayerNormFunction.apply(
         _rows(x), weight, bias, _handed_fp8(x, cfg), _needs_grad(x, weight, bias), float(eps),
-        cfg.group_size, cfg.fwd_format.value, mode, cfg.backend,
+        cfg.group_size, cfg.fwd_format.value, mode, backend,
     )  # fmt: skip
     return _hand_over(y, x.shape, cfg, mode, *hand)
 
@@ -392,10 +402,11 @@ def silu(x: Tensor, config: FP8Config | None = None) -> Tensor:
     _check_float(x, "x")
     if x.numel() == 0:
         return torch.nn.functional.silu(x)
+    backend = resolve_backend(x, cfg.backend)
     mode = _emit(cfg, "amax")
     y, *hand = SiLUFunction.apply(
         _rows(x), _handed_fp8(x, cfg), _needs_grad(x), cfg.group_size, cfg.fwd_format.value,
-        mode, cfg.backend,
+        mode, backend,
     )  # fmt: skip
     return _hand_over(y, x.shape, cfg, mode, *hand)
 
@@ -411,10 +422,11 @@ def gelu(x: Tensor, approximate: str = "none", config: FP8Config | None = None) 
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
     if x.numel() == 0:
         return torch.nn.functional.gelu(x, approximate=approximate)
+    backend = resolve_backend(x, cfg.backend)
     mode = _emit(cfg, "amax")
     y, *hand = GELUFunction.apply(
         _rows(x), _handed_fp8(x, cfg), _needs_grad(x), approximate, cfg.group_size,
-        cfg.fwd_format.value, mode, cfg.backend,
+        cfg.fwd_format.value, mode, backend,
     )  # fmt: skip
     return _hand_over(y, x.shape, cfg, mode, *hand)
 
@@ -430,10 +442,11 @@ def swiglu(gate: Tensor, up: Tensor, config: FP8Config | None = None) -> Tensor:
     _check_like(gate, up, "gate", "up")
     if gate.numel() == 0:
         return torch.nn.functional.silu(gate) * up
+    backend = resolve_backend(gate, cfg.backend)
     mode = _emit(cfg, "amax")
     y, *hand = SwiGLUFunction.apply(
         _rows(gate), _rows(up), _handed_fp8(gate, cfg), _handed_fp8(up, cfg),
-        _needs_grad(gate, up), cfg.group_size, cfg.fwd_format.value, mode, cfg.backend,
+        _needs_grad(gate, up), cfg.group_size, cfg.fwd_format.value, mode, backend,
     )  # fmt: skip
     return _hand_over(y, gate.shape, cfg, mode, *hand)
 
@@ -471,11 +484,12 @@ def swiglu_linear(
     weight_amax = _check_amax(weight_amax, weight, "weight_amax")
     if gate.numel() == 0 or not _needs_grad(gate, up, weight, bias):
         return fp8_linear(swiglu(gate, up, cfg), weight, bias, cfg, weight_amax=weight_amax)
+    backend = resolve_backend(gate, cfg.backend)
     cache = cfg.weight_cache and not torch.compiler.is_compiling()
     y = SwiGLULinearFunction.apply(
-        _rows(gate), _rows(up), weight, bias, _handed_fp8(gate, cfg), _handed_fp8(up, cfg),
-        weight_fp8(weight, cfg.fwd_format, cfg.backend, weight_amax) if cache else None,
-        cfg.group_size, cfg.fwd_format.value, cfg.grad_format.value, cfg.backend,
+        _arg(gate), _arg(up), weight, bias, _handed_fp8(gate, cfg), _handed_fp8(up, cfg),
+        weight_fp8(weight, cfg.fwd_format, backend, weight_amax) if cache else None,
+        cfg.group_size, cfg.fwd_format.value, cfg.grad_format.value, backend,
         use_scaled_mm(gate, weight, cfg.gemm), weight_amax,
     )  # fmt: skip
     return y.view(*gate.shape[:-1], weight.shape[0])
@@ -492,9 +506,10 @@ def residual_add(x: Tensor, residual: Tensor, config: FP8Config | None = None) -
     _check_like(x, residual, "x", "residual")
     if x.numel() == 0:
         return x + residual
+    backend = resolve_backend(x, cfg.backend)
     # The FP8 copy only pays off when the next norm will save it for backward.
     mode = _emit(cfg, "fp8") if _needs_grad(x, residual) else "none"
     y, *hand = ResidualAddFunction.apply(
-        _rows(x), _rows(residual), cfg.group_size, cfg.fwd_format.value, mode, cfg.backend
+        _arg(x), _arg(residual), cfg.group_size, cfg.fwd_format.value, mode, backend
     )
     return _hand_over(y, x.shape, cfg, mode, *hand)

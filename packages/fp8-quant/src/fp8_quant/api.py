@@ -24,20 +24,25 @@ def resolve_backend(x: torch.Tensor, backend: str) -> str:
     (fp8_activations' ops, CoatAdamW): ``"auto"`` is ``FP8_QUANT_BACKEND`` when set, else
     triton for CUDA tensors and reference otherwise. Raises ``ValueError`` for other names
     and for ``"triton"`` on a CPU tensor without ``TRITON_INTERPRET=1``."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        backend = os.environ.get("FP8_QUANT_BACKEND", "auto")
-        if backend not in _BACKENDS:
-            raise ValueError(f"FP8_QUANT_BACKEND must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if x.is_cuda else "reference"
-    if backend == "triton" and not x.is_cuda and not triton_interpreting():
+    # Resolved names first: the ops of the packages built on this pass them on every kernel
+    # call (host time), the public entry points resolve "auto" once per call.
+    if backend == "triton":
+        if x.is_cuda or triton_interpreting():
+            return backend
         raise ValueError(
             "the triton backend needs a CUDA tensor; for CPU tensors set TRITON_INTERPRET=1 "
             "before importing triton, or use backend='reference'"
         )
-    return backend
+    if backend == "reference":
+        return backend
+    if backend != "auto":
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    backend = os.environ.get("FP8_QUANT_BACKEND", "auto")
+    if backend not in _BACKENDS:
+        raise ValueError(f"FP8_QUANT_BACKEND must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if x.is_cuda else "reference"
+    return resolve_backend(x, backend)
 
 
 def check_input(x: torch.Tensor, name: str = "x") -> None:

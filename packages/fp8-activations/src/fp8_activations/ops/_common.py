@@ -97,6 +97,16 @@ def out_args(dummy: torch.Tensor, *outs: torch.Tensor | None) -> list[torch.Tens
     ]  # fmt: skip
 
 
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """2-D contiguous ``(rows, last dim)`` form of ``x`` (a view, or a copy when not
+    contiguous). The autograd Functions take their inputs in the caller's shape and call this
+    inside ``forward`` (and view their input gradients back), so that no view node per input
+    joins the autograd graph: each costs host time in forward and in backward."""
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    return x if x.is_contiguous() else x.contiguous()
+
+
 # ----------------------------------------------------------------- launch shapes (cached)
 def _vector(group_size: int, element_size: int) -> int:
     """Elements per 16-byte vector of the input (at most one group)."""

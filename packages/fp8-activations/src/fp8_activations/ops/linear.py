@@ -22,7 +22,7 @@ from fp8_quant import ops as fp8_ops
 
 from .. import reference
 from ..tensor import take_group_amax
-from ._common import custom_op, use_triton
+from ._common import custom_op, rows, use_triton
 
 Tensor = torch.Tensor
 
@@ -132,8 +132,8 @@ def _pad_inner(t: Tensor, multiple: int = 16) -> Tensor:
 
 
 class FP8LinearFunction(torch.autograd.Function):
-    """``(x (M, K), weight (N, K), bias, x_amax, w_fp8, fwd_fmt, grad_fmt, backend,
-    use_scaled_mm, x_fp8, w_amax) -> y (M, N)`` in x's dtype.
+    """``(x (..., K), weight (N, K), bias, x_amax, w_fp8, fwd_fmt, grad_fmt, backend,
+    use_scaled_mm, x_fp8, w_amax) -> y (M, N)`` in x's dtype, M the rows of x.
 
     ``x_amax``: 0-dim max |x| handed over by the producer (group scaling), or None.
     ``w_fp8``: ``(w_q, w_t, w_scale)`` from the weight cache, or None to cast on the fly.
@@ -147,6 +147,7 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx, x, weight, bias, x_amax, w_fp8, fwd_fmt, grad_fmt, backend, use_scaled_mm,
         x_fp8=None, w_amax=None,
     ):  # fmt: skip
+        ctx.x_shape, x = x.shape, rows(x)
         x_q, x_t, x_s = x_fp8 if x_fp8 is not None else quantize_t(x, fwd_fmt, x_amax, backend)
         if w_fp8 is not None:
             w_q, w_t, w_s = w_fp8
@@ -172,6 +173,7 @@ class FP8LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w_t, w_s = weight_t(weight, (w_t, w_s), fwd_fmt, ctx.backend)
             dx = _mm(dy_q, w_t.t(), dy_s, w_s, None, dy.dtype, ctx.use_scaled_mm)
+            dx = dx.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             a, b = (_pad_inner(dy_t), _pad_inner(x_t)) if ctx.use_scaled_mm else (dy_t, x_t)
             dw = _mm(a, b.t(), dy_s, x_s, None, weight.dtype, ctx.use_scaled_mm)

@@ -23,6 +23,7 @@ from ._common import (
     emit_groups,
     group_tile,
     out_args,
+    rows,
     use_triton,
 )
 
@@ -76,11 +77,13 @@ class ResidualAddFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, group_size, fmt, emit, backend):
-        y, *hand = residual_add_fwd(x, residual, group_size, fmt, emit, backend)
+        ctx.x_shape = x.shape
+        y, *hand = residual_add_fwd(rows(x), rows(residual), group_size, fmt, emit, backend)
         ctx.mark_non_differentiable(*(t for t in hand if t is not None))
         ctx.set_materialize_grads(False)  # no zero tensors for the hand-over's grads
         return y, *hand
 
     @staticmethod
     def backward(ctx, dy, *_):
-        return dy, dy, None, None, None, None
+        dx = dy.reshape(ctx.x_shape)
+        return dx, dx, None, None, None, None

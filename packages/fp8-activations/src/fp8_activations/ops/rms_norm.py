@@ -26,6 +26,7 @@ from ._common import (
     row_launch,
     row_programs,
     row_sum,
+    rows,
     store_groups,
     sum_rows,
     use_triton,
@@ -192,6 +193,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, x_fp8, quant, eps, group_size, fmt, emit, backend):
+        ctx.x_shape, x = x.shape, rows(x)
         y, x_q, x_s, *hand, _ = rms_norm_fwd(
             x, weight, eps, group_size, fmt, quant and x_fp8 is None, emit, False, backend
         )
@@ -204,7 +206,5 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, *_):
         x_q, x_s, weight = ctx.saved_tensors
-        dx, dw = rms_norm_bwd(
-            dy.contiguous(), x_q, x_s, weight, ctx.eps, ctx.group_size, ctx.backend, []
-        )
-        return dx, dw, None, None, None, None, None, None, None
+        dx, dw = rms_norm_bwd(rows(dy), x_q, x_s, weight, ctx.eps, ctx.group_size, ctx.backend, [])
+        return dx.view(ctx.x_shape), dw, None, None, None, None, None, None, None

@@ -31,6 +31,7 @@ from ._common import (
     cast_out,
     custom_op,
     load_groups_t,
+    rows,
     store_fp8_t,
     t_launch,
     t_tile,
@@ -87,7 +88,7 @@ def _(x_q, x_s, rstd, weight, amax, group_size, dtype, fmt, backend, *, eager=Fa
 
 
 class RMSNormLinearFunction(torch.autograd.Function):
-    """``(x (M, K), norm_weight (K,), x_fp8, w_fp8, eps, group_size, fwd_fmt, grad_fmt,
+    """``(x (..., K) (M rows), norm_weight (K,), x_fp8, w_fp8, eps, group_size, fwd_fmt, grad_fmt,
     backend, use_scaled_mm, w_amaxes, weight_0, bias_0, weight_1, bias_1, ...) -> (y_0, y_1,
     ...)``, ``y_i = (rms_norm(x) @ weight_i.T + bias_i)`` (M, N_i) in x's dtype.
 
@@ -102,6 +103,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
         ctx, x, norm_weight, x_fp8, w_fp8, eps, group_size, fwd_fmt, grad_fmt, backend,
         use_scaled_mm, w_amaxes, *params,
     ):  # fmt: skip
+        ctx.x_shape, x = x.shape, rows(x)
         weights, biases = params[0::2], params[1::2]
         w_fp8 = w_fp8 if w_fp8 is not None else (None,) * len(weights)
         w_amaxes = w_amaxes if w_amaxes is not None else (None,) * len(weights)
@@ -173,4 +175,5 @@ class RMSNormLinearFunction(torch.autograd.Function):
                 d_parts[0], x_q, x_s, norm_weight, ctx.eps, ctx.group_size, ctx.backend,
                 d_parts[1:],
             )  # fmt: skip
+            dx = dx.view(ctx.x_shape)
         return dx, d_norm_weight, None, None, None, None, None, None, None, None, None, *grads

@@ -26,6 +26,7 @@ from ._common import (
     cast_out,
     custom_op,
     load_groups_t,
+    rows,
     store_fp8_t,
     t_launch,
     t_tile,
@@ -79,8 +80,9 @@ def _(g_q, g_s, u_q, u_s, amax, group_size, dtype, fmt, backend, *, eager=False)
 
 
 class SwiGLULinearFunction(torch.autograd.Function):
-    """``(gate (M, F), up (M, F), weight (N, F), bias, gate_fp8, up_fp8, w_fp8, group_size,
-    fwd_fmt, grad_fmt, backend, use_scaled_mm, w_amax) -> y (M, N)`` in gate's dtype.
+    """``(gate (..., F) (M rows), up (same shape), weight (N, F), bias, gate_fp8, up_fp8,
+    w_fp8, group_size, fwd_fmt, grad_fmt, backend, use_scaled_mm, w_amax) -> y (M, N)`` in
+    gate's dtype.
 
     ``*_fp8``: handed-over 1 x G ``(q, scales)`` of gate / up, or None; ``w_fp8``: the
     weight cache's ``(w_q, w_t, w_scale)`` or None (cast on the fly); ``w_amax``: the
@@ -92,6 +94,7 @@ class SwiGLULinearFunction(torch.autograd.Function):
         ctx, gate, up, weight, bias, gate_fp8, up_fp8, w_fp8, group_size, fwd_fmt, grad_fmt,
         backend, use_scaled_mm, w_amax=None,
     ):  # fmt: skip
+        ctx.x_shape, gate, up = gate.shape, rows(gate), rows(up)
         s, g_q, g_s, u_q, u_s, _, _, s_amax = swiglu_fwd(
             gate, up, group_size, fwd_fmt, gate_fp8 is None, up_fp8 is None, "amax", backend
         )
@@ -128,7 +131,9 @@ class SwiGLULinearFunction(torch.autograd.Function):
             d_gate, d_up, dg_a, du_a = swiglu_bwd(
                 ds, g_q, g_s, u_q, u_s, ctx.group_size, True, ctx.backend
             )
+            # Attached to the 2-D gradients: the views autograd hands on reach them as _base.
             attach_grad_amax(d_gate, d_up, dg_a, du_a)
+            d_gate, d_up = d_gate.view(ctx.x_shape), d_up.view(ctx.x_shape)
             del ds
         if ctx.needs_input_grad[2]:
             s_t = swiglu_reform_t(

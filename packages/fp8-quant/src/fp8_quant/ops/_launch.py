@@ -31,7 +31,6 @@ import triton
 from .fp8_round import triton_interpreting
 
 _INTERPRETING = triton_interpreting()
-_INT32 = range(-(2**31), 2**31)
 # (kernel, number of positional args, keyword items, device) -> [(arg keys, entry)]
 _CACHE: dict[tuple, dict[tuple, tuple]] = {}
 # Depth of ``ordinary_launches()`` contexts: while > 0, every launch is ``kernel[grid]``.
@@ -51,12 +50,16 @@ def ordinary_launches():
         _ORDINARY -= 1
 
 
-def _key(a):
-    if isinstance(a, torch.Tensor):
-        return a.dtype, (a.data_ptr() & 15) == 0
-    if type(a) is int:
-        return a == 1, (a & 15) == 0, a in _INT32
-    return type(a)
+def _keys(args) -> tuple:
+    """Per argument: a tensor's dtype and 16-byte alignment; an int's == 1, multiple of 16
+    and 32-bit range; the type of anything else. One comprehension, no call per argument
+    (a launch has ~10-20 arguments; this runs on every launch)."""
+    return tuple([
+        (a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor)
+        else (a == 1, not a & 15, -2147483648 <= a <= 2147483647) if type(a) is int
+        else type(a)
+        for a in args
+    ])  # fmt: skip
 
 
 def _hook_set(hook) -> bool:
@@ -81,7 +84,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
     # id(): kernels are module-level objects; hashing a JITFunction hashes its source key.
     site = (id(kernel), len(args), tuple(meta.items()), device)
     entries = _CACHE.get(site)
-    key = tuple(map(_key, args))
+    key = _keys(args)
     entry = None if entries is None else entries.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **meta)
