@@ -191,6 +191,48 @@ def test_gradient_accumulation_reduces_weights_once_per_version(monkeypatch):
     assert len(calls) == TINY["num_hidden_layers"] * len(ids)
 
 
+@pytest.mark.parametrize("cache", [False, True], ids=["on-the-fly", "cache"])
+def test_layer_casts_its_weights_together(cache, monkeypatch):
+    """The decoder layer casts its seven weights with one launch per direction
+    (``cast_weights``; with the weight cache: the stale copies in one launch), with the same
+    logits and gradients bit for bit as letting each linear cast its own weight: fp32
+    master weights under bf16 autocast, two micro-batches per step, two steps."""
+    from coat_models import blocks
+    from fp8_activations import FP8Config
+
+    ids = [tokens(1, 16, seed=s) for s in (3, 4)]
+
+    def two_steps(model):
+        out = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            for x in ids:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = causal_lm_loss(model(x).logits, x)
+                loss.backward()
+                out.append(loss.detach())
+            out += [p.grad.clone() for p in model.parameters()]
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-1e-2)
+        return out
+
+    config = FP8Config(weight_cache=cache, backend="triton")
+    calls = []
+    real = blocks.FP8_OPS.cast_weights
+    monkeypatch.setattr(
+        blocks.FP8_OPS, "cast_weights", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    got = two_steps(apply_coat(tiny_llama(num_hidden_layers=1), config=config).train())
+    # Once per layer and micro-batch without the cache; with it, once per layer and step.
+    assert len(calls) == (2 if cache else 4)  # one layer
+    monkeypatch.delattr(blocks.FP8_OPS, "cast_weights")
+    want = two_steps(apply_coat(tiny_llama(num_hidden_layers=1), config=config).train())
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_torch_compile_runs_coat_layers_eagerly(monkeypatch):
     """``torch.compile(model)``: COAT layers leave the traced graph (one break per layer) and
     run their eager path, precision flow included (``decoder_layer`` runs at every call, not

@@ -21,7 +21,9 @@ fused ``rms_norm_linear(x, norm_weight, eps, weights, biases, config)`` and
 ``swiglu_linear(gate, up, weight, bias, config)``, and ``weight_amaxes(weights)`` (then the
 linears take ``weight_amax=`` / ``weight_amaxes=``: one reduction launch for the layer's
 seven weights instead of two per weight), and ``weight_cache_fresh(weights, config)``
-(then the maxima are computed only when a weight will be cast): ``FP8_OPS`` are
+(then the maxima are computed only when a weight will be cast), and
+``cast_weights(weights, config, weight_amaxes=)`` (then the linears take ``weight_cast=`` /
+``weight_casts=``: the seven weights cast in one launch per direction): ``FP8_OPS`` are
 fp8_activations' functional ops (each saves FP8 and hands its output's FP8 form or group
 maxima to the next op), ``coat_models.reference`` the model's exact arithmetic (no fused ops).
 """
@@ -48,6 +50,7 @@ FP8_OPS = SimpleNamespace(
     residual_add=fa.residual_add,
     weight_amaxes=fa.weight_amaxes,
     weight_cache_fresh=fa.weight_cache_fresh,
+    cast_weights=fa.cast_weights,
 )
 
 
@@ -62,27 +65,38 @@ def model_function(module: nn.Module, name: str) -> Callable | None:
     return getattr(sys.modules[type(module).__module__], name, None)
 
 
-def _amax_kw(name: str, amax) -> dict:
-    """The keyword passing a weight's precomputed max |w| (nothing without one)."""
-    return {} if amax is None else {name: amax}
+def _amax_kw(name: str, amax, cast_name: str = "", cast=None) -> dict:
+    """The keywords passing a weight's precomputed max |w| and its layer cast (nothing for
+    what is None)."""
+    kw = {} if amax is None else {name: amax}
+    if cast is not None:
+        kw[cast_name] = cast
+    return kw
 
 
-def _project(ops, x, lin: nn.Linear, config, amax=None):
-    return ops.linear(x, lin.weight, lin.bias, config, **_amax_kw("weight_amax", amax))
+def _project(ops, x, lin: nn.Linear, config, amax=None, cast=None):
+    kw = _amax_kw("weight_amax", amax, "weight_cast", cast)
+    return ops.linear(x, lin.weight, lin.bias, config, **kw)
 
 
-def norm_project(ops, x, norm: nn.Module, linears: list[nn.Linear], config, amaxes=None) -> list:
+def norm_project(
+    ops, x, norm: nn.Module, linears: list[nn.Linear], config, amaxes=None, casts=None
+) -> list:
     """``[linear(rms_norm(x))]`` for each of ``linears``: one fused op when the op set has
     ``rms_norm_linear`` (the norm output is then not saved but re-formed in backward).
-    ``amaxes``: the linears' weight maxima (``ops.weight_amaxes``) or None."""
+    ``amaxes``: the linears' weight maxima (``ops.weight_amaxes``) or None; ``casts``: their
+    weights' items of ``ops.cast_weights`` or None."""
     fused = getattr(ops, "rms_norm_linear", None)
     if fused is not None:
         weights, biases = [lin.weight for lin in linears], [lin.bias for lin in linears]
-        kw = _amax_kw("weight_amaxes", amaxes)
+        kw = _amax_kw("weight_amaxes", amaxes, "weight_casts", casts)
         return list(fused(x, norm.weight, norm_eps(norm), weights, biases, config, **kw))
     normed = ops.rms_norm(x, norm.weight, norm_eps(norm), config)
-    amaxes = amaxes or [None] * len(linears)
-    return [_project(ops, normed, lin, config, a) for lin, a in zip(linears, amaxes, strict=True)]
+    amaxes, casts = amaxes or [None] * len(linears), casts or [None] * len(linears)
+    return [
+        _project(ops, normed, lin, config, a, c)
+        for lin, a, c in zip(linears, amaxes, casts, strict=True)
+    ]
 
 
 def attention(
@@ -96,13 +110,15 @@ def attention(
     config,
     attn_kwargs: dict,
     o_amax=None,
+    o_cast=None,
 ) -> torch.Tensor:
     """RoPE + the model's attention on the Q/K/V projections ``qkv`` (a list of three
     ``(batch, seq, heads * head_dim)`` tensors, emptied here so that the pre-RoPE q and k
     are freed as soon as RoPE has run), then the output projection.
 
     ``shape`` is ``(batch, seq)``; returns the output projection ``(batch, seq, hidden)``
-    before the residual add; ``o_amax``: its weight's max |w| or None.
+    before the residual add; ``o_amax``: its weight's max |w| or None, ``o_cast`` its item
+    of ``ops.cast_weights`` or None.
 
     RoPE is ``coat_models.rope``'s one kernel for q and k (the same bits) when the model's
     ``apply_rotary_pos_emb`` is the standard ``rotate_half`` one and Triton runs, the
@@ -150,18 +166,20 @@ def attention(
     )
     # Under autocast SDPA returns the autocast dtype; the residual stream keeps its own.
     out = out.reshape(*shape, -1).to(dtype).contiguous()
-    return _project(ops, out, attn.o_proj, config, o_amax)
+    return _project(ops, out, attn.o_proj, config, o_amax, o_cast)
 
 
-def mlp(ops, module: nn.Module, gate, up, config, amax=None):
+def mlp(ops, module: nn.Module, gate, up, config, amax=None, cast=None):
     """SwiGLU of the gate/up projections, down GEMM (fused with SwiGLU when the op set has
     ``swiglu_linear``: the down GEMM's input is then re-formed in backward, not saved).
-    ``amax``: the down weight's max |w| or None."""
+    ``amax``: the down weight's max |w| or None; ``cast``: its item of ``ops.cast_weights``
+    or None."""
     down = module.down_proj
     fused = getattr(ops, "swiglu_linear", None)
     if fused is not None:
-        return fused(gate, up, down.weight, down.bias, config, **_amax_kw("weight_amax", amax))
-    return _project(ops, ops.swiglu(gate, up, config), down, config, amax)
+        kw = _amax_kw("weight_amax", amax, "weight_cast", cast)
+        return fused(gate, up, down.weight, down.bias, config, **kw)
+    return _project(ops, ops.swiglu(gate, up, config), down, config, amax, cast)
 
 
 def decoder_layer(
@@ -199,11 +217,23 @@ def decoder_layer(
         amaxes = amaxes(weights)
     else:
         amaxes = None
-    a = amaxes or [None] * len(linears)
+    # All seven weights cast in one launch (and again in one for backward), or their cached
+    # copies refreshed in one: None when the op set (or cast_weights) leaves it to the linears.
+    cast_weights = getattr(ops, "cast_weights", None)
+    casts = cast_weights(weights, config, weight_amaxes=amaxes) if cast_weights and amaxes else None
+    a, c = amaxes or [None] * len(linears), casts or [None] * len(linears)
     out = attention(
         ops,
         attn,
-        norm_project(ops, hidden_states, layer.input_layernorm, qkv, config, amaxes and a[:3]),
+        norm_project(
+            ops,
+            hidden_states,
+            layer.input_layernorm,
+            qkv,
+            config,
+            amaxes and a[:3],
+            casts and c[:3],
+        ),  # fmt: skip
         shape,
         attention_mask,
         position_embeddings,
@@ -211,12 +241,15 @@ def decoder_layer(
         config,
         attn_kwargs or {},
         a[3],
+        c[3],
     )
     hidden_states = ops.residual_add(out, hidden_states, config)
     norm2 = layer.post_attention_layernorm
     # gate and up (bf16, the widest tensors of the layer) live only while mlp() runs.
-    gate, up = norm_project(ops, hidden_states, norm2, gate_up, config, amaxes and a[4:6])
-    out = mlp(ops, mlp_, gate, up, config, a[6])
+    gate, up = norm_project(
+        ops, hidden_states, norm2, gate_up, config, amaxes and a[4:6], casts and c[4:6]
+    )
+    out = mlp(ops, mlp_, gate, up, config, a[6], c[6])
     if not hand_over_output:
         config = (config or fa.FP8Config()).replace(precision_flow=False)
     return ops.residual_add(out, hidden_states, config)

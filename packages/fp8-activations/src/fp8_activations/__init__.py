@@ -4,6 +4,7 @@
 from .config import FP8Config
 from .convert import convert_to_fp8_activations, revert_fp8_activations
 from .functional import (
+    cast_weights,
     fp8_linear,
     gelu,
     layer_norm,
@@ -30,6 +31,7 @@ __all__ = [
     "FP8SiLU",
     "FP8Tensor",
     "Granularity",
+    "cast_weights",
     "convert_to_fp8_activations",
     "fp8_linear",
     "gelu",

@@ -25,7 +25,14 @@ from .ops import (
     SwiGLUFunction,
     SwiGLULinearFunction,
 )
-from .ops.linear import quantize_t, use_scaled_mm, weight_fp8
+from .ops.linear import (
+    LayerCast,
+    WeightCast,
+    fill_weight_caches,
+    quantize_t,
+    use_scaled_mm,
+    weight_fp8,
+)
 from .ops.linear import weight_amaxes as _weight_amaxes
 from .ops.linear import weight_cache_fresh as _weight_cache_fresh
 from .tensor import (
@@ -87,6 +94,14 @@ def _check_amax(amax: Tensor | None, weight: Tensor, name: str) -> Tensor | None
     if amax.device != weight.device:
         raise ValueError(f"{name} is on {amax.device} but the weight on {weight.device}")
     return amax.float()
+
+
+def _check_cast(cast, weight: Tensor, name: str) -> None:
+    """A ``cast_weights`` item for ``weight`` (the same tensor object), or None."""
+    if cast is not None and (not isinstance(cast, WeightCast) or cast.weight is not weight):
+        raise TypeError(
+            f"{name} must be the item of cast_weights(...) made for this weight, or None"
+        )
 
 
 def _check_param(p: Tensor | None, x: Tensor, name: str, size: int) -> None:
@@ -181,6 +196,56 @@ def weight_cache_fresh(weights: Sequence[Tensor], config: FP8Config | None = Non
     return all(_weight_cache_fresh(w, cfg.fwd_format) for w in weights)
 
 
+def cast_weights(
+    weights: Sequence[Tensor],
+    config: FP8Config | None = None,
+    *,
+    weight_amaxes: Sequence[Tensor] | None = None,
+) -> list[WeightCast] | None:
+    """Cast a layer's weights to FP8 together: one launch for all of them instead of one per
+    weight in forward and again in backward (host time). Pass item ``i`` as ``weight_cast``
+    / ``weight_casts`` to the linear that uses ``weights[i]`` in this forward (once).
+
+    With ``config.weight_cache`` the stale cached copies are refreshed in one launch and
+    None is returned (the linears take them from the cache); None also under
+    ``torch.compile`` and for weights this cannot take (not 2-D, contiguous and non-empty,
+    or on several devices): the linears then cast themselves. ``weight_amaxes``: each
+    weight's exact max |w| (as ``weight_amaxes``), else reduced here. The same bits as
+    the linears' own casts.
+
+    >>> ws = [torch.randn(32, 64), torch.randn(16, 64)]
+    >>> casts = cast_weights(ws)
+    >>> q, kv = rms_norm_linear(torch.randn(4, 64), None, 1e-6, ws, weight_casts=casts)
+    """
+    cfg = _config(config)
+    if isinstance(weights, torch.Tensor) or not len(weights):
+        raise TypeError("weights must be a non-empty list or tuple of tensors")
+    for i, w in enumerate(weights):
+        _check_float(w, f"weights[{i}]")
+    if weight_amaxes is not None and len(weight_amaxes) != len(weights):
+        raise ValueError(f"got {len(weights)} weights but {len(weight_amaxes)} weight_amaxes")
+    device = weights[0].device
+    if torch.compiler.is_compiling() or any(
+        w.dim() != 2 or not w.numel() or not w.is_contiguous() or w.device != device
+        for w in weights
+    ):
+        return None
+    amaxes = (
+        _weight_amaxes([w.detach() for w in weights])
+        if weight_amaxes is None
+        else [
+            _check_amax(a, w, f"weight_amaxes[{i}]")
+            for i, (a, w) in enumerate(zip(weight_amaxes, weights, strict=True))
+        ]
+    )
+    backend = resolve_backend(weights[0], cfg.backend)
+    if cfg.weight_cache:
+        fill_weight_caches(list(weights), cfg.fwd_format, backend, amaxes)
+        return None
+    layer = LayerCast(list(weights), amaxes, cfg.fwd_format.value, backend)
+    return [WeightCast(layer, i, w) for i, w in enumerate(weights)]
+
+
 def fp8_linear(
     x: Tensor,
     weight: Tensor,
@@ -188,6 +253,7 @@ def fp8_linear(
     config: FP8Config | None = None,
     *,
     weight_amax: Tensor | None = None,
+    weight_cast: WeightCast | None = None,
 ) -> Tensor:
     """``x @ weight.T + bias`` with FP8 GEMMs (E4M3 operands, E5M2 output gradient).
 
@@ -195,9 +261,11 @@ def fp8_linear(
     (e.g. bf16 activations with fp32 master weights). Returns ``(..., out)`` in x's dtype;
     saves only x's FP8 transpose and its scale for backward. ``weight_amax``: max |weight|
     (0-dim) when the caller has it, e.g. ``weight_amaxes`` of a whole layer in one launch;
-    it must be exact (a wrong one gives wrong scales). With the precision flow, the
-    per-tensor FP8 x (both layouts) is attached to x: further linears on the same x (Q/K/V,
-    gate/up) reuse it, so x is quantized and saved once (the attachment lives as long as x).
+    it must be exact (a wrong one gives wrong scales). ``weight_cast``: this weight's item
+    of ``cast_weights`` (the layer's casts made in one launch), or None. With the precision
+    flow, the per-tensor FP8 x (both layouts) is attached to x: further linears on the same
+    x (Q/K/V, gate/up) reuse it, so x is quantized and saved once (the attachment lives as
+    long as x).
 
     >>> y = fp8_linear(torch.randn(8, 64, requires_grad=True), torch.randn(32, 64))
     """
@@ -217,6 +285,7 @@ def fp8_linear(
         raise ValueError(f"weight is on {weight.device} but x on {x.device}")
     _check_param(bias, x, "bias", weight.shape[0])
     weight_amax = _check_amax(weight_amax, weight, "weight_amax")
+    _check_cast(weight_cast, weight, "weight_cast")
     if x.numel() == 0:
         b = None if bias is None else bias.to(x.dtype)
         return torch.nn.functional.linear(x, weight.to(x.dtype), b)
@@ -241,7 +310,8 @@ def fp8_linear(
         weight,
         bias,
         amax,
-        weight_fp8(weight, cfg.fwd_format, backend, weight_amax) if cache else None,
+        weight_cast
+        or (weight_fp8(weight, cfg.fwd_format, backend, weight_amax) if cache else None),
         cfg.fwd_format.value,
         cfg.grad_format.value,
         backend,
@@ -289,6 +359,7 @@ def rms_norm_linear(
     config: FP8Config | None = None,
     *,
     weight_amaxes: Sequence[Tensor] | None = None,
+    weight_casts: Sequence[WeightCast | None] | None = None,
 ) -> tuple[Tensor, ...]:
     """``fp8_linear(rms_norm(x, norm_weight, eps), w, b)`` for each ``(w, b)`` of ``weights``
     and ``biases`` (Llama's norm -> Q/K/V or norm -> gate/up), without saving the linears'
@@ -297,7 +368,8 @@ def rms_norm_linear(
     x: ``(..., K)``; norm_weight: ``(K,)`` or None; each weight ``(N_i, K)``, each bias
     ``(N_i,)`` or None (``biases`` None: no biases). Returns one ``(..., N_i)`` tensor per
     weight, in x's dtype. ``weight_amaxes``: one exact max |w| (0-dim) per weight, or None
-    (as ``fp8_linear``'s ``weight_amax``). Saves 1 B/elem of x less than the unfused ops (plus
+    (as ``fp8_linear``'s ``weight_amax``); ``weight_casts``: the weights' items of
+    ``cast_weights``, or None. Saves 1 B/elem of x less than the unfused ops (plus
     4 B/row for
     forward's rstd); the same outputs and bias gradients, and weight gradients from the
     re-formed input (within FP8 noise of the unfused ones).
@@ -333,23 +405,27 @@ def rms_norm_linear(
     else:
         pairs = zip(weight_amaxes, weights, strict=True)
         amaxes = [_check_amax(a, w, f"weight_amaxes[{i}]") for i, (a, w) in enumerate(pairs)]
+    casts = [None] * len(weights) if weight_casts is None else list(weight_casts)
+    if len(casts) != len(weights):
+        raise ValueError(f"got {len(weights)} weights but {len(casts)} weight_casts")
+    for i, (c, w) in enumerate(zip(casts, weights, strict=True)):
+        _check_cast(c, w, f"weight_casts[{i}]")
     eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
     if x.numel() == 0 or not _needs_grad(x, norm_weight, *weights, *biases):
         normed = rms_norm(x, norm_weight, eps, cfg)
         return tuple(
-            fp8_linear(normed, w, b, cfg, weight_amax=a)
-            for w, b, a in zip(weights, biases, amaxes, strict=True)
+            fp8_linear(normed, w, b, cfg, weight_amax=a, weight_cast=c)
+            for w, b, a, c in zip(weights, biases, amaxes, casts, strict=True)
         )
     backend = resolve_backend(x, cfg.backend)
     w_norm = norm_weight if norm_weight is not None else x.new_ones(n)
     cache = cfg.weight_cache and not torch.compiler.is_compiling()
-    w_fp8 = (
-        tuple(
-            weight_fp8(w, cfg.fwd_format, backend, a) for w, a in zip(weights, amaxes, strict=True)
+    w_fp8 = None  # per weight: its layer cast, its cached copies, or None (cast here)
+    if cache or weight_casts is not None:
+        w_fp8 = tuple(
+            c or (weight_fp8(w, cfg.fwd_format, backend, a) if cache else None)
+            for w, a, c in zip(weights, amaxes, casts, strict=True)
         )
-        if cache
-        else None
-    )
     outs = RMSNormLinearFunction.apply(
         _arg(x), w_norm, _handed_fp8(x, cfg), w_fp8, eps, cfg.group_size, cfg.fwd_format.value,
         cfg.grad_format.value, backend, tuple(use_scaled_mm(x, w, cfg.gemm) for w in weights),
@@ -459,13 +535,14 @@ def swiglu_linear(
     config: FP8Config | None = None,
     *,
     weight_amax: Tensor | None = None,
+    weight_cast: WeightCast | None = None,
 ) -> Tensor:
     """``fp8_linear(swiglu(gate, up), weight, bias)`` (Llama's down projection) that does not
     save the linear's input: backward re-forms it from SwiGLU's saved FP8 gate and up.
 
     Saves 1 B/elem of ``silu(gate) * up`` less than the two ops; the same output, input
     gradients and bias gradient, and a weight gradient from the re-formed input (within
-    FP8 noise of the unfused one). ``weight_amax`` as in ``fp8_linear``.
+    FP8 noise of the unfused one). ``weight_amax`` and ``weight_cast`` as in ``fp8_linear``.
 
     >>> y = swiglu_linear(torch.randn(4, 64), torch.randn(4, 64), torch.randn(32, 64))
     """
@@ -482,13 +559,17 @@ def swiglu_linear(
         raise ValueError(f"weight is on {weight.device} but gate on {gate.device}")
     _check_param(bias, gate, "bias", weight.shape[0])
     weight_amax = _check_amax(weight_amax, weight, "weight_amax")
+    _check_cast(weight_cast, weight, "weight_cast")
     if gate.numel() == 0 or not _needs_grad(gate, up, weight, bias):
-        return fp8_linear(swiglu(gate, up, cfg), weight, bias, cfg, weight_amax=weight_amax)
+        y = swiglu(gate, up, cfg)
+        return fp8_linear(y, weight, bias, cfg, weight_amax=weight_amax, weight_cast=weight_cast)
     backend = resolve_backend(gate, cfg.backend)
     cache = cfg.weight_cache and not torch.compiler.is_compiling()
+    w_fp8 = weight_cast or (
+        weight_fp8(weight, cfg.fwd_format, backend, weight_amax) if cache else None
+    )
     y = SwiGLULinearFunction.apply(
-        _arg(gate), _arg(up), weight, bias, _handed_fp8(gate, cfg), _handed_fp8(up, cfg),
-        weight_fp8(weight, cfg.fwd_format, backend, weight_amax) if cache else None,
+        _arg(gate), _arg(up), weight, bias, _handed_fp8(gate, cfg), _handed_fp8(up, cfg), w_fp8,
         cfg.group_size, cfg.fwd_format.value, cfg.grad_format.value, backend,
         use_scaled_mm(gate, weight, cfg.gemm), weight_amax,
     )  # fmt: skip

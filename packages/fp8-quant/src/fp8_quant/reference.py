@@ -106,6 +106,18 @@ def quantize_per_tensor_transpose(
     return q, q.t().contiguous(), scale
 
 
+def quantize_per_tensor_multi(
+    xs: list[torch.Tensor], fmt: FP8Format, amaxes: list[torch.Tensor], row: bool, col: bool
+) -> list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]]:
+    """``quantize_per_tensor_transpose(x, fmt, amax)`` for each 2-D ``x`` of ``xs`` with its
+    ``amax``, keeping ``q`` only when ``row`` and ``q_t`` only when ``col`` (else None)."""
+    out = []
+    for x, amax in zip(xs, amaxes, strict=True):
+        q, q_t, scale = quantize_per_tensor_transpose(x, fmt, amax)
+        out.append((q if row else None, q_t if col else None, scale))
+    return out
+
+
 def dequantize_per_tensor(
     q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:

@@ -16,9 +16,12 @@ the fly in forward and again in backward.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from fp8_quant import FP8Format, quantize_per_tensor, quantize_per_tensor_transpose
 from fp8_quant import ops as fp8_ops
+from fp8_quant import reference as fp8_reference
 
 from .. import reference
 from ..tensor import take_group_amax
@@ -97,13 +100,80 @@ def cast_weight(weight: Tensor, fmt: str, backend: str, amax: Tensor | None = No
     return w_q, w_s, w_amax
 
 
-def weight_t(weight: Tensor, saved: tuple, fmt: str, backend: str) -> tuple[Tensor, Tensor]:
-    """Backward's ``(w_t, w_s)``: the cache's (``saved = (w_t, w_s)``) or re-cast from the
-    amax forward saved (``saved = (None, w_amax)``)."""
+def weight_t(
+    weight: Tensor, saved: tuple, fmt: str, backend: str, cast: WeightCast | None = None
+) -> tuple[Tensor, Tensor]:
+    """Backward's ``(w_t, w_s)``: the cache's (``saved = (w_t, w_s)``), the layer cast's
+    (``cast``), or re-cast from the amax forward saved (``saved = (None, w_amax)``)."""
     w_t, w_s = saved
     if w_t is None:
+        if cast is not None:
+            return cast.cols()
         _, w_t, w_s = quantize_t(weight.detach(), fmt, w_s, backend)
     return w_t, w_s
+
+
+class LayerCast:
+    """The FP8 casts of a layer's weights (no weight cache), made together: forward's
+    row-major copies in one launch when the layer starts, backward's transposed copies in
+    one launch when the first of its linears' backward asks (instead of one launch per
+    weight and direction: host time). Each copy is handed out once and dropped here, so
+    forward's are freed as their GEMM is done and backward's as theirs is (all of backward's
+    live together until then: one layer's weights at 1 B/param). The same bits as the
+    per-weight casts (``quantize`` / ``quantize_t`` from the same amax)."""
+
+    def __init__(self, weights: list[Tensor], amaxes: list[Tensor], fmt: str, backend: str):
+        self._weights = [w.detach() for w in weights]
+        self._amaxes, self._fmt, self._backend = list(amaxes), FP8Format(fmt), backend
+        self._rows = [(q, s) for q, _, s in self._cast(row=True, col=False)]
+        self._cols: list | None = None
+
+    def _cast(self, row: bool, col: bool) -> list:
+        if use_triton(self._weights[0], self._backend):
+            multi = fp8_ops.quantize_per_tensor_multi
+        else:
+            multi = fp8_reference.quantize_per_tensor_multi
+        return multi(self._weights, self._fmt, self._amaxes, row, col)
+
+    def rows(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Forward's ``(w_q, w_s, w_amax)`` of weight ``i`` (once)."""
+        (q, scale), self._rows[i] = self._rows[i], None
+        return q, scale, self._amaxes[i]
+
+    def cols(self, i: int) -> tuple[Tensor, Tensor]:
+        """Backward's ``(w_t, w_s)`` of weight ``i`` (once); the first call casts them all."""
+        if self._cols is None:
+            self._cols = [(q_t, s) for _, q_t, s in self._cast(row=False, col=True)]
+        item, self._cols[i] = self._cols[i], None
+        return item
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WeightCast:
+    """One weight's share of a ``LayerCast``: what the linears take as ``weight_cast``."""
+
+    layer: LayerCast
+    index: int
+    weight: Tensor  # the weight it was cast from (checked by the ops: the same object)
+
+    def rows(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.layer.rows(self.index)
+
+    def cols(self) -> tuple[Tensor, Tensor]:
+        return self.layer.cols(self.index)
+
+
+def fill_weight_caches(weights: list[Tensor], fmt: FP8Format, backend: str, amaxes) -> None:
+    """``weight_fp8`` for every weight of ``weights`` whose cached copy is stale, in one
+    launch: both layouts of each, from its max |w| (``amaxes``, one per weight)."""
+    stale = [i for i, w in enumerate(weights) if not weight_cache_fresh(w, fmt)]
+    if not stale:
+        return
+    ws = [weights[i].detach() for i in stale]
+    multi = fp8_ops.quantize_per_tensor_multi if use_triton(ws[0], backend) else None
+    multi = multi or fp8_reference.quantize_per_tensor_multi
+    for i, cast in zip(stale, multi(ws, fmt, [amaxes[i] for i in stale], True, True), strict=True):
+        setattr(weights[i], _CACHE_ATTR, (_cache_key(weights[i], fmt), cast))
 
 
 _SCALED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -136,7 +206,8 @@ class FP8LinearFunction(torch.autograd.Function):
     use_scaled_mm, x_fp8, w_amax) -> y (M, N)`` in x's dtype, M the rows of x.
 
     ``x_amax``: 0-dim max |x| handed over by the producer (group scaling), or None.
-    ``w_fp8``: ``(w_q, w_t, w_scale)`` from the weight cache, or None to cast on the fly.
+    ``w_fp8``: ``(w_q, w_t, w_scale)`` from the weight cache, a ``WeightCast`` (the layer's
+    casts made together), or None to cast on the fly.
     ``x_fp8``: ``quantize_t(x, fwd_fmt, x_amax, backend)`` already made (shared by several
     linears on one x, which then all save the same ``x_t``), or None to quantize here.
     ``w_amax``: the weight's max |w| (0-dim fp32) or None to reduce it here.
@@ -149,7 +220,11 @@ class FP8LinearFunction(torch.autograd.Function):
     ):  # fmt: skip
         ctx.x_shape, x = x.shape, rows(x)
         x_q, x_t, x_s = x_fp8 if x_fp8 is not None else quantize_t(x, fwd_fmt, x_amax, backend)
-        if w_fp8 is not None:
+        ctx.cast = w_fp8 if isinstance(w_fp8, WeightCast) else None
+        if ctx.cast is not None:
+            w_q, w_s, w_amax = ctx.cast.rows()
+            w_saved = (None, w_amax)
+        elif w_fp8 is not None:
             w_q, w_t, w_s = w_fp8
             w_saved = (w_t, w_s)
         else:
@@ -171,7 +246,7 @@ class FP8LinearFunction(torch.autograd.Function):
         dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, grad_amax(dy), ctx.backend)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            w_t, w_s = weight_t(weight, (w_t, w_s), fwd_fmt, ctx.backend)
+            w_t, w_s = weight_t(weight, (w_t, w_s), fwd_fmt, ctx.backend, ctx.cast)
             dx = _mm(dy_q, w_t.t(), dy_s, w_s, None, dy.dtype, ctx.use_scaled_mm)
             dx = dx.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:

@@ -37,7 +37,16 @@ from ._common import (
     t_tile,
     use_triton,
 )
-from .linear import _mm, _pad_inner, cast_weight, grad_amax, quantize, quantize_t, weight_t
+from .linear import (
+    WeightCast,
+    _mm,
+    _pad_inner,
+    cast_weight,
+    grad_amax,
+    quantize,
+    quantize_t,
+    weight_t,
+)
 from .rms_norm import rms_norm_bwd, rms_norm_fwd
 
 Tensor = torch.Tensor
@@ -93,7 +102,8 @@ class RMSNormLinearFunction(torch.autograd.Function):
     ...)``, ``y_i = (rms_norm(x) @ weight_i.T + bias_i)`` (M, N_i) in x's dtype.
 
     ``x_fp8``: handed-over 1 x G ``(q, scales)`` of x, or None; ``w_fp8``: per weight the
-    weight cache's ``(w_q, w_t, w_scale)`` or None (cast on the fly), or None for all;
+    weight cache's ``(w_q, w_t, w_scale)``, a ``WeightCast`` or None (cast on the fly), or
+    None for all;
     ``use_scaled_mm``: one bool per weight; ``w_amaxes``: each weight's max |w| (0-dim
     fp32) or None to reduce them here.
     """
@@ -116,10 +126,14 @@ class RMSNormLinearFunction(torch.autograd.Function):
         y_q, y_s = quantize(y, fwd_fmt, amax, backend)
         del y
         outs, w_saved = [], []
+        ctx.casts = tuple(c if isinstance(c, WeightCast) else None for c in w_fp8)
         for w, b, cached, scaled, w_amax in zip(
             weights, biases, w_fp8, use_scaled_mm, w_amaxes, strict=True
         ):
-            if cached is not None:
+            if isinstance(cached, WeightCast):
+                w_q, w_s, w_amax = cached.rows()
+                w_saved += (None, w_amax)
+            elif cached is not None:
                 w_q, w_t, w_s = cached
                 w_saved += (w_t, w_s)
             else:
@@ -161,7 +175,8 @@ class RMSNormLinearFunction(torch.autograd.Function):
             dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, grad_amax(dy), ctx.backend)
             scaled = ctx.use_scaled_mm[i]
             if needs[0] or needs[1]:
-                w_t, w_s = weight_t(weights[i], w_saved[2 * i : 2 * i + 2], fwd_fmt, ctx.backend)
+                saved = w_saved[2 * i : 2 * i + 2]
+                w_t, w_s = weight_t(weights[i], saved, fwd_fmt, ctx.backend, ctx.casts[i])
                 d_parts.append(_mm(dy_q, w_t.t(), dy_s, w_s, None, ctx.dtype, scaled))
             if needs[first + 2 * i]:
                 a, b = (_pad_inner(dy_t), _pad_inner(y_t)) if scaled else (dy_t, y_t)

@@ -32,7 +32,16 @@ from ._common import (
     t_tile,
     use_triton,
 )
-from .linear import _mm, _pad_inner, cast_weight, grad_amax, quantize, quantize_t, weight_t
+from .linear import (
+    WeightCast,
+    _mm,
+    _pad_inner,
+    cast_weight,
+    grad_amax,
+    quantize,
+    quantize_t,
+    weight_t,
+)
 from .swiglu import attach_grad_amax, swiglu_bwd, swiglu_fwd
 
 Tensor = torch.Tensor
@@ -85,8 +94,8 @@ class SwiGLULinearFunction(torch.autograd.Function):
     gate's dtype.
 
     ``*_fp8``: handed-over 1 x G ``(q, scales)`` of gate / up, or None; ``w_fp8``: the
-    weight cache's ``(w_q, w_t, w_scale)`` or None (cast on the fly); ``w_amax``: the
-    weight's max |w| (0-dim fp32) or None to reduce it here.
+    weight cache's ``(w_q, w_t, w_scale)``, a ``WeightCast`` or None (cast on the fly);
+    ``w_amax``: the weight's max |w| (0-dim fp32) or None to reduce it here.
     """
 
     @staticmethod
@@ -103,7 +112,11 @@ class SwiGLULinearFunction(torch.autograd.Function):
         amax = s_amax.amax()
         s_q, s_s = quantize(s, fwd_fmt, amax, backend)  # s.T is re-formed in backward
         del s
-        if w_fp8 is not None:
+        ctx.cast = w_fp8 if isinstance(w_fp8, WeightCast) else None
+        if ctx.cast is not None:
+            w_q, w_s, w_amax = ctx.cast.rows()
+            w_saved = (None, w_amax)
+        elif w_fp8 is not None:
             w_q, w_t, w_s = w_fp8
             w_saved = (w_t, w_s)
         else:
@@ -126,7 +139,7 @@ class SwiGLULinearFunction(torch.autograd.Function):
         dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, grad_amax(dy), ctx.backend)
         d_gate = d_up = dw = db = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            w_t, w_s = weight_t(weight, (w_t, w_s), fwd_fmt, ctx.backend)
+            w_t, w_s = weight_t(weight, (w_t, w_s), fwd_fmt, ctx.backend, ctx.cast)
             ds = _mm(dy_q, w_t.t(), dy_s, w_s, None, ctx.dtype, ctx.use_scaled_mm)
             d_gate, d_up, dg_a, du_a = swiglu_bwd(
                 ds, g_q, g_s, u_q, u_s, ctx.group_size, True, ctx.backend

@@ -21,6 +21,7 @@ from .fp8_round import (
 from .quantize_per_block import quantize_per_block
 from .quantize_per_group import group_amax, quantize_per_group
 from .quantize_per_tensor import quantize_per_tensor, tensor_amax
+from .quantize_per_tensor_multi import quantize_per_tensor_multi
 from .quantize_per_tensor_transpose import quantize_per_tensor_transpose
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "quantize_per_block",
     "quantize_per_group",
     "quantize_per_tensor",
+    "quantize_per_tensor_multi",
     "quantize_per_tensor_transpose",
     "round_to_fp8_grid",
     "tensor_amax",

@@ -1,0 +1,111 @@
+"""A layer's weights cast together (``cast_weights`` -> ``weight_cast=`` / ``weight_casts=``):
+the same outputs and gradients, bit for bit, as letting each linear cast its own weight, with
+one multi-tensor launch per direction instead of one per weight; with the weight cache, the
+stale copies refreshed in one launch; bad handles refused."""
+
+from __future__ import annotations
+
+import fp8_activations as fa
+import fp8_quant.ops
+import pytest
+import torch
+from fp8_activations import FP8Config
+from fp8_activations.ops import linear as lin
+
+K = 64
+
+
+def _leaf(*shape, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).requires_grad_()
+
+
+def _block(cfg, casts, x, up, norm_w, ws):
+    """Norm -> two linears, a linear, SwiGLU -> linear (a decoder layer's weight uses)."""
+    c = casts or [None] * 4
+    q, k = fa.rms_norm_linear(x, norm_w, 1e-6, ws[:2], None, cfg, weight_casts=casts and c[:2])
+    o = fa.fp8_linear(q + k.sum(-1, keepdim=True), ws[2], None, cfg, weight_cast=c[2])
+    return fa.swiglu_linear(o, up, ws[3], None, cfg, weight_cast=c[3])
+
+
+def _step(cfg, with_casts, leaves, ws):
+    for t in leaves:
+        t.grad = None
+    for w in ws:  # as an optimizer step would: every weight is cast again
+        with torch.no_grad():
+            w.mul_(1)
+    casts = fa.cast_weights(ws, cfg) if with_casts else None
+    out = _block(cfg, casts, *leaves[:3], ws)
+    out.float().square().sum().backward()
+    return casts, [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "on-the-fly"])
+def test_same_bits_and_one_launch_per_direction(cache, monkeypatch):
+    cfg = FP8Config(weight_cache=cache, backend="triton")
+    x, up, norm_w = _leaf(4, 8, K, seed=1), _leaf(4, 8, K, seed=2), _leaf(K, seed=3)
+    shapes = ((32, K), (16, K), (K, 32), (K, K))
+    ws = [_leaf(*s, scale=0.1, seed=4 + i) for i, s in enumerate(shapes)]
+    leaves = [x, up, norm_w, *ws]
+    _, want = _step(cfg, False, leaves, ws)
+
+    multi, per_weight = [], []
+    real_multi, real_quantize, real_t = (
+        fp8_quant.ops.quantize_per_tensor_multi, lin.quantize, lin.quantize_t
+    )  # fmt: skip
+    monkeypatch.setattr(
+        fp8_quant.ops, "quantize_per_tensor_multi",
+        lambda xs, *a: multi.append((len(xs), *a[2:])) or real_multi(xs, *a),
+    )  # fmt: skip
+    weight_ptrs = {w.data_ptr() for w in ws}
+
+    def spy(real):
+        def call(t, *a):
+            if t.data_ptr() in weight_ptrs:
+                per_weight.append(tuple(t.shape))
+            return real(t, *a)
+
+        return call
+
+    monkeypatch.setattr(lin, "quantize", spy(real_quantize))
+    monkeypatch.setattr(lin, "quantize_t", spy(real_t))
+    casts, got = _step(cfg, True, leaves, ws)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if cache:
+        assert casts is None and multi == [(4, True, True)]  # the cache refreshed in one launch
+        assert all(fa.weight_cache_fresh([w], cfg) for w in ws)
+    else:
+        assert [c.weight for c in casts] == ws
+        assert multi == [(4, True, False), (4, False, True)]  # forward's, backward's
+    assert per_weight == []  # no weight was cast on its own
+
+
+NO_CACHE = FP8Config(weight_cache=False)
+
+
+def test_cast_weights_declines_what_it_cannot_take():
+    ws = [_leaf(32, K), _leaf(16, K)]
+    assert fa.cast_weights([ws[0].t()], NO_CACHE) is None  # not contiguous
+    assert fa.cast_weights([_leaf(K)], NO_CACHE) is None  # not 2-D
+    assert fa.cast_weights([torch.empty(0, K)], NO_CACHE) is None
+    assert len(fa.cast_weights(ws, NO_CACHE)) == 2
+    assert fa.cast_weights(ws) is None  # the default config caches: the cache holds them
+    with pytest.raises(TypeError, match="non-empty list"):
+        fa.cast_weights([])
+    with pytest.raises(ValueError, match="weight_amaxes"):
+        fa.cast_weights(ws, weight_amaxes=fa.weight_amaxes(ws[:1]))
+
+
+def test_a_cast_of_another_weight_is_refused():
+    ws = [_leaf(32, K), _leaf(32, K, seed=1)]
+    casts = fa.cast_weights(ws, NO_CACHE)
+    x = _leaf(4, K, seed=2)
+    with pytest.raises(TypeError, match="weight_cast must be the item of cast_weights"):
+        fa.fp8_linear(x, ws[0], None, weight_cast=casts[1])
+    with pytest.raises(TypeError, match="weight_casts\\[0\\] must be"):
+        fa.rms_norm_linear(x, None, 1e-6, ws, weight_casts=[casts[1], casts[0]])
+    with pytest.raises(ValueError, match="weight_casts"):
+        fa.rms_norm_linear(x, None, 1e-6, ws, weight_casts=casts[:1])
+    with pytest.raises(TypeError, match="weight_cast must be"):
+        fa.swiglu_linear(x, x, ws[0], weight_cast=object())

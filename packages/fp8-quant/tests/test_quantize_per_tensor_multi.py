@@ -1,0 +1,66 @@
+"""quantize_per_tensor_multi: several tensors in one launch, bit for bit against the reference
+(which is quantize_per_tensor_transpose of each)."""
+
+import pytest
+import torch
+from fp8_quant import reference
+from fp8_quant.ops import quantize_per_tensor_multi
+from fp8_quant.ops.quantize_per_tensor_multi import SLOTS
+
+# A tiny Llama layer's weights (q, k, v, o, gate, up, down), odd shapes, one row, one column.
+SHAPES = [(96, 64), (32, 64), (32, 64), (64, 96), (176, 64), (176, 64), (64, 176)]
+ODD = [(13, 67), (1, 9), (9, 1), (130, 70)]
+LAYOUTS = [(True, True), (True, False), (False, True)]
+
+
+def _check(xs, amaxes, fmt, row, col, assert_same_bits):
+    got = quantize_per_tensor_multi(xs, fmt, amaxes, row, col)
+    cpu = [x.cpu() for x in xs]
+    want = reference.quantize_per_tensor_multi(cpu, fmt, [a.cpu() for a in amaxes], row, col)
+    assert len(got) == len(xs)
+    for g, w in zip(got, want, strict=True):
+        for actual, expected in zip(g, w, strict=True):
+            assert (actual is None) == (expected is None)
+            if actual is not None:
+                assert actual.is_contiguous()
+                assert_same_bits(actual.cpu(), expected)
+
+
+def _tensors(shapes, dtype, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    xs = [(torch.randn(s, generator=g) * (i + 1)).to(device, dtype) for i, s in enumerate(shapes)]
+    return xs, [x.abs().amax().float() for x in xs]
+
+
+@pytest.mark.parametrize("row,col", LAYOUTS, ids=["both", "row", "col"])
+def test_layer_weights(interpreter, row, col, dtype, fmt, assert_same_bits):
+    xs, amaxes = _tensors(SHAPES, dtype)
+    _check(xs, amaxes, fmt, row, col, assert_same_bits)
+
+
+def test_odd_shapes_mixed_dtypes_and_given_scales(interpreter, fmt, assert_same_bits):
+    xs, amaxes = _tensors(ODD, torch.float32)
+    xs[1] = xs[1].bfloat16()
+    amaxes[2] = torch.tensor(0.01)  # a scale smaller than the data: saturates
+    amaxes[3] = torch.tensor(0.0)  # all-zero scale rule: scale 1
+    _check(xs, amaxes, fmt, True, True, assert_same_bits)
+
+
+def test_more_tensors_than_slots(interpreter, fmt, assert_same_bits):
+    xs, amaxes = _tensors((SHAPES + ODD) * 2, torch.bfloat16)
+    assert len(xs) > 2 * SLOTS
+    _check(xs, amaxes, fmt, False, True, assert_same_bits)
+
+
+def test_adversarial(interpreter, dtype, fmt, adversarial, assert_same_bits):
+    x = adversarial(67, 130, dtype, fmt, 16, nonfinite=False).clamp(-fmt.max, fmt.max)
+    xs = [x, x.t().contiguous(), x[:5].contiguous()]
+    _check(xs, [t.abs().amax().float() for t in xs], fmt, True, True, assert_same_bits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row,col", LAYOUTS, ids=["both", "row", "col"])
+def test_llama_7b_layer_gpu(cuda, row, col, fmt, assert_same_bits):
+    shapes = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)]
+    xs, amaxes = _tensors(shapes, torch.float32, cuda)
+    _check(xs, amaxes, fmt, row, col, assert_same_bits)
