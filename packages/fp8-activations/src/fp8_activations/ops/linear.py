@@ -100,6 +100,20 @@ def cast_weight(weight: Tensor, fmt: str, backend: str, amax: Tensor | None = No
     return w_q, w_s, w_amax
 
 
+def forward_weight(weight: Tensor, w_fp8, fmt: str, backend: str, w_amax: Tensor | None):
+    """Forward's row-major FP8 weight: ``(w_q, w_s, saved)`` with ``saved`` what backward's
+    ``weight_t`` needs, ``(w_t, w_s)`` of the cache or ``(None, w_amax)``. ``w_fp8``: a
+    ``WeightCast``, the cache's ``(w_q, w_t, w_s)``, or None (cast here from ``w_amax``)."""
+    if isinstance(w_fp8, WeightCast):
+        w_q, w_s, w_amax = w_fp8.rows()
+        return w_q, w_s, (None, w_amax)
+    if w_fp8 is not None:
+        w_q, w_t, w_s = w_fp8
+        return w_q, w_s, (w_t, w_s)
+    w_q, w_s, w_amax = cast_weight(weight, fmt, backend, w_amax)
+    return w_q, w_s, (None, w_amax)
+
+
 def weight_t(
     weight: Tensor, saved: tuple, fmt: str, backend: str, cast: WeightCast | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -221,15 +235,7 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.x_shape, x = x.shape, rows(x)
         x_q, x_t, x_s = x_fp8 if x_fp8 is not None else quantize_t(x, fwd_fmt, x_amax, backend)
         ctx.cast = w_fp8 if isinstance(w_fp8, WeightCast) else None
-        if ctx.cast is not None:
-            w_q, w_s, w_amax = ctx.cast.rows()
-            w_saved = (None, w_amax)
-        elif w_fp8 is not None:
-            w_q, w_t, w_s = w_fp8
-            w_saved = (w_t, w_s)
-        else:
-            w_q, w_s, w_amax = cast_weight(weight, fwd_fmt, backend, w_amax)
-            w_saved = (None, w_amax)
+        w_q, w_s, w_saved = forward_weight(weight, w_fp8, fwd_fmt, backend, w_amax)
         y = _mm(x_q, w_q.t(), x_s, w_s, bias, x.dtype, use_scaled_mm, fast_accum=True)
         # Saved: x_t and its scale (never x), the weight Parameter itself, and the cached
         # w_t (already held by the cache: no new memory) or the weight's amax.

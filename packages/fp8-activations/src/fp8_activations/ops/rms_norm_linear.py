@@ -41,7 +41,7 @@ from .linear import (
     WeightCast,
     _mm,
     _pad_inner,
-    cast_weight,
+    forward_weight,
     grad_amax,
     quantize,
     quantize_t,
@@ -130,15 +130,8 @@ class RMSNormLinearFunction(torch.autograd.Function):
         for w, b, cached, scaled, w_amax in zip(
             weights, biases, w_fp8, use_scaled_mm, w_amaxes, strict=True
         ):
-            if isinstance(cached, WeightCast):
-                w_q, w_s, w_amax = cached.rows()
-                w_saved += (None, w_amax)
-            elif cached is not None:
-                w_q, w_t, w_s = cached
-                w_saved += (w_t, w_s)
-            else:
-                w_q, w_s, w_amax = cast_weight(w, fwd_fmt, backend, w_amax)
-                w_saved += (None, w_amax)
+            w_q, w_s, saved = forward_weight(w, cached, fwd_fmt, backend, w_amax)
+            w_saved += saved
             outs.append(_mm(y_q, w_q.t(), y_s, w_s, b, x.dtype, scaled, fast_accum=True))
         # Saved: x's 1 x G FP8, rstd, y's max and scale, the weight Parameters (and the
         # cache's w_t, already held by the cache, or each weight's amax); never y in any form.

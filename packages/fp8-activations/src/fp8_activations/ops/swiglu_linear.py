@@ -36,7 +36,7 @@ from .linear import (
     WeightCast,
     _mm,
     _pad_inner,
-    cast_weight,
+    forward_weight,
     grad_amax,
     quantize,
     quantize_t,
@@ -113,15 +113,7 @@ class SwiGLULinearFunction(torch.autograd.Function):
         s_q, s_s = quantize(s, fwd_fmt, amax, backend)  # s.T is re-formed in backward
         del s
         ctx.cast = w_fp8 if isinstance(w_fp8, WeightCast) else None
-        if ctx.cast is not None:
-            w_q, w_s, w_amax = ctx.cast.rows()
-            w_saved = (None, w_amax)
-        elif w_fp8 is not None:
-            w_q, w_t, w_s = w_fp8
-            w_saved = (w_t, w_s)
-        else:
-            w_q, w_s, w_amax = cast_weight(weight, fwd_fmt, backend, w_amax)
-            w_saved = (None, w_amax)
+        w_q, w_s, w_saved = forward_weight(weight, w_fp8, fwd_fmt, backend, w_amax)
         y = _mm(s_q, w_q.t(), s_s, w_s, bias, gate.dtype, use_scaled_mm, fast_accum=True)
         # Saved: gate/up 1 x G FP8, s's scale and max, the weight's cached w_t or its amax;
         # never s itself in any form.
