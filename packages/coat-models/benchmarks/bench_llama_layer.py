@@ -66,9 +66,9 @@ def _layer(variant: str):
     pos = model.rotary_emb(x0, torch.arange(SEQ, device=DEVICE)[None])
     if variant.startswith("coat"):
         from coat_models import apply_coat
-        from fp8_activations import FP8Config
+        from fp8_activations import FP8ActivationConfig
 
-        apply_coat(model, config=FP8Config(weight_cache=variant != "coat_graphed"))
+        apply_coat(model, config=FP8ActivationConfig(weight_cache=variant != "coat_graphed"))
     elif variant == "torchao_float8_compile":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

@@ -363,10 +363,10 @@ def test_module_filter_and_reapply():
 
 
 def test_keyword_only_arguments():
-    from fp8_activations import FP8Config
+    from fp8_activations import FP8ActivationConfig
 
     with pytest.raises(TypeError, match="positional"):
-        apply_coat(tiny_llama(), FP8Config())
+        apply_coat(tiny_llama(), FP8ActivationConfig())
     with pytest.raises(TypeError, match="module_filter_fn must be a callable"):
         apply_coat(tiny_llama(), module_filter_fn="model.layers.0")
 

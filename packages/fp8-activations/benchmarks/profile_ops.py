@@ -466,7 +466,7 @@ def main():
         variants.append(("base", importlib.import_module("fp8_activations_base")))
     if dry:  # the interpreter only runs the Triton backend when asked for it by name
         for _, pkg in variants:
-            pkg.functional.DEFAULT_CONFIG = pkg.FP8Config(backend="triton")
+            pkg.functional.DEFAULT_CONFIG = pkg.FP8ActivationConfig(backend="triton")
     dev = "cpu (dry run)" if dry else torch.cuda.get_device_name()
     out(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {dev}, torch "
         f"{torch.__version__}, triton {triton.__version__}; tokens {shape[0]}, hidden "

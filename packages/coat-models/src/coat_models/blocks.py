@@ -210,5 +210,5 @@ def decoder_layer(
     gate, up = norm_project(ops, hidden_states, norm2, gate_up, config, amaxes and a[4:6])
     out = mlp(ops, mlp_, gate, up, config, a[6])
     if not hand_over_output:
-        config = (config or fa.FP8Config()).replace(precision_flow=False)
+        config = (config or fa.FP8ActivationConfig()).replace(precision_flow=False)
     return ops.residual_add(out, hidden_states, config)

@@ -1,7 +1,8 @@
 """fp8_activations: autograd ops and modules that keep activations saved for backward in FP8
 (COAT's mixed-granularity activation quantization and FP8 precision flow)."""
 
-from .config import FP8Config
+from . import config as _config
+from .config import FP8ActivationConfig
 from .convert import convert_to_fp8_activations, revert_fp8_activations
 from .functional import (
     fp8_linear,
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FP8GELU",
-    "FP8Config",
+    "FP8ActivationConfig",
     "FP8LayerNorm",
     "FP8Linear",
     "FP8RMSNorm",
@@ -45,3 +46,8 @@ __all__ = [
     "weight_amaxes",
     "weight_cache_fresh",
 ]
+
+
+def __getattr__(name: str):
+    # ``from fp8_activations import FP8Config`` (the former name) still works, with a warning.
+    return _config._renamed(__name__, name)

@@ -1,8 +1,9 @@
-"""FP8Config: how the FP8 ops quantize, which kernels they run, and what they hand over."""
+"""FP8ActivationConfig: how the FP8 ops quantize, which kernels they run, what they hand over."""
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from fp8_quant import FP8Format
 
@@ -11,7 +12,7 @@ _GEMMS = ("auto", "scaled_mm", "emulated")
 
 
 @dataclasses.dataclass(frozen=True)
-class FP8Config:
+class FP8ActivationConfig:
     """Settings shared by every op and module of ``fp8_activations``.
 
     Attributes:
@@ -58,9 +59,31 @@ class FP8Config:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
-    def replace(self, **changes) -> FP8Config:
+    def replace(self, **changes) -> FP8ActivationConfig:
         """A copy with some fields changed: ``cfg.replace(backend="reference")``."""
         return dataclasses.replace(self, **changes)
 
 
-DEFAULT_CONFIG = FP8Config()
+DEFAULT_CONFIG = FP8ActivationConfig()
+
+# Old public names -> new ones. Kept importable (same object) so code written against an
+# earlier release keeps running; each use warns so it can be updated before removal.
+_RENAMED = {"FP8Config": "FP8ActivationConfig"}
+
+
+def _renamed(module: str, name: str):
+    """What the old ``name`` stands for, with a DeprecationWarning at the caller's line
+    (``stacklevel=3``: past this helper and the module ``__getattr__`` that calls it)."""
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    warnings.warn(
+        f"{module}.{name} is renamed {new}; {name} will be removed in a later release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return globals()[new]
+
+
+def __getattr__(name: str):
+    return _renamed(__name__, name)
