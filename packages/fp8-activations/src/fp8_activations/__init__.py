@@ -23,8 +23,8 @@ from .tensor import FP8Tensor, Granularity, handed_over
 __version__ = "0.1.0"
 
 __all__ = [
-    "FP8GELU",
     "FP8ActivationConfig",
+    "FP8GELU",
     "FP8LayerNorm",
     "FP8Linear",
     "FP8RMSNorm",

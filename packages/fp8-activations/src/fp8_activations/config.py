@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-from fp8_quant import FP8Format
+from fp8_quant import Backend, FP8Format
 
-_BACKENDS = ("auto", "reference", "triton")
 _GEMMS = ("auto", "scaled_mm", "emulated")
 
 
@@ -24,9 +23,10 @@ class FP8ActivationConfig:
             bumped by the optimizer's in-place update) and keep the copy (1 byte/param per
             layout, two layouts). ``False`` re-casts on the fly in forward and again in
             backward: less memory, one more pass over the weight per use.
-        backend: quantize/element-wise kernels: ``"triton"`` (CUDA, or CPU under
-            ``TRITON_INTERPRET=1``), ``"reference"`` (plain PyTorch) or ``"auto"``
-            (triton for CUDA tensors, reference otherwise).
+        backend: quantize/element-wise kernels, an ``fp8_quant.Backend`` or its string:
+            ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"`` (plain
+            PyTorch) or ``"auto"`` (triton for CUDA tensors, reference otherwise;
+            ``FP8_QUANT_BACKEND`` overrides it). Stored as the enum.
         gemm: FP8 GEMMs: ``"scaled_mm"`` (``torch._scaled_mm``), ``"emulated"`` (dequantize and
             multiply in fp32: same function, any device) or ``"auto"`` (scaled_mm on CUDA
             GPUs with FP8 tensor cores, compute capability >= 8.9; emulated elsewhere).
@@ -40,7 +40,7 @@ class FP8ActivationConfig:
     fwd_format: FP8Format = FP8Format.E4M3
     grad_format: FP8Format = FP8Format.E5M2
     weight_cache: bool = True
-    backend: str = "auto"
+    backend: Backend = Backend.AUTO
     gemm: str = "auto"
     precision_flow: bool = True
 
@@ -51,8 +51,8 @@ class FP8ActivationConfig:
         # Accept "e4m3"/"e5m2" strings for convenience, store the enum.
         object.__setattr__(self, "fwd_format", FP8Format.parse(self.fwd_format))
         object.__setattr__(self, "grad_format", FP8Format.parse(self.grad_format))
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        # Normalised here, once: the ops compare and key caches on it every call.
+        object.__setattr__(self, "backend", Backend.parse(self.backend))
         if self.gemm not in _GEMMS:
             raise ValueError(f"gemm must be one of {_GEMMS}, got {self.gemm!r}")
         for name in ("weight_cache", "precision_flow"):
