@@ -49,9 +49,11 @@ class Backend(enum.StrEnum):
             raise ValueError(f"{name} must be one of {names}, got {backend!r}") from None
 
 
-# value -> member. Members hash as their values, so a member finds itself here too: one
-# dict lookup normalises either spelling (resolve_backend runs once per op call).
-_MEMBERS = {m.value: m for m in Backend}
+# member -> member. Members hash and compare as their values, so a string finds its member
+# here too: one dict lookup normalises either spelling (resolve_backend runs once per op
+# call). Keyed by the members: the configs pass members, whose lookup then stops at the
+# identity check instead of comparing strings (measured: tens of ns less per call).
+_MEMBERS = {m: m for m in Backend}
 _AUTO, _TRITON, _REFERENCE = Backend.AUTO, Backend.TRITON, Backend.REFERENCE
 
 
