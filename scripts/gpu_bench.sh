@@ -98,7 +98,7 @@ single)
   # shellcheck disable=SC2086  # ALL_TESTS is a list of folders
   gpu_tests 170 $ALL_TESTS
   layer_bench 150
-  timeout 60 python3 $B/profile_layer.py --variants coat --out "$r/profile.txt" > /dev/null 2>&1
+  timeout 60 python3 $B/bench_llama_layer.py kernels --variants coat --out "$r/profile.txt" > /dev/null 2>&1
   timeout 80 python3 packages/fp8-quant/benchmarks/sweep_quantize_gpu.py --out "$r" \
     --budget-s 40 > "$r/sweep_quantize.log" 2>&1
   optim_bench 100
@@ -126,7 +126,7 @@ multi)
     gpu_tests 120 $FP8_TESTS
     optim_bench 90
   fi
-  timeout "$(left 440)" python3 $B/profile_layer.py --variants coat --out "$r/profile.txt" \
+  timeout "$(left 440)" python3 $B/bench_llama_layer.py kernels --variants coat --out "$r/profile.txt" \
     > "$r/profile.log" 2>&1
   wait
   sed -n '/^FSDP2/,$p' "$r/fsdp.txt"
@@ -141,7 +141,7 @@ check)
   gpu_tests 240 $ALL_TESTS
   bench quantize 120 packages/fp8-quant/benchmarks/bench_quantize.py
   optim_bench 100
-  timeout 150 python3 $B/profile_host.py --variants coat,bf16_eager --batches 1,4 \
+  timeout 150 python3 $B/bench_llama_layer.py host --variants coat,bf16_eager --batches 1,4 \
     --out "$r/host.txt" > "$r/host.log" 2>&1
   if [ -n "${CLI:-}" ]; then
     for g in "" --cuda-graphs; do

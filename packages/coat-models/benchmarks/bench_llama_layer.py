@@ -19,14 +19,37 @@ torchao is importable) and COAT (``apply_coat``). Targets for COAT: activation m
 
 Run: ``pytest -o python_files='bench_*.py' --benchmark-only packages/coat-models/benchmarks``;
 prints a table; ``BENCH_OUT=path.json`` also writes the results as JSON.
+
+Profiles of the same layer (diagnostics for finding slow kernels and host time, not the
+numbers to report: the profilers add overhead), run as a script:
+
+    export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
+    python packages/coat-models/benchmarks/bench_llama_layer.py kernels --out layer_profile.txt
+    python packages/coat-models/benchmarks/bench_llama_layer.py host --variants coat --batches 1,4
+
+``kernels``: GPU kernel time per kernel name under ``torch.profiler``, per variant (default:
+coat, bf16_eager; torchao_float8_compile when torchao imports). ``host``: per variant and
+batch, the host time to enqueue one fwd+bwd (no sync inside) against its wall time (enqueue
++ synchronize), ``cProfile``'s top functions over a few rounds, and one round under
+``torch.cuda.set_sync_debug_mode("warn")`` so that any hidden host-device synchronization is
+reported. When host time >= GPU time the layer is host-bound: the GPU waits for Python.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import cProfile
 import importlib.util
+import io
 import json
 import os
+import pstats
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,9 +89,9 @@ def _layer(variant: str):
     pos = model.rotary_emb(x0, torch.arange(SEQ, device=DEVICE)[None])
     if variant.startswith("coat"):
         from coat_models import apply_coat
-        from fp8_activations import FP8Config
+        from fp8_activations import FP8ActivationConfig
 
-        apply_coat(model, config=FP8Config(weight_cache=variant != "coat_graphed"))
+        apply_coat(model, config=FP8ActivationConfig(weight_cache=variant != "coat_graphed"))
     elif variant == "torchao_float8_compile":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -209,3 +232,136 @@ def test_llama2_7b_layer(benchmark, variant):
         "saved_hooks_MB": saved / 1e6,
         "weight_cache_MB": _weight_cache_bytes(layer) / 1e6,
     }
+
+
+# ---------------------------------------------------------------- profiles (script)
+def profile_kernels(variant: str, rounds: int = 5) -> str:
+    """GPU kernel time per kernel name of one fwd+bwd under ``torch.profiler``."""
+    forward, layer, _ = _layer(variant)
+    x = torch.randn(BATCH, SEQ, HIDDEN, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def step():
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        if variant == "coat":
+            _bump_versions(layer)  # as an optimizer step would: weights are re-cast
+        forward(x).backward(grad)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(rounds):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events) / rounds / 1e3
+    lines = [
+        f"== {variant}: GPU kernel time per fwd+bwd {total:.3f} ms (profiled, {rounds} rounds)"
+    ]
+    lines.append(f"{'ms/round':>9} {'calls':>6}  kernel")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:40]:
+        ms = e.self_device_time_total / rounds / 1e3
+        lines.append(f"{ms:9.3f} {e.count // rounds:6d}  {e.key[:110]}")
+    return "\n".join(lines)
+
+
+def profile_host(variant: str, batch: int, rounds: int, top: int) -> str:
+    """Host enqueue vs wall time, host-device syncs and cProfile's top functions."""
+    forward, layer, _ = _layer(variant)
+    x = torch.randn(batch, SEQ, HIDDEN, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def step():
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        if variant.startswith("coat"):
+            _bump_versions(layer)  # as an optimizer step would: weights are re-cast
+        forward(x).backward(grad)
+
+    for _ in range(3):
+        step()
+    host, wall = [], []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append(t1 - t0)
+        wall.append(time.perf_counter() - t0)
+    host_ms, wall_ms = statistics.median(host) * 1e3, statistics.median(wall) * 1e3
+    lines = [
+        f"== {variant}, batch {batch} x seq {SEQ}: host enqueue {host_ms:.3f} ms,"
+        f" wall {wall_ms:.3f} ms (medians of {rounds})"
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+    syncs = [str(w.message).splitlines()[0][:160] for w in caught]
+    lines.append(f"host-device syncs in one fwd+bwd: {len(syncs)}")
+    lines += [f"  {s}" for s in syncs[:10]]
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(rounds):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    for key in ("tottime", "cumtime"):
+        buf = io.StringIO()
+        stats = pstats.Stats(prof, stream=buf).sort_stats(key)
+        stats.print_stats(top)
+        lines.append(f"-- cProfile by {key}, {rounds} rounds")
+        lines += [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Profiles of the layer benchmarked above (diagnostics, not the numbers to report)."""
+    p = argparse.ArgumentParser(description="Profile one Llama-2-7B decoder layer (GPU).")
+    sub = p.add_subparsers(dest="what", required=True)
+    k = sub.add_parser("kernels", help="GPU kernel time per kernel name (torch.profiler)")
+    k.add_argument("--variants", default="coat,bf16_eager,torchao_float8_compile")
+    h = sub.add_parser("host", help="host vs wall time, syncs, cProfile's top functions")
+    h.add_argument("--variants", default="coat,bf16_eager")
+    h.add_argument("--batches", default="1,4")
+    h.add_argument("--rounds", type=int, default=10)
+    h.add_argument("--top", type=int, default=45)
+    for s in (k, h):
+        s.add_argument("--out", help="also write the report here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_llama_layer: profiling needs a CUDA GPU", file=sys.stderr)
+        return 2
+    parts = []
+    for v in args.variants.split(","):
+        if v not in VARIANTS:
+            print(f"bench_llama_layer: unknown variant {v}: one of {', '.join(VARIANTS)}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        if v.startswith("torchao") and importlib.util.find_spec("torchao") is None:
+            continue
+        if args.what == "kernels":
+            runs = [lambda v=v: profile_kernels(v)]
+        else:
+            runs = [lambda v=v, b=int(b): profile_host(v, b, args.rounds, args.top)
+                    for b in args.batches.split(",")]  # fmt: skip
+        for run in runs:
+            parts.append(run())
+            print(parts[-1], flush=True)
+    if args.out:
+        Path(args.out).write_text("\n\n".join(parts) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

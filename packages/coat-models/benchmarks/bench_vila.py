@@ -4,7 +4,8 @@ trained): peak memory and step time of BF16 against COAT on one GPU.
 - bf16: bf16 autocast, torch AdamW (fused) with fp32 master weights and states;
 - coat: ``apply_coat_vlm(freeze_vision=True)`` (fused COAT Llama blocks, FP8 projector) and
   ``create_optimizer`` (CoatAdamW, FP8 states), fp32 master weights, bf16 autocast;
-- coat-nocache: the same with ``FP8Config(weight_cache=False)`` (no persistent FP8 weights);
+- coat-nocache: the same with ``FP8ActivationConfig(weight_cache=False)`` (no persistent FP8
+  weights);
 - coat-graphs: coat-nocache with ``coat_models.enable_cuda_graphs`` (the LM's decoder layers
   replayed from CUDA graphs, recorded in the warm-up step: no host time per kernel).
 
@@ -44,14 +45,14 @@ TARGET_MEMORY_RATIO = 1.4
 
 
 def _variants() -> dict:
-    """name -> (train.py mode, FP8Config or None). ``coat`` runs the defaults, which keep an
-    FP8 copy of every weight in both layouts (``weight_cache``: 2 B/param, 13 GB at 6.6 B
+    """name -> (train.py mode, FP8ActivationConfig or None). ``coat`` runs the defaults, which
+    keep an FP8 copy of every weight in both layouts (``weight_cache``: 2 B/param, 13 GB at 6.6 B
     trained params); ``coat-nocache`` re-casts weights on the fly instead."""
-    from fp8_activations import FP8Config
+    from fp8_activations import FP8ActivationConfig
 
     variants = {"bf16": ("bf16", None), "coat": ("coat", None),
-                "coat-nocache": ("coat", FP8Config(weight_cache=False)),
-                "coat-graphs": ("coat", FP8Config(weight_cache=False))}  # fmt: skip
+                "coat-nocache": ("coat", FP8ActivationConfig(weight_cache=False)),
+                "coat-graphs": ("coat", FP8ActivationConfig(weight_cache=False))}  # fmt: skip
     # BENCH_VILA_VARIANTS=bf16,coat-graphs picks some (bf16 is always measured: the baseline).
     picked = os.environ.get("BENCH_VILA_VARIANTS")
     if picked:

@@ -14,9 +14,9 @@ import pytest
 import torch
 from coat_models import apply_coat, disable_cuda_graphs, enable_cuda_graphs, graphs, revert_coat
 from coat_models.testing import tiny_llama
-from fp8_activations import FP8Config
+from fp8_activations import FP8ActivationConfig
 
-NO_CACHE = FP8Config(weight_cache=False)
+NO_CACHE = FP8ActivationConfig(weight_cache=False)
 
 
 def test_needs_a_coat_model():

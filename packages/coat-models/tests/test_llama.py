@@ -198,7 +198,7 @@ def test_layer_casts_its_weights_together(cache, monkeypatch):
     logits and gradients bit for bit as letting each linear cast its own weight: fp32
     master weights under bf16 autocast, two micro-batches per step, two steps."""
     from coat_models import blocks
-    from fp8_activations import FP8Config
+    from fp8_activations import FP8ActivationConfig
 
     ids = [tokens(1, 16, seed=s) for s in (3, 4)]
 
@@ -217,7 +217,7 @@ def test_layer_casts_its_weights_together(cache, monkeypatch):
                     p.add_(p.grad, alpha=-1e-2)
         return out
 
-    config = FP8Config(weight_cache=cache, backend="triton")
+    config = FP8ActivationConfig(weight_cache=cache, backend="triton")
     calls = []
     real = blocks.FP8_OPS.cast_weights
     monkeypatch.setattr(
@@ -405,10 +405,10 @@ def test_module_filter_and_reapply():
 
 
 def test_keyword_only_arguments():
-    from fp8_activations import FP8Config
+    from fp8_activations import FP8ActivationConfig
 
     with pytest.raises(TypeError, match="positional"):
-        apply_coat(tiny_llama(), FP8Config())
+        apply_coat(tiny_llama(), FP8ActivationConfig())
     with pytest.raises(TypeError, match="module_filter_fn must be a callable"):
         apply_coat(tiny_llama(), module_filter_fn="model.layers.0")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from coat_models import blocks, reference, rope
-from fp8_activations import FP8Config
+from fp8_activations import FP8ActivationConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_rope
 
 pytestmark = pytest.mark.skipif(
@@ -290,7 +290,7 @@ def test_coat_layer_with_fused_rope_gives_the_same_bits(monkeypatch):
     """The FP8 op set (Triton kernels throughout): with and without the fused RoPE."""
     model = _tiny("llama", torch.bfloat16)
     got, want = _layer_with_and_without(
-        model, blocks.FP8_OPS, FP8Config(backend="triton"), monkeypatch
+        model, blocks.FP8_OPS, FP8ActivationConfig(backend="triton"), monkeypatch
     )
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -184,9 +184,9 @@ def test_module_filter_sees_names_in_the_whole_model():
 
 
 def test_config_reaches_every_converted_part():
-    from fp8_activations import FP8Config
+    from fp8_activations import FP8ActivationConfig
 
-    config = FP8Config(weight_cache=False)
+    config = FP8ActivationConfig(weight_cache=False)
     model = apply_coat_vlm(tiny_llava(), config=config, vision=True)
     fp8 = [m for m in model.modules() if type(m).__name__.startswith("FP8")]
     layers = model.model.language_model.layers

@@ -1,7 +1,8 @@
 """Where the time of fp8_activations' ops goes on a GPU (Llama-2-7B shapes: 8192 tokens,
 hidden 4096, MLP 11008, bf16): forward and backward separately, host (Python + launches)
 against device (kernels), this package against eager BF16 PyTorch and, with ``--baseline``,
-against another copy of the package; ``--sweep`` tries the launch configs of
+against another copy of the package (measured in a process of its own, run with DIR first on
+its PYTHONPATH: this process's imports stay as they are); ``--sweep`` tries the launch configs of
 ``fp8_activations.ops._common.CONFIG``; the FP8 linear's kernels are broken out.
 
     PYTHONPATH=packages/fp8-quant/src:packages/fp8-activations/src \\
@@ -198,15 +199,27 @@ def _weight(n, device):
     return (1 + 0.1 * torch.randn(n, device=device)).to(torch.bfloat16)
 
 
-def op_table(fa, tokens, hidden, mlp, device):
-    """name -> (fn(*inputs), input factory) for package ``fa`` (or eager torch: fa=None)."""
+def op_config(fa, dry: bool):
+    """The config the ops of package ``fa`` run with: their default (None), or on a dry run
+    the Triton backend by name (the interpreter runs Triton only when asked for it)."""
+    if not dry or fa is None:
+        return None
+    # A baseline copied from before the rename knows its config class as FP8Config.
+    cls = getattr(fa, "FP8ActivationConfig", None) or fa.FP8Config
+    return cls(backend="triton")
+
+
+def op_table(fa, tokens, hidden, mlp, device, config=None):
+    """name -> (fn(*inputs), input factory) for package ``fa`` (or eager torch: fa=None),
+    its ops run with ``config``."""
+    c = config
     f = {
-        "rms_norm": lambda x, w: fa.rms_norm(x, w, 1e-6),
-        "layer_norm": lambda x, w, b: fa.layer_norm(x, hidden, w, b),
-        "silu": lambda x: fa.silu(x),
-        "gelu": lambda x: fa.gelu(x),
-        "swiglu": lambda g, u: fa.swiglu(g, u),
-        "residual_add": lambda x, r: fa.residual_add(x, r),
+        "rms_norm": lambda x, w: fa.rms_norm(x, w, 1e-6, config=c),
+        "layer_norm": lambda x, w, b: fa.layer_norm(x, hidden, w, b, config=c),
+        "silu": lambda x: fa.silu(x, config=c),
+        "gelu": lambda x: fa.gelu(x, config=c),
+        "swiglu": lambda g, u: fa.swiglu(g, u, config=c),
+        "residual_add": lambda x, r: fa.residual_add(x, r, config=c),
     }
     if fa is None:
         f = {
@@ -236,15 +249,15 @@ def _row(name, label, m, tf=float("nan"), tb=float("nan")) -> str:
             f"{_fmt(m['gpu_b'], 9)}{_fmt(tf, 8, 2)}{_fmt(tb, 8, 2)}")  # fmt: skip
 
 
-def report_ops(clock, variants, shape, names):
+def report_ops(clock, variants, shape, names, eager=True):
     tokens, hidden, mlp, _ = shape
     out(f"{'op':<13}{'':<7}{'fwd+bwd':>9}{'fwd':>9}{'bwd':>9}{'host f':>9}{'host b':>9}"
         f"{'gpu f':>9}{'gpu b':>9}{'TB/s f':>8}{'TB/s b':>8}")  # fmt: skip
     kernels = []
     for name in names:
         n = tokens * (mlp if name in ("silu", "gelu", "swiglu") else hidden)
-        for label, fa in [*variants, ("eager", None)]:
-            fn, make = op_table(fa, *shape)[name]
+        for label, fa in [*variants, ("eager", None)] if eager else variants:
+            fn, make = op_table(fa, *shape, op_config(fa, clock.dry))[name]
             m = _guard(f"{name} {label}", lambda fn=fn, make=make: Measure(clock, fn, make()).all())
             if m is None:
                 continue
@@ -270,7 +283,7 @@ def sweep(clock, fa, shape, deadline):
         if time.time() > deadline:
             out(f"  {key}: skipped (time budget)")
             continue
-        fn, make = op_table(fa, *shape)[name]
+        fn, make = op_table(fa, *shape, op_config(fa, clock.dry))[name]
         m = Measure(clock, fn, make())
         call = m.fwd if direction == "f" else None
         orig, res = common.CONFIG[key], []
@@ -287,9 +300,7 @@ def sweep(clock, fa, shape, deadline):
 def _precompile_job(job):
     """Worker: run one op variant (or linear, or quantize-transpose tile) on small inputs of
     the same kernel specializations, so that its kernels land in Triton's on-disk cache."""
-    kind, path, pkg, name, key, cfg = job
-    if path:
-        sys.path.insert(0, path)
+    kind, pkg, name, key, cfg = job
     fa = importlib.import_module(pkg)
     if kind == "qt":
         qtt = importlib.import_module("fp8_quant.ops.quantize_per_tensor_transpose")
@@ -317,21 +328,21 @@ def _precompile_job(job):
     torch.cuda.synchronize()
 
 
-def precompile(variants, baseline, do_sweep, do_linear, workers):
+def precompile(variants, do_sweep, do_linear, workers):
     """Compile every kernel the run will launch, in parallel processes (compiling them one by
-    one in the timing process would take most of the time budget)."""
+    one in the timing process would take most of the time budget). The workers inherit this
+    process's environment, PYTHONPATH included, so they import the same packages."""
     import multiprocessing as mp
 
     jobs = []
-    for label, fa in variants:
-        path = baseline if label == "base" else None
-        jobs += [("op", path, fa.__name__, name, None, None) for name in BYTES]
+    for _, fa in variants:
+        jobs += [("op", fa.__name__, name, None, None) for name in BYTES]
     new = variants[0][1].__name__
     if do_sweep:
-        jobs += [("op", None, new, n, k, c) for n, k, _, cs in SWEEP for c in cs]
+        jobs += [("op", new, n, k, c) for n, k, _, cs in SWEEP for c in cs]
     if do_linear:
-        jobs += [("linear", None, new, None, None, None)]
-        jobs += [("qt", None, new, None, None, c) for c in QT_TILES]
+        jobs += [("linear", new, None, None, None)]
+        jobs += [("qt", new, None, None, c) for c in QT_TILES]
     t = time.time()
     with mp.get_context("spawn").Pool(workers) as pool:
         errors = [r for r in pool.map(_safe_job, jobs, chunksize=1) if r]
@@ -344,23 +355,23 @@ def _safe_job(job):
     try:
         _precompile_job(job)
     except Exception as e:  # noqa: BLE001 - reported here, and by the timing run itself
-        return f"{job[:5]}: {type(e).__name__}: {e}"
+        return f"{job[:4]}: {type(e).__name__}: {e}"
     return None
 
 
-def linear_section(clock, variants, shape, deadline, dry):
+def linear_section(clock, variants, shape, deadline, dry, eager=True):
     """FP8 linear forward + backward (weight gradient too) with its kernels broken out, and
     fp8_quant's quantize-transpose kernel alone at a few tile shapes."""
     tokens, hidden, mlp, device = shape
     out("\nfp8_linear (nn.Linear converted by FP8Linear.from_float, weight FP8 cached, no bias):")
     for k, n in [(hidden, mlp), (mlp, hidden)]:
-        for label, fa in [*variants, ("bf16", None)]:
+        for label, fa in [*variants, ("bf16", None)] if eager else variants:
             if time.time() > deadline:
                 out(f"  {k}->{n} {label}: skipped (time budget)")
                 continue
             torch.manual_seed(0)
             lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
-            mod = lin if fa is None else fa.FP8Linear.from_float(lin)
+            mod = lin if fa is None else fa.FP8Linear.from_float(lin, op_config(fa, dry))
             x = _rand(tokens, k, device=device)
             r = _guard(
                 f"  {k}->{n} {label}",
@@ -408,7 +419,7 @@ def host_profile(clock, fa, shape, names, calls=200, top=14):
     import pstats
 
     for name in names:
-        fn, make = op_table(fa, *shape)[name]
+        fn, make = op_table(fa, *shape, op_config(fa, clock.dry))[name]
         m = Measure(clock, fn, make())
         for tag, call in (("fwd", m.fwd), ("bwd", m.bwd_fn())):
             call()
@@ -438,9 +449,31 @@ def run_pytest():
     out("pytest -m gpu: " + (lines[-1] if lines else r.stderr[-300:]))
 
 
+def run_baseline(args, deadline: float) -> None:
+    """This script on the package ``fp8_activations_base`` of ``args.baseline``, in a process
+    whose PYTHONPATH starts with that folder; its tables print here as it goes."""
+    path = os.path.abspath(args.baseline)
+    if not os.path.isdir(os.path.join(path, "fp8_activations_base")):
+        out(f"--baseline {args.baseline}: no package fp8_activations_base there (see --help)")
+        return
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, os.path.abspath(__file__), "--package", "fp8_activations_base",
+           "--label", "base", "--no-pytest", "--no-eager", "--ops", args.ops,
+           "--deadline", str(deadline), "--workers", str(args.workers)]  # fmt: skip
+    cmd += ["--no-linear"] * args.no_linear + ["--dry-run"] * args.dry_run
+    out(f"\nbaseline: fp8_activations_base from {path} (its own process)")
+    r = subprocess.run(cmd, env=env)
+    if r.returncode:
+        out(f"baseline run failed (exit {r.returncode})")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", help="folder holding the package fp8_activations_base")
+    p.add_argument("--package", default="fp8_activations", help="the package measured")
+    p.add_argument("--label", default="new", help="its name in the tables")
+    p.add_argument("--no-eager", action="store_true", help="skip the eager BF16 rows")
     p.add_argument("--sweep", action="store_true", help="try the launch configs")
     p.add_argument("--no-pytest", action="store_true", help="skip pytest -m gpu")
     p.add_argument("--no-linear", action="store_true", help="skip the fp8_linear section")
@@ -457,32 +490,29 @@ def main():
 
     if not args.no_pytest and not dry and not args.precompile_only:
         run_pytest()
-    import fp8_activations as fa
     import triton
 
-    variants = [("new", fa)]
-    if args.baseline:
-        sys.path.insert(0, args.baseline)
-        variants.append(("base", importlib.import_module("fp8_activations_base")))
-    if dry:  # the interpreter only runs the Triton backend when asked for it by name
-        for _, pkg in variants:
-            pkg.functional.DEFAULT_CONFIG = pkg.FP8Config(backend="triton")
+    fa = importlib.import_module(args.package)
+    variants = [(args.label, fa)]
     dev = "cpu (dry run)" if dry else torch.cuda.get_device_name()
     out(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {dev}, torch "
         f"{torch.__version__}, triton {triton.__version__}; tokens {shape[0]}, hidden "
         f"{shape[1]}, mlp {shape[2]}, bf16, 1x16 groups")  # fmt: skip
     if not dry and args.workers > 0:
-        jobs = (variants, args.baseline, args.sweep, not args.no_linear, args.workers)
+        jobs = (variants, args.sweep, not args.no_linear, args.workers)
         _guard("precompile", lambda: precompile(*jobs))
     if args.precompile_only:
         return
     torch.manual_seed(0)
     clock = Clock(dry)
-    report_ops(clock, variants, shape, [n for n in args.ops.split(",") if n])
+    eager = not args.no_eager
+    report_ops(clock, variants, shape, [n for n in args.ops.split(",") if n], eager)
+    if args.baseline:
+        run_baseline(args, deadline)
     if args.sweep:
         sweep(clock, fa, shape, deadline)
     if not args.no_linear:
-        linear_section(clock, variants, shape, deadline, dry)
+        linear_section(clock, variants, shape, deadline, dry, eager)
     if args.host_profile and time.time() < deadline:
         host_profile(clock, fa, shape, [n for n in args.host_profile.split(",") if n])
     out(f"done, {deadline - time.time():.0f} s of the budget left")

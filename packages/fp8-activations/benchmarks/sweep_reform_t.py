@@ -1,10 +1,12 @@
 """Tile-shape sweep of the backward re-form kernels (``rms_norm_reform_t``, ``swiglu_reform_t``)
 at the Llama-2-7B layer shapes (8192 tokens; hidden 4096, MLP 11008; 1 x 16 E4M3 inputs).
 
-Every shape of ``CONFIGS`` (``ops._common.TLaunch``) is checked bit for bit against the
-default, then timed with ``triton.testing.do_bench`` (median); TB/s is from the bytes each
-call must move (FP8 codes and group scales in, the transposed FP8 out). A bf16 copy of the
-same size is timed for scale.
+Every shape of ``CONFIGS`` (``ops._common.TLaunch``, handed to ``ops._common.t_launch``) runs
+the ops' own kernels, launched here as the ops launch them; each is checked bit for bit
+against the op itself (which runs the default ``T_LAUNCH``), then timed with
+``triton.testing.do_bench`` (median); TB/s is from the bytes each call must move (FP8 codes
+and group scales in, the transposed FP8 out). A bf16 copy of the same size is timed for
+scale.
 
     PYTHONPATH=packages/fp8-quant/src:packages/fp8-activations/src \\
         python3 packages/fp8-activations/benchmarks/sweep_reform_t.py [--out FILE]
@@ -17,11 +19,10 @@ import argparse
 import sys
 
 import torch
-from fp8_activations.ops import _common
-from fp8_activations.ops._common import TLaunch
-from fp8_activations.ops.rms_norm_linear import rms_norm_reform_t
-from fp8_activations.ops.swiglu_linear import swiglu_reform_t
+from fp8_activations.ops import rms_norm_linear, swiglu_linear
+from fp8_activations.ops._common import TLaunch, t_launch
 from fp8_quant import quantize_per_group
+from fp8_quant.ops import hw_cast_supported, launch
 
 CONFIGS = [
     TLaunch(),
@@ -56,15 +57,32 @@ def main() -> int:
     g_q, g_s = q(tokens, mlp)
     u_q, u_s = q(tokens, mlp)
     amax = torch.tensor(4.0, device=dev)
+    hw_cast = hw_cast_supported(torch.device(dev))
+    y_dtype = torch.empty(1, device=dev, dtype=torch.bfloat16)  # cast_out reads it off this
+
+    def reform_t(kernel, inputs, m, n, tile):
+        """``kernel`` launched as the ``*_reform_t`` ops launch it, with ``tile``."""
+        out = torch.empty((n, m), device=dev, dtype=torch.float8_e4m3fn)
+        grid, meta = t_launch(m, n, 16, tile)
+        launch(kernel, grid, *inputs, amax, out.view(torch.uint8), y_dtype, m, n,
+               G=16, FMT="e4m3", HW_CAST=hw_cast, **meta)  # fmt: skip
+        return out
+
+    # name -> (the op at its default tile, the kernel at a given tile, bytes moved)
+    rms_in, swiglu_in = (x_q, x_s, rstd, w), (g_q, g_s, u_q, u_s)
     calls = {
         "rms_norm_reform_t": (
-            lambda: rms_norm_reform_t(
-                x_q, x_s, rstd, w, amax, 16, torch.bfloat16, "e4m3", "triton"
+            lambda: rms_norm_linear.rms_norm_reform_t(
+                *rms_in, amax, 16, torch.bfloat16, "e4m3", "triton"
             ),
+            lambda t: reform_t(rms_norm_linear._reform_t_kernel, rms_in, tokens, hidden, t),
             tokens * hidden * (1 + 4 / 16 + 1),
         ),
         "swiglu_reform_t": (
-            lambda: swiglu_reform_t(g_q, g_s, u_q, u_s, amax, 16, torch.bfloat16, "e4m3", "triton"),
+            lambda: swiglu_linear.swiglu_reform_t(
+                *swiglu_in, amax, 16, torch.bfloat16, "e4m3", "triton"
+            ),
+            lambda t: reform_t(swiglu_linear._reform_t_kernel, swiglu_in, tokens, mlp, t),
             tokens * mlp * (2 * (1 + 4 / 16) + 1),
         ),
     }
@@ -84,24 +102,20 @@ def main() -> int:
         say(f"bf16 copy of {tokens}x{mlp}: {ms:.4f} ms, {2 * a.nbytes / ms / 1e9:.3f} TB/s")
     else:
         do_bench = None
-    ref = {}
+    ref = {name: op().view(torch.uint8) for name, (op, _, _) in calls.items()}
     say(f"{'config':<28}" + "".join(f"{n:>30}" for n in calls) + "  bits")
     for cfg in CONFIGS:
-        _common.T_LAUNCH = cfg
         row, same = f"{cfg.bm}x{cfg.bn} w{cfg.num_warps}", True
         row = f"{row:<28}"
-        for name, (fn, nbytes) in calls.items():
-            out = fn()
-            if name not in ref:
-                ref[name] = out
-            same &= torch.equal(out.view(torch.uint8), ref[name].view(torch.uint8))
+        for name, (_, kernel_at, nbytes) in calls.items():
+            fn = lambda kernel_at=kernel_at, cfg=cfg: kernel_at(cfg)  # noqa: E731
+            same &= torch.equal(fn().view(torch.uint8), ref[name])
             if do_bench is not None:
                 ms = do_bench(fn, return_mode="median")
                 row += f"{ms:>14.4f} ms {nbytes / ms / 1e9:>8.3f} TB/s"
             else:
                 row += f"{'-':>30}"
         say(row + ("  ok" if same else "  DIFFERENT"))
-    _common.T_LAUNCH = CONFIGS[0]
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

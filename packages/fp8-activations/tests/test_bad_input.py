@@ -5,7 +5,7 @@ from __future__ import annotations
 import fp8_activations as fa
 import pytest
 import torch
-from fp8_activations import FP8Config, FP8Tensor, Granularity
+from fp8_activations import FP8ActivationConfig, FP8Tensor, Granularity
 
 X = torch.randn(4, 32)
 W = torch.randn(16, 32)
@@ -38,7 +38,7 @@ def test_wrong_dtype_or_type(op, bad, match):
 
 @pytest.mark.parametrize("op", UNARY)
 def test_wrong_config_type(op):
-    with pytest.raises(TypeError, match="FP8Config"):
+    with pytest.raises(TypeError, match="FP8ActivationConfig"):
         UNARY[op](X, {"group_size": 16})
 
 
@@ -55,11 +55,11 @@ def test_wrong_config_type(op):
         (lambda: fa.swiglu(X, X.double()), TypeError, "up dtype"),
         (lambda: fa.residual_add(X, X[:2]), ValueError, "residual shape"),
         (lambda: fa.gelu(X, "erf"), ValueError, "'none' or 'tanh'"),
-        (lambda: FP8Config(group_size=12), ValueError, "power of two"),
-        (lambda: FP8Config(backend="cuda"), ValueError, "backend must be one of"),
-        (lambda: FP8Config(gemm="cublas"), ValueError, "gemm must be one of"),
-        (lambda: FP8Config(fwd_format="e3m4"), ValueError, "unknown FP8 format"),
-        (lambda: FP8Config(weight_cache="true"), TypeError, "must be a bool"),
+        (lambda: FP8ActivationConfig(group_size=12), ValueError, "power of two"),
+        (lambda: FP8ActivationConfig(backend="cuda"), ValueError, "backend must be one of"),
+        (lambda: FP8ActivationConfig(gemm="cublas"), ValueError, "gemm must be one of"),
+        (lambda: FP8ActivationConfig(fwd_format="e3m4"), ValueError, "unknown FP8 format"),
+        (lambda: FP8ActivationConfig(weight_cache="true"), TypeError, "must be a bool"),
     ],
     ids=[
         "linear-in", "linear-weight-1d", "linear-bias", "linear-device", "rms-weight",
@@ -77,7 +77,7 @@ def test_scaled_mm_requested_where_it_cannot_run(monkeypatch):
 
     monkeypatch.setitem(lin._SCALED_MM_PROBE, "cpu", False)
     with pytest.raises(ValueError, match="gemm='auto' or gemm='emulated'"):
-        fa.fp8_linear(X, W, None, FP8Config(gemm="scaled_mm"))
+        fa.fp8_linear(X, W, None, FP8ActivationConfig(gemm="scaled_mm"))
 
 
 @pytest.mark.parametrize("op", UNARY)
@@ -113,6 +113,6 @@ def test_fp8_tensor_validation_and_roundtrip():
     with pytest.raises(ValueError, match="per-group scale must have shape"):
         FP8Tensor(t.data, t.scale[:, :1], Granularity.PER_GROUP, 16, t.fmt)
     with pytest.raises(TypeError, match="data must be"):
-        FP8Tensor(t.data, t.scale, Granularity.PER_GROUP, 16, fa.FP8Config().grad_format)
+        FP8Tensor(t.data, t.scale, Granularity.PER_GROUP, 16, fa.FP8ActivationConfig().grad_format)
     with pytest.raises(ValueError, match="0-dim"):
         FP8Tensor(t.data, t.scale, Granularity.PER_TENSOR, None, t.fmt)

@@ -9,7 +9,7 @@ import fp8_activations as fa
 import fp8_quant.ops
 import pytest
 import torch
-from fp8_activations import FP8Config
+from fp8_activations import FP8ActivationConfig
 from fp8_activations.ops import linear as lin
 
 K = 64
@@ -42,7 +42,7 @@ def _step(cfg, with_casts, leaves, ws):
 
 @pytest.mark.parametrize("cache", [True, False], ids=["cache", "on-the-fly"])
 def test_same_bits_and_one_launch_per_direction(cache, monkeypatch):
-    cfg = FP8Config(weight_cache=cache, backend="triton")
+    cfg = FP8ActivationConfig(weight_cache=cache, backend="triton")
     x, up, norm_w = _leaf(4, 8, K, seed=1), _leaf(4, 8, K, seed=2), _leaf(K, seed=3)
     shapes = ((32, K), (16, K), (K, 32), (K, K))
     ws = [_leaf(*s, scale=0.1, seed=4 + i) for i, s in enumerate(shapes)]
@@ -81,7 +81,7 @@ def test_same_bits_and_one_launch_per_direction(cache, monkeypatch):
     assert per_weight == []  # no weight was cast on its own
 
 
-NO_CACHE = FP8Config(weight_cache=False)
+NO_CACHE = FP8ActivationConfig(weight_cache=False)
 
 
 def test_cast_weights_declines_what_it_cannot_take():

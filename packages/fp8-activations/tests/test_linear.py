@@ -15,7 +15,7 @@ import fp8_activations as fa
 import pytest
 import torch
 import torch.nn.functional as F
-from fp8_activations import FP8Config
+from fp8_activations import FP8ActivationConfig
 from fp8_activations.ops.linear import _CACHE_ATTR, scaled_mm_supported
 
 FLOORS = {"out": 24, 0: 20, 1: 20, 2: 45}
@@ -35,7 +35,7 @@ def _inputs(dtype, m=64, k=128, n=96, lead=(4,)):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cache", [True, False], ids=["cache", "on-the-fly"])
 def test_sqnr_vs_float64_autograd(dtype, cache, check_sqnr):
-    cfg = FP8Config(weight_cache=cache)
+    cfg = FP8ActivationConfig(weight_cache=cache)
     check_sqnr(lambda x, w, b: fa.fp8_linear(x, w, b, cfg), F.linear, _inputs(dtype), FLOORS)
 
 
@@ -60,8 +60,8 @@ def test_scaled_mm_matches_emulated(m):
     accumulation in another order -> within 1 bf16 ulp. M = 37 exercises the zero padding
     of the weight-gradient GEMM's inner dim."""
     inputs = _inputs(torch.bfloat16, m=m, lead=())
-    fast = _run(inputs, FP8Config(gemm="scaled_mm"))
-    ref = _run(inputs, FP8Config(gemm="emulated"))
+    fast = _run(inputs, FP8ActivationConfig(gemm="scaled_mm"))
+    ref = _run(inputs, FP8ActivationConfig(gemm="emulated"))
     for a, b in zip(fast, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3)
 
@@ -71,8 +71,8 @@ def test_triton_quantizer_matches_reference(triton_available, saved):
     scale are bit-identical, so every output and gradient is too."""
     inputs = _inputs(torch.bfloat16, m=24, k=32, n=16, lead=())
     tri_saved = type(saved)()
-    tri = _run(inputs, FP8Config(backend="triton"), tri_saved)
-    ref = _run(inputs, FP8Config(backend="reference"), saved)
+    tri = _run(inputs, FP8ActivationConfig(backend="triton"), tri_saved)
+    ref = _run(inputs, FP8ActivationConfig(backend="reference"), saved)
     for a, b in zip(tri, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(tri_saved[0].view(torch.uint8), saved[0].view(torch.uint8))
@@ -88,7 +88,7 @@ def test_saves_only_fp8_transposed_input(cache, saved):
     x.requires_grad_()
     w.requires_grad_()
     with saved.record():
-        fa.fp8_linear(x, w, b, FP8Config(weight_cache=cache))
+        fa.fp8_linear(x, w, b, FP8ActivationConfig(weight_cache=cache))
     cached = getattr(w, _CACHE_ATTR, (None, (None, None, None)))[1]
     assert (cached[0] is not None) == cache
     assert saved.activation_bytes(w, *cached) == x.numel() + 4 + (0 if cache else 4)
@@ -115,7 +115,7 @@ def test_linears_on_one_input_share_its_fp8_copy(cache, saved, monkeypatch):
             w.grad = None
         x_ = x.detach().requires_grad_()  # a fresh object: nothing attached yet
         rec = type(saved)()
-        cfg = FP8Config(weight_cache=cache, precision_flow=flow)
+        cfg = FP8ActivationConfig(weight_cache=cache, precision_flow=flow)
         with rec.record():
             ys = [fa.fp8_linear(x_, w, None, cfg) for w in ws]
         sum(y.float().square().sum() for y in ys).backward()
@@ -138,7 +138,7 @@ def test_linears_on_one_input_share_its_fp8_copy(cache, saved, monkeypatch):
         lambda t, *a, **k: calls.append(t.shape) or real(t, *a, **k),
     )
     x_ = x.detach().requires_grad_()
-    cfg = FP8Config(weight_cache=True)
+    cfg = FP8ActivationConfig(weight_cache=True)
     for w in ws:
         fa.fp8_linear(x_, w, None, cfg)
     assert calls.count(x.reshape(-1, x.shape[-1]).shape) == 1  # x quantized once
@@ -157,7 +157,7 @@ def test_weight_cache_one_cast_per_version():
     invalidates it; cached and on-the-fly casts give identical results."""
     x, w, _ = _inputs(torch.float32)
     w = torch.nn.Parameter(w)
-    cfg = FP8Config()
+    cfg = FP8ActivationConfig()
     fa.fp8_linear(x, w, None, cfg).sum().backward()
     first = getattr(w, _CACHE_ATTR)[1]
     fa.fp8_linear(x, w, None, cfg).sum().backward()
@@ -165,7 +165,7 @@ def test_weight_cache_one_cast_per_version():
     torch.optim.SGD([w], lr=0.1).step()
     y = fa.fp8_linear(x, w, None, cfg)
     assert getattr(w, _CACHE_ATTR)[1] is not first
-    fresh = fa.fp8_linear(x, w, None, FP8Config(weight_cache=False))
+    fresh = fa.fp8_linear(x, w, None, FP8ActivationConfig(weight_cache=False))
     torch.testing.assert_close(y, fresh, rtol=0, atol=0)
 
 
@@ -178,7 +178,7 @@ def test_dims_not_multiple_of_16_work(shape):
     x = torch.randn(*lead, k, requires_grad=True)
     w = torch.randn(n, k, requires_grad=True)
     gemm = "scaled_mm" if scaled_mm_supported(torch.device("cpu")) else "auto"
-    y = fa.fp8_linear(x, w, None, FP8Config(gemm=gemm))
+    y = fa.fp8_linear(x, w, None, FP8ActivationConfig(gemm=gemm))
     y.sum().backward()
     assert y.shape == (4, n) and x.grad.shape == x.shape and w.grad.shape == w.shape
     assert (10 * torch.log10(F.linear(x, w).pow(2).sum() / (y - F.linear(x, w)).pow(2).sum())) > 25
@@ -220,8 +220,8 @@ def test_cuda_scaled_mm_matches_emulated(m, k, n):
     below the FP8 quantization noise itself (~25-29 dB)."""
     torch.manual_seed(0)
     inputs = [t.cuda() for t in _inputs(torch.bfloat16, m=m, k=k, n=n, lead=())]
-    fast = _run(inputs, FP8Config(gemm="scaled_mm"))
-    ref = _run(inputs, FP8Config(gemm="emulated"))
+    fast = _run(inputs, FP8ActivationConfig(gemm="scaled_mm"))
+    ref = _run(inputs, FP8ActivationConfig(gemm="emulated"))
     dbs = [_sqnr(b, a) for a, b in zip(fast, ref, strict=True)]
     assert min(dbs) >= 40, dbs
 

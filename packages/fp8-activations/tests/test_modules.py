@@ -145,7 +145,7 @@ def test_filter_gets_each_fqn_and_arguments_are_keyword_only():
     revert_fp8_activations(model, module_filter_fn=lambda m, fqn: back.append(fqn) or fqn != "fc1")
     assert type(model.fc1) is FP8Linear and type(model.fc2) is nn.Linear and "fc2" in back
     with pytest.raises(TypeError, match="positional"):
-        convert_to_fp8_activations(_model(), fa.FP8Config())
+        convert_to_fp8_activations(_model(), fa.FP8ActivationConfig())
     with pytest.raises(TypeError, match="module_filter_fn must be a callable"):
         convert_to_fp8_activations(_model(), module_filter_fn="fc1")
 
@@ -174,4 +174,4 @@ def test_converted_model_deepcopies_and_trains():
     model = copy.deepcopy(convert_to_fp8_activations(_model()))
     model(torch.randn(5, 32)).square().mean().backward()
     assert all(p.grad is not None for p in model.parameters())
-    assert isinstance(model.fc1.config, fa.FP8Config)
+    assert isinstance(model.fc1.config, fa.FP8ActivationConfig)

@@ -29,7 +29,7 @@ import fp8_activations as fa
 import pytest
 import torch
 import torch.nn.functional as F
-from fp8_activations import FP8Config
+from fp8_activations import FP8ActivationConfig
 from fp8_activations.ops.gelu import gelu_fwd
 from fp8_activations.ops.layer_norm import layer_norm_fwd
 from fp8_activations.ops.residual_add import residual_add_fwd
@@ -112,14 +112,14 @@ DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, i
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sqnr_vs_float64_autograd(name, dtype, backend, check_sqnr):
     case = CASES[name]
-    fn = case.fp8(FP8Config(backend=backend))
+    fn = case.fp8(FP8ActivationConfig(backend=backend))
     check_sqnr(fn, case.ref, case.inputs((64, 256), dtype), case.floors)
 
 
 def _run(case, inputs, backend, saved):
     xs = [t.detach().clone().requires_grad_() for t in inputs]
     with saved.record():
-        y = case.fp8(FP8Config(backend=backend))(*xs)
+        y = case.fp8(FP8ActivationConfig(backend=backend))(*xs)
     y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y))
     inputs = {t.untyped_storage().data_ptr() for t in xs}
     kept = [t for t in saved if t.untyped_storage().data_ptr() not in inputs]
@@ -181,7 +181,7 @@ def test_cuda_triton_matches_reference(name, shape, saved):
 def test_cuda_sqnr_vs_float64_autograd(name, check_sqnr):
     case = CASES[name]
     inputs = [t.cuda() for t in case.inputs((256, 4096), torch.bfloat16)]
-    check_sqnr(case.fp8(FP8Config(backend="triton")), case.ref, inputs, case.floors)
+    check_sqnr(case.fp8(FP8ActivationConfig(backend="triton")), case.ref, inputs, case.floors)
 
 
 @pytest.mark.gpu
@@ -197,7 +197,7 @@ def test_cuda_bf16_rounding_matches_torch():
     x.view(-1)[: len(special)] = torch.tensor(special, dtype=torch.bfloat16)
     r.view(-1)[: len(special)] = torch.tensor(special[::-1], dtype=torch.bfloat16)
     x.view(-1)[len(special)] = r.view(-1)[len(special)] = big  # overflows to inf
-    y = fa.residual_add(x, r, FP8Config(backend="triton"))
+    y = fa.residual_add(x, r, FP8ActivationConfig(backend="triton"))
     torch.testing.assert_close(y, x + r, rtol=0, atol=0, equal_nan=True)
 
 
@@ -283,7 +283,7 @@ def test_saved_bytes(name, saved, fp8_bytes):
     inputs = [t.requires_grad_() for t in case.inputs(shape, torch.bfloat16)]
     params = inputs[1:] if name.endswith("norm") else []
     with saved.record():
-        case.fp8(FP8Config(backend="reference"))(*inputs)
+        case.fp8(FP8ActivationConfig(backend="reference"))(*inputs)
     got = saved.activation_bytes(*params)
     assert got == len(case.saves) * fp8_bytes(shape)
     base = type(saved)()

@@ -10,7 +10,7 @@ import weakref
 import fp8_activations as fa
 import pytest
 import torch
-from fp8_activations import FP8Config
+from fp8_activations import FP8ActivationConfig
 from fp8_activations.tensor import handed_over
 
 N = 64
@@ -38,7 +38,7 @@ def test_chain_bit_identical_with_and_without_hand_over(saved):
     for flow in (True, False):
         rec = type(saved)()
         with rec.record():
-            y = _llama_mlp_half(FP8Config(precision_flow=flow), *leaves)
+            y = _llama_mlp_half(FP8ActivationConfig(precision_flow=flow), *leaves)
         y.backward(torch.ones_like(y))
         outs.append(y)
         grads.append(_grads(leaves))
@@ -89,7 +89,7 @@ def test_linear_uses_handed_over_group_maxima(producer, monkeypatch):
         "quantize_per_tensor_transpose",
         lambda t, f, amax, backend: seen.append(amax) or real(t, f, amax=amax, backend=backend),
     )
-    fa.fp8_linear(y, w_lin, None, FP8Config(weight_cache=False))
+    fa.fp8_linear(y, w_lin, None, FP8ActivationConfig(weight_cache=False))
     # x: amax handed over; the weight (no cache) is cast row-major only, by quantize_per_tensor
     assert len(seen) == 1 and seen[0] is not None
 
@@ -103,7 +103,7 @@ def test_in_place_change_or_other_config_falls_back(saved):
     h2 = fa.residual_add(x, r)
     assert handed_over(h2).fp8 is not None
     with saved.record():
-        fa.rms_norm(h2, w, 1e-6, FP8Config(group_size=32))  # wants 1x32 groups: quantizes
+        fa.rms_norm(h2, w, 1e-6, FP8ActivationConfig(group_size=32))  # wants 1x32 groups: quantizes
     assert handed_over(h2).fp8.data.data_ptr() not in {t.data_ptr() for t in saved}
 
 

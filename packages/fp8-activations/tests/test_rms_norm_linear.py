@@ -19,7 +19,7 @@ import fp8_activations as fa
 import pytest
 import torch
 import torch.nn.functional as F
-from fp8_activations import FP8Config
+from fp8_activations import FP8ActivationConfig
 from fp8_activations.ops.linear import _CACHE_ATTR
 from fp8_activations.tensor import handed_over
 from fp8_quant import FP8Format
@@ -74,7 +74,7 @@ def _run(fn, inputs, cfg, rec=None):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cache", [True, False], ids=["cache", "on-the-fly"])
 def test_sqnr_vs_float64_autograd(dtype, cache, backend, check_sqnr):
-    cfg = FP8Config(weight_cache=cache, backend=backend)
+    cfg = FP8ActivationConfig(weight_cache=cache, backend=backend)
     check_sqnr(lambda *ts: torch.cat(_fused(*ts, cfg), -1), _float64, _inputs(dtype), FLOORS)
 
 
@@ -84,7 +84,7 @@ def test_matches_unfused_and_saves_less(cache, backend, saved):
     minus the linears' shared y^T (1 B/elem of x plus its 4-byte scale), plus forward's rstd
     (4 B/row) and y's max and scale (8 bytes)."""
     inputs = _inputs(torch.bfloat16)
-    cfg = FP8Config(weight_cache=cache, backend=backend)
+    cfg = FP8ActivationConfig(weight_cache=cache, backend=backend)
     runs = []
     for fn in (_fused, _unfused):
         rec = type(saved)()
@@ -116,7 +116,7 @@ def test_exact_fp8_input_gives_the_unfused_bits_everywhere(dtype, backend):
     too are the unfused ops' bits."""
     inputs = _inputs(dtype)
     inputs[0] = _on_fp8_grid(48, 64, dtype)
-    cfg = FP8Config(backend=backend)
+    cfg = FP8ActivationConfig(backend=backend)
     fused, unfused = _run(_fused, inputs, cfg), _run(_unfused, inputs, cfg)
     for a, b in zip(fused[0] + fused[1], unfused[0] + unfused[1], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -174,7 +174,7 @@ def test_cuda_matches_unfused(cache):
     outputs, dx, dnorm_weight and dbias are the unfused ops' bits; the weight gradients
     within FP8 noise of them."""
     inputs = [t.cuda() for t in _inputs(torch.bfloat16, rows=1024, k=4096)]
-    cfg = FP8Config(weight_cache=cache)
+    cfg = FP8ActivationConfig(weight_cache=cache)
     (f_outs, f_grads, _), (u_outs, u_grads, _) = (
         _run(_fused, inputs, cfg), _run(_unfused, inputs, cfg)
     )  # fmt: skip
@@ -240,7 +240,7 @@ def test_bad_input():
 def test_compiles_fullgraph_and_matches_eager():
     torch._dynamo.reset()
     inputs = _inputs(torch.float32)
-    cfg = FP8Config(weight_cache=False)
+    cfg = FP8ActivationConfig(weight_cache=False)
 
     def run(fn):
         ts = [t.detach().clone().requires_grad_() for t in inputs]

@@ -11,7 +11,7 @@ import fp8_activations as fa
 import pytest
 import torch
 import torch.nn.functional as F
-from fp8_activations import FP8Config
+from fp8_activations import FP8ActivationConfig
 from fp8_activations.ops.linear import _CACHE_ATTR
 
 FLOORS = {"out": 24, 0: 18, 1: 18, 2: 20, 3: 45}
@@ -32,7 +32,7 @@ def _unfused(g, u, w, b, cfg=None):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cache", [True, False], ids=["cache", "on-the-fly"])
 def test_sqnr_vs_float64_autograd(dtype, cache, check_sqnr):
-    cfg = FP8Config(weight_cache=cache)
+    cfg = FP8ActivationConfig(weight_cache=cache)
     check_sqnr(
         lambda g, u, w, b: fa.swiglu_linear(g, u, w, b, cfg),
         lambda g, u, w, b: F.linear(F.silu(g) * u, w, b),
@@ -53,7 +53,7 @@ def test_matches_unfused_and_saves_less(cache, saved):
         ts = [t.detach().clone().requires_grad_() for t in inputs]
         rec = type(saved)()
         with rec.record():
-            y = fn(*ts, FP8Config(weight_cache=cache))
+            y = fn(*ts, FP8ActivationConfig(weight_cache=cache))
         y.backward(dy)
         w = ts[2]
         cached = getattr(w, _CACHE_ATTR, (None, ()))[1] if cache else ()
@@ -94,7 +94,7 @@ def test_compiles_fullgraph_and_matches_eager():
         y.backward(torch.ones_like(y))
         return [y, *(t.grad for t in ts)]
 
-    fn = lambda g, u, w, b: fa.swiglu_linear(g, u, w, b, FP8Config(weight_cache=False))  # noqa: E731
+    fn = lambda g, u, w, b: fa.swiglu_linear(g, u, w, b, FP8ActivationConfig(weight_cache=False))  # noqa: E731
     eager = run(fn)
     compiled = run(torch.compile(fn, backend="aot_eager", fullgraph=True))
     for a, b in zip(compiled, eager, strict=True):
@@ -198,7 +198,7 @@ def test_grad_group_amax_handed_to_gate_up_linears(fused, monkeypatch, triton_av
     wg, wu = (torch.randn(96, 64, dtype=torch.bfloat16) / 8 for _ in range(2))
     wd = torch.randn(64, 96, dtype=torch.bfloat16) / 10
     dy = torch.randn(2, 24, 64, dtype=torch.bfloat16)
-    cfg = FP8Config(backend="triton")
+    cfg = FP8ActivationConfig(backend="triton")
 
     def run():
         ts = [t.detach().clone().requires_grad_() for t in (x, nw, wg, wu, wd)]

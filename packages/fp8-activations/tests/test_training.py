@@ -19,7 +19,7 @@ import fp8_activations as fa
 import pytest
 import torch
 import torch.nn.functional as F
-from fp8_activations import FP8Config, convert_to_fp8_activations
+from fp8_activations import FP8ActivationConfig, convert_to_fp8_activations
 from torch import nn
 
 STEPS = 20
@@ -109,4 +109,4 @@ def test_bf16_block_trains_like_high_precision():
     x = torch.randn(4, 16, 64, dtype=torch.bfloat16)
     target = torch.roll(x, 1, dims=1) * 0.5
     _train_side_by_side(lambda: Block(flow=True).to(torch.bfloat16), x, target,
-                        config=FP8Config(weight_cache=False))  # fmt: skip
+                        config=FP8ActivationConfig(weight_cache=False))  # fmt: skip

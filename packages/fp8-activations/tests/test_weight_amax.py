@@ -7,7 +7,7 @@ from __future__ import annotations
 import fp8_activations as fa
 import pytest
 import torch
-from fp8_activations import FP8Config
+from fp8_activations import FP8ActivationConfig
 
 K = 64
 
@@ -37,7 +37,7 @@ def test_weight_amaxes_are_exact():
 @pytest.mark.parametrize("cache", [True, False], ids=["cache", "on-the-fly"])
 @pytest.mark.parametrize("op", ["fp8_linear", "rms_norm_linear", "swiglu_linear"])
 def test_same_bits_as_reducing_in_the_op(op, cache):
-    cfg = FP8Config(weight_cache=cache)
+    cfg = FP8ActivationConfig(weight_cache=cache)
     x, up = _leaf(4, 8, K, seed=4), _leaf(4, 8, K, seed=5)
     ws = [_leaf(32, K, scale=0.1, seed=6), _leaf(16, K, scale=0.02, seed=7)]
     norm_w = _leaf(K, seed=8)
@@ -82,11 +82,11 @@ def test_weight_cache_fresh_tracks_versions():
     (an optimizer step bumps ``_version``), True in between; always False without the cache."""
     w = _leaf(32, K, seed=11)
     x = _leaf(4, K, seed=12)
-    cfg = FP8Config()
+    cfg = FP8ActivationConfig()
     assert not fa.weight_cache_fresh([w], cfg)
     fa.fp8_linear(x, w, None, cfg).float().sum().backward()
     assert fa.weight_cache_fresh([w], cfg)
-    assert not fa.weight_cache_fresh([w], FP8Config(weight_cache=False))
+    assert not fa.weight_cache_fresh([w], FP8ActivationConfig(weight_cache=False))
     with torch.no_grad():
         w.mul_(1)
     assert not fa.weight_cache_fresh([w], cfg)

@@ -10,7 +10,7 @@ import fp8_optim
 import pytest
 import torch
 from fp8_optim import CoatAdamW, CoatAdamWConfig, reference
-from fp8_quant import FP8Format
+from fp8_quant import Backend, FP8Format
 
 # The Triton interpreter evaluates log2(0) = -inf, inf - inf, ... with numpy, which warns.
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
@@ -29,6 +29,36 @@ def test_config_parses_and_freezes():
         cfg.group_size = 64
     n = 128 * 1000
     assert CoatAdamWConfig().state_bytes_per_param(n) == (2 * n + 10 * 1000 + 4) / n
+
+
+def test_config_backend_is_the_fp8_quant_enum():
+    for name in ("auto", "triton", "reference"):
+        cfg = CoatAdamWConfig(backend=name)
+        assert type(cfg.backend) is Backend and cfg.backend == name
+        assert cfg == CoatAdamWConfig(backend=Backend(name))
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'triton', 'ref"):
+        CoatAdamWConfig(backend="cuda")
+
+
+def test_enum_backend_steps_like_its_string_and_saves_plainly():
+    states = []
+    for backend in ("reference", Backend.REFERENCE):
+        torch.manual_seed(0)
+        p = _p(300)
+        opt = CoatAdamW([p], lr=1e-2, config=CoatAdamWConfig(backend=backend))
+        for _ in range(2):
+            p.grad = torch.randn(300)
+            opt.step()
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        buf.seek(0)
+        states.append((p.detach(), torch.load(buf, weights_only=True)))
+    (p0, sd0), (p1, sd1) = states
+    assert torch.equal(p0, p1)
+    for k, v in sd0["state"][0].items():
+        assert torch.equal(
+            v.reshape(-1).view(torch.uint8), sd1["state"][0][k].reshape(-1).view(torch.uint8)
+        ), k
 
 
 @pytest.mark.parametrize(

@@ -6,12 +6,14 @@ import torch
 from fp8_quant import (
     E4M3,
     E5M2,
+    Backend,
     FP8Format,
     group_amax,
     quantize_per_block,
     quantize_per_group,
     quantize_per_tensor,
     quantize_per_tensor_transpose,
+    resolve_backend,
 )
 
 ALL_QUANTIZERS = [
@@ -102,9 +104,39 @@ def test_shapes_and_dtypes_out():
     assert group_amax(x, 32).shape == (2, 3, 4)
 
 
-def test_unknown_backend():
-    with pytest.raises(ValueError, match="backend must be one of"):
-        quantize_per_group(torch.randn(4, 16), backend="cuda")
+@pytest.mark.parametrize("bad", ["cuda", "Triton", "", None, ["triton"]], ids=repr)
+def test_unknown_backend(bad):
+    msg = r"backend must be one of \('auto', 'triton', 'reference'\), got "
+    with pytest.raises(ValueError, match=msg):
+        quantize_per_group(torch.randn(4, 16), backend=bad)
+    with pytest.raises(ValueError, match=msg):
+        Backend.parse(bad)
+
+
+def test_backend_enum_and_its_strings_are_one_name():
+    assert [m.value for m in Backend] == ["auto", "triton", "reference"]
+    for m in Backend:
+        # Hot paths compare to strings and key caches on either spelling.
+        assert Backend.parse(m.value) is m and Backend.parse(m) is m
+        assert m == m.value and hash(m) == hash(m.value) and str(m) == m.value
+        assert {m.value: 1}[m] == 1 and {m: 1}[m.value] == 1 and m in (m.value,)
+    x = torch.randn(4, 32)
+    for backend in ("reference", Backend.REFERENCE):
+        assert resolve_backend(x, backend) is Backend.REFERENCE
+        q, s = quantize_per_group(x, backend=backend)
+        q_ref, s_ref = fp8_quant.reference.quantize_per_group(x, 16, E4M3)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
+def test_auto_resolves_to_a_member(monkeypatch):
+    monkeypatch.delenv("FP8_QUANT_BACKEND", raising=False)
+    assert resolve_backend(torch.randn(2), "auto") is Backend.REFERENCE
+    assert resolve_backend(torch.randn(2), Backend.AUTO) is Backend.REFERENCE
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("FP8_QUANT_BACKEND", "triton")
+    assert resolve_backend(torch.randn(2), Backend.AUTO) is Backend.TRITON
+    # An explicit choice is not overridden by the environment.
+    assert resolve_backend(torch.randn(2), Backend.REFERENCE) is Backend.REFERENCE
 
 
 def test_env_var_picks_the_auto_backend(monkeypatch):

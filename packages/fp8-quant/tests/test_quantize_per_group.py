@@ -1,10 +1,9 @@
 """quantize_per_group: Triton (interpreter on CPU, compiled on GPU) vs the reference, bitwise."""
 
-import importlib
-
 import pytest
 import torch
-from fp8_quant import dequantize_per_group, quantize_per_group
+from fp8_quant import dequantize_per_group, ops, quantize_per_group, reference
+from fp8_quant.ops import GroupLaunch
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -125,20 +124,24 @@ LAUNCHES = {
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))
 @pytest.mark.parametrize("group", [16, 128, 8192], ids=lambda g: f"G{g}")
-def test_launch_shapes(interpreter, monkeypatch, launch, group, fmt, adversarial, assert_same_bits):
-    # the module, not the function of the same name that fp8_quant.ops exports
-    ops_qpg = importlib.import_module("fp8_quant.ops.quantize_per_group")
-    monkeypatch.setattr(ops_qpg, "LAUNCH", ops_qpg.GroupLaunch(**LAUNCHES[launch]))
+def test_launch_shapes(interpreter, launch, group, fmt, adversarial, assert_same_bits):
+    tune = GroupLaunch(**LAUNCHES[launch])
+
+    def check(x):
+        q, s = ops.quantize_per_group(x, group, fmt, launch=tune)
+        q_ref, s_ref = reference.quantize_per_group(x, group, fmt)
+        assert_same_bits(q, q_ref)
+        assert_same_bits(s, s_ref)
+        assert_same_bits(ops.group_amax(x, group, launch=tune), reference.group_amax(x, group))
+
     n = 9000 if group == 8192 else 4097  # G=8192: chunked (two passes), a partial last group
-    _check(adversarial(3, n, torch.bfloat16, fmt, group), group, fmt, assert_same_bits)
-    # the one-long-column path (N a multiple of G, contiguous)
-    _check(adversarial(4, 2 * group, torch.bfloat16, fmt, group), group, fmt, assert_same_bits)
+    check(adversarial(3, n, torch.bfloat16, fmt, group))
+    check(adversarial(4, 2 * group, torch.bfloat16, fmt, group))  # the one-long-column path
     if group == 16:  # a strided view: rows of 40, groups across the tile's rows
-        _check(adversarial(40, 96, torch.float32, fmt, 16).t(), 16, fmt, assert_same_bits)
+        check(adversarial(40, 96, torch.float32, fmt, 16).t())
 
 
 def test_launch_shape_validation():
-    GroupLaunch = importlib.import_module("fp8_quant.ops.quantize_per_group").GroupLaunch
     with pytest.raises(ValueError, match="power of two"):
         GroupLaunch(tile=3000)
     with pytest.raises(ValueError, match="num_warps"):

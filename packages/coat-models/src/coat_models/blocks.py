@@ -251,5 +251,5 @@ def decoder_layer(
     )
     out = mlp(ops, mlp_, gate, up, config, a[6], c[6])
     if not hand_over_output:
-        config = (config or fa.FP8Config()).replace(precision_flow=False)
+        config = (config or fa.FP8ActivationConfig()).replace(precision_flow=False)
     return ops.residual_add(out, hidden_states, config)

@@ -6,7 +6,7 @@ choice between them lives here, above both, so that neither imports the other ba
 
 from __future__ import annotations
 
-from fp8_activations import FP8Config
+from fp8_activations import FP8ActivationConfig
 from torch import nn
 
 from . import graphs, llama, vila
@@ -25,7 +25,7 @@ def _is_vlm(model: nn.Module) -> bool:
 def apply_coat(
     model: nn.Module,
     *,
-    config: FP8Config | None = None,
+    config: FP8ActivationConfig | None = None,
     module_filter_fn: FilterFn | None = None,
     fused_loss: bool = True,
 ) -> nn.Module:
@@ -43,7 +43,7 @@ def apply_coat(
             Qwen2, ...) of transformers 5.17+, on any device and in any float dtype. A
             LLaVA-style model (``LlavaForConditionalGeneration``) goes to
             ``coat_models.vila.apply_coat_vlm`` (language model and projector).
-        config: keyword-only, ``fp8_activations.FP8Config`` (group size, formats, weight
+        config: keyword-only, ``fp8_activations.FP8ActivationConfig`` (group size, formats, weight
             cache, backend); ``None`` takes its defaults.
         module_filter_fn: ``(module, fqn) -> bool``, with ``fqn`` the module's name in
             ``model.named_modules()`` (e.g. ``"model.layers.3"``). Called once for each

@@ -192,7 +192,7 @@ def shard_model(
 
 
 def _disable_weight_cache(model: nn.Module) -> None:
-    """Turn off the FP8 weight cache of COAT layers (``FP8Config.weight_cache``).
+    """Turn off the FP8 weight cache of COAT layers (``FP8ActivationConfig.weight_cache``).
 
     The cache is keyed on ``(weight._version, weight.data_ptr())``. FSDP2 all-gathers each
     step into the unsharded weight's storage without bumping its version, so when the

@@ -14,8 +14,8 @@ What a replay computes is what was recorded, so:
 
 * a KV cache that transformers passes to a training forward (``use_cache`` defaults to True)
   is left empty instead of being filled with keys and values nobody reads;
-* the FP8 weight cache must be off (``FP8Config(weight_cache=False)``, what coat-train uses):
-  each replay then casts the current weights, which optimizers update in place (a cache
+* the FP8 weight cache must be off (``FP8ActivationConfig(weight_cache=False)``, what coat-train
+  uses): each replay then casts the current weights, which optimizers update in place (a cache
   would be a Python-side decision, frozen at capture);
 * parameters must keep their storage (in-place optimizer updates do; ``load_state_dict``
   copies in place too); ``disable_cuda_graphs(model)`` drops the graphs (re-enable to record
@@ -95,7 +95,8 @@ def enable_cuda_graphs(model: nn.Module) -> nn.Module:
         if cfg is None or cfg.weight_cache:
             raise ValueError(
                 "CUDA graphs replay what was recorded, so the FP8 weight cache (a Python-side "
-                "decision) must be off: apply_coat(model, config=FP8Config(weight_cache=False))"
+                "decision) must be off: "
+                "apply_coat(model, config=FP8ActivationConfig(weight_cache=False))"
             )
         if any(type(p.data) is not torch.Tensor for p in layer.parameters()):
             raise ValueError(

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from fp8_activations import FP8Config
+from fp8_activations import FP8ActivationConfig
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -433,7 +433,7 @@ FilterFn = Callable[[nn.Module, str], bool]
 def convert_llama(
     model: nn.Module,
     *,
-    config: FP8Config | None = None,
+    config: FP8ActivationConfig | None = None,
     module_filter_fn: FilterFn | None = None,
     fused_loss: bool = True,
     prefix: str = "",
@@ -447,10 +447,11 @@ def convert_llama(
     model). Layers for which it returns False stay plain.
     """
     if config is None:
-        config = FP8Config()
-    if not isinstance(config, FP8Config):
+        config = FP8ActivationConfig()
+    if not isinstance(config, FP8ActivationConfig):
         raise TypeError(
-            f"config must be an fp8_activations.FP8Config or None, got {type(config).__name__}"
+            "config must be an fp8_activations.FP8ActivationConfig or None, "
+            f"got {type(config).__name__}"
         )
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise TypeError(

@@ -509,10 +509,12 @@ def prepare(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
     """(model, optimizer) for ``cfg.mode``: FP8 activations and/or CoatAdamW as the mode says."""
     fp8_act, fp8_optim = MODES[cfg.mode]
     if fp8_act:
-        from fp8_activations import FP8Config
+        from fp8_activations import FP8ActivationConfig
 
         try:
-            model = _coat_api("apply_coat")(model, config=FP8Config(weight_cache=cfg.weight_cache))
+            model = _coat_api("apply_coat")(
+                model, config=FP8ActivationConfig(weight_cache=cfg.weight_cache)
+            )
         except TypeError as e:  # documented: an unsupported architecture, named in e
             raise ModelError(f"mode {cfg.mode}: {e}") from None
         enable_graphs(model, cfg)

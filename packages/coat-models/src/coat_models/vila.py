@@ -102,7 +102,7 @@ def apply_coat_vlm(
     Args:
         model: ``LlavaForConditionalGeneration`` / ``LlavaModel`` (or the same composition)
             with a Llama-shaped language model; any device, any float dtype.
-        config: ``FP8Config`` for every converted part (``None``: defaults).
+        config: ``FP8ActivationConfig`` for every converted part (``None``: defaults).
         module_filter_fn: ``(module, fqn) -> bool``, ``fqn`` the module's name in
             ``model.named_modules()``; called for each decoder layer of the language model
             and for each module of the projector (and with ``vision`` the tower) that would

@@ -127,9 +127,9 @@ def prepare_vlm(
     fp8_config=None,
 ):
     """(model, optimizer) for ``mode``: ``apply_coat_vlm`` (with ``fp8_config``, an
-    ``fp8_activations.FP8Config``) for FP8 activations, ``create_optimizer`` (CoatAdamW) for
-    FP8 optimizer states, else bf16 autocast's plain modules and torch AdamW (fused on CUDA).
-    A frozen tower gets no optimizer state."""
+    ``fp8_activations.FP8ActivationConfig``) for FP8 activations, ``create_optimizer``
+    (CoatAdamW) for FP8 optimizer states, else bf16 autocast's plain modules and torch AdamW
+    (fused on CUDA). A frozen tower gets no optimizer state."""
     fp8_act, fp8_opt = MODES[mode]
     if fp8_act:
         apply_coat_vlm(model, config=fp8_config, vision=vision, freeze_vision=freeze_vision)
@@ -199,14 +199,16 @@ def train_vlm(
     """Train ``preset`` (``VL_PRESETS``) with ``cfg`` (default ``vl_train_config(preset)``).
 
     ``vision`` / ``freeze_vision`` default to the preset's (FP8 activations in the tower; a
-    frozen tower); ``fp8_config`` (``fp8_activations.FP8Config``) goes to ``apply_coat_vlm``.
+    frozen tower); ``fp8_config`` (``fp8_activations.FP8ActivationConfig``) goes to
+    ``apply_coat_vlm``.
     Writes ``out_dir/metrics.jsonl`` when ``out_dir`` is given (``train`` records per step,
     written when read from the device every ``cfg.log_every`` steps as in ``Trainer.fit``;
     ``eval`` records with ``val_loss`` and ``val_caption_acc``). Returns the dict of
     ``Trainer.summary()`` plus ``preset``, ``val_caption_acc``, ``vision_fp8``,
     ``freeze_vision``, ``seq_len``, ``losses`` (every step's training loss) and ``export``
     (``out_dir/final``, the trained VLM saved by ``save_pretrained``; None without ``out_dir``).
-    Without ``fp8_config``, FP8 activations use ``FP8Config(weight_cache=cfg.weight_cache)``.
+    Without ``fp8_config``, FP8 activations use
+    ``FP8ActivationConfig(weight_cache=cfg.weight_cache)``.
     Raises ``TrainError`` for settings it cannot run (checkpoints, a too short ``seq_len``,
     a non-finite loss).
     """
@@ -228,9 +230,9 @@ def train_vlm(
     model = build_vlm(config, device=device, master_dtype=MASTER_DTYPES[cfg.master_dtype],
                       seed=cfg.seed)  # fmt: skip
     if fp8_config is None:
-        from fp8_activations import FP8Config
+        from fp8_activations import FP8ActivationConfig
 
-        fp8_config = FP8Config(weight_cache=cfg.weight_cache)
+        fp8_config = FP8ActivationConfig(weight_cache=cfg.weight_cache)
     model, optimizer = prepare_vlm(
         model, cfg.mode, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
         vision=vision, freeze_vision=freeze_vision, fp8_config=fp8_config,

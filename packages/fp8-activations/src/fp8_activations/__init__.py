@@ -1,7 +1,8 @@
 """fp8_activations: autograd ops and modules that keep activations saved for backward in FP8
 (COAT's mixed-granularity activation quantization and FP8 precision flow)."""
 
-from .config import FP8Config
+from . import config as _config
+from .config import FP8ActivationConfig
 from .convert import convert_to_fp8_activations, revert_fp8_activations
 from .functional import (
     cast_weights,
@@ -23,8 +24,8 @@ from .tensor import FP8Tensor, Granularity, handed_over
 __version__ = "0.1.0"
 
 __all__ = [
+    "FP8ActivationConfig",
     "FP8GELU",
-    "FP8Config",
     "FP8LayerNorm",
     "FP8Linear",
     "FP8RMSNorm",
@@ -47,3 +48,8 @@ __all__ = [
     "weight_amaxes",
     "weight_cache_fresh",
 ]
+
+
+def __getattr__(name: str):
+    # ``from fp8_activations import FP8Config`` (the former name) still works, with a warning.
+    return _config._renamed(__name__, name)

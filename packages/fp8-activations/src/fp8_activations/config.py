@@ -1,17 +1,17 @@
-"""FP8Config: how the FP8 ops quantize, which kernels they run, and what they hand over."""
+"""FP8ActivationConfig: how the FP8 ops quantize, which kernels they run, what they hand over."""
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
-from fp8_quant import FP8Format
+from fp8_quant import Backend, FP8Format
 
-_BACKENDS = ("auto", "reference", "triton")
 _GEMMS = ("auto", "scaled_mm", "emulated")
 
 
 @dataclasses.dataclass(frozen=True)
-class FP8Config:
+class FP8ActivationConfig:
     """Settings shared by every op and module of ``fp8_activations``.
 
     Attributes:
@@ -23,9 +23,10 @@ class FP8Config:
             bumped by the optimizer's in-place update) and keep the copy (1 byte/param per
             layout, two layouts). ``False`` re-casts on the fly in forward and again in
             backward: less memory, one more pass over the weight per use.
-        backend: quantize/element-wise kernels: ``"triton"`` (CUDA, or CPU under
-            ``TRITON_INTERPRET=1``), ``"reference"`` (plain PyTorch) or ``"auto"``
-            (triton for CUDA tensors, reference otherwise).
+        backend: quantize/element-wise kernels, an ``fp8_quant.Backend`` or its string:
+            ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"`` (plain
+            PyTorch) or ``"auto"`` (triton for CUDA tensors, reference otherwise;
+            ``FP8_QUANT_BACKEND`` overrides it). Stored as the enum.
         gemm: FP8 GEMMs: ``"scaled_mm"`` (``torch._scaled_mm``), ``"emulated"`` (dequantize and
             multiply in fp32: same function, any device) or ``"auto"`` (scaled_mm on CUDA
             GPUs with FP8 tensor cores, compute capability >= 8.9; emulated elsewhere).
@@ -39,7 +40,7 @@ class FP8Config:
     fwd_format: FP8Format = FP8Format.E4M3
     grad_format: FP8Format = FP8Format.E5M2
     weight_cache: bool = True
-    backend: str = "auto"
+    backend: Backend = Backend.AUTO
     gemm: str = "auto"
     precision_flow: bool = True
 
@@ -50,17 +51,39 @@ class FP8Config:
         # Accept "e4m3"/"e5m2" strings for convenience, store the enum.
         object.__setattr__(self, "fwd_format", FP8Format.parse(self.fwd_format))
         object.__setattr__(self, "grad_format", FP8Format.parse(self.grad_format))
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        # Normalised here, once: the ops compare and key caches on it every call.
+        object.__setattr__(self, "backend", Backend.parse(self.backend))
         if self.gemm not in _GEMMS:
             raise ValueError(f"gemm must be one of {_GEMMS}, got {self.gemm!r}")
         for name in ("weight_cache", "precision_flow"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
-    def replace(self, **changes) -> FP8Config:
+    def replace(self, **changes) -> FP8ActivationConfig:
         """A copy with some fields changed: ``cfg.replace(backend="reference")``."""
         return dataclasses.replace(self, **changes)
 
 
-DEFAULT_CONFIG = FP8Config()
+DEFAULT_CONFIG = FP8ActivationConfig()
+
+# Old public names -> new ones. Kept importable (same object) so code written against an
+# earlier release keeps running; each use warns so it can be updated before removal.
+_RENAMED = {"FP8Config": "FP8ActivationConfig"}
+
+
+def _renamed(module: str, name: str):
+    """What the old ``name`` stands for, with a DeprecationWarning at the caller's line
+    (``stacklevel=3``: past this helper and the module ``__getattr__`` that calls it)."""
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    warnings.warn(
+        f"{module}.{name} is renamed {new}; {name} will be removed in a later release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return globals()[new]
+
+
+def __getattr__(name: str):
+    return _renamed(__name__, name)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .config import FP8Config
+from .config import FP8ActivationConfig
 from .functional import _config
 from .modules import FP8GELU, FP8LayerNorm, FP8Linear, FP8RMSNorm, FP8SiLU, _FP8Module
 
@@ -49,7 +49,7 @@ def _hf_rms_norm_ok(m: nn.Module) -> bool:
     return False
 
 
-def _fp8_twin(m: nn.Module, config: FP8Config) -> nn.Module | None:
+def _fp8_twin(m: nn.Module, config: FP8ActivationConfig) -> nn.Module | None:
     if _plain(m, nn.Linear):
         if m.in_features % 16 or m.out_features % 16:
             return None  # FP8 GEMMs need multiples of 16
@@ -89,13 +89,13 @@ def _check_filter(module_filter_fn) -> None:
 def convert_to_fp8_activations(
     model: nn.Module,
     *,
-    config: FP8Config | None = None,
+    config: FP8ActivationConfig | None = None,
     module_filter_fn: FilterFn | None = None,
 ) -> nn.Module:
     """Replace supported modules of ``model`` by FP8 modules, in place; returns the model
     (a new object only when ``model`` itself is a supported module).
 
-    ``config`` (keyword-only): ``FP8Config``, ``None`` for its defaults.
+    ``config`` (keyword-only): ``FP8ActivationConfig``, ``None`` for its defaults.
     ``module_filter_fn(module, fqn) -> bool``, ``fqn`` the module's name in
     ``model.named_modules()`` (``""`` for ``model`` itself): called, top down, for each
     module not yet converted; where it returns False that module stays as it is (its

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from fp8_quant import resolve_backend
 
-from .config import DEFAULT_CONFIG, FP8Config
+from .config import DEFAULT_CONFIG, FP8ActivationConfig
 from .ops import (
     FP8LinearFunction,
     GELUFunction,
@@ -50,11 +50,13 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 # ---------------------------------------------------------------------- validation
-def _config(config: FP8Config | None) -> FP8Config:
+def _config(config: FP8ActivationConfig | None) -> FP8ActivationConfig:
     if config is None:
         return DEFAULT_CONFIG
-    if not isinstance(config, FP8Config):
-        raise TypeError(f"config must be an FP8Config or None, got {type(config).__name__}")
+    if not isinstance(config, FP8ActivationConfig):
+        raise TypeError(
+            f"config must be an FP8ActivationConfig or None, got {type(config).__name__}"
+        )
     return config
 
 
@@ -136,11 +138,11 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _emit(cfg: FP8Config, mode: str) -> str:
+def _emit(cfg: FP8ActivationConfig, mode: str) -> str:
     return mode if cfg.precision_flow and not torch.compiler.is_compiling() else "none"
 
 
-def _handed_fp8(x: Tensor, cfg: FP8Config):
+def _handed_fp8(x: Tensor, cfg: FP8ActivationConfig):
     """``(q, scales)`` rows of x's handed-over FP8 form, or None (then the op quantizes)."""
     if not cfg.precision_flow:
         return None
@@ -148,7 +150,9 @@ def _handed_fp8(x: Tensor, cfg: FP8Config):
     return None if f is None else (_rows(f.data), _rows(f.scale))
 
 
-def _hand_over(y: Tensor, shape: torch.Size, cfg: FP8Config, mode: str, y_q, y_s, y_a) -> Tensor:
+def _hand_over(
+    y: Tensor, shape: torch.Size, cfg: FP8ActivationConfig, mode: str, y_q, y_s, y_a
+) -> Tensor:
     """``y`` in the caller's shape, with what the producer's kernel wrote about it attached.
     Views are made only where shapes differ (each torch call costs host time)."""
     if y.shape != shape:
@@ -179,7 +183,9 @@ def weight_amaxes(weights: Sequence[Tensor]) -> list[Tensor]:
     return _weight_amaxes([w.detach() for w in weights])
 
 
-def weight_cache_fresh(weights: Sequence[Tensor], config: FP8Config | None = None) -> bool:
+def weight_cache_fresh(
+    weights: Sequence[Tensor], config: FP8ActivationConfig | None = None
+) -> bool:
     """True when ``config.weight_cache`` is on and every one of ``weights`` already has its
     FP8 copy for its current version (eager mode): the linears will not cast them, so their
     ``weight_amax`` / ``weight_amaxes`` are not needed. A layer computes the maxima only
@@ -198,7 +204,7 @@ def weight_cache_fresh(weights: Sequence[Tensor], config: FP8Config | None = Non
 
 def cast_weights(
     weights: Sequence[Tensor],
-    config: FP8Config | None = None,
+    config: FP8ActivationConfig | None = None,
     *,
     weight_amaxes: Sequence[Tensor] | None = None,
 ) -> list[WeightCast] | None:
@@ -250,7 +256,7 @@ def fp8_linear(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None = None,
-    config: FP8Config | None = None,
+    config: FP8ActivationConfig | None = None,
     *,
     weight_amax: Tensor | None = None,
     weight_cast: WeightCast | None = None,
@@ -323,7 +329,10 @@ def fp8_linear(
 
 
 def rms_norm(
-    x: Tensor, weight: Tensor | None, eps: float | None = 1e-6, config: FP8Config | None = None
+    x: Tensor,
+    weight: Tensor | None,
+    eps: float | None = 1e-6,
+    config: FP8ActivationConfig | None = None,
 ) -> Tensor:
     """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * weight``.
 
@@ -356,7 +365,7 @@ def rms_norm_linear(
     eps: float | None,
     weights: Sequence[Tensor],
     biases: Sequence[Tensor | None] | None = None,
-    config: FP8Config | None = None,
+    config: FP8ActivationConfig | None = None,
     *,
     weight_amaxes: Sequence[Tensor] | None = None,
     weight_casts: Sequence[WeightCast | None] | None = None,
@@ -441,7 +450,7 @@ def layer_norm(
     weight: Tensor | None = None,
     bias: Tensor | None = None,
     eps: float = 1e-5,
-    config: FP8Config | None = None,
+    config: FP8ActivationConfig | None = None,
 ) -> Tensor:
     """LayerNorm over the last dim (``normalized_shape == (x.shape[-1],)``), weight and bias
     optional, as ``torch.nn.functional.layer_norm``. Saves x as 1 x G FP8 only.
@@ -469,7 +478,7 @@ def layer_norm(
     return _hand_over(y, x.shape, cfg, mode, *hand)
 
 
-def silu(x: Tensor, config: FP8Config | None = None) -> Tensor:
+def silu(x: Tensor, config: FP8ActivationConfig | None = None) -> Tensor:
     """``x * sigmoid(x)``, saving x as 1 x G FP8.
 
     >>> y = silu(torch.randn(4, 64))
@@ -487,7 +496,7 @@ def silu(x: Tensor, config: FP8Config | None = None) -> Tensor:
     return _hand_over(y, x.shape, cfg, mode, *hand)
 
 
-def gelu(x: Tensor, approximate: str = "none", config: FP8Config | None = None) -> Tensor:
+def gelu(x: Tensor, approximate: str = "none", config: FP8ActivationConfig | None = None) -> Tensor:
     """GELU, exact (``"none"``) or tanh-approximated (``"tanh"``), saving x as 1 x G FP8.
 
     >>> y = gelu(torch.randn(4, 64), approximate="tanh")
@@ -507,7 +516,7 @@ def gelu(x: Tensor, approximate: str = "none", config: FP8Config | None = None) 
     return _hand_over(y, x.shape, cfg, mode, *hand)
 
 
-def swiglu(gate: Tensor, up: Tensor, config: FP8Config | None = None) -> Tensor:
+def swiglu(gate: Tensor, up: Tensor, config: FP8ActivationConfig | None = None) -> Tensor:
     """``silu(gate) * up`` for two tensors of one shape and dtype, saving both as 1 x G FP8
     (2.1 B/elem; eager BF16 saves 6). Hands its group maxima to a following ``fp8_linear``.
 
@@ -532,7 +541,7 @@ def swiglu_linear(
     up: Tensor,
     weight: Tensor,
     bias: Tensor | None = None,
-    config: FP8Config | None = None,
+    config: FP8ActivationConfig | None = None,
     *,
     weight_amax: Tensor | None = None,
     weight_cast: WeightCast | None = None,
@@ -576,7 +585,7 @@ def swiglu_linear(
     return y.view(*gate.shape[:-1], weight.shape[0])
 
 
-def residual_add(x: Tensor, residual: Tensor, config: FP8Config | None = None) -> Tensor:
+def residual_add(x: Tensor, residual: Tensor, config: FP8ActivationConfig | None = None) -> Tensor:
     """``x + residual`` (same shape and dtype) that also writes the sum's 1 x G FP8 form,
     which the next ``rms_norm``/``layer_norm`` saves instead of quantizing it again.
 

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 from torch import nn
 
-from .config import DEFAULT_CONFIG, FP8Config
+from .config import DEFAULT_CONFIG, FP8ActivationConfig
 from .functional import fp8_linear, gelu, layer_norm, rms_norm, silu
 
 
 class _FP8Module:
     """Mixin: ``config``, the float twin, eval-mode forward and ``to_float``."""
 
-    config: FP8Config
+    config: FP8ActivationConfig
 
-    def _init_fp8(self, config: FP8Config | None, original: nn.Module | None = None):
-        if config is not None and not isinstance(config, FP8Config):
-            raise TypeError(f"config must be an FP8Config or None, got {type(config).__name__}")
+    def _init_fp8(self, config: FP8ActivationConfig | None, original: nn.Module | None = None):
+        if config is not None and not isinstance(config, FP8ActivationConfig):
+            raise TypeError(
+                f"config must be an FP8ActivationConfig or None, got {type(config).__name__}"
+            )
         self.config = config or DEFAULT_CONFIG
         self.__dict__["_float_original"] = original  # not a submodule: not in state_dict
 
@@ -60,7 +62,7 @@ class FP8Linear(_FP8Module, nn.Linear):
         self._init_fp8(config)
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, config: FP8Config | None = None) -> FP8Linear:
+    def from_float(cls, linear: nn.Linear, config: FP8ActivationConfig | None = None) -> FP8Linear:
         """Wrap an ``nn.Linear``'s parameters (shared, not copied)."""
         m = cls(
             linear.in_features, linear.out_features, linear.bias is not None, "meta", config=config
@@ -88,7 +90,7 @@ class FP8RMSNorm(_FP8Module, nn.RMSNorm):
         self._init_fp8(config)
 
     @classmethod
-    def from_float(cls, norm: nn.Module, config: FP8Config | None = None) -> FP8RMSNorm:
+    def from_float(cls, norm: nn.Module, config: FP8ActivationConfig | None = None) -> FP8RMSNorm:
         weight = getattr(norm, "weight", None)
         size = weight.shape[0] if weight is not None else norm.normalized_shape[-1]
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
@@ -117,7 +119,9 @@ class FP8LayerNorm(_FP8Module, nn.LayerNorm):
         self._init_fp8(config)
 
     @classmethod
-    def from_float(cls, norm: nn.LayerNorm, config: FP8Config | None = None) -> FP8LayerNorm:
+    def from_float(
+        cls, norm: nn.LayerNorm, config: FP8ActivationConfig | None = None
+    ) -> FP8LayerNorm:
         m = cls(norm.normalized_shape, norm.eps, norm.elementwise_affine, norm.bias is not None,
                 "meta", config=config)  # fmt: skip
         m.weight, m.bias = norm.weight, norm.bias
@@ -140,7 +144,7 @@ class FP8SiLU(_FP8Module, nn.SiLU):
         self._init_fp8(config)
 
     @classmethod
-    def from_float(cls, act: nn.SiLU, config: FP8Config | None = None) -> FP8SiLU:
+    def from_float(cls, act: nn.SiLU, config: FP8ActivationConfig | None = None) -> FP8SiLU:
         m = cls(config)
         m._init_fp8(config, act)
         return m.train(act.training)
@@ -158,7 +162,7 @@ class FP8GELU(_FP8Module, nn.GELU):
         self._init_fp8(config)
 
     @classmethod
-    def from_float(cls, act: nn.GELU, config: FP8Config | None = None) -> FP8GELU:
+    def from_float(cls, act: nn.GELU, config: FP8ActivationConfig | None = None) -> FP8GELU:
         m = cls(act.approximate, config)
         m._init_fp8(config, act)
         return m.train(act.training)

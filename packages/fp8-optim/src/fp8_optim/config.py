@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fp8_quant import FP8Format
+from fp8_quant import Backend, FP8Format
 
 from .reference import num_groups
-
-BACKENDS = ("auto", "triton", "reference")
 
 
 @dataclass(frozen=True)
@@ -28,9 +26,10 @@ class CoatAdamWConfig:
     * ``seed``: seed of the stochastic-rounding streams (``0 <= seed < 2**32``); the bits
       depend only on (seed, parameter index, step, element index), so runs and resumed runs
       are reproducible.
-    * ``backend``: ``"auto"`` (Triton kernel for CUDA parameters, reference for CPU ones;
-      ``FP8_QUANT_BACKEND`` overrides it, as ``fp8_quant.resolve_backend`` does everywhere),
-      ``"triton"`` (CPU parameters need ``TRITON_INTERPRET=1``) or ``"reference"``.
+    * ``backend``: an ``fp8_quant.Backend`` or its string, stored as the enum: ``"auto"``
+      (Triton kernel for CUDA parameters, reference for CPU ones; ``FP8_QUANT_BACKEND``
+      overrides it, as ``fp8_quant.resolve_backend`` does everywhere), ``"triton"`` (CPU
+      parameters need ``TRITON_INTERPRET=1``) or ``"reference"``.
 
     >>> round(CoatAdamWConfig(v_format="e5m2").state_bytes_per_param(2**20), 4)
     2.0781
@@ -44,7 +43,7 @@ class CoatAdamWConfig:
     high_precision_states: bool = False
     stochastic_rounding: bool | None = None
     seed: int = 0
-    backend: str = "auto"
+    backend: Backend = Backend.AUTO
 
     def __post_init__(self):
         object.__setattr__(self, "m_format", FP8Format.parse(self.m_format))
@@ -62,8 +61,7 @@ class CoatAdamWConfig:
         seed = self.seed
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
             raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        object.__setattr__(self, "backend", Backend.parse(self.backend))
 
     def state_bytes_per_param(self, numel: int) -> float:
         """Bytes of optimizer state per element of a parameter with ``numel`` elements.

@@ -1,6 +1,7 @@
 """fp8_quant: exact FP8 quantization primitives (Triton kernels + a plain-PyTorch reference)."""
 
 from .api import (
+    Backend,
     dequantize_per_block,
     dequantize_per_group,
     dequantize_per_tensor,
@@ -16,6 +17,7 @@ from .formats import E4M3, E5M2, FP8Format
 __version__ = "0.1.0"
 
 __all__ = [
+    "Backend",
     "E4M3",
     "E5M2",
     "FP8Format",

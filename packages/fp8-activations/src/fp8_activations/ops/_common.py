@@ -268,7 +268,8 @@ def load_groups(q_ptr, s_ptr, offs, mask, s_offs, s_mask):
 # Transposing kernels (backward re-forms of a GEMM operand, ``*_reform_t``): ``[bm, bn]``
 # tiles; Triton stages the transposed tile through shared memory, so the loads (rows of the
 # input) and the stores (rows of the output) both stay coalesced. ``T_LAUNCH`` is what every
-# call uses; benchmarks/sweep_reform_t.py swaps it (no field changes a bit of the output).
+# op uses; benchmarks/sweep_reform_t.py passes others to ``t_launch`` (no field changes a bit
+# of the output).
 @dataclasses.dataclass(frozen=True)
 class TLaunch:
     bm: int = 64
@@ -279,12 +280,12 @@ class TLaunch:
 T_LAUNCH = TLaunch()
 
 
-def t_launch(m: int, n: int, group_size: int) -> tuple[tuple[int], dict]:
+def t_launch(m: int, n: int, group_size: int, tile: TLaunch = T_LAUNCH) -> tuple[tuple[int], dict]:
     """``(grid, meta)`` of a transposing kernel over a row-major ``(m, n)`` input of 1 x
-    ``group_size`` groups: BM, BN (a multiple of the group size), num_warps."""
-    bm, bn = T_LAUNCH.bm, max(T_LAUNCH.bn, group_size)
+    ``group_size`` groups: BM, BN (a multiple of the group size), num_warps, from ``tile``."""
+    bm, bn = tile.bm, max(tile.bn, group_size)
     grid = (max(1, cdiv(m, bm) * cdiv(n, bn)),)
-    return grid, dict(BM=bm, BN=bn, num_warps=T_LAUNCH.num_warps)
+    return grid, dict(BM=bm, BN=bn, num_warps=tile.num_warps)
 
 
 @triton.jit

@@ -5,7 +5,8 @@ same bits as the matching ``fp8_quant.reference`` function. The ``@triton.jit`` 
 blocks in ``fp8_round`` are public: other packages' kernels import them from here, with
 ``hw_cast_supported`` (host) for ``fp8_encode``'s ``HW_CAST``, and ``launch``, the
 launcher with less host time than ``kernel[grid](...)`` (``ordinary_launches()``: a
-context in which it is ``kernel[grid]`` again).
+context in which it is ``kernel[grid]`` again). ``quantize_per_group`` and ``group_amax``
+take a ``GroupLaunch`` (their launch shape; benchmarks compare shapes through it).
 """
 
 from ._host import cdiv, next_pow2
@@ -19,12 +20,13 @@ from .fp8_round import (
     triton_interpreting,
 )
 from .quantize_per_block import quantize_per_block
-from .quantize_per_group import group_amax, quantize_per_group
+from .quantize_per_group import GroupLaunch, group_amax, quantize_per_group
 from .quantize_per_tensor import quantize_per_tensor, tensor_amax
 from .quantize_per_tensor_multi import quantize_per_tensor_multi
 from .quantize_per_tensor_transpose import quantize_per_tensor_transpose
 
 __all__ = [
+    "GroupLaunch",
     "abs_max",
     "cdiv",
     "fp8_encode",

@@ -3,7 +3,7 @@
 Triton's ``JITFunction.run`` costs about 19 us of host time per launch on an H200's host
 (binding keyword arguments, specializing every argument, building a cache key from strings,
 asking torch for the current device and stream, checking globals); the compiled kernel's own
-launcher costs about 7 us (``benchmarks`` of this package, ``profile_host.py`` of
+launcher costs about 7 us (``benchmarks`` of this package, ``bench_llama_layer.py host`` of
 coat-models). A COAT decoder layer launches ~40 kernels per forward and backward, so the
 difference is about half a millisecond of host time per layer and step.
 

@@ -39,10 +39,10 @@ class GroupLaunch:
             raise ValueError(f"num_warps must be a power of two <= 32, got {self.num_warps}")
 
 
-# The launch shape every call uses. Benchmarks (benchmarks/sweep_quantize_gpu.py) swap it to
-# compare shapes; the output is the same for every value. 4 warps at 8192-element tiles: on an
-# H200 (BENCHMARKS.md) the fastest or within 1% of it for G=16 and G=128 at 8192x8192 and
-# 32768x8192, where the 8-warp rule's shape was up to 1.5% slower.
+# The default launch shape (``launch=`` of the functions below; benchmarks/sweep_quantize_gpu.py
+# passes others to compare shapes); the output is the same for every value. 4 warps at
+# 8192-element tiles: on an H200 (BENCHMARKS.md) the fastest or within 1% of it for G=16 and
+# G=128 at 8192x8192 and 32768x8192, where the 8-warp rule's shape was up to 1.5% slower.
 LAUNCH = GroupLaunch(num_warps=4)
 # Largest group held in registers at once; bigger groups are walked in chunks, twice.
 _MAX_CHUNK = 4096
@@ -98,8 +98,9 @@ def _group_kernel(
     tl.store(out_ptr + out_offs, out, mask=row_ok[:, None] & (groups < NG)[None, :])
 
 
-def _launch(x: torch.Tensor, group_size: int, fmt: FP8Format | None):
-    """Run ``_group_kernel``; returns ``(q or None, out)`` with out of the scales' shape."""
+def _launch(x: torch.Tensor, group_size: int, fmt: FP8Format | None, tune: GroupLaunch):
+    """Run ``_group_kernel`` with launch shape ``tune``; returns ``(q or None, out)`` with
+    out of the scales' shape."""
     lead, n = x.shape[:-1], x.shape[-1]
     ng = cdiv(n, group_size)
     out = torch.empty(*lead, ng, device=x.device, dtype=torch.float32)
@@ -107,7 +108,6 @@ def _launch(x: torch.Tensor, group_size: int, fmt: FP8Format | None):
     if x.numel() == 0:
         return q, out
 
-    tune = LAUNCH
     chunk = min(group_size, _MAX_CHUNK)
     if n % group_size == 0 and x.is_contiguous():
         x2 = x.view(-1, group_size)  # one long column of groups
@@ -131,12 +131,12 @@ def _launch(x: torch.Tensor, group_size: int, fmt: FP8Format | None):
 
 
 def quantize_per_group(
-    x: torch.Tensor, group_size: int, fmt: FP8Format
+    x: torch.Tensor, group_size: int, fmt: FP8Format, launch: GroupLaunch = LAUNCH
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of ``reference.quantize_per_group`` (same bits)."""
-    return _launch(x, group_size, fmt)
+    """Triton twin of ``reference.quantize_per_group`` (same bits for every ``launch``)."""
+    return _launch(x, group_size, fmt, launch)
 
 
-def group_amax(x: torch.Tensor, group_size: int) -> torch.Tensor:
+def group_amax(x: torch.Tensor, group_size: int, launch: GroupLaunch = LAUNCH) -> torch.Tensor:
     """Triton twin of ``reference.group_amax``: the first half of ``quantize_per_group``."""
-    return _launch(x, group_size, None)[1]
+    return _launch(x, group_size, None, launch)[1]
