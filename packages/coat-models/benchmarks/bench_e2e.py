@@ -37,10 +37,10 @@ import sys
 import time
 
 import torch
-from coat_models.cli import format_table, is_oom
-from coat_models.data import BatchSampler, load_data
-from coat_models.presets import build_model, preset_config
-from coat_models.train import (
+from coat_models.train.cli import format_table, is_oom
+from coat_models.train.data import BatchSampler, load_data
+from coat_models.train.presets import build_model, preset_config
+from coat_models.train.trainer import (
     MASTER_DTYPES,
     MemoryTracker,
     TrainConfig,

@@ -35,9 +35,9 @@ import time
 
 import pytest
 import torch
+from coat_models.train.vl_data import ShapesCaptions, num_image_tokens
+from coat_models.train.vl_train import build_vlm, prepare_vlm, vlm_loss
 from coat_models.vila import vila7b_config
-from coat_models.vl_data import ShapesCaptions, num_image_tokens
-from coat_models.vl_train import build_vlm, prepare_vlm, vlm_loss
 
 SEQ_LEN = 2048
 TARGET_MEMORY_RATIO = 1.4

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 import torch
-from coat_models.data import load_data
-from coat_models.presets import build_model, preset_config
-from coat_models.train import MASTER_DTYPES, TrainConfig, Trainer
+from coat_models.train.data import load_data
+from coat_models.train.presets import build_model, preset_config
+from coat_models.train.trainer import MASTER_DTYPES, TrainConfig, Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import VARIANTS, free  # noqa: E402

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from coat_models import cli
+from coat_models.train import cli
 
 WORLD = 2
 FSDP_RTOL = 1e-6
@@ -259,8 +259,9 @@ class _Payload:
 
 def _worker(out: Path) -> None:
     import torch.distributed as dist
-    from coat_models import checkpoint, train
+    from coat_models import checkpoint
     from coat_models.distributed import init_distributed
+    from coat_models.train import trainer as train
 
     init_distributed()
     rank = dist.get_rank()

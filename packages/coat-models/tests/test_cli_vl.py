@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from coat_models import cli
+from coat_models.train import cli
 
 FAST = "--preset llava-tiny --batch-size 8 --eval-batches 1 --threads 1 --no-progress".split()
 
@@ -71,7 +71,7 @@ def test_gpu_llava_tiny_cuda_graphs_same_losses(monkeypatch):
     """--cuda-graphs on a vision-language preset: the language model's COAT layers are
     recorded; every step's loss equals the eager run's, bit for bit."""
     from coat_models import graphs
-    from coat_models.vl_train import train_vlm, vl_train_config
+    from coat_models.train.vl_train import train_vlm, vl_train_config
 
     recorded = []
     record = graphs._record

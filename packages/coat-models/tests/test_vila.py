@@ -14,14 +14,7 @@ import pytest
 import torch
 import transformers
 from coat_models.optim import param_groups
-from coat_models.vila import (
-    apply_coat_vlm,
-    is_coat_vlm,
-    llava_tiny_config,
-    revert_coat_vlm,
-    vila7b_config,
-)
-from coat_models.vl_data import (
+from coat_models.train.vl_data import (
     CAPTIONS,
     IGNORE_INDEX,
     IMAGE_TOKEN_ID,
@@ -30,7 +23,14 @@ from coat_models.vl_data import (
     num_image_tokens,
     sample,
 )
-from coat_models.vl_train import evaluate_vlm, train_vlm, vl_train_config
+from coat_models.train.vl_train import evaluate_vlm, train_vlm, vl_train_config
+from coat_models.vila import (
+    apply_coat_vlm,
+    is_coat_vlm,
+    llava_tiny_config,
+    revert_coat_vlm,
+    vila7b_config,
+)
 from transformers import LlavaForConditionalGeneration
 
 STEPS = 50
@@ -253,7 +253,7 @@ def test_train_vlm_learns_and_writes_the_cli_records(bf16_run):
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "mem_tracked_peak"} <= train[0].keys()
     assert 0 <= summary["val_caption_acc"] <= 1 and summary["tokens_per_s"] > 0
     # Same summary shape as coat_models.train.Trainer: the CLI's table takes it as is.
-    from coat_models.cli import format_table
+    from coat_models.train.cli import format_table
 
     assert "val loss" in format_table([summary, summary])
 

@@ -37,8 +37,8 @@ from .llama import (
     revert_classes,
     set_fused_loss,
 )
-from .presets import round_up
-from .vl_data import IMAGE_TOKEN_ID, VL_VOCAB, num_image_tokens
+from .train.presets import round_up
+from .train.vl_data import IMAGE_TOKEN_ID, VL_VOCAB, num_image_tokens
 
 SUPPORTED = (
     "LLaVA-style models: transformers' LlavaForConditionalGeneration or LlavaModel (5.17+), or "

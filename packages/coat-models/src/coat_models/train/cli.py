@@ -26,11 +26,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
-from .checkpoint import CheckpointError
+from .. import checkpoint
+from ..checkpoint import CheckpointError
+from ..distributed import run_on_rank0
 from .data import STDLIB_MAX_BYTES, DataError, load_data
-from .distributed import run_on_rank0
-from .plot import PlotUnavailable, loss_plot_png
 from .presets import (
     MODEL_DIR_DEFAULTS,
     PRESETS,
@@ -40,7 +39,8 @@ from .presets import (
     model_dir_tokenizer,
     preset_config,
 )
-from .train import (
+from .report import PlotUnavailable, loss_plot_png
+from .trainer import (
     MASTER_DTYPES,
     MODES,
     REPORT_TO,
@@ -281,7 +281,7 @@ def _strategy(args) -> str | None:
 
 def _rank_device(name: str) -> torch.device:
     """Join torchrun's process group; this rank's device (cuda:LOCAL_RANK, else cpu)."""
-    from .distributed import init_distributed
+    from ..distributed import init_distributed
 
     device = init_distributed()
     # COAT's decoder layer returns a view; the Llama loop does no in-place op on it, so

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm import tqdm
 
-from . import checkpoint, distributed
+from .. import checkpoint, distributed
 from .data import BatchSampler, TokenData, val_batches
 from .presets import ModelError
 

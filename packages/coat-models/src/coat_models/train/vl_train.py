@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .train import (
+from ..vila import _llava_parts, apply_coat_vlm, llava_tiny_config, vila7b_config
+from .trainer import (
     MASTER_DTYPES,
     MODES,
     TRAIN_LOSS_WINDOW,
@@ -41,7 +42,6 @@ from .train import (
     pinned,
     tensorboard_writer,
 )
-from .vila import _llava_parts, apply_coat_vlm, llava_tiny_config, vila7b_config
 from .vl_data import IGNORE_INDEX, MAX_CAPTION_BYTES, ShapesCaptions, num_image_tokens
 
 
@@ -136,7 +136,7 @@ def prepare_vlm(
     elif freeze_vision:
         _llava_parts(model).vision_tower.requires_grad_(False)
     if fp8_opt:
-        from .optim import create_optimizer
+        from ..optim import create_optimizer
 
         return model, create_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas)
     groups = decay_groups(model, weight_decay)
