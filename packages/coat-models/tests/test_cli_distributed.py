@@ -261,6 +261,7 @@ def _worker(out: Path) -> None:
     import torch.distributed as dist
     from coat_models import checkpoint
     from coat_models.distributed import init_distributed
+    from coat_models.train import report
     from coat_models.train import trainer as train
 
     init_distributed()
@@ -274,7 +275,7 @@ def _worker(out: Path) -> None:
 
         return record
 
-    for module in (cli, train):
+    for module in (cli, report):
         module.write_atomic = recording(module.write_atomic)
     done: dict[str, int] = {}
 

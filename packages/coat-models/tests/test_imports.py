@@ -121,7 +121,7 @@ def test_no_import_cycles():
 # vila.py's configs in code (llava_tiny_config: the byte vocabulary and image token of the
 # shapes-caption task) read the trainer's vl_data; vila.py is not this change's to edit (see
 # the split's report): the one known exception, listed so that no other creeps in.
-INTEGRATION_USES_TRAINER = {"vila": {"train.presets", "train.vl_data"}}
+INTEGRATION_USES_TRAINER = {"vila": {"train.data", "train.vl_data"}}
 
 
 def test_integration_does_not_import_the_trainer():

@@ -1,5 +1,5 @@
-"""coat_models.train: LR schedule, memory accounting (against the OS and the CUDA allocator),
-mode setup."""
+"""coat_models.train.trainer and .memory: LR schedule, memory accounting (against the OS and
+the CUDA allocator), mode setup."""
 
 import io
 import json
@@ -11,9 +11,10 @@ import textwrap
 
 import pytest
 import torch
-from coat_models.train.presets import PRESETS
-from coat_models.train.trainer import MemoryTracker, Progress, TrainConfig, lr_scheduler
-from coat_models.train.vl_train import VL_PRESETS
+from coat_models.train.memory import MemoryTracker
+from coat_models.train.presets import PRESETS, VL_PRESETS
+from coat_models.train.report import Progress
+from coat_models.train.trainer import TrainConfig, lr_scheduler
 
 MODES = ["bf16", "coat"]
 
@@ -235,7 +236,7 @@ _RSS_SCRIPT = textwrap.dedent(
     resident = sum(trk.live.values())
     rss0 = status("VmRSS")
     open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
-    ids = tr.sampler.batch(3)
+    ids = tr.task.sampler.batch(3)
     with trk.saving(), torch.autocast("cpu", dtype=torch.bfloat16):
         loss = tr.model(input_ids=ids, labels=ids).loss
     trk.scan_attached()  # what backward's first step does: finds the FP8 weight caches
@@ -300,8 +301,9 @@ def test_breakdown_vs_cuda_allocator_peak(mode, capsys):
     import gc
 
     from coat_models.train.data import load_data
+    from coat_models.train.memory import memory_report
     from coat_models.train.presets import build_model, preset_config
-    from coat_models.train.trainer import Trainer, memory_report
+    from coat_models.train.trainer import Trainer
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -496,7 +498,7 @@ def test_breakdown_of_the_counted_steps_equals_counting_every_step(tmp_path, mod
     """fit counts memory on the first timed step and the last only; its breakdown is the one
     of counting every step (steps 2-N have the same tensors; step 1 has no optimizer state
     yet, which start() counts when counting resumes after it)."""
-    from coat_models.train.trainer import memory_report
+    from coat_models.train.memory import memory_report
 
     # 16 x 32 tokens: enough activations to be part of the peak
     tr = _tiny_trainer(tmp_path / "fit", mode, steps=6, batch_size=16)

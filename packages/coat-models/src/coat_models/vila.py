@@ -37,7 +37,7 @@ from .llama import (
     revert_classes,
     set_fused_loss,
 )
-from .train.presets import round_up
+from .train.data import round_up
 from .train.vl_data import IMAGE_TOKEN_ID, VL_VOCAB, num_image_tokens
 
 SUPPORTED = (
