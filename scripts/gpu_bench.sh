@@ -145,7 +145,7 @@ check)
     --out "$r/host.txt" > "$r/host.log" 2>&1
   if [ -n "${CLI:-}" ]; then
     for g in "" --cuda-graphs; do
-      timeout 150 python3 -m coat_models.cli --preset 125m --compare bf16,coat --steps 60 \
+      timeout 150 python3 -m coat_models.train.cli --preset 125m --compare bf16,coat --steps 60 \
         --eval-every 60 --eval-batches 2 --device cuda --no-progress --out "$r/cli${g:+-graphs}" \
         $g > "$r/cli${g:+-graphs}.txt" 2>&1
     done

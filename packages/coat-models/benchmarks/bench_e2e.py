@@ -55,22 +55,18 @@ import time
 from pathlib import Path
 
 import torch
-from coat_models.cli import format_table, is_oom
-from coat_models.data import BatchSampler, load_data
-from coat_models.presets import build_model, preset_config
-from coat_models.train import (
-    MASTER_DTYPES,
+from coat_models import param_groups
+from coat_models.train.cli import is_oom
+from coat_models.train.data import BatchSampler, load_data
+from coat_models.train.memory import (
     MemoryTracker,
-    TrainConfig,
-    Trainer,
-    decay_groups,
-    fmt_bytes,
-    lr_scheduler,
     memory_report,
     optimizer_state_bytes,
-    pinned,
     tensor_bytes,
 )
+from coat_models.train.presets import build_model, preset_config
+from coat_models.train.report import fmt_bytes, format_table
+from coat_models.train.trainer import MASTER_DTYPES, TrainConfig, Trainer, lr_scheduler, pinned
 
 # name -> (mode, master dtype, FP8 weight cache kept between steps: TrainConfig.weight_cache);
 # mode "torchao" is no coat-train mode: torchao_model/torchao_trial below, fused torch AdamW.
@@ -234,7 +230,7 @@ def torchao_trial(model, data, mb, args, device) -> dict:
     cfg = TrainConfig(batch_size=mb, seq_len=args.seq_len, lr=args.lr, steps=10**6, warmup=10)
     optimizer = None
     try:
-        optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr,
+        optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                                       betas=cfg.betas, fused=device.type == "cuda")  # fmt: skip
         scheduler = lr_scheduler(optimizer, cfg)
         sampler = BatchSampler(data.train, mb, args.seq_len, seed=cfg.seed)

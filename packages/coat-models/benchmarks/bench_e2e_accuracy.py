@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from coat_models import cli
+from coat_models.train import cli
 
 OUT = Path(__file__).parent / "results" / "accuracy-125m"
 TARGET_GAP = 0.005

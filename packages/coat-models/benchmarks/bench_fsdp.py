@@ -66,7 +66,7 @@ def build(mode: str, args, device: torch.device):
     """(model, optimizer) of ``mode``, sharded over all ranks."""
     from coat_models import apply_coat, create_optimizer
     from coat_models.distributed import shard_model
-    from coat_models.presets import build_model, preset_config
+    from coat_models.train.presets import build_model, preset_config
 
     config = preset_config(args.preset, data_vocab=256, max_seq=args.seq_len)
     model = build_model(config, device=device, master_dtype=torch.float32, seed=0)

@@ -9,7 +9,7 @@ trained): peak memory and step time of BF16 against COAT on one GPU.
 - coat-graphs: coat-nocache with ``coat_models.enable_cuda_graphs`` (the LM's decoder layers
   replayed from CUDA graphs, recorded in the warm-up step: no host time per kernel).
 
-Batches of the shapes-caption task (``coat_models.vl_data``) at 384 x 384 (729 image tokens
+Batches of the shapes-caption task (``coat_models.train.vl_data``) at 384 x 384 (729 image tokens
 each), every sequence padded to 2048 tokens: cases ``SEQSxIMAGES`` = sequences x images per
 sequence, by default 1x1, 1x2 (2048 tokens) and 2x2 (4 images, 2 x 2048 tokens). Per case
 one warm-up step, then ``BENCH_VILA_STEPS`` (3) timed steps; peak is
@@ -36,17 +36,18 @@ import time
 
 import pytest
 import torch
-from coat_models.vila import vila7b_config
-from coat_models.vl_data import ShapesCaptions, num_image_tokens
-from coat_models.vl_train import build_vlm, prepare_vlm, vlm_loss
+from coat_models import create_optimizer, param_groups
+from coat_models.train.presets import build_vlm
+from coat_models.train.vl_data import ShapesCaptions, num_image_tokens
+from coat_models.vila import _llava_parts, apply_coat_vlm, vila7b_config
 
 SEQ_LEN = 2048
 TARGET_MEMORY_RATIO = 1.4
 
 
 def _variants() -> dict:
-    """name -> (train.py mode, FP8ActivationConfig or None). ``coat`` runs the defaults, which
-    keep an FP8 copy of every weight in both layouts (``weight_cache``: 2 B/param, 13 GB at 6.6 B
+    """name -> (mode, FP8ActivationConfig or None). ``coat`` runs the defaults, which keep an
+    FP8 copy of every weight in both layouts (``weight_cache``: 2 B/param, 13 GB at 6.6 B
     trained params); ``coat-nocache`` re-casts weights on the fly instead."""
     from fp8_activations import FP8ActivationConfig
 
@@ -66,10 +67,24 @@ def _cases() -> list[tuple[int, int]]:
     return [tuple(int(n) for n in case.split("x")) for case in spec.split(",")]
 
 
+def _prepare(model, mode: str, fp8_config):
+    """(model, optimizer) of a stage-3 step, as coat-train prepares the vila-7b preset: the
+    tower frozen; coat: ``apply_coat_vlm`` (``fp8_config``, None: its defaults) and
+    CoatAdamW; bf16: torch AdamW (fused), decay on matrices only."""
+    if mode == "coat":
+        apply_coat_vlm(model, config=fp8_config, freeze_vision=True)
+        return model, create_optimizer(model, lr=2e-5)
+    _llava_parts(model).vision_tower.requires_grad_(False)
+    groups = param_groups(model, weight_decay=0.1)
+    return model, torch.optim.AdamW(groups, lr=2e-5, betas=(0.9, 0.95), fused=True)
+
+
 def _step(model, optimizer, batch, device) -> float:
     """One SFT step (forward, backward, clip, optimizer); returns the loss."""
     optimizer.zero_grad(set_to_none=True)
-    loss = vlm_loss(model, batch, device)
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = model(**batch).loss
     loss.backward()
     trained = [p for p in model.parameters() if p.requires_grad]
     torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -105,8 +120,7 @@ def run(config=None, cases=None, steps: int | None = None, device="cuda") -> dic
     rows, params = [], {}
     for variant, (mode, fp8_config) in _variants().items():
         model = build_vlm(config, device=device, seed=0)
-        model, optimizer = prepare_vlm(model, mode, lr=2e-5, freeze_vision=True,
-                                       fp8_config=fp8_config)  # fmt: skip
+        model, optimizer = _prepare(model, mode, fp8_config)
         if variant == "coat-graphs":
             from coat_models import enable_cuda_graphs
 

@@ -8,9 +8,9 @@ import os
 import numpy as np
 import pytest
 import torch
-from coat_models import cli
-from coat_models.presets import preset_config
-from coat_models.train import Trainer
+from coat_models.train import cli
+from coat_models.train.presets import preset_config
+from coat_models.train.trainer import Trainer
 
 # Small enough for seconds per run on CPU; the tiny preset's shape.
 FAST = "--preset tiny --batch-size 4 --seq-len 64 --eval-batches 2 --corpus-mib 1 --no-progress"

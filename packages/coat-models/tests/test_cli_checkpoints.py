@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from coat_models import checkpoint, cli
-from coat_models.train import Trainer
+from coat_models import checkpoint
+from coat_models.train import cli
+from coat_models.train.trainer import Trainer
 
 ARGS = (
     "--preset tiny --batch-size 4 --seq-len 64 --eval-batches 2 --corpus-mib 1 --no-progress "
@@ -108,7 +109,8 @@ _FORK_SERVER = textwrap.dedent(
     """
     import json, os, shutil, signal, sys
     from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
-    from coat_models import checkpoint, cli
+    from coat_models import checkpoint
+    from coat_models.train import cli
 
     killed = {}
     for job in json.loads(sys.argv[1]):  # {"base", "out", "stage", "argv"}
@@ -329,7 +331,7 @@ _LOCK_HOLDER = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from coat_models.cli import _output_lock
+    from coat_models.train.cli import _output_lock
 
     with _output_lock(Path(sys.argv[1])):
         print("locked", flush=True)

@@ -5,7 +5,7 @@ import json
 import sys
 
 import pytest
-from coat_models import cli
+from coat_models.train import cli
 
 ARGV = (
     "--preset tiny --steps 4 --eval-every 2 --batch-size 2 --seq-len 32 --eval-batches 1 "

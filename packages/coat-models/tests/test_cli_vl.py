@@ -6,9 +6,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from coat_models import cli
+from coat_models.train import cli
 
 FAST = "--preset llava-tiny --batch-size 8 --eval-batches 1 --threads 1 --no-progress".split()
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def run(argv, capsys):
@@ -53,8 +57,13 @@ def test_llava_tiny_compare_end_to_end(tmp_path, capsys):
 VL_BAD = [
     (["--data", "x.txt"], 2, "--data does not apply to --preset llava-tiny"),
     (["--vocab-size", "512"], 2, "--vocab-size does not apply"),
-    (["--save-every", "2"], 2, "checkpoints are not supported for --preset llava-tiny"),
-    (["--seq-len", "20"], 1, "55"),  # too short for an image and its caption: the minimum
+    # too short for an image and its caption: the minimum
+    (
+        ["--seq-len", "20"],
+        2,
+        "--seq-len 20 is too short for --preset llava-tiny: its images "
+        "and their captions need 55 tokens: pass --seq-len >= 55",
+    ),
 ]
 
 
@@ -64,21 +73,79 @@ def test_vl_bad_input_gives_one_clear_line(tmp_path, capsys, argv, code, message
     assert got == code
     assert err.startswith("coat-train: error: ") and message in err, err
     assert "Traceback" not in err
+    assert not (tmp_path / "o").exists()  # refused before --out was touched
 
 
 @pytest.mark.gpu
-def test_gpu_llava_tiny_cuda_graphs_same_losses(monkeypatch):
+def test_gpu_llava_tiny_cuda_graphs_same_losses(monkeypatch, tmp_path, capsys):
     """--cuda-graphs on a vision-language preset: the language model's COAT layers are
     recorded; every step's loss equals the eager run's, bit for bit."""
     from coat_models import graphs
-    from coat_models.vl_train import train_vlm, vl_train_config
 
     recorded = []
     record = graphs._record
     monkeypatch.setattr(graphs, "_record", lambda *a: (recorded.append(1), record(*a))[1])
     losses = []
     for use_graphs in (False, True):
-        cfg = vl_train_config("llava-tiny", "coat", steps=4, batch_size=8, eval_every=0,
-                              eval_batches=1, cuda_graphs=use_graphs)  # fmt: skip
-        losses.append(train_vlm("llava-tiny", cfg, device="cuda", progress=False)["losses"])
+        out = tmp_path / f"graphs-{use_graphs}"
+        argv = ["--mode", "coat", "--steps", "4", "--device", "cuda", "--out", out, *FAST]
+        code, _, err = run([*argv, *(["--cuda-graphs"] if use_graphs else [])], capsys)
+        assert code == 0, err
+        losses.append([r["loss"] for r in read_jsonl(out / "coat/metrics.jsonl")
+                       if r["type"] == "train"])  # fmt: skip
     assert recorded and losses[1] == losses[0]
+
+
+# ------------------------------------------------------------------ checkpoints and resume
+RESUME = [*FAST, "--mode", "coat", "--steps", "6", "--save-every", "2", "--eval-every", "2"]
+
+
+def metrics(out) -> list[tuple]:
+    """What must not change when a run is interrupted and resumed: every metrics record's
+    type, step, losses, caption accuracy, learning rate and gradient norm (exact floats)."""
+    keys = ("type", "step", "loss", "val_loss", "val_caption_acc", "lr", "grad_norm")
+    return [tuple(r.get(k) for k in keys) for r in read_jsonl(out / "coat/metrics.jsonl")]
+
+
+def weights(out) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "coat/final/model.safetensors")
+
+
+def test_llava_tiny_resumes_bit_for_bit(tmp_path, capsys):
+    """COAT (FP8 activations, CoatAdamW's FP8 states) on llava-tiny, stopped by Ctrl-C
+    before step 5 and resumed from its step-4 checkpoint: the same records and the same
+    final weights, bit for bit, as the uninterrupted run."""
+    from coat_models.train.trainer import Trainer
+
+    ref, out = tmp_path / "ref", tmp_path / "killed"
+    code, _, err = run([*RESUME, "--out", ref], capsys)
+    assert code == 0, err
+    queue_step = Trainer.queue_step
+
+    def interrupted(trainer, *args, **kwargs):
+        if trainer.step + 1 == 5:
+            raise KeyboardInterrupt
+        return queue_step(trainer, *args, **kwargs)
+
+    Trainer.queue_step = interrupted
+    try:
+        code, _, err = run([*RESUME, "--out", out], capsys)
+    finally:
+        Trainer.queue_step = queue_step
+    assert code == 130 and "interrupted" in err, err
+    assert sorted(p.name for p in (out / "coat/checkpoints").iterdir()) == [
+        "step_0000002", "step_0000004"]  # fmt: skip
+    # Without --resume the earlier run's checkpoints are not overwritten.
+    code, _, err = run([*RESUME, "--out", out], capsys)
+    assert code == 2 and "holds checkpoints of an earlier run: pass --resume" in err, err
+    code, stdout, err = run([*RESUME, "--out", out, "--resume"], capsys)
+    assert code == 0, err
+    assert "resuming from" in stdout and "step_0000004" in stdout
+    assert metrics(out) == metrics(ref)
+    want, got = weights(ref), weights(out)
+    assert want.keys() == got.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    summary = json.loads((out / "coat/summary.json").read_text())
+    assert summary["steps"] == 6 and summary["preset"] == "llava-tiny"

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from coat_models.data import (
+from coat_models.train.data import (
     BYTE_EOS,
     BYTE_VOCAB,
     STDLIB_VAL_EVERY,

@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
-from coat_models import cli
-from coat_models.data import load_data
-from coat_models.presets import build_model, preset_config
-from coat_models.train import TrainConfig, Trainer
+from coat_models.train import cli
+from coat_models.train.data import load_data
+from coat_models.train.presets import build_model, preset_config
+from coat_models.train.trainer import TrainConfig, Trainer
 
 
 @pytest.fixture(scope="module")

@@ -14,37 +14,65 @@ import coat_models
 
 SRC = Path(coat_models.__file__).parent
 PACKAGE = "coat_models"
-MODULES = sorted(p.stem for p in SRC.glob("*.py"))
+# Dotted names below coat_models: "convert", "train.cli"; a package is named by its
+# __init__ ("__init__", "train.__init__").
+MODULES = sorted(
+    ".".join(p.relative_to(SRC).with_suffix("").parts)
+    for p in SRC.rglob("*.py")
+    if "__pycache__" not in p.parts
+)
+TRAINER = "train"  # the training product; the integration must not import it
 
 
-def _target(name: str) -> str:
-    """The module node of ``coat_models.<name>``: the submodule when it is a file, else the
-    package (``from coat_models import apply_coat`` runs ``__init__``)."""
-    return name if (SRC / f"{name}.py").is_file() else "__init__"
+def _package_of(module: str) -> list[str]:
+    """The package path holding ``module``: [] for coat_models itself, ["train"], ..."""
+    return module.split(".")[:-1]
+
+
+def _target(parts: list[str]) -> str:
+    """The module node of ``coat_models.<parts>``: the submodule when it is a file, else the
+    package's ``__init__`` (``from coat_models import apply_coat`` runs ``__init__``)."""
+    name = ".".join(parts)
+    if not parts:
+        return "__init__"
+    if (SRC / Path(*parts)).with_suffix(".py").is_file():
+        return name
+    return f"{name}.__init__"
+
+
+def _is_module(parts: list[str]) -> bool:
+    path = SRC / Path(*parts)
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def imports_of(module: str) -> set[str]:
     """The coat_models modules that ``module`` imports anywhere in its file."""
-    tree = ast.parse((SRC / f"{module}.py").read_text())
+    tree = ast.parse((SRC / Path(*module.split("."))).with_suffix(".py").read_text())
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
                 if parts[0] == PACKAGE:
-                    found.add(_target(parts[1]) if len(parts) > 1 else "__init__")
+                    found.add(_target(parts[1:]))
         elif isinstance(node, ast.ImportFrom):
-            if node.level == 0 and (node.module or "").split(".")[0] != PACKAGE:
-                continue
-            if node.level > 1:
-                raise AssertionError(f"{module}: relative import above the package")
-            path = (node.module or "").split(".")
-            path = path[1:] if node.level == 0 else path
-            path = [p for p in path if p]
-            if path:
-                found.add(_target(path[0]))
-            else:  # from . import a, b / from coat_models import a, b
-                found |= {_target(alias.name) for alias in node.names}
+            if node.level == 0:
+                parts = (node.module or "").split(".")
+                if parts[0] != PACKAGE:
+                    continue
+                base = parts[1:]
+            else:
+                package = _package_of(module)
+                if node.level - 1 > len(package):
+                    raise AssertionError(f"{module}: relative import above the package")
+                base = package[: len(package) - (node.level - 1)]
+                base += [p for p in (node.module or "").split(".") if p]
+            # from . import a / from coat_models.train import cli: the submodules; names
+            # that are not modules are attributes of ``base`` (its file or __init__).
+            subs = [[*base, a.name] for a in node.names if _is_module([*base, a.name])]
+            found |= {_target(sub) for sub in subs}
+            if len(subs) < len(node.names):
+                found.add(_target(base))
     found.discard(module)
     return found
 
@@ -79,6 +107,7 @@ def test_scanner_sees_loops():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert "vila" in imports_of("convert") and "llama" in imports_of("convert")
     assert "blocks" in imports_of("graphs")
+    assert {"checkpoint", "distributed", "train.data"} <= imports_of("train.trainer")
 
 
 def test_no_import_cycles():
@@ -89,6 +118,22 @@ def test_no_import_cycles():
     assert "llama" not in graph["graphs"] and "vila" not in graph["llama"]
 
 
+# vila.py's configs in code (llava_tiny_config: the byte vocabulary and image token of the
+# shapes-caption task) read the trainer's vl_data; vila.py is not this change's to edit (see
+# the split's report): the one known exception, listed so that no other creeps in.
+INTEGRATION_USES_TRAINER = {"vila": {"train.data", "train.vl_data"}}
+
+
+def test_integration_does_not_import_the_trainer():
+    """The library (apply_coat, the optimizer, the multi-GPU helpers) must not know the trainer
+    exists; the trainer builds on it."""
+    integration = [m for m in MODULES if not m.startswith(f"{TRAINER}.")]
+    assert {"convert", "distributed", "checkpoint"} <= set(integration)
+    uses = {m: {t for t in imports_of(m) if t.startswith(f"{TRAINER}.")} for m in integration}
+    uses = {m: t for m, t in uses.items() if t}
+    assert uses == INTEGRATION_USES_TRAINER
+
+
 def test_each_module_imports_alone():
     """A fresh interpreter per module (all started at once: import time is mostly torch)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -97,7 +142,9 @@ def test_each_module_imports_alone():
             [
                 sys.executable,
                 "-c",
-                f"import {PACKAGE}.{m}" if m != "__init__" else f"import {PACKAGE}",
+                f"import {'.'.join([PACKAGE, *m.split('.')[:-1]])}"
+                if m.endswith("__init__")
+                else f"import {PACKAGE}.{m}",
             ],
             env=env,
             stdout=subprocess.PIPE,

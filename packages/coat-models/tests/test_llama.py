@@ -439,7 +439,8 @@ def test_sequence_classification_head():
 
 
 def test_llava_goes_through_apply_coat_vlm_with_fused_loss():
-    from coat_models import vila, vl_data
+    from coat_models import vila
+    from coat_models.train import vl_data
 
     cfg = vila.llava_tiny_config()
     torch.manual_seed(0)

@@ -5,8 +5,8 @@ import json
 import sys
 
 import pytest
-from coat_models import cli
-from coat_models.plot import PlotUnavailable, loss_figure, loss_plot_png
+from coat_models.train import cli
+from coat_models.train.report import PlotUnavailable, loss_figure, loss_plot_png
 
 RUNS = {
     "bf16": {"train": ([1, 2, 3, 4], [5.8, 5.1, 4.6, 4.2]), "val": ([2, 4], [5.0, 4.3])},

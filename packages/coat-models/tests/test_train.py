@@ -1,5 +1,5 @@
-"""coat_models.train: LR schedule, memory accounting (against the OS and the CUDA allocator),
-mode setup."""
+"""coat_models.train.trainer and .memory: LR schedule, memory accounting (against the OS and
+the CUDA allocator), mode setup."""
 
 import io
 import json
@@ -11,9 +11,10 @@ import textwrap
 
 import pytest
 import torch
-from coat_models.presets import PRESETS
-from coat_models.train import MemoryTracker, Progress, TrainConfig, lr_scheduler
-from coat_models.vl_train import VL_PRESETS
+from coat_models.train.memory import MemoryTracker
+from coat_models.train.presets import PRESETS, VL_PRESETS
+from coat_models.train.report import Progress
+from coat_models.train.trainer import TrainConfig, lr_scheduler
 
 MODES = ["bf16", "coat"]
 
@@ -130,9 +131,9 @@ def test_config_cuda_graphs_needs_fp8_activations_without_weight_cache():
 def test_gpu_trainer_cuda_graphs_same_losses(accum):
     """coat-train --cuda-graphs: the same losses and weights as the eager run, bit for bit,
     with the layers' graphs recorded (and replayed on every micro-batch)."""
-    from coat_models.data import load_data
-    from coat_models.presets import build_model, preset_config
-    from coat_models.train import Trainer
+    from coat_models.train.data import load_data
+    from coat_models.train.presets import build_model, preset_config
+    from coat_models.train.trainer import Trainer
 
     data = load_data(max_bytes=2**20)
     cuda = torch.device("cuda")
@@ -213,9 +214,9 @@ def test_tracker_counts_tensors_kept_on_parameters_once():
 _RSS_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
-    from coat_models.data import load_data
-    from coat_models.presets import build_model, preset_config
-    from coat_models.train import Trainer, TrainConfig
+    from coat_models.train.data import load_data
+    from coat_models.train.presets import build_model, preset_config
+    from coat_models.train.trainer import Trainer, TrainConfig
 
     def status(key):
         for line in open("/proc/self/status"):
@@ -235,7 +236,7 @@ _RSS_SCRIPT = textwrap.dedent(
     resident = sum(trk.live.values())
     rss0 = status("VmRSS")
     open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
-    ids = tr.sampler.batch(3)
+    ids = tr.task.sampler.batch(3)
     with trk.saving(), torch.autocast("cpu", dtype=torch.bfloat16):
         loss = tr.model(input_ids=ids, labels=ids).loss
     trk.scan_attached()  # what backward's first step does: finds the FP8 weight caches
@@ -299,9 +300,10 @@ GPU_OTHER_TOLERANCE = {"bf16": 0.25, "coat": 0.30}
 def test_breakdown_vs_cuda_allocator_peak(mode, capsys):
     import gc
 
-    from coat_models.data import load_data
-    from coat_models.presets import build_model, preset_config
-    from coat_models.train import Trainer, memory_report
+    from coat_models.train.data import load_data
+    from coat_models.train.memory import memory_report
+    from coat_models.train.presets import build_model, preset_config
+    from coat_models.train.trainer import Trainer
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -339,9 +341,9 @@ def test_breakdown_vs_cuda_allocator_peak(mode, capsys):
 
 
 def _tiny_trainer(tmp_path, mode="bf16", **overrides):
-    from coat_models.data import load_data
-    from coat_models.presets import build_model, preset_config
-    from coat_models.train import Trainer
+    from coat_models.train.data import load_data
+    from coat_models.train.presets import build_model, preset_config
+    from coat_models.train.trainer import Trainer
 
     data = load_data(max_bytes=2**20)
     fields = dict(mode=mode, steps=40, batch_size=2, seq_len=32, eval_every=0, eval_batches=1,
@@ -368,7 +370,7 @@ def _host_reads_during_fit(trainer, monkeypatch):
     (coat-train uses fused AdamW on CUDA, whose counters stay on the device)."""
     import traceback
 
-    from coat_models.train import Trainer
+    from coat_models.train.trainer import Trainer
 
     depth, outside, reads = [0], [], []
 
@@ -474,7 +476,7 @@ def test_metrics_do_not_depend_on_when_they_are_read(tmp_path):
 def test_non_finite_loss_is_reported_at_the_next_read_naming_its_step(tmp_path):
     """A NaN loss at step 5 (not a log point) stops the run when step 8 is read; the error
     names step 5, and the steps before it are in metrics.jsonl."""
-    from coat_models.train import TrainError
+    from coat_models.train.trainer import TrainError
 
     tr = _tiny_trainer(tmp_path, steps=40, log_every=10)
 
@@ -496,7 +498,7 @@ def test_breakdown_of_the_counted_steps_equals_counting_every_step(tmp_path, mod
     """fit counts memory on the first timed step and the last only; its breakdown is the one
     of counting every step (steps 2-N have the same tensors; step 1 has no optimizer state
     yet, which start() counts when counting resumes after it)."""
-    from coat_models.train import memory_report
+    from coat_models.train.memory import memory_report
 
     # 16 x 32 tokens: enough activations to be part of the peak
     tr = _tiny_trainer(tmp_path / "fit", mode, steps=6, batch_size=16)
@@ -517,9 +519,9 @@ def test_breakdown_of_the_counted_steps_equals_counting_every_step(tmp_path, mod
 def test_gpu_steps_between_reads_never_sync(mode):
     """With torch.cuda.set_sync_debug_mode("error"), queued steps (one of them counting
     memory) raise on any device-to-host sync; the read after them is the only one."""
-    from coat_models.data import load_data
-    from coat_models.presets import build_model, preset_config
-    from coat_models.train import Trainer
+    from coat_models.train.data import load_data
+    from coat_models.train.presets import build_model, preset_config
+    from coat_models.train.trainer import Trainer
 
     data = load_data(max_bytes=2**20)
     cuda = torch.device("cuda")

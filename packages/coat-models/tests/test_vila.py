@@ -1,7 +1,7 @@
 """apply_coat_vlm on a tiny LLaVA built in code (SigLIP-like tower, GELU projector, Llama LM):
 numerics against the unconverted model, 50 training steps against BF16, checkpoints both
 ways, eval/generate, revert, freezing the tower, the error for other models; the generated
-shapes-caption task and ``train_vlm``. CPU only."""
+shapes-caption task and the trainer's VL task (``coat_models.train.tasks.VLTask``). CPU only."""
 
 from __future__ import annotations
 
@@ -14,14 +14,10 @@ import pytest
 import torch
 import transformers
 from coat_models.optim import param_groups
-from coat_models.vila import (
-    apply_coat_vlm,
-    is_coat_vlm,
-    llava_tiny_config,
-    revert_coat_vlm,
-    vila7b_config,
-)
-from coat_models.vl_data import (
+from coat_models.train.presets import build_vlm
+from coat_models.train.tasks import VLTask
+from coat_models.train.trainer import TrainConfig, Trainer
+from coat_models.train.vl_data import (
     CAPTIONS,
     IGNORE_INDEX,
     IMAGE_TOKEN_ID,
@@ -30,7 +26,13 @@ from coat_models.vl_data import (
     num_image_tokens,
     sample,
 )
-from coat_models.vl_train import evaluate_vlm, train_vlm, vl_train_config
+from coat_models.vila import (
+    apply_coat_vlm,
+    is_coat_vlm,
+    llava_tiny_config,
+    revert_coat_vlm,
+    vila7b_config,
+)
 from transformers import LlavaForConditionalGeneration
 
 STEPS = 50
@@ -203,17 +205,24 @@ def test_config_reaches_every_converted_part():
 TRAIN = dict(steps=STEPS, batch_size=8, warmup=10, lr=1.5e-3)
 
 
-def _run(mode: str) -> dict:
-    cfg = vl_train_config("llava-tiny", mode, **TRAIN)
-    return train_vlm("llava-tiny", cfg, device="cpu", progress=False)
+def train_llava(mode: str, out, **overrides) -> tuple[dict, list[float]]:
+    """The llava-tiny preset trained by coat-train's ``Trainer`` in ``out``: (summary, every
+    step's training loss)."""
+    cfg = TrainConfig.from_preset("llava-tiny", mode, **{**TRAIN, **overrides})
+    task = VLTask("llava-tiny", cfg)
+    model = build_vlm(task.config, device="cpu", seed=cfg.seed)
+    trainer = Trainer(model, task, cfg, device=torch.device("cpu"), out_dir=out, progress=False)
+    try:
+        return trainer.fit(), trainer.train_losses
+    finally:
+        trainer.close()
 
 
 @pytest.fixture(scope="module")
 def bf16_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bf16")
-    cfg = vl_train_config("llava-tiny", "bf16", **TRAIN, eval_every=25)
-    summary = train_vlm("llava-tiny", cfg, device="cpu", out_dir=out, progress=False)
-    return summary, out
+    summary, losses = train_llava("bf16", out, eval_every=25)
+    return summary, losses, out
 
 
 # Per-step tolerance against BF16 (bf16 autocast + torch AdamW, same data and init):
@@ -226,22 +235,21 @@ TOL_ABS, TOL_REL = 0.01, 0.01
 
 
 @pytest.mark.parametrize("mode", ["coat-act", "coat"])
-def test_50_steps_track_bf16_at_every_step(bf16_run, mode):
+def test_50_steps_track_bf16_at_every_step(bf16_run, mode, tmp_path):
     if mode == "coat":
         try:
             from fp8_optim import CoatAdamW  # noqa: F401
         except ImportError:
             pytest.skip("fp8_optim.CoatAdamW is not available yet (create_optimizer needs it)")
-    want = bf16_run[0]["losses"]
-    got = _run(mode)["losses"]
+    want = bf16_run[1]
+    got = train_llava(mode, tmp_path)[1]
     assert len(got) == len(want) == STEPS
     for step, (w, g) in enumerate(zip(want, got, strict=True), 1):
         assert abs(g - w) <= TOL_ABS + TOL_REL * w, f"step {step}: {mode} {g:.4f} vs bf16 {w:.4f}"
 
 
-def test_train_vlm_learns_and_writes_the_cli_records(bf16_run):
-    summary, out = bf16_run
-    losses = summary["losses"]
+def test_trainer_learns_llava_and_writes_the_cli_records(bf16_run):
+    summary, losses, out = bf16_run
     # The captions' template is learnt first: from ~ln(320) = 5.8 to under half of it (2.42
     # measured) in 50 steps; reading the images takes a few hundred more.
     assert losses[0] > 5.0 and sum(losses[-5:]) / 5 < losses[0] / 2
@@ -252,10 +260,8 @@ def test_train_vlm_learns_and_writes_the_cli_records(bf16_run):
     assert [r["step"] for r in evals] == [25, 50] and evals[-1]["val_loss"] == summary["val_loss"]
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "mem_tracked_peak"} <= train[0].keys()
     assert 0 <= summary["val_caption_acc"] <= 1 and summary["tokens_per_s"] > 0
-    # Same summary shape as coat_models.train.Trainer: the CLI's table takes it as is.
-    from coat_models.cli import format_table
-
-    assert "val loss" in format_table([summary, summary])
+    assert summary["preset"] == "llava-tiny" and summary["vision_fp8"] is False
+    assert evals[-1]["val_caption_acc"] == summary["val_caption_acc"]
 
 
 # ---------------------------------------------------------------------- state dict, eval
@@ -455,9 +461,11 @@ def test_caption_accuracy_counts_whole_captions():
                 loss=torch.tensor(0.0), logits=logits
             )
 
-    task = ShapesCaptions(32, 16, images_per_sample=2)
-    batches = [task.batch(0, 2)]
-    assert evaluate_vlm(Oracle(), batches, torch.device("cpu"))[1] == 1.0
+    shapes = ShapesCaptions(32, 16, images_per_sample=2)
+    task = VLTask("llava-tiny", TrainConfig.from_preset("llava-tiny", eval_batches=1))
+    task.val = [shapes.batch(0, 2)]  # 2 sequences of 2 captions
+    cpu = torch.device("cpu")
+    assert task.evaluate(Oracle(), cpu)["val_caption_acc"] == 1.0
     # One wrong byte in the first caption of row 0: 3 of 4 captions right.
-    first = int((batches[0]["labels"][0] != IGNORE_INDEX).nonzero()[0]) - 1
-    assert evaluate_vlm(Oracle([(0, first + 2)]), batches, torch.device("cpu"))[1] == 0.75
+    first = int((task.val[0]["labels"][0] != IGNORE_INDEX).nonzero()[0]) - 1
+    assert task.evaluate(Oracle([(0, first + 2)]), cpu)["val_caption_acc"] == 0.75

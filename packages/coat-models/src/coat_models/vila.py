@@ -17,7 +17,7 @@ the LM head is ``model.lm_head``.
 
 No image processor is needed: feed ``pixel_values`` fp32 ``(images, 3, S, S)`` with ``S`` the
 tower's ``image_size``, normalized as ``(rgb / 255 - mean) / std``: SigLIP ``mean = std = 0.5``
-(values in [-1, 1]); CLIP ``coat_models.vl_data.CLIP_MEAN`` / ``CLIP_STD``. Each image takes
+(values in [-1, 1]); CLIP ``coat_models.train.vl_data.CLIP_MEAN`` / ``CLIP_STD``. Each image takes
 ``vl_data.num_image_tokens(config)`` placeholder ids ``config.image_token_id`` in ``input_ids``.
 """
 
@@ -37,8 +37,8 @@ from .llama import (
     revert_classes,
     set_fused_loss,
 )
-from .presets import round_up
-from .vl_data import IMAGE_TOKEN_ID, VL_VOCAB, num_image_tokens
+from .train.data import round_up
+from .train.vl_data import IMAGE_TOKEN_ID, VL_VOCAB, num_image_tokens
 
 SUPPORTED = (
     "LLaVA-style models: transformers' LlavaForConditionalGeneration or LlavaModel (5.17+), or "

@@ -31,6 +31,11 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", 
 BIN_DTYPES = {"uint16": np.uint16, "int32": np.int32}
 
 
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (vocabularies: a multiple of 64)."""
+    return -(-n // multiple) * multiple
+
+
 class DataError(ValueError):
     """Unusable data input; the message says what to change."""
 

@@ -1,4 +1,5 @@
-"""``coat-train``: train a Llama-family causal LM with BF16 and/or COAT FP8 and compare.
+"""``coat-train``: train a Llama-family causal LM (or a LLaVA-style vision-language preset)
+with BF16 and/or COAT FP8 and compare.
 
     coat-train --preset tiny --compare bf16,coat --out runs/demo
 
@@ -21,37 +22,34 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
-from .checkpoint import CheckpointError
+from .. import checkpoint
+from ..checkpoint import CheckpointError
+from ..distributed import run_on_rank0
 from .data import STDLIB_MAX_BYTES, DataError, load_data
-from .distributed import run_on_rank0
-from .plot import PlotUnavailable, loss_plot_png
 from .presets import (
     MODEL_DIR_DEFAULTS,
     PRESETS,
+    VL_PRESETS,
     ModelError,
     build_model,
+    build_vlm,
     model_dir_config,
     model_dir_tokenizer,
     preset_config,
+    vl_min_seq_len,
+    vl_param_count,
 )
-from .train import (
-    MASTER_DTYPES,
-    MODES,
-    REPORT_TO,
-    TENSORBOARD_HINT,
-    TrainConfig,
-    Trainer,
-    TrainError,
-    fmt_bytes,
-    write_atomic,
-)
-from .vl_train import VL_PRESETS
+from .report import TENSORBOARD_HINT, ReportError, fmt_bytes, write_atomic, write_run_report
+from .report import curves as read_curves
+from .tasks import LMTask, VLTask
+from .trainer import MASTER_DTYPES, MODES, REPORT_TO, TrainConfig, Trainer, TrainError
 
 ALL_PRESETS = [*PRESETS, *VL_PRESETS]
 
@@ -260,10 +258,6 @@ def _strategy(args) -> str | None:
     if args.fsdp and args.ddp:
         raise UsageError("use --fsdp or --ddp, not both")
     strategy = "fsdp" if args.fsdp else "ddp" if args.ddp else None
-    preset = args.preset or "tiny"
-    if (strategy or args.activation_checkpointing) and preset in VL_PRESETS:
-        flag = f"--{strategy}" if strategy else "--activation-checkpointing"
-        raise UsageError(f"{flag} is not supported for --preset {preset} yet: leave it out")
     world = os.environ.get("WORLD_SIZE")
     if strategy and world is None:
         raise UsageError(
@@ -281,7 +275,7 @@ def _strategy(args) -> str | None:
 
 def _rank_device(name: str) -> torch.device:
     """Join torchrun's process group; this rank's device (cuda:LOCAL_RANK, else cpu)."""
-    from .distributed import init_distributed
+    from ..distributed import init_distributed
 
     device = init_distributed()
     # COAT's decoder layer returns a view; the Llama loop does no in-place op on it, so
@@ -586,6 +580,99 @@ def _check_cuda_graphs(args, modes, device, strategy) -> None:
         raise UsageError("--cuda-graphs needs a CUDA device (--device cuda)")
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What ``run`` trains, checked before ``--out`` is touched: a task per mode, how each
+    mode's model is built, and how the model and data are described."""
+
+    tasks: list  # one per mode: tasks.LMTask or tasks.VLTask
+    build: Callable[[TrainConfig], torch.nn.Module]  # the mode's model, seeded, on the device
+    n_params: int
+    describe: dict  # the model, in summaries and checkpoints (resume refuses another)
+    shape: str  # e.g. "0.89 M params, vocab 320", for the header
+    data: str  # the data in the header
+    source: str  # the data in summary.json
+    tokenizer: object = None  # exported with the model
+    tune: str = " or --seq-len"  # what else to lower when memory runs out
+
+
+def _lm_job(args, cfgs, modes, device, label) -> _Job:
+    """A causal LM: model config first (cheap), then data (the tokenizer may come from the
+    model dir)."""
+    weights_dir = tokenizer = None
+    if args.model_dir:
+        config, has_weights = model_dir_config(args.model_dir)
+        weights_dir = args.model_dir if has_weights else None
+        tokenizer = model_dir_tokenizer(args.model_dir)
+    data = load_data(
+        args.data,
+        bin_dtype=args.data_dtype,
+        val_fraction=args.val_fraction,
+        max_bytes=int(args.corpus_mib * 2**20),
+        tokenizer=tokenizer,
+    )
+    if not args.model_dir:
+        config = preset_config(
+            args.preset or "tiny", data.vocab_size, args.vocab_size, max(c.seq_len for c in cfgs)
+        )
+    data.check_fits(config.vocab_size)
+    for cfg in cfgs:
+        data.check_windows(cfg.seq_len)
+    n_params = _count_params(config, modes)
+
+    def build(cfg):
+        master = MASTER_DTYPES[cfg.master_dtype]
+        return build_model(
+            config, device=device, master_dtype=master, seed=cfg.seed, weights_dir=weights_dir
+        )
+
+    return _Job(
+        tasks=[LMTask(data, cfg) for cfg in cfgs],
+        build=build,
+        n_params=n_params,
+        describe={"model": label, "params": n_params, "vocab_size": config.vocab_size},
+        shape=f"{n_params / 1e6:.2f} M params, vocab {config.vocab_size}",
+        data=f"{data.source}, {len(data.train):,} train / {len(data.val):,} val tokens",
+        source=data.source,
+        tokenizer=tokenizer,
+    )
+
+
+def _vl_job(args, cfgs, device, label) -> _Job:
+    """A vision-language preset on the generated shapes-caption task."""
+    name = args.preset
+    for flag in ("data", "vocab_size"):
+        if getattr(args, flag):
+            raise UsageError(
+                f"--{flag.replace('_', '-')} does not apply to --preset {name}: it trains on "
+                "the built-in shapes-caption task"
+            )
+    need = vl_min_seq_len(name)
+    for cfg in cfgs:
+        if cfg.seq_len < need:
+            raise UsageError(
+                f"--seq-len {cfg.seq_len} is too short for --preset {name}: its images and "
+                f"their captions need {need} tokens: pass --seq-len >= {need} or leave it out"
+            )
+    tasks = [VLTask(name, cfg) for cfg in cfgs]
+    n_params = vl_param_count(name)
+
+    def build(cfg):
+        master = MASTER_DTYPES[cfg.master_dtype]
+        return build_vlm(tasks[0].config, device=device, master_dtype=master, seed=cfg.seed)
+
+    return _Job(
+        tasks=tasks,
+        build=build,
+        n_params=n_params,
+        describe={"model": label, "params": n_params},
+        shape=f"{n_params / 1e6:.2f} M params, LLaVA-style",
+        data="generated shapes-caption images",
+        source="shapes-caption (generated)",
+        tune="",
+    )
+
+
 def run(args) -> int:
     """Validate everything, then train. Nothing is written before every check that can be
     made up front has passed; then the output directory is locked, and each mode's earlier
@@ -613,41 +700,18 @@ def run(args) -> int:
     out = Path(args.out)
     _check_out(out)
     if (args.preset or "tiny") in VL_PRESETS:
-        return run_vl(args, cfgs, modes, masters, device, label)
-
-    # Model config first (cheap), then data (the tokenizer may come from the model dir).
-    weights_dir = tokenizer = None
-    if args.model_dir:
-        config, has_weights = model_dir_config(args.model_dir)
-        weights_dir = args.model_dir if has_weights else None
-        tokenizer = model_dir_tokenizer(args.model_dir)
-    data = load_data(
-        args.data,
-        bin_dtype=args.data_dtype,
-        val_fraction=args.val_fraction,
-        max_bytes=int(args.corpus_mib * 2**20),
-        tokenizer=tokenizer,
-    )
-    if not args.model_dir:
-        config = preset_config(
-            args.preset or "tiny", data.vocab_size, args.vocab_size, max(c.seq_len for c in cfgs)
-        )
-    data.check_fits(config.vocab_size)
-    for cfg in cfgs:
-        data.check_windows(cfg.seq_len)
-    n_params = _count_params(config, modes)
-    _check_fits(n_params, modes, masters, device, label, strategy)
+        job = _vl_job(args, cfgs, device, label)
+    else:
+        job = _lm_job(args, cfgs, modes, device, label)
+    _check_fits(job.n_params, modes, masters, device, label, strategy)
     _check_resume(args, out, modes)
-    describe = {"model": label, "params": n_params, "vocab_size": config.vocab_size}
 
     c0 = cfgs[0]
     ranks = f" x {dist.get_world_size()} ranks" if strategy else ""
     _say(
-        f"{PROG}: {label} ({n_params / 1e6:.2f} M params, vocab {config.vocab_size}) on "
-        f"{device.type}"
+        f"{PROG}: {label} ({job.shape}) on {device.type}"
         + (f" ({strategy})" if strategy else "")
-        + f"; data: {data.source}, {len(data.train):,} train / {len(data.val):,} "
-        f"val tokens; {c0.steps} steps x {c0.batch_size} x {c0.seq_len} tokens"
+        + f"; data: {job.data}; {c0.steps} steps x {c0.batch_size} x {c0.seq_len} tokens"
         + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
         + ranks
         + f"; modes: {', '.join(modes)}",
@@ -656,27 +720,21 @@ def run(args) -> int:
 
     summaries, curves = [], {}
     with _output_lock(out):
-        for cfg in cfgs:
+        for cfg, task in zip(cfgs, job.tasks, strict=True):
             mode_dir = out / cfg.mode
             resume = _resume_point(args, mode_dir)
             t0 = time.perf_counter()
             trainer = oom = None
             try:
-                model = build_model(
-                    config,
-                    device=device,
-                    master_dtype=MASTER_DTYPES[cfg.master_dtype],
-                    seed=cfg.seed,
-                    weights_dir=weights_dir,
-                )
+                model = job.build(cfg)
                 trainer = Trainer(
                     model,
-                    data,
+                    task,
                     cfg,
                     device=device,
                     out_dir=mode_dir,
                     progress=not args.no_progress,
-                    describe=describe,
+                    describe=job.describe,
                     strategy=strategy,
                     activation_checkpointing=args.activation_checkpointing,
                 )
@@ -684,7 +742,7 @@ def run(args) -> int:
                 if resume is None:
                     _start_afresh(mode_dir)
                 summary = trainer.fit(resume)
-                summary["export"] = str(trainer.export(mode_dir / "final", tokenizer))
+                summary["export"] = str(trainer.export(mode_dir / "final", job.tokenizer))
             except CheckpointError as e:
                 if args.resume == "latest" and resume is not None:
                     raise _unusable_newest(e, resume) from None
@@ -702,217 +760,33 @@ def run(args) -> int:
                 raise TrainError(
                     f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
                     f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise "
-                    "--grad-accum to keep the batch) or --seq-len"
+                    f"--grad-accum to keep the batch){job.tune}"
                 )
             summary["wall_s"] = time.perf_counter() - t0
             summaries.append(summary)
             if _rank() != 0:  # under torchrun rank 0 alone writes files and prints
                 continue
             write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
-            curves[cfg.mode] = _curves(mode_dir / "metrics.jsonl")
+            curves[cfg.mode] = read_curves(mode_dir / "metrics.jsonl")
+            acc = summary.get("val_caption_acc")
             print(
                 f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
-                f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}; model: "
-                f"{summary['export']}",
+                f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}"
+                + ("" if acc is None else f", caption accuracy {acc:.2f}")
+                + f"; model: {summary['export']}",
                 flush=True,
             )
 
         if _rank() != 0:
             return 0
-        return _finish(args, out, device, describe, data.source, summaries, curves)
-
-
-def run_vl(args, cfgs, modes, masters, device, label) -> int:
-    """A vision-language preset: each mode trains on the built-in shapes-caption task
-    (``vl_train.train_vlm``); the same table, loss plot, JSONL and summary as for LMs."""
-    from .vl_train import train_vlm, vl_param_count
-
-    name = args.preset
-    for flag in ("model_dir", "data", "vocab_size", "resume"):
-        if getattr(args, flag):
-            raise UsageError(
-                f"--{flag.replace('_', '-')} does not apply to --preset {name}: it trains on "
-                "the built-in shapes-caption task"
-            )
-    if args.save_every:
-        raise UsageError(f"--save-every: checkpoints are not supported for --preset {name} yet")
-    n_params = vl_param_count(name)
-    _check_fits(n_params, modes, masters, device, label)
-    c0 = cfgs[0]
-    print(
-        f"{PROG}: {label} ({n_params / 1e6:.2f} M params, LLaVA-style) on {device.type}; data: "
-        f"generated shapes-caption images; {c0.steps} steps x {c0.batch_size} x {c0.seq_len} "
-        f"tokens"
-        + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
-        + f"; modes: {', '.join(modes)}",
-        flush=True,
-    )
-    out, summaries, curves = Path(args.out), [], {}
-    with _output_lock(out):
-        for cfg in cfgs:
-            mode_dir = out / cfg.mode
-            shutil.rmtree(mode_dir, ignore_errors=True)
-            t0 = time.perf_counter()
-            oom = False
-            try:
-                summary = train_vlm(
-                    name, cfg, device=device, out_dir=mode_dir, progress=not args.no_progress
-                )
-            except (RuntimeError, torch.OutOfMemoryError) as e:
-                if not is_oom(e):
-                    raise
-                oom = True
-            finally:
-                _free(device)
-            if oom:
-                raise TrainError(
-                    f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
-                    f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise "
-                    "--grad-accum to keep the batch)"
-                )
-            summary["wall_s"] = time.perf_counter() - t0
-            summaries.append(summary)
-            write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
-            curves[cfg.mode] = _curves(mode_dir / "metrics.jsonl")
-            print(
-                f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
-                f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}, caption "
-                f"accuracy {summary['val_caption_acc']:.2f}",
-                flush=True,
-            )
-        describe = {"model": label, "params": n_params}
-        return _finish(args, out, device, describe, "shapes-caption (generated)", summaries, curves)
-
-
-def _finish(args, out: Path, device, describe: dict, source: str, summaries, curves) -> int:
-    """Loss plot (with matplotlib), summary.json and the compare table of a finished run."""
-    png = out / "loss.png"
-    try:
-        write_atomic(png, loss_plot_png(curves))
-        plot_line = f"loss curves: {png}"
-    except PlotUnavailable as e:
-        png.unlink(missing_ok=True)  # an earlier run's picture is not this run's
-        png = None
-        plot_line = f"loss curves: not drawn, {e}"
-    result = {
-        "args": vars(args),
-        "device": device.type,
-        "model": describe,
-        "data": source,
-        "runs": summaries,
-        "plot": None if png is None else str(png),
-    }
-    write_atomic(out / "summary.json", json.dumps(result, indent=1))
-    print()
-    print(format_table(summaries))
-    print()
-    print(plot_line)
-    print(f"metrics:     {', '.join(str(out / s['mode'] / 'metrics.jsonl') for s in summaries)}")
-    print(f"models:      {', '.join(s['export'] for s in summaries if s.get('export'))}")
-    print(f"summary:     {out / 'summary.json'}")
-    return 0
-
-
-def _curves(path: Path) -> dict:
-    train, val = ([], []), ([], [])
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        dst, key = (train, "loss") if rec["type"] == "train" else (val, "val_loss")
-        dst[0].append(rec["step"])
-        dst[1].append(rec[key])
-    return {"train": train, "val": val}
-
-
-def format_table(summaries: list[dict]) -> str:
-    """Side-by-side table of runs; with two or more, ratios against the first run."""
-    mem = [s["memory"] for s in summaries]
-    measured = all(m["measured_peak"] is not None for m in mem)
-    steps = summaries[0]["steps"]
-    world = summaries[0].get("world_size", 1)
-    per = "" if world == 1 else f" per {'GPU' if mem[0]['device'] == 'cuda' else 'rank'}"
-    rows = [
-        (
-            f"train loss (mean of last {summaries[0]['train_loss_window']} steps)",
-            [s["train_loss"] for s in summaries],
-            "loss",
-        ),
-        ("val loss (held-out split)", [s["val_loss"] for s in summaries], "loss"),
-        (
-            f"tokens/s{per}" + (f" (steps 2-{steps})" if steps > 1 else ""),
-            [s["tokens_per_s"] for s in summaries],
-            "rate",
-        ),
-    ]
-    if measured:
-        rows.append(
-            (
-                f"peak memory{per} ({mem[0]['measured_by']})",
-                [m["measured_peak"] for m in mem],
-                "bytes",
-            )
-        )
-    rows += [
-        (
-            "  tracked tensors at their peak"
-            if measured
-            else f"peak memory{per} (tracked tensors)",
-            [m["tracked_peak"] for m in mem],
-            "bytes",
-        ),
-        ("    weights", [m["weights"] for m in mem], "bytes"),
-        ("    weight copies (casts, FP8 caches)", [m["weight_copies"] for m in mem], "bytes"),
-        ("    gradients", [m["gradients"] for m in mem], "bytes"),
-        ("    optimizer state", [m["optimizer_state"] for m in mem], "bytes"),
-        ("    activations (saved for backward)", [m["activations"] for m in mem], "bytes"),
-    ]
-    if measured:
-        rows.append(("  other (peak - tracked)", [m["other"] for m in mem], "bytes"))
-    fmt = {
-        "loss": lambda v: "n/a" if v is None else f"{v:.4f}",
-        "rate": lambda v: "n/a" if v is None else f"{v:,.0f}",
-        "bytes": fmt_bytes,
-    }
-    base = summaries[0]["mode"]
-    head = [""] + [f"{s['mode']} ({s['master_dtype']} master)" for s in summaries]
-    head += [f"{s['mode']}/{base}" for s in summaries[1:]]
-    body = []
-    for name, vals, kind in rows:
-        cells = [name] + [fmt[kind](v) for v in vals]
-        for v in vals[1:]:
-            if vals[0] in (None, 0) or v is None:
-                cells.append("")
-            elif kind == "loss":
-                cells.append(f"{(v / vals[0] - 1) * 100:+.2f}%")
-            else:
-                cells.append(f"{v / vals[0]:.2f}x")
-        body.append(cells)
-    widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
-    lines = [
-        "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        )
-        for r in [head] + body
-    ]
-    notes = ["", MEMORY_NOTE[mem[0]["device"] == "cuda"]]
-    if world > 1:
-        notes.append(
-            f"{world} ranks ({summaries[0]['parallel']['strategy']}): tokens/s and memory{per}"
-            " (the slowest rank's tokens/s, the memory of the rank with the highest peak); "
-            "losses: mean over the micro-batches of all ranks."
-        )
-    return "\n".join(lines + notes)
-
-
-MEMORY_NOTE = {
-    True: "memory: peak = torch.cuda.max_memory_allocated over the run; the parts are tensor "
-    "bytes at their joint peak (weights, copies of weights, gradients, optimizer state, tensors "
-    "saved for backward); other = peak - parts: temporaries inside ops and caches.",
-    False: "memory: CPU has no allocator statistics; peak = tensor bytes of weights, copies of "
-    "weights, gradients, optimizer state and tensors saved for backward at their joint peak. "
-    "Not counted: temporaries inside ops (tests: about 10% of a step's peak for bf16, 38% for "
-    "COAT's plain-PyTorch CPU path).",
-}
+        run_info = {
+            "args": vars(args),
+            "device": device.type,
+            "model": job.describe,
+            "data": job.source,
+        }
+        print(write_run_report(out, run_info, summaries, curves))
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -927,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, DataError, ModelError, CheckpointError) as e:
         _say(f"{PROG}: error: {e}", file=sys.stderr)  # the same on every rank
         return 2
-    except TrainError as e:
+    except (TrainError, ReportError) as e:
         rank = f"rank {_rank()}: " if dist.is_initialized() and dist.get_world_size() > 1 else ""
         print(f"{PROG}: error: {rank}{e}", file=sys.stderr)
         return 1

@@ -1,5 +1,7 @@
 """The coat-train training loop: one precision mode, one run, with memory accounting,
-metrics, progress, evaluation and atomic checkpoints that resume bit-exactly.
+metrics, progress, evaluation and atomic checkpoints that resume bit-exactly. One loop for
+every model kind: what differs (batches, validation metrics, the FP8 conversion) is the
+task's (``tasks.LMTask`` for causal LMs, ``tasks.VLTask`` for the LLaVA presets).
 
 Modes (FP8 activations, FP8 optimizer states):
 
@@ -26,27 +28,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import pickle
 import random
 import shutil
-import sys
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from tqdm import tqdm
 
-from . import checkpoint, distributed
-from .data import BatchSampler, TokenData, val_batches
-from .presets import ModelError
+from .. import checkpoint, distributed
+from ..graphs import enable_cuda_graphs
+from ..optim import create_optimizer, param_groups
+from .data import TokenData
+from .memory import MemoryTracker, PeakMeter, memory_report
+from .presets import PRESETS, VL_PRESETS, ModelError
+from .report import MetricsLog, Progress, fmt_bytes
+from .tasks import LMTask
 
 MODES = {  # mode -> (FP8 activations, FP8 optimizer states)
     "bf16": (False, False),
@@ -153,6 +155,20 @@ class TrainConfig:
                 "made in Python) must be off: drop --fp8-weight-cache"
             )
 
+    @classmethod
+    def from_preset(cls, name: str, mode: str = "bf16", **overrides) -> TrainConfig:
+        """The training defaults of preset ``name`` (``presets.PRESETS`` or ``VL_PRESETS``),
+        ``overrides`` (field=value) on top.
+
+        >>> cfg = TrainConfig.from_preset("llava-tiny", "coat", steps=50)
+        """
+        preset = PRESETS.get(name) or VL_PRESETS.get(name)
+        if preset is None:
+            known = ", ".join([*PRESETS, *VL_PRESETS])
+            raise ValueError(f"unknown preset {name!r}: choose one of {known}")
+        names = ("batch_size", "seq_len", "steps", "lr", "warmup", "eval_every", "eval_batches")
+        return cls(mode=mode, **{**{k: getattr(preset, k) for k in names}, **overrides})
+
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len * self.grad_accum
@@ -188,451 +204,60 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
 
 
 # ---------------------------------------------------------------------------------------------
-# Memory accounting
-
-
-def _storages(t: torch.Tensor):
-    """[(key, bytes)] of the memory a tensor holds; wrapper subclasses (FP8 data + scales,
-    FSDP2's DTensor shards) are opened up into their inner tensors."""
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        inner = [getattr(t, n) for n in names]  # DTensor also names its DeviceMesh
-        return [s for i in inner if isinstance(i, torch.Tensor) for s in _storages(i)]
-    try:
-        st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return [(("tensor", id(t)), t.nelement() * t.element_size())]
-    return [((st.device.type, st.device.index, st.data_ptr()), st.nbytes())]
-
-
-def _flat_tensors(obj) -> list[torch.Tensor]:
-    """Tensors in ``obj``, looking into tuples, lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _flat_tensors(o)]
-    return []
-
-
-def tensor_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (shared storage counted once)."""
-    return sum(dict(s for t in tensors for s in _storages(t)).values())
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return tensor_bytes(
-        v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
-    )
-
-
-_COPY_OR_VIEW = {  # autograd nodes of casts and views
-    "ToCopyBackward0",
-    "TBackward0",
-    "TransposeBackward0",
-    "PermuteBackward0",
-    "ViewBackward0",
-    "UnsafeViewBackward0",
-    "ExpandBackward0",
-    "CloneBackward0",
-    "AliasBackward0",
-}
-
-
-def _is_weight_copy(t: torch.Tensor) -> bool:
-    """True for a cast or view of a parameter (e.g. autocast's bf16 copy of an fp32 weight),
-    or a parameter the model does not hold (FSDP2's all-gathered copy of a sharded one)."""
-    if isinstance(t, torch.nn.Parameter):
-        return True
-    fn = t.grad_fn
-    for _ in range(4):
-        if fn is None:
-            return False
-        if type(fn).__name__ == "AccumulateGrad":
-            return isinstance(fn.variable, torch.nn.Parameter)
-        nxt = [f for f, _ in fn.next_functions if f is not None]
-        if type(fn).__name__ not in _COPY_OR_VIEW or len(nxt) != 1:
-            return False
-        fn = nxt[0]
-    return False
-
-
-class _Saved:
-    """What autograd keeps for a saved tensor while the tracker is active: the tensor
-    (detached, no copy) and a callback that returns its bytes when autograd frees it."""
-
-    __slots__ = ("tensor", "keys", "release")
-
-    def __init__(self, tensor, keys, release):
-        self.tensor, self.keys, self.release = tensor, keys, release
-
-    def __del__(self):
-        self.release(self.keys)
-
-
-class MemoryTracker:
-    """Live bytes of weights, gradients, optimizer state and tensors saved for backward, and
-    their values at the moment their sum peaked.
-
-    - weights: parameters and buffers (constant);
-    - gradients: ``.grad`` tensors, counted when autograd first writes them in a step;
-    - optimizer state: tensors in ``optimizer.state``, counted after each step;
-    - activations: tensors autograd saves for backward (``saved_tensors_hooks``), each storage
-      once, parameters excluded, counted until autograd frees them;
-    - weight_copies: saved tensors that are a cast or view of a parameter (autocast's bf16
-      copies of fp32 weights), and tensors kept as attributes of parameters (COAT's FP8
-      weight caches), found when backward starts and after each optimizer step and counted
-      until they are freed.
-    It sees tensors only through these routes: temporaries that are not saved (e.g. the fp32
-    logits inside the loss) and caches kept elsewhere are in ``measured - tracked``.
-
-    ``grad_hooks=False`` counts gradients only in ``count_grads`` after backward: for FSDP2,
-    which calls the hooks of its sharded parameters with views of one reduce-scatter output
-    per layer (a hook would count the whole output for each parameter).
-
-    Counting costs host time, a Python call per saved tensor and per parameter: the tiny
-    preset (4 layers, bf16) saves 165 tensors per step, and a counted step took 9.3 ms on
-    CPU against 7.5 ms uncounted (batch 1 x 16 tokens, where host time is all there is). A trainer
-    therefore counts only some steps: ``stop()`` between steps ends counting, ``start
-    (optimizer)`` before a step resumes it (``active`` says which). The peak and its
-    breakdown are then those of the counted steps.
-    """
-
-    KINDS = ("weights", "gradients", "optimizer_state", "activations", "weight_copies")
-
-    def __init__(self, model: torch.nn.Module, grad_hooks: bool = True):
-        self.live = dict.fromkeys(self.KINDS, 0)
-        self.at_peak = dict(self.live)
-        self.peak = 0
-        tensors = list(model.parameters()) + list(model.buffers())
-        self._param_keys = {k for t in tensors for k, _ in _storages(t)}
-        self.live["weights"] = tensor_bytes(tensors)
-        self._params = list(model.parameters())
-        self._saved: dict = {}  # storage key -> [refs, bytes, kind]
-        self._attached: dict = {}  # storage key -> [live tensors, bytes]
-        self._watched: set[int] = set()  # ids of live tensors attached to parameters
-        self._scan_pending = False
-        self._grads_seen: set[int] = set()
-        self._grad_hooks = grad_hooks
-        self._handles: list = []
-        self.active = False
-        self.start()
-
-    def start(self, optimizer: torch.optim.Optimizer | None = None):
-        """Count from here on (call between steps): the gradient hooks go back on, and what
-        changed while stopped is counted again: ``optimizer``'s state (created at its first
-        step) and tensors kept on parameters (FP8 weight caches)."""
-        if self._grad_hooks and not self._handles:
-            self._handles = [
-                p.register_post_accumulate_grad_hook(self._on_grad)
-                for p in self._params
-                if p.requires_grad
-            ]
-        if optimizer is not None:
-            self.live["optimizer_state"] = optimizer_state_bytes(optimizer)
-        self.active = True
-        self.scan_attached()
-
-    def stop(self):
-        """Stop counting (between steps, after ``grads_dropped``): the gradient hooks come
-        off; tensors already counted are still released when freed. Use ``saving()`` only
-        while active."""
-        self.close()
-        self.active = False
-
-    def close(self):
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def saving(self):
-        """Context manager: count tensors saved for backward by the code inside."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, t):
-        self._scan_pending = True
-        keys = []
-        for key, nbytes in _storages(t):
-            if key in self._param_keys or key in self._attached:
-                continue
-            ref = self._saved.get(key)
-            if ref is None:
-                kind = "weight_copies" if _is_weight_copy(t) else "activations"
-                self._saved[key] = ref = [0, nbytes, kind]
-                self.live[kind] += nbytes
-            ref[0] += 1
-            keys.append(key)
-        self._update()
-        # Keep t detached: t itself may be an output of the node saving it, and a Python
-        # object held by the node that refers back to the node through t.grad_fn is a
-        # cycle that Python's gc cannot see. Then a graph whose backward never runs (an
-        # out-of-memory error in forward or backward) would never be freed, parameters and
-        # activations with it. Autograd restores the history on unpack.
-        return _Saved(t.detach(), keys, self._release)
-
-    def _unpack(self, saved):
-        if self._scan_pending:  # the first unpack of a backward: the forward is complete
-            self._scan_pending = False
-            self.scan_attached()
-        return saved.tensor
-
-    def scan_attached(self):
-        """Count tensors kept as attributes of parameters (e.g. FP8 weight caches made in
-        forward) as weight copies until they are freed; one saved for backward moves there."""
-        for p in self._params:
-            for t in _flat_tensors(list(p.__dict__.values())):
-                if id(t) in self._watched:
-                    continue
-                self._watched.add(id(t))
-                keys = []
-                for key, nbytes in _storages(t):
-                    ref = self._attached.get(key)
-                    if ref is None:
-                        self._attached[key] = ref = [0, nbytes]
-                        self.live["weight_copies"] += nbytes
-                        saved = self._saved.get(key)
-                        if saved is not None:  # already counted as saved: count it once
-                            self.live[saved[2]] -= saved[1]
-                            saved[1] = 0
-                    ref[0] += 1
-                    keys.append(key)
-                weakref.finalize(t, self._drop_attached, id(t), keys)
-        self._update()
-
-    def _drop_attached(self, tensor_id, keys):
-        self._watched.discard(tensor_id)
-        for key in keys:
-            ref = self._attached[key]
-            ref[0] -= 1
-            if ref[0] == 0:
-                self.live["weight_copies"] -= ref[1]
-                del self._attached[key]
-
-    def _release(self, keys):
-        for key in keys:
-            ref = self._saved[key]
-            ref[0] -= 1
-            if ref[0] == 0:
-                self.live[ref[2]] -= ref[1]
-                del self._saved[key]
-
-    def _on_grad(self, p):
-        if id(p) not in self._grads_seen:
-            self._grads_seen.add(id(p))
-            self.live["gradients"] += tensor_bytes([p.grad])
-            self._update()
-
-    def count_grads(self):
-        """Count the gradients no hook counted (all of them with ``grad_hooks=False``), each
-        storage once; call after backward."""
-        new = [p for p in self._params if p.grad is not None and id(p) not in self._grads_seen]
-        self._grads_seen.update(id(p) for p in new)
-        self.live["gradients"] += tensor_bytes([p.grad for p in new])
-        self._update()
-
-    def after_optimizer_step(self, optimizer):
-        """Call after ``optimizer.step()``, before the gradients are dropped."""
-        self.live["optimizer_state"] = optimizer_state_bytes(optimizer)
-        self.scan_attached()
-
-    def grads_dropped(self):
-        self.live["gradients"] = 0
-        self._grads_seen.clear()
-
-    def _update(self):
-        total = sum(self.live.values())
-        if total > self.peak:
-            self.peak, self.at_peak = total, dict(self.live)
-
-    def reset_peak(self):
-        self.peak, self.at_peak = 0, dict(self.live)
-        self._update()
-
-
-class PeakMeter:
-    """Measured peak memory since ``reset``: ``torch.cuda.max_memory_allocated`` on CUDA;
-    ``None`` on CPU, where torch keeps no allocator statistics (the tests compare the tracked
-    bytes with the process's resident-set growth instead, see README)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.label = "cuda max_memory_allocated" if device.type == "cuda" else None
-
-    def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak(self) -> int | None:
-        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-
-
-def memory_report(tracker: MemoryTracker, meter: PeakMeter) -> dict:
-    """The breakdown at the tracked peak and, where measured (CUDA), ``other = measured -
-    tracked``: temporaries inside ops and caches, which the tracker cannot see."""
-    measured = meter.peak()
-    return {
-        "device": meter.device.type,
-        "measured_by": meter.label,
-        "measured_peak": measured,
-        "tracked_peak": tracker.peak,
-        **tracker.at_peak,
-        "other": None if measured is None else measured - tracker.peak,
-    }
-
-
-# ---------------------------------------------------------------------------------------------
 # Model and optimizer per mode
 
 
-def _coat_api(name: str):
-    """``coat_models.<name>`` (apply_coat / create_optimizer), imported only by the modes that
-    need it so that bf16 runs work without the FP8 packages."""
-    import coat_models
-
-    fn = getattr(coat_models, name, None)
-    if fn is None:
-        raise TrainError(f"this mode needs coat_models.{name}, which this install does not have")
-    return fn
-
-
-def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW param groups: decay on matrices, none on norms and biases (1-D tensors)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-
-
-def prepare(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
-    """(model, optimizer) for ``cfg.mode``: FP8 activations and/or CoatAdamW as the mode says."""
+def prepare(
+    model: torch.nn.Module,
+    task,
+    cfg: TrainConfig,
+    device: torch.device,
+    strategy: str | None = None,
+    activation_checkpointing: bool = False,
+):
+    """(model, optimizer) for ``cfg.mode``: the task's FP8 conversion (``apply_coat`` /
+    ``apply_coat_vlm``) where the mode has FP8 activations, CUDA graphs with
+    ``cfg.cuda_graphs``; under torchrun the model sharded by FSDP2 (``strategy="fsdp"``: bf16
+    compute, fp32 gradient reduce-scatter) or wrapped by DDP (``"ddp"``); then CoatAdamW
+    (``create_optimizer``) or torch AdamW (fused on CUDA) as the mode says, over the
+    parameters this rank updates, decay on matrices only (``param_groups``)."""
     fp8_act, fp8_optim = MODES[cfg.mode]
+    fp8_config = None
     if fp8_act:
         from fp8_activations import FP8ActivationConfig
 
+        # FSDP2 all-gathers into reused storage, which the weight cache cannot tell from the
+        # weights it cached (coat_models.distributed.shard_model turns it off for COAT layers).
+        fp8_config = FP8ActivationConfig(weight_cache=cfg.weight_cache and strategy != "fsdp")
+    try:
+        model = task.convert(model, fp8_config)
+    except TypeError as e:  # documented: an unsupported architecture, named in e
+        raise ModelError(f"mode {cfg.mode}: {e}") from None
+    if cfg.cuda_graphs:
         try:
-            model = _coat_api("apply_coat")(
-                model, config=FP8ActivationConfig(weight_cache=cfg.weight_cache)
-            )
-        except TypeError as e:  # documented: an unsupported architecture, named in e
-            raise ModelError(f"mode {cfg.mode}: {e}") from None
-        enable_graphs(model, cfg)
-    if fp8_optim:
-        opt = _coat_api("create_optimizer")(
-            model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas
+            enable_cuda_graphs(model)
+        except ValueError as e:  # a CPU model, another attention implementation
+            raise TrainError(f"--cuda-graphs: {e}") from None
+    if strategy == "fsdp":
+        target = distributed.shard_model(model, activation_checkpointing=activation_checkpointing)
+    elif strategy == "ddp":
+        model = distributed.wrap_ddp(
+            model,
+            activation_checkpointing=activation_checkpointing,
+            find_unused_parameters=task.find_unused_parameters,
         )
+        target = model.module
+    else:
+        if activation_checkpointing:
+            distributed.enable_activation_checkpointing(model)
+        target = model
+    if fp8_optim:
+        opt = create_optimizer(target, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
     else:
         fused = device.type == "cuda"  # the baseline users run on GPUs
-        opt = torch.optim.AdamW(
-            decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, fused=fused
-        )
+        groups = param_groups(target, cfg.weight_decay)
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused)
     return model, opt
-
-
-def enable_graphs(model: torch.nn.Module, cfg: TrainConfig) -> None:
-    """``coat_models.enable_cuda_graphs(model)`` when ``cfg.cuda_graphs`` (after apply_coat);
-    its refusals (a CPU model, another attention implementation) become ``TrainError``."""
-    if not cfg.cuda_graphs:
-        return
-    try:
-        _coat_api("enable_cuda_graphs")(model)
-    except ValueError as e:
-        raise TrainError(f"--cuda-graphs: {e}") from None
-
-
-def prepare_distributed(
-    model: torch.nn.Module, cfg: TrainConfig, strategy: str, activation_checkpointing: bool
-):
-    """``prepare`` for one rank of a ``torchrun`` job: ``apply_coat`` and/or CoatAdamW as
-    ``cfg.mode`` says, the model wrapped by FSDP2 (``strategy="fsdp"``: bf16 compute, fp32
-    gradient reduce-scatter) or DDP (``"ddp"``); the same parameter groups as ``prepare``."""
-    fp8_act, fp8_optim = MODES[cfg.mode]
-    try:
-        return distributed.prepare_data_parallel(
-            model,
-            strategy,
-            fp8_activations=fp8_act,
-            fp8_optimizer=fp8_optim,
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            betas=cfg.betas,
-            activation_checkpointing=activation_checkpointing,
-        )
-    except TypeError as e:  # apply_coat: an unsupported architecture, named in e
-        raise ModelError(f"mode {cfg.mode}: {e}") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# Progress line
-
-
-def fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}" if abs(n) < 100 * size else f"{n / size:.0f} {unit}"
-    return f"{n} B"
-
-
-class Progress:
-    """The run's progress on stderr, drawn by tqdm. The trainers call ``update`` only where
-    they read the step values from the device (every ``--log-every`` steps, at evaluations
-    and at the steps that are multiples of ``every``), so the bar never makes the host wait.
-    On a terminal the bar is redrawn at each update; elsewhere (a log file, CI) one line in
-    tqdm's format is printed at the multiples of ``every`` (10% of the run) and at the last
-    step, as a redrawn bar would fill a log with carriage returns."""
-
-    def __init__(self, label: str, total: int, stream=None, enabled: bool = True):
-        self.label, self.total, self.enabled = label, total, enabled
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        # The same on every rank (not tied to the terminal): trainers read values here.
-        self.every = max(1, total // 10)
-        self.t0 = time.perf_counter()
-        self._bar = None
-
-    def update(self, step: int, fields: dict, first_step: int = 1):
-        """Show ``step`` of ``total`` with ``fields`` (name -> formatted value); a run
-        resumed at ``first_step`` counts its rate from there."""
-        if not self.enabled:
-            return
-        postfix = ", ".join(f"{k} {v}" for k, v in fields.items())
-        if self.tty:
-            if self._bar is None:
-                self._bar = tqdm(
-                    total=self.total,
-                    initial=first_step - 1,
-                    desc=f"[{self.label}]",
-                    unit="step",
-                    file=self.stream,
-                    dynamic_ncols=True,
-                    mininterval=0,  # the calls are already sparse: draw each one
-                )
-            self._bar.set_postfix_str(postfix, refresh=False)
-            self._bar.update(step - self._bar.n)
-            if step == self.total:
-                self.close()
-        elif step % self.every == 0 or step == self.total:
-            line = tqdm.format_meter(
-                step,
-                self.total,
-                time.perf_counter() - self.t0,
-                prefix=f"[{self.label}]",
-                ascii=True,  # a log file may not be read as UTF-8
-                unit="step",
-                postfix=postfix,
-                initial=first_step - 1,
-            )
-            self.stream.write(line + "\n")
-            self.stream.flush()
-
-    def close(self):
-        """End the terminal bar (its line stays); the trainers call it when they stop."""
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -744,40 +369,6 @@ def _launch(parallel: dict | None) -> str:
     return f"--{parallel['strategy']} on {parallel['world_size']} ranks"
 
 
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write to a temporary name, then rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
-    os.replace(tmp, path)
-
-
-TENSORBOARD_HINT = (
-    "--report-to tensorboard needs the tensorboard package: pip install tensorboard "
-    "(or pip install 'coat-models[tensorboard]'), or leave out --report-to"
-)
-
-
-def tensorboard_writer(log_dir: Path, purge_step: int | None = None):
-    """torch's ``SummaryWriter`` on ``log_dir``; ``purge_step``: a resumed run's first step
-    (TensorBoard hides what an earlier, killed run logged from there on). ``TrainError``
-    (``TENSORBOARD_HINT``) without the tensorboard package."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise TrainError(TENSORBOARD_HINT) from None
-    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
-
-
-def log_scalars(writer, record: dict) -> None:
-    """Each number of a metrics record as the scalar ``<type>/<name>`` at its step (e.g.
-    ``train/loss``, ``eval/val_loss``); nothing without a writer."""
-    if writer is None:
-        return
-    for name, value in record.items():
-        if name != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-            writer.add_scalar(f"{record['type']}/{name}", value, record["step"])
-
-
 def export_pretrained(
     model: torch.nn.Module, path: Path, *, tokenizer=None, state_dict: dict | None = None
 ) -> Path:
@@ -815,7 +406,7 @@ class Trainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        data: TokenData,
+        task,
         cfg: TrainConfig,
         *,
         device: torch.device,
@@ -825,10 +416,11 @@ class Trainer:
         strategy: str | None = None,
         activation_checkpointing: bool = False,
     ):
-        """``strategy``: ``None`` (one process), or ``"fsdp"`` / ``"ddp"`` for one rank of a
-        ``torchrun`` job (the process group must exist: ``distributed.init_distributed()``);
-        ``activation_checkpointing`` recomputes each decoder layer in backward (same numbers,
-        less memory)."""
+        """``task``: what is trained on (``tasks.LMTask``, ``tasks.VLTask``); a ``TokenData``
+        is a causal LM on it. ``strategy``: ``None`` (one process), or ``"fsdp"`` / ``"ddp"``
+        for one rank of a ``torchrun`` job (the process group must exist:
+        ``distributed.init_distributed()``); ``activation_checkpointing`` recomputes each
+        decoder layer in backward (same numbers, less memory)."""
         if strategy is not None and strategy not in distributed.STRATEGIES:
             raise ValueError(
                 f"strategy must be None or one of {distributed.STRATEGIES}, got {strategy!r}"
@@ -843,24 +435,19 @@ class Trainer:
                 "--cuda-graphs runs in one process without activation checkpointing (sharded "
                 "parameters move; checkpointed layers run eagerly): drop one of them"
             )
-        self.cfg, self.device, self.data = cfg, device, data
+        if isinstance(task, TokenData):
+            task = LMTask(task, cfg)
+        self.cfg, self.device, self.task = cfg, device, task
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.describe = describe or {}
         self.strategy = strategy
         self.world = dist.get_world_size() if strategy else 1
         self.rank = dist.get_rank() if strategy else 0
         self.is_main = self.rank == 0  # writes metrics, prints progress, prunes checkpoints
-        if strategy is None:
-            self.model, self.optimizer = prepare(model, cfg, device)
-            if activation_checkpointing:
-                distributed.enable_activation_checkpointing(self.model)
-        else:
-            self.model, self.optimizer = prepare_distributed(
-                model, cfg, strategy, activation_checkpointing
-            )
+        self.model, self.optimizer = prepare(
+            model, task, cfg, device, strategy, activation_checkpointing
+        )
         self.scheduler = lr_scheduler(self.optimizer, cfg)
-        self.sampler = BatchSampler(data.train, cfg.batch_size, cfg.seq_len, cfg.seed)
-        self.val = val_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
         self.tracker = MemoryTracker(self.model, grad_hooks=strategy != "fsdp")
         self.step = 0  # optimizer steps done
         self.meter = PeakMeter(device)
@@ -871,7 +458,7 @@ class Trainer:
         )
         self.totals = {"timed_tokens": 0, "timed_time": 0.0, "memory": None}
         self.train_losses: list[float] = []
-        self.val_loss: float | None = None
+        self.val_metrics: dict | None = None  # of the last evaluation: val_loss, ...
         self.progress = Progress(cfg.mode, cfg.steps, enabled=progress and self.is_main)
 
     # -- ranks -------------------------------------------------------------------------------
@@ -910,13 +497,16 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         with tracker.saving() if track_memory else contextlib.nullcontext():
             for micro in range(cfg.grad_accum):
-                ids = self.sampler.batch(step, micro * self.world + self.rank)
-                ids = pinned(ids, self.device).to(self.device, non_blocking=True)
+                batch = self.task.batch(step, micro * self.world + self.rank)
+                batch = {
+                    k: pinned(v, self.device).to(self.device, non_blocking=True)
+                    for k, v in batch.items()
+                }
                 last = micro == cfg.grad_accum - 1
                 no_sync = self.strategy == "ddp" and not last
                 with self.model.no_sync() if no_sync else contextlib.nullcontext():
                     with torch.autocast(self.device.type, dtype=torch.bfloat16):
-                        loss = self.model(input_ids=ids, labels=ids).loss
+                        loss = self.model(**batch).loss
                     (loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach().float()
         if track_memory:
@@ -957,21 +547,15 @@ class Trainer:
             raise loss_error(self.cfg.mode, self.cfg.lr, bad, self.step)
         return recs[-1]
 
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss over the fixed validation batches (plain path: ``model.eval()``). Under
-        torchrun every rank runs every batch (FSDP2's forward is collective): the same value
-        on every rank."""
+    def evaluate(self) -> dict:
+        """The task's metrics over its fixed validation batches (``val_loss``, ...), on the
+        plain path (``model.eval()``). Under torchrun every rank runs every batch (FSDP2's
+        forward is collective): the same values on every rank."""
         self.model.eval()
-        total, n = 0.0, 0
-        for ids in self.val:
-            ids = ids.to(self.device)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16):
-                loss = self.model(input_ids=ids, labels=ids).loss
-            total += float(loss) * len(ids)
-            n += len(ids)
-        self.model.train()
-        return total / n
+        try:
+            return self.task.evaluate(self.model, self.device)
+        finally:
+            self.model.train()
 
     # -- checkpoints -------------------------------------------------------------------------
     @property
@@ -1030,8 +614,8 @@ class Trainer:
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
             "rng": _rng_state(),
-            # The sampler is a pure function of (seed, step): the step is the position.
-            "data": {"next_step": self.step + 1, "fingerprint": self.data.fingerprint},
+            # Batches are a pure function of (seed, step): the step is the position.
+            "data": {"next_step": self.step + 1, "fingerprint": self.task.fingerprint},
             "config": self.cfg.numerics(),
             "describe": self.describe,
             "parallel": self.parallel,
@@ -1095,8 +679,8 @@ class Trainer:
             for k, v in state["config"].items()
             if _plain(self.cfg.numerics().get(k)) != _plain(v)
         }
-        if state["data"]["fingerprint"] != self.data.fingerprint:
-            diff["data"] = (state["data"]["fingerprint"], self.data.fingerprint)
+        if state["data"]["fingerprint"] != self.task.fingerprint:
+            diff["data"] = (state["data"]["fingerprint"], self.task.fingerprint)
         if state["describe"] != self.describe:
             diff["model"] = (state["describe"], self.describe)
         if diff:
@@ -1141,31 +725,21 @@ class Trainer:
         alone writes the metrics)."""
         cfg = self.cfg
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        metrics_path = self.out_dir / "metrics.jsonl"
         if resume is not None:
             self.load_checkpoint(resume)
-            if self.is_main:
-                kept = _metrics_until(metrics_path, self.step)
-                write_atomic(metrics_path, "".join(kept))
         else:
-            if self.is_main:
-                metrics_path.write_text("")
             torch.manual_seed(cfg.seed)  # whatever setup drew, every mode starts alike
         self.tracker.reset_peak()
         self.meter.reset()
         first = self.step + 1
-        opened = open(metrics_path, "a") if self.is_main else contextlib.nullcontext()
-        board = None
-        if cfg.report_to == "tensorboard" and self.is_main:
-            purge = first if resume is not None else None
-            board = tensorboard_writer(self.out_dir / "tensorboard", purge_step=purge)
-        with opened as log, board or contextlib.nullcontext():
-
-            def emit(record):
-                if log is not None:
-                    log.write(json.dumps({"mode": cfg.mode, **record}) + "\n")
-                    log.flush()
-                log_scalars(board, record)
+        with MetricsLog(
+            self.out_dir,
+            cfg.mode,
+            resume_step=None if resume is None else self.step,
+            tensorboard=cfg.report_to == "tensorboard",
+            enabled=self.is_main,
+        ) as metrics:
+            emit = metrics.write
 
             def log_steps():
                 """Read the queued steps, log them; the last record (None if none)."""
@@ -1215,9 +789,11 @@ class Trainer:
                         "mem": fmt_bytes(rec["mem_measured_peak"] or rec["mem_tracked_peak"]),
                     }
                     if evaluating:
-                        self.val_loss = self.evaluate()
-                        emit({"type": "eval", "step": self.step, "val_loss": self.val_loss})
-                        fields["val"] = f"{self.val_loss:.4f}"
+                        self.val_metrics = self.evaluate()
+                        emit({"type": "eval", "step": self.step, **self.val_metrics})
+                        fields["val"] = f"{self.val_metrics['val_loss']:.4f}"
+                        for name, value in list(self.val_metrics.items())[1:]:
+                            fields[name.removeprefix("val_").replace("_", " ")] = f"{value:.2f}"
                     if step == cfg.steps or saving:
                         self._record_memory()
                     if saving:
@@ -1230,8 +806,8 @@ class Trainer:
                     with contextlib.suppress(Exception):
                         log_steps()
                 raise
-        if self.val_loss is None:  # resumed at the final step: nothing trained in this process
-            self.val_loss = self.evaluate()
+        if self.val_metrics is None:  # resumed at the final step: nothing trained here
+            self.val_metrics = self.evaluate()
         return self.summary()
 
     def _record_memory(self):
@@ -1261,10 +837,11 @@ class Trainer:
             "tokens_per_step": self.cfg.tokens_per_step * self.world,
             "train_loss": sum(window) / len(window) if window else None,
             "train_loss_window": len(window),
-            "val_loss": self.val_loss,
+            **(self.val_metrics or {"val_loss": None}),
             "tokens_per_s": t["timed_tokens"] / t["timed_time"] if t["timed_time"] else None,
             "params": sum(p.numel() for p in self.model.parameters()),
             "memory": t["memory"],
+            **self.task.summary(),
         }
 
     def export(self, path: Path, tokenizer=None) -> Path:
@@ -1329,31 +906,3 @@ def _check_trainer_state(state, path: Path, step: int | None) -> None:
         raise checkpoint.CheckpointError(
             f"{path}: its manifest says step {step}, its training state step {state['step']}"
         )
-
-
-def _metrics_until(path: Path, step: int) -> list[str]:
-    """Lines of a metrics file up to ``step`` (a resumed run rewrites what came after). A
-    torn last line (the process was killed while writing it) is dropped: its step is after
-    the checkpoint, which is written once the step's lines are out."""
-    if not path.is_file():
-        return []
-    lines = path.read_text(errors="replace").splitlines(True)
-    kept = []
-    for number, line in enumerate(lines, 1):
-        last = number == len(lines)
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            if not line.endswith("\n") or not isinstance(record.get("step"), int):
-                raise ValueError("torn")
-        except (ValueError, AttributeError):
-            if last:
-                break
-            raise TrainError(
-                f"{path} line {number} is not a metrics record: repair or delete the file "
-                "(the run's checkpoints do not depend on it)"
-            ) from None
-        if record["step"] <= step:
-            kept.append(line)
-    return kept

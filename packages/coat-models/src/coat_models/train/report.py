@@ -1,0 +1,374 @@
+"""coat-train's reports: the progress line (tqdm), ``metrics.jsonl`` (and TensorBoard), the
+compare table, the loss plot (matplotlib: the optional extra ``coat-models[plot]``) and the
+run's ``summary.json``.
+
+Without matplotlib a run still writes its metrics and summaries; ``PLOT_HINT`` says how to
+get the picture.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class ReportError(RuntimeError):
+    """A report cannot be written or read; the message says what to do."""
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}" if abs(n) < 100 * size else f"{n / size:.0f} {unit}"
+    return f"{n} B"
+
+
+class Progress:
+    """The run's progress on stderr, drawn by tqdm. The trainers call ``update`` only where
+    they read the step values from the device (every ``--log-every`` steps, at evaluations
+    and at the steps that are multiples of ``every``), so the bar never makes the host wait.
+    On a terminal the bar is redrawn at each update; elsewhere (a log file, CI) one line in
+    tqdm's format is printed at the multiples of ``every`` (10% of the run) and at the last
+    step, as a redrawn bar would fill a log with carriage returns."""
+
+    def __init__(self, label: str, total: int, stream=None, enabled: bool = True):
+        self.label, self.total, self.enabled = label, total, enabled
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        # The same on every rank (not tied to the terminal): trainers read values here.
+        self.every = max(1, total // 10)
+        self.t0 = time.perf_counter()
+        self._bar = None
+
+    def update(self, step: int, fields: dict, first_step: int = 1):
+        """Show ``step`` of ``total`` with ``fields`` (name -> formatted value); a run
+        resumed at ``first_step`` counts its rate from there."""
+        if not self.enabled:
+            return
+        postfix = ", ".join(f"{k} {v}" for k, v in fields.items())
+        if self.tty:
+            if self._bar is None:
+                self._bar = tqdm(
+                    total=self.total,
+                    initial=first_step - 1,
+                    desc=f"[{self.label}]",
+                    unit="step",
+                    file=self.stream,
+                    dynamic_ncols=True,
+                    mininterval=0,  # the calls are already sparse: draw each one
+                )
+            self._bar.set_postfix_str(postfix, refresh=False)
+            self._bar.update(step - self._bar.n)
+            if step == self.total:
+                self.close()
+        elif step % self.every == 0 or step == self.total:
+            line = tqdm.format_meter(
+                step,
+                self.total,
+                time.perf_counter() - self.t0,
+                prefix=f"[{self.label}]",
+                ascii=True,  # a log file may not be read as UTF-8
+                unit="step",
+                postfix=postfix,
+                initial=first_step - 1,
+            )
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def close(self):
+        """End the terminal bar (its line stays); the trainers call it when they stop."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write to a temporary name, then rename: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
+    os.replace(tmp, path)
+
+
+TENSORBOARD_HINT = (
+    "--report-to tensorboard needs the tensorboard package: pip install tensorboard "
+    "(or pip install 'coat-models[tensorboard]'), or leave out --report-to"
+)
+
+
+def tensorboard_writer(log_dir: Path, purge_step: int | None = None):
+    """torch's ``SummaryWriter`` on ``log_dir``; ``purge_step``: a resumed run's first step
+    (TensorBoard hides what an earlier, killed run logged from there on). ``ReportError``
+    (``TENSORBOARD_HINT``) without the tensorboard package."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ReportError(TENSORBOARD_HINT) from None
+    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+
+
+def log_scalars(writer, record: dict) -> None:
+    """Each number of a metrics record as the scalar ``<type>/<name>`` at its step (e.g.
+    ``train/loss``, ``eval/val_loss``); nothing without a writer."""
+    if writer is None:
+        return
+    for name, value in record.items():
+        if name != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+            writer.add_scalar(f"{record['type']}/{name}", value, record["step"])
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics.jsonl (and TensorBoard)
+
+
+class MetricsLog:
+    """A run's ``metrics.jsonl`` (one JSON record per line, tagged with the mode) and, with
+    ``tensorboard=True``, the same numbers as TensorBoard scalars in ``dir/tensorboard``.
+    ``resume_step``: keep the records up to that step (a resumed run rewrites what came
+    after); ``None``: start an empty file. ``enabled=False`` (ranks other than 0) writes
+    nothing. A context manager."""
+
+    def __init__(
+        self,
+        directory: Path,
+        mode: str,
+        *,
+        resume_step: int | None = None,
+        tensorboard: bool = False,
+        enabled: bool = True,
+    ):
+        self.mode, self._file, self._board = mode, None, None
+        if not enabled:
+            return
+        path = Path(directory) / "metrics.jsonl"
+        kept = [] if resume_step is None else _metrics_until(path, resume_step)
+        write_atomic(path, "".join(kept))
+        self._file = open(path, "a")
+        if tensorboard:
+            # purge_step: TensorBoard hides what an earlier, killed run logged from there on
+            purge = None if resume_step is None else resume_step + 1
+            self._board = tensorboard_writer(Path(directory) / "tensorboard", purge_step=purge)
+
+    def write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"mode": self.mode, **record}) + "\n")
+            self._file.flush()
+        log_scalars(self._board, record)
+
+    def close(self) -> None:
+        for handle in (self._file, self._board):
+            if handle is not None:
+                handle.close()
+        self._file = self._board = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _metrics_until(path: Path, step: int) -> list[str]:
+    """Lines of a metrics file up to ``step``. A torn last line (the process was killed while
+    writing it) is dropped: its step is after the checkpoint, which is written once the
+    step's lines are out."""
+    if not path.is_file():
+        return []
+    lines = path.read_text(errors="replace").splitlines(True)
+    kept = []
+    for number, line in enumerate(lines, 1):
+        last = number == len(lines)
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not line.endswith("\n") or not isinstance(record.get("step"), int):
+                raise ValueError("torn")
+        except (ValueError, AttributeError):
+            if last:
+                break
+            raise ReportError(
+                f"{path} line {number} is not a metrics record: repair or delete the file "
+                "(the run's checkpoints do not depend on it)"
+            ) from None
+        if record["step"] <= step:
+            kept.append(line)
+    return kept
+
+
+def curves(path: Path) -> dict:
+    """``{"train": (steps, losses), "val": (steps, val losses)}`` of a ``metrics.jsonl``."""
+    train, val = ([], []), ([], [])
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        dst, key = (train, "loss") if rec["type"] == "train" else (val, "val_loss")
+        dst[0].append(rec["step"])
+        dst[1].append(rec[key])
+    return {"train": train, "val": val}
+
+
+# ---------------------------------------------------------------------------------------------
+# The run's summary: table, plot, summary.json
+
+
+def write_run_report(out: Path, run: dict, summaries: list[dict], curves: dict) -> str:
+    """Loss plot (with matplotlib), ``out/summary.json`` (``run`` plus the per-mode
+    ``summaries`` and the plot's path) and the text to print: the compare table and where
+    everything is."""
+    png = out / "loss.png"
+    try:
+        write_atomic(png, loss_plot_png(curves))
+        plot_line = f"loss curves: {png}"
+    except PlotUnavailable as e:
+        png.unlink(missing_ok=True)  # an earlier run's picture is not this run's
+        png = None
+        plot_line = f"loss curves: not drawn, {e}"
+    result = {**run, "runs": summaries, "plot": None if png is None else str(png)}
+    write_atomic(out / "summary.json", json.dumps(result, indent=1))
+    metrics = ", ".join(str(out / s["mode"] / "metrics.jsonl") for s in summaries)
+    return "\n".join([
+        "", format_table(summaries), "", plot_line,
+        f"metrics:     {metrics}",
+        f"models:      {', '.join(s['export'] for s in summaries if s.get('export'))}",
+        f"summary:     {out / 'summary.json'}",
+    ])  # fmt: skip
+
+
+def format_table(summaries: list[dict]) -> str:
+    """Side-by-side table of runs; with two or more, ratios against the first run."""
+    mem = [s["memory"] for s in summaries]
+    measured = all(m["measured_peak"] is not None for m in mem)
+    steps = summaries[0]["steps"]
+    world = summaries[0].get("world_size", 1)
+    per = "" if world == 1 else f" per {'GPU' if mem[0]['device'] == 'cuda' else 'rank'}"
+    rows = [
+        (
+            f"train loss (mean of last {summaries[0]['train_loss_window']} steps)",
+            [s["train_loss"] for s in summaries],
+            "loss",
+        ),
+        ("val loss (held-out split)", [s["val_loss"] for s in summaries], "loss"),
+        (
+            f"tokens/s{per}" + (f" (steps 2-{steps})" if steps > 1 else ""),
+            [s["tokens_per_s"] for s in summaries],
+            "rate",
+        ),
+    ]
+    if measured:
+        rows.append(
+            (
+                f"peak memory{per} ({mem[0]['measured_by']})",
+                [m["measured_peak"] for m in mem],
+                "bytes",
+            )
+        )
+    rows += [
+        (
+            "  tracked tensors at their peak"
+            if measured
+            else f"peak memory{per} (tracked tensors)",
+            [m["tracked_peak"] for m in mem],
+            "bytes",
+        ),
+        ("    weights", [m["weights"] for m in mem], "bytes"),
+        ("    weight copies (casts, FP8 caches)", [m["weight_copies"] for m in mem], "bytes"),
+        ("    gradients", [m["gradients"] for m in mem], "bytes"),
+        ("    optimizer state", [m["optimizer_state"] for m in mem], "bytes"),
+        ("    activations (saved for backward)", [m["activations"] for m in mem], "bytes"),
+    ]
+    if measured:
+        rows.append(("  other (peak - tracked)", [m["other"] for m in mem], "bytes"))
+    fmt = {
+        "loss": lambda v: "n/a" if v is None else f"{v:.4f}",
+        "rate": lambda v: "n/a" if v is None else f"{v:,.0f}",
+        "bytes": fmt_bytes,
+    }
+    base = summaries[0]["mode"]
+    head = [""] + [f"{s['mode']} ({s['master_dtype']} master)" for s in summaries]
+    head += [f"{s['mode']}/{base}" for s in summaries[1:]]
+    body = []
+    for name, vals, kind in rows:
+        cells = [name] + [fmt[kind](v) for v in vals]
+        for v in vals[1:]:
+            if vals[0] in (None, 0) or v is None:
+                cells.append("")
+            elif kind == "loss":
+                cells.append(f"{(v / vals[0] - 1) * 100:+.2f}%")
+            else:
+                cells.append(f"{v / vals[0]:.2f}x")
+        body.append(cells)
+    widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in [head] + body
+    ]
+    notes = ["", MEMORY_NOTE[mem[0]["device"] == "cuda"]]
+    if world > 1:
+        notes.append(
+            f"{world} ranks ({summaries[0]['parallel']['strategy']}): tokens/s and memory{per}"
+            " (the slowest rank's tokens/s, the memory of the rank with the highest peak); "
+            "losses: mean over the micro-batches of all ranks."
+        )
+    return "\n".join(lines + notes)
+
+
+MEMORY_NOTE = {
+    True: "memory: peak = torch.cuda.max_memory_allocated over the run; the parts are tensor "
+    "bytes at their joint peak (weights, copies of weights, gradients, optimizer state, tensors "
+    "saved for backward); other = peak - parts: temporaries inside ops and caches.",
+    False: "memory: CPU has no allocator statistics; peak = tensor bytes of weights, copies of "
+    "weights, gradients, optimizer state and tensors saved for backward at their joint peak. "
+    "Not counted: temporaries inside ops (tests: about 10% of a step's peak for bf16, 38% for "
+    "COAT's plain-PyTorch CPU path).",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss plot
+
+
+PLOT_HINT = "pip install 'coat-models[plot]' (matplotlib) to get loss.png"
+
+
+class PlotUnavailable(ImportError):
+    """matplotlib is not installed; the message says how to install it."""
+
+
+def loss_figure(runs: dict[str, dict]):
+    """A matplotlib ``Figure`` of loss curves. ``runs``: name -> ``{"train": (steps,
+    losses), "val": (steps, losses)}``; per run a thin, light train line and a thick
+    validation line with markers, in one colour of matplotlib's cycle (``C0``, ``C1``, ...).
+    Raises ``PlotUnavailable`` without matplotlib."""
+    try:
+        # Figure alone, not pyplot: no global state, no GUI backend, safe in any process.
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PlotUnavailable(f"matplotlib is not installed: {PLOT_HINT}") from None
+    fig = Figure(figsize=(9, 5.6), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    for i, (name, run) in enumerate(runs.items()):
+        colour = f"C{i}"
+        ax.plot(*run["train"], color=colour, alpha=0.45, linewidth=1, label=f"{name} train")
+        if len(run["val"][0]):
+            ax.plot(*run["val"], color=colour, linewidth=2.5, marker="o", label=f"{name} val")
+    ax.set(title="loss vs step", xlabel="optimizer step", ylabel="loss (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
+
+
+def loss_plot_png(runs: dict[str, dict]) -> bytes:
+    """``loss_figure(runs)`` as PNG bytes (900 x 560 pixels)."""
+    buf = io.BytesIO()
+    loss_figure(runs).savefig(buf, format="png")
+    return buf.getvalue()
