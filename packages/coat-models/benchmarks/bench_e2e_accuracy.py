@@ -1,57 +1,147 @@
-"""Accuracy run (issue 6, benchmark 2): the 125m preset trained 2000 steps on the embedded
-corpus with bf16 and with coat, same seed, data and schedule, through ``coat-train``.
-Target: coat's final validation loss within 0.5% of bf16's (the paper's OLMo-1B gap: 0.43%).
+"""Accuracy run: the 125m preset trained 2000 steps on the embedded corpus with bf16 and with
+coat (same seed, data and schedule) through ``coat-train``, checked against the golden loss
+curves committed in ``results/accuracy-125m/<mode>/metrics.jsonl``.
 
     export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
-    BENCH_OUT=accuracy.json python packages/coat-models/benchmarks/bench_e2e_accuracy.py
+    python packages/coat-models/benchmarks/bench_e2e_accuracy.py --out /tmp/acc
+    python packages/coat-models/benchmarks/bench_e2e_accuracy.py --check-only /tmp/acc
 
-Writes the loss curves (``<out>/<mode>/metrics.jsonl``), ``<out>/loss.png`` and
-``<out>/summary.json`` (default out: packages/coat-models/benchmarks/results/accuracy-125m);
-extra arguments go to coat-train (e.g. ``--batch-size 8`` to halve the time). Not a pytest
-module: run it as a script.
+The first trains both modes into ``--out`` (default ``accuracy-125m-run``), the second only
+compares an earlier run's curves. Checks, per mode against its golden curve: every
+validation loss within ``VAL_TOL`` and the mean training loss of every ``WINDOW``-step
+window within ``TRAIN_TOL`` (relative); and coat's final validation loss against bf16's of
+the same run (the issue's target: within ``TARGET_GAP``, the paper's OLMo-1B gap is 0.43%).
+Exit 0 when every check holds, 1 otherwise. GPU training is not bit-reproducible between
+processes, and two seeds of bf16 itself differ by about 1% in final validation loss here,
+hence tolerances above that. ``--update-golden`` makes this run the golden curves (after a
+change that is meant to move them; say why in the commit). Extra arguments go to coat-train
+(the golden curves are of the defaults). Not a pytest module: run it as a script.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
-from coat_models.train import cli
-
-OUT = Path(__file__).parent / "results" / "accuracy-125m"
+GOLDEN = Path(__file__).parent / "results" / "accuracy-125m"
+MODES = ("bf16", "coat")
+STEPS = 2000
+VAL_TOL = 0.02
+TRAIN_TOL = 0.02
+WINDOW = 100
 TARGET_GAP = 0.005
 
 
+def read_curves(run_dir: Path, mode: str) -> tuple[dict[int, float], dict[int, float]]:
+    """``({step: train loss}, {step: validation loss})`` of ``<run_dir>/<mode>/metrics.jsonl``."""
+    train, val = {}, {}
+    for line in (run_dir / mode / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("type") == "train":
+            train[record["step"]] = record["loss"]
+        elif record.get("type") == "eval":
+            val[record["step"]] = record["val_loss"]
+    return train, val
+
+
+def compare(run: tuple[dict, dict], golden: tuple[dict, dict]) -> list[dict]:
+    """One row per check of a mode's curves against its golden ones: ``what`` (``val`` at a
+    step or ``train`` over a window), ``run``, ``golden``, ``rel`` (run / golden - 1) and
+    ``ok``. A point the golden curve has and the run lacks fails."""
+    (train, val), (g_train, g_val) = run, golden
+    rows = []
+    for step, want in sorted(g_val.items()):
+        got = val.get(step)
+        rows.append(_row(f"val @ {step}", got, want, VAL_TOL))
+    last = max(g_train, default=0)
+    for start in range(1, last + 1, WINDOW):
+        steps = range(start, min(start + WINDOW, last + 1))
+        want = sum(g_train[s] for s in steps) / len(steps)
+        got = (
+            None
+            if any(s not in train for s in steps)
+            else sum(train[s] for s in steps) / len(steps)
+        )
+        rows.append(_row(f"train {steps.start}-{steps.stop - 1}", got, want, TRAIN_TOL))
+    return rows
+
+
+def _row(what: str, got: float | None, want: float, tol: float) -> dict:
+    rel = None if got is None else got / want - 1
+    return {"what": what, "run": got, "golden": want, "rel": rel,
+            "ok": rel is not None and abs(rel) <= tol}  # fmt: skip
+
+
+def check(run_dir: Path, golden_dir: Path = GOLDEN) -> tuple[bool, list[str]]:
+    """Both modes' curves against the golden ones and coat's final gap to bf16: ``(all
+    held, report lines)``."""
+    lines, ok = [], True
+    finals = {}
+    for mode in MODES:
+        run = read_curves(run_dir, mode)
+        rows = compare(run, read_curves(golden_dir, mode))
+        bad = [r for r in rows if not r["ok"]]
+        ok &= not bad
+        worst = max(rows, key=lambda r: abs(r["rel"]) if r["rel"] is not None else 1e9)
+        lines.append(
+            f"{mode}: {len(rows) - len(bad)}/{len(rows)} checks within tolerance (val "
+            f"{VAL_TOL:.0%}, train {TRAIN_TOL:.0%} per {WINDOW} steps); largest deviation "
+            f"{worst['what']}: {_pct(worst['rel'])}"
+        )
+        lines += [f"  OUT: {r['what']}: run {r['run']}, golden {r['golden']:.4f} "
+                  f"({_pct(r['rel'])})" for r in bad]  # fmt: skip
+        finals[mode] = run[1][max(run[1])] if run[1] else None
+    if None not in finals.values():
+        gap = finals["coat"] / finals["bf16"] - 1
+        met = abs(gap) <= TARGET_GAP
+        lines.append(
+            f"final val loss bf16 {finals['bf16']:.4f}, coat {finals['coat']:.4f}: gap "
+            f"{gap * 100:+.3f}% (target within {TARGET_GAP:.1%}: {'met' if met else 'NOT met'})"
+        )
+    return ok, lines
+
+
+def _pct(rel: float | None) -> str:
+    return "missing" if rel is None else f"{rel * 100:+.2f}%"
+
+
 def main(argv: list[str] | None = None) -> int:
-    extra = sys.argv[1:] if argv is None else argv
-    out = OUT
-    if "--out" in extra:
-        out = Path(extra[extra.index("--out") + 1])
-    else:
-        extra = [*extra, "--out", str(out)]
-    code = cli.main(["--preset", "125m", "--compare", "bf16,coat", "--steps", "2000", *extra])
-    if code:
-        return code
-    runs = {r["mode"]: r for r in json.loads((out / "summary.json").read_text())["runs"]}
-    gap = runs["coat"]["val_loss"] / runs["bf16"]["val_loss"] - 1
-    ok = abs(gap) <= TARGET_GAP
-    print(
-        f"\nval loss bf16 {runs['bf16']['val_loss']:.4f}, coat {runs['coat']['val_loss']:.4f}: "
-        f"gap {gap * 100:+.3f}% (target within {TARGET_GAP * 100:.1f}%: "
-        f"{'met' if ok else 'NOT met'})"
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="accuracy-125m-run", help="the run's directory")
+    p.add_argument("--check-only", metavar="RUN_DIR", help="compare an earlier run, no training")
+    p.add_argument("--update-golden", action="store_true", help="this run becomes the golden one")
+    args, extra = p.parse_known_args(argv)
+    run_dir = Path(args.check_only or args.out)
+    if not args.check_only:
+        from coat_models.train import cli
+
+        code = cli.main(["--preset", "125m", "--compare", ",".join(MODES), "--steps", str(STEPS),
+                         "--eval-every", "500", "--log-every", "50", "--no-progress",
+                         "--out", str(run_dir), *extra])  # fmt: skip
+        if code:
+            return code
+    try:
+        ok, lines = check(run_dir)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"bench_e2e_accuracy: cannot read the curves: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    if args.update_golden:
+        for mode in MODES:
+            (GOLDEN / mode).mkdir(parents=True, exist_ok=True)
+            shutil.copy(run_dir / mode / "metrics.jsonl", GOLDEN / mode / "metrics.jsonl")
+        for name in ("summary.json", "table.txt", "loss.png"):
+            if (run_dir / name).exists():
+                shutil.copy(run_dir / name, GOLDEN / name)
+        print(f"golden curves updated from {run_dir}")
+        return 0
     if os.environ.get("BENCH_OUT"):
-        result = {
-            "val_loss_gap": gap,
-            "target": TARGET_GAP,
-            "met": ok,
-            "out": str(out),
-            "runs": runs,
-        }
-        Path(os.environ["BENCH_OUT"]).write_text(json.dumps(result, indent=1))
-    return 0
+        Path(os.environ["BENCH_OUT"]).write_text(json.dumps({"ok": ok, "report": lines}, indent=1))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

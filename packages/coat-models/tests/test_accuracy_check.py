@@ -1,0 +1,79 @@
+"""The golden loss-curve check of ``benchmarks/bench_e2e_accuracy.py`` (the comparison only:
+the 2000-step runs themselves need a GPU): the committed golden curves pass against
+themselves, a run off by more than the tolerance or missing a point fails, and the script
+exits 1 / 2 for a failed check / unreadable curves."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bench_e2e_accuracy.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_e2e_accuracy", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _copy_run(bench, tmp_path: Path, scale_val=1.0, scale_train=1.0, drop_step=None) -> Path:
+    """A run directory holding the golden curves, validation and training losses scaled."""
+    for mode in bench.MODES:
+        (tmp_path / mode).mkdir(parents=True)
+        lines = []
+        for line in (bench.GOLDEN / mode / "metrics.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if r.get("step") == drop_step:
+                continue
+            if r.get("type") == "eval":
+                r["val_loss"] *= scale_val
+            elif r.get("type") == "train":
+                r["loss"] *= scale_train
+            lines.append(json.dumps(r))
+        (tmp_path / mode / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+def test_golden_curves_pass_against_themselves(bench):
+    ok, lines = bench.check(bench.GOLDEN)
+    assert ok, lines
+    for mode in bench.MODES:
+        train, val = bench.read_curves(bench.GOLDEN, mode)
+        assert len(train) == bench.STEPS and sorted(val) == [500, 1000, 1500, 2000]
+
+
+def test_within_tolerance_passes(bench, tmp_path):
+    ok, _ = bench.check(_copy_run(bench, tmp_path, scale_val=1.015, scale_train=0.985))
+    assert ok
+
+
+@pytest.mark.parametrize("kind", ["val", "train"])
+def test_off_curve_fails(bench, tmp_path, kind):
+    scale = {"scale_val": 1.03} if kind == "val" else {"scale_train": 1.03}
+    ok, lines = bench.check(_copy_run(bench, tmp_path, **scale))
+    assert not ok
+    assert any(line.strip().startswith(f"OUT: {kind}") for line in lines), lines
+
+
+def test_missing_point_fails(bench, tmp_path):
+    ok, lines = bench.check(_copy_run(bench, tmp_path, drop_step=1000))
+    assert not ok
+    assert any("val @ 1000: run None" in line for line in lines), lines
+    assert any("train 901-1000: run None" in line for line in lines), lines
+
+
+def test_script_exit_codes(bench, tmp_path, capsys):
+    good = _copy_run(bench, tmp_path / "good")
+    assert bench.main(["--check-only", str(good)]) == 0
+    bad = _copy_run(bench, tmp_path / "bad", scale_val=0.9)
+    assert bench.main(["--check-only", str(bad)]) == 1
+    shutil.rmtree(bad / "coat")
+    assert bench.main(["--check-only", str(bad)]) == 2
+    assert "cannot read the curves" in capsys.readouterr().err
