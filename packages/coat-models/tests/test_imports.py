@@ -118,12 +118,6 @@ def test_no_import_cycles():
     assert "llama" not in graph["graphs"] and "vila" not in graph["llama"]
 
 
-# vila.py's configs in code (llava_tiny_config: the byte vocabulary and image token of the
-# shapes-caption task) read the trainer's vl_data; vila.py is not this change's to edit (see
-# the split's report): the one known exception, listed so that no other creeps in.
-INTEGRATION_USES_TRAINER = {"vila": {"train.data", "train.vl_data"}}
-
-
 def test_integration_does_not_import_the_trainer():
     """The library (apply_coat, the optimizer, the multi-GPU helpers) must not know the trainer
     exists; the trainer builds on it."""
@@ -131,7 +125,7 @@ def test_integration_does_not_import_the_trainer():
     assert {"convert", "distributed", "checkpoint"} <= set(integration)
     uses = {m: {t for t in imports_of(m) if t.startswith(f"{TRAINER}.")} for m in integration}
     uses = {m: t for m, t in uses.items() if t}
-    assert uses == INTEGRATION_USES_TRAINER
+    assert uses == {}
 
 
 def test_each_module_imports_alone():

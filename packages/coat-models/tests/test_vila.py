@@ -60,6 +60,18 @@ def shapes_batch(batch: int = 8, seed: int = 1) -> dict[str, torch.Tensor]:
     return task.batch(0, batch)
 
 
+def test_tiny_config_vocabulary_is_the_task_s():
+    """llava_tiny_config spells the shapes-caption task's vocabulary as numbers (the
+    integration does not import the trainer): they must be the task's."""
+    from coat_models.train import vl_data
+
+    config = llava_tiny_config()
+    assert config.image_token_id == vl_data.IMAGE_TOKEN_ID
+    vocab = config.text_config.vocab_size
+    assert vl_data.VL_VOCAB <= vocab < vl_data.VL_VOCAB + 64 and vocab % 64 == 0
+    assert config.text_config.intermediate_size == 176  # 64 * 11 / 4, a multiple of 16
+
+
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of ``x`` against ``ref`` in dB."""
     ref, x = ref.double(), x.double()

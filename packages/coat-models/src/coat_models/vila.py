@@ -18,7 +18,7 @@ the LM head is ``model.lm_head``.
 No image processor is needed: feed ``pixel_values`` fp32 ``(images, 3, S, S)`` with ``S`` the
 tower's ``image_size``, normalized as ``(rgb / 255 - mean) / std``: SigLIP ``mean = std = 0.5``
 (values in [-1, 1]); CLIP ``coat_models.train.vl_data.CLIP_MEAN`` / ``CLIP_STD``. Each image takes
-``vl_data.num_image_tokens(config)`` placeholder ids ``config.image_token_id`` in ``input_ids``.
+``num_image_tokens(config)`` placeholder ids ``config.image_token_id`` in ``input_ids``.
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ from .llama import (
     revert_classes,
     set_fused_loss,
 )
-from .train.data import round_up
-from .train.vl_data import IMAGE_TOKEN_ID, VL_VOCAB, num_image_tokens
 
 SUPPORTED = (
     "LLaVA-style models: transformers' LlavaForConditionalGeneration or LlavaModel (5.17+), or "
@@ -205,7 +203,8 @@ def llava_tiny_config(
     SigLIP-like tower (``vision_hidden`` wide, 2 heads, MLP 2x, GELU-tanh, no pooling head;
     32x32 images in 8x8 patches: 16 image tokens), GELU projector, Llama LM (``hidden`` wide,
     4 heads with 2 KV heads, SwiGLU MLP 2.75x rounded to a multiple of 16, untied head).
-    Vocabulary: ``vl_data.VL_VOCAB`` rounded up to 64 (320); image token ``IMAGE_TOKEN_ID``.
+    Vocabulary: 320, the shapes-caption task's byte-level ids (256 bytes, EOS 256, image
+    token 257: ``coat_models.train.vl_data``) rounded up to a multiple of 64; image token 257.
     """
     from transformers import LlamaConfig, SiglipVisionConfig
 
@@ -218,13 +217,13 @@ def llava_tiny_config(
         patch_size=patch_size, vision_use_head=False,
     )  # fmt: skip
     text = LlamaConfig(
-        vocab_size=round_up(VL_VOCAB, 64), hidden_size=hidden,
-        intermediate_size=round_up(hidden * 11 // 4, 16), num_hidden_layers=layers,
+        vocab_size=_TINY_VOCAB, hidden_size=hidden,
+        intermediate_size=-(-(hidden * 11 // 4) // 16) * 16, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )  # fmt: skip
-    return _llava_config(vision, text, IMAGE_TOKEN_ID, vision_feature_layer=-1)
+    return _llava_config(vision, text, _TINY_IMAGE_TOKEN, vision_feature_layer=-1)
 
 
 def vila7b_config():
@@ -251,6 +250,23 @@ def vila7b_config():
         bos_token_id=1, eos_token_id=2, pad_token_id=None,
     )  # fmt: skip
     return _llava_config(vision, text, 32000, vision_feature_layer=-2)
+
+
+def num_image_tokens(config) -> int:
+    """Placeholder tokens one image takes in a ``LlavaConfig``'s language model: the vision
+    tower's patch count, plus CLIP's class token, minus one with the ``"default"`` feature
+    strategy (which drops the first token, meant to be CLIP's class token)."""
+    vision = config.vision_config
+    image, patch = vision.image_size, vision.patch_size
+    if not (isinstance(image, int) and isinstance(patch, int)):
+        raise ValueError(f"square images only: image_size {image!r}, patch_size {patch!r}")
+    n = (image // patch) ** 2 + (vision.model_type == "clip_vision_model")
+    return n - (config.vision_feature_select_strategy == "default")
+
+
+# llava_tiny_config's vocabulary: the byte-level ids of the shapes-caption task (256 bytes,
+# EOS 256, image 257) rounded up to 64; tests check them against coat_models.train.vl_data.
+_TINY_VOCAB, _TINY_IMAGE_TOKEN = 320, 257
 
 
 def _llava_config(vision, text, image_token_id: int, *, vision_feature_layer: int):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..vila import num_image_tokens  # noqa: F401 (re-exported for the trainer's modules)
 from .data import BYTE_EOS, BYTE_VOCAB
 
 IMAGE_TOKEN_ID = BYTE_VOCAB  # 257: the id after the byte-level tokenizer's ids
@@ -60,18 +61,6 @@ def caption(size: str, colour: str, shape: str, position: str) -> str:
 
 CAPTIONS = [caption(*c) for c in itertools.product(SIZES, COLOURS, SHAPES, POSITIONS)]
 MAX_CAPTION_BYTES = max(len(c.encode()) for c in CAPTIONS)
-
-
-def num_image_tokens(config) -> int:
-    """Placeholder tokens one image takes in a ``LlavaConfig``'s language model: the vision
-    tower's patch count, plus CLIP's class token, minus one with the ``"default"`` feature
-    strategy (which drops the first token, meant to be CLIP's class token)."""
-    vision = config.vision_config
-    image, patch = vision.image_size, vision.patch_size
-    if not (isinstance(image, int) and isinstance(patch, int)):
-        raise ValueError(f"square images only: image_size {image!r}, patch_size {patch!r}")
-    n = (image // patch) ** 2 + (vision.model_type == "clip_vision_model")
-    return n - (config.vision_feature_select_strategy == "default")
 
 
 def render(
