@@ -77,3 +77,42 @@ def test_cli_names_the_export_in_its_output_and_summary(tmp_path, capsys):
     run = json.loads((tmp_path / "summary.json").read_text())["runs"][0]
     assert run["export"] == str(final)
     assert (final / "model.safetensors").is_file()
+
+
+ARGV = "--preset tiny --steps 2 --eval-every 2 --batch-size 2 --seq-len 32 --eval-batches 1"
+
+
+def test_no_export(tmp_path, capsys):
+    argv = [*ARGV.split(), "--corpus-mib", "1", "--no-progress", "--no-export"]
+    code = cli.main([*argv, "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert not (tmp_path / "bf16" / "final").exists()
+    assert "models:      not exported (--no-export)" in out.splitlines()
+    assert json.loads((tmp_path / "bf16" / "summary.json").read_text())["export"] is None
+
+
+def test_full_disk_at_export_keeps_the_results_and_says_what_to_do(tmp_path, capsys, monkeypatch):
+    """save_pretrained failing (here: a simulated full disk after a partial write) leaves no
+    partial copy, keeps the mode's metrics and summary, and ends in one line naming the
+    remedies (exit 1, no traceback)."""
+    import errno
+
+    from transformers import PreTrainedModel
+
+    def full_disk(self, path, **kw):
+        path.mkdir(parents=True)
+        (path / "model.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
+    code = cli.main([*ARGV.split(), "--corpus-mib", "1", "--no-progress", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "No space left on device" in lines[0] and "--no-export" in lines[0]
+    mode_dir = tmp_path / "bf16"
+    assert json.loads((mode_dir / "summary.json").read_text())["export"] is None
+    assert (mode_dir / "metrics.jsonl").stat().st_size > 0
+    assert not list(mode_dir.glob(".final.tmp-*")) and not (mode_dir / "final").exists()

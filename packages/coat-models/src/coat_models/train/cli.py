@@ -213,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     o.add_argument(
+        "--no-export",
+        action="store_true",
+        help="do not write the trained model to <out>/<mode>/final (a Hugging Face directory "
+        "in the master dtype: 27 GB per mode for a 7B model in fp32)",
+    )
+    o.add_argument(
         "--report-to",
         choices=list(REPORT_TO),
         default="none",
@@ -724,7 +730,7 @@ def run(args) -> int:
             mode_dir = out / cfg.mode
             resume = _resume_point(args, mode_dir)
             t0 = time.perf_counter()
-            trainer = oom = None
+            trainer = oom = export_error = None
             try:
                 model = job.build(cfg)
                 trainer = Trainer(
@@ -742,7 +748,12 @@ def run(args) -> int:
                 if resume is None:
                     _start_afresh(mode_dir)
                 summary = trainer.fit(resume)
-                summary["export"] = str(trainer.export(mode_dir / "final", job.tokenizer))
+                summary["export"] = None
+                if not args.no_export:
+                    try:
+                        summary["export"] = str(trainer.export(mode_dir / "final", job.tokenizer))
+                    except OSError as e:  # a full disk: the run's results are kept, below
+                        export_error = e
             except CheckpointError as e:
                 if args.resume == "latest" and resume is not None:
                     raise _unusable_newest(e, resume) from None
@@ -767,13 +778,20 @@ def run(args) -> int:
             if _rank() != 0:  # under torchrun rank 0 alone writes files and prints
                 continue
             write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
+            if export_error is not None:
+                raise TrainError(
+                    f"mode {cfg.mode} trained (metrics and summary in {mode_dir}), but writing "
+                    f"the model to {mode_dir / 'final'} failed: "
+                    f"{export_error.strerror or export_error}; free space there or pass "
+                    "--no-export"
+                )
             curves[cfg.mode] = read_curves(mode_dir / "metrics.jsonl")
             acc = summary.get("val_caption_acc")
             print(
                 f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
                 f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}"
                 + ("" if acc is None else f", caption accuracy {acc:.2f}")
-                + f"; model: {summary['export']}",
+                + f"; model: {summary['export'] or 'not exported (--no-export)'}",
                 flush=True,
             )
 

@@ -233,10 +233,11 @@ def write_run_report(out: Path, run: dict, summaries: list[dict], curves: dict) 
     result = {**run, "runs": summaries, "plot": None if png is None else str(png)}
     write_atomic(out / "summary.json", json.dumps(result, indent=1))
     metrics = ", ".join(str(out / s["mode"] / "metrics.jsonl") for s in summaries)
+    exports = [s["export"] for s in summaries if s.get("export")]
     return "\n".join([
         "", format_table(summaries), "", plot_line,
         f"metrics:     {metrics}",
-        f"models:      {', '.join(s['export'] for s in summaries if s.get('export'))}",
+        f"models:      {', '.join(exports) or 'not exported (--no-export)'}",
         f"summary:     {out / 'summary.json'}",
     ])  # fmt: skip
 

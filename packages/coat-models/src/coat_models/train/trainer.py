@@ -382,14 +382,18 @@ def export_pretrained(
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state_dict)
-    # FSDP2 renames the class (FSDPLlamaForCausalLM): the config must name the model's own.
-    name = type(model).__name__.removeprefix("FSDP")
-    if model.config.architectures != [name]:
-        model.config.architectures = [name]
-        model.config.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        # FSDP2 renames the class (FSDPLlamaForCausalLM): the config must name the model's own.
+        name = type(model).__name__.removeprefix("FSDP")
+        if model.config.architectures != [name]:
+            model.config.architectures = [name]
+            model.config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial copy (a full disk) is not left behind
+        raise
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     return path
