@@ -286,12 +286,12 @@ def sweep(clock, fa, shape, deadline):
         fn, make = op_table(fa, *shape, op_config(fa, clock.dry))[name]
         m = Measure(clock, fn, make())
         call = m.fwd if direction == "f" else None
-        orig, res = common.CONFIG[key], []
+        res = []
         for cfg in options:
-            common.CONFIG[key] = cfg
-            t = _guard(f"  {key} {cfg}", lambda m=m, call=call: clock.gpu(call or m.bwd_fn())[0])
+            with common.tunables(**{key: cfg}):
+                run = lambda m=m, call=call: clock.gpu(call or m.bwd_fn())[0]  # noqa: E731
+                t = _guard(f"  {key} {cfg}", run)
             res.append((cfg, float("nan") if t is None else t))
-        common.CONFIG[key] = orig
         ok = [r for r in res if r[1] == r[1]]
         best = min(ok, key=lambda r: r[1])[0] if ok else None
         out(f"  {key:<17}" + "  ".join(f"{c}: {_fmt(t, 6)}" for c, t in res) + f"   best {best}")
@@ -319,12 +319,12 @@ def _precompile_job(job):
         x = _rand(64, HIDDEN, device="cuda").requires_grad_()
         mod(x).sum().backward()
     else:
-        if key:
-            importlib.import_module(pkg + ".ops._common").CONFIG[key] = cfg
-        fn, make = op_table(fa, 64, HIDDEN, MLP, "cuda")[name]
-        xs = [t.requires_grad_() for t in make()]
-        y = fn(*xs)
-        torch.autograd.grad(y, xs, torch.ones_like(y))
+        common = importlib.import_module(pkg + ".ops._common")
+        with common.tunables(**({key: cfg} if key else {})):
+            fn, make = op_table(fa, 64, HIDDEN, MLP, "cuda")[name]
+            xs = [t.requires_grad_() for t in make()]
+            y = fn(*xs)
+            torch.autograd.grad(y, xs, torch.ones_like(y))
     torch.cuda.synchronize()
 
 

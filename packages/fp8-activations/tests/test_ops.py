@@ -292,3 +292,24 @@ def test_saved_bytes(name, saved, fp8_bytes):
     bf16 = base.activation_bytes(*params)
     if case.saves:
         assert got <= 0.63 * bf16, (got, bf16)
+
+
+def test_launch_tunables_are_scoped():
+    """``_common.tunables``: the sweeps' way to try launch configs; the table comes back
+    unchanged (also after an error), unknown names are refused, and launches inside see it."""
+    from fp8_activations.ops import _common
+
+    before = dict(_common.CONFIG)
+    x = torch.empty(64, 256)
+    default = _common.elementwise_launch("silu_fwd", x, 16)
+    with _common.tunables(silu_fwd=(512, 2)):
+        assert _common.CONFIG["silu_fwd"] == (512, 2)
+        grid, meta = _common.elementwise_launch("silu_fwd", x, 16)
+        assert (grid, meta) != default and meta["num_warps"] == 2
+    assert _common.CONFIG == before
+    with pytest.raises(RuntimeError), _common.tunables(silu_bwd=(256, 1)):
+        raise RuntimeError
+    assert _common.CONFIG == before
+    with pytest.raises(KeyError, match="no launch tunables named"):
+        with _common.tunables(nope=(1, 1)):
+            pass

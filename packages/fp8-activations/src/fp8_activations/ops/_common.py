@@ -19,6 +19,7 @@ only the buffers it fills (``None`` for the rest) and caches every launch shape;
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -51,6 +52,22 @@ CONFIG: dict[str, tuple[int, ...]] = {
     "rms_norm_bwd": (16, 2),
     "layer_norm_bwd": (32, 2),
 }
+
+
+@contextlib.contextmanager
+def tunables(**overrides: tuple[int, ...]):
+    """Within this context the ops launch with ``overrides`` in place of ``CONFIG``'s entries
+    (``tunables(rms_norm_bwd=(16, 4))``): for launch sweeps, which must not leave a changed
+    table behind. Unknown names raise ``KeyError``. Not thread-local."""
+    unknown = set(overrides) - set(CONFIG)
+    if unknown:
+        raise KeyError(f"no launch tunables named {sorted(unknown)}; known: {sorted(CONFIG)}")
+    saved = {k: CONFIG[k] for k in overrides}
+    CONFIG.update(overrides)
+    try:
+        yield
+    finally:
+        CONFIG.update(saved)
 
 
 @functools.cache
