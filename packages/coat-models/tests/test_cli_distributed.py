@@ -202,6 +202,21 @@ def test_rank0_alone_prints_and_writes(runs):
     assert fsdp["optimizer_state"] < 0.6 * ref["optimizer_state"]
 
 
+def test_full_disk_at_export_ends_every_rank_in_one_line(runs):
+    """Rank 0 alone writes the export; when that fails (a full disk) every rank learns it
+    and ends with exit 1 and one line naming the remedies, instead of the other ranks
+    waiting at the export's barrier (or going on to the next mode without rank 0)."""
+    for rank in range(WORLD):
+        assert codes(runs, rank)["full_disk"] == 1
+        err = output(runs, "full_disk", rank, "err")
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert "mode bf16 trained" in lines[0] and "--no-export" in lines[0]
+    assert "No space left on device" in output(runs, "full_disk", 0, "err")
+    assert not (runs / "full_disk" / "coat").exists()  # the next mode did not start
+    assert (runs / "full_disk" / "bf16" / "summary.json").is_file()
+
+
 def test_resume_under_torchrun_reproduces_losses_bit_for_bit(runs):
     assert codes(runs, 0)["killed"] == 130
     assert "interrupted" in output(runs, "killed", 0, "err")
@@ -362,6 +377,20 @@ def _worker(out: Path) -> None:
     coat_train("planted", [*FSDP_ARGS, "--fsdp", "--resume", planted])
     single = out / "ref_fsdp/coat/checkpoints/step_0000002"
     coat_train("from_single", [*FSDP_ARGS, "--fsdp", "--resume", single])
+    # rank 0 cannot write the exported model (a full disk): every rank ends, in one line
+    import errno
+
+    from transformers import PreTrainedModel
+
+    save_pretrained = PreTrainedModel.save_pretrained
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    PreTrainedModel.save_pretrained = full_disk
+    two_modes = [a for a in FAST if a not in ("--mode", "coat")] + ["--compare", "bf16,coat"]
+    coat_train("full_disk", [*two_modes, "--steps", 2, "--eval-every", 2, "--ddp"])
+    PreTrainedModel.save_pretrained = save_pretrained
     (out / f"codes.rank{rank}.json").write_text(json.dumps(done))
     (out / f"writes.rank{rank}.json").write_text(json.dumps(writes))
     dist.barrier()

@@ -109,3 +109,48 @@ def test_a_cast_of_another_weight_is_refused():
         fa.rms_norm_linear(x, None, 1e-6, ws, weight_casts=casts[:1])
     with pytest.raises(TypeError, match="weight_cast must be"):
         fa.swiglu_linear(x, x, ws[0], weight_cast=object())
+
+
+def test_backward_twice_through_a_retained_graph():
+    """``backward(retain_graph=True)`` then another backward through the same layer: each
+    backward gets the weights' transposed casts (the second re-casts each weight from its
+    saved max, as the per-weight path does), the same bits as without ``cast_weights``."""
+    x, up, norm_w = _leaf(4, 8, K, seed=1), _leaf(4, 8, K, seed=2), _leaf(K, seed=3)
+    shapes = ((32, K), (16, K), (K, 32), (K, K))
+    ws = [_leaf(*s, scale=0.1, seed=4 + i) for i, s in enumerate(shapes)]
+    leaves = [x, up, norm_w, *ws]
+    cfg = FP8ActivationConfig(weight_cache=False, backend="triton")
+
+    def twice(with_casts):
+        for t in leaves:
+            t.grad = None
+        casts = fa.cast_weights(ws, cfg) if with_casts else None
+        loss = _block(cfg, casts, x, up, norm_w, ws).float().square().sum()
+        loss.backward(retain_graph=True)
+        first = [t.grad.clone() for t in leaves]
+        loss.backward()  # accumulates a second, equal gradient
+        return first + [t.grad for t in leaves]
+
+    want = twice(False)
+    for a, b in zip(twice(True), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_cast_serves_one_forward_of_the_weights_it_was_made_from():
+    """An item used a second time, or after its weight changed in place, is refused with the
+    remedy (never a crash or a stale FP8 weight)."""
+    ws = [_leaf(32, K), _leaf(16, K, seed=1)]
+    x = _leaf(4, K, seed=2)
+    casts = fa.cast_weights(ws, NO_CACHE)
+    fa.fp8_linear(x, ws[0], None, NO_CACHE, weight_cast=casts[0])
+    with pytest.raises(ValueError, match="already used by a forward.*call cast_weights again"):
+        fa.fp8_linear(x, ws[0], None, NO_CACHE, weight_cast=casts[0])
+    with torch.no_grad():
+        ws[1].mul_(2)  # e.g. an optimizer step between cast_weights and the forward
+    with pytest.raises(ValueError, match="changed in place after cast_weights"):
+        fa.rms_norm_linear(x, None, 1e-6, ws[1:], None, NO_CACHE, weight_casts=casts[1:])
+    casts = fa.cast_weights(ws, NO_CACHE)  # cast after the update: accepted
+    y = fa.rms_norm_linear(x, None, 1e-6, ws, None, NO_CACHE, weight_casts=casts)
+    want = fa.rms_norm_linear(x, None, 1e-6, ws, None, NO_CACHE)
+    for a, b in zip(y, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

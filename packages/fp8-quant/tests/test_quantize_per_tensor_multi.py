@@ -52,6 +52,17 @@ def test_more_tensors_than_slots(interpreter, fmt, assert_same_bits):
     _check(xs, amaxes, fmt, False, True, assert_same_bits)
 
 
+@pytest.mark.parametrize("row,col", LAYOUTS, ids=["both", "row", "col"])
+def test_empty_tensors_get_their_scale(interpreter, row, col, fmt, assert_same_bits):
+    """An empty tensor owns no tile but still gets the scale of its amax (as
+    quantize_per_tensor_transpose gives it), alone, among others, and as the only ones."""
+    xs, amaxes = _tensors([(13, 67), (9, 1)], torch.bfloat16)
+    xs[1:1] = [torch.empty(0, 64, dtype=torch.bfloat16), torch.empty(64, 0, dtype=torch.bfloat16)]
+    amaxes[1:1] = [torch.tensor(3.0), torch.tensor(0.5)]  # given: an empty tensor has no max
+    _check(xs, amaxes, fmt, row, col, assert_same_bits)
+    _check(xs[1:3], amaxes[1:3], fmt, row, col, assert_same_bits)
+
+
 def test_adversarial(interpreter, dtype, fmt, adversarial, assert_same_bits):
     x = adversarial(67, 130, dtype, fmt, 16, nonfinite=False).clamp(-fmt.max, fmt.max)
     xs = [x, x.t().contiguous(), x[:5].contiguous()]

@@ -775,16 +775,17 @@ def run(args) -> int:
                 )
             summary["wall_s"] = time.perf_counter() - t0
             summaries.append(summary)
-            if _rank() != 0:  # under torchrun rank 0 alone writes files and prints
-                continue
-            write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
-            if export_error is not None:
+            if _rank() == 0:  # under torchrun rank 0 alone writes files and prints
+                write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
+            if export_error is not None:  # on every rank: none goes on to the next mode
                 raise TrainError(
                     f"mode {cfg.mode} trained (metrics and summary in {mode_dir}), but writing "
                     f"the model to {mode_dir / 'final'} failed: "
                     f"{export_error.strerror or export_error}; free space there or pass "
                     "--no-export"
                 )
+            if _rank() != 0:
+                continue
             curves[cfg.mode] = read_curves(mode_dir / "metrics.jsonl")
             acc = summary.get("val_caption_acc")
             print(

@@ -863,9 +863,20 @@ class Trainer:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)  # collective
         model = getattr(self.model, "module", self.model)  # DDP wraps, FSDP2 does not
+        error = None
         if self.is_main:
-            export_pretrained(model, path, tokenizer=tokenizer, state_dict=state)
-        dist.barrier()
+            try:
+                export_pretrained(model, path, tokenizer=tokenizer, state_dict=state)
+            except OSError as e:  # e.g. a full disk: every rank must learn it, below
+                error = e
+        # Rank 0's outcome to every rank (this also stands for the barrier): raised on rank 0
+        # alone, the others would wait for it here, or go on to train the next mode.
+        failed = torch.tensor(float(error is not None), device=self.device)
+        dist.broadcast(failed, src=0)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise OSError(f"rank 0 could not write {path} (its error says why)")
         return Path(path)
 
     def close(self):

@@ -121,8 +121,11 @@ def weight_t(
     (``cast``), or re-cast from the amax forward saved (``saved = (None, w_amax)``)."""
     w_t, w_s = saved
     if w_t is None:
-        if cast is not None:
-            return cast.cols()
+        item = None if cast is None else cast.cols()
+        if item is not None:
+            return item
+        # No layer cast, or its copy was handed out to an earlier backward through this
+        # graph (retain_graph=True): cast this weight alone, the same bits from the same max.
         _, w_t, w_s = quantize_t(weight.detach(), fmt, w_s, backend)
     return w_t, w_s
 
@@ -138,6 +141,10 @@ class LayerCast:
 
     def __init__(self, weights: list[Tensor], amaxes: list[Tensor], fmt: str, backend: str):
         self._weights = [w.detach() for w in weights]
+        # An in-place update bumps the version (shared by the detached alias): a row-major
+        # copy made before it is stale and refused (backward's casts are made later, and
+        # autograd's saved-tensor check refuses a weight changed after forward).
+        self._versions = [w._version for w in self._weights]
         self._amaxes, self._fmt, self._backend = list(amaxes), FP8Format(fmt), backend
         self._rows = [(q, s) for q, _, s in self._cast(row=True, col=False)]
         self._cols: list | None = None
@@ -151,11 +158,23 @@ class LayerCast:
 
     def rows(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
         """Forward's ``(w_q, w_s, w_amax)`` of weight ``i`` (once)."""
-        (q, scale), self._rows[i] = self._rows[i], None
+        item, self._rows[i] = self._rows[i], None
+        if item is None:
+            raise ValueError(
+                f"weight_cast (item {i} of cast_weights) was already used by a forward: each "
+                "item serves one forward; call cast_weights again for the next one"
+            )
+        if self._weights[i]._version != self._versions[i]:
+            raise ValueError(
+                f"weight_cast (item {i} of cast_weights) is stale: its weight changed in place "
+                "after cast_weights; call cast_weights after the last update"
+            )
+        q, scale = item
         return q, scale, self._amaxes[i]
 
-    def cols(self, i: int) -> tuple[Tensor, Tensor]:
-        """Backward's ``(w_t, w_s)`` of weight ``i`` (once); the first call casts them all."""
+    def cols(self, i: int) -> tuple[Tensor, Tensor] | None:
+        """Backward's ``(w_t, w_s)`` of weight ``i``; the first call casts them all. None once
+        handed out (a second backward through a retained graph casts the weight alone)."""
         if self._cols is None:
             self._cols = [(q_t, s) for _, q_t, s in self._cast(row=False, col=True)]
         item, self._cols[i] = self._cols[i], None
@@ -173,7 +192,7 @@ class WeightCast:
     def rows(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.layer.rows(self.index)
 
-    def cols(self) -> tuple[Tensor, Tensor]:
+    def cols(self) -> tuple[Tensor, Tensor] | None:
         return self.layer.cols(self.index)
 
 

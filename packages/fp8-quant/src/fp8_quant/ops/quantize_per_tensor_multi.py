@@ -30,7 +30,7 @@ def _tile(
     ROW: tl.constexpr, COL: tl.constexpr,
 ):  # fmt: skip
     """Tile ``t`` of the contiguous ``(M, N)`` tensor at ``x_ptr``."""
-    n_nblocks = tl.cdiv(N, BN)
+    n_nblocks = tl.maximum(tl.cdiv(N, BN), 1)  # N == 0: its one program writes the scale
     rows = (t // n_nblocks) * BM + tl.arange(0, BM)
     cols = (t % n_nblocks) * BN + tl.arange(0, BN)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -79,7 +79,7 @@ def quantize_per_tensor_multi(
     xs: list[torch.Tensor], fmt: FP8Format, amaxes: list[torch.Tensor], row: bool, col: bool
 ) -> list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]]:
     """Triton twin of ``reference.quantize_per_tensor_multi`` (same bits): per ``x`` of
-    ``xs`` (2-D, contiguous, non-empty, on one device) and its fp32 0-dim ``amax``, ``(q,
+    ``xs`` (2-D, contiguous, on one device) and its fp32 0-dim ``amax``, ``(q,
     q_t, scale)`` with ``q`` only when ``row`` and ``q_t`` only when ``col`` (else None)."""
     out = []
     for i in range(0, len(xs), SLOTS):
@@ -98,7 +98,7 @@ def _launch_slots(xs, fmt, amaxes, row, col):
         results.append((q, q_t, scale))
         q_bits = (q if row else q_t).view(torch.uint8)  # a real buffer for the unused one
         qt_bits = q_t.view(torch.uint8) if col else q_bits
-        end += cdiv(m, _BM) * cdiv(n, _BN)
+        end += max(1, cdiv(m, _BM) * cdiv(n, _BN))  # >= 1: an empty tensor's scale
         args += [x, q_bits, qt_bits, amax, scale, m, n, end]
     unused = [*args[:7], end]  # the first tensor's arguments again, owning no program
     args += unused * (SLOTS - len(xs))
