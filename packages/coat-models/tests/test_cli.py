@@ -452,3 +452,17 @@ def test_help_states_the_defaults_the_code_uses():
     vocabs = {p.vocab for p in PRESETS.values()}
     assert vocabs == {None, 32000} and "default: 32000, tiny: the data's" in helps["vocab_size"]
     assert PRESETS["tiny"].vocab is None and "(default: tiny)" in helps["preset"]
+
+
+def test_refused_resume_names_the_remedy_and_writes_no_mode_dir(tmp_path, capsys):
+    """A checkpoint of other settings is refused before the mode's directory is made, and the
+    message says what to do (it named the difference alone)."""
+    args = ["--steps", 2, "--save-every", 2, "--eval-every", 2, "--no-export", *FAST]
+    assert run([*args, "--out", tmp_path / "a"], capsys)[0] == 0
+    ckpt = tmp_path / "a" / "bf16" / "checkpoints" / "step_0000002"
+    out = tmp_path / "b"
+    code, _, err = run([*args, "--mode", "coat-optim", "--resume", ckpt, "--out", out], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert "settings differ (mode: checkpoint 'bf16', now 'coat-optim'): pass the settings" in err
+    assert "or start afresh with another --out" in err
+    assert [p.name for p in out.iterdir()] == [cli.LOCK_FILE]
