@@ -202,6 +202,19 @@ def _inputs(tmp_path) -> dict:
     (paths["no_manifest"] / "model.pt").write_bytes(b"PK")
     paths["bad_manifest"].mkdir()
     (paths["bad_manifest"] / "manifest.json").write_text('{"format": "coat-check')
+    # ids beyond int64 (they would wrap to negative ids in the int64 batches)
+    paths["u64.npy"] = tmp_path / "u64.npy"
+    np.save(paths["u64.npy"], np.full(5000, 2**64 - 1, dtype=np.uint64))
+    # config.json values transformers' validation refuses (not a ValueError: a traceback)
+    paths["bad_heads"] = tmp_path / "bad_heads"
+    paths["bad_heads"].mkdir()
+    llama = {"model_type": "llama", "hidden_size": 100, "num_attention_heads": 3,
+             "num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 320}  # fmt: skip
+    (paths["bad_heads"] / "config.json").write_text(json.dumps(llama))
+    paths["llava"] = tmp_path / "llava"
+    from coat_models.vila import llava_tiny_config
+
+    llava_tiny_config().save_pretrained(paths["llava"])
     return {name.replace(".", "_"): path for name, path in paths.items()} | {"tmp": tmp_path}
 
 
@@ -224,7 +237,8 @@ BAD_INPUTS = [
     (["--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
     (["--vocab-size", "-5"], "--vocab-size must be >= 1, got -5"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
-    (["--threads", "0"], "--threads must be >= 1"),
+    (["--threads", "0"], "--threads must be in [1, "),
+    (["--threads", "100000"], "--threads must be in [1, "),  # crashed torch's thread pool
     (["--seed", "-1"], "--seed must be in [0, 2**63 - 1], got -1"),
     (["--seed", str(2**63)], f"--seed must be in [0, 2**63 - 1], got {2**63}"),
     (["--corpus-mib", "nan"], "--corpus-mib must be a number > 0, got nan"),
@@ -250,6 +264,22 @@ BAD_INPUTS = [
     (["--mode", "coat", "--cuda-graphs", "--fp8-weight-cache"], "drop --fp8-weight-cache"),
     (["--mode", "coat", "--cuda-graphs", "--activation-checkpointing"], "runs in one process"),
     (["--mode", "coat", "--cuda-graphs", "--device", "cpu"], "needs a CUDA device"),
+    # a window of one token predicts nothing: was a NaN loss blamed on --lr (exit 1)
+    (["--seq-len", "1", *SMALL], "--seq-len must be >= 2 for a causal LM, got 1"),
+    # an empty --compare ran bf16 alone; "," named a blank mode
+    (["--compare", ""], "--compare names no mode: list some of bf16, coat"),
+    (["--compare", ","], "--compare names no mode"),
+    # bf16 masters requested, and every mode of the comparison silently kept fp32
+    (["--compare", "bf16,coat-act", "--master-dtype", "bf16"], "has none: add one, or drop"),
+    # data options that do not apply were ignored without a word
+    (["--val-fraction", "0.2"], "--val-fraction applies to a --data file only: leave it out"),
+    (["--data", "{ids_npy}", "--corpus-mib", "1"], "--corpus-mib applies to the built-in"),
+    (["--data", "{ids_npy}", "--data-dtype", "int32"], "--data-dtype applies to a .bin --data"),
+    (["--data", "{u64_npy}"], "token id 18446744073709551615 is beyond any vocabulary"),
+    # a micro-batch whose logits alone exceed RAM: the OOM killer ended the run silently
+    (["--batch-size", "100000000", *SMALL], "for its logits (vocab 320), but"),
+    (["--model-dir", "{bad_heads}"], "hidden size (100) is not a multiple of the number of"),
+    (["--model-dir", "{llava}"], "(LlavaConfig) is not a causal LM's (no vocab_size): pass"),
 ]
 
 
@@ -339,3 +369,100 @@ def test_model_dir_and_text_data(tmp_path, capsys, weights):
     assert f"model dir {model_dir} (0.89 M params, vocab 320)" in stdout
     assert f"data: {text} (text, 0.02 MiB)" in stdout
     check_run_dir(tmp_path / "out", "bf16", steps=2, eval_every=2)
+
+
+def _user_dir(root):
+    """A directory of a user's own files where coat-train would write."""
+    root.mkdir()
+    (root / "summary.json").write_text('{"mine": true}')
+    (root / "loss.png").write_bytes(b"my plot")
+    (root / "bf16").mkdir()
+    (root / "bf16" / "notes.txt").write_text("precious")
+    return root
+
+
+def _tree(root):
+    return {p.relative_to(root): p.read_bytes() if p.is_file() else None for p in root.rglob("*")}
+
+
+def test_out_holding_a_user_s_files_is_refused(tmp_path, capsys):
+    """A fresh run deletes its mode's directory and overwrites summary.json and loss.png:
+    before, a user's bf16/notes.txt and summary.json were destroyed without a word."""
+    out = _user_dir(tmp_path / "mine")
+    before = _tree(out)
+    code, _, err = run(["--steps", 2, "--out", out, *FAST], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--out {out} holds summary.json, loss.png, bf16, which coat-train did not" in err
+    assert _tree(out) == before
+    # a coat-train output directory (it has the lock file) with a user's file in a mode's
+    # directory: a fresh run would delete it
+    out = tmp_path / "run"
+    args = ["--steps", 2, "--eval-every", 2, "--no-export", "--out", out, *FAST]
+    assert run(args, capsys)[0] == 0
+    (out / "bf16" / "notes.txt").write_text("precious")
+    before = _tree(out)
+    code, _, err = run(args, capsys)
+    assert code == 2 and f"{out / 'bf16'} holds notes.txt, which coat-train did not" in err
+    assert _tree(out) == before
+
+
+def test_out_with_unrelated_names_only_is_used(tmp_path, capsys):
+    """Files coat-train does not touch do not stop a run, and stay."""
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "README.txt").write_text("mine")
+    args = ["--steps", 2, "--eval-every", 2, "--no-export", "--out", out, *FAST]
+    code, _, err = run(args, capsys)
+    assert code == 0, err
+    assert (out / "README.txt").read_text() == "mine" and (out / "bf16" / "summary.json").is_file()
+
+
+def test_help_states_the_defaults_the_code_uses():
+    """Every option with a default in the parser, and each data option (defaults applied
+    after parsing), names that default in its help; the presets' vocabulary is the one
+    --vocab-size's help states."""
+    import argparse
+
+    from coat_models.train.presets import PRESETS
+
+    parser = cli.build_parser()
+    helps = {}
+    for action in parser._actions:
+        text = " ".join((action.help or "").split())
+        helps[action.dest] = text.replace("%(default)s", str(action.default)).replace(
+            "%(default)g", f"{action.default:g}" if isinstance(action.default, float) else ""
+        )
+    defaults = {
+        a.dest: a.default
+        for a in parser._actions
+        # identity: 0 == False would drop --seed's and --save-every's defaults
+        if not any(a.default is v for v in (None, False, argparse.SUPPRESS))
+    }
+    defaults |= cli.DATA_DEFAULTS
+    assert set(defaults) >= {"grad_accum", "min_lr_ratio", "weight_decay", "grad_clip", "seed",
+                             "log_every", "out", "save_every", "keep_checkpoints", "device",
+                             "report_to", "master_dtype", "corpus_mib", "val_fraction",
+                             "data_dtype"}  # fmt: skip
+    for dest, value in defaults.items():
+        said = {f"default {value}", f"default: {value}"}
+        if isinstance(value, float):
+            said |= {f"default {value:g}", f"default: {value:g}"}
+        assert any(s in helps[dest] for s in said), (dest, value, helps[dest])
+    assert cli.DATA_DEFAULTS["corpus_mib"] * 2**20 == cli.STDLIB_MAX_BYTES
+    vocabs = {p.vocab for p in PRESETS.values()}
+    assert vocabs == {None, 32000} and "default: 32000, tiny: the data's" in helps["vocab_size"]
+    assert PRESETS["tiny"].vocab is None and "(default: tiny)" in helps["preset"]
+
+
+def test_refused_resume_names_the_remedy_and_writes_no_mode_dir(tmp_path, capsys):
+    """A checkpoint of other settings is refused before the mode's directory is made, and the
+    message says what to do (it named the difference alone)."""
+    args = ["--steps", 2, "--save-every", 2, "--eval-every", 2, "--no-export", *FAST]
+    assert run([*args, "--out", tmp_path / "a"], capsys)[0] == 0
+    ckpt = tmp_path / "a" / "bf16" / "checkpoints" / "step_0000002"
+    out = tmp_path / "b"
+    code, _, err = run([*args, "--mode", "coat-optim", "--resume", ckpt, "--out", out], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert "settings differ (mode: checkpoint 'bf16', now 'coat-optim'): pass the settings" in err
+    assert "or start afresh with another --out" in err
+    assert [p.name for p in out.iterdir()] == [cli.LOCK_FILE]

@@ -286,11 +286,22 @@ def test_resume_across_launches_is_refused(runs, capsys):
         (["--fsdp"], {}, "--fsdp trains one process per GPU under torchrun, but WORLD_SIZE"),
         (["--ddp"], {}, "launch `torchrun --nproc-per-node N --no-python coat-train"),
         ([], {"WORLD_SIZE": "2"}, "one of 2 torchrun processes, but neither --fsdp nor --ddp"),
+        # a stray or partial torchrun environment: tracebacks from int() / init_distributed
+        ([], {"WORLD_SIZE": "two"}, "WORLD_SIZE is 'two', not a number of processes"),
+        (["--ddp"], {"WORLD_SIZE": "2"}, "--ddp: WORLD_SIZE is set but RANK, MASTER_ADDR, MASTER"),
     ],
-    ids=["fsdp-and-ddp", "fsdp-without-torchrun", "ddp-without-torchrun", "torchrun-no-flag"],
+    ids=[
+        "fsdp-and-ddp",
+        "fsdp-without-torchrun",
+        "ddp-without-torchrun",
+        "torchrun-no-flag",
+        "world-size-not-a-number",
+        "partial-torchrun-env",
+    ],
 )
 def test_bad_combinations_give_one_clear_line(tmp_path, capsys, monkeypatch, argv, env, message):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     code = cli.main([*argv, "--out", str(tmp_path), "--no-progress"])

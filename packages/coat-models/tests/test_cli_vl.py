@@ -57,6 +57,12 @@ def test_llava_tiny_compare_end_to_end(tmp_path, capsys):
 VL_BAD = [
     (["--data", "x.txt"], 2, "--data does not apply to --preset llava-tiny"),
     (["--vocab-size", "512"], 2, "--vocab-size does not apply"),
+    # options of the token data: ignored without a word before
+    (["--corpus-mib", "2"], 2, "--corpus-mib does not apply to --preset llava-tiny"),
+    (["--val-fraction", "0.1"], 2, "--val-fraction does not apply to --preset llava-tiny"),
+    (["--data-dtype", "int32"], 2, "--data-dtype does not apply to --preset llava-tiny"),
+    # a micro-batch whose logits alone exceed the memory: killed by the OOM killer on CPU
+    (["--batch-size", "10000000000"], 2, "lower --batch-size (raise --grad-accum to keep"),
     # too short for an image and its caption: the minimum
     (
         ["--seq-len", "20"],

@@ -17,6 +17,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -55,6 +56,17 @@ ALL_PRESETS = [*PRESETS, *VL_PRESETS]
 
 PROG = "coat-train"
 LOCK_FILE = ".lock"  # in --out: held (flock) by the coat-train writing there, with its PID
+# What coat-train writes in --out and in each mode's directory: a fresh run replaces these
+# (the mode's directory is deleted), so an --out holding anything else is refused.
+OUT_FILES = ("summary.json", "loss.png")
+MODE_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "final", "tensorboard")
+# The data options' defaults (None in the parser: given where they do not apply, they are
+# refused rather than ignored).
+DATA_DEFAULTS = {
+    "data_dtype": "uint16",
+    "val_fraction": 0.05,
+    "corpus_mib": STDLIB_MAX_BYTES / 2**20,
+}
 
 
 class UsageError(ValueError):
@@ -123,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--master-dtype",
         choices=list(MASTER_DTYPES),
         default="fp32",
-        help="master weights; bf16 needs CoatAdamW (modes coat, coat-optim); in "
-        "--compare, modes with torch AdamW keep fp32",
+        help="master weights (default fp32); bf16 needs CoatAdamW (modes coat, coat-optim); "
+        "in --compare, modes with torch AdamW keep fp32",
     )
     d = p.add_argument_group("data")
     d.add_argument(
@@ -132,36 +144,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="text file, or token ids in .npy / .bin (default: the "
         "interpreter's stdlib .py source, byte-level)",
     )
+    # No parser defaults for the three below: an option that does not apply to the data
+    # chosen is refused (DATA_DEFAULTS), not silently ignored.
     d.add_argument(
         "--data-dtype",
-        default="uint16",
         choices=["uint16", "int32"],
-        help="dtype of a .bin token file (default uint16)",
+        help=f"dtype of a .bin --data file (default {DATA_DEFAULTS['data_dtype']})",
     )
     d.add_argument(
         "--val-fraction",
         type=float,
-        default=0.05,
-        help="held-out tail of a --data file (default 0.05)",
+        help=f"held-out tail of a --data file (default {DATA_DEFAULTS['val_fraction']}; the "
+        "built-in corpus holds out every 20th file)",
     )
     d.add_argument(
         "--corpus-mib",
         type=float,
-        default=STDLIB_MAX_BYTES / 2**20,
-        help="cap on the embedded corpus size (default %(default)g)",
+        help=f"cap on the built-in corpus size (default {DATA_DEFAULTS['corpus_mib']:g})",
     )
-    t = p.add_argument_group("training (defaults come from the preset)")
+    t = p.add_argument_group("training (where no default is stated: the preset's)")
     t.add_argument("--batch-size", type=int, help="sequences per micro-batch")
-    t.add_argument("--seq-len", type=int)
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    t.add_argument("--seq-len", type=int, help="tokens per sequence")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
     t.add_argument("--steps", type=int, help="optimizer steps")
     t.add_argument("--lr", type=float, help="peak learning rate")
-    t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor / peak lr")
+    t.add_argument(
+        "--min-lr-ratio", type=float, default=0.1, help="cosine floor / peak lr (default 0.1)"
+    )
     t.add_argument("--warmup", type=int, help="linear warmup steps")
-    t.add_argument("--weight-decay", type=float, default=0.1)
-    t.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm; 0: off")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--eval-every", type=int, help="steps between validation passes")
+    t.add_argument(
+        "--weight-decay", type=float, default=0.1, help="AdamW's, on matrices (default 0.1)"
+    )
+    t.add_argument(
+        "--grad-clip", type=float, default=1.0, help="max grad norm; 0: off (default 1.0)"
+    )
+    t.add_argument(
+        "--seed", type=int, default=0, help="of the initial weights and the batches (default 0)"
+    )
+    t.add_argument(
+        "--eval-every", type=int, help="steps between validation passes; 0: at the end only"
+    )
     t.add_argument("--eval-batches", type=int, help="validation batches per pass")
     t.add_argument(
         "--log-every",
@@ -193,9 +215,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(also in one process)",
     )
     o = p.add_argument_group("output and checkpoints")
-    o.add_argument("--out", default="runs/coat-train", help="output directory")
-    o.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps; 0: off")
-    o.add_argument("--keep-checkpoints", type=int, default=2, help="newest N kept per mode")
+    o.add_argument(
+        "--out",
+        default="runs/coat-train",
+        help="output directory: new, empty, or one coat-train wrote (default %(default)s)",
+    )
+    o.add_argument(
+        "--save-every", type=int, default=0, help="checkpoint every N steps; 0: off (default 0)"
+    )
+    o.add_argument(
+        "--keep-checkpoints", type=int, default=2, help="newest N kept per mode (default 2)"
+    )
     o.add_argument(
         "--resume",
         nargs="?",
@@ -204,7 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from each mode's newest checkpoint under --out, or from the "
         "given checkpoint directory (single mode)",
     )
-    o.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    o.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cuda where available, else cpu (default auto)",
+    )
     o.add_argument(
         "--threads",
         type=int,
@@ -236,10 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _modes(args) -> list[str]:
     if args.mode and args.compare:
         raise UsageError("use --mode or --compare, not both")
-    names = [s.strip() for s in (args.compare or args.mode or "bf16").split(",") if s.strip()]
+    given = args.compare if args.compare is not None else args.mode or "bf16"
+    names = [s.strip() for s in given.split(",") if s.strip()]
+    if not names:  # `--compare ""` must not fall back to the default mode
+        raise UsageError(f"--compare names no mode: list some of {', '.join(MODES)}")
     bad = [n for n in names if n not in MODES]
-    if bad or not names:
-        raise UsageError(f"unknown mode {', '.join(bad)!s}: choose from {', '.join(MODES)}")
+    if bad:
+        raise UsageError(f"unknown mode {', '.join(bad)}: choose from {', '.join(MODES)}")
     if len(set(names)) != len(names):
         raise UsageError(f"--compare lists a mode twice: {args.compare}")
     return names
@@ -265,10 +303,22 @@ def _strategy(args) -> str | None:
         raise UsageError("use --fsdp or --ddp, not both")
     strategy = "fsdp" if args.fsdp else "ddp" if args.ddp else None
     world = os.environ.get("WORLD_SIZE")
+    if world is not None and not (world.isdigit() and int(world) >= 1):
+        raise UsageError(
+            f"WORLD_SIZE is {world!r}, not a number of processes: launch under torchrun, or "
+            "unset WORLD_SIZE to train in one process"
+        )
     if strategy and world is None:
         raise UsageError(
             f"--{strategy} trains one process per GPU under torchrun, but WORLD_SIZE is not "
             f"set: launch `torchrun --nproc-per-node N --no-python {PROG} ... --{strategy}`"
+        )
+    # torchrun sets all of these; without them the process group cannot form.
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if strategy and missing:
+        raise UsageError(
+            f"--{strategy}: WORLD_SIZE is set but {', '.join(missing)} not: launch "
+            f"`torchrun --nproc-per-node N --no-python {PROG} ... --{strategy}`"
         )
     if strategy is None and world is not None and int(world) > 1:
         raise UsageError(
@@ -321,11 +371,14 @@ def _start_afresh(mode_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------- the output directory
-def _check_out(out: Path) -> None:
-    """Refuse an ``--out`` this process cannot create or write, before data and model are
-    loaded. Leaves nothing behind (its probe directory is removed at once)."""
+def _check_out(out: Path, modes: list[str]) -> None:
+    """Refuse an ``--out`` this process cannot create or write, or one holding files that
+    coat-train did not write where it would replace them, before data and model are loaded.
+    Leaves nothing behind (its probe directory is removed at once)."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file: pass a directory")
+    if out.is_dir():
+        _check_foreign(out, modes)
     parent = out
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -339,6 +392,40 @@ def _check_out(out: Path) -> None:
             f"--out {out}: cannot create a directory in {parent} ({e.strerror}): pass another --out"
         ) from None
     os.rmdir(probe)
+
+
+def _ours(name: str) -> bool:
+    """A name coat-train writes in a mode's directory, or one of its temporary files
+    (``.final.tmp-PID``, ``.summary.json.tmp-PID``: a killed run's)."""
+    return name in MODE_FILES or re.fullmatch(r"\..+\.tmp-\d+", name) is not None
+
+
+def _check_foreign(out: Path, modes: list[str]) -> None:
+    """A fresh run overwrites ``OUT_FILES`` and deletes each mode's directory: refuse an
+    ``--out`` where that would destroy a user's files (a directory that no coat-train has
+    locked, or a mode directory holding other names)."""
+    if not (out / LOCK_FILE).is_file():
+        clash = [n for n in (*OUT_FILES, *modes) if (out / n).exists()]
+        if clash:
+            raise UsageError(
+                f"--out {out} holds {', '.join(clash)}, which coat-train did not write (it "
+                f"has no {LOCK_FILE}) and would replace: pass a new or empty directory"
+            )
+    for mode in modes:
+        mode_dir = out / mode
+        if mode_dir.exists() and not mode_dir.is_dir():
+            raise UsageError(f"{mode_dir} is a file: move it, or pass another --out")
+        foreign = (
+            sorted(p.name for p in mode_dir.iterdir() if not _ours(p.name))
+            if mode_dir.is_dir()
+            else []
+        )
+        if foreign:
+            raise UsageError(
+                f"{mode_dir} holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, "
+                f"which coat-train did not write; a fresh run deletes {mode_dir}: move them, "
+                "or pass another --out"
+            )
 
 
 @contextlib.contextmanager
@@ -391,11 +478,21 @@ def _static_bytes_per_param(mode: str, master: str) -> int:
 
 
 def _check_fits(
-    n_params: int, modes, masters, device: torch.device, label: str, strategy: str | None = None
+    n_params: int,
+    modes,
+    masters,
+    device: torch.device,
+    label: str,
+    strategy: str | None = None,
+    cfg: TrainConfig | None = None,
+    vocab: int | None = None,
+    tune: str = "",
 ):
     """Refuse up front a model whose weights, gradients and optimizer state alone exceed the
-    device's memory (CPU: physical RAM, shared by the ranks of this machine), instead of being
-    killed half-way. FSDP2 splits them over the ranks."""
+    device's memory (CPU: physical RAM, shared by the ranks of this machine), or a micro-batch
+    (``cfg``) whose logits over ``vocab`` alone do, instead of being killed half-way (on CPU
+    the kernel's OOM killer ends the process without a word). FSDP2 splits the former over
+    the ranks."""
     shards = dist.get_world_size() if strategy == "fsdp" else 1
     if device.type == "cuda":
         total, where, sharing = torch.cuda.get_device_properties(device).total_memory, "the GPU", 1
@@ -419,6 +516,17 @@ def _check_fits(
                 f"needs at least {fmt_bytes(need)} for weights, gradients and optimizer state, "
                 f"but {where} has {fmt_bytes(total)}: choose a smaller model, or a COAT mode "
                 f"with --master-dtype bf16"
+            )
+    if cfg is not None and vocab:
+        # The loss reads the logits of every position: bf16 from the head and their fp32 copy
+        # (transformers upcasts before cross-entropy) exist together, besides everything else.
+        logits = cfg.batch_size * cfg.seq_len * vocab * (2 + 4) * sharing
+        if logits > total:
+            raise UsageError(
+                f"a micro-batch of {cfg.batch_size} x {cfg.seq_len} tokens needs at least "
+                f"{fmt_bytes(logits)} for its logits (vocab {vocab}), but {where} has "
+                f"{fmt_bytes(total)}: lower --batch-size (raise --grad-accum to keep the "
+                f"batch){tune}"
             )
 
 
@@ -598,13 +706,46 @@ class _Job:
     shape: str  # e.g. "0.89 M params, vocab 320", for the header
     data: str  # the data in the header
     source: str  # the data in summary.json
+    vocab: int | None = None  # the logits' width
     tokenizer: object = None  # exported with the model
     tune: str = " or --seq-len"  # what else to lower when memory runs out
+
+
+def _check_data_options(args) -> None:
+    """Refuse a data option that does not apply to the data chosen (a --val-fraction with the
+    built-in corpus would be ignored, and the user would not learn it); fill in the defaults
+    of those that apply."""
+    vl = (args.preset or "tiny") in VL_PRESETS
+    where = {
+        "corpus_mib": (args.data is None and not vl, "the built-in corpus (no --data)"),
+        "val_fraction": (args.data is not None, "a --data file"),
+        "data_dtype": (
+            args.data is not None and Path(args.data).suffix == ".bin",
+            "a .bin --data file",
+        ),
+    }
+    for name, (applies, what) in where.items():
+        flag = f"--{name.replace('_', '-')}"
+        if getattr(args, name) is None:
+            setattr(args, name, DATA_DEFAULTS[name])
+        elif vl:
+            raise UsageError(
+                f"{flag} does not apply to --preset {args.preset}: it trains on the built-in "
+                "shapes-caption task"
+            )
+        elif not applies:
+            raise UsageError(f"{flag} applies to {what} only: leave it out")
+    if not (math.isfinite(args.corpus_mib) and args.corpus_mib > 0):
+        raise UsageError(f"--corpus-mib must be a number > 0, got {args.corpus_mib}")
 
 
 def _lm_job(args, cfgs, modes, device, label) -> _Job:
     """A causal LM: model config first (cheap), then data (the tokenizer may come from the
     model dir)."""
+    if cfgs[0].seq_len < 2:  # every mode has the same seq_len
+        # labels are the inputs shifted by one: one token predicts nothing and the loss is
+        # 0/0, which would surface as a NaN with the wrong remedy (--lr)
+        raise UsageError(f"--seq-len must be >= 2 for a causal LM, got {cfgs[0].seq_len}")
     weights_dir = tokenizer = None
     if args.model_dir:
         config, has_weights = model_dir_config(args.model_dir)
@@ -640,6 +781,7 @@ def _lm_job(args, cfgs, modes, device, label) -> _Job:
         shape=f"{n_params / 1e6:.2f} M params, vocab {config.vocab_size}",
         data=f"{data.source}, {len(data.train):,} train / {len(data.val):,} val tokens",
         source=data.source,
+        vocab=config.vocab_size,
         tokenizer=tokenizer,
     )
 
@@ -675,6 +817,7 @@ def _vl_job(args, cfgs, device, label) -> _Job:
         shape=f"{n_params / 1e6:.2f} M params, LLaVA-style",
         data="generated shapes-caption images",
         source="shapes-caption (generated)",
+        vocab=tasks[0].config.text_config.vocab_size,
         tune="",
     )
 
@@ -688,15 +831,21 @@ def run(args) -> int:
     device = _device(args.device) if strategy is None else _rank_device(args.device)
     compare = args.compare is not None
     masters = [_master_dtype(m, args.master_dtype, compare) for m in modes]
+    if args.master_dtype == "bf16" and "bf16" not in masters:  # else ignored by every mode
+        raise UsageError(
+            f"--master-dtype bf16 applies to the modes with CoatAdamW (coat, coat-optim), and "
+            f"--compare {args.compare} has none: add one, or drop --master-dtype"
+        )
     defaults, label = _settings(args)
     cfgs = [_train_config(args, defaults, m, d) for m, d in zip(modes, masters, strict=True)]
     if args.cuda_graphs:
         _check_cuda_graphs(args, modes, device, strategy)
-    if not (math.isfinite(args.corpus_mib) and args.corpus_mib > 0):
-        raise UsageError(f"--corpus-mib must be a number > 0, got {args.corpus_mib}")
+    _check_data_options(args)
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError("--threads must be >= 1")
+        cpus = os.cpu_count() or 1
+        if not 1 <= args.threads <= cpus:
+            # Far more threads than cores only slows torch down; tens of thousands crash it.
+            raise UsageError(f"--threads must be in [1, {cpus}] (this machine's CPUs)")
         torch.set_num_threads(args.threads)
     if args.report_to == "tensorboard":
         try:
@@ -704,12 +853,12 @@ def run(args) -> int:
         except ImportError:
             raise UsageError(TENSORBOARD_HINT) from None
     out = Path(args.out)
-    _check_out(out)
+    _check_out(out, modes)
     if (args.preset or "tiny") in VL_PRESETS:
         job = _vl_job(args, cfgs, device, label)
     else:
         job = _lm_job(args, cfgs, modes, device, label)
-    _check_fits(job.n_params, modes, masters, device, label, strategy)
+    _check_fits(job.n_params, modes, masters, device, label, strategy, cfgs[0], job.vocab, job.tune)
     _check_resume(args, out, modes)
 
     c0 = cfgs[0]

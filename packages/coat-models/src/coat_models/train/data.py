@@ -29,6 +29,7 @@ STDLIB_MAX_BYTES = 32 * 2**20
 STDLIB_VAL_EVERY = 20  # every 20th file (sorted by path) is validation: 5%
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 BIN_DTYPES = {"uint16": np.uint16, "int32": np.int32}
+MAX_TOKEN_ID = 2**31 - 1
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -162,6 +163,13 @@ def load_token_file(path: str | os.PathLike, bin_dtype: str = "uint16") -> np.nd
     ids = ids.reshape(-1)
     if ids.size and int(ids.min()) < 0:
         raise DataError(f"{path}: negative token id {int(ids.min())}")
+    if ids.size and int(ids.max()) > MAX_TOKEN_ID:
+        # Batches are int64 (a uint64 id above 2**63 would wrap to a negative one), and no
+        # embedding has 2**31 rows: these are not token ids, or not of this dtype.
+        raise DataError(
+            f"{path}: token id {int(ids.max())} is beyond any vocabulary (ids must be < 2**31): "
+            + ("pass the right --data-dtype" if path.suffix == ".bin" else "pass token ids")
+        )
     return ids
 
 

@@ -95,8 +95,20 @@ def model_dir_config(path: str):
         raise ModelError(f"--model-dir {path}: no config.json (need a Hugging Face model dir)")
     try:
         config = AutoConfig.from_pretrained(d, local_files_only=True)
-    except (ValueError, OSError) as e:
-        raise ModelError(f"--model-dir {path}: cannot read config.json ({e})") from None
+    except Exception as e:
+        # ValueError / OSError for bad JSON or an unknown model type, and huggingface_hub's
+        # StrictDataclassError (an Exception, not a ValueError) for values the config's
+        # validation refuses (hidden size not a multiple of the heads, a str for an int)
+        raise ModelError(f"--model-dir {path}: cannot read config.json ({_one_line(e)})") from None
+    if not isinstance(getattr(config, "vocab_size", None), int):
+        # e.g. a LlavaConfig: its vocabulary is the text config's; not a causal LM config
+        raise ModelError(
+            f"--model-dir {path}: its config ({type(config).__name__}) is not a causal LM's (no "
+            "vocab_size): pass a causal LM's directory; the LLaVA-style models train with "
+            "--preset llava-tiny or vila-7b"
+        )
+    if config.vocab_size < 1:
+        raise ModelError(f"--model-dir {path}: config.json has vocab_size {config.vocab_size}")
     has_weights = any((d / f).is_file() for f in _WEIGHT_FILES)
     if has_weights:
         _check_safetensors(d)
@@ -143,6 +155,11 @@ def model_dir_tokenizer(path: str):
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _one_line(e: BaseException) -> str:
+    """``e``'s message on one line (huggingface_hub's validation errors span two)."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights_dir=None):

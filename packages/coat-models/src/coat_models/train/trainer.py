@@ -689,7 +689,10 @@ class Trainer:
             diff["model"] = (state["describe"], self.describe)
         if diff:
             said = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise TrainError(f"cannot resume from {path}: settings differ ({said})")
+            raise TrainError(
+                f"cannot resume from {path}: settings differ ({said}): pass the settings of "
+                "the run that wrote it, or start afresh with another --out"
+            )
         try:
             if manifest.kind == "dcp":
                 distributed.load_checkpoint(path, self.model, self.optimizer, verify=False)
@@ -728,10 +731,10 @@ class Trainer:
         ``out_dir/metrics.jsonl``, checkpointing; returns the summary (on every rank; rank 0
         alone writes the metrics)."""
         cfg = self.cfg
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        if resume is not None:
+        if resume is not None:  # refused (other settings): nothing was written
             self.load_checkpoint(resume)
-        else:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if resume is None:
             torch.manual_seed(cfg.seed)  # whatever setup drew, every mode starts alike
         self.tracker.reset_peak()
         self.meter.reset()
