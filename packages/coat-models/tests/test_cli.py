@@ -198,6 +198,10 @@ def _inputs(tmp_path) -> dict:
     config.save_pretrained(paths["bad_tokenizer"])
     (paths["bad_tokenizer"] / "tokenizer.json").write_text('{"not": "a tokenizer"}')
     GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=320).save_pretrained(paths["gpt2"])
+    paths["gpt2_short"] = tmp_path / "gpt2_short"
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320, n_positions=16).save_pretrained(
+        paths["gpt2_short"]
+    )
     paths["no_manifest"].mkdir()
     (paths["no_manifest"] / "model.pt").write_bytes(b"PK")
     paths["bad_manifest"].mkdir()
@@ -278,6 +282,11 @@ BAD_INPUTS = [
     (["--data", "{u64_npy}"], "token id 18446744073709551615 is beyond any vocabulary"),
     # a micro-batch whose logits alone exceed RAM: the OOM killer ended the run silently
     (["--batch-size", "100000000", *SMALL], "for its logits (vocab 320), but"),
+    # learned positions: an IndexError traceback after --out was written
+    (
+        ["--model-dir", "{gpt2_short}", "--seq-len", "32", *SMALL],
+        "--seq-len 32 is longer than --model-dir {gpt2_short}'s max_position_embeddings 16",
+    ),
     (["--model-dir", "{bad_heads}"], "hidden size (100) is not a multiple of the number of"),
     (["--model-dir", "{llava}"], "(LlavaConfig) is not a causal LM's (no vocab_size): pass"),
 ]
@@ -293,6 +302,7 @@ def test_bad_input_gives_one_clear_line(tmp_path, capsys, argv, message):
     before = sorted(tmp_path.rglob("*"))
     code, _, err = run([*argv, "--no-progress"], capsys)
     assert code == 2, err
+    message = message.format(**paths)
     assert err.startswith("coat-train: error: ") and message in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert sorted(tmp_path.rglob("*")) == before

@@ -749,6 +749,14 @@ def _lm_job(args, cfgs, modes, device, label) -> _Job:
     weights_dir = tokenizer = None
     if args.model_dir:
         config, has_weights = model_dir_config(args.model_dir)
+        # Learned positions (GPT-2) fail with an IndexError past the table; RoPE runs on, at
+        # positions the model was not made for. Presets size theirs to the run.
+        positions = getattr(config, "max_position_embeddings", None)
+        if isinstance(positions, int) and cfgs[0].seq_len > positions:
+            raise UsageError(
+                f"--seq-len {cfgs[0].seq_len} is longer than --model-dir {args.model_dir}'s "
+                f"max_position_embeddings {positions}: pass --seq-len <= {positions}"
+            )
         weights_dir = args.model_dir if has_weights else None
         tokenizer = model_dir_tokenizer(args.model_dir)
     data = load_data(
