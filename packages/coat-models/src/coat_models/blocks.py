@@ -221,6 +221,8 @@ def decoder_layer(
     # copies refreshed in one: None when the op set (or cast_weights) leaves it to the linears.
     cast_weights = getattr(ops, "cast_weights", None)
     casts = cast_weights(weights, config, weight_amaxes=amaxes) if cast_weights and amaxes else None
+    if cast_weights and amaxes and (casts is not None or (fresh and fresh(weights, config))):
+        amaxes = None  # every weight is cast (or cached): the linears need no maxima
     a, c = amaxes or [None] * len(linears), casts or [None] * len(linears)
     out = attention(
         ops,
