@@ -134,6 +134,12 @@ def _arg(x: Tensor) -> Tensor:
     return _rows(x) if torch.compiler.is_compiling() else x
 
 
+def _shaped(y: Tensor, x: Tensor) -> Tensor:
+    """A Function's output ``y`` in x's leading shape: eager Functions already return it
+    so; under ``torch.compile`` they get (and return) rows."""
+    return y if y.dim() == x.dim() else y.view(*x.shape[:-1], y.shape[-1])
+
+
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -325,7 +331,7 @@ def fp8_linear(
         x_fp8,
         weight_amax,
     )
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return _shaped(y, x)
 
 
 def rms_norm(
@@ -441,7 +447,7 @@ def rms_norm_linear(
         None if weight_amaxes is None else tuple(amaxes),
         *(t for pair in zip(weights, biases, strict=True) for t in pair),
     )  # fmt: skip
-    return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in outs)
+    return tuple(_shaped(y, x) for y in outs)
 
 
 def layer_norm(
@@ -582,7 +588,7 @@ def swiglu_linear(
         cfg.group_size, cfg.fwd_format.value, cfg.grad_format.value, backend,
         use_scaled_mm(gate, weight, cfg.gemm), weight_amax,
     )  # fmt: skip
-    return y.view(*gate.shape[:-1], weight.shape[0])
+    return _shaped(y, gate)
 
 
 def residual_add(x: Tensor, residual: Tensor, config: FP8ActivationConfig | None = None) -> Tensor:

@@ -124,6 +124,17 @@ def rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
+def unrows(y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``y (rows, n)`` in the caller's leading ``shape[:-1]``, for a Function's ``forward`` to
+    return: outputs leave in the caller's shape, so no view node per output joins the
+    autograd graph (host time in forward and backward). Detached from its base: a view
+    made inside ``forward`` could not be modified in place by the caller (autograd forbids
+    it for views returned by custom Functions), an alias can."""
+    if len(shape) == 2:
+        return y
+    return y.view(*shape[:-1], y.shape[-1]).detach()
+
+
 # ----------------------------------------------------------------- launch shapes (cached)
 def _vector(group_size: int, element_size: int) -> int:
     """Elements per 16-byte vector of the input (at most one group)."""

@@ -25,7 +25,7 @@ from fp8_quant import reference as fp8_reference
 
 from .. import reference
 from ..tensor import take_group_amax
-from ._common import custom_op, rows, use_triton
+from ._common import custom_op, rows, unrows, use_triton
 
 Tensor = torch.Tensor
 
@@ -236,7 +236,7 @@ def _pad_inner(t: Tensor, multiple: int = 16) -> Tensor:
 
 class FP8LinearFunction(torch.autograd.Function):
     """``(x (..., K), weight (N, K), bias, x_amax, w_fp8, fwd_fmt, grad_fmt, backend,
-    use_scaled_mm, x_fp8, w_amax) -> y (M, N)`` in x's dtype, M the rows of x.
+    use_scaled_mm, x_fp8, w_amax) -> y (..., N)`` in x's dtype.
 
     ``x_amax``: 0-dim max |x| handed over by the producer (group scaling), or None.
     ``w_fp8``: ``(w_q, w_t, w_scale)`` from the weight cache, a ``WeightCast`` (the layer's
@@ -261,14 +261,15 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x_t, x_s, weight, *w_saved)
         ctx.fmts, ctx.backend, ctx.use_scaled_mm = (fwd_fmt, grad_fmt), backend, use_scaled_mm
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return y
+        return unrows(y, ctx.x_shape)
 
     @staticmethod
     def backward(ctx, dy):
         x_t, x_s, weight, w_t, w_s = ctx.saved_tensors
         fwd_fmt, grad_fmt = ctx.fmts
-        dy = dy.contiguous()
-        dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, grad_amax(dy), ctx.backend)
+        dy_amax = grad_amax(dy)
+        dy = rows(dy)
+        dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, dy_amax, ctx.backend)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             w_t, w_s = weight_t(weight, (w_t, w_s), fwd_fmt, ctx.backend, ctx.cast)

@@ -24,6 +24,7 @@ from ._common import (
     group_tile,
     out_args,
     rows,
+    unrows,
     use_triton,
 )
 
@@ -81,7 +82,7 @@ class ResidualAddFunction(torch.autograd.Function):
         y, *hand = residual_add_fwd(rows(x), rows(residual), group_size, fmt, emit, backend)
         ctx.mark_non_differentiable(*(t for t in hand if t is not None))
         ctx.set_materialize_grads(False)  # no zero tensors for the hand-over's grads
-        return y, *hand
+        return unrows(y, ctx.x_shape), *hand
 
     @staticmethod
     def backward(ctx, dy, *_):

@@ -29,6 +29,7 @@ from ._common import (
     rows,
     store_groups,
     sum_rows,
+    unrows,
     use_triton,
 )
 
@@ -201,7 +202,7 @@ class RMSNormFunction(torch.autograd.Function):
         ctx.eps, ctx.group_size, ctx.backend = eps, group_size, backend
         ctx.mark_non_differentiable(*(t for t in hand if t is not None))
         ctx.set_materialize_grads(False)  # no zero tensors for the hand-over's grads
-        return y, *hand
+        return unrows(y, ctx.x_shape), *hand
 
     @staticmethod
     def backward(ctx, dy, *_):

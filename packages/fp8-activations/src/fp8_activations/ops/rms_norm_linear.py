@@ -35,6 +35,7 @@ from ._common import (
     store_fp8_t,
     t_launch,
     t_tile,
+    unrows,
     use_triton,
 )
 from .linear import (
@@ -99,7 +100,7 @@ def _(x_q, x_s, rstd, weight, amax, group_size, dtype, fmt, backend, *, eager=Fa
 class RMSNormLinearFunction(torch.autograd.Function):
     """``(x (..., K) (M rows), norm_weight (K,), x_fp8, w_fp8, eps, group_size, fwd_fmt, grad_fmt,
     backend, use_scaled_mm, w_amaxes, weight_0, bias_0, weight_1, bias_1, ...) -> (y_0, y_1,
-    ...)``, ``y_i = (rms_norm(x) @ weight_i.T + bias_i)`` (M, N_i) in x's dtype.
+    ...)``, ``y_i = (rms_norm(x) @ weight_i.T + bias_i)`` (..., N_i) in x's dtype.
 
     ``x_fp8``: handed-over 1 x G ``(q, scales)`` of x, or None; ``w_fp8``: per weight the
     weight cache's ``(w_q, w_t, w_scale)``, a ``WeightCast`` or None (cast on the fly), or
@@ -140,7 +141,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
         ctx.eps, ctx.group_size, ctx.dtype, ctx.n = eps, group_size, x.dtype, len(weights)
         ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
         ctx.set_materialize_grads(False)  # an unused output (no grad) costs nothing
-        return tuple(outs)
+        return tuple(unrows(y, ctx.x_shape) for y in outs)
 
     @staticmethod
     def backward(ctx, *dys):
@@ -164,8 +165,9 @@ class RMSNormLinearFunction(torch.autograd.Function):
             dy = dys[i]
             if dy is None:
                 continue
-            dy = dy.contiguous()
-            dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, grad_amax(dy), ctx.backend)
+            dy_amax = grad_amax(dy)
+            dy = rows(dy)
+            dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, dy_amax, ctx.backend)
             scaled = ctx.use_scaled_mm[i]
             if needs[0] or needs[1]:
                 saved = w_saved[2 * i : 2 * i + 2]

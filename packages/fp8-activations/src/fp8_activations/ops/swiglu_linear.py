@@ -30,6 +30,7 @@ from ._common import (
     store_fp8_t,
     t_launch,
     t_tile,
+    unrows,
     use_triton,
 )
 from .linear import (
@@ -90,7 +91,7 @@ def _(g_q, g_s, u_q, u_s, amax, group_size, dtype, fmt, backend, *, eager=False)
 
 class SwiGLULinearFunction(torch.autograd.Function):
     """``(gate (..., F) (M rows), up (same shape), weight (N, F), bias, gate_fp8, up_fp8,
-    w_fp8, group_size, fwd_fmt, grad_fmt, backend, use_scaled_mm, w_amax) -> y (M, N)`` in
+    w_fp8, group_size, fwd_fmt, grad_fmt, backend, use_scaled_mm, w_amax) -> y (..., N)`` in
     gate's dtype.
 
     ``*_fp8``: handed-over 1 x G ``(q, scales)`` of gate / up, or None; ``w_fp8``: the
@@ -121,14 +122,15 @@ class SwiGLULinearFunction(torch.autograd.Function):
         ctx.fmts, ctx.backend, ctx.use_scaled_mm = (fwd_fmt, grad_fmt), backend, use_scaled_mm
         ctx.group_size, ctx.dtype = group_size, gate.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return y
+        return unrows(y, ctx.x_shape)
 
     @staticmethod
     def backward(ctx, dy):
         g_q, g_s, u_q, u_s, s_s, amax, weight, w_t, w_s = ctx.saved_tensors
         fwd_fmt, grad_fmt = ctx.fmts
-        dy = dy.contiguous()
-        dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, grad_amax(dy), ctx.backend)
+        dy_amax = grad_amax(dy)
+        dy = rows(dy)
+        dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, dy_amax, ctx.backend)
         d_gate = d_up = dw = db = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             w_t, w_s = weight_t(weight, (w_t, w_s), fwd_fmt, ctx.backend, ctx.cast)
