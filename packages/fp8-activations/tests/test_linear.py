@@ -230,3 +230,30 @@ def test_cuda_scaled_mm_matches_emulated(m, k, n):
 def test_cuda_sqnr_vs_float64_autograd(check_sqnr):
     inputs = [t.cuda() for t in _inputs(torch.bfloat16, m=1024, k=1024, n=512, lead=())]
     check_sqnr(lambda x, w, b: fa.fp8_linear(x, w, b), F.linear, inputs, FLOORS)
+
+
+@pytest.mark.parametrize("op", ["linear", "rms_norm_linear", "swiglu_linear", "residual_add"])
+def test_nd_outputs_are_the_function_outputs(op):
+    """An op on (batch, seq, features) returns its Function's own output in that shape (no
+    view node after it in the autograd graph), which the caller may change in place; values
+    and gradients are those of the same op on the rows (batch * seq, features)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 64)
+    w = torch.randn(32, 64) / 8
+    ops = {
+        "linear": lambda t: fa.fp8_linear(t, w),
+        "rms_norm_linear": lambda t: fa.rms_norm_linear(t, None, 1e-6, [w])[0],
+        "swiglu_linear": lambda t: fa.swiglu_linear(t, t * 0.5, w),
+        "residual_add": lambda t: fa.residual_add(t, t * 0.5),
+    }
+    results = []
+    for shape in ((2, 8, 64), (16, 64)):
+        xi = x.reshape(shape).clone().requires_grad_()
+        y = ops[op](xi)
+        assert y.shape[:-1] == shape[:-1]
+        assert type(y.grad_fn).__name__.endswith("FunctionBackward")
+        y.mul_(3)  # in place on the output: allowed (not a view made inside a Function)
+        y.square().sum().backward()
+        results.append((y.detach().reshape(16, -1), xi.grad.reshape(16, -1)))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
