@@ -50,7 +50,15 @@ from .presets import (
 from .report import TENSORBOARD_HINT, ReportError, fmt_bytes, write_atomic, write_run_report
 from .report import curves as read_curves
 from .tasks import LMTask, VLTask
-from .trainer import MASTER_DTYPES, MODES, REPORT_TO, TrainConfig, Trainer, TrainError
+from .trainer import (
+    CUDA_GRAPHS_ALONE,
+    MASTER_DTYPES,
+    MODES,
+    REPORT_TO,
+    TrainConfig,
+    Trainer,
+    TrainError,
+)
 
 ALL_PRESETS = [*PRESETS, *VL_PRESETS]
 
@@ -686,10 +694,7 @@ def _check_cuda_graphs(args, modes, device, strategy) -> None:
             "activations (coat or coat-act)"
         )
     if strategy is not None or args.activation_checkpointing:
-        raise UsageError(
-            "--cuda-graphs runs in one process without --activation-checkpointing (sharded "
-            "parameters move; checkpointed layers run eagerly): drop one of them"
-        )
+        raise UsageError(CUDA_GRAPHS_ALONE)
     if device.type != "cuda":
         raise UsageError("--cuda-graphs needs a CUDA device (--device cuda)")
 
