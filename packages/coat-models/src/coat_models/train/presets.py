@@ -13,7 +13,7 @@ import torch
 
 from ..vila import llava_tiny_config, vila7b_config
 from .data import round_up
-from .vl_data import MAX_CAPTION_BYTES, num_image_tokens
+from .vl_data import min_seq_len, num_image_tokens
 
 
 class ModelError(ValueError):
@@ -189,10 +189,6 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
     return model.to(master_dtype).train()
 
 
-# ---------------------------------------------------------------------------------------------
-# Vision-language presets
-
-
 @dataclass(frozen=True)
 class VLPreset:
     """A LLaVA shape, how it is trained, and the training defaults that suit it (the field
@@ -212,7 +208,7 @@ class VLPreset:
 
 
 def _min_seq_len(config, images: int) -> int:
-    return 1 + images * (num_image_tokens(config) + MAX_CAPTION_BYTES + 1)
+    return min_seq_len(num_image_tokens(config), images)
 
 
 VL_PRESETS = {
