@@ -3,7 +3,8 @@ with BF16 and/or COAT FP8 and compare.
 
     coat-train --preset tiny --compare bf16,coat --out runs/demo
 
-See the "coat-train" section of packages/coat-models/README.md for every option.
+See the "coat-train" section of packages/coat-models/README.md for every option. Every check
+that can be made up front runs before anything is written; bad input is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -50,31 +51,40 @@ from .presets import (
 from .report import TENSORBOARD_HINT, ReportError, fmt_bytes, write_atomic, write_run_report
 from .report import curves as read_curves
 from .tasks import LMTask, VLTask
-from .trainer import MASTER_DTYPES, MODES, REPORT_TO, TrainConfig, Trainer, TrainError
-
-ALL_PRESETS = [*PRESETS, *VL_PRESETS]
+from .trainer import (
+    CUDA_GRAPHS_ALONE,
+    MASTER_DTYPES,
+    MODES,
+    PRESET_FIELDS,
+    REPORT_TO,
+    TrainConfig,
+    Trainer,
+    TrainError,
+)
 
 PROG = "coat-train"
+ALL_PRESETS = [*PRESETS, *VL_PRESETS]
 LOCK_FILE = ".lock"  # in --out: held (flock) by the coat-train writing there, with its PID
 # What coat-train writes in --out and in each mode's directory: a fresh run replaces these
 # (the mode's directory is deleted), so an --out holding anything else is refused.
 OUT_FILES = ("summary.json", "loss.png")
 MODE_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "final", "tensorboard")
-# The data options' defaults (None in the parser: given where they do not apply, they are
-# refused rather than ignored).
+# The data options' defaults, filled in after parsing: one given where it does not apply is
+# refused rather than ignored.
 DATA_DEFAULTS = {
     "data_dtype": "uint16",
     "val_fraction": 0.05,
     "corpus_mib": STDLIB_MAX_BYTES / 2**20,
 }
+# TrainConfig fields given by options of the same name (with parser defaults).
+ARG_FIELDS = ("grad_accum", "min_lr_ratio", "weight_decay", "grad_clip", "seed", "log_every",
+              "save_every", "keep_checkpoints", "report_to")  # fmt: skip
+VERSIONED = ("fp8-quant", "fp8-optim", "fp8-activations", "coat-models", "torch", "triton",
+             "transformers")  # fmt: skip
 
 
 class UsageError(ValueError):
     """Bad command line; the message says what to change."""
-
-
-VERSIONED = ("fp8-quant", "fp8-optim", "fp8-activations", "coat-models", "torch", "triton",
-             "transformers")  # fmt: skip
 
 
 def _versions() -> str:
@@ -99,9 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--preset",
         metavar="{" + ",".join(ALL_PRESETS) + "}",
-        help="Llama shape built in code, random init (default: tiny); llava-tiny and "
-        "vila-7b: LLaVA-style vision-language models trained on a generated "
-        "shapes-caption task",
+        help="Llama shape built in code, random init (default: tiny); llava-tiny and vila-7b: "
+        "LLaVA-style vision-language models trained on a generated shapes-caption task",
     )
     m.add_argument("--model-dir", help="Hugging Face config or checkpoint directory on disk")
     m.add_argument(
@@ -120,16 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--fp8-weight-cache",
         action="store_true",
         help="FP8 activations: keep each weight's FP8 copies (2 bytes/param) between "
-        "micro-batches until the optimizer step; saves casts with --grad-accum, costs memory "
-        "(default: cast in forward and backward, keep nothing)",
+        "micro-batches until the optimizer step; saves casts with --grad-accum, costs memory",
     )
     r.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="FP8 activations on CUDA: record the COAT decoder layers as CUDA graphs at the "
-        "first step and replay them (one launch per layer and direction instead of ~55: "
-        "faster when the host cannot keep up; same numbers). Modes without FP8 activations "
-        "in --compare run as usual",
+        help="FP8 activations on CUDA: replay the COAT decoder layers as CUDA graphs (faster "
+        "when the host cannot keep up; same numbers); other modes of --compare run as usual",
     )
     r.add_argument(
         "--master-dtype",
@@ -141,11 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("data")
     d.add_argument(
         "--data",
-        help="text file, or token ids in .npy / .bin (default: the "
-        "interpreter's stdlib .py source, byte-level)",
+        help="text file, or token ids in .npy / .bin (default: the interpreter's stdlib .py "
+        "source, byte-level)",
     )
-    # No parser defaults for the three below: an option that does not apply to the data
-    # chosen is refused (DATA_DEFAULTS), not silently ignored.
+    # No parser defaults for these three: see DATA_DEFAULTS.
     d.add_argument(
         "--data-dtype",
         choices=["uint16", "int32"],
@@ -189,9 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-every",
         type=int,
         default=10,
-        help="steps between reads of loss, grad norm and speed from the GPU (the training "
-        "loop does not wait for the GPU in between; metrics.jsonl still has every step; "
-        "default 10)",
+        help="steps between reads of loss, grad norm and speed from the GPU (the loop does not "
+        "wait for the GPU in between; metrics.jsonl still has every step; default 10)",
     )
     g = p.add_argument_group(
         "several GPUs (under torchrun --nproc-per-node N; rank r takes micro-batches "
@@ -211,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--activation-checkpointing",
         action="store_true",
-        help="recompute each decoder layer in backward: less activation memory, same numbers "
-        "(also in one process)",
+        help="recompute each decoder layer in backward: less memory, same numbers (also in "
+        "one process)",
     )
     o = p.add_argument_group("output and checkpoints")
     o.add_argument(
@@ -231,8 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const="latest",
         metavar="CHECKPOINT",
-        help="continue from each mode's newest checkpoint under --out, or from the "
-        "given checkpoint directory (single mode)",
+        help="continue from each mode's newest checkpoint under --out, or from the given "
+        "checkpoint directory (single mode)",
     )
     o.add_argument(
         "--device",
@@ -268,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# -- checks of the command line --------------------------------------------------------------
 def _modes(args) -> list[str]:
     if args.mode and args.compare:
         raise UsageError("use --mode or --compare, not both")
@@ -295,7 +300,6 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-# --------------------------------------------------------------------- under torchrun
 def _strategy(args) -> str | None:
     """``"fsdp"``, ``"ddp"`` or ``None`` (one process), checked against torchrun's
     environment before anything starts."""
@@ -308,18 +312,16 @@ def _strategy(args) -> str | None:
             f"WORLD_SIZE is {world!r}, not a number of processes: launch under torchrun, or "
             "unset WORLD_SIZE to train in one process"
         )
+    launch = f"launch `torchrun --nproc-per-node N --no-python {PROG} ... --{strategy}`"
     if strategy and world is None:
         raise UsageError(
             f"--{strategy} trains one process per GPU under torchrun, but WORLD_SIZE is not "
-            f"set: launch `torchrun --nproc-per-node N --no-python {PROG} ... --{strategy}`"
+            f"set: {launch}"
         )
     # torchrun sets all of these; without them the process group cannot form.
     missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if strategy and missing:
-        raise UsageError(
-            f"--{strategy}: WORLD_SIZE is set but {', '.join(missing)} not: launch "
-            f"`torchrun --nproc-per-node N --no-python {PROG} ... --{strategy}`"
-        )
+        raise UsageError(f"--{strategy}: WORLD_SIZE is set but {', '.join(missing)} not: {launch}")
     if strategy is None and world is not None and int(world) > 1:
         raise UsageError(
             f"this is one of {world} torchrun processes, but neither --fsdp nor --ddp is "
@@ -345,13 +347,249 @@ def _rank_device(name: str) -> torch.device:
     return device
 
 
+def _settings(args):
+    """(preset defaults, model label) for --preset or --model-dir."""
+    if args.preset and args.model_dir:
+        raise UsageError("use --preset or --model-dir, not both")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise UsageError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+    if args.model_dir:
+        if args.vocab_size:
+            raise UsageError("--vocab-size applies to presets; a --model-dir has its own")
+        return MODEL_DIR_DEFAULTS, f"model dir {args.model_dir}"
+    name = args.preset or "tiny"
+    if name not in ALL_PRESETS:
+        raise UsageError(f"unknown preset {name!r}: choose one of {', '.join(ALL_PRESETS)}")
+    # A VLPreset has the training-default field names of a Preset.
+    return PRESETS.get(name) or VL_PRESETS[name], f"preset {name}"
+
+
+def _train_config(args, defaults, mode: str, master: str) -> TrainConfig:
+    given = {k: getattr(args, k) for k in PRESET_FIELDS}  # None: the preset's default
+    try:
+        return TrainConfig(
+            mode=mode,
+            master_dtype=master,
+            **{k: getattr(defaults, k) if v is None else v for k, v in given.items()},
+            **{k: getattr(args, k) for k in ARG_FIELDS},
+            weight_cache=args.fp8_weight_cache,
+            cuda_graphs=args.cuda_graphs and MODES[mode][0],
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_cuda_graphs(args, modes, device, strategy) -> None:
+    if not any(MODES[m][0] for m in modes):
+        raise UsageError(
+            "--cuda-graphs records COAT's FP8 decoder layers: add a mode with FP8 "
+            "activations (coat or coat-act)"
+        )
+    if strategy is not None or args.activation_checkpointing:
+        raise UsageError(CUDA_GRAPHS_ALONE)
+    if device.type != "cuda":
+        raise UsageError("--cuda-graphs needs a CUDA device (--device cuda)")
+
+
+def _check_data_options(args) -> None:
+    """Refuse a data option that does not apply to the data chosen (it would be ignored, and
+    the user would not learn it); fill in the defaults of those that apply."""
+    if (args.preset or "tiny") in VL_PRESETS:
+        for name in ("data", "vocab_size", *DATA_DEFAULTS):
+            if getattr(args, name) is not None:
+                raise UsageError(
+                    f"--{name.replace('_', '-')} does not apply to --preset {args.preset}: it "
+                    "trains on the built-in shapes-caption task"
+                )
+    bin_file = args.data is not None and Path(args.data).suffix == ".bin"
+    applies = {
+        "data_dtype": (bin_file, "a .bin --data file"),
+        "val_fraction": (args.data is not None, "a --data file"),
+        "corpus_mib": (args.data is None, "the built-in corpus (no --data)"),
+    }
+    for name, (ok, what) in applies.items():
+        if getattr(args, name) is None:
+            setattr(args, name, DATA_DEFAULTS[name])
+        elif not ok:
+            raise UsageError(f"--{name.replace('_', '-')} applies to {what} only: leave it out")
+    if not (math.isfinite(args.corpus_mib) and args.corpus_mib > 0):
+        raise UsageError(f"--corpus-mib must be a number > 0, got {args.corpus_mib}")
+
+
+def _check_fits(n_params, modes, masters, device, label, strategy, cfg, vocab, tune) -> None:
+    """Refuse up front a model whose weights, gradients and optimizer state alone exceed the
+    device's memory (CPU: physical RAM, shared by the ranks of this machine), or a micro-batch
+    whose logits over ``vocab`` alone do, instead of being killed half-way (on CPU the
+    kernel's OOM killer ends the process without a word). FSDP2 splits the former."""
+    shards = dist.get_world_size() if strategy == "fsdp" else 1
+    if device.type == "cuda":
+        total, where, sharing = (
+            torch.cuda.get_device_properties(device).total_memory,
+            "the GPU",
+            1,
+        )
+    else:
+        total, where = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine")
+        sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if strategy else 1
+    for mode, master in zip(modes, masters, strict=True):
+        w = 4 if master == "fp32" else 2
+        # Every rank first builds the whole model in its master dtype, then shards it.
+        whole = n_params * w * sharing
+        if shards > 1 and whole > total:
+            raise UsageError(
+                f"{label} has {n_params / 1e9:.2f} B parameters: under --fsdp every rank first "
+                f"builds the whole model ({fmt_bytes(whole)} in {master}) before sharding it, "
+                f"but {where} has {fmt_bytes(total)}: choose a smaller model or "
+                f"--master-dtype bf16"
+            )
+        # weights and gradients, and the optimizer state: CoatAdamW ~2.08 B, torch AdamW 8 B
+        need = n_params * (2 * w + (2 if MODES[mode][1] else 8)) * sharing // shards
+        if need > total:
+            raise UsageError(
+                f"{label} has {n_params / 1e9:.2f} B parameters: mode {mode} ({master} master) "
+                f"needs at least {fmt_bytes(need)} for weights, gradients and optimizer state, "
+                f"but {where} has {fmt_bytes(total)}: choose a smaller model, or a COAT mode "
+                f"with --master-dtype bf16"
+            )
+    # The loss reads the logits of every position: bf16 from the head and their fp32 copy
+    # (transformers upcasts before cross-entropy) exist together, besides everything else.
+    logits = cfg.batch_size * cfg.seq_len * vocab * (2 + 4) * sharing
+    if logits > total:
+        raise UsageError(
+            f"a micro-batch of {cfg.batch_size} x {cfg.seq_len} tokens needs at least "
+            f"{fmt_bytes(logits)} for its logits (vocab {vocab}), but {where} has "
+            f"{fmt_bytes(total)}: lower --batch-size (raise --grad-accum to keep the batch){tune}"
+        )
+
+
+# -- what is trained ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Job:
+    """What ``run`` trains, checked before ``--out`` is touched."""
+
+    tasks: list  # one per mode: tasks.LMTask or tasks.VLTask
+    build: Callable[[TrainConfig], torch.nn.Module]  # the mode's model, seeded, on the device
+    n_params: int
+    describe: dict  # the model, in summaries and checkpoints (resume refuses another)
+    shape: str  # e.g. "0.89 M params, vocab 320", for the header
+    data: str  # the data in the header
+    source: str  # the data in summary.json
+    vocab: int  # the logits' width
+    tokenizer: object = None  # exported with the model
+    tune: str = " or --seq-len"  # what else to lower when memory runs out
+
+
+def _count_params(config, modes) -> int:
+    """Parameters of the model ``config`` describes, built on the meta device (no memory).
+    For modes with FP8 activations, ``apply_coat``'s structural check runs on it too, so an
+    architecture it does not support is refused before anything is written."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as e:  # e.g. a config transformers has no causal LM for
+        raise ModelError(f"cannot build a causal LM from this config: {e}") from None
+    fp8 = [m for m in modes if MODES[m][0]]
+    if fp8:
+        from coat_models import apply_coat
+
+        try:
+            apply_coat(model)  # on meta weights: the structure alone (no probe run)
+        except TypeError as e:
+            raise ModelError(f"mode {fp8[0]}: {e}") from None
+    return sum(p.numel() for p in model.parameters())
+
+
+def _lm_job(args, cfgs, modes, device, label) -> _Job:
+    """A causal LM: model config first (cheap), then data (the tokenizer may come from the
+    model dir)."""
+    seq_len = cfgs[0].seq_len  # the same in every mode
+    if seq_len < 2:
+        # labels are the inputs shifted by one: one token predicts nothing and the loss is
+        # 0/0, which would surface as a NaN with the wrong remedy (--lr)
+        raise UsageError(f"--seq-len must be >= 2 for a causal LM, got {seq_len}")
+    weights_dir = tokenizer = None
+    if args.model_dir:
+        config, has_weights = model_dir_config(args.model_dir)
+        # Learned positions (GPT-2) fail with an IndexError past the table; RoPE runs on, at
+        # positions the model was not made for. Presets size theirs to the run.
+        positions = getattr(config, "max_position_embeddings", None)
+        if isinstance(positions, int) and seq_len > positions:
+            raise UsageError(
+                f"--seq-len {seq_len} is longer than --model-dir {args.model_dir}'s "
+                f"max_position_embeddings {positions}: pass --seq-len <= {positions}"
+            )
+        weights_dir = args.model_dir if has_weights else None
+        tokenizer = model_dir_tokenizer(args.model_dir)
+    data = load_data(
+        args.data,
+        bin_dtype=args.data_dtype,
+        val_fraction=args.val_fraction,
+        max_bytes=int(args.corpus_mib * 2**20),
+        tokenizer=tokenizer,
+    )
+    if not args.model_dir:
+        config = preset_config(args.preset or "tiny", data.vocab_size, args.vocab_size, seq_len)
+    data.check_fits(config.vocab_size)
+    tasks = [LMTask(data, cfg) for cfg in cfgs]  # refuses too short a split
+    n_params = _count_params(config, modes)
+
+    def build(cfg):
+        master = MASTER_DTYPES[cfg.master_dtype]
+        return build_model(
+            config, device=device, master_dtype=master, seed=cfg.seed, weights_dir=weights_dir
+        )
+
+    return _Job(
+        tasks=tasks,
+        build=build,
+        n_params=n_params,
+        describe={"model": label, "params": n_params, "vocab_size": config.vocab_size},
+        shape=f"{n_params / 1e6:.2f} M params, vocab {config.vocab_size}",
+        data=f"{data.source}, {len(data.train):,} train / {len(data.val):,} val tokens",
+        source=data.source,
+        vocab=config.vocab_size,
+        tokenizer=tokenizer,
+    )
+
+
+def _vl_job(args, cfgs, device, label) -> _Job:
+    """A vision-language preset on the generated shapes-caption task."""
+    name, need = args.preset, vl_min_seq_len(args.preset)
+    if cfgs[0].seq_len < need:
+        raise UsageError(
+            f"--seq-len {cfgs[0].seq_len} is too short for --preset {name}: its images and "
+            f"their captions need {need} tokens: pass --seq-len >= {need} or leave it out"
+        )
+    tasks = [VLTask(name, cfg) for cfg in cfgs]
+    n_params = vl_param_count(name)
+
+    def build(cfg):
+        master = MASTER_DTYPES[cfg.master_dtype]
+        return build_vlm(tasks[0].config, device=device, master_dtype=master, seed=cfg.seed)
+
+    return _Job(
+        tasks=tasks,
+        build=build,
+        n_params=n_params,
+        describe={"model": label, "params": n_params},
+        shape=f"{n_params / 1e6:.2f} M params, LLaVA-style",
+        data="generated shapes-caption images",
+        source="shapes-caption (generated)",
+        vocab=tasks[0].config.text_config.vocab_size,
+        tune="",
+    )
+
+
+# -- the output directory and resuming -------------------------------------------------------
 def _rank() -> int:
     """This process's rank (torchrun's RANK before the process group exists); 0 alone."""
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def _say(*args, **kwargs) -> None:
-    """``print`` on rank 0 only (every process in one process)."""
+    """``print`` on rank 0 only."""
     if _rank() == 0:
         print(*args, **kwargs)
 
@@ -361,20 +599,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _start_afresh(mode_dir: Path) -> None:
-    """A fresh run replaces what an earlier one left in ``mode_dir`` (metrics, summary,
-    half-written checkpoints; never a complete checkpoint: ``_resume_point`` refuses those).
-    Called once the mode's model and trainer exist, so a run that fails before leaves the
-    earlier results. Rank 0 deletes, the others wait for it."""
-    _barrier()  # every rank has built its trainer
-    run_on_rank0(lambda: shutil.rmtree(mode_dir, ignore_errors=True))  # the others wait for it
-
-
-# ------------------------------------------------------------------- the output directory
 def _check_out(out: Path, modes: list[str]) -> None:
     """Refuse an ``--out`` this process cannot create or write, or one holding files that
-    coat-train did not write where it would replace them, before data and model are loaded.
-    Leaves nothing behind (its probe directory is removed at once)."""
+    coat-train did not write where it would replace them. Leaves nothing behind."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file: pass a directory")
     if out.is_dir():
@@ -395,15 +622,14 @@ def _check_out(out: Path, modes: list[str]) -> None:
 
 
 def _ours(name: str) -> bool:
-    """A name coat-train writes in a mode's directory, or one of its temporary files
-    (``.final.tmp-PID``, ``.summary.json.tmp-PID``: a killed run's)."""
+    """A name coat-train writes in a mode's directory, or a killed run's temporary file."""
     return name in MODE_FILES or re.fullmatch(r"\..+\.tmp-\d+", name) is not None
 
 
 def _check_foreign(out: Path, modes: list[str]) -> None:
-    """A fresh run overwrites ``OUT_FILES`` and deletes each mode's directory: refuse an
-    ``--out`` where that would destroy a user's files (a directory that no coat-train has
-    locked, or a mode directory holding other names)."""
+    """A fresh run overwrites ``OUT_FILES`` and deletes each mode's directory: refuse where
+    that would destroy a user's files (in a directory no coat-train has locked, or names in
+    a mode directory that coat-train does not write)."""
     if not (out / LOCK_FILE).is_file():
         clash = [n for n in (*OUT_FILES, *modes) if (out / n).exists()]
         if clash:
@@ -415,11 +641,8 @@ def _check_foreign(out: Path, modes: list[str]) -> None:
         mode_dir = out / mode
         if mode_dir.exists() and not mode_dir.is_dir():
             raise UsageError(f"{mode_dir} is a file: move it, or pass another --out")
-        foreign = (
-            sorted(p.name for p in mode_dir.iterdir() if not _ours(p.name))
-            if mode_dir.is_dir()
-            else []
-        )
+        names = [p.name for p in mode_dir.iterdir()] if mode_dir.is_dir() else []
+        foreign = sorted(n for n in names if not _ours(n))
         if foreign:
             raise UsageError(
                 f"{mode_dir} holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, "
@@ -430,11 +653,10 @@ def _check_foreign(out: Path, modes: list[str]) -> None:
 
 @contextlib.contextmanager
 def _output_lock(out: Path):
-    """Hold an exclusive ``flock`` on ``out/.lock`` for the run (rank 0 under torchrun): two
-    coat-train processes on one ``--out`` would interleave their metrics and delete each
-    other's checkpoints. The kernel drops the lock with the process, so a killed run leaves
-    none behind; the file stays (deleting it would let a third process lock a new file while
-    a second still holds the old one)."""
+    """Hold an exclusive ``flock`` on ``out/.lock`` for the run (rank 0): two coat-train
+    processes on one ``--out`` would interleave their metrics and delete each other's
+    checkpoints. The kernel drops the lock with the process; the file stays (deleting it
+    would let a third process lock a new file while a second still holds the old one)."""
     error, fd = None, None
     if _rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -465,140 +687,6 @@ def _output_lock(out: Path):
             os.close(fd)
 
 
-def _master_dtype(mode: str, requested: str, compare: bool) -> str:
-    """bf16 master weights only where CoatAdamW's stochastic rounding is used; TrainConfig
-    rejects the other combinations for a single --mode."""
-    return requested if MODES[mode][1] or not compare else "fp32"
-
-
-def _static_bytes_per_param(mode: str, master: str) -> int:
-    """Lower bound of weights + gradients + optimizer state per parameter."""
-    w = 4 if master == "fp32" else 2
-    return 2 * w + (2 if MODES[mode][1] else 8)  # CoatAdamW ~2.08 B, torch AdamW 8 B
-
-
-def _check_fits(
-    n_params: int,
-    modes,
-    masters,
-    device: torch.device,
-    label: str,
-    strategy: str | None = None,
-    cfg: TrainConfig | None = None,
-    vocab: int | None = None,
-    tune: str = "",
-):
-    """Refuse up front a model whose weights, gradients and optimizer state alone exceed the
-    device's memory (CPU: physical RAM, shared by the ranks of this machine), or a micro-batch
-    (``cfg``) whose logits over ``vocab`` alone do, instead of being killed half-way (on CPU
-    the kernel's OOM killer ends the process without a word). FSDP2 splits the former over
-    the ranks."""
-    shards = dist.get_world_size() if strategy == "fsdp" else 1
-    if device.type == "cuda":
-        total, where, sharing = torch.cuda.get_device_properties(device).total_memory, "the GPU", 1
-    else:
-        total, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
-        sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if strategy else 1
-    for mode, master in zip(modes, masters, strict=True):
-        # Every rank first builds the whole model in its master dtype, then shards it.
-        whole = n_params * (4 if master == "fp32" else 2) * sharing
-        if shards > 1 and whole > total:
-            raise UsageError(
-                f"{label} has {n_params / 1e9:.2f} B parameters: under --fsdp every rank first "
-                f"builds the whole model ({fmt_bytes(whole)} in {master}) before sharding it, "
-                f"but {where} has {fmt_bytes(total)}: choose a smaller model or "
-                f"--master-dtype bf16"
-            )
-        need = n_params * _static_bytes_per_param(mode, master) * sharing // shards
-        if need > total:
-            raise UsageError(
-                f"{label} has {n_params / 1e9:.2f} B parameters: mode {mode} ({master} master) "
-                f"needs at least {fmt_bytes(need)} for weights, gradients and optimizer state, "
-                f"but {where} has {fmt_bytes(total)}: choose a smaller model, or a COAT mode "
-                f"with --master-dtype bf16"
-            )
-    if cfg is not None and vocab:
-        # The loss reads the logits of every position: bf16 from the head and their fp32 copy
-        # (transformers upcasts before cross-entropy) exist together, besides everything else.
-        logits = cfg.batch_size * cfg.seq_len * vocab * (2 + 4) * sharing
-        if logits > total:
-            raise UsageError(
-                f"a micro-batch of {cfg.batch_size} x {cfg.seq_len} tokens needs at least "
-                f"{fmt_bytes(logits)} for its logits (vocab {vocab}), but {where} has "
-                f"{fmt_bytes(total)}: lower --batch-size (raise --grad-accum to keep the "
-                f"batch){tune}"
-            )
-
-
-def _count_params(config, modes) -> int:
-    """Parameters of the model ``config`` describes, built on the meta device (no memory).
-    For modes with FP8 activations, ``apply_coat``'s structural check runs on it too, so an
-    architecture it does not support is refused before anything is written."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except ValueError as e:  # e.g. a config transformers has no causal LM for
-        raise ModelError(f"cannot build a causal LM from this config: {e}") from None
-    fp8 = [m for m in modes if MODES[m][0]]
-    if fp8:
-        from coat_models import apply_coat
-
-        try:
-            apply_coat(model)  # on meta weights: the structure alone (no probe run)
-        except TypeError as e:
-            raise ModelError(f"mode {fp8[0]}: {e}") from None
-    return sum(p.numel() for p in model.parameters())
-
-
-def _settings(args):
-    """(preset defaults, model label) for --preset or --model-dir."""
-    if args.preset and args.model_dir:
-        raise UsageError("use --preset or --model-dir, not both")
-    if args.vocab_size is not None and args.vocab_size < 1:
-        raise UsageError(f"--vocab-size must be >= 1, got {args.vocab_size}")
-    if args.model_dir:
-        if args.vocab_size:
-            raise UsageError("--vocab-size applies to presets; a --model-dir has its own")
-        return MODEL_DIR_DEFAULTS, f"model dir {args.model_dir}"
-    name = args.preset or "tiny"
-    if name in VL_PRESETS:  # the same training-default field names as Preset
-        return VL_PRESETS[name], f"preset {name}"
-    if name not in PRESETS:
-        raise UsageError(f"unknown preset {name!r}: choose one of {', '.join(ALL_PRESETS)}")
-    return PRESETS[name], f"preset {name}"
-
-
-def _train_config(args, defaults, mode: str, master: str) -> TrainConfig:
-    pick = lambda v, d: d if v is None else v
-    try:
-        return TrainConfig(
-            mode=mode,
-            master_dtype=master,
-            batch_size=pick(args.batch_size, defaults.batch_size),
-            seq_len=pick(args.seq_len, defaults.seq_len),
-            grad_accum=args.grad_accum,
-            steps=pick(args.steps, defaults.steps),
-            lr=pick(args.lr, defaults.lr),
-            min_lr_ratio=args.min_lr_ratio,
-            warmup=pick(args.warmup, defaults.warmup),
-            weight_decay=args.weight_decay,
-            grad_clip=args.grad_clip,
-            seed=args.seed,
-            eval_every=pick(args.eval_every, defaults.eval_every),
-            eval_batches=pick(args.eval_batches, defaults.eval_batches),
-            log_every=args.log_every,
-            save_every=args.save_every,
-            keep_checkpoints=args.keep_checkpoints,
-            weight_cache=args.fp8_weight_cache,
-            cuda_graphs=args.cuda_graphs and MODES[mode][0],
-            report_to=args.report_to,
-        )
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-
-
 def _earlier_run(mode_dir: Path) -> UsageError:
     return UsageError(
         f"{mode_dir} holds checkpoints of an earlier run: pass --resume to continue it, or "
@@ -626,9 +714,8 @@ def _check_resume(args, out: Path, modes: list[str]) -> None:
 
 
 def _resume_point(args, mode_dir: Path) -> Path | None:
-    """Where this mode continues from (``None``: step 0), with the output lock held: first
-    what a killed run left is finished (``checkpoint.recover``: a complete checkpoint not yet
-    renamed into place is published, half-written ones are deleted)."""
+    """Where this mode continues from (``None``: step 0), with the output lock held, once
+    what a killed run left is finished (``checkpoint.recover``)."""
     ckpts = mode_dir / "checkpoints"
     _barrier()  # every rank is past the previous mode
     run_on_rank0(lambda: checkpoint.recover(ckpts))  # the others wait for it
@@ -645,8 +732,7 @@ def _resume_point(args, mode_dir: Path) -> Path | None:
         raise CheckpointError(
             f"{e}: delete it, or pass --resume DIR with the checkpoint to continue from"
         ) from None
-    if found is None:
-        # Nothing complete was ever written here (a run killed before its first checkpoint).
+    if found is None:  # a run killed before its first checkpoint
         _say(f"{PROG}: no checkpoint in {ckpts}: mode starts from step 0", file=sys.stderr)
     else:
         _say(f"{PROG}: resuming from {found}", flush=True)
@@ -654,8 +740,8 @@ def _resume_point(args, mode_dir: Path) -> Path | None:
 
 
 def _unusable_newest(e: CheckpointError, newest: Path) -> CheckpointError:
-    """The error of a newest checkpoint that failed its checks, with what to do: never a
-    silent fall back to an older one."""
+    """A newest checkpoint that failed its checks, with what to do: never a silent fall back
+    to an older one."""
     older = [p for p in checkpoint.ordered(newest.parent) if p != newest]
     if older:
         todo = (
@@ -666,12 +752,6 @@ def _unusable_newest(e: CheckpointError, newest: Path) -> CheckpointError:
     return CheckpointError(f"{e}; {todo}")
 
 
-def _free(device: torch.device):
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def is_oom(e: BaseException) -> bool:
     """CUDA's OutOfMemoryError, or the RuntimeError of the CPU allocator / a CUDA kernel."""
     text = str(e) if isinstance(e, RuntimeError) else ""
@@ -679,157 +759,7 @@ def is_oom(e: BaseException) -> bool:
     return oom or "can't allocate memory" in text or "out of memory" in text
 
 
-def _check_cuda_graphs(args, modes, device, strategy) -> None:
-    if not any(MODES[m][0] for m in modes):
-        raise UsageError(
-            "--cuda-graphs records COAT's FP8 decoder layers: add a mode with FP8 "
-            "activations (coat or coat-act)"
-        )
-    if strategy is not None or args.activation_checkpointing:
-        raise UsageError(
-            "--cuda-graphs runs in one process without --activation-checkpointing (sharded "
-            "parameters move; checkpointed layers run eagerly): drop one of them"
-        )
-    if device.type != "cuda":
-        raise UsageError("--cuda-graphs needs a CUDA device (--device cuda)")
-
-
-@dataclass(frozen=True)
-class _Job:
-    """What ``run`` trains, checked before ``--out`` is touched: a task per mode, how each
-    mode's model is built, and how the model and data are described."""
-
-    tasks: list  # one per mode: tasks.LMTask or tasks.VLTask
-    build: Callable[[TrainConfig], torch.nn.Module]  # the mode's model, seeded, on the device
-    n_params: int
-    describe: dict  # the model, in summaries and checkpoints (resume refuses another)
-    shape: str  # e.g. "0.89 M params, vocab 320", for the header
-    data: str  # the data in the header
-    source: str  # the data in summary.json
-    vocab: int | None = None  # the logits' width
-    tokenizer: object = None  # exported with the model
-    tune: str = " or --seq-len"  # what else to lower when memory runs out
-
-
-def _check_data_options(args) -> None:
-    """Refuse a data option that does not apply to the data chosen (a --val-fraction with the
-    built-in corpus would be ignored, and the user would not learn it); fill in the defaults
-    of those that apply."""
-    vl = (args.preset or "tiny") in VL_PRESETS
-    where = {
-        "corpus_mib": (args.data is None and not vl, "the built-in corpus (no --data)"),
-        "val_fraction": (args.data is not None, "a --data file"),
-        "data_dtype": (
-            args.data is not None and Path(args.data).suffix == ".bin",
-            "a .bin --data file",
-        ),
-    }
-    for name, (applies, what) in where.items():
-        flag = f"--{name.replace('_', '-')}"
-        if getattr(args, name) is None:
-            setattr(args, name, DATA_DEFAULTS[name])
-        elif vl:
-            raise UsageError(
-                f"{flag} does not apply to --preset {args.preset}: it trains on the built-in "
-                "shapes-caption task"
-            )
-        elif not applies:
-            raise UsageError(f"{flag} applies to {what} only: leave it out")
-    if not (math.isfinite(args.corpus_mib) and args.corpus_mib > 0):
-        raise UsageError(f"--corpus-mib must be a number > 0, got {args.corpus_mib}")
-
-
-def _lm_job(args, cfgs, modes, device, label) -> _Job:
-    """A causal LM: model config first (cheap), then data (the tokenizer may come from the
-    model dir)."""
-    if cfgs[0].seq_len < 2:  # every mode has the same seq_len
-        # labels are the inputs shifted by one: one token predicts nothing and the loss is
-        # 0/0, which would surface as a NaN with the wrong remedy (--lr)
-        raise UsageError(f"--seq-len must be >= 2 for a causal LM, got {cfgs[0].seq_len}")
-    weights_dir = tokenizer = None
-    if args.model_dir:
-        config, has_weights = model_dir_config(args.model_dir)
-        # Learned positions (GPT-2) fail with an IndexError past the table; RoPE runs on, at
-        # positions the model was not made for. Presets size theirs to the run.
-        positions = getattr(config, "max_position_embeddings", None)
-        if isinstance(positions, int) and cfgs[0].seq_len > positions:
-            raise UsageError(
-                f"--seq-len {cfgs[0].seq_len} is longer than --model-dir {args.model_dir}'s "
-                f"max_position_embeddings {positions}: pass --seq-len <= {positions}"
-            )
-        weights_dir = args.model_dir if has_weights else None
-        tokenizer = model_dir_tokenizer(args.model_dir)
-    data = load_data(
-        args.data,
-        bin_dtype=args.data_dtype,
-        val_fraction=args.val_fraction,
-        max_bytes=int(args.corpus_mib * 2**20),
-        tokenizer=tokenizer,
-    )
-    if not args.model_dir:
-        config = preset_config(
-            args.preset or "tiny", data.vocab_size, args.vocab_size, max(c.seq_len for c in cfgs)
-        )
-    data.check_fits(config.vocab_size)
-    for cfg in cfgs:
-        data.check_windows(cfg.seq_len)
-    n_params = _count_params(config, modes)
-
-    def build(cfg):
-        master = MASTER_DTYPES[cfg.master_dtype]
-        return build_model(
-            config, device=device, master_dtype=master, seed=cfg.seed, weights_dir=weights_dir
-        )
-
-    return _Job(
-        tasks=[LMTask(data, cfg) for cfg in cfgs],
-        build=build,
-        n_params=n_params,
-        describe={"model": label, "params": n_params, "vocab_size": config.vocab_size},
-        shape=f"{n_params / 1e6:.2f} M params, vocab {config.vocab_size}",
-        data=f"{data.source}, {len(data.train):,} train / {len(data.val):,} val tokens",
-        source=data.source,
-        vocab=config.vocab_size,
-        tokenizer=tokenizer,
-    )
-
-
-def _vl_job(args, cfgs, device, label) -> _Job:
-    """A vision-language preset on the generated shapes-caption task."""
-    name = args.preset
-    for flag in ("data", "vocab_size"):
-        if getattr(args, flag):
-            raise UsageError(
-                f"--{flag.replace('_', '-')} does not apply to --preset {name}: it trains on "
-                "the built-in shapes-caption task"
-            )
-    need = vl_min_seq_len(name)
-    for cfg in cfgs:
-        if cfg.seq_len < need:
-            raise UsageError(
-                f"--seq-len {cfg.seq_len} is too short for --preset {name}: its images and "
-                f"their captions need {need} tokens: pass --seq-len >= {need} or leave it out"
-            )
-    tasks = [VLTask(name, cfg) for cfg in cfgs]
-    n_params = vl_param_count(name)
-
-    def build(cfg):
-        master = MASTER_DTYPES[cfg.master_dtype]
-        return build_vlm(tasks[0].config, device=device, master_dtype=master, seed=cfg.seed)
-
-    return _Job(
-        tasks=tasks,
-        build=build,
-        n_params=n_params,
-        describe={"model": label, "params": n_params},
-        shape=f"{n_params / 1e6:.2f} M params, LLaVA-style",
-        data="generated shapes-caption images",
-        source="shapes-caption (generated)",
-        vocab=tasks[0].config.text_config.vocab_size,
-        tune="",
-    )
-
-
+# -- the run ------------------------------------------------------------------------------------
 def run(args) -> int:
     """Validate everything, then train. Nothing is written before every check that can be
     made up front has passed; then the output directory is locked, and each mode's earlier
@@ -838,7 +768,9 @@ def run(args) -> int:
     strategy = _strategy(args)
     device = _device(args.device) if strategy is None else _rank_device(args.device)
     compare = args.compare is not None
-    masters = [_master_dtype(m, args.master_dtype, compare) for m in modes]
+    # bf16 master weights only where CoatAdamW's stochastic rounding is used; TrainConfig
+    # refuses the other combinations for a single --mode.
+    masters = [args.master_dtype if MODES[m][1] or not compare else "fp32" for m in modes]
     if args.master_dtype == "bf16" and "bf16" not in masters:  # else ignored by every mode
         raise UsageError(
             f"--master-dtype bf16 applies to the modes with CoatAdamW (coat, coat-optim), and "
@@ -870,104 +802,104 @@ def run(args) -> int:
     _check_resume(args, out, modes)
 
     c0 = cfgs[0]
-    ranks = f" x {dist.get_world_size()} ranks" if strategy else ""
     _say(
         f"{PROG}: {label} ({job.shape}) on {device.type}"
         + (f" ({strategy})" if strategy else "")
         + f"; data: {job.data}; {c0.steps} steps x {c0.batch_size} x {c0.seq_len} tokens"
         + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
-        + ranks
+        + (f" x {dist.get_world_size()} ranks" if strategy else "")
         + f"; modes: {', '.join(modes)}",
         flush=True,
     )
-
     summaries, curves = [], {}
     with _output_lock(out):
         for cfg, task in zip(cfgs, job.tasks, strict=True):
-            mode_dir = out / cfg.mode
-            resume = _resume_point(args, mode_dir)
-            t0 = time.perf_counter()
-            trainer = oom = export_error = None
-            try:
-                model = job.build(cfg)
-                trainer = Trainer(
-                    model,
-                    task,
-                    cfg,
-                    device=device,
-                    out_dir=mode_dir,
-                    progress=not args.no_progress,
-                    describe=job.describe,
-                    strategy=strategy,
-                    activation_checkpointing=args.activation_checkpointing,
-                )
-                del model
-                if resume is None:
-                    _start_afresh(mode_dir)
-                summary = trainer.fit(resume)
-                summary["export"] = None
-                if not args.no_export:
-                    try:
-                        summary["export"] = str(trainer.export(mode_dir / "final", job.tokenizer))
-                    except OSError as e:  # a full disk: the run's results are kept, below
-                        export_error = e
-            except CheckpointError as e:
-                if args.resume == "latest" and resume is not None:
-                    raise _unusable_newest(e, resume) from None
-                raise
-            except (RuntimeError, torch.OutOfMemoryError) as e:
-                if not is_oom(e):
-                    raise
-                oom = True
-            finally:
-                if trainer is not None:
-                    trainer.close()
-                trainer = None
-                _free(device)
-            if oom:
-                raise TrainError(
-                    f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
-                    f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise "
-                    f"--grad-accum to keep the batch){job.tune}"
-                )
-            summary["wall_s"] = time.perf_counter() - t0
+            summary = _train_mode(args, job, cfg, task, out / cfg.mode, device, strategy)
             summaries.append(summary)
-            if _rank() == 0:  # under torchrun rank 0 alone writes files and prints
-                write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
-            if export_error is not None:  # on every rank: none goes on to the next mode
-                raise TrainError(
-                    f"mode {cfg.mode} trained (metrics and summary in {mode_dir}), but writing "
-                    f"the model to {mode_dir / 'final'} failed: "
-                    f"{export_error.strerror or export_error}; free space there or pass "
-                    "--no-export"
-                )
-            if _rank() != 0:
-                continue
-            curves[cfg.mode] = read_curves(mode_dir / "metrics.jsonl")
-            acc = summary.get("val_caption_acc")
-            print(
-                f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
-                f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}"
-                + ("" if acc is None else f", caption accuracy {acc:.2f}")
-                + f"; model: {summary['export'] or 'not exported (--no-export)'}",
-                flush=True,
-            )
-
+            if _rank() == 0:
+                curves[cfg.mode] = read_curves(out / cfg.mode / "metrics.jsonl")
         if _rank() != 0:
             return 0
-        run_info = {
-            "args": vars(args),
-            "device": device.type,
-            "model": job.describe,
-            "data": job.source,
-        }
+        run_info = {"args": vars(args), "device": device.type, "model": job.describe,
+                    "data": job.source}  # fmt: skip
         print(write_run_report(out, run_info, summaries, curves))
         return 0
 
 
+def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device, strategy):
+    """Train one mode into ``mode_dir``; its summary (rank 0 writes and prints it)."""
+    resume = _resume_point(args, mode_dir)
+    t0 = time.perf_counter()
+    trainer = oom = export_error = None
+    try:
+        model = job.build(cfg)
+        trainer = Trainer(
+            model,
+            task,
+            cfg,
+            device=device,
+            out_dir=mode_dir,
+            progress=not args.no_progress,
+            describe=job.describe,
+            strategy=strategy,
+            activation_checkpointing=args.activation_checkpointing,
+        )
+        del model
+        if resume is None:
+            # A fresh run replaces what an earlier one left (never a complete checkpoint:
+            # _resume_point refuses those), only now that the model and trainer exist.
+            _barrier()
+            run_on_rank0(lambda: shutil.rmtree(mode_dir, ignore_errors=True))
+        summary = trainer.fit(resume)
+        summary["export"] = None
+        if not args.no_export:
+            try:
+                summary["export"] = str(trainer.export(mode_dir / "final", job.tokenizer))
+            except OSError as e:  # a full disk: the run's results are kept, below
+                export_error = e
+    except CheckpointError as e:
+        if args.resume == "latest" and resume is not None:
+            raise _unusable_newest(e, resume) from None
+        raise
+    except (RuntimeError, torch.OutOfMemoryError) as e:
+        if not is_oom(e):
+            raise
+        oom = True
+    finally:
+        if trainer is not None:
+            trainer.close()
+        trainer = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if oom:
+        raise TrainError(
+            f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
+            f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise "
+            f"--grad-accum to keep the batch){job.tune}"
+        )
+    summary["wall_s"] = time.perf_counter() - t0
+    if _rank() == 0:  # under torchrun rank 0 alone writes files and prints
+        write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
+    if export_error is not None:  # on every rank: none goes on to the next mode
+        raise TrainError(
+            f"mode {cfg.mode} trained (metrics and summary in {mode_dir}), but writing the model "
+            f"to {mode_dir / 'final'} failed: {export_error.strerror or export_error}; free "
+            "space there or pass --no-export"
+        )
+    acc = summary.get("val_caption_acc")
+    _say(
+        f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
+        f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}"
+        + ("" if acc is None else f", caption accuracy {acc:.2f}")
+        + f"; model: {summary['export'] or 'not exported (--no-export)'}",
+        flush=True,
+    )
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.version:
         print(_versions())
         return 0

@@ -51,18 +51,6 @@ class TokenData:
     source: str  # one line for the run header
     fingerprint: str  # sha256 prefix over both splits: resume refuses other data
 
-    def check_windows(self, seq_len: int) -> None:
-        """Refuse a ``seq_len`` that no training batch (a window of ``seq_len + 1`` tokens:
-        inputs and their next-token labels) or no validation window fits in."""
-        if len(self.train) <= seq_len:
-            raise DataError(
-                f"the training split has {len(self.train)} tokens, fewer than --seq-len "
-                f"{seq_len} + 1: use more data (a larger --corpus-mib, or --data FILE), a "
-                "smaller --val-fraction or a shorter --seq-len"
-            )
-        if len(self.val) < seq_len:
-            raise DataError(_short_val(len(self.val), seq_len))
-
     def check_fits(self, model_vocab: int) -> None:
         if self.vocab_size > model_vocab:
             raise DataError(
@@ -205,18 +193,16 @@ def load_data(
 
 
 class BatchSampler:
-    """Random windows of ``seq_len`` tokens from the training split.
-
-    The batch of (step, micro-step) depends only on (seed, step, micro-step): every mode of a
-    comparison sees the same tokens, and a resumed run needs only the step number to continue
-    exactly where it stopped.
-    """
+    """Random windows of ``seq_len`` tokens from the training split. The batch of (step,
+    micro-step) depends only on (seed, step, micro-step): every mode of a comparison sees the
+    same tokens, and a resumed run continues exactly from the step number alone."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
-        if len(tokens) <= seq_len:
+        if len(tokens) <= seq_len:  # a window is seq_len + 1 tokens: inputs and next tokens
             raise DataError(
                 f"the training split has {len(tokens)} tokens, fewer than --seq-len {seq_len} "
-                "+ 1: use more data or a shorter --seq-len"
+                "+ 1: use more data (a larger --corpus-mib, or --data FILE), a smaller "
+                "--val-fraction or a shorter --seq-len"
             )
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
 
@@ -228,18 +214,14 @@ class BatchSampler:
         return torch.from_numpy(np.stack(rows))
 
 
-def _short_val(n_tokens: int, seq_len: int) -> str:
-    return (
-        f"the validation split has {n_tokens} tokens, fewer than --seq-len {seq_len}: "
-        "use more data, a larger --val-fraction or a shorter --seq-len"
-    )
-
-
 def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int):
     """The fixed validation set: the first ``max_batches`` batches of consecutive
     non-overlapping windows of the validation split (fewer if the split is short)."""
     n_windows = min(len(tokens) // seq_len, batch_size * max_batches)
     if n_windows == 0:
-        raise DataError(_short_val(len(tokens), seq_len))
+        raise DataError(
+            f"the validation split has {len(tokens)} tokens, fewer than --seq-len {seq_len}: "
+            "use more data, a larger --val-fraction or a shorter --seq-len"
+        )
     windows = np.asarray(tokens[: n_windows * seq_len], dtype=np.int64).reshape(n_windows, seq_len)
     return [torch.from_numpy(windows[i : i + batch_size]) for i in range(0, n_windows, batch_size)]

@@ -96,26 +96,17 @@ class MemoryTracker:
 
     - weights: parameters and buffers (constant);
     - gradients: ``.grad`` tensors, counted when autograd first writes them in a step;
-    - optimizer state: tensors in ``optimizer.state``, counted after each step;
-    - activations: tensors autograd saves for backward (``saved_tensors_hooks``), each storage
-      once, parameters excluded, counted until autograd frees them;
+    - optimizer_state: tensors in ``optimizer.state``, counted after each step;
+    - activations: tensors autograd saves for backward, each storage once, until freed;
     - weight_copies: saved tensors that are a cast or view of a parameter (autocast's bf16
-      copies of fp32 weights), and tensors kept as attributes of parameters (COAT's FP8
-      weight caches), found when backward starts and after each optimizer step and counted
-      until they are freed.
-    It sees tensors only through these routes: temporaries that are not saved (e.g. the fp32
-    logits inside the loss) and caches kept elsewhere are in ``measured - tracked``.
+      copies), and tensors kept as attributes of parameters (COAT's FP8 weight caches).
+    Temporaries that are not saved (e.g. the fp32 logits inside the loss) and caches kept
+    elsewhere are in ``measured - tracked``.
 
-    ``grad_hooks=False`` counts gradients only in ``count_grads`` after backward: for FSDP2,
-    which calls the hooks of its sharded parameters with views of one reduce-scatter output
-    per layer (a hook would count the whole output for each parameter).
-
-    Counting costs host time, a Python call per saved tensor and per parameter: the tiny
-    preset (4 layers, bf16) saves 165 tensors per step, and a counted step took 9.3 ms on
-    CPU against 7.5 ms uncounted (batch 1 x 16 tokens, where host time is all there is). A trainer
-    therefore counts only some steps: ``stop()`` between steps ends counting, ``start
-    (optimizer)`` before a step resumes it (``active`` says which). The peak and its
-    breakdown are then those of the counted steps.
+    ``grad_hooks=False`` counts gradients only in ``count_grads`` after backward: FSDP2 calls
+    the hooks of its sharded parameters with views of one reduce-scatter output per layer.
+    Counting costs host time (a Python call per saved tensor), so a trainer counts only some
+    steps: ``stop()`` between steps, ``start(optimizer)`` before one (``active`` says which).
     """
 
     KINDS = ("weights", "gradients", "optimizer_state", "activations", "weight_copies")
@@ -139,9 +130,8 @@ class MemoryTracker:
         self.start()
 
     def start(self, optimizer: torch.optim.Optimizer | None = None):
-        """Count from here on (call between steps): the gradient hooks go back on, and what
-        changed while stopped is counted again: ``optimizer``'s state (created at its first
-        step) and tensors kept on parameters (FP8 weight caches)."""
+        """Count from here on (between steps), recounting what changed while stopped:
+        ``optimizer``'s state and tensors kept on parameters."""
         if self._grad_hooks and not self._handles:
             self._handles = [
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -154,9 +144,7 @@ class MemoryTracker:
         self.scan_attached()
 
     def stop(self):
-        """Stop counting (between steps, after ``grads_dropped``): the gradient hooks come
-        off; tensors already counted are still released when freed. Use ``saving()`` only
-        while active."""
+        """Stop counting (between steps); tensors already counted are released when freed."""
         self.close()
         self.active = False
 
@@ -183,11 +171,9 @@ class MemoryTracker:
             ref[0] += 1
             keys.append(key)
         self._update()
-        # Keep t detached: t itself may be an output of the node saving it, and a Python
-        # object held by the node that refers back to the node through t.grad_fn is a
-        # cycle that Python's gc cannot see. Then a graph whose backward never runs (an
-        # out-of-memory error in forward or backward) would never be freed, parameters and
-        # activations with it. Autograd restores the history on unpack.
+        # Detached: t may be an output of the node saving it, and t.grad_fn back to the node
+        # is a cycle gc cannot see, so a graph whose backward never runs (an OOM) would never
+        # be freed. Autograd restores the history on unpack.
         return _Saved(t.detach(), keys, self._release)
 
     def _unpack(self, saved):
@@ -271,8 +257,7 @@ class MemoryTracker:
 
 class PeakMeter:
     """Measured peak memory since ``reset``: ``torch.cuda.max_memory_allocated`` on CUDA;
-    ``None`` on CPU, where torch keeps no allocator statistics (the tests compare the tracked
-    bytes with the process's resident-set growth instead, see README)."""
+    ``None`` on CPU, where torch keeps no allocator statistics."""
 
     def __init__(self, device: torch.device):
         self.device = device

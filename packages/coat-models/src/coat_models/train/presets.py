@@ -13,7 +13,7 @@ import torch
 
 from ..vila import llava_tiny_config, vila7b_config
 from .data import round_up
-from .vl_data import MAX_CAPTION_BYTES, num_image_tokens
+from .vl_data import min_seq_len, num_image_tokens
 
 
 class ModelError(ValueError):
@@ -148,12 +148,12 @@ def model_dir_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # the tokenizers library raises plain Exception on a bad file
         raise ModelError(
-            f"--model-dir {path}: cannot read its tokenizer ({_first_line(e)}): replace or "
+            f"--model-dir {path}: cannot read its tokenizer ({first_line(e)}): replace or "
             "remove the tokenizer files (without them the data is byte-level)"
         ) from None
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
@@ -175,7 +175,7 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
                 weights_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
             )
         except (ValueError, OSError, pickle.UnpicklingError) as e:  # no causal LM, bad weights
-            raise ModelError(f"cannot load the model in {weights_dir}: {_first_line(e)}") from None
+            raise ModelError(f"cannot load the model in {weights_dir}: {first_line(e)}") from None
         model = model.to(device)
     else:
         try:
@@ -187,10 +187,6 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
             raise ModelError(f"cannot build a causal LM from this config: {e}") from None
     # Init in fp32 then cast, so fp32- and bf16-master runs start from the same weights.
     return model.to(master_dtype).train()
-
-
-# ---------------------------------------------------------------------------------------------
-# Vision-language presets
 
 
 @dataclass(frozen=True)
@@ -212,7 +208,7 @@ class VLPreset:
 
 
 def _min_seq_len(config, images: int) -> int:
-    return 1 + images * (num_image_tokens(config) + MAX_CAPTION_BYTES + 1)
+    return min_seq_len(num_image_tokens(config), images)
 
 
 VL_PRESETS = {

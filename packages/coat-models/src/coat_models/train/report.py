@@ -1,10 +1,6 @@
 """coat-train's reports: the progress line (tqdm), ``metrics.jsonl`` (and TensorBoard), the
-compare table, the loss plot (matplotlib: the optional extra ``coat-models[plot]``) and the
-run's ``summary.json``.
-
-Without matplotlib a run still writes its metrics and summaries; ``PLOT_HINT`` says how to
-get the picture.
-"""
+compare table, the loss plot (matplotlib: the optional extra ``coat-models[plot]``; without
+it a run still writes its metrics and summaries) and the run's ``summary.json``."""
 
 from __future__ import annotations
 
@@ -32,12 +28,9 @@ def fmt_bytes(n: int | None) -> str:
 
 
 class Progress:
-    """The run's progress on stderr, drawn by tqdm. The trainers call ``update`` only where
-    they read the step values from the device (every ``--log-every`` steps, at evaluations
-    and at the steps that are multiples of ``every``), so the bar never makes the host wait.
-    On a terminal the bar is redrawn at each update; elsewhere (a log file, CI) one line in
-    tqdm's format is printed at the multiples of ``every`` (10% of the run) and at the last
-    step, as a redrawn bar would fill a log with carriage returns."""
+    """The run's progress on stderr (tqdm). The trainer calls ``update`` only where it reads
+    the step values from the device. On a terminal the bar is redrawn at each update;
+    elsewhere (a log file, CI) one line is printed at every 10% of the run and at the end."""
 
     def __init__(self, label: str, total: int, stream=None, enabled: bool = True):
         self.label, self.total, self.enabled = label, total, enabled
@@ -103,37 +96,11 @@ TENSORBOARD_HINT = (
 )
 
 
-def tensorboard_writer(log_dir: Path, purge_step: int | None = None):
-    """torch's ``SummaryWriter`` on ``log_dir``; ``purge_step``: a resumed run's first step
-    (TensorBoard hides what an earlier, killed run logged from there on). ``ReportError``
-    (``TENSORBOARD_HINT``) without the tensorboard package."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ReportError(TENSORBOARD_HINT) from None
-    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
-
-
-def log_scalars(writer, record: dict) -> None:
-    """Each number of a metrics record as the scalar ``<type>/<name>`` at its step (e.g.
-    ``train/loss``, ``eval/val_loss``); nothing without a writer."""
-    if writer is None:
-        return
-    for name, value in record.items():
-        if name != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-            writer.add_scalar(f"{record['type']}/{name}", value, record["step"])
-
-
-# ---------------------------------------------------------------------------------------------
-# metrics.jsonl (and TensorBoard)
-
-
 class MetricsLog:
     """A run's ``metrics.jsonl`` (one JSON record per line, tagged with the mode) and, with
-    ``tensorboard=True``, the same numbers as TensorBoard scalars in ``dir/tensorboard``.
-    ``resume_step``: keep the records up to that step (a resumed run rewrites what came
-    after); ``None``: start an empty file. ``enabled=False`` (ranks other than 0) writes
-    nothing. A context manager."""
+    ``tensorboard=True``, every number of a record as the TensorBoard scalar ``<type>/<name>``
+    in ``dir/tensorboard``. ``resume_step``: keep the records up to that step (a resumed run
+    rewrites what came after). ``enabled=False`` (ranks other than 0) writes nothing."""
 
     def __init__(
         self,
@@ -152,15 +119,26 @@ class MetricsLog:
         write_atomic(path, "".join(kept))
         self._file = open(path, "a")
         if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ReportError(TENSORBOARD_HINT) from None
             # purge_step: TensorBoard hides what an earlier, killed run logged from there on
             purge = None if resume_step is None else resume_step + 1
-            self._board = tensorboard_writer(Path(directory) / "tensorboard", purge_step=purge)
+            self._board = SummaryWriter(str(Path(directory) / "tensorboard"), purge_step=purge)
 
     def write(self, record: dict) -> None:
         if self._file is not None:
             self._file.write(json.dumps({"mode": self.mode, **record}) + "\n")
             self._file.flush()
-        log_scalars(self._board, record)
+        if self._board is not None:
+            for name, value in record.items():
+                if (
+                    name != "step"
+                    and isinstance(value, int | float)
+                    and not isinstance(value, bool)
+                ):
+                    self._board.add_scalar(f"{record['type']}/{name}", value, record["step"])
 
     def close(self) -> None:
         for handle in (self._file, self._board):
@@ -176,9 +154,8 @@ class MetricsLog:
 
 
 def _metrics_until(path: Path, step: int) -> list[str]:
-    """Lines of a metrics file up to ``step``. A torn last line (the process was killed while
-    writing it) is dropped: its step is after the checkpoint, which is written once the
-    step's lines are out."""
+    """Lines of a metrics file up to ``step``. A torn last line (killed while writing it) is
+    dropped: its step is after the checkpoint, written once the step's lines are out."""
     if not path.is_file():
         return []
     lines = path.read_text(errors="replace").splitlines(True)
@@ -214,10 +191,6 @@ def curves(path: Path) -> dict:
     return {"train": train, "val": val}
 
 
-# ---------------------------------------------------------------------------------------------
-# The run's summary: table, plot, summary.json
-
-
 def write_run_report(out: Path, run: dict, summaries: list[dict], curves: dict) -> str:
     """Loss plot (with matplotlib), ``out/summary.json`` (``run`` plus the per-mode
     ``summaries`` and the plot's path) and the text to print: the compare table and where
@@ -249,43 +222,28 @@ def format_table(summaries: list[dict]) -> str:
     steps = summaries[0]["steps"]
     world = summaries[0].get("world_size", 1)
     per = "" if world == 1 else f" per {'GPU' if mem[0]['device'] == 'cuda' else 'rank'}"
+    timed = f" (steps 2-{steps})" if steps > 1 else ""
+    window = summaries[0]["train_loss_window"]
     rows = [
-        (
-            f"train loss (mean of last {summaries[0]['train_loss_window']} steps)",
-            [s["train_loss"] for s in summaries],
-            "loss",
-        ),
+        (f"train loss (mean of last {window} steps)", [s["train_loss"] for s in summaries], "loss"),
         ("val loss (held-out split)", [s["val_loss"] for s in summaries], "loss"),
-        (
-            f"tokens/s{per}" + (f" (steps 2-{steps})" if steps > 1 else ""),
-            [s["tokens_per_s"] for s in summaries],
-            "rate",
-        ),
+        (f"tokens/s{per}{timed}", [s["tokens_per_s"] for s in summaries], "rate"),
     ]
+    parts = {
+        "tracked_peak": "  tracked tensors at their peak",
+        "weights": "    weights",
+        "weight_copies": "    weight copies (casts, FP8 caches)",
+        "gradients": "    gradients",
+        "optimizer_state": "    optimizer state",
+        "activations": "    activations (saved for backward)",
+        "other": "  other (peak - tracked)",
+    }
     if measured:
-        rows.append(
-            (
-                f"peak memory{per} ({mem[0]['measured_by']})",
-                [m["measured_peak"] for m in mem],
-                "bytes",
-            )
-        )
-    rows += [
-        (
-            "  tracked tensors at their peak"
-            if measured
-            else f"peak memory{per} (tracked tensors)",
-            [m["tracked_peak"] for m in mem],
-            "bytes",
-        ),
-        ("    weights", [m["weights"] for m in mem], "bytes"),
-        ("    weight copies (casts, FP8 caches)", [m["weight_copies"] for m in mem], "bytes"),
-        ("    gradients", [m["gradients"] for m in mem], "bytes"),
-        ("    optimizer state", [m["optimizer_state"] for m in mem], "bytes"),
-        ("    activations (saved for backward)", [m["activations"] for m in mem], "bytes"),
-    ]
-    if measured:
-        rows.append(("  other (peak - tracked)", [m["other"] for m in mem], "bytes"))
+        parts = {"measured_peak": f"peak memory{per} ({mem[0]['measured_by']})", **parts}
+    else:  # no peak to subtract from
+        parts["tracked_peak"] = f"peak memory{per} (tracked tensors)"
+        del parts["other"]
+    rows += [(name, [m[key] for m in mem], "bytes") for key, name in parts.items()]
     fmt = {
         "loss": lambda v: "n/a" if v is None else f"{v:.4f}",
         "rate": lambda v: "n/a" if v is None else f"{v:,.0f}",
@@ -334,10 +292,6 @@ MEMORY_NOTE = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# The loss plot
-
-
 PLOT_HINT = "pip install 'coat-models[plot]' (matplotlib) to get loss.png"
 
 
@@ -347,9 +301,8 @@ class PlotUnavailable(ImportError):
 
 def loss_figure(runs: dict[str, dict]):
     """A matplotlib ``Figure`` of loss curves. ``runs``: name -> ``{"train": (steps,
-    losses), "val": (steps, losses)}``; per run a thin, light train line and a thick
-    validation line with markers, in one colour of matplotlib's cycle (``C0``, ``C1``, ...).
-    Raises ``PlotUnavailable`` without matplotlib."""
+    losses), "val": (steps, losses)}``; per run a thin train line and a thick validation line
+    in one colour (``C0``, ``C1``, ...). Raises ``PlotUnavailable`` without matplotlib."""
     try:
         # Figure alone, not pyplot: no global state, no GUI backend, safe in any process.
         from matplotlib.figure import Figure

@@ -1,16 +1,9 @@
 """What differs between the model kinds coat-train trains, as a *task*: the batches, the fixed
 validation set and its metrics, and how a precision mode converts the model. ``Trainer`` runs
-one loop for every task.
-
-- ``LMTask``: a causal LM on token data (``data.TokenData``): windows of the token stream,
-  labels = inputs; metric ``val_loss``.
-- ``VLTask``: a LLaVA-style model (``presets.VL_PRESETS``) on the generated shapes-caption
-  task (``vl_data``): image and caption sequences, loss on the caption tokens; metrics
-  ``val_loss`` and ``val_caption_acc``.
-
-A task's training batch is a function of ``(seed, step, index)`` alone: every mode of a
-comparison sees the same data, a resumed run continues exactly, and the ranks of a torchrun
-job draw disjoint micro-batches (index ``micro * world + rank``).
+one loop for every task: ``LMTask`` (a causal LM on token data; ``val_loss``) and ``VLTask``
+(a LLaVA-style preset on the shapes-caption task; loss on the caption tokens, ``val_loss``
+and ``val_caption_acc``). A training batch is a function of ``(seed, step, index)`` alone, so
+every mode sees the same data, a resume continues exactly, and ranks draw disjoint batches.
 """
 
 from __future__ import annotations
@@ -118,13 +111,9 @@ class VLTask:
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, device: torch.device) -> dict:
-        """Mean caption-token loss and caption accuracy over the validation batches (the
-        model in eval mode).
-
-        Caption accuracy: the share of captions whose every token (caption bytes and the
-        closing EOS) is the argmax prediction under teacher forcing, i.e. size, colour,
-        shape and position all read off the image. Chance is 1/72.
-        """
+        """Mean caption-token loss, and caption accuracy: the share of captions whose every
+        token (bytes and closing EOS) is the argmax prediction under teacher forcing (size,
+        colour, shape and position read off the image; chance is 1/72)."""
         loss_sum = tokens = right = captions = 0
         for batch in self.val:
             batch = {k: v.to(device) for k, v in batch.items()}

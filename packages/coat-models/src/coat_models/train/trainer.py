@@ -1,27 +1,19 @@
-"""The coat-train training loop: one precision mode, one run, with memory accounting,
-metrics, progress, evaluation and atomic checkpoints that resume bit-exactly. One loop for
-every model kind: what differs (batches, validation metrics, the FP8 conversion) is the
-task's (``tasks.LMTask`` for causal LMs, ``tasks.VLTask`` for the LLaVA presets).
+"""The coat-train training loop: one precision mode, one run. One loop for every model kind;
+what differs (batches, validation metrics, the FP8 conversion) is the task's (``tasks``).
 
-Modes (FP8 activations, FP8 optimizer states):
+==========  ==========================  ==================================
+mode        activations                 optimizer
+==========  ==========================  ==================================
+bf16        bf16 autocast               torch.optim.AdamW (fp32 states)
+coat        ``apply_coat`` (FP8)        ``create_optimizer`` -> CoatAdamW
+coat-optim  bf16 autocast               CoatAdamW
+coat-act    ``apply_coat``              torch.optim.AdamW
+==========  ==========================  ==================================
 
-==========  ===============================  =====================================
-mode        activations                      optimizer
-==========  ===============================  =====================================
-bf16        bf16 autocast                    torch.optim.AdamW (fp32 states)
-coat        ``apply_coat`` (FP8, COAT)       ``create_optimizer`` -> CoatAdamW
-coat-optim  bf16 autocast                    CoatAdamW
-coat-act    ``apply_coat``                   torch.optim.AdamW
-==========  ===============================  =====================================
-
-All modes run under bf16 autocast with master weights in ``master_dtype`` (fp32 by default;
-bf16 only with CoatAdamW, whose stochastic rounding keeps small updates).
-
-Under ``torchrun`` (``Trainer(..., strategy="fsdp" | "ddp")``) each rank trains on its own
-micro-batches (micro-batch ``micro * world + rank`` of a step), so N ranks with
-``grad_accum = A`` see the tokens of one process with ``grad_accum = N * A``; losses are the
-mean over ranks, tokens/s and memory are per rank (memory: the largest rank), rank 0 writes
-the files and checkpoints go through ``torch.distributed.checkpoint``.
+Master weights are fp32, or bf16 with CoatAdamW (its stochastic rounding keeps small
+updates). Under ``torchrun`` rank r of W takes micro-batch ``micro * W + r`` of a step, so W
+ranks with ``grad_accum = A`` see the tokens of one process with ``W * A``; losses are means
+over ranks, tokens/s and memory per rank; rank 0 writes the files.
 """
 
 from __future__ import annotations
@@ -46,7 +38,7 @@ from ..graphs import enable_cuda_graphs
 from ..optim import create_optimizer, param_groups
 from .data import TokenData
 from .memory import MemoryTracker, PeakMeter, memory_report
-from .presets import PRESETS, VL_PRESETS, ModelError
+from .presets import PRESETS, VL_PRESETS, ModelError, first_line
 from .report import MetricsLog, Progress, fmt_bytes
 from .tasks import LMTask
 
@@ -60,6 +52,8 @@ MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TRAIN_LOSS_WINDOW = 10  # the summary's train loss is the mean of the last 10 steps
 REPORT_TO = ("none", "tensorboard")
 CHECKPOINT_FILES = ("model.pt", "optimizer.pt", "trainer.pt")  # one process; under torchrun: DCP
+# The TrainConfig fields a preset gives defaults for.
+PRESET_FIELDS = ("batch_size", "seq_len", "steps", "lr", "warmup", "eval_every", "eval_batches")
 
 
 class TrainError(RuntimeError):
@@ -83,27 +77,24 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
     seed: int = 0
-    # Not part of the numbers: may change when resuming.
+    # Not part of the numbers (NOT_NUMERICS): may change when resuming.
     eval_every: int = 25
     eval_batches: int = 4
-    # Steps between reads of the loss, grad norm and speed from the device (the host waits
-    # for the GPU only then, and at evaluations, checkpoints, 10% marks and the last step).
+    # Steps between reads of loss, grad norm and speed from the device: the host waits for
+    # the GPU only then (and at evaluations, checkpoints, 10% marks and the last step).
     log_every: int = 10
     save_every: int = 0  # 0: no checkpoints
     keep_checkpoints: int = 2
-    # FP8 activations: keep each weight's two FP8 copies (2 B/param) from one micro-batch to
-    # the next until the optimizer changes the weight (saves one cast per linear and micro-
-    # batch with --grad-accum). Off: each linear casts its weight in forward and again in
-    # backward and keeps nothing, so the copies never sit in memory at the peak. Same bits.
+    # FP8 activations: keep each weight's two FP8 copies (2 B/param) between micro-batches
+    # until the optimizer changes it (one cast less per linear and micro-batch). Same bits.
     weight_cache: bool = False
-    # FP8 activations on CUDA: record the COAT decoder layers as CUDA graphs at the first
-    # training step and replay them after (coat_models.enable_cuda_graphs; bit for bit the
-    # eager step, tested). Their saved activations then live in the graphs' memory pool, which
-    # the memory breakdown cannot see ("other"). Not part of the numbers.
+    # FP8 activations on CUDA: replay the COAT decoder layers as CUDA graphs (same bits);
+    # their saved activations live in the graphs' pool, "other" in the memory breakdown.
     cuda_graphs: bool = False
-    # Where metrics go besides metrics.jsonl: "none", or "tensorboard" (event files in
-    # out_dir/tensorboard; needs the tensorboard package). Not part of the numbers.
-    report_to: str = "none"
+    report_to: str = "none"  # or "tensorboard": event files in out_dir/tensorboard
+
+    NOT_NUMERICS = ("eval_every", "eval_batches", "log_every", "save_every", "keep_checkpoints",
+                    "weight_cache", "cuda_graphs", "report_to")  # fmt: skip
 
     def __post_init__(self):
         if self.report_to not in REPORT_TO:
@@ -120,12 +111,13 @@ class TrainConfig:
                 f"coat-optim); mode {self.mode} uses torch AdamW, whose bf16 updates round "
                 f"away every change below 1/256 of a weight: use --master-dtype fp32"
             )
-        for name in ("batch_size", "seq_len", "grad_accum", "steps", "eval_batches", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("warmup", "eval_every", "save_every", "keep_checkpoints"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        for names, low in (
+            (("batch_size", "seq_len", "grad_accum", "steps", "eval_batches", "log_every"), 1),
+            (("warmup", "eval_every", "save_every", "keep_checkpoints"), 0),
+        ):
+            for name in names:
+                if getattr(self, name) < low:
+                    raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
         if self.save_every and self.keep_checkpoints < 1:
             raise ValueError(
                 "--keep-checkpoints must be >= 1 with --save-every (0 would delete each "
@@ -157,8 +149,7 @@ class TrainConfig:
 
     @classmethod
     def from_preset(cls, name: str, mode: str = "bf16", **overrides) -> TrainConfig:
-        """The training defaults of preset ``name`` (``presets.PRESETS`` or ``VL_PRESETS``),
-        ``overrides`` (field=value) on top.
+        """The training defaults of preset ``name``, ``overrides`` (field=value) on top.
 
         >>> cfg = TrainConfig.from_preset("llava-tiny", "coat", steps=50)
         """
@@ -166,8 +157,7 @@ class TrainConfig:
         if preset is None:
             known = ", ".join([*PRESETS, *VL_PRESETS])
             raise ValueError(f"unknown preset {name!r}: choose one of {known}")
-        names = ("batch_size", "seq_len", "steps", "lr", "warmup", "eval_every", "eval_batches")
-        return cls(mode=mode, **{**{k: getattr(preset, k) for k in names}, **overrides})
+        return cls(mode=mode, **{**{k: getattr(preset, k) for k in PRESET_FIELDS}, **overrides})
 
     @property
     def tokens_per_step(self) -> int:
@@ -175,24 +165,13 @@ class TrainConfig:
 
     def numerics(self) -> dict:
         """The fields a resumed run must share with the run that wrote the checkpoint."""
-        skip = {
-            "eval_every",
-            "eval_batches",
-            "log_every",
-            "save_every",
-            "keep_checkpoints",
-            "weight_cache",
-            "cuda_graphs",
-            "report_to",
-        }
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+        fields = dataclasses.asdict(self)
+        return {k: v for k, v in fields.items() if k not in self.NOT_NUMERICS}
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
-    """The run's LR schedule: transformers' ``get_cosine_with_min_lr_schedule_with_warmup``
-    (a ``LambdaLR``; its state goes into checkpoints). The LR of 0-based step ``s`` is
-    ``lr * s / warmup`` while ``s < warmup`` (the first step at 0), then a half cosine from
-    ``lr`` down to ``lr * min_lr_ratio``, reached after ``steps`` steps."""
+    """transformers' cosine schedule with warmup and a floor: LR ``lr * s / warmup`` at
+    0-based step ``s < warmup``, then a half cosine down to ``lr * min_lr_ratio`` at ``steps``."""
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     return get_cosine_with_min_lr_schedule_with_warmup(
@@ -203,31 +182,16 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Model and optimizer per mode
-
-
-def prepare(
-    model: torch.nn.Module,
-    task,
-    cfg: TrainConfig,
-    device: torch.device,
-    strategy: str | None = None,
-    activation_checkpointing: bool = False,
-):
-    """(model, optimizer) for ``cfg.mode``: the task's FP8 conversion (``apply_coat`` /
-    ``apply_coat_vlm``) where the mode has FP8 activations, CUDA graphs with
-    ``cfg.cuda_graphs``; under torchrun the model sharded by FSDP2 (``strategy="fsdp"``: bf16
-    compute, fp32 gradient reduce-scatter) or wrapped by DDP (``"ddp"``); then CoatAdamW
-    (``create_optimizer``) or torch AdamW (fused on CUDA) as the mode says, over the
-    parameters this rank updates, decay on matrices only (``param_groups``)."""
+def prepare(model, task, cfg: TrainConfig, device, strategy=None, activation_checkpointing=False):
+    """(model, optimizer) for ``cfg.mode``: the task's FP8 conversion, CUDA graphs, FSDP2 /
+    DDP under torchrun, then CoatAdamW or torch AdamW over what this rank updates."""
     fp8_act, fp8_optim = MODES[cfg.mode]
     fp8_config = None
     if fp8_act:
         from fp8_activations import FP8ActivationConfig
 
         # FSDP2 all-gathers into reused storage, which the weight cache cannot tell from the
-        # weights it cached (coat_models.distributed.shard_model turns it off for COAT layers).
+        # weights it cached.
         fp8_config = FP8ActivationConfig(weight_cache=cfg.weight_cache and strategy != "fsdp")
     try:
         model = task.convert(model, fp8_config)
@@ -254,73 +218,9 @@ def prepare(
     if fp8_optim:
         opt = create_optimizer(target, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
     else:
-        fused = device.type == "cuda"  # the baseline users run on GPUs
         groups = param_groups(target, cfg.weight_decay)
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused)
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=device.type == "cuda")
     return model, opt
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-step values, read from the device in batches
-
-
-class StepLog:
-    """Each step's loss and gradient norm stay on the device until ``read``, which fetches
-    every step since the last read in one device-to-host copy: the host waits for the GPU
-    once per read instead of once per step, and keeps queueing kernels meanwhile.
-
-    Speed is measured per window, the steps between two reads: from the start of its first
-    step (``open``) to the moment ``read`` has the values, when the GPU has finished them.
-    Each record gets the window's mean step time and tokens/s and says which steps it
-    covers (``window: [first, last]``). Under torchrun ``rank_mean`` (a float64 tensor of
-    losses) and ``rank_max`` (the window's time) reduce over ranks.
-
-    >>> log.open(); ...; log.add(step, loss, grad_norm, lr); records = log.read()
-    """
-
-    def __init__(self, tokens_per_step: int, rank_mean=None, rank_max=None):
-        self.tokens_per_step = tokens_per_step
-        self._mean, self._max = rank_mean, rank_max
-        self._steps: list[tuple] = []  # (step, loss, grad norm, lr), tensors on the device
-        self._t0: float | None = None
-
-    def open(self) -> None:
-        """Call at the start of every step: the first after a read starts the clock."""
-        if self._t0 is None:
-            self._t0 = time.perf_counter()
-
-    def add(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr) -> None:
-        self._steps.append((step, loss.detach(), grad_norm.detach(), lr))
-
-    def read(self) -> list[dict]:
-        """``train`` records of the steps added since the last read (waits for them)."""
-        steps, self._steps = self._steps, []
-        if not steps:
-            return []
-        # Exact: float64 holds every fp32/bf16 value; the same numbers as float(tensor).
-        losses = torch.stack([s[1] for s in steps]).double()
-        if self._mean is not None:
-            losses = self._mean(losses)
-        norms = torch.stack([s[2] for s in steps]).double()
-        values = torch.cat([losses, norms.to(losses.device)]).tolist()  # the one sync
-        dt = time.perf_counter() - self._t0
-        self._t0 = None
-        if self._max is not None:
-            dt = self._max(dt)  # the slowest rank sets the pace
-        n, window = len(steps), [steps[0][0], steps[-1][0]]
-        return [
-            {
-                "step": step,
-                "loss": values[i],
-                "lr": float(lr),
-                "grad_norm": values[n + i],
-                "tokens": self.tokens_per_step,  # per rank
-                "step_time_s": dt / n,
-                "tokens_per_s": self.tokens_per_step * n / dt,
-                "window": window,
-            }
-            for i, (step, _, _, lr) in enumerate(steps)
-        ]
 
 
 def loss_error(mode: str, lr: float, rec: dict, read_at: int) -> TrainError:
@@ -333,14 +233,9 @@ def loss_error(mode: str, lr: float, rec: dict, read_at: int) -> TrainError:
 
 
 def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` in page-locked memory when it goes to a GPU: a copy from pageable memory makes
-    the host wait even with ``non_blocking=True``; torch's pinned-memory cache recycles the
-    block once the copy is done."""
+    """``t`` in page-locked memory when it goes to a GPU: from pageable memory the host waits
+    for the copy even with ``non_blocking=True``."""
     return t.pin_memory() if device.type == "cuda" else t
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints
 
 
 def _rng_state() -> dict:
@@ -369,16 +264,11 @@ def _launch(parallel: dict | None) -> str:
     return f"--{parallel['strategy']} on {parallel['world_size']} ranks"
 
 
-def export_pretrained(
-    model: torch.nn.Module, path: Path, *, tokenizer=None, state_dict: dict | None = None
-) -> Path:
-    """Write ``model`` as a Hugging Face directory at ``path``: ``save_pretrained``
-    (safetensors weights in the master dtype, ``config.json``) and the tokenizer's files when
-    given; ``AutoModelForCausalLM.from_pretrained(path)`` loads it. ``apply_coat`` keeps the
-    weights' names and the model's class name, so a COAT model is saved as the plain model.
-    ``state_dict``: the full weights when ``model`` is sharded (then ``model`` supplies the
-    config and the class name). Written to a temporary directory, then renamed into place
-    (an earlier export at ``path`` is replaced)."""
+def export_pretrained(model, path: Path, *, tokenizer=None, state_dict=None) -> Path:
+    """Write ``model`` (and ``tokenizer``) as a Hugging Face directory at ``path`` that
+    ``AutoModelForCausalLM.from_pretrained`` loads; a COAT model is saved as the plain model.
+    ``state_dict``: the full weights of a sharded ``model``. Written to a temporary directory,
+    then renamed into place (replacing an earlier export)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -399,13 +289,14 @@ def export_pretrained(
     return path
 
 
-# ---------------------------------------------------------------------------------------------
-# The run
-
-
 class Trainer:
     """Train one mode: ``Trainer(...).fit()`` returns the summary; ``run_step`` is the unit the
-    benchmarks time."""
+    benchmarks time.
+
+    ``task``: ``tasks.LMTask`` / ``tasks.VLTask`` (a ``TokenData`` is a causal LM on it).
+    ``strategy``: ``None`` (one process), or ``"fsdp"`` / ``"ddp"`` for one rank of a torchrun
+    job (after ``distributed.init_distributed()``). ``activation_checkpointing`` recomputes
+    each decoder layer in backward (same numbers, less memory)."""
 
     def __init__(
         self,
@@ -420,11 +311,6 @@ class Trainer:
         strategy: str | None = None,
         activation_checkpointing: bool = False,
     ):
-        """``task``: what is trained on (``tasks.LMTask``, ``tasks.VLTask``); a ``TokenData``
-        is a causal LM on it. ``strategy``: ``None`` (one process), or ``"fsdp"`` / ``"ddp"``
-        for one rank of a ``torchrun`` job (the process group must exist:
-        ``distributed.init_distributed()``); ``activation_checkpointing`` recomputes each
-        decoder layer in backward (same numbers, less memory)."""
         if strategy is not None and strategy not in distributed.STRATEGIES:
             raise ValueError(
                 f"strategy must be None or one of {distributed.STRATEGIES}, got {strategy!r}"
@@ -435,10 +321,7 @@ class Trainer:
                 "coat_models.distributed.init_distributed() first"
             )
         if cfg.cuda_graphs and (strategy is not None or activation_checkpointing):
-            raise TrainError(
-                "--cuda-graphs runs in one process without activation checkpointing (sharded "
-                "parameters move; checkpointed layers run eagerly): drop one of them"
-            )
+            raise TrainError(CUDA_GRAPHS_ALONE)
         if isinstance(task, TokenData):
             task = LMTask(task, cfg)
         self.cfg, self.device, self.task = cfg, device, task
@@ -453,22 +336,24 @@ class Trainer:
         )
         self.scheduler = lr_scheduler(self.optimizer, cfg)
         self.tracker = MemoryTracker(self.model, grad_hooks=strategy != "fsdp")
-        self.step = 0  # optimizer steps done
         self.meter = PeakMeter(device)
-        self.step_log = StepLog(
-            cfg.tokens_per_step,
-            rank_mean=self._mean if strategy else None,
-            rank_max=self._max if strategy else None,
-        )
+        self.step = 0  # optimizer steps done
+        self._queued: list[tuple] = []  # (step, loss, grad norm, lr) not yet read, on the device
+        self._t0: float | None = None  # start of the first queued step
         self.totals = {"timed_tokens": 0, "timed_time": 0.0, "memory": None}
         self.train_losses: list[float] = []
         self.val_metrics: dict | None = None  # of the last evaluation: val_loss, ...
         self.progress = Progress(cfg.mode, cfg.steps, enabled=progress and self.is_main)
 
-    # -- ranks -------------------------------------------------------------------------------
+    @property
+    def parallel(self) -> dict | None:
+        """How this run is spread over processes (``None``: one process)."""
+        return (
+            None if self.strategy is None else {"strategy": self.strategy, "world_size": self.world}
+        )
+
     def _mean(self, t: torch.Tensor) -> torch.Tensor:
-        """Mean over ranks of a float64 tensor (the tensor itself in one process): one
-        all-reduce, on the device with NCCL (gloo takes CPU tensors)."""
+        """Mean over ranks of a float64 tensor: one all-reduce (gloo takes CPU tensors)."""
         if self.strategy is None:
             return t
         if dist.get_backend() != "nccl":
@@ -484,45 +369,21 @@ class Trainer:
 
     # -- one optimizer step ----------------------------------------------------------------
     def queue_step(self, track_memory: bool = False) -> None:
-        """Forward/backward over ``grad_accum`` micro-batches, clip, optimizer step, without
-        waiting for the device: the loss and gradient norm stay there until ``read_steps``.
-        ``track_memory``: count this step's tensors (``MemoryTracker``; costs host time).
-
-        Rank r of W takes micro-batch ``micro * W + r``: the tokens of one process with
-        ``grad_accum * W``. DDP all-reduces once, after the last micro-batch; FSDP2
-        reduce-scatters (in fp32) after each one into the sharded gradient, so that only
-        shards of the gradients live between micro-batches."""
-        cfg, step, tracker = self.cfg, self.step + 1, self.tracker
-        self.step_log.open()
+        """One optimizer step, without waiting for the device: the loss and gradient norm
+        stay there until ``read_steps``. ``track_memory``: count this step's tensors
+        (``MemoryTracker``; costs host time)."""
+        step, tracker = self.step + 1, self.tracker
+        if self._t0 is None:  # the first step after a read starts the clock
+            self._t0 = time.perf_counter()
         if track_memory and not tracker.active:
             tracker.start(self.optimizer)
         elif not track_memory and tracker.active:
             tracker.stop()
-        loss_sum = torch.zeros((), device=self.device)
         with tracker.saving() if track_memory else contextlib.nullcontext():
-            for micro in range(cfg.grad_accum):
-                batch = self.task.batch(step, micro * self.world + self.rank)
-                batch = {
-                    k: pinned(v, self.device).to(self.device, non_blocking=True)
-                    for k, v in batch.items()
-                }
-                last = micro == cfg.grad_accum - 1
-                no_sync = self.strategy == "ddp" and not last
-                with self.model.no_sync() if no_sync else contextlib.nullcontext():
-                    with torch.autocast(self.device.type, dtype=torch.bfloat16):
-                        loss = self.model(**batch).loss
-                    (loss / cfg.grad_accum).backward()
-                loss_sum += loss.detach().float()
+            loss = self._accumulate_gradients(step)
         if track_memory:
             tracker.count_grads()
-        if cfg.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        else:  # the norm alone: clipping at inf would still rescale every gradient by 1
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads)
-        full_tensor = getattr(grad_norm, "full_tensor", None)  # FSDP2: a DTensor
-        if full_tensor is not None:
-            grad_norm = full_tensor()
+        grad_norm = self._clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         if track_memory:
@@ -532,18 +393,66 @@ class Trainer:
         if track_memory:
             tracker.grads_dropped()
         self.step = step
-        self.step_log.add(step, loss_sum / cfg.grad_accum, grad_norm, lr)
+        self._queued.append((step, loss, grad_norm, lr))
+
+    def _accumulate_gradients(self, step: int) -> torch.Tensor:
+        """Forward and backward over the step's ``grad_accum`` micro-batches; their mean loss.
+        DDP all-reduces after the last one; FSDP2 reduce-scatters after each (only shards of
+        the gradients live between micro-batches)."""
+        accum, dev = self.cfg.grad_accum, self.device
+        loss_sum = torch.zeros((), device=dev)
+        for micro in range(accum):
+            batch = self.task.batch(step, micro * self.world + self.rank)
+            batch = {k: pinned(v, dev).to(dev, non_blocking=True) for k, v in batch.items()}
+            no_sync = self.strategy == "ddp" and micro < accum - 1
+            with self.model.no_sync() if no_sync else contextlib.nullcontext():
+                with torch.autocast(dev.type, dtype=torch.bfloat16):
+                    loss = self.model(**batch).loss
+                (loss / accum).backward()
+            loss_sum += loss.detach().float()
+        return loss_sum / accum
+
+    def _clip_gradients(self) -> torch.Tensor:
+        if self.cfg.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        else:  # the norm alone: clipping at inf would still rescale every gradient by 1
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+        full_tensor = getattr(norm, "full_tensor", None)  # FSDP2: a DTensor
+        return (full_tensor() if full_tensor is not None else norm).detach()
 
     def read_steps(self) -> list[dict]:
-        """Wait for the queued steps; their ``train`` records (``StepLog.read``): loss (mean
-        over ranks), lr, grad_norm, tokens, step_time_s and tokens_per_s over their window."""
-        return self.step_log.read()
+        """Wait for the queued steps, in one device-to-host copy; their ``train`` records:
+        loss (mean over ranks), lr, grad_norm, and tokens, step_time_s, tokens_per_s as the
+        mean over the ``window`` of steps read together (timed from its first step's start
+        to this read; under torchrun, the slowest rank's)."""
+        steps, self._queued = self._queued, []
+        if not steps:
+            return []
+        # Exact: float64 holds every fp32/bf16 value; the same numbers as float(tensor).
+        losses = self._mean(torch.stack([s[1] for s in steps]).double())
+        norms = torch.stack([s[2] for s in steps]).double()
+        values = torch.cat([losses, norms.to(losses.device)]).tolist()  # the one sync
+        dt = self._max(time.perf_counter() - self._t0)
+        self._t0 = None
+        n, window, tokens = len(steps), [steps[0][0], steps[-1][0]], self.cfg.tokens_per_step
+        return [
+            {
+                "step": step,
+                "loss": values[i],
+                "lr": float(lr),
+                "grad_norm": values[n + i],
+                "tokens": tokens,  # per rank
+                "step_time_s": dt / n,
+                "tokens_per_s": tokens * n / dt,
+                "window": window,
+            }
+            for i, (step, _, _, lr) in enumerate(steps)
+        ]
 
     def run_step(self, track_memory: bool = False) -> dict:
-        """One optimizer step, waited for: its record (the unit the benchmarks time; steps
-        still queued are read too, and the last record returned). ``track_memory``: count
-        its tensors (``MemoryTracker``), as ``queue_step``. Raises ``TrainError`` for a
-        non-finite loss."""
+        """One optimizer step, waited for: its record (steps still queued are read too).
+        Raises ``TrainError`` for a non-finite loss."""
         self.queue_step(track_memory)
         recs = self.read_steps()
         bad = next((r for r in recs if not math.isfinite(r["loss"])), None)
@@ -552,184 +461,18 @@ class Trainer:
         return recs[-1]
 
     def evaluate(self) -> dict:
-        """The task's metrics over its fixed validation batches (``val_loss``, ...), on the
-        plain path (``model.eval()``). Under torchrun every rank runs every batch (FSDP2's
-        forward is collective): the same values on every rank."""
+        """The task's metrics over its fixed validation batches (``val_loss``, ...) in eval
+        mode; under torchrun every rank runs every batch (the same values on every rank)."""
         self.model.eval()
         try:
             return self.task.evaluate(self.model, self.device)
         finally:
             self.model.train()
 
-    # -- checkpoints -------------------------------------------------------------------------
-    @property
-    def ckpt_dir(self) -> Path:
-        return self.out_dir / "checkpoints"
-
-    def save_checkpoint(self) -> Path:
-        """Write model, optimizer (its FP8 states included), scheduler, step, RNG states and
-        data position as ``ckpt_dir/step_NNNNNNN``, then prune to the newest
-        ``keep_checkpoints``. A ``step_*`` directory is always complete and carries a
-        manifest with the SHA-256 of every file (``coat_models.checkpoint``: written into a
-        temporary directory, the manifest last, then renamed into place). One process:
-        ``torch.save`` files. Under torchrun: every rank calls it and
-        ``torch.distributed.checkpoint`` writes each rank's shards; rank 0 writes the
-        manifest and renames (``distributed.save_checkpoint``)."""
-        final = self.ckpt_dir / checkpoint.checkpoint_name(self.step)
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        state = self._trainer_state()
-        info = {"parallel": self.parallel}
-        if self.strategy is not None:
-            rngs = [None] * self.world
-            dist.all_gather_object(rngs, state["rng"])
-            state["rng"] = rngs  # DCP keeps one copy of ``extra``: every rank's, by rank
-            distributed.save_checkpoint(
-                final, self.model, self.optimizer, extra=state, step=self.step, info=info
-            )
-        else:
-            tmp = self.ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
-            if tmp.exists():  # this process was here before and failed (e.g. disk full)
-                checkpoint.remove(tmp)
-            tmp.mkdir()
-            checkpoint.write_torch_files(
-                tmp,
-                {
-                    "model.pt": self.model.state_dict(),
-                    "optimizer.pt": self.optimizer.state_dict(),
-                    "trainer.pt": state,
-                },
-            )
-            serial = checkpoint.next_serial(self.ckpt_dir)
-            checkpoint.write_manifest(
-                tmp, kind="torch", world_size=1, step=self.step, serial=serial, info=info
-            )
-            checkpoint.publish(tmp, final)
-        if self.is_main:
-            # By serial: the checkpoint just written is the newest, even where a run resumed
-            # from an older one left checkpoints of higher steps.
-            checkpoint.prune(self.ckpt_dir, self.cfg.keep_checkpoints)
-        return final
-
-    def _trainer_state(self) -> dict:
-        """A checkpoint's training state besides model and optimizer; equal on every rank
-        except the RNG states (``save_checkpoint`` gathers those)."""
-        return {
-            "format": 1,
-            "step": self.step,
-            "scheduler": self.scheduler.state_dict(),
-            "rng": _rng_state(),
-            # Batches are a pure function of (seed, step): the step is the position.
-            "data": {"next_step": self.step + 1, "fingerprint": self.task.fingerprint},
-            "config": self.cfg.numerics(),
-            "describe": self.describe,
-            "parallel": self.parallel,
-            "totals": self.totals,
-            "train_losses": self.train_losses,
-        }
-
-    @property
-    def parallel(self) -> dict | None:
-        """How this run is spread over processes (``None``: one process)."""
-        if self.strategy is None:
-            return None
-        return {"strategy": self.strategy, "world_size": self.world}
-
-    def load_checkpoint(self, path: Path) -> None:
-        """Restore everything ``save_checkpoint`` wrote; refuses a checkpoint of other
-        numerics (mode, schedule, batch, data, ...), which could not continue exactly.
-
-        Nothing is read before the manifest is: it says how the checkpoint was written, and
-        every file is hashed against it before any is opened (``CheckpointError`` on a
-        difference). Model, optimizer and trainer state go through
-        ``torch.load(weights_only=True)``; DCP only under torchrun, for a checkpoint whose
-        manifest says DCP.
-
-        Refused (``TrainError``): a checkpoint of another launch (one process vs torchrun,
-        ``--fsdp`` vs ``--ddp``, another number of ranks). Its weights would load (DCP
-        reshards), but the run would not continue with the numbers of the run that wrote
-        it: another reduction order and, under FSDP2, bf16 instead of autocast compute."""
-        path = Path(path)
-        manifest = checkpoint.read_manifest(path)
-        written_by = manifest.info.get("parallel")
-        if not (written_by is None or isinstance(written_by, dict)):
-            raise checkpoint.CheckpointError(f"{path}: its manifest's launch is {written_by!r}")
-        if manifest.kind == "torch" and self.strategy is not None:
-            raise TrainError(
-                f"cannot resume from {path} with --{self.strategy} on {self.world} ranks: it "
-                "was written by a run in one process; resume it in one process (without "
-                "torchrun, --fsdp or --ddp), or start this run afresh with another --out"
-            )
-        if manifest.kind == "dcp" and (self.strategy is None or written_by != self.parallel):
-            written = _launch(written_by) if written_by else f"{manifest.world_size} ranks"
-            raise TrainError(
-                f"cannot resume from {path}: it was written by {written}, this run is "
-                f"{_launch(self.parallel)}; resume with the launch that wrote it (the same "
-                "--fsdp/--ddp and torchrun --nproc-per-node), or start afresh with another --out"
-            )
-        if manifest.kind == "dcp":
-            distributed.verify_checkpoint(path)
-            state = distributed.read_checkpoint_extra(path, verify=False)
-        else:
-            checkpoint.verify(path, manifest)
-            if set(manifest.files) != set(CHECKPOINT_FILES):
-                raise checkpoint.CheckpointError(
-                    f"{path} holds {', '.join(sorted(manifest.files))}, not "
-                    f"{', '.join(CHECKPOINT_FILES)}: not a coat-train checkpoint"
-                )
-            state = self._load_file(path / "trainer.pt")
-        _check_trainer_state(state, path, manifest.step)
-        diff = {
-            k: (v, self.cfg.numerics().get(k))
-            for k, v in state["config"].items()
-            if _plain(self.cfg.numerics().get(k)) != _plain(v)
-        }
-        if state["data"]["fingerprint"] != self.task.fingerprint:
-            diff["data"] = (state["data"]["fingerprint"], self.task.fingerprint)
-        if state["describe"] != self.describe:
-            diff["model"] = (state["describe"], self.describe)
-        if diff:
-            said = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise TrainError(
-                f"cannot resume from {path}: settings differ ({said}): pass the settings of "
-                "the run that wrote it, or start afresh with another --out"
-            )
-        try:
-            if manifest.kind == "dcp":
-                distributed.load_checkpoint(path, self.model, self.optimizer, verify=False)
-                rng = state["rng"][self.rank]
-            else:
-                self.model.load_state_dict(self._load_file(path / "model.pt"))
-                self.optimizer.load_state_dict(self._load_file(path / "optimizer.pt"))
-                rng = state["rng"]
-            self.scheduler.load_state_dict(state["scheduler"])
-            _set_rng_state(rng)
-        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
-            # Same settings and model, yet the tensors do not fit: not a file this run's
-            # code wrote. Nothing is half-loaded that the run goes on with: it stops here.
-            if isinstance(e, checkpoint.CheckpointError):
-                raise
-            raise checkpoint.CheckpointError(
-                f"{path} does not fit this model and optimizer: {_first_line(e)}"
-            ) from None
-        self.step = state["step"]
-        self.totals = state["totals"]
-        self.train_losses = list(state["train_losses"])
-
-    def _load_file(self, path: Path):
-        """``torch.load(weights_only=True)`` of a verified file; what it cannot read becomes a
-        ``CheckpointError`` (one line)."""
-        try:
-            return torch.load(path, map_location=self.device, weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
-            raise checkpoint.CheckpointError(
-                f"{path} is not a checkpoint file this code can read: {_first_line(e)}"
-            ) from None
-
     # -- the whole run -----------------------------------------------------------------------
     def fit(self, resume: Path | None = None) -> dict:
-        """Train ``cfg.steps`` steps (from ``resume`` if given), evaluating, logging metrics to
-        ``out_dir/metrics.jsonl``, checkpointing; returns the summary (on every rank; rank 0
-        alone writes the metrics)."""
+        """Train ``cfg.steps`` steps (from checkpoint ``resume`` if given), evaluating,
+        logging to ``out_dir/metrics.jsonl`` and checkpointing; returns the summary."""
         cfg = self.cfg
         if resume is not None:  # refused (other settings): nothing was written
             self.load_checkpoint(resume)
@@ -739,34 +482,14 @@ class Trainer:
         self.tracker.reset_peak()
         self.meter.reset()
         first = self.step + 1
-        with MetricsLog(
+        metrics = MetricsLog(
             self.out_dir,
             cfg.mode,
             resume_step=None if resume is None else self.step,
             tensorboard=cfg.report_to == "tensorboard",
             enabled=self.is_main,
-        ) as metrics:
-            emit = metrics.write
-
-            def log_steps():
-                """Read the queued steps, log them; the last record (None if none)."""
-                recs = self.read_steps()
-                if not recs:
-                    return None
-                measured = self._max(self.meter.peak())  # per rank: the largest
-                tracked = self._max(self.tracker.peak)  # of the steps counted so far
-                for rec in recs:
-                    if not math.isfinite(rec["loss"]):
-                        raise loss_error(cfg.mode, cfg.lr, rec, self.step)
-                    rec["mem_tracked_peak"] = tracked
-                    rec["mem_measured_peak"] = measured
-                    emit({"type": "train", **rec})
-                    self.train_losses.append(rec["loss"])
-                if recs[0]["step"] > first:  # the first step of a process warms up alone
-                    self.totals["timed_tokens"] += sum(r["tokens"] for r in recs)
-                    self.totals["timed_time"] += sum(r["step_time_s"] for r in recs)
-                return recs[-1]
-
+        )
+        with metrics:
             try:
                 while self.step < cfg.steps:
                     step = self.step + 1
@@ -774,12 +497,11 @@ class Trainer:
                         cfg.eval_every and step % cfg.eval_every == 0
                     )
                     saving = bool(cfg.save_every) and step % cfg.save_every == 0
-                    # Memory is counted on the first timed step (a steady state: optimizer
-                    # state exists) and on the steps whose breakdown is recorded.
+                    # Memory is counted on the first timed step (optimizer state exists by
+                    # then) and on the steps whose breakdown is recorded.
                     self.queue_step(track_memory=step in (first + 1, cfg.steps) or saving)
-                    # The host waits for the device only here: the first step (timed
-                    # apart), every --log-every steps, the progress line's steps (the same
-                    # on every rank), evaluations, checkpoints and the last step.
+                    # The host waits for the device only at these steps (the same on every
+                    # rank); the first is timed apart.
                     if not (
                         step == first
                         or evaluating
@@ -788,19 +510,9 @@ class Trainer:
                         or step % self.progress.every == 0
                     ):
                         continue
-                    rec = log_steps()
-                    fields = {
-                        "loss": f"{rec['loss']:.4f}",
-                        "lr": f"{rec['lr']:.2e}",
-                        "tok/s": f"{rec['tokens_per_s']:,.0f}",
-                        "mem": fmt_bytes(rec["mem_measured_peak"] or rec["mem_tracked_peak"]),
-                    }
+                    fields = self._log_steps(metrics, first)
                     if evaluating:
-                        self.val_metrics = self.evaluate()
-                        emit({"type": "eval", "step": self.step, **self.val_metrics})
-                        fields["val"] = f"{self.val_metrics['val_loss']:.4f}"
-                        for name, value in list(self.val_metrics.items())[1:]:
-                            fields[name.removeprefix("val_").replace("_", " ")] = f"{value:.2f}"
+                        fields |= self._evaluate_and_log(metrics)
                     if step == cfg.steps or saving:
                         self._record_memory()
                     if saving:
@@ -811,15 +523,47 @@ class Trainer:
                 # is a collective, and the other ranks may be elsewhere.
                 if self.strategy is None:
                     with contextlib.suppress(Exception):
-                        log_steps()
+                        self._log_steps(metrics, first)
                 raise
         if self.val_metrics is None:  # resumed at the final step: nothing trained here
             self.val_metrics = self.evaluate()
         return self.summary()
 
+    def _log_steps(self, metrics: MetricsLog, first: int) -> dict:
+        """Read the queued steps and log them; the progress line's fields of the last."""
+        recs = self.read_steps()
+        if not recs:
+            return {}
+        measured = self._max(self.meter.peak())  # per rank: the largest
+        tracked = self._max(self.tracker.peak)  # of the steps counted so far
+        for rec in recs:
+            if not math.isfinite(rec["loss"]):
+                raise loss_error(self.cfg.mode, self.cfg.lr, rec, self.step)
+            rec["mem_tracked_peak"] = tracked
+            rec["mem_measured_peak"] = measured
+            metrics.write({"type": "train", **rec})
+            self.train_losses.append(rec["loss"])
+        if recs[0]["step"] > first:  # the first step of a process warms up alone
+            self.totals["timed_tokens"] += sum(r["tokens"] for r in recs)
+            self.totals["timed_time"] += sum(r["step_time_s"] for r in recs)
+        rec = recs[-1]
+        return {
+            "loss": f"{rec['loss']:.4f}",
+            "lr": f"{rec['lr']:.2e}",
+            "tok/s": f"{rec['tokens_per_s']:,.0f}",
+            "mem": fmt_bytes(measured or tracked),
+        }
+
+    def _evaluate_and_log(self, metrics: MetricsLog) -> dict:
+        self.val_metrics = self.evaluate()
+        metrics.write({"type": "eval", "step": self.step, **self.val_metrics})
+        fields = {"val": f"{self.val_metrics['val_loss']:.4f}"}
+        for name, value in list(self.val_metrics.items())[1:]:
+            fields[name.removeprefix("val_").replace("_", " ")] = f"{value:.2f}"
+        return fields
+
     def _record_memory(self):
-        """Keep the breakdown of the highest peak seen by this run (across resumes); under
-        torchrun, that of the rank with the highest peak."""
+        """Keep the breakdown of the highest peak of this run (across resumes and ranks)."""
         report = memory_report(self.tracker, self.meter)
         key = "measured_peak" if report["measured_peak"] is not None else "tracked_peak"
         if self.strategy is not None:
@@ -851,17 +595,152 @@ class Trainer:
             **self.task.summary(),
         }
 
+    # -- checkpoints -------------------------------------------------------------------------
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    def save_checkpoint(self) -> Path:
+        """Write model, optimizer, scheduler, step, RNG states and data position as
+        ``ckpt_dir/step_NNNNNNN``, then prune to the newest ``keep_checkpoints``. A ``step_*``
+        directory is always complete, with a manifest of every file's SHA-256
+        (``coat_models.checkpoint``). One process: ``torch.save`` files; under torchrun every
+        rank calls it and ``torch.distributed.checkpoint`` writes the shards."""
+        final = self.ckpt_dir / checkpoint.checkpoint_name(self.step)
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        state = self._trainer_state()
+        info = {"parallel": self.parallel}
+        if self.strategy is not None:
+            rngs = [None] * self.world
+            dist.all_gather_object(rngs, state["rng"])
+            state["rng"] = rngs  # DCP keeps one copy of ``extra``: every rank's, by rank
+            distributed.save_checkpoint(
+                final, self.model, self.optimizer, extra=state, step=self.step, info=info
+            )
+        else:
+            tmp = self.ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
+            if tmp.exists():  # this process was here before and failed (e.g. disk full)
+                checkpoint.remove(tmp)
+            tmp.mkdir()
+            files = [self.model.state_dict(), self.optimizer.state_dict(), state]
+            checkpoint.write_torch_files(tmp, dict(zip(CHECKPOINT_FILES, files, strict=True)))
+            serial = checkpoint.next_serial(self.ckpt_dir)
+            checkpoint.write_manifest(
+                tmp, kind="torch", world_size=1, step=self.step, serial=serial, info=info
+            )
+            checkpoint.publish(tmp, final)
+        if self.is_main:
+            # By serial: the checkpoint just written is the newest, even where a run resumed
+            # from an older one left checkpoints of higher steps.
+            checkpoint.prune(self.ckpt_dir, self.cfg.keep_checkpoints)
+        return final
+
+    def _trainer_state(self) -> dict:
+        """The training state besides model and optimizer (equal on every rank but ``rng``)."""
+        return {
+            "format": 1,
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": _rng_state(),
+            # Batches are a pure function of (seed, step): the step is the position.
+            "data": {"next_step": self.step + 1, "fingerprint": self.task.fingerprint},
+            "config": self.cfg.numerics(),
+            "describe": self.describe,
+            "parallel": self.parallel,
+            "totals": self.totals,
+            "train_losses": self.train_losses,
+        }
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore what ``save_checkpoint`` wrote. Nothing is opened before the manifest is
+        read and every file hashed against it; files go through ``torch.load(weights_only=
+        True)``, DCP only under torchrun. Refused: other numerics (mode, schedule, data, ...)
+        or another launch (one process vs torchrun, strategy, ranks), which could not
+        continue with the same numbers."""
+        path = Path(path)
+        manifest = checkpoint.read_manifest(path)
+        written_by = manifest.info.get("parallel")
+        if not (written_by is None or isinstance(written_by, dict)):
+            raise checkpoint.CheckpointError(f"{path}: its manifest's launch is {written_by!r}")
+        if manifest.kind == "torch" and self.strategy is not None:
+            raise TrainError(
+                f"cannot resume from {path} with --{self.strategy} on {self.world} ranks: it "
+                "was written by a run in one process; resume it in one process (without "
+                "torchrun, --fsdp or --ddp), or start this run afresh with another --out"
+            )
+        if manifest.kind == "dcp" and (self.strategy is None or written_by != self.parallel):
+            written = _launch(written_by) if written_by else f"{manifest.world_size} ranks"
+            raise TrainError(
+                f"cannot resume from {path}: it was written by {written}, this run is "
+                f"{_launch(self.parallel)}; resume with the launch that wrote it (the same "
+                "--fsdp/--ddp and torchrun --nproc-per-node), or start afresh with another --out"
+            )
+        if manifest.kind == "dcp":
+            distributed.verify_checkpoint(path)
+            state = distributed.read_checkpoint_extra(path, verify=False)
+        else:
+            checkpoint.verify(path, manifest)
+            if set(manifest.files) != set(CHECKPOINT_FILES):
+                raise checkpoint.CheckpointError(
+                    f"{path} holds {', '.join(sorted(manifest.files))}, not "
+                    f"{', '.join(CHECKPOINT_FILES)}: not a coat-train checkpoint"
+                )
+            state = self._load_file(path / "trainer.pt")
+        _check_trainer_state(state, path, manifest.step)
+        now = self.cfg.numerics()
+        diff = {
+            k: (v, now.get(k))
+            for k, v in state["config"].items()
+            if _plain(now.get(k)) != _plain(v)
+        }
+        if state["data"]["fingerprint"] != self.task.fingerprint:
+            diff["data"] = (state["data"]["fingerprint"], self.task.fingerprint)
+        if state["describe"] != self.describe:
+            diff["model"] = (state["describe"], self.describe)
+        if diff:
+            said = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise TrainError(
+                f"cannot resume from {path}: settings differ ({said}): pass the settings of "
+                "the run that wrote it, or start afresh with another --out"
+            )
+        try:
+            if manifest.kind == "dcp":
+                distributed.load_checkpoint(path, self.model, self.optimizer, verify=False)
+                rng = state["rng"][self.rank]
+            else:
+                self.model.load_state_dict(self._load_file(path / "model.pt"))
+                self.optimizer.load_state_dict(self._load_file(path / "optimizer.pt"))
+                rng = state["rng"]
+            self.scheduler.load_state_dict(state["scheduler"])
+            _set_rng_state(rng)
+        except checkpoint.CheckpointError:
+            raise
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+            # Same settings and model, yet the tensors do not fit: not a file this run's code
+            # wrote. The run stops here, with nothing half-loaded to go on with.
+            raise checkpoint.CheckpointError(
+                f"{path} does not fit this model and optimizer: {first_line(e)}"
+            ) from None
+        self.step = state["step"]
+        self.totals = state["totals"]
+        self.train_losses = list(state["train_losses"])
+
+    def _load_file(self, path: Path):
+        """``torch.load(weights_only=True)`` of a verified file, or a one-line error."""
+        try:
+            return torch.load(path, map_location=self.device, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
+            raise checkpoint.CheckpointError(
+                f"{path} is not a checkpoint file this code can read: {first_line(e)}"
+            ) from None
+
     def export(self, path: Path, tokenizer=None) -> Path:
         """The trained model as a Hugging Face directory at ``path`` (``export_pretrained``).
-        Under torchrun every rank must call it: the full weights are gathered to the CPU of
-        rank 0 (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``), which
-        writes; the others wait for it."""
+        Under torchrun every rank calls it: rank 0 gathers the full weights to its CPU and
+        writes; the others learn its outcome."""
         if self.strategy is None:
             return export_pretrained(self.model, path, tokenizer=tokenizer)
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)  # collective
@@ -887,12 +766,14 @@ class Trainer:
         self.progress.close()
 
 
+CUDA_GRAPHS_ALONE = (
+    "--cuda-graphs runs in one process without --activation-checkpointing (sharded "
+    "parameters move; checkpointed layers run eagerly): drop one of them"
+)
+
+
 def _plain(v):
     return list(v) if isinstance(v, tuple) else v
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 _TRAINER_STATE = {  # key -> type of what trainer.pt / DCP's extra holds

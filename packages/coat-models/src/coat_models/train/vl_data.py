@@ -2,27 +2,19 @@
 
 Each image holds one shape (circle, square or triangle) in one of four colours, small or
 large, on the left, in the middle or on the right of a noisy dark background; its caption
-says so: ``"a small red circle on the left"``. 72 captions, endless images (position, size,
-background and noise jitter). A model that reads the image can get the caption right; one
-that does not can only learn the template and guess: ``ln 72 = 4.28`` nats per caption, i.e.
-0.125 nats per labelled token (34.17 on average). Validation loss below 0.125 therefore
-means the model reads the images.
+says so: ``"a small red circle on the left"``. 72 captions, endless images. A model that
+does not read the image can only learn the template and guess: ``ln 72 = 4.28`` nats per
+caption, 0.125 nats per labelled token; a validation loss below that means it reads them.
 
-Tokens are byte-level, like ``coat_models.data``: ids 0..255 are UTF-8 bytes,
-``BYTE_EOS`` (256) separates and ends captions, and one more id is the image placeholder:
+Tokens are byte-level (ids 0..255 are UTF-8 bytes, ``BYTE_EOS`` 256 ends captions) plus the
+image placeholder; labels are -100 on EOS/IMG/padding and the caption bytes and closing EOS:
 
     [EOS] [IMG] x num_image_tokens  a   _ s m a l l ... l e f t [EOS] [EOS] (padding) ...
-    labels: -100 on EOS/IMG/padding, the caption bytes and the EOS that ends it.
 
-Padding comes after each sequence's last EOS and is never attended to by a labelled token
-(causal attention), so batches need no attention mask.
-
-``pixel_values`` are fp32 ``(images, 3, image_size, image_size)`` normalized as
-``(rgb / 255 - mean) / std`` with SigLIP's ``mean = std = 0.5`` (range [-1, 1]); pass CLIP's
-``CLIP_MEAN`` / ``CLIP_STD`` for a CLIP tower.
-
-Everything is a function of ``(seed, split, index)``: the same batches on every run and
-machine, and the validation images are never trained on.
+Padding follows each sequence's last EOS, where no labelled token attends to it (causal
+attention): batches need no attention mask. ``pixel_values`` are fp32 ``(images, 3, S, S)``,
+``(rgb / 255 - mean) / std`` with SigLIP's ``mean = std = 0.5`` (``CLIP_MEAN`` / ``CLIP_STD``
+for a CLIP tower). Everything is a function of ``(seed, split, index)``.
 """
 
 from __future__ import annotations
@@ -61,6 +53,11 @@ def caption(size: str, colour: str, shape: str, position: str) -> str:
 
 CAPTIONS = [caption(*c) for c in itertools.product(SIZES, COLOURS, SHAPES, POSITIONS)]
 MAX_CAPTION_BYTES = max(len(c.encode()) for c in CAPTIONS)
+
+
+def min_seq_len(image_tokens: int, images: int = 1) -> int:
+    """The shortest sequence that holds ``images`` images and their captions."""
+    return 1 + images * (image_tokens + MAX_CAPTION_BYTES + 1)
 
 
 def render(
@@ -140,7 +137,7 @@ class ShapesCaptions:
             )
         if images_per_sample < 1:
             raise ValueError(f"images_per_sample must be >= 1, got {images_per_sample}")
-        need = 1 + images_per_sample * (image_tokens + MAX_CAPTION_BYTES + 1)
+        need = min_seq_len(image_tokens, images_per_sample)
         if seq_len is not None and seq_len < need:
             raise ValueError(
                 f"seq_len {seq_len} is too short: {images_per_sample} image(s) of {image_tokens} "
@@ -197,9 +194,6 @@ class ShapesCaptions:
         n = batch_size * self.images_per_sample
         usable = len(samples) - len(samples) % self.images_per_sample
         return [self.collate(samples[i : min(i + n, usable)]) for i in range(0, usable, n)]
-
-    def tokens_per_batch(self, batch_size: int) -> int:
-        return batch_size * self.seq_len
 
 
 def decode(ids) -> str:
