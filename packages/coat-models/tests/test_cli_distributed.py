@@ -183,7 +183,7 @@ def test_export_gathers_the_whole_model_on_rank0(runs):
 def test_rank0_alone_prints_and_writes(runs):
     for name in ("fsdp", "ddp"):
         table = output(runs, name, 0)
-        assert "tokens/s per rank (steps 2-4)" in table
+        assert "tokens/s per rank (step 3)" in table
         assert "peak memory per rank (tracked tensors)" in table
         assert f"2 ranks ({name}): tokens/s and memory per rank (the slowest" in table
         assert output(runs, name, 1) == ""

@@ -417,12 +417,13 @@ def _host_reads_during_fit(trainer, monkeypatch):
 @pytest.mark.parametrize("mode", ["bf16", "coat-act"])
 def test_trainer_reads_the_device_only_at_log_points(tmp_path, monkeypatch, mode):
     """40 steps, --log-every 10: the host reads tensor values only when it reads the queued
-    steps (first step, every 10 steps, the progress line's every 4th, the last) and in
-    evaluation; metrics.jsonl still has one record per step, filled at the reads."""
+    steps (first step, every 10 steps, the progress line's every 4th, the last, and around
+    the memory-counting steps 2 and 40, which are read alone) and in evaluation;
+    metrics.jsonl still has one record per step, filled at the reads."""
     tr = _tiny_trainer(tmp_path, mode)
     outside, reads, summary = _host_reads_during_fit(tr, monkeypatch)
     assert outside == []
-    assert reads == [1, 4, 8, 10, 12, 16, 20, 24, 28, 30, 32, 36, 40]
+    assert reads == [1, 2, 4, 8, 10, 12, 16, 20, 24, 28, 30, 32, 36, 39, 40]
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["type"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 41))
@@ -446,7 +447,7 @@ def test_host_read_check_catches_a_read_inside_a_step(tmp_path, monkeypatch):
 
     tr.model.register_forward_hook(read_loss)
     outside, reads, _ = _host_reads_during_fit(tr, monkeypatch)
-    assert reads == [1, 2, 4, 5, 6, 8, 10, 12, 14, 15, 16, 18, 20]
+    assert reads == [1, 2, 4, 5, 6, 8, 10, 12, 14, 15, 16, 18, 19, 20]
     # trainer.step is the number of steps done: a read inside step s is seen at s - 1
     assert sorted({s + 1 for s, how, _ in outside}) == list(range(1, 21))
     assert {how for _, how, _ in outside} == {"__float__"}
@@ -454,7 +455,8 @@ def test_host_read_check_catches_a_read_inside_a_step(tmp_path, monkeypatch):
 
 def test_metrics_do_not_depend_on_when_they_are_read(tmp_path):
     """Losses, grad norms and lrs per step are the same numbers read every step or every 7
-    steps; the summary's tokens/s is the timed tokens over the timed windows (steps 2-20)."""
+    steps; the summary's tokens/s is the timed tokens over the timed windows (steps 3-19:
+    step 1 warms up, steps 2 and 20 count memory, their hooks cost host time)."""
     runs = {}
     for every in (1, 7):
         tr = _tiny_trainer(tmp_path / str(every), steps=20, log_every=every)
@@ -467,8 +469,11 @@ def test_metrics_do_not_depend_on_when_they_are_read(tmp_path):
     train = [r for r in runs[7][0] if r["type"] == "train"]
     windows = sorted({tuple(r["window"]) for r in train})
     assert windows[:3] == [(1, 1), (2, 2), (3, 4)] and (7, 7) in windows and (9, 10) in windows
-    timed = [r for r in train if r["step"] > 1]
+    timed = [r for r in train if 2 < r["step"] < 20]
     want = sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed)
+    for every in (1, 7):
+        assert runs[every][1]["timed_steps"] == [17, 3, 19]
+        assert all(r["window"] == [s, s] for s in (2, 20) for r in train if r["step"] == s)
     assert runs[7][1]["tokens_per_s"] == pytest.approx(want, rel=1e-9)
     assert runs[7][1]["train_loss"] == runs[1][1]["train_loss"]
 

@@ -219,10 +219,15 @@ def format_table(summaries: list[dict]) -> str:
     """Side-by-side table of runs; with two or more, ratios against the first run."""
     mem = [s["memory"] for s in summaries]
     measured = all(m["measured_peak"] is not None for m in mem)
-    steps = summaries[0]["steps"]
     world = summaries[0].get("world_size", 1)
     per = "" if world == 1 else f" per {'GPU' if mem[0]['device'] == 'cuda' else 'rank'}"
-    timed = f" (steps 2-{steps})" if steps > 1 else ""
+    n, first, last = summaries[0].get("timed_steps") or (0, None, None)
+    if not n:
+        timed = ""
+    elif n == last - first + 1:
+        timed = f" (steps {first}-{last})" if n > 1 else f" (step {first})"
+    else:
+        timed = f" ({n} steps of {first}-{last})"
     window = summaries[0]["train_loss_window"]
     rows = [
         (f"train loss (mean of last {window} steps)", [s["train_loss"] for s in summaries], "loss"),

@@ -223,6 +223,20 @@ def prepare(model, task, cfg: TrainConfig, device, strategy=None, activation_che
     return model, opt
 
 
+def _window(tokens: int = 0, time: float = 0.0) -> dict:
+    """Tokens, seconds, number, first and last of a set of timed steps."""
+    return {"tokens": tokens, "time": time, "steps": 0, "first": None, "last": None}
+
+
+def _speed(t: dict) -> dict:
+    """``tokens_per_s`` over the steps of ``t`` (``_window``) and which steps they were
+    (``timed_steps``: number, first, last)."""
+    return {
+        "tokens_per_s": t["tokens"] / t["time"] if t["time"] else None,
+        "timed_steps": [t["steps"], t["first"], t["last"]],
+    }
+
+
 def loss_error(mode: str, lr: float, rec: dict, read_at: int) -> TrainError:
     """The error for a non-finite loss in ``rec``, found when step ``read_at`` was read."""
     late = f" (read at step {read_at})" if read_at != rec["step"] else ""
@@ -340,7 +354,8 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self._queued: list[tuple] = []  # (step, loss, grad norm, lr) not yet read, on the device
         self._t0: float | None = None  # start of the first queued step
-        self.totals = {"timed_tokens": 0, "timed_time": 0.0, "memory": None}
+        # Steps after the first: ``timed`` (the steady state) and ``counting`` (memory).
+        self.totals = {"timed": _window(), "counting": _window(), "memory": None}
         self.train_losses: list[float] = []
         self.val_metrics: dict | None = None  # of the last evaluation: val_loss, ...
         self.progress = Progress(cfg.mode, cfg.steps, enabled=progress and self.is_main)
@@ -497,20 +512,26 @@ class Trainer:
                         cfg.eval_every and step % cfg.eval_every == 0
                     )
                     saving = bool(cfg.save_every) and step % cfg.save_every == 0
-                    # Memory is counted on the first timed step (optimizer state exists by
-                    # then) and on the steps whose breakdown is recorded.
-                    self.queue_step(track_memory=step in (first + 1, cfg.steps) or saving)
+                    # Memory is counted on the first step after the warm-up (optimizer
+                    # state exists by then) and on the steps whose breakdown is recorded.
+                    # Its hooks cost host time, so such a step is read alone and left out
+                    # of tokens/s when other steps are timed (the steady state).
+                    counting = step in (first + 1, cfg.steps) or saving
+                    if counting:
+                        self._log_steps(metrics, first)
+                    self.queue_step(track_memory=counting)
                     # The host waits for the device only at these steps (the same on every
                     # rank); the first is timed apart.
                     if not (
                         step == first
+                        or counting
                         or evaluating
                         or saving
                         or step % cfg.log_every == 0
                         or step % self.progress.every == 0
                     ):
                         continue
-                    fields = self._log_steps(metrics, first)
+                    fields = self._log_steps(metrics, first, counting)
                     if evaluating:
                         fields |= self._evaluate_and_log(metrics)
                     if step == cfg.steps or saving:
@@ -529,8 +550,9 @@ class Trainer:
             self.val_metrics = self.evaluate()
         return self.summary()
 
-    def _log_steps(self, metrics: MetricsLog, first: int) -> dict:
-        """Read the queued steps and log them; the progress line's fields of the last."""
+    def _log_steps(self, metrics: MetricsLog, first: int, counting: bool = False) -> dict:
+        """Read the queued steps and log them; the progress line's fields of the last.
+        ``counting``: they are one memory-counting step, timed apart."""
         recs = self.read_steps()
         if not recs:
             return {}
@@ -544,8 +566,12 @@ class Trainer:
             metrics.write({"type": "train", **rec})
             self.train_losses.append(rec["loss"])
         if recs[0]["step"] > first:  # the first step of a process warms up alone
-            self.totals["timed_tokens"] += sum(r["tokens"] for r in recs)
-            self.totals["timed_time"] += sum(r["step_time_s"] for r in recs)
+            t = self.totals["counting" if counting else "timed"]
+            t["tokens"] += sum(r["tokens"] for r in recs)
+            t["time"] += sum(r["step_time_s"] for r in recs)
+            t["steps"] += len(recs)
+            t["first"] = t["first"] or recs[0]["step"]
+            t["last"] = recs[-1]["step"]
         rec = recs[-1]
         return {
             "loss": f"{rec['loss']:.4f}",
@@ -589,7 +615,7 @@ class Trainer:
             "train_loss": sum(window) / len(window) if window else None,
             "train_loss_window": len(window),
             **(self.val_metrics or {"val_loss": None}),
-            "tokens_per_s": t["timed_tokens"] / t["timed_time"] if t["timed_time"] else None,
+            **_speed(t["timed"] if t["timed"]["time"] else t["counting"]),
             "params": sum(p.numel() for p in self.model.parameters()),
             "memory": t["memory"],
             **self.task.summary(),
@@ -723,6 +749,10 @@ class Trainer:
             ) from None
         self.step = state["step"]
         self.totals = state["totals"]
+        if "timed_tokens" in self.totals:  # a checkpoint of an earlier version: one window
+            t = self.totals
+            t["timed"] = _window(t.pop("timed_tokens"), t.pop("timed_time"))
+            t["counting"] = _window()
         self.train_losses = list(state["train_losses"])
 
     def _load_file(self, path: Path):
