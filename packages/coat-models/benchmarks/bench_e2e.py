@@ -362,7 +362,7 @@ def _sync(device: torch.device) -> None:
 def _phases(trainer: Trainer, rounds: int, hooks: bool) -> dict:
     """Median host and wall ms of forward, backward and clip + optimizer step."""
     model, opt, cfg = trainer.model, trainer.optimizer, trainer.cfg
-    ids = trainer.sampler.batch(1, 0).to(trainer.device)
+    ids = trainer.task.sampler.batch(1, 0).to(trainer.device)
     names = ("forward", "backward", "optimizer")
     host = {n: [] for n in names}
     wall = {n: [] for n in names}
