@@ -167,7 +167,9 @@ def test_gradient_accumulation_reduces_weights_once_per_version(monkeypatch):
 
     calls = []
     reduce = blocks.FP8_OPS.weight_amaxes
-    monkeypatch.setattr(blocks.FP8_OPS, "weight_amaxes", lambda ws: calls.append(1) or reduce(ws))
+    monkeypatch.setattr(
+        blocks.FP8_OPS, "weight_amaxes", lambda ws, cfg=None: calls.append(1) or reduce(ws, cfg)
+    )
     ids = [tokens(2, 32, seed=s) for s in (3, 4, 5)]
 
     def accumulate(model):

@@ -8,6 +8,7 @@ import fp8_activations as fa
 import pytest
 import torch
 from fp8_activations import FP8ActivationConfig
+from fp8_quant.ops import triton_interpreting
 
 K = 64
 
@@ -26,9 +27,14 @@ def _run(fn, leaves):
     return [o.detach() for o in outs] + [t.grad for t in leaves]
 
 
-def test_weight_amaxes_are_exact():
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_weight_amaxes_are_exact(backend):
+    """torch's multi-tensor norm (reference) and fp8_quant's one-launch kernel (triton):
+    each weight's max |w|, exactly."""
+    if backend == "triton" and not triton_interpreting():
+        pytest.skip("the Triton kernel runs on a CPU only under TRITON_INTERPRET=1")
     ws = [_leaf(32, K, seed=1), _leaf(16, K, scale=1e-3, seed=2), _leaf(48, 40, seed=3)]
-    got = fa.weight_amaxes(ws)
+    got = fa.weight_amaxes(ws, FP8ActivationConfig(backend=backend))
     for a, w in zip(got, ws, strict=True):
         assert a.dtype == torch.float32 and a.dim() == 0
         assert torch.equal(a, w.detach().abs().max().float())

@@ -18,7 +18,7 @@ implementation (``config._attn_implementation``: SDPA, flash attention, eager, .
 ``ops`` supplies ``rms_norm(x, weight, eps, config)``, ``linear(x, weight, bias, config)``,
 ``swiglu(gate, up, config)`` and ``residual_add(x, residual, config)``, and optionally the
 fused ``rms_norm_linear(x, norm_weight, eps, weights, biases, config)`` and
-``swiglu_linear(gate, up, weight, bias, config)``, and ``weight_amaxes(weights)`` (then the
+``swiglu_linear(gate, up, weight, bias, config)``, and ``weight_amaxes(weights, config)`` (then the
 linears take ``weight_amax=`` / ``weight_amaxes=``: one reduction launch for the layer's
 seven weights instead of two per weight), and ``weight_cache_fresh(weights, config)``
 (then the maxima are computed only when a weight will be cast), and
@@ -214,7 +214,7 @@ def decoder_layer(
     # step): nothing is cast then, and the reduction would read every weight for nothing.
     fresh = getattr(ops, "weight_cache_fresh", None)
     if amaxes and torch.is_grad_enabled() and not (fresh and fresh(weights, config)):
-        amaxes = amaxes(weights)
+        amaxes = amaxes(weights, config)
     else:
         amaxes = None
     # All seven weights cast in one launch (and again in one for backward), or their cached

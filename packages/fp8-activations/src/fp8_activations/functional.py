@@ -175,10 +175,13 @@ def _hand_over(
 
 
 # ------------------------------------------------------------------------- ops
-def weight_amaxes(weights: Sequence[Tensor]) -> list[Tensor]:
+def weight_amaxes(
+    weights: Sequence[Tensor], config: FP8ActivationConfig | None = None
+) -> list[Tensor]:
     """Max |w| of each weight (0-dim fp32 each), all in one multi-tensor launch: pass them as
     ``weight_amax`` / ``weight_amaxes`` to the linears of one layer, which then skip their
     own per-weight reduction (two launches each). Exact: the same scales, the same bits.
+    ``config``: its ``backend`` picks the kernel (Triton's, or torch's multi-tensor norm).
 
     >>> amaxes = weight_amaxes([torch.randn(32, 64), torch.randn(16, 64)])
     """
@@ -186,7 +189,8 @@ def weight_amaxes(weights: Sequence[Tensor]) -> list[Tensor]:
         raise TypeError("weights must be a non-empty list or tuple of tensors")
     for i, w in enumerate(weights):
         _check_float(w, f"weights[{i}]")
-    return _weight_amaxes([w.detach() for w in weights])
+    backend = resolve_backend(weights[0], _config(config).backend)
+    return _weight_amaxes([w.detach() for w in weights], backend)
 
 
 def weight_cache_fresh(
@@ -242,15 +246,15 @@ def cast_weights(
         for w in weights
     ):
         return None
+    backend = resolve_backend(weights[0], cfg.backend)
     amaxes = (
-        _weight_amaxes([w.detach() for w in weights])
+        _weight_amaxes([w.detach() for w in weights], backend)
         if weight_amaxes is None
         else [
             _check_amax(a, w, f"weight_amaxes[{i}]")
             for i, (a, w) in enumerate(zip(weight_amaxes, weights, strict=True))
         ]
     )
-    backend = resolve_backend(weights[0], cfg.backend)
     if cfg.weight_cache:
         fill_weight_caches(list(weights), cfg.fwd_format, backend, amaxes)
         return None

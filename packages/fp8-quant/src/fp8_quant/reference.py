@@ -70,6 +70,11 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().float()
 
 
+def tensor_amax_multi(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensor_amax`` of each of ``xs``; 0 for an empty tensor."""
+    return [tensor_amax(x) if x.numel() else x.new_zeros((), dtype=torch.float32) for x in xs]
+
+
 def group_amax(x: torch.Tensor, group_size: int = 16) -> torch.Tensor:
     """fp32 max of ``|x|`` over each group of ``group_size`` along the last dim.
 

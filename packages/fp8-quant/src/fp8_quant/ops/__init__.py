@@ -24,6 +24,7 @@ from .quantize_per_group import GroupLaunch, group_amax, quantize_per_group
 from .quantize_per_tensor import quantize_per_tensor, tensor_amax
 from .quantize_per_tensor_multi import quantize_per_tensor_multi
 from .quantize_per_tensor_transpose import quantize_per_tensor_transpose
+from .tensor_amax_multi import tensor_amax_multi
 
 __all__ = [
     "GroupLaunch",
@@ -43,5 +44,6 @@ __all__ = [
     "quantize_per_tensor_transpose",
     "round_to_fp8_grid",
     "tensor_amax",
+    "tensor_amax_multi",
     "triton_interpreting",
 ]
