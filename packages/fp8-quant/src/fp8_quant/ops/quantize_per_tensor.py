@@ -15,6 +15,7 @@ from ._host import cdiv, next_pow2
 from ._launch import launch
 from .fp8_round import fp8_encode, fp8_scale, hw_cast_supported
 from .quantize_per_group import group_amax
+from .tensor_amax_multi import tensor_amax_multi
 
 _BLOCK = 8192  # elements per program (32 per thread at 8 warps)
 _AMAX_GROUP = 4096  # partial maxima are 4096x smaller than x: their reduction is free
@@ -37,8 +38,12 @@ def _per_tensor_kernel(
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """0-dim fp32 max of ``|x|`` (NaN if any element is NaN): partial maxima, then a tiny
-    reduction of them. Non-contiguous 2-D inputs are read in place, row by row."""
+    """0-dim fp32 max of ``|x|`` (NaN if any element is NaN). Contiguous: one launch
+    (``tensor_amax_multi``'s atomic max: no second reduction, whose host time is that of a
+    launch and a half). Otherwise partial maxima, then a tiny reduction of them;
+    non-contiguous 2-D inputs are read in place, row by row."""
+    if x.is_contiguous() and x.numel():
+        return tensor_amax_multi([x])[0]
     if x.is_contiguous() or x.dim() < 2:
         x2 = x.reshape(-1)
         group = _AMAX_GROUP
