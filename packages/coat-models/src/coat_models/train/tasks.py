@@ -51,7 +51,7 @@ class LMTask:
         for ids in self.val:
             ids = ids.to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             total += float(loss) * len(ids)
             n += len(ids)
         return {"val_loss": total / n}
@@ -118,7 +118,7 @@ class VLTask:
         for batch in self.val:
             batch = {k: v.to(device) for k, v in batch.items()}
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                out = model(**batch)
+                out = model(**batch, use_cache=False)
             labels = batch["labels"][:, 1:]
             mask = labels != IGNORE_INDEX
             n = int(mask.sum())

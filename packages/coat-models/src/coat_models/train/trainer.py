@@ -422,6 +422,10 @@ class Trainer:
             no_sync = self.strategy == "ddp" and micro < accum - 1
             with self.model.no_sync() if no_sync else contextlib.nullcontext():
                 with torch.autocast(dev.type, dtype=torch.bfloat16):
+                    # transformers fills a KV cache here too (use_cache defaults to True: a
+                    # concatenation per layer). Not turned off: without a cache its mask code
+                    # reads position_ids on the host (a packed-sequence check), a device sync
+                    # per forward.
                     loss = self.model(**batch).loss
                 (loss / accum).backward()
             loss_sum += loss.detach().float()
