@@ -552,6 +552,35 @@ def test_resumed_runs_time_the_steps_they_name(tmp_path, written_by):
     assert f"tokens/s {label}" in format_table([resumed])
 
 
+@pytest.mark.parametrize(
+    ("spans", "label"),
+    [
+        ([[5, 3, 7], [5, 3, 7]], "tokens/s (steps 3-7)"),
+        ([[1, 2, 2]], "tokens/s (step 2)"),
+        ([[4, 2, 7], [4, 2, 7]], "tokens/s (4 steps of 2-7)"),
+        ([[0, None, None]], "tokens/s"),
+        ([[5, 3, 7], [4, 3, 7]], "tokens/s (timed steps differ by run: see summary.json)"),
+    ],
+    ids=["contiguous", "one-step", "with-gaps", "none", "runs-differ"],
+)  # fmt: skip
+def test_table_names_the_timed_steps(spans, label):
+    """The tokens/s row names the runs' timed steps; where the runs of one table timed
+    different steps (modes of --compare resumed from different checkpoints) it names none
+    rather than the first run's for all."""
+    from coat_models.train.memory import MemoryTracker
+    from coat_models.train.report import format_table
+
+    memory = {"device": "cpu", "measured_by": None, "measured_peak": None, "tracked_peak": 10,
+              **dict.fromkeys(MemoryTracker.KINDS, 2), "other": None}  # fmt: skip
+    runs = [
+        {"mode": f"m{i}", "master_dtype": "fp32", "train_loss": 1.0, "train_loss_window": 1,
+         "val_loss": None, "tokens_per_s": 100.0, "memory": memory, "timed_steps": span}
+        for i, span in enumerate(spans)
+    ]  # fmt: skip
+    row = next(r for r in format_table(runs).splitlines() if r.startswith("tokens/s"))
+    assert row.split("  ")[0] == label
+
+
 def test_checkpoint_without_valid_totals_is_refused(tmp_path):
     """A checkpoint whose training state has neither this code's ``totals`` nor the earlier
     one's is refused in one line before anything is loaded, not a KeyError mid-run."""
