@@ -493,7 +493,6 @@ def coat_train_table(fitting: dict[str, list[dict]], micro_batch: int, steps: in
                 {
                     "mode": name,
                     "master_dtype": VARIANTS[name][1],
-                    "steps": steps + 2,
                     "timed_steps": [steps, 3, steps + 2],
                     "train_loss": r["losses"][-1],
                     "train_loss_window": 1,
