@@ -184,6 +184,9 @@ def trial(model, data, mode, master, cache, mb, args, device, compiled=False) ->
         timed = trainer.read_steps()
         if not all(math.isfinite(r["loss"]) for r in timed):
             raise RuntimeError(f"bench_e2e: non-finite loss in {mode} at micro-batch {mb}")
+        memory = memory_report(trainer.tracker, trainer.meter)
+        if compiled:  # no step was counted: the measured peak alone (as torchao's)
+            memory |= {"tracked_peak": None, **dict.fromkeys(MemoryTracker.KINDS), "other": None}
         return {
             "micro_batch": mb,
             "fits": True,
@@ -194,7 +197,7 @@ def trial(model, data, mode, master, cache, mb, args, device, compiled=False) ->
                 "timed_mean": timed[-1]["step_time_s"],
             },
             "losses": [warm["loss"], counted["loss"], *(r["loss"] for r in timed)],
-            "memory": memory_report(trainer.tracker, trainer.meter),
+            "memory": memory,
         }
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_oom(e):
@@ -478,6 +481,29 @@ def profile_main(argv) -> int:
     return 0
 
 
+def coat_train_table(fitting: dict[str, list[dict]], micro_batch: int, steps: int) -> str:
+    """coat-train's compare table of the variants' trials at ``micro_batch`` (for the README
+    and BENCHMARKS.md): each trial timed ``steps`` steps, 3 to ``steps + 2``, after a warm-up
+    step and a memory-counting one."""
+    runs = []
+    for name, rows in fitting.items():
+        r = next((r for r in rows if r["micro_batch"] == micro_batch), None)
+        if r is not None:
+            runs.append(
+                {
+                    "mode": name,
+                    "master_dtype": VARIANTS[name][1],
+                    "timed_steps": [steps, 3, steps + 2],
+                    "train_loss": r["losses"][-1],
+                    "train_loss_window": 1,
+                    "val_loss": None,
+                    "tokens_per_s": r["tokens_per_s"],
+                    "memory": r["memory"],
+                }
+            )
+    return format_table(runs)
+
+
 def main(argv=None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -558,28 +584,7 @@ def main(argv=None) -> int:
                 f"{s.get('speed_ratio_at_best', 1):>10.2f}x  "
                 + (f">= {t['memory']}x mem, >= {t['speed']}x speed" if t else note)
             )
-        # The coat-train table at the common micro-batch, for the README / BENCHMARKS.md.
-        table_runs = []
-        for name, rows in fitting.items():
-            r = next((r for r in rows if r["micro_batch"] == common), None)
-            if r is not None:
-                master = VARIANTS[name][1]
-                table_runs.append(
-                    {
-                        "mode": name,
-                        "master_dtype": master,
-                        "steps": args.steps + 2,  # warm-up, memory, timed
-                        "train_loss": r["losses"][-1],
-                        "train_loss_window": 1,
-                        "val_loss": None,
-                        "tokens_per_s": r["tokens_per_s"],
-                        "memory": r["memory"],
-                    }
-                )
-        # format_table names coat-train's timed steps (2-N); here the first two are untimed
-        n = args.steps + 2
-        table = format_table(table_runs).replace(f"(steps 2-{n})", f"(steps 3-{n})")
-        print(f"\nat micro-batch {common}:\n" + table)
+        print(f"\nat micro-batch {common}:\n" + coat_train_table(fitting, common, args.steps))
     out = os.environ.get("BENCH_OUT")
     if out:
         with open(out, "w") as f:

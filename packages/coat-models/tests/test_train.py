@@ -478,6 +478,127 @@ def test_metrics_do_not_depend_on_when_they_are_read(tmp_path):
     assert runs[7][1]["train_loss"] == runs[1][1]["train_loss"]
 
 
+def _write_totals_as_before_8d4b2b9(trainer):
+    """Make ``trainer``'s checkpoints carry ``totals`` as the code before 8d4b2b9 wrote them:
+    one window of every step after the first of the process (``timed_tokens``,
+    ``timed_time``), the memory-counting steps included."""
+    state_now = trainer._trainer_state
+
+    def old_state():
+        state = state_now()
+        t = state["totals"]
+        windows = (t["timed"], t["counting"])
+        state["totals"] = {
+            "timed_tokens": sum(w["tokens"] for w in windows),
+            "timed_time": sum(w["time"] for w in windows),
+            "memory": t["memory"],
+        }
+        return state
+
+    trainer._trainer_state = old_state
+
+
+def _train_records(path) -> dict:
+    recs = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in recs if r["type"] == "train"}
+
+
+@pytest.mark.parametrize("written_by", ["this code", "code before 8d4b2b9"])
+def test_resumed_runs_time_the_steps_they_name(tmp_path, written_by):
+    """8 steps, a checkpoint at steps 4 and 8, resumed from each: the summary's tokens/s is
+    over the timed steps of both processes and ``timed_steps`` (number, first, last) names
+    them, also for a checkpoint of the code before 8d4b2b9 (its one window: steps 2 to the
+    checkpoint's). Steps 2, 4 (a checkpoint) and 8 count memory, each read alone; after a
+    resume from step 4, step 5 warms up and step 6 counts memory."""
+    from coat_models.checkpoint import checkpoint_name
+    from coat_models.train.report import format_table
+
+    old = written_by != "this code"
+    tr = _tiny_trainer(tmp_path, steps=8, save_every=4, log_every=3)
+    if old:
+        _write_totals_as_before_8d4b2b9(tr)
+    full = tr.fit()
+    tr.close()
+    first = _train_records(tmp_path)  # the first process's records
+    assert all(first[s]["window"] == [s, s] for s in (2, 4, 8))
+    assert full["timed_steps"] == [4, 3, 7]  # steps 3, 5, 6, 7
+
+    def speed(steps, later):
+        """tokens/s over ``steps``: up to 4 as the first process ran them, after 4 ``later``."""
+        recs = [first[s] for s in steps if s <= 4] + [later[s] for s in steps if s > 4]
+        return sum(r["tokens"] for r in recs) / sum(r["step_time_s"] for r in recs)
+
+    # From step 8: nothing left to train; the checkpoint's totals are the summary's.
+    tr = _tiny_trainer(tmp_path, steps=8, log_every=3)  # writes no checkpoint over them
+    at_end = tr.fit(resume=tr.ckpt_dir / checkpoint_name(8))
+    tr.close()
+    if old:
+        assert at_end["timed_steps"] == [7, 2, 8]
+        assert at_end["tokens_per_s"] == pytest.approx(speed(range(2, 9), first), rel=1e-9)
+    else:
+        assert at_end["timed_steps"] == full["timed_steps"]
+        assert at_end["tokens_per_s"] == full["tokens_per_s"]
+
+    # From step 4: the steps timed before it, and step 7.
+    tr = _tiny_trainer(tmp_path, steps=8, log_every=3)
+    resumed = tr.fit(resume=tr.ckpt_dir / checkpoint_name(4))
+    tr.close()
+    second = _train_records(tmp_path)
+    assert all(second[s]["window"] == [s, s] for s in (5, 6, 8))
+    timed = [2, 3, 4, 7] if old else [3, 7]
+    assert resumed["timed_steps"] == [len(timed), timed[0], 7]
+    assert resumed["tokens_per_s"] == pytest.approx(speed(timed, second), rel=1e-9)
+    label = "(4 steps of 2-7)" if old else "(2 steps of 3-7)"
+    assert f"tokens/s {label}" in format_table([resumed])
+
+
+@pytest.mark.parametrize(
+    ("spans", "label"),
+    [
+        ([[5, 3, 7], [5, 3, 7]], "tokens/s (steps 3-7)"),
+        ([[1, 2, 2]], "tokens/s (step 2)"),
+        ([[4, 2, 7], [4, 2, 7]], "tokens/s (4 steps of 2-7)"),
+        ([[0, None, None]], "tokens/s"),
+        ([[5, 3, 7], [4, 3, 7]], "tokens/s (timed steps differ by run: see summary.json)"),
+    ],
+    ids=["contiguous", "one-step", "with-gaps", "none", "runs-differ"],
+)  # fmt: skip
+def test_table_names_the_timed_steps(spans, label):
+    """The tokens/s row names the runs' timed steps; where the runs of one table timed
+    different steps (modes of --compare resumed from different checkpoints) it names none
+    rather than the first run's for all."""
+    from coat_models.train.memory import MemoryTracker
+    from coat_models.train.report import format_table
+
+    memory = {"device": "cpu", "measured_by": None, "measured_peak": None, "tracked_peak": 10,
+              **dict.fromkeys(MemoryTracker.KINDS, 2), "other": None}  # fmt: skip
+    runs = [
+        {"mode": f"m{i}", "master_dtype": "fp32", "train_loss": 1.0, "train_loss_window": 1,
+         "val_loss": None, "tokens_per_s": 100.0, "memory": memory, "timed_steps": span}
+        for i, span in enumerate(spans)
+    ]  # fmt: skip
+    row = next(r for r in format_table(runs).splitlines() if r.startswith("tokens/s"))
+    assert row.split("  ")[0] == label
+
+
+def test_checkpoint_without_valid_totals_is_refused(tmp_path):
+    """A checkpoint whose training state has neither this code's ``totals`` nor the earlier
+    one's is refused in one line before anything is loaded, not a KeyError mid-run."""
+    from coat_models.checkpoint import CheckpointError, checkpoint_name
+
+    tr = _tiny_trainer(tmp_path, steps=2, save_every=2)
+    state_now = tr._trainer_state
+    tr._trainer_state = lambda: {**state_now(), "totals": {"timed": {}, "memory": None}}
+    tr.fit()
+    tr.close()
+    tr = _tiny_trainer(tmp_path, steps=2)
+    with pytest.raises(CheckpointError, match=r"step_0+2 is not a coat-train checkpoint \(its "
+                       r"training state has no valid 'totals'\)$"):  # fmt: skip
+        tr.load_checkpoint(tr.ckpt_dir / checkpoint_name(2))
+    assert tr.step == 0
+    tr.close()
+
+
 def test_non_finite_loss_is_reported_at_the_next_read_naming_its_step(tmp_path):
     """A NaN loss at step 5 (not a log point) stops the run when step 8 is read; the error
     names step 5, and the steps before it are in metrics.jsonl."""

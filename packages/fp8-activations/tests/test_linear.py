@@ -232,7 +232,9 @@ def test_cuda_sqnr_vs_float64_autograd(check_sqnr):
     check_sqnr(lambda x, w, b: fa.fp8_linear(x, w, b), F.linear, inputs, FLOORS)
 
 
-@pytest.mark.parametrize("op", ["linear", "rms_norm_linear", "swiglu_linear", "residual_add"])
+@pytest.mark.parametrize(
+    "op", ["linear", "rms_norm", "rms_norm_linear", "swiglu_linear", "residual_add"]
+)
 def test_nd_outputs_are_the_function_outputs(op):
     """An op on (batch, seq, features) returns its Function's own output in that shape (no
     view node after it in the autograd graph), which the caller may change in place; values
@@ -242,6 +244,7 @@ def test_nd_outputs_are_the_function_outputs(op):
     w = torch.randn(32, 64) / 8
     ops = {
         "linear": lambda t: fa.fp8_linear(t, w),
+        "rms_norm": lambda t: fa.rms_norm(t, None, 1e-6),
         "rms_norm_linear": lambda t: fa.rms_norm_linear(t, None, 1e-6, [w])[0],
         "swiglu_linear": lambda t: fa.swiglu_linear(t, t * 0.5, w),
         "residual_add": lambda t: fa.residual_add(t, t * 0.5),

@@ -221,8 +221,11 @@ def format_table(summaries: list[dict]) -> str:
     measured = all(m["measured_peak"] is not None for m in mem)
     world = summaries[0].get("world_size", 1)
     per = "" if world == 1 else f" per {'GPU' if mem[0]['device'] == 'cuda' else 'rank'}"
-    n, first, last = summaries[0].get("timed_steps") or (0, None, None)
-    if not n:
+    spans = [tuple(s.get("timed_steps") or (0, None, None)) for s in summaries]
+    n, first, last = spans[0]
+    if len(set(spans)) > 1:  # e.g. modes resumed from different steps: no one label fits
+        timed = " (timed steps differ by run: see summary.json)"
+    elif not n:
         timed = ""
     elif n == last - first + 1:
         timed = f" (steps {first}-{last})" if n > 1 else f" (step {first})"

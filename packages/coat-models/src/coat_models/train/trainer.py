@@ -224,9 +224,9 @@ def prepare(model, task, cfg: TrainConfig, device, strategy=None, activation_che
     return model, opt
 
 
-def _window(tokens: int = 0, time: float = 0.0) -> dict:
+def _window(tokens=0, time=0.0, steps=0, first=None, last=None) -> dict:
     """Tokens, seconds, number, first and last of a set of timed steps."""
-    return {"tokens": tokens, "time": time, "steps": 0, "first": None, "last": None}
+    return {"tokens": tokens, "time": time, "steps": steps, "first": first, "last": last}
 
 
 def _speed(t: dict) -> dict:
@@ -236,6 +236,18 @@ def _speed(t: dict) -> dict:
         "tokens_per_s": t["tokens"] / t["time"] if t["time"] else None,
         "timed_steps": [t["steps"], t["first"], t["last"]],
     }
+
+
+def _totals_of_old_checkpoint(old: dict, cfg: TrainConfig, step: int) -> dict:
+    """``totals`` of a checkpoint written before the memory-counting steps were timed apart
+    (``timed_tokens``, ``timed_time``): one timed window of every step after the first of
+    each process, which began at step 2 and ran to the checkpoint's ``step``. Its number of
+    steps is its tokens over ``cfg.tokens_per_step`` (exact: resuming needs the same batch
+    shape), so that ``timed_steps`` keeps counting them after the resume."""
+    n = old["timed_tokens"] // cfg.tokens_per_step
+    span = (2, step) if n else (None, None)
+    timed = _window(old["timed_tokens"], old["timed_time"], n, *span)
+    return {"timed": timed, "counting": _window(), "memory": old["memory"]}
 
 
 def loss_error(mode: str, lr: float, rec: dict, read_at: int) -> TrainError:
@@ -768,10 +780,8 @@ class Trainer:
             ) from None
         self.step = state["step"]
         self.totals = state["totals"]
-        if "timed_tokens" in self.totals:  # a checkpoint of an earlier version: one window
-            t = self.totals
-            t["timed"] = _window(t.pop("timed_tokens"), t.pop("timed_time"))
-            t["counting"] = _window()
+        if "timed_tokens" in self.totals:
+            self.totals = _totals_of_old_checkpoint(self.totals, self.cfg, self.step)
         self.train_losses = list(state["train_losses"])
 
     def _load_file(self, path: Path):
@@ -848,6 +858,14 @@ def _check_trainer_state(state, path: Path, step: int | None) -> None:
             raise checkpoint.CheckpointError(
                 f"{path} is not a coat-train checkpoint (its training state has no valid {key!r})"
             )
+    # This code's totals, or those of a checkpoint written before the memory-counting steps
+    # were timed apart (read as one window: _totals_of_old_checkpoint).
+    totals = state["totals"]
+    windows = ("timed", "counting") if "timed" in totals else ("timed_tokens", "timed_time")
+    if not all(k in totals for k in (*windows, "memory")):
+        raise checkpoint.CheckpointError(
+            f"{path} is not a coat-train checkpoint (its training state has no valid 'totals')"
+        )
     if "fingerprint" not in state["data"]:
         raise checkpoint.CheckpointError(f"{path}: its training state names no data")
     if step is not None and state["step"] != step:

@@ -1,0 +1,68 @@
+"""``benchmarks/bench_e2e.py``'s own bookkeeping on CPU (its measurements need a GPU): a
+trial's memory breakdown and the coat-train table it prints for BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bench_e2e.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trials(bench):
+    """bf16 at micro-batch 1 as ``bench_e2e.py --preset tiny --seq-len 32 --steps 2`` runs it,
+    and the same trial as the coat-compile variant runs it with ``Module.compile`` a no-op
+    (what is checked is the trial's bookkeeping, not compilation)."""
+    from coat_models.train.data import load_data
+    from coat_models.train.presets import build_model, preset_config
+
+    data = load_data(max_bytes=2**20)
+    config = preset_config("tiny", data.vocab_size, max_seq=32)
+    args = SimpleNamespace(seq_len=32, lr=1e-3, steps=2)
+    cpu = torch.device("cpu")
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.Module, "compile", lambda self, *a, **k: None)
+        for name, compiled in (("bf16", False), ("coat-compile", True)):
+            model = build_model(config, device=cpu, master_dtype=torch.float32, seed=0)
+            out[name] = bench.trial(model, data, "bf16", "fp32", False, 1, args, cpu, compiled)
+    return out
+
+
+def test_compiled_trial_reports_no_breakdown_it_did_not_count(trials):
+    """The compiled trial counts no step's tensors (saved-tensor hooks would recompile): its
+    tracked peak and parts are unknown (None, "n/a" in the tables), not the weights alone
+    with zero activations and optimizer state."""
+    counted, compiled = trials["bf16"]["memory"], trials["coat-compile"]["memory"]
+    assert counted["optimizer_state"] > 0 and counted["tracked_peak"] > counted["weights"]
+    parts = ("tracked_peak", "weights", "weight_copies", "gradients", "optimizer_state",
+             "activations", "other")  # fmt: skip
+    assert all(compiled[k] is None for k in parts), compiled
+    assert compiled["device"] == "cpu" and compiled["measured_peak"] is None
+
+
+def test_coat_train_table_names_the_timed_steps(bench, trials):
+    """Each trial times steps 3 to steps + 2 (a warm-up step and a memory-counting one come
+    first): the table says so, with the trials' tokens/s and ratios."""
+    fitting = {name: [r] for name, r in trials.items()}
+    table = bench.coat_train_table(fitting, 1, steps=2)
+    line = next(row for row in table.splitlines() if row.startswith("tokens/s"))
+    assert line.startswith("tokens/s (steps 3-4) ")
+    speeds = [trials[n]["tokens_per_s"] for n in ("bf16", "coat-compile")]
+    assert line.split()[-3:] == [f"{speeds[0]:,.0f}", f"{speeds[1]:,.0f}",
+                                 f"{speeds[1] / speeds[0]:.2f}x"]  # fmt: skip
+    tracked = next(row for row in table.splitlines() if row.startswith("peak memory"))
+    assert tracked.rstrip().endswith(" n/a")  # and no ratio against an unknown
