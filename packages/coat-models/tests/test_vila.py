@@ -462,7 +462,7 @@ def test_caption_accuracy_counts_whole_captions():
             super().__init__()
             self.wrong = wrong
 
-        def forward(self, input_ids, labels, pixel_values):
+        def forward(self, input_ids, labels, pixel_values, use_cache=True):
             logits = torch.zeros(*labels.shape, 320)
             nxt = labels[:, 1:].clamp(min=0)
             logits[:, :-1].scatter_(2, nxt[..., None], 1.0)
