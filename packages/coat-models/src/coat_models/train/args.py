@@ -3,8 +3,10 @@ on stderr with exit status 2, and option types that check a value's range as it 
 
     p = OneLineParser(prog="coat-train")
     p.add_argument("--steps", type=int_in(1))
-    p.parse_args(["--steps", "0"])  # coat-train: error: argument --steps: must be an
-                                    # integer >= 1, got '0'   (exit 2)
+    p.add_argument("--lr", type=float_in(0, exclusive=True))
+    p.parse_args(["--steps", "0"])
+    # stderr: coat-train: error: argument --steps: must be an integer >= 1, got '0'
+    # then SystemExit(2)
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def int_in(low: int, high: int | None = None, why: str = "") -> Callable[[str], int]:
     """An argparse ``type``: an integer >= ``low`` (and <= ``high``), else an error that says
-    the range; ``why`` follows the range in it (`` (this machine's CPUs)``)."""
+    the range; ``why`` follows the range in it, e.g. ``" (this machine's CPUs)"``."""
     bound = f">= {low}" if high is None else f"in [{low}, {high}]"
 
     def parse(text: str) -> int:
@@ -53,10 +55,12 @@ def int_in(low: int, high: int | None = None, why: str = "") -> Callable[[str], 
     return parse
 
 
-def float_in(low: float, high: float | None = None, *, exclusive: bool = False):
+def float_in(
+    low: float, high: float | None = None, *, exclusive: bool = False
+) -> Callable[[str], float]:
     """An argparse ``type``: a finite number >= ``low`` (and <= ``high``; > and < where
     ``exclusive``), else an error that says the range. ``float`` alone takes nan and inf,
-    which every comparison lets through."""
+    and inf passes any lower bound."""
     if high is None:
         bound = f"finite number {'>' if exclusive else '>='} {low:g}"
     else:
