@@ -39,7 +39,6 @@ smoke test of the script only.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import cProfile
 import dataclasses
@@ -57,6 +56,7 @@ from pathlib import Path
 
 import torch
 from coat_models import param_groups
+from coat_models.train.args import OneLineParser, int_in
 from coat_models.train.cli import is_oom
 from coat_models.train.data import BatchSampler, load_data
 from coat_models.train.memory import (
@@ -89,12 +89,12 @@ TARGETS = {"coat": {"memory": 1.6, "speed": 1.6}, "coat-bf16master": {"memory": 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="bench_e2e.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="llama2-7b")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument(
         "--steps",
-        type=int,
+        type=int_in(1),
         default=4,
         help="timed steps per trial (after a warm-up step and a memory-counting step, or two "
         "warm-up steps for torchao)",
@@ -123,21 +123,14 @@ def parse_args(argv=None):
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or not names:
-        usage_error(f"unknown variant {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
-    if args.steps < 1:
-        usage_error("--steps must be >= 1")
+        p.error(f"unknown variant {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
     if "torchao" in names and importlib.util.find_spec("torchao") is None:
-        usage_error(
+        p.error(
             "variant torchao needs torchao, which this project does not depend on: "
             "pip install torchao (or leave torchao out of --variants)"
         )
     args.variants = names
     return args
-
-
-def usage_error(message: str):
-    print(f"bench_e2e: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def free():
@@ -446,7 +439,7 @@ def profile_step(name: str, config, data, mb: int, seq: int, rounds: int, top: i
 
 
 def profile_main(argv) -> int:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="bench_e2e.py profile", description="Where the time of one training step goes."
     )
     p.add_argument("--preset", default="llama2-7b")
@@ -462,9 +455,7 @@ def profile_main(argv) -> int:
     known = [n for n, v in VARIANTS.items() if v[0] != "torchao"]  # coat-train's modes only
     unknown = [n for n in names if n not in known]
     if unknown or not names:
-        usage_error(
-            f"profile: unknown variant {', '.join(unknown)}: choose from {', '.join(known)}"
-        )
+        p.error(f"unknown variant {', '.join(unknown)}: choose from {', '.join(known)}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench_e2e: needs a CUDA GPU", file=sys.stderr)

@@ -20,7 +20,6 @@ change that is meant to move them; say why in the commit). Extra arguments go to
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -110,7 +109,9 @@ def _pct(rel: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from coat_models.train.args import OneLineParser
+
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="accuracy-125m-run", help="the run's directory")
     p.add_argument("--check-only", metavar="RUN_DIR", help="compare an earlier run, no training")
     p.add_argument("--update-golden", action="store_true", help="this run becomes the golden one")

@@ -33,7 +33,6 @@ On CPU (``--preset tiny --seq-len 128``, gloo) it runs the same code as a smoke 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -50,13 +49,15 @@ GIB = 2**30
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from coat_models.train.args import OneLineParser, int_in
+
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="llama2-7b")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batches", default="1,2,4,8")
     p.add_argument("--modes", default="bf16,coat")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per micro-batch")
+    p.add_argument("--steps", type=int_in(1), default=3, help="timed steps per micro-batch")
+    p.add_argument("--warmup", type=int_in(0), default=2, help="untimed steps per micro-batch")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--budget-s", type=float, default=420.0)
     return p.parse_args(argv)

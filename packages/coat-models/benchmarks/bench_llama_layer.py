@@ -37,7 +37,6 @@ reported. When host time >= GPU time the layer is host-bound: the GPU waits for 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import cProfile
 import importlib.util
@@ -327,7 +326,9 @@ def profile_host(variant: str, batch: int, rounds: int, top: int) -> str:
 
 def main(argv=None) -> int:
     """Profiles of the layer benchmarked above (diagnostics, not the numbers to report)."""
-    p = argparse.ArgumentParser(description="Profile one Llama-2-7B decoder layer (GPU).")
+    from coat_models.train.args import OneLineParser  # its subparsers are of its class too
+
+    p = OneLineParser(description="Profile one Llama-2-7B decoder layer (GPU).")
     sub = p.add_subparsers(dest="what", required=True)
     k = sub.add_parser("kernels", help="GPU kernel time per kernel name (torch.profiler)")
     k.add_argument("--variants", default="coat,bf16_eager,torchao_float8_compile")

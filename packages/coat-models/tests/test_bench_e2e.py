@@ -66,3 +66,25 @@ def test_coat_train_table_names_the_timed_steps(bench, trials):
                                  f"{speeds[1] / speeds[0]:.2f}x"]  # fmt: skip
     tracked = next(row for row in table.splitlines() if row.startswith("peak memory"))
     assert tracked.rstrip().endswith(" n/a")  # and no ratio against an unknown
+
+
+BAD_ARGS = [
+    (["--steps", "abc"], "bench_e2e.py: error: argument --steps: invalid int value: 'abc'"),
+    (["--steps", "0"], "bench_e2e.py: error: argument --steps: must be an integer >= 1, got '0'"),
+    (["--stepz", "2"], "bench_e2e.py: error: unrecognized arguments: --stepz 2 (see bench_e2e.py"),
+    (["--variants", "bf16,fp4"], "bench_e2e.py: error: unknown variant fp4: choose from bf16,"),
+    (["profile", "--variants", "torchao"], "bench_e2e.py profile: error: unknown variant torchao"),
+    (["profile", "--rounds", "x"], "bench_e2e.py profile: error: argument --rounds: invalid int"),
+]
+
+
+@pytest.mark.parametrize("argv,line", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_bad_arguments_are_one_line(bench, capsys, monkeypatch, argv, line):
+    """argparse printed its usage block before the error; now one line, exit 2, before any
+    model or data is made."""
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert err.startswith(line) and err.count("\n") == 1, err

@@ -228,7 +228,7 @@ def _ram_bytes():
 
 SMALL = ["--corpus-mib", "1"]
 BAD_INPUTS = [
-    (["--preset", "huge"], "unknown preset 'huge': choose one of tiny, 125m"),
+    (["--preset", "huge"], "argument --preset: invalid choice: 'huge' (choose from "),
     (["--compare", "bf16,fp4"], "unknown mode fp4"),
     (["--mode", "bf16", "--compare", "bf16,coat"], "use --mode or --compare, not both"),
     (["--mode", "bf16", "--master-dtype", "bf16"], "needs CoatAdamW's stochastic rounding"),
@@ -238,18 +238,24 @@ BAD_INPUTS = [
     (["--model-dir", "{tmp}"], "no config.json"),
     (["--preset", "tiny", "--model-dir", "{tmp}"], "use --preset or --model-dir, not both"),
     (["--data", "{ids_npy}", "--vocab-size", "1024"], "token id 4999 but the model's vocabulary"),
-    (["--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
-    (["--vocab-size", "-5"], "--vocab-size must be >= 1, got -5"),
-    (["--batch-size", "0"], "--batch-size must be >= 1"),
-    (["--threads", "0"], "--threads must be in [1, "),
-    (["--threads", "100000"], "--threads must be in [1, "),  # crashed torch's thread pool
-    (["--seed", "-1"], "--seed must be in [0, 2**63 - 1], got -1"),
-    (["--seed", str(2**63)], f"--seed must be in [0, 2**63 - 1], got {2**63}"),
-    (["--corpus-mib", "nan"], "--corpus-mib must be a number > 0, got nan"),
-    (["--corpus-mib", "0"], "--corpus-mib must be a number > 0"),
-    (["--lr", "inf"], "--lr must be a finite number, got inf"),
-    (["--weight-decay", "nan"], "--weight-decay must be a finite number, got nan"),
-    (["--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
+    (["--vocab-size", "0"], "argument --vocab-size: must be an integer >= 1, got '0'"),
+    (["--vocab-size", "-5"], "argument --vocab-size: must be an integer >= 1, got '-5'"),
+    (["--batch-size", "0"], "argument --batch-size: must be an integer >= 1, got '0'"),
+    (["--warmup", "-1"], "argument --warmup: must be an integer >= 0, got '-1'"),
+    (["--threads", "0"], "argument --threads: must be an integer in [1, "),
+    # crashed torch's thread pool
+    (["--threads", "100000"], "argument --threads: must be an integer in [1, "),
+    (["--seed", "-1"], f"argument --seed: must be an integer in [0, {2**63 - 1}] (numpy's"),
+    (["--seed", str(2**63)], f"int64 seeds), got '{2**63}'"),
+    (["--corpus-mib", "nan"], "argument --corpus-mib: must be a finite number > 0, got 'nan'"),
+    (["--corpus-mib", "0"], "argument --corpus-mib: must be a finite number > 0, got '0'"),
+    (["--lr", "inf"], "argument --lr: must be a finite number > 0, got 'inf'"),
+    (["--lr", "0"], "argument --lr: must be a finite number > 0, got '0'"),
+    (["--min-lr-ratio", "1.5"], "argument --min-lr-ratio: must be a number in [0, 1], got '1.5'"),
+    (["--grad-clip", "-1"], "argument --grad-clip: must be a finite number >= 0, got '-1'"),
+    (["--weight-decay", "nan"], "argument --weight-decay: must be a finite number >= 0, got 'nan'"),
+    (["--weight-decay", "-0.1"], "argument --weight-decay: must be a finite number >= 0, got"),
+    (["--val-fraction", "1"], "argument --val-fraction: must be a number in (0, 1), got '1'"),
     (["--keep-checkpoints", "0", "--save-every", "2"], "--keep-checkpoints must be >= 1 with"),
     (
         ["--seq-len", "100000", "--corpus-mib", "0.05"],
@@ -269,10 +275,11 @@ BAD_INPUTS = [
     (["--mode", "coat", "--cuda-graphs", "--activation-checkpointing"], "runs in one process"),
     (["--mode", "coat", "--cuda-graphs", "--device", "cpu"], "needs a CUDA device"),
     # a window of one token predicts nothing: was a NaN loss blamed on --lr (exit 1)
-    (["--seq-len", "1", *SMALL], "--seq-len must be >= 2 for a causal LM, got 1"),
+    (["--seq-len", "1", *SMALL], "argument --seq-len: must be an integer >= 2 (a causal LM"),
     # an empty --compare ran bf16 alone; "," named a blank mode
-    (["--compare", ""], "--compare names no mode: list some of bf16, coat"),
-    (["--compare", ","], "--compare names no mode"),
+    (["--compare", ""], "argument --compare: names no mode: list some of bf16, coat"),
+    (["--compare", ","], "argument --compare: names no mode"),
+    (["--compare", "coat, coat"], "argument --compare: lists a mode twice: coat, coat"),
     # bf16 masters requested, and every mode of the comparison silently kept fp32
     (["--compare", "bf16,coat-act", "--master-dtype", "bf16"], "has none: add one, or drop"),
     # data options that do not apply were ignored without a word
@@ -306,6 +313,49 @@ def test_bad_input_gives_one_clear_line(tmp_path, capsys, argv, message):
     assert err.startswith("coat-train: error: ") and message in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert sorted(tmp_path.rglob("*")) == before
+
+
+# argparse's own errors printed its 20-line usage block before the line that mattered.
+PARSER_ERRORS = [
+    (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
+    (["--stepz", "3"], "unrecognized arguments: --stepz 3 (see coat-train --help)"),
+    (["--out"], "argument --out: expected one argument (see coat-train --help)"),
+    # the list of choices is quoted by some Python versions, not by others
+    (["--mode", "fp8"], "argument --mode: invalid choice: 'fp8' (choose from "),
+    (["--device", "gpu"], "argument --device: invalid choice: 'gpu' (choose from "),
+]
+
+
+@pytest.mark.parametrize("argv,line", PARSER_ERRORS, ids=["bad-int", "unknown-flag",
+                         "no-value", "bad-mode", "bad-device"])  # fmt: skip
+def test_parser_errors_are_one_line(tmp_path, capsys, monkeypatch, argv, line):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.chdir(tmp_path)  # --out's default is relative: nothing may appear here
+    code, out, err = run(argv, capsys)
+    assert code == 2 and out == ""
+    assert err.startswith(f"coat-train: error: {line}") and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+    if "(choose from " in line:  # the remedy: every valid value
+        choices = {"--mode": cli.MODES, "--device": ["auto", "cpu", "cuda"]}[argv[0]]
+        assert all(c in err for c in choices), err
+
+
+def test_parser_error_is_printed_once_under_torchrun(capsys, monkeypatch):
+    """Like every other error: rank 0 prints it, the others exit 2 without a word."""
+    monkeypatch.setenv("RANK", "1")
+    assert run(["--steps", "abc"], capsys) == (2, "", "")
+    monkeypatch.setenv("RANK", "0")
+    assert run(["--steps", "abc"], capsys)[2].count("coat-train: error: ") == 1
+    monkeypatch.setenv("RANK", "x")  # not torchrun's: never silent
+    assert run(["--steps", "abc"], capsys)[2].count("coat-train: error: ") == 1
+
+
+def test_help_is_the_full_usage(capsys):
+    code, out, err = run(["--help"], capsys)
+    assert code == 0 and err == ""
+    assert out.startswith("usage: coat-train ")
+    for option in ("--preset", "--compare", "--steps", "--threads", "--report-to", "--version"):
+        assert option in out
 
 
 def test_out_is_checked_before_data_and_model(tmp_path, capsys, monkeypatch):

@@ -116,6 +116,28 @@ def test_config_rejects_bf16_master_with_torch_adamw():
     TrainConfig(mode="coat-optim", master_dtype="bf16")
 
 
+# coat-train's parser refuses these before a TrainConfig exists; from Python, TrainConfig does.
+BAD_FIELDS = [
+    ({"steps": 0}, "--steps must be >= 1"),
+    ({"seq_len": 0}, "--seq-len must be >= 1"),
+    ({"warmup": -1}, "--warmup must be >= 0"),
+    ({"seed": -1}, r"--seed must be in \[0, 2\*\*63 - 1\], got -1"),
+    ({"seed": 2**63}, r"--seed must be in \[0, 2\*\*63 - 1\]"),
+    ({"lr": float("inf")}, "--lr must be a finite number, got inf"),
+    ({"lr": 0.0}, "need --lr > 0"),
+    ({"min_lr_ratio": 1.5}, "0 <= --min-lr-ratio <= 1"),
+    ({"grad_clip": float("nan")}, "--grad-clip must be a finite number, got nan"),
+    ({"weight_decay": -0.1}, "--weight-decay must be >= 0, got -0.1"),
+    ({"save_every": 2, "keep_checkpoints": 0}, "--keep-checkpoints must be >= 1 with"),
+]
+
+
+@pytest.mark.parametrize("fields,message", BAD_FIELDS, ids=[m[:20] for _, m in BAD_FIELDS])
+def test_config_refuses_out_of_range_fields(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**fields)
+
+
 def test_config_cuda_graphs_needs_fp8_activations_without_weight_cache():
     with pytest.raises(ValueError, match="mode bf16 has none"):
         TrainConfig(mode="bf16", cuda_graphs=True)

@@ -16,7 +16,6 @@ import gc
 import importlib
 import importlib.metadata
 import json
-import math
 import os
 import re
 import shutil
@@ -34,6 +33,7 @@ import torch.distributed as dist
 from .. import checkpoint
 from ..checkpoint import CheckpointError
 from ..distributed import run_on_rank0
+from .args import OneLineParser, float_in, int_in
 from .data import STDLIB_MAX_BYTES, DataError, load_data
 from .presets import (
     MODEL_DIR_DEFAULTS,
@@ -98,8 +98,24 @@ def _versions() -> str:
     return "\n".join(lines)
 
 
+def _mode_list(text: str) -> str:
+    """``--compare``'s type: comma-separated modes, each once; the names joined by commas."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:  # `--compare ""` must not fall back to the default mode
+        raise argparse.ArgumentTypeError(f"names no mode: list some of {', '.join(MODES)}")
+    bad = [n for n in names if n not in MODES]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode {', '.join(bad)}: choose from {', '.join(MODES)}"
+        )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"lists a mode twice: {text}")
+    return ",".join(names)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    # Checks of one option at a time are its type's; those of several options, run()'s.
+    p = OneLineParser(
         prog=PROG,
         description="Train a Llama-family causal LM with BF16 and/or COAT FP8 (activations and "
         "optimizer states) on the same data, seed and schedule, and compare loss, speed and "
@@ -108,20 +124,21 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument(
         "--preset",
-        metavar="{" + ",".join(ALL_PRESETS) + "}",
+        choices=ALL_PRESETS,
         help="Llama shape built in code, random init (default: tiny); llava-tiny and vila-7b: "
         "LLaVA-style vision-language models trained on a generated shapes-caption task",
     )
     m.add_argument("--model-dir", help="Hugging Face config or checkpoint directory on disk")
     m.add_argument(
         "--vocab-size",
-        type=int,
+        type=int_in(1),
         help="override a preset's vocabulary (default: 32000, tiny: the data's)",
     )
     r = p.add_argument_group("precision")
     r.add_argument("--mode", choices=list(MODES), help="one precision mode (default: bf16)")
     r.add_argument(
         "--compare",
+        type=_mode_list,
         metavar="MODES",
         help="comma-separated modes trained one after another, e.g. bf16,coat",
     )
@@ -158,41 +175,55 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--val-fraction",
-        type=float,
+        type=float_in(0, 1, exclusive=True),
         help=f"held-out tail of a --data file (default {DATA_DEFAULTS['val_fraction']}; the "
         "built-in corpus holds out every 20th file)",
     )
     d.add_argument(
         "--corpus-mib",
-        type=float,
+        type=float_in(0, exclusive=True),
         help=f"cap on the built-in corpus size (default {DATA_DEFAULTS['corpus_mib']:g})",
     )
     t = p.add_argument_group("training (where no default is stated: the preset's)")
-    t.add_argument("--batch-size", type=int, help="sequences per micro-batch")
-    t.add_argument("--seq-len", type=int, help="tokens per sequence")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
-    t.add_argument("--steps", type=int, help="optimizer steps")
-    t.add_argument("--lr", type=float, help="peak learning rate")
+    t.add_argument("--batch-size", type=int_in(1), help="sequences per micro-batch")
+    # Labels are the inputs shifted by one: one token predicts nothing and the loss is 0/0,
+    # which would surface as a NaN with the wrong remedy (--lr).
     t.add_argument(
-        "--min-lr-ratio", type=float, default=0.1, help="cosine floor / peak lr (default 0.1)"
-    )
-    t.add_argument("--warmup", type=int, help="linear warmup steps")
-    t.add_argument(
-        "--weight-decay", type=float, default=0.1, help="AdamW's, on matrices (default 0.1)"
+        "--seq-len",
+        type=int_in(2, why=" (a causal LM predicts each token from those before it)"),
+        help="tokens per sequence",
     )
     t.add_argument(
-        "--grad-clip", type=float, default=1.0, help="max grad norm; 0: off (default 1.0)"
+        "--grad-accum", type=int_in(1), default=1, help="micro-batches per step (default 1)"
+    )
+    t.add_argument("--steps", type=int_in(1), help="optimizer steps")
+    t.add_argument("--lr", type=float_in(0, exclusive=True), help="peak learning rate")
+    t.add_argument(
+        "--min-lr-ratio",
+        type=float_in(0, 1),
+        default=0.1,
+        help="cosine floor / peak lr (default 0.1)",
+    )
+    t.add_argument("--warmup", type=int_in(0), help="linear warmup steps")
+    t.add_argument(
+        "--weight-decay", type=float_in(0), default=0.1, help="AdamW's, on matrices (default 0.1)"
     )
     t.add_argument(
-        "--seed", type=int, default=0, help="of the initial weights and the batches (default 0)"
+        "--grad-clip", type=float_in(0), default=1.0, help="max grad norm; 0: off (default 1.0)"
     )
     t.add_argument(
-        "--eval-every", type=int, help="steps between validation passes; 0: at the end only"
+        "--seed",
+        type=int_in(0, 2**63 - 1, why=" (numpy's and torch's generators take int64 seeds)"),
+        default=0,
+        help="of the initial weights and the batches (default 0)",
     )
-    t.add_argument("--eval-batches", type=int, help="validation batches per pass")
+    t.add_argument(
+        "--eval-every", type=int_in(0), help="steps between validation passes; 0: at the end only"
+    )
+    t.add_argument("--eval-batches", type=int_in(1), help="validation batches per pass")
     t.add_argument(
         "--log-every",
-        type=int,
+        type=int_in(1),
         default=10,
         help="steps between reads of loss, grad norm and speed from the GPU (the loop does not "
         "wait for the GPU in between; metrics.jsonl still has every step; default 10)",
@@ -225,10 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="output directory: new, empty, or one coat-train wrote (default %(default)s)",
     )
     o.add_argument(
-        "--save-every", type=int, default=0, help="checkpoint every N steps; 0: off (default 0)"
+        "--save-every",
+        type=int_in(0),
+        default=0,
+        help="checkpoint every N steps; 0: off (default 0)",
     )
     o.add_argument(
-        "--keep-checkpoints", type=int, default=2, help="newest N kept per mode (default 2)"
+        "--keep-checkpoints", type=int_in(0), default=2, help="newest N kept per mode (default 2)"
     )
     o.add_argument(
         "--resume",
@@ -244,9 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "cpu", "cuda"],
         help="auto: cuda where available, else cpu (default auto)",
     )
+    # Far more threads than cores only slows torch down; tens of thousands crash it.
     o.add_argument(
         "--threads",
-        type=int,
+        type=int_in(1, os.cpu_count() or 1, why=" (this machine's CPUs)"),
         help="CPU threads of torch (default: its own choice); 1 avoids OpenMP's spin-waits "
         "slowing a small model down many times on a machine busy with other work",
     )
@@ -276,16 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _modes(args) -> list[str]:
     if args.mode and args.compare:
         raise UsageError("use --mode or --compare, not both")
-    given = args.compare if args.compare is not None else args.mode or "bf16"
-    names = [s.strip() for s in given.split(",") if s.strip()]
-    if not names:  # `--compare ""` must not fall back to the default mode
-        raise UsageError(f"--compare names no mode: list some of {', '.join(MODES)}")
-    bad = [n for n in names if n not in MODES]
-    if bad:
-        raise UsageError(f"unknown mode {', '.join(bad)}: choose from {', '.join(MODES)}")
-    if len(set(names)) != len(names):
-        raise UsageError(f"--compare lists a mode twice: {args.compare}")
-    return names
+    return (args.compare or args.mode or "bf16").split(",")  # checked by _mode_list
 
 
 def _device(name: str) -> torch.device:
@@ -351,15 +377,11 @@ def _settings(args):
     """(preset defaults, model label) for --preset or --model-dir."""
     if args.preset and args.model_dir:
         raise UsageError("use --preset or --model-dir, not both")
-    if args.vocab_size is not None and args.vocab_size < 1:
-        raise UsageError(f"--vocab-size must be >= 1, got {args.vocab_size}")
     if args.model_dir:
         if args.vocab_size:
             raise UsageError("--vocab-size applies to presets; a --model-dir has its own")
         return MODEL_DIR_DEFAULTS, f"model dir {args.model_dir}"
     name = args.preset or "tiny"
-    if name not in ALL_PRESETS:
-        raise UsageError(f"unknown preset {name!r}: choose one of {', '.join(ALL_PRESETS)}")
     # A VLPreset has the training-default field names of a Preset.
     return PRESETS.get(name) or VL_PRESETS[name], f"preset {name}"
 
@@ -412,8 +434,6 @@ def _check_data_options(args) -> None:
             setattr(args, name, DATA_DEFAULTS[name])
         elif not ok:
             raise UsageError(f"--{name.replace('_', '-')} applies to {what} only: leave it out")
-    if not (math.isfinite(args.corpus_mib) and args.corpus_mib > 0):
-        raise UsageError(f"--corpus-mib must be a number > 0, got {args.corpus_mib}")
 
 
 def _check_fits(n_params, modes, masters, device, label, strategy, cfg, vocab, tune) -> None:
@@ -505,10 +525,6 @@ def _lm_job(args, cfgs, modes, device, label) -> _Job:
     """A causal LM: model config first (cheap), then data (the tokenizer may come from the
     model dir)."""
     seq_len = cfgs[0].seq_len  # the same in every mode
-    if seq_len < 2:
-        # labels are the inputs shifted by one: one token predicts nothing and the loss is
-        # 0/0, which would surface as a NaN with the wrong remedy (--lr)
-        raise UsageError(f"--seq-len must be >= 2 for a causal LM, got {seq_len}")
     weights_dir = tokenizer = None
     if args.model_dir:
         config, has_weights = model_dir_config(args.model_dir)
@@ -782,10 +798,6 @@ def run(args) -> int:
         _check_cuda_graphs(args, modes, device, strategy)
     _check_data_options(args)
     if args.threads is not None:
-        cpus = os.cpu_count() or 1
-        if not 1 <= args.threads <= cpus:
-            # Far more threads than cores only slows torch down; tens of thousands crash it.
-            raise UsageError(f"--threads must be in [1, {cpus}] (this machine's CPUs)")
         torch.set_num_threads(args.threads)
     if args.report_to == "tensorboard":
         try:
@@ -899,7 +911,10 @@ def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device,
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0), or a bad command line (2) the parser has printed
+        return e.code
     if args.version:
         print(_versions())
         return 0
