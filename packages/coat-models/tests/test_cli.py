@@ -251,11 +251,11 @@ BAD_INPUTS = [
     (["--corpus-mib", "0"], "argument --corpus-mib: must be a finite number > 0, got '0'"),
     (["--lr", "inf"], "argument --lr: must be a finite number > 0, got 'inf'"),
     (["--lr", "0"], "argument --lr: must be a finite number > 0, got '0'"),
-    (["--min-lr-ratio", "1.5"], "argument --min-lr-ratio: must be a number in [0, 1], got '1.5'"),
+    (["--min-lr-ratio", "1.5"], "--min-lr-ratio: must be a finite number in [0, 1], got '1.5'"),
     (["--grad-clip", "-1"], "argument --grad-clip: must be a finite number >= 0, got '-1'"),
     (["--weight-decay", "nan"], "argument --weight-decay: must be a finite number >= 0, got 'nan'"),
     (["--weight-decay", "-0.1"], "argument --weight-decay: must be a finite number >= 0, got"),
-    (["--val-fraction", "1"], "argument --val-fraction: must be a number in (0, 1), got '1'"),
+    (["--val-fraction", "1"], "--val-fraction: must be a finite number in (0, 1), got '1'"),
     (["--keep-checkpoints", "0", "--save-every", "2"], "--keep-checkpoints must be >= 1 with"),
     (
         ["--seq-len", "100000", "--corpus-mib", "0.05"],

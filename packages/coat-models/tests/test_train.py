@@ -116,18 +116,20 @@ def test_config_rejects_bf16_master_with_torch_adamw():
     TrainConfig(mode="coat-optim", master_dtype="bf16")
 
 
-# coat-train's parser refuses these before a TrainConfig exists; from Python, TrainConfig does.
+# coat-train's parser refuses these before a TrainConfig exists (the same ranges, RANGES);
+# from Python, TrainConfig does.
 BAD_FIELDS = [
-    ({"steps": 0}, "--steps must be >= 1"),
-    ({"seq_len": 0}, "--seq-len must be >= 1"),
-    ({"warmup": -1}, "--warmup must be >= 0"),
-    ({"seed": -1}, r"--seed must be in \[0, 2\*\*63 - 1\], got -1"),
-    ({"seed": 2**63}, r"--seed must be in \[0, 2\*\*63 - 1\]"),
-    ({"lr": float("inf")}, "--lr must be a finite number, got inf"),
-    ({"lr": 0.0}, "need --lr > 0"),
-    ({"min_lr_ratio": 1.5}, "0 <= --min-lr-ratio <= 1"),
-    ({"grad_clip": float("nan")}, "--grad-clip must be a finite number, got nan"),
-    ({"weight_decay": -0.1}, "--weight-decay must be >= 0, got -0.1"),
+    ({"steps": 0}, "--steps must be an integer >= 1, got 0"),
+    ({"steps": 2.0}, "--steps must be an integer >= 1, got 2.0"),
+    ({"seq_len": 1}, r"--seq-len must be an integer >= 2 \(a causal LM predicts"),
+    ({"warmup": -1}, "--warmup must be an integer >= 0, got -1"),
+    ({"seed": -1}, r"--seed must be an integer in \[0, 9223372036854775807\] \(numpy's"),
+    ({"seed": 2**63}, r"int64 seeds\), got 9223372036854775808"),
+    ({"lr": float("inf")}, "--lr must be a finite number > 0, got inf"),
+    ({"lr": 0.0}, "--lr must be a finite number > 0, got 0.0"),
+    ({"min_lr_ratio": 1.5}, r"--min-lr-ratio must be a finite number in \[0, 1\], got 1.5"),
+    ({"grad_clip": float("nan")}, "--grad-clip must be a finite number >= 0, got nan"),
+    ({"weight_decay": -0.1}, "--weight-decay must be a finite number >= 0, got -0.1"),
     ({"save_every": 2, "keep_checkpoints": 0}, "--keep-checkpoints must be >= 1 with"),
 ]
 

@@ -12,6 +12,7 @@ on stderr with exit status 2, and option types that check a value's range as it 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -38,44 +39,62 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2)
 
 
-def int_in(low: int, high: int | None = None, why: str = "") -> Callable[[str], int]:
-    """An argparse ``type``: an integer >= ``low`` (and <= ``high``), else an error that says
-    the range; ``why`` follows the range in it, e.g. ``" (this machine's CPUs)"``."""
-    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be an integer {bound}{why}, got {text!r}")
-        return value
-
-    return parse
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
-def float_in(
-    low: float, high: float | None = None, *, exclusive: bool = False
-) -> Callable[[str], float]:
-    """An argparse ``type``: a finite number >= ``low`` (and <= ``high``; > and < where
-    ``exclusive``), else an error that says the range. ``float`` alone takes nan and inf,
-    and inf passes any lower bound."""
-    if high is None:
-        bound = f"finite number {'>' if exclusive else '>='} {low:g}"
-    else:
-        bound = f"number in {'(' if exclusive else '['}{low:g}, {high:g}{')' if exclusive else ']'}"
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values an option (or a config field) takes: an integer or a finite number from
+    ``low`` (excluded with ``open_low``) up to ``high`` (None: no bound; excluded with
+    ``open_high``). ``why`` follows the range in the error, e.g. ``" (this machine's
+    CPUs)"``. One rule for the parser (``parse``, an argparse ``type``) and for a config's
+    ``__post_init__`` (``error``)."""
 
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-        inside = (low < value if exclusive else low <= value) and (
-            high is None or (value < high if exclusive else value <= high)
+    low: float
+    high: float | None = None
+    integer: bool = True
+    open_low: bool = False
+    open_high: bool = False
+    why: str = ""
+
+    def describe(self) -> str:
+        what = "an integer" if self.integer else "a finite number"
+        if self.high is None:
+            return f"{what} {'>' if self.open_low else '>='} {_num(self.low)}{self.why}"
+        low, high = "(" if self.open_low else "[", ")" if self.open_high else "]"
+        return f"{what} in {low}{_num(self.low)}, {_num(self.high)}{high}{self.why}"
+
+    def error(self, value) -> str | None:
+        """``"must be ..."`` when ``value`` is outside (nan and inf are outside), else None."""
+        ok = (self.low < value if self.open_low else self.low <= value) and (
+            self.high is None or (value < self.high if self.open_high else value <= self.high)
         )
-        if not (math.isfinite(value) and inside):
-            raise argparse.ArgumentTypeError(f"must be a {bound}, got {text!r}")
+        if self.integer:
+            ok = ok and isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = ok and math.isfinite(value)
+        return None if ok else f"must be {self.describe()}"
+
+    def parse(self, text: str):
+        """argparse ``type``: ``text`` as an int (or float) in the range, else an error."""
+        kind = int if self.integer else float
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        message = self.error(value)
+        if message:
+            raise argparse.ArgumentTypeError(f"{message}, got {text!r}")
         return value
 
-    return parse
+
+def int_in(low: int, high: int | None = None, why: str = "") -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``low`` (and <= ``high``)."""
+    return Range(low, high, why=why).parse
+
+
+def float_in(low: float, high: float | None = None, *, exclusive: bool = False):
+    """An argparse ``type``: a finite number >= ``low`` and <= ``high`` (> and < with
+    ``exclusive``)."""
+    return Range(low, high, integer=False, open_low=exclusive, open_high=exclusive).parse

@@ -56,6 +56,7 @@ from .trainer import (
     MASTER_DTYPES,
     MODES,
     PRESET_FIELDS,
+    RANGES,
     REPORT_TO,
     TrainConfig,
     Trainer,
@@ -111,6 +112,11 @@ def _mode_list(text: str) -> str:
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"lists a mode twice: {text}")
     return ",".join(names)
+
+
+def _field(name: str):
+    """The parser's type for TrainConfig field ``name``: its range (one rule, ``RANGES``)."""
+    return RANGES[name].parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,45 +191,58 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"cap on the built-in corpus size (default {DATA_DEFAULTS['corpus_mib']:g})",
     )
     t = p.add_argument_group("training (where no default is stated: the preset's)")
-    t.add_argument("--batch-size", type=int_in(1), help="sequences per micro-batch")
+    t.add_argument("--batch-size", type=_field("batch_size"), help="sequences per micro-batch")
     # Labels are the inputs shifted by one: one token predicts nothing and the loss is 0/0,
     # which would surface as a NaN with the wrong remedy (--lr).
     t.add_argument(
         "--seq-len",
-        type=int_in(2, why=" (a causal LM predicts each token from those before it)"),
+        type=_field("seq_len"),
         help="tokens per sequence",
     )
     t.add_argument(
-        "--grad-accum", type=int_in(1), default=1, help="micro-batches per step (default 1)"
+        "--grad-accum",
+        type=_field("grad_accum"),
+        default=1,
+        help="micro-batches per step (default 1)",
     )
-    t.add_argument("--steps", type=int_in(1), help="optimizer steps")
-    t.add_argument("--lr", type=float_in(0, exclusive=True), help="peak learning rate")
+    t.add_argument("--steps", type=_field("steps"), help="optimizer steps")
+    t.add_argument("--lr", type=_field("lr"), help="peak learning rate")
     t.add_argument(
         "--min-lr-ratio",
-        type=float_in(0, 1),
+        type=_field("min_lr_ratio"),
         default=0.1,
         help="cosine floor / peak lr (default 0.1)",
     )
-    t.add_argument("--warmup", type=int_in(0), help="linear warmup steps")
+    t.add_argument("--warmup", type=_field("warmup"), help="linear warmup steps")
     t.add_argument(
-        "--weight-decay", type=float_in(0), default=0.1, help="AdamW's, on matrices (default 0.1)"
+        "--weight-decay",
+        type=_field("weight_decay"),
+        default=0.1,
+        help="AdamW's, on matrices (default 0.1)",
     )
     t.add_argument(
-        "--grad-clip", type=float_in(0), default=1.0, help="max grad norm; 0: off (default 1.0)"
+        "--grad-clip",
+        type=_field("grad_clip"),
+        default=1.0,
+        help="max grad norm; 0: off (default 1.0)",
     )
     t.add_argument(
         "--seed",
-        type=int_in(0, 2**63 - 1, why=" (numpy's and torch's generators take int64 seeds)"),
+        type=_field("seed"),
         default=0,
         help="of the initial weights and the batches (default 0)",
     )
     t.add_argument(
-        "--eval-every", type=int_in(0), help="steps between validation passes; 0: at the end only"
+        "--eval-every",
+        type=_field("eval_every"),
+        help="steps between validation passes; 0: at the end only",
     )
-    t.add_argument("--eval-batches", type=int_in(1), help="validation batches per pass")
+    t.add_argument(
+        "--eval-batches", type=_field("eval_batches"), help="validation batches per pass"
+    )
     t.add_argument(
         "--log-every",
-        type=int_in(1),
+        type=_field("log_every"),
         default=10,
         help="steps between reads of loss, grad norm and speed from the GPU (the loop does not "
         "wait for the GPU in between; metrics.jsonl still has every step; default 10)",
@@ -257,12 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument(
         "--save-every",
-        type=int_in(0),
+        type=_field("save_every"),
         default=0,
         help="checkpoint every N steps; 0: off (default 0)",
     )
     o.add_argument(
-        "--keep-checkpoints", type=int_in(0), default=2, help="newest N kept per mode (default 2)"
+        "--keep-checkpoints",
+        type=_field("keep_checkpoints"),
+        default=2,
+        help="newest N kept per mode (default 2)",
     )
     o.add_argument(
         "--resume",

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from .. import checkpoint, distributed
 from ..graphs import enable_cuda_graphs
 from ..optim import create_optimizer, param_groups
+from .args import Range
 from .data import TokenData
 from .memory import MemoryTracker, PeakMeter, memory_report
 from .presets import PRESETS, VL_PRESETS, ModelError, first_line
@@ -58,6 +59,27 @@ PRESET_FIELDS = ("batch_size", "seq_len", "steps", "lr", "warmup", "eval_every",
 
 class TrainError(RuntimeError):
     """A run that cannot go on; the message says why and what to change."""
+
+
+# The numeric fields' ranges: TrainConfig checks them, coat-train's parser parses with them.
+_COUNT, _COUNT0 = Range(1), Range(0)
+RANGES = {
+    "batch_size": _COUNT,
+    "seq_len": Range(2, why=" (a causal LM predicts each token from those before it)"),
+    "grad_accum": _COUNT,
+    "steps": _COUNT,
+    "eval_batches": _COUNT,
+    "log_every": _COUNT,
+    "warmup": _COUNT0,
+    "eval_every": _COUNT0,
+    "save_every": _COUNT0,
+    "keep_checkpoints": _COUNT0,
+    "seed": Range(0, 2**63 - 1, why=" (numpy's and torch's generators take int64 seeds)"),
+    "lr": Range(0, integer=False, open_low=True),
+    "min_lr_ratio": Range(0, 1, integer=False),
+    "grad_clip": Range(0, integer=False),
+    "weight_decay": Range(0, integer=False),
+}
 
 
 @dataclass(frozen=True)
@@ -111,29 +133,16 @@ class TrainConfig:
                 f"coat-optim); mode {self.mode} uses torch AdamW, whose bf16 updates round "
                 f"away every change below 1/256 of a weight: use --master-dtype fp32"
             )
-        for names, low in (
-            (("batch_size", "seq_len", "grad_accum", "steps", "eval_batches", "log_every"), 1),
-            (("warmup", "eval_every", "save_every", "keep_checkpoints"), 0),
-        ):
-            for name in names:
-                if getattr(self, name) < low:
-                    raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
+        for name, allowed in RANGES.items():
+            value = getattr(self, name)
+            message = allowed.error(value)
+            if message:
+                raise ValueError(f"--{name.replace('_', '-')} {message}, got {value!r}")
         if self.save_every and self.keep_checkpoints < 1:
             raise ValueError(
                 "--keep-checkpoints must be >= 1 with --save-every (0 would delete each "
                 "checkpoint as soon as it is written)"
             )
-        if not 0 <= self.seed < 2**63:  # numpy's and torch's generators take int64 seeds
-            raise ValueError(f"--seed must be in [0, 2**63 - 1], got {self.seed}")
-        # Comparisons alone let nan through (every comparison with nan is false) and inf.
-        for name in ("lr", "min_lr_ratio", "grad_clip", "weight_decay"):
-            value = getattr(self, name)
-            if not math.isfinite(value):
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
-        if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.grad_clip >= 0):
-            raise ValueError("need --lr > 0, 0 <= --min-lr-ratio <= 1 and --grad-clip >= 0")
-        if self.weight_decay < 0:
-            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.cuda_graphs and not MODES[self.mode][0]:
