@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 from coat_models import param_groups
-from coat_models.train.args import OneLineParser, int_in
+from coat_models.train.args import OneLineParser, int_in, int_list
 from coat_models.train.cli import is_oom
 from coat_models.train.data import BatchSampler, load_data
 from coat_models.train.memory import (
@@ -110,6 +110,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"from {', '.join(VARIANTS)}")
     p.add_argument(
         "--micro-batches",
+        type=int_list(1),
         help="comma-separated micro-batches to try in order (default: 1, 2, 4, ... up to "
         "--max-micro-batch); each variant stops at its first out-of-memory one",
     )
@@ -313,7 +314,7 @@ def run_variant(name, data, config, args, device, t_start) -> list[dict]:
         model = torchao_model(model, device)
     rows = []
     if args.micro_batches:
-        sizes = [int(v) for v in args.micro_batches.split(",")]
+        sizes = args.micro_batches
     else:
         sizes = [
             2**i for i in range(args.max_micro_batch.bit_length()) if 2**i <= args.max_micro_batch

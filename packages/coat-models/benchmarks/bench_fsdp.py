@@ -49,12 +49,12 @@ GIB = 2**30
 
 
 def parse_args(argv=None):
-    from coat_models.train.args import OneLineParser, int_in
+    from coat_models.train.args import OneLineParser, int_in, int_list
 
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="llama2-7b")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--micro-batches", default="1,2,4,8")
+    p.add_argument("--micro-batches", type=int_list(1), default=[1, 2, 4, 8])
     p.add_argument("--modes", default="bf16,coat")
     p.add_argument("--steps", type=int_in(1), default=3, help="timed steps per micro-batch")
     p.add_argument("--warmup", type=int_in(0), default=2, help="untimed steps per micro-batch")
@@ -189,7 +189,7 @@ def main(argv=None) -> None:
     device = init_distributed(timeout=timedelta(minutes=3))
     rank, world = dist.get_rank(), dist.get_world_size()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    micro_batches = [int(b) for b in args.micro_batches.split(",")]
+    micro_batches = args.micro_batches
     meta = {
         "preset": args.preset, "seq_len": args.seq_len, "world_size": world,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

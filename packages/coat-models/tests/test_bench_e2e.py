@@ -75,6 +75,8 @@ BAD_ARGS = [
     (["--variants", "bf16,fp4"], "bench_e2e.py: error: unknown variant fp4: choose from bf16,"),
     (["profile", "--variants", "torchao"], "bench_e2e.py profile: error: unknown variant torchao"),
     (["profile", "--rounds", "x"], "bench_e2e.py profile: error: argument --rounds: invalid int"),
+    (["--micro-batches", "1,x"], "bench_e2e.py: error: argument --micro-batches: must be comma"),
+    (["--micro-batches", "0"], "bench_e2e.py: error: argument --micro-batches: must be comma"),
 ]
 
 

@@ -98,3 +98,21 @@ def float_in(low: float, high: float | None = None, *, exclusive: bool = False):
     """An argparse ``type``: a finite number >= ``low`` and <= ``high`` (> and < with
     ``exclusive``)."""
     return Range(low, high, integer=False, open_low=exclusive, open_high=exclusive).parse
+
+
+def int_list(low: int = 1) -> Callable[[str], list[int]]:
+    """An argparse ``type``: comma-separated integers, each >= ``low`` (e.g. ``1,2,4``)."""
+    each = Range(low)
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            values = []
+        if not values or any(each.error(v) for v in values):
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated integers >= {low}, e.g. 1,2,4, got {text!r}"
+            )
+        return values
+
+    return parse
