@@ -268,8 +268,11 @@ def adamw_step_(
     seed: int,
     param_index: int,
     sr_offset: int = 0,
+    grad_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One CoatAdamW step of one parameter, in place. Returns the number of skipped groups.
+    ``grad_scale`` (0-dim fp32, or None): ``grad * grad_scale`` (in the gradient's dtype, as
+    ``grad.mul_(grad_scale)`` would give it) is the gradient used; ``grad`` is not written.
 
     Per element, in fp32 (``t`` = step after increment)::
 
@@ -287,6 +290,8 @@ def adamw_step_(
     step_size, inv_sqrt_bc2, decay, key = adamw_hyper(
         state["step"], lr, beta1, beta2, weight_decay, seed, param_index
     )
+    if grad_scale is not None:
+        grad = grad * grad_scale
     g = to_groups(grad, G)
     if maximize:
         g = -g

@@ -139,6 +139,18 @@ def _div(a, b, PTX: tl.constexpr):
 
 
 @triton.jit
+def _mul_rn(a, b, PTX: tl.constexpr):
+    # a * b rounded to fp32 on its own: mul.rn is never contracted into an FMA with what
+    # follows, so the product has the bits of a separate multiply (torch's grad.mul_).
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a * b
+
+
+@triton.jit
 def _copysign(mag, sign):
     # |mag| >= 0 with sign's sign bit (also of a zero): one LOP3, not a compare and a select.
     bits = mag.to(tl.uint32, bitcast=True) | (sign.to(tl.uint32, bitcast=True) & 0x80000000)
@@ -357,6 +369,7 @@ def _adamw_kernel(
     table_ptr,
     hyper_ptr,
     bad_ptr,
+    scale_ptr,
     p_base,
     g_base,
     m_base,
@@ -385,6 +398,7 @@ def _adamw_kernel(
     HP: tl.constexpr,
     SR: tl.constexpr,
     MAXIMIZE: tl.constexpr,
+    GRAD_SCALE: tl.constexpr,
     EVEN: tl.constexpr,
     PTX: tl.constexpr,
     HW_CAST: tl.constexpr,
@@ -438,6 +452,16 @@ def _adamw_kernel(
     p_ptrs = p_base + p_off + local
     p = tl.load(p_ptrs, mask=emask, other=0.0).to(tl.float32)
     g = tl.load(g_base + g_off + local, mask=emask, other=0.0).to(tl.float32)
+    if GRAD_SCALE:
+        # ``grad.mul_(scale)`` (gradient clipping) without writing the gradient: the fp32
+        # product rounded to the gradient's dtype (nearest even), as torch's would be.
+        g = _mul_rn(g, tl.load(scale_ptr) + tl.zeros_like(g), PTX)
+        if g_base.dtype.element_ty == tl.bfloat16:
+            bits = g.to(tl.uint32, bitcast=True)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            g = bits.to(tl.float32, bitcast=True)
+        elif g_base.dtype.element_ty == tl.float16:
+            g = g.to(tl.float16).to(tl.float32)
     if MAXIMIZE:
         g = -g
     m_ptrs = m_base + m_off + local8
@@ -663,8 +687,11 @@ def fused_adamw_step_(
     group_size: int,
     high_precision: bool,
     stochastic_rounding: bool,
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
-    """One step of every tensor of ``plan`` (same semantics as ``reference.adamw_step_``)."""
+    """One step of every tensor of ``plan`` (same semantics as ``reference.adamw_step_``);
+    ``grad_scale``: a 0-dim fp32 tensor on the device that multiplies every gradient first
+    (gradient clipping), or None."""
     s0 = states[0]
     lr_tensor = isinstance(lr, torch.Tensor)
     lr_hi, lr_lo = (0.0, 0.0) if lr_tensor else ref.split_f64(lr)
@@ -702,6 +729,7 @@ def fused_adamw_step_(
             plan.table,
             plan.hyper,
             bad_count,
+            plan.hyper if grad_scale is None else grad_scale,
             params[0],
             grads[0],
             *moments,
@@ -726,6 +754,7 @@ def fused_adamw_step_(
             HP=high_precision,
             SR=stochastic_rounding,
             MAXIMIZE=maximize,
+            GRAD_SCALE=grad_scale is not None,
             EVEN=even,
             PTX=not INTERPRET,
             HW_CAST=hw_cast_supported(params[0].device),
