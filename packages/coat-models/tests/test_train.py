@@ -692,3 +692,33 @@ def test_gpu_steps_between_reads_never_sync(mode):
     tr.close()
     assert [r["step"] for r in recs] == [3, 4, 5, 6]
     assert all(math.isfinite(r["loss"]) and r["window"] == [3, 6] for r in recs)
+
+
+@pytest.mark.parametrize("mode", ["coat-optim", "coat"])
+def test_clipping_inside_coat_adamw_is_clip_grad_norm(tmp_path, mode):
+    """With CoatAdamW the trainer hands the clipping factor to the optimizer
+    (``step(grad_scale=)``) instead of scaling every gradient first: the same weights bit
+    for bit, and the same logged norms, as ``clip_grad_norm_`` then ``step()``, with a clip
+    that scales every step."""
+    runs = []
+    for fused in (True, False):
+        tr = _tiny_trainer(tmp_path / str(fused), mode, steps=4, grad_clip=0.05)
+        assert type(tr.optimizer).__name__ == "CoatAdamW"
+        if not fused:
+
+            def clip_then_step(tr=tr):
+                norm = torch.nn.utils.clip_grad_norm_(tr.model.parameters(), tr.cfg.grad_clip)
+                return norm.detach(), None
+
+            tr._clip_gradients = clip_then_step
+        for _ in range(4):
+            tr.queue_step()
+        recs = tr.read_steps()
+        runs.append(
+            ([r["grad_norm"] for r in recs], [p.detach().clone() for p in tr.model.parameters()])
+        )
+        tr.close()
+    (norms_a, params_a), (norms_b, params_b) = runs
+    assert norms_a == norms_b and all(n > 0.05 for n in norms_a)  # every step clipped
+    for a, b in zip(params_a, params_b, strict=True):
+        assert torch.equal(a, b)

@@ -412,3 +412,68 @@ def test_launch_shape_validation():
         AdamWLaunch(block_g=6)
     with pytest.raises(ValueError, match="group_threads must be <= 32"):
         AdamWLaunch(group_threads=64)
+
+
+GRAD_SCALE_CASES = {
+    "fp32": dict(),
+    "bf16-params-sr": dict(dtype=torch.bfloat16),
+    "fp32-params-bf16-grads": dict(grad_dtype=torch.bfloat16),
+    "bf16-params-fp16-grads": dict(dtype=torch.bfloat16, grad_dtype=torch.float16),
+    "maximize": dict(opt=dict(maximize=True)),
+}
+
+
+@pytest.mark.parametrize(
+    "backend", ["reference", "triton", pytest.param("cuda", marks=pytest.mark.gpu)]
+)
+@pytest.mark.parametrize("name", list(GRAD_SCALE_CASES))
+def test_grad_scale_is_clipping_in_the_kernel(backend, name, h, make_pair, request):
+    """step(grad_scale=c) gives the bits of p.grad.mul_(c.to(p.grad.dtype)) then step()
+    (gradient clipping's scaling as torch's CUDA kernel does it: on the GPU, the test also
+    checks torch's own grad.mul_(c) gives those bits), leaves the gradients as they were,
+    and takes a 0-dim tensor or a number. "cuda": the compiled kernel (its product must not
+    be fused into the update's arithmetic)."""
+    if backend == "triton":
+        request.getfixturevalue("needs_triton")
+    device = "cuda" if backend == "cuda" else "cpu"
+    o = GRAD_SCALE_CASES[name]
+    (pa, oa), (pb, ob) = make_pair(
+        "triton" if backend == "cuda" else backend, "triton" if backend == "cuda" else backend,
+        shapes=SMALL, dtype=o.get("dtype", torch.float32), opt_kwargs=o.get("opt"),
+        device=device,
+    )  # fmt: skip
+    for step, scale in enumerate((0.3125, 0.37, 1.0)):
+        if step != 1:  # a 0-dim tensor on the device (what clipping computes), or a number
+            scale = torch.tensor(scale, device=device)
+        grads = h.heavy_grads(pa, step, 0, o.get("grad_dtype"))
+        for p_a, p_b, g in zip(pa, pb, grads, strict=True):
+            if g.dtype != p_a.dtype:
+                if not hasattr(p_a, "grad_dtype"):
+                    pytest.skip("this torch cannot give a parameter a gradient of another dtype")
+                p_a.grad_dtype = p_b.grad_dtype = g.dtype
+            p_a.grad, p_b.grad = g.clone(), g.clone()
+        coef = torch.tensor(float(scale), device=device)
+        expect = [p.grad.mul(coef.to(p.grad.dtype)) for p in pa]
+        if device == "cuda":  # what clip_grad_norm_ does there gives the same bits
+            torch._foreach_mul_([p.grad for p in pa], coef)
+            for p, e in zip(pa, expect, strict=True):
+                h.assert_same_bits(p.grad, e, "torch's grad.mul_")
+        for p, e in zip(pa, expect, strict=True):
+            p.grad = e
+        oa.step()
+        ob.step(grad_scale=scale)
+        for p_b, g in zip(pb, grads, strict=True):
+            assert torch.equal(p_b.grad, g)  # not written
+        h.assert_same_state(oa, pa, ob, pb)
+
+
+def test_grad_scale_rejects_bad_values(h):
+    p = h.make_params(((4, 16),))[0]
+    opt = CoatAdamW([p])
+    p.grad = torch.ones_like(p)
+    for bad in ("0.5", torch.ones(2), torch.tensor(1), True):
+        with pytest.raises(TypeError, match="grad_scale must be a 0-dim floating tensor"):
+            opt.step(grad_scale=bad)
+    with pytest.raises(ValueError, match="grad_scale is on meta, parameters on cpu"):
+        opt.step(grad_scale=torch.tensor(0.5, device="meta"))
+    assert not opt.state[p] or int(opt.state[p]["step"]) == 0  # nothing was stepped

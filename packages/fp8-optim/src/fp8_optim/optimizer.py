@@ -169,8 +169,18 @@ class CoatAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, closure=None):
-        """One AdamW step of every parameter with a gradient. Returns ``closure()``'s loss."""
+    def step(self, closure=None, *, grad_scale: torch.Tensor | float | None = None):
+        """One AdamW step of every parameter with a gradient. Returns ``closure()``'s loss.
+
+        ``grad_scale``: a factor applied to every gradient inside the update kernel, the
+        bits torch's CUDA ``p.grad.mul_(grad_scale)`` would give (a bf16/fp16 gradient is
+        multiplied by the factor cast to its dtype), without writing the gradients (they
+        keep their values): gradient clipping without a pass over them, e.g.
+        ``coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)`` from
+        ``torch.nn.utils.get_total_norm``. A 0-dim tensor on the parameters' device (no
+        host read) or a number.
+        """
+        scales = _GradScales(grad_scale)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -189,39 +199,56 @@ class CoatAdamW(torch.optim.Optimizer):
             else:
                 _check_hyper(group)
         resolved: dict[bool, str] = {}  # is_cuda -> backend, for this step
-        for gi, group in enumerate(self.param_groups):
-            buckets: dict[tuple, list[torch.Tensor]] = {}
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                t = p
-                if sharded and p in self._shards:  # DTensor: the local shard (or the whole)
-                    _check_grad(p, g)
-                    t = self._shards[p].prepare()
-                    prepared.append(self._shards[p])
-                    g = t.grad
-                elif (
-                    g.dtype not in _GRAD_DTYPES
-                    or g.layout != torch.strided
-                    or g.shape != p.shape
-                    or g.get_device() != p.get_device()
-                ):
-                    _check_grad(p, g)
-                state = self.state[p]
-                if not state:
-                    _check_param(p)  # once per parameter: it may have moved (to meta)
-                    self._init_state(t, state)
-                key = (self._backend(t, resolved), t.get_device(), t.dtype, g.dtype)
-                buckets.setdefault(key, []).append(p)
-            for key, ps in buckets.items():
-                if key[0] == "reference":
-                    self._step_reference(group, ps)
-                else:
-                    self._step_triton(gi, group, key, ps)
+        # Every bucket is found and checked (gradients, grad_scale's device) before any is
+        # updated: a bad one must not leave a half-made step.
+        runs = []
+        try:
+            for gi, group in enumerate(self.param_groups):
+                runs += self._buckets(gi, group, sharded, prepared, resolved, scales)
+        except BaseException:
+            for shard in prepared:  # nothing updated: the parameters are written back as were
+                shard.finish()
+            raise
+        for gi, group, key, ps, scale in runs:
+            if key[0] == "reference":
+                self._step_reference(group, ps, scale)
+            else:
+                self._step_triton(gi, group, key, ps, scale)
         for shard in prepared:
             shard.finish()
         return loss
+
+    def _buckets(self, gi, group, sharded, prepared, resolved, scales) -> list[tuple]:
+        """``(gi, group, key, params, grad_scale)`` per bucket of group ``gi``: its parameters
+        with a gradient, checked, their states made, grouped by (backend, device, dtypes)."""
+        buckets: dict[tuple, list[torch.Tensor]] = {}
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            t = p
+            if sharded and p in self._shards:  # DTensor: the local shard (or the whole)
+                _check_grad(p, g)
+                t = self._shards[p].prepare()
+                prepared.append(self._shards[p])
+                g = t.grad
+            elif (
+                g.dtype not in _GRAD_DTYPES
+                or g.layout != torch.strided
+                or g.shape != p.shape
+                or g.get_device() != p.get_device()
+            ):
+                _check_grad(p, g)
+            state = self.state[p]
+            if not state:
+                _check_param(p)  # once per parameter: it may have moved (to meta)
+                self._init_state(t, state)
+            key = (self._backend(t, resolved), t.get_device(), t.dtype, g.dtype)
+            buckets.setdefault(key, []).append(p)
+        return [
+            (gi, group, key, ps, scales.on(self._tensor(ps[0]).device))
+            for key, ps in buckets.items()
+        ]
 
     def _tensor(self, p: torch.Tensor) -> torch.Tensor:
         """The plain tensor updated for ``p``: ``p`` itself, or a DTensor's local shard."""
@@ -275,7 +302,7 @@ class CoatAdamW(torch.optim.Optimizer):
             self._bad[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return self._bad[device]
 
-    def _step_reference(self, group: dict, params: list[torch.Tensor]) -> None:
+    def _step_reference(self, group: dict, params: list[torch.Tensor], grad_scale=None) -> None:
         tensors = [self._tensor(p) for p in params]
         bad = self._bad_counter(tensors[0].device)
         for p, t in zip(params, tensors, strict=True):
@@ -287,10 +314,13 @@ class CoatAdamW(torch.optim.Optimizer):
                 seed=self.config.seed,
                 param_index=self._param_index[p],
                 sr_offset=self._sr_offset.get(p, 0),
+                grad_scale=grad_scale,
             )
             bad.add_(n_bad)
 
-    def _step_triton(self, gi: int, group: dict, key: tuple, params: list[torch.Tensor]) -> None:
+    def _step_triton(
+        self, gi: int, group: dict, key: tuple, params: list[torch.Tensor], grad_scale=None
+    ) -> None:
         from . import ops  # Triton is needed only here
 
         tensors = [self._tensor(p) for p in params] if self._shards else params
@@ -326,7 +356,7 @@ class CoatAdamW(torch.optim.Optimizer):
                 ops.set_grads(plan, grads)
                 self._plans[(gi, key)] = (ptrs, grad_ptrs, plan)
         bad = self._bad_counter(device)
-        ops.fused_adamw_step_(plan, work, grads, states, bad, **opts)
+        ops.fused_adamw_step_(plan, work, grads, states, bad, **opts, grad_scale=grad_scale)
         for w, t in zip(work, tensors, strict=True):
             if w is not t:
                 t.copy_(w)
@@ -738,3 +768,38 @@ def _infer_group_size(numel: int, ngroups: int, preferred: int) -> int:
         if reference.num_groups(numel, 1 << e) == ngroups:
             return 1 << e
     raise ValueError(f"{ngroups} groups do not fit a parameter of {numel} elements")
+
+
+class _GradScales:
+    """``step``'s ``grad_scale`` as a 0-dim fp32 tensor per device (None: no scaling),
+    checked once per step."""
+
+    def __init__(self, scale):
+        if scale is not None and not (
+            (isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.is_floating_point())
+            or (isinstance(scale, int | float) and not isinstance(scale, bool))
+        ):
+            raise TypeError(
+                "grad_scale must be a 0-dim floating tensor or a number (the factor for every "
+                f"gradient), got {scale!r}"
+            )
+        self._scale = scale
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor | None:
+        s = self._scale
+        if s is None:
+            return None
+        t = self._on.get(device)
+        if t is None:
+            if isinstance(s, torch.Tensor):
+                if s.device != device:
+                    raise ValueError(
+                        f"grad_scale is on {s.device}, parameters on {device}: pass it on the "
+                        "parameters' device (a number works anywhere)"
+                    )
+                t = s if s.dtype == torch.float32 else s.float()
+            else:
+                t = torch.tensor(float(s), dtype=torch.float32, device=device)
+            self._on[device] = t
+        return t

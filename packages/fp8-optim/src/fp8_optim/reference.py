@@ -268,8 +268,13 @@ def adamw_step_(
     seed: int,
     param_index: int,
     sr_offset: int = 0,
+    grad_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One CoatAdamW step of one parameter, in place. Returns the number of skipped groups.
+    ``grad_scale`` (0-dim fp32, or None): ``grad * grad_scale.to(grad.dtype)`` is the
+    gradient used (what torch's CUDA ``grad.mul_(grad_scale)`` gives, which casts the scale
+    to a bf16/fp16 gradient's dtype; CPU torch multiplies by the fp32 scale); ``grad`` is
+    not written.
 
     Per element, in fp32 (``t`` = step after increment)::
 
@@ -287,6 +292,8 @@ def adamw_step_(
     step_size, inv_sqrt_bc2, decay, key = adamw_hyper(
         state["step"], lr, beta1, beta2, weight_decay, seed, param_index
     )
+    if grad_scale is not None:
+        grad = grad * grad_scale.to(grad.dtype)
     g = to_groups(grad, G)
     if maximize:
         g = -g

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from fp8_optim import CoatAdamW
 
 from .. import checkpoint, distributed
 from ..graphs import enable_cuda_graphs
@@ -419,9 +420,12 @@ class Trainer:
             loss = self._accumulate_gradients(step)
         if track_memory:
             tracker.count_grads()
-        grad_norm = self._clip_gradients()
+        grad_norm, grad_scale = self._clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        if grad_scale is None:
+            self.optimizer.step()
+        else:
+            self.optimizer.step(grad_scale=grad_scale)
         if track_memory:
             tracker.after_optimizer_step(self.optimizer)
         self.scheduler.step()
@@ -452,14 +456,25 @@ class Trainer:
             loss_sum += loss.detach().float()
         return loss_sum / accum
 
-    def _clip_gradients(self) -> torch.Tensor:
-        if self.cfg.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+    def _clip_gradients(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The gradients' total norm, and the clipping factor for the optimizer to apply
+        (or None when the gradients are clipped here, or not at all). CoatAdamW scales them
+        inside its update (``step(grad_scale=)``): the bits of ``clip_grad_norm_``'s
+        in-place multiply without its pass over every gradient (reading and writing 8 bytes
+        per parameter; about 15 ms of GPU time a step for a 7B model). Not under FSDP2,
+        whose gradients and norm are DTensors."""
+        clip = self.cfg.grad_clip
+        fused = clip > 0 and isinstance(self.optimizer, CoatAdamW) and self.strategy != "fsdp"
+        if clip > 0 and not fused:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         else:  # the norm alone: clipping at inf would still rescale every gradient by 1
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads)
         full_tensor = getattr(norm, "full_tensor", None)  # FSDP2: a DTensor
-        return (full_tensor() if full_tensor is not None else norm).detach()
+        norm = (full_tensor() if full_tensor is not None else norm).detach()
+        # clip_grad_norm_'s factor, computed as it does.
+        scale = torch.clamp(clip / (norm + 1e-6), max=1.0) if fused else None
+        return norm, scale
 
     def read_steps(self) -> list[dict]:
         """Wait for the queued steps, in one device-to-host copy; their ``train`` records:

@@ -139,6 +139,27 @@ def _div(a, b, PTX: tl.constexpr):
 
 
 @triton.jit
+def _mul_rn(a, b, PTX: tl.constexpr):
+    # a * b rounded to fp32 on its own: mul.rn is never contracted into an FMA with what
+    # follows, so the product has the bits of a separate multiply (torch's grad.mul_).
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a * b
+
+
+@triton.jit
+def _round_bf16(x):
+    # fp32 -> the nearest bf16 (ties to even), kept in fp32; finite inputs (gradients that
+    # are not finite are counted and skipped by the caller's check).
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _copysign(mag, sign):
     # |mag| >= 0 with sign's sign bit (also of a zero): one LOP3, not a compare and a select.
     bits = mag.to(tl.uint32, bitcast=True) | (sign.to(tl.uint32, bitcast=True) & 0x80000000)
@@ -357,6 +378,7 @@ def _adamw_kernel(
     table_ptr,
     hyper_ptr,
     bad_ptr,
+    scale_ptr,
     p_base,
     g_base,
     m_base,
@@ -385,6 +407,7 @@ def _adamw_kernel(
     HP: tl.constexpr,
     SR: tl.constexpr,
     MAXIMIZE: tl.constexpr,
+    GRAD_SCALE: tl.constexpr,
     EVEN: tl.constexpr,
     PTX: tl.constexpr,
     HW_CAST: tl.constexpr,
@@ -438,6 +461,19 @@ def _adamw_kernel(
     p_ptrs = p_base + p_off + local
     p = tl.load(p_ptrs, mask=emask, other=0.0).to(tl.float32)
     g = tl.load(g_base + g_off + local, mask=emask, other=0.0).to(tl.float32)
+    if GRAD_SCALE:
+        # ``grad.mul_(scale)`` (gradient clipping) without writing the gradient, as torch's
+        # CUDA kernel computes it: the scale cast to the gradient's dtype, the fp32 product
+        # (exact for two bf16 or two fp16 factors), rounded to the gradient's dtype.
+        s = tl.load(scale_ptr) + tl.zeros_like(g)
+        if g_base.dtype.element_ty == tl.bfloat16:
+            s = _round_bf16(s)
+            g = _round_bf16(_mul_rn(g, s, PTX))
+        elif g_base.dtype.element_ty == tl.float16:
+            s = s.to(tl.float16).to(tl.float32)
+            g = _mul_rn(g, s, PTX).to(tl.float16).to(tl.float32)
+        else:
+            g = _mul_rn(g, s, PTX)
     if MAXIMIZE:
         g = -g
     m_ptrs = m_base + m_off + local8
@@ -663,8 +699,12 @@ def fused_adamw_step_(
     group_size: int,
     high_precision: bool,
     stochastic_rounding: bool,
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
-    """One step of every tensor of ``plan`` (same semantics as ``reference.adamw_step_``)."""
+    """One step of every tensor of ``plan`` (same semantics as ``reference.adamw_step_``);
+    ``grad_scale``: a 0-dim fp32 tensor on the device that multiplies every gradient first
+    (gradient clipping; cast to a bf16/fp16 gradient's dtype first, as torch's CUDA
+    ``grad.mul_`` does), or None."""
     s0 = states[0]
     lr_tensor = isinstance(lr, torch.Tensor)
     lr_hi, lr_lo = (0.0, 0.0) if lr_tensor else ref.split_f64(lr)
@@ -702,6 +742,7 @@ def fused_adamw_step_(
             plan.table,
             plan.hyper,
             bad_count,
+            plan.hyper if grad_scale is None else grad_scale,
             params[0],
             grads[0],
             *moments,
@@ -726,6 +767,7 @@ def fused_adamw_step_(
             HP=high_precision,
             SR=stochastic_rounding,
             MAXIMIZE=maximize,
+            GRAD_SCALE=grad_scale is not None,
             EVEN=even,
             PTX=not INTERPRET,
             HW_CAST=hw_cast_supported(params[0].device),
