@@ -337,6 +337,50 @@ def test_autocast_with_fp32_master_weights():
         assert sqnr(want, got_grads[name]) >= GRAD_FLOOR_DB, name
 
 
+def test_autocast_layers_hand_over_in_the_compute_dtype(monkeypatch):
+    """Under autocast with fp32 master weights a layer returns its output in fp32 but the
+    next layer takes the bf16 output it was made from (its FP8 hand-over kept), and RoPE's
+    cos and sin are converted once for all layers: the bits of converting every time."""
+    from coat_models import llama
+
+    ref = tiny_llama(num_hidden_layers=3).train()
+    ids = tokens()
+    model = apply_coat(copy.deepcopy(ref)).train()
+    inputs = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(
+            lambda m, a, k: inputs.append(a[0] if a else k["hidden_states"]), with_kwargs=True
+        )
+    taken = []
+    real_in_dtype = llama._in_dtype
+
+    def spy(t, dtype):
+        out = real_in_dtype(t, dtype)
+        taken.append(out)
+        return out
+
+    monkeypatch.setattr(llama, "_in_dtype", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_logits, got_grads = logits_and_grads(model, ids)
+    # per layer: hidden, cos, sin; layers 1 and 2 take layer 0's cos and sin and the bf16
+    # output behind their fp32 input, which carries the producer's FP8 form
+    hidden, cos, sin = taken[0::3], taken[1::3], taken[2::3]
+    assert all(c is cos[0] for c in cos) and all(s is sin[0] for s in sin)
+    for i in (1, 2):
+        assert inputs[i].dtype == torch.float32 and hidden[i].dtype == torch.bfloat16
+        assert getattr(inputs[i], llama._CONVERTED)[2] is hidden[i]
+        assert handed_over(hidden[i]) is not None
+    # the same bits as a fresh .to() each time
+    monkeypatch.setattr(llama, "_in_dtype", lambda t, dtype: t.to(dtype))
+    monkeypatch.setattr(llama, "_to_dtype", lambda t, dtype: t.to(dtype))
+    plain = apply_coat(copy.deepcopy(ref)).train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_logits, want_grads = logits_and_grads(plain, ids)
+    assert torch.equal(want_logits, got_logits)
+    for name, want in want_grads.items():
+        assert torch.equal(want, got_grads[name]), name
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
 def test_padding_mask(impl, autocast):

@@ -1,6 +1,7 @@
 """coat_models.train.trainer and .memory: LR schedule, memory accounting (against the OS and
 the CUDA allocator), mode setup."""
 
+import inspect
 import io
 import json
 import math
@@ -722,3 +723,55 @@ def test_clipping_inside_coat_adamw_is_clip_grad_norm(tmp_path, mode):
     assert norms_a == norms_b and all(n > 0.05 for n in norms_a)  # every step clipped
     for a, b in zip(params_a, params_b, strict=True):
         assert torch.equal(a, b)
+
+
+def test_training_forward_passes_a_cache_that_keeps_nothing(tmp_path):
+    """The training forward gets ``NoKVCache``: the loss of ``use_cache=False`` and of the
+    default (filled) cache, bit for bit, with nothing kept and no host read of
+    position_ids (transformers' packed-sequence check runs only without a cache)."""
+    from coat_models.train.trainer import NoKVCache
+
+    tr = _tiny_trainer(tmp_path, "coat")
+    batch = tr.task.batch(1, 0)
+    losses, caches = [], []
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for kw in ({tr._cache_kwarg: NoKVCache()}, {"use_cache": False}, {}):
+            out = tr.model(**batch, **kw)
+            losses.append(out.loss)
+            caches.append(out.past_key_values)
+    assert torch.equal(losses[0], losses[1]) and torch.equal(losses[0], losses[2])
+    assert isinstance(caches[0], NoKVCache) and caches[0].get_seq_length() == 0
+    assert caches[2].get_seq_length() == batch["input_ids"].shape[1]  # the default fills one
+    seen = []
+    real_forward = tr.model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get(tr._cache_kwarg))
+        return real_forward(*args, **kwargs)
+
+    tr.model.forward = spy
+    tr.run_step(track_memory=False)
+    tr.close()
+    assert seen and all(isinstance(c, NoKVCache) and c.get_seq_length() == 0 for c in seen)
+    assert tr._cache_kwarg in inspect.signature(type(tr.model).forward).parameters
+
+
+def test_fit_freezes_the_heap_while_training(tmp_path, monkeypatch):
+    """fit() freezes the objects alive before it (no full collection walks them during the
+    steps) and unfreezes them after, so that later collections can free them."""
+    import gc
+
+    tr = _tiny_trainer(tmp_path, "bf16", steps=4)
+    frozen = []
+    real = tr.queue_step
+
+    def spy(*args, **kwargs):
+        frozen.append(gc.get_freeze_count())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tr, "queue_step", spy)
+    assert gc.get_freeze_count() == 0
+    tr.fit()
+    tr.close()
+    assert len(frozen) == 4 and min(frozen) > 1000
+    assert gc.get_freeze_count() == 0

@@ -297,12 +297,12 @@ class _CoatDecoderLayer(_CoatMixin):
             # residual stream included (COAT keeps it in BF16), rather than in fp32 with bf16
             # GEMM outputs; the output goes back to the stream's dtype.
             compute = torch.get_autocast_dtype(device)
-            hidden_states = hidden_states.to(compute)
-            cos_sin = tuple(t.to(compute) for t in cos_sin)
+            hidden_states = _in_dtype(hidden_states, compute)
+            cos_sin = tuple(_in_dtype(t, compute) for t in cos_sin)
         mask = kwargs.pop("attention_mask", None)
         out = graphs.run_graphed(self, hidden_states, cos_sin, mask, cache, kwargs, checkpointing)
         if out is not None:  # enable_cuda_graphs: the recorded layer
-            return out.to(dtype)
+            return _to_dtype(out, dtype)
         with torch.autocast(device, enabled=False):
             out = blocks.decoder_layer(
                 blocks.FP8_OPS,
@@ -315,10 +315,41 @@ class _CoatDecoderLayer(_CoatMixin):
                 attn_kwargs=kwargs,
                 hand_over_output=not checkpointing,
             )
-        return out.to(dtype)
+        return _to_dtype(out, dtype)
 
     def extra_repr(self) -> str:
         return f"coat={self.coat_config}"
+
+
+# Under autocast with fp32 master weights each COAT layer runs in the autocast dtype and
+# hands the model its output in the stream's dtype (fp32). The next layer would convert it
+# back, and RoPE's cos and sin (one pair for all layers) would be converted in every layer.
+# Instead a converted tensor is remembered on its source, ``(dtype, source version, copy)``,
+# and a layer's fp32 output remembers the output it was made from: the next layer takes that
+# one (the same values; its FP8 hand-over for the norm kept) instead of a new copy.
+_CONVERTED = "_coat_converted"
+
+
+def _to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, remembering ``t`` on the result when that is a new tensor."""
+    if t.dtype == dtype:
+        return t
+    out = t.to(dtype)
+    setattr(out, _CONVERTED, (t.dtype, out._version, t, t._version))
+    return out
+
+
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``: a copy remembered on ``t`` (or what ``t`` was made from), reused while
+    neither has changed since."""
+    if t.dtype == dtype:
+        return t
+    hit = getattr(t, _CONVERTED, None)
+    if hit is not None and hit[0] == dtype and hit[1] == t._version and hit[2]._version == hit[3]:
+        return hit[2]
+    out = t.to(dtype)
+    setattr(t, _CONVERTED, (dtype, t._version, out, out._version))
+    return out
 
 
 @torch.compiler.disable

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import inspect
 import math
 import os
 import pickle
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from fp8_optim import CoatAdamW
+from transformers import DynamicCache
 
 from .. import checkpoint, distributed
 from ..graphs import enable_cuda_graphs
@@ -268,6 +271,35 @@ def loss_error(mode: str, lr: float, rec: dict, read_at: int) -> TrainError:
     )
 
 
+class NoKVCache(DynamicCache):
+    """A KV cache that keeps nothing, passed to every training forward. transformers
+    otherwise fills one (``use_cache`` defaults to True: a concatenation per layer, about
+    0.8 ms of host time per 7B decoder layer), or, with ``use_cache=False``, its mask code
+    reads ``position_ids`` on the host (a check for packed sequences that runs only when
+    there is no cache): a wait for the GPU in every forward. With this cache, layers get
+    their own keys and values back and the mask is that of an empty cache."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return key_states, value_states
+
+
+@contextlib.contextmanager
+def _frozen_heap():
+    """Python's collector leaves the objects alive before the run alone during it: each
+    full collection would otherwise walk all of them (torch, transformers and the model:
+    ~400,000 objects, 0.1-0.3 s), and training's many short-lived autograd objects trigger
+    such collections every few steps, stalling the host that feeds the GPU. Undone after
+    (unless the caller had frozen the heap), so later collections free what the run left."""
+    gc.collect()
+    caller_froze = gc.get_freeze_count() > 0
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not caller_froze:
+            gc.unfreeze()
+
+
 def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` in page-locked memory when it goes to a GPU: from pageable memory the host waits
     for the copy even with ``non_blocking=True``."""
@@ -372,6 +404,11 @@ class Trainer:
         )
         self.scheduler = lr_scheduler(self.optimizer, cfg)
         self.tracker = MemoryTracker(self.model, grad_hooks=strategy != "fsdp")
+        # transformers 5.17 names the forward's cache argument past_key_values, later
+        # versions cache (the old name warns).
+        forward = getattr(self.model, "module", self.model).forward  # DDP wraps the model
+        params = inspect.signature(forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.meter = PeakMeter(device)
         self.step = 0  # optimizer steps done
         self._queued: list[tuple] = []  # (step, loss, grad norm, lr) not yet read, on the device
@@ -447,11 +484,7 @@ class Trainer:
             no_sync = self.strategy == "ddp" and micro < accum - 1
             with self.model.no_sync() if no_sync else contextlib.nullcontext():
                 with torch.autocast(dev.type, dtype=torch.bfloat16):
-                    # transformers fills a KV cache here too (use_cache defaults to True: a
-                    # concatenation per layer). Not turned off: without a cache its mask code
-                    # reads position_ids on the host (a packed-sequence check), a device sync
-                    # per forward.
-                    loss = self.model(**batch).loss
+                    loss = self.model(**batch, **{self._cache_kwarg: NoKVCache()}).loss
                 (loss / accum).backward()
             loss_sum += loss.detach().float()
         return loss_sum / accum
@@ -544,7 +577,7 @@ class Trainer:
             tensorboard=cfg.report_to == "tensorboard",
             enabled=self.is_main,
         )
-        with metrics:
+        with metrics, _frozen_heap():
             try:
                 while self.step < cfg.steps:
                     step = self.step + 1
