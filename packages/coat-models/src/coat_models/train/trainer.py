@@ -289,15 +289,14 @@ def _frozen_heap():
     full collection would otherwise walk all of them (torch, transformers and the model:
     ~400,000 objects, 0.1-0.3 s), and training's many short-lived autograd objects trigger
     such collections every few steps, stalling the host that feeds the GPU. Undone after
-    (unless the caller had frozen the heap), so later collections free what the run left."""
+    (all frozen objects, also any frozen before: Python cannot unfreeze some), so that later
+    collections free what the run left, e.g. a compared mode's model."""
     gc.collect()
-    caller_froze = gc.get_freeze_count() > 0
     gc.freeze()
     try:
         yield
     finally:
-        if not caller_froze:
-            gc.unfreeze()
+        gc.unfreeze()
 
 
 def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
