@@ -381,6 +381,42 @@ def test_autocast_layers_hand_over_in_the_compute_dtype(monkeypatch):
         assert torch.equal(want, got_grads[name]), name
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_residual_adds_in_the_linears_nodes(monkeypatch, checkpointing):
+    """The two residual adds of a layer run in the autograd nodes of the linears before them
+    (o_proj, down_proj): the bits of separate residual_add nodes, two nodes fewer a layer."""
+    from coat_models import blocks
+
+    ref = tiny_llama().train()
+    ids = tokens()
+
+    def run():
+        model = apply_coat(copy.deepcopy(ref)).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        got = logits_and_grads(model, ids)
+        hidden = model.model.embed_tokens(ids)
+        pos = model.model.rotary_emb(hidden, torch.arange(ids.shape[1])[None])
+        out = model.model.layers[0](hidden, attention_mask=None, position_embeddings=pos)
+        nodes, todo = set(), [out.grad_fn]
+        while todo:
+            f = todo.pop()
+            if f is not None and f not in nodes:
+                nodes.add(f)
+                todo += [g for g, _ in f.next_functions]
+        return got, sorted(type(f).__name__ for f in nodes)
+
+    fused, fused_nodes = run()
+    monkeypatch.setattr(blocks.FP8_OPS, "fused_residual", False)
+    plain, plain_nodes = run()
+    assert torch.equal(fused[0], plain[0])
+    for name, want in plain[1].items():
+        assert torch.equal(want, fused[1][name]), name
+    if not checkpointing:
+        assert len(fused_nodes) == len(plain_nodes) - 2
+        assert "ResidualAddFunctionBackward" not in fused_nodes
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
 def test_padding_mask(impl, autocast):
