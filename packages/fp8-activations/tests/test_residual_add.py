@@ -78,7 +78,7 @@ def test_one_autograd_node(name):
 @pytest.mark.parametrize(
     "residual, match",
     [
-        (torch.zeros(2, 16, 32, dtype=torch.bfloat16), "output's shape"),
+        (torch.zeros(2, 16, 32, dtype=torch.bfloat16), "must have the shape"),
         (torch.zeros(2, 16, 64), "dtype"),
         ([0.0], "torch.Tensor"),
     ],

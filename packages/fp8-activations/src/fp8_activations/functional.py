@@ -76,10 +76,15 @@ def _check_float(x, name: str) -> None:
         )
 
 
-def _check_like(x: Tensor, other: Tensor, name: str, other_name: str) -> None:
-    """``other`` must match ``x`` in shape, dtype and device (no broadcasting)."""
+def _check_like(
+    x: Tensor, other: Tensor, name: str, other_name: str, shape: tuple | None = None
+) -> None:
+    """``other`` must match ``x`` in shape (or have ``shape`` when given), dtype and device
+    (no broadcasting)."""
     _check_float(other, other_name)
-    if other.shape != x.shape:
+    if shape is not None and tuple(other.shape) != shape:
+        raise ValueError(f"{other_name} must have the shape {shape}, got {tuple(other.shape)}")
+    if shape is None and other.shape != x.shape:
         raise ValueError(
             f"{other_name} shape {tuple(other.shape)} != {name} shape {tuple(x.shape)}"
         )
@@ -122,18 +127,8 @@ def _check_param(p: Tensor | None, x: Tensor, name: str, size: int) -> None:
 
 def _check_residual(residual: Tensor | None, x: Tensor, out_features: int, name: str) -> None:
     """A linear's ``residual``: the output's shape, x's dtype and device, or None."""
-    if residual is None:
-        return
-    _check_float(residual, "residual")
-    shape = (*x.shape[:-1], out_features)
-    if tuple(residual.shape) != shape:
-        raise ValueError(
-            f"residual must have the output's shape {shape}, got {tuple(residual.shape)}"
-        )
-    if residual.dtype != x.dtype:
-        raise TypeError(f"residual dtype {residual.dtype} != {name} dtype {x.dtype}: cast one")
-    if residual.device != x.device:
-        raise ValueError(f"residual is on {residual.device} but {name} on {x.device}")
+    if residual is not None:
+        _check_like(x, residual, name, "residual", (*x.shape[:-1], out_features))
 
 
 # --------------------------------------------------------------------- plumbing
