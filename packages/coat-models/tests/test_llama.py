@@ -417,6 +417,45 @@ def test_residual_adds_in_the_linears_nodes(monkeypatch, checkpointing):
         assert "ResidualAddFunctionBackward" not in fused_nodes
 
 
+def test_autocast_remembered_conversions_keep_gradients_and_memory(monkeypatch):
+    """What a COAT layer remembers under autocast never changes a gradient or keeps more
+    alive: an input reused after it started to require grad gets its gradient; a leaf input
+    is freed once dropped; under activation checkpointing no layer's bf16 output outlives
+    the forward (the fp32 one is the next checkpoint's input)."""
+    import gc
+    import weakref
+
+    from coat_models import distributed, llama
+
+    model = apply_coat(tiny_llama(num_hidden_layers=3)).train()
+    ids = tokens(2, 32)
+    embeds = model.model.embed_tokens(ids).detach()
+    for _ in range(2):  # the second time embeds requires grad: same tensor, same version
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(inputs_embeds=embeds, labels=ids).loss.backward()
+        embeds.requires_grad_(True)
+    assert embeds.grad is not None and embeds.grad.abs().sum() > 0
+    leaf = model.model.embed_tokens(ids).detach().requires_grad_(True)
+    ref = weakref.ref(leaf)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(inputs_embeds=leaf, labels=ids).loss.backward()
+    del leaf
+    gc.collect()
+    assert ref() is None
+
+    distributed.enable_activation_checkpointing(model)
+    outs, real = [], llama.blocks.decoder_layer
+    monkeypatch.setattr(
+        llama.blocks, "decoder_layer", lambda *a, **k: outs.append(real(*a, **k)) or outs[-1]
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids).loss
+    refs = [weakref.ref(o) for o in outs]
+    outs.clear()
+    assert len(refs) == 3 and all(r() is None for r in refs)
+    loss.backward()
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
 def test_padding_mask(impl, autocast):

@@ -735,7 +735,8 @@ def test_training_forward_passes_a_cache_that_keeps_nothing(tmp_path):
     batch = tr.task.batch(1, 0)
     losses, caches = [], []
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        for kw in ({tr._cache_kwarg: NoKVCache()}, {"use_cache": False}, {}):
+        (name,) = tr._cache_kwargs
+        for kw in ({name: NoKVCache()}, {"use_cache": False}, {}):
             out = tr.model(**batch, **kw)
             losses.append(out.loss)
             caches.append(out.past_key_values)
@@ -746,14 +747,14 @@ def test_training_forward_passes_a_cache_that_keeps_nothing(tmp_path):
     real_forward = tr.model.forward
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get(tr._cache_kwarg))
+        seen.append(kwargs.get(name))
         return real_forward(*args, **kwargs)
 
     tr.model.forward = spy
     tr.run_step(track_memory=False)
     tr.close()
     assert seen and all(isinstance(c, NoKVCache) and c.get_seq_length() == 0 for c in seen)
-    assert tr._cache_kwarg in inspect.signature(type(tr.model).forward).parameters
+    assert name in inspect.signature(type(tr.model).forward).parameters
 
 
 def test_fit_freezes_the_heap_while_training(tmp_path, monkeypatch):

@@ -467,6 +467,48 @@ def test_grad_scale_is_clipping_in_the_kernel(backend, name, h, make_pair, reque
         h.assert_same_state(oa, pa, ob, pb)
 
 
+# The NaN a GPU's fp32 arithmetic returns (0x7FFFFFFF; CPU torch makes 0x7FC00000): the
+# rounding of a bf16 gradient must not carry it into the sign bit (-0.0, a step taken).
+_GPU_NAN = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32).reshape(())
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "backend", ["reference", "triton", pytest.param("cuda", marks=pytest.mark.gpu)]
+)
+def test_grad_scale_nonfinite_is_skipped(backend, grad_dtype, request, h):
+    """A NaN factor (clipping of a NaN norm), and NaN or inf gradients times the factor
+    (also inf x 0, from an inf norm), make non-finite gradients, as torch's grad.mul_ would:
+    those groups are skipped and counted, the others step."""
+    if backend == "triton":
+        request.getfixturevalue("needs_triton")
+    device = "cuda" if backend == "cuda" else "cpu"
+    config = CoatAdamWConfig(backend="triton" if backend == "cuda" else backend)
+    cases = [  # (factor, where the gradient is made non-finite, groups skipped of 2)
+        (_GPU_NAN, None, 2),
+        (torch.tensor(0.0), (5, math.inf), 1),  # inf x 0 = NaN: group 0 only
+        (torch.tensor(0.5), (130, _GPU_NAN.item()), 1),  # group 1 only
+    ]
+    for factor, bad, skipped in cases:
+        p = torch.nn.Parameter(torch.randn(256, device=device))
+        if grad_dtype != torch.float32:
+            if not hasattr(p, "grad_dtype"):
+                pytest.skip("this torch cannot give a parameter a gradient of another dtype")
+            p.grad_dtype = grad_dtype
+        opt = CoatAdamW([p], lr=1e-2, weight_decay=0.1, config=config)
+        g = torch.randn(256, device=device)
+        if bad is not None:
+            g[bad[0]] = bad[1]
+        p.grad = g.to(grad_dtype)
+        before = p.detach().clone()
+        opt.step(grad_scale=factor.to(device))
+        assert opt.nonfinite_groups() == skipped
+        for gi in range(2):
+            sl = slice(gi * 128, (gi + 1) * 128)
+            stepped = not torch.equal(h.bits(p.detach()[sl]), h.bits(before[sl]))
+            assert stepped == (skipped == 1 and (bad is None or bad[0] // 128 != gi))
+
+
 def test_grad_scale_rejects_bad_values(h):
     p = h.make_params(((4, 16),))[0]
     opt = CoatAdamW([p])

@@ -301,8 +301,11 @@ class _CoatDecoderLayer(_CoatMixin):
             cos_sin = tuple(_in_dtype(t, compute) for t in cos_sin)
         mask = kwargs.pop("attention_mask", None)
         out = graphs.run_graphed(self, hidden_states, cos_sin, mask, cache, kwargs, checkpointing)
+        # Under checkpointing the fp32 output is kept as the next layer's checkpoint input:
+        # it must not keep the bf16 one alive too (and no FP8 hand-over is made to reuse).
+        to_dtype = _plain_to_dtype if checkpointing else _to_dtype
         if out is not None:  # enable_cuda_graphs: the recorded layer
-            return _to_dtype(out, dtype)
+            return to_dtype(out, dtype)
         with torch.autocast(device, enabled=False):
             out = blocks.decoder_layer(
                 blocks.FP8_OPS,
@@ -315,7 +318,7 @@ class _CoatDecoderLayer(_CoatMixin):
                 attn_kwargs=kwargs,
                 hand_over_output=not checkpointing,
             )
-        return _to_dtype(out, dtype)
+        return to_dtype(out, dtype)
 
     def extra_repr(self) -> str:
         return f"coat={self.coat_config}"
@@ -324,10 +327,17 @@ class _CoatDecoderLayer(_CoatMixin):
 # Under autocast with fp32 master weights each COAT layer runs in the autocast dtype and
 # hands the model its output in the stream's dtype (fp32). The next layer would convert it
 # back, and RoPE's cos and sin (one pair for all layers) would be converted in every layer.
-# Instead a converted tensor is remembered on its source, ``(dtype, source version, copy)``,
-# and a layer's fp32 output remembers the output it was made from: the next layer takes that
-# one (the same values; its FP8 hand-over for the norm kept) instead of a new copy.
+# Instead a layer's fp32 output remembers the output it was made from, and a copy of a
+# tensor that needs no gradient (cos, sin) is remembered on it: ``(dtype, version, other,
+# other's version)``. The next layer takes the remembered tensor (the same values; a layer
+# output's FP8 hand-over for the norm kept) while neither has changed since. Copies of
+# tensors that need gradients are not remembered: a leaf's copy would hold the leaf through
+# autograd (a cycle the collector cannot see), and such inputs are converted once anyway.
 _CONVERTED = "_coat_converted"
+
+
+def _plain_to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype)
 
 
 def _to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -340,15 +350,20 @@ def _to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)``: a copy remembered on ``t`` (or what ``t`` was made from), reused while
-    neither has changed since."""
+    """``t.to(dtype)``: the tensor remembered on ``t`` when it still matches (same dtype,
+    neither changed, the same ``requires_grad``), else a copy (remembered when ``t`` needs no
+    gradient)."""
     if t.dtype == dtype:
         return t
     hit = getattr(t, _CONVERTED, None)
-    if hit is not None and hit[0] == dtype and hit[1] == t._version and hit[2]._version == hit[3]:
+    if (
+        hit is not None and hit[0] == dtype and hit[1] == t._version
+        and hit[2]._version == hit[3] and hit[2].requires_grad == t.requires_grad
+    ):  # fmt: skip
         return hit[2]
     out = t.to(dtype)
-    setattr(t, _CONVERTED, (dtype, t._version, out, out._version))
+    if not t.requires_grad:
+        setattr(t, _CONVERTED, (dtype, t._version, out, out._version))
     return out
 
 

@@ -404,10 +404,12 @@ class Trainer:
         self.scheduler = lr_scheduler(self.optimizer, cfg)
         self.tracker = MemoryTracker(self.model, grad_hooks=strategy != "fsdp")
         # transformers 5.17 names the forward's cache argument past_key_values, later
-        # versions cache (the old name warns).
-        forward = getattr(self.model, "module", self.model).forward  # DDP wraps the model
-        params = inspect.signature(forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # versions cache (the old name warns); a forward that takes neither gets none.
+        model = getattr(self.model, "module", self.model)  # DDP wraps the model
+        model = getattr(model, "_orig_mod", model)  # and torch.compile
+        params = inspect.signature(model.forward).parameters
+        names = [n for n in ("cache", "past_key_values") if n in params]
+        self._cache_kwargs = {names[0]: NoKVCache} if names else {}
         self.meter = PeakMeter(device)
         self.step = 0  # optimizer steps done
         self._queued: list[tuple] = []  # (step, loss, grad norm, lr) not yet read, on the device
@@ -483,7 +485,8 @@ class Trainer:
             no_sync = self.strategy == "ddp" and micro < accum - 1
             with self.model.no_sync() if no_sync else contextlib.nullcontext():
                 with torch.autocast(dev.type, dtype=torch.bfloat16):
-                    loss = self.model(**batch, **{self._cache_kwarg: NoKVCache()}).loss
+                    no_cache = {k: make() for k, make in self._cache_kwargs.items()}
+                    loss = self.model(**batch, **no_cache).loss
                 (loss / accum).backward()
             loss_sum += loss.detach().float()
         return loss_sum / accum

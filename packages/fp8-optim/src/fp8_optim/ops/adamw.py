@@ -152,11 +152,12 @@ def _mul_rn(a, b, PTX: tl.constexpr):
 
 @triton.jit
 def _round_bf16(x):
-    # fp32 -> the nearest bf16 (ties to even), kept in fp32; finite inputs (gradients that
-    # are not finite are counted and skipped by the caller's check).
+    # fp32 -> the nearest bf16 (ties to even), kept in fp32, through the bits (the
+    # interpreter's own cast truncates). NaN stays NaN: the rounding carry would turn
+    # 0x7FFFFFFF (the NaN GPUs return) into -0.0, and the step's check would miss it.
     bits = x.to(tl.uint32, bitcast=True)
     bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    return bits.to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
