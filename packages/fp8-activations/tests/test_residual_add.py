@@ -88,3 +88,24 @@ def test_bad_residual(residual, match):
     x, w, b, _ = _linear_inputs()
     with pytest.raises((TypeError, ValueError), match=match):
         fa.fp8_linear(x, w, b, residual=residual)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiles_whole_with_the_same_bits(name):
+    """Under torch.compile (fullgraph) the linear and the add are two traced ops: the
+    eager bits (the fused node calls the linear's backward, which dynamo cannot trace)."""
+    make, fused, _ = CASES[name]
+    torch.manual_seed(0)
+    inputs = make()
+    dy = torch.randn_like(inputs[-1])
+
+    def run(fn):
+        ts = [t.detach().clone().requires_grad_() for t in inputs]
+        y = fn(*ts, None)
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in ts]
+
+    want = run(fused)
+    got = run(torch.compile(fused, backend="aot_eager", fullgraph=True))
+    torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

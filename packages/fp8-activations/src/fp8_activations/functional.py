@@ -353,8 +353,10 @@ def fp8_linear(
         x_fp8,
         weight_amax,
     )
-    if residual is None:
-        return _shaped(FP8LinearFunction.apply(*args), x)
+    if residual is None or torch.compiler.is_compiling():
+        # dynamo traces a Function that calls another's backward as two ops, not one node
+        y = _shaped(FP8LinearFunction.apply(*args), x)
+        return y if residual is None else residual_add(y, residual, cfg)
     mode = _emit(cfg, "fp8") if _needs_grad(x, weight, bias, residual) else "none"
     y, *hand = FP8LinearAddFunction.apply(*args, _arg(residual), cfg.group_size, mode)
     return _hand_over(y, residual.shape, cfg, mode, *hand)
@@ -618,8 +620,9 @@ def swiglu_linear(
         cfg.group_size, cfg.fwd_format.value, cfg.grad_format.value, backend,
         use_scaled_mm(gate, weight, cfg.gemm), weight_amax,
     )  # fmt: skip
-    if residual is None:
-        return _shaped(SwiGLULinearFunction.apply(*args), gate)
+    if residual is None or torch.compiler.is_compiling():  # (see fp8_linear)
+        y = _shaped(SwiGLULinearFunction.apply(*args), gate)
+        return y if residual is None else residual_add(y, residual, cfg)
     mode = _emit(cfg, "fp8")  # gradients are needed here (checked above)
     y, *hand = SwiGLULinearAddFunction.apply(*args, _arg(residual), cfg.group_size, mode)
     return _hand_over(y, residual.shape, cfg, mode, *hand)
