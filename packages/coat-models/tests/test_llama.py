@@ -259,16 +259,16 @@ def test_layer_outputs_feed_the_next_op_without_view_nodes():
     names = [type(n).__name__ for n in nodes]
     coat = [n for n in names if n.endswith("FunctionBackward")]
     assert sorted(set(coat)) == [
-        "FP8LinearFunctionBackward", "ProjectionsRoPEFunctionBackward",
-        "RMSNormLinearFunctionBackward", "ResidualAddFunctionBackward",
-        "SwiGLULinearFunctionBackward",
+        "FP8LinearAddFunctionBackward", "ProjectionsRoPEFunctionBackward",
+        "RMSNormLinearFunctionBackward", "SwiGLULinearAddFunctionBackward",
     ]  # fmt: skip
     for node in nodes:
         if type(node).__name__.startswith(("View", "Reshape", "Transpose")):
             # Only the attention output's reshapes (SDPA -> o_proj) may be views.
             below = {type(f).__name__ for f, _ in node.next_functions if f is not None}
             assert not any(b.endswith("FunctionBackward") for b in below), names
-    assert len(names) <= 21, names  # 30 when every COAT output was viewed back
+    # 30 when every COAT output was viewed back, 21 with the residual adds' own nodes
+    assert len(names) <= 19, names
     # The outputs are tensors of their own, not views made inside a Function: the caller
     # may change them in place, and gradients still flow.
     y.mul_(2).sum().backward()
@@ -379,6 +379,42 @@ def test_autocast_layers_hand_over_in_the_compute_dtype(monkeypatch):
     assert torch.equal(want_logits, got_logits)
     for name, want in want_grads.items():
         assert torch.equal(want, got_grads[name]), name
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_residual_adds_in_the_linears_nodes(monkeypatch, checkpointing):
+    """The two residual adds of a layer run in the autograd nodes of the linears before them
+    (o_proj, down_proj): the bits of separate residual_add nodes, two nodes fewer a layer."""
+    from coat_models import blocks
+
+    ref = tiny_llama().train()
+    ids = tokens()
+
+    def run():
+        model = apply_coat(copy.deepcopy(ref)).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        got = logits_and_grads(model, ids)
+        hidden = model.model.embed_tokens(ids)
+        pos = model.model.rotary_emb(hidden, torch.arange(ids.shape[1])[None])
+        out = model.model.layers[0](hidden, attention_mask=None, position_embeddings=pos)
+        nodes, todo = set(), [out.grad_fn]
+        while todo:
+            f = todo.pop()
+            if f is not None and f not in nodes:
+                nodes.add(f)
+                todo += [g for g, _ in f.next_functions]
+        return got, sorted(type(f).__name__ for f in nodes)
+
+    fused, fused_nodes = run()
+    monkeypatch.setattr(blocks.FP8_OPS, "fused_residual", False)
+    plain, plain_nodes = run()
+    assert torch.equal(fused[0], plain[0])
+    for name, want in plain[1].items():
+        assert torch.equal(want, fused[1][name]), name
+    if not checkpointing:
+        assert len(fused_nodes) == len(plain_nodes) - 2
+        assert "ResidualAddFunctionBackward" not in fused_nodes
 
 
 def test_autocast_remembered_conversions_keep_gradients_and_memory(monkeypatch):

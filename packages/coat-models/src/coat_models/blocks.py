@@ -51,6 +51,8 @@ FP8_OPS = SimpleNamespace(
     weight_amaxes=fa.weight_amaxes,
     weight_cache_fresh=fa.weight_cache_fresh,
     cast_weights=fa.cast_weights,
+    # linear and swiglu_linear take residual= (the residual add in their autograd node)
+    fused_residual=True,
 )
 
 
@@ -74,9 +76,14 @@ def _amax_kw(name: str, amax, cast_name: str = "", cast=None) -> dict:
     return kw
 
 
-def _project(ops, x, lin: nn.Linear, config, amax=None, cast=None):
+def _project(ops, x, lin: nn.Linear, config, amax=None, cast=None, residual=None):
+    """``lin(x)``, plus ``residual`` when given (in the linear's node where the op set
+    fuses it, else by ``ops.residual_add``)."""
     kw = _amax_kw("weight_amax", amax, "weight_cast", cast)
-    return ops.linear(x, lin.weight, lin.bias, config, **kw)
+    if residual is not None and getattr(ops, "fused_residual", False):
+        return ops.linear(x, lin.weight, lin.bias, config, residual=residual, **kw)
+    y = ops.linear(x, lin.weight, lin.bias, config, **kw)
+    return y if residual is None else ops.residual_add(y, residual, config)
 
 
 def norm_project(
@@ -111,14 +118,15 @@ def attention(
     attn_kwargs: dict,
     o_amax=None,
     o_cast=None,
+    residual=None,
 ) -> torch.Tensor:
     """RoPE + the model's attention on the Q/K/V projections ``qkv`` (a list of three
     ``(batch, seq, heads * head_dim)`` tensors, emptied here so that the pre-RoPE q and k
     are freed as soon as RoPE has run), then the output projection.
 
-    ``shape`` is ``(batch, seq)``; returns the output projection ``(batch, seq, hidden)``
-    before the residual add; ``o_amax``: its weight's max |w| or None, ``o_cast`` its item
-    of ``ops.cast_weights`` or None.
+    ``shape`` is ``(batch, seq)``; returns the output projection ``(batch, seq, hidden)``,
+    plus ``residual`` when given; ``o_amax``: its weight's max |w| or None, ``o_cast`` its
+    item of ``ops.cast_weights`` or None.
 
     RoPE is ``coat_models.rope``'s one kernel for q and k (the same bits) when the model's
     ``apply_rotary_pos_emb`` is the standard ``rotate_half`` one and Triton runs, the
@@ -166,20 +174,33 @@ def attention(
     )
     # Under autocast SDPA returns the autocast dtype; the residual stream keeps its own.
     out = out.reshape(*shape, -1).to(dtype).contiguous()
-    return _project(ops, out, attn.o_proj, config, o_amax, o_cast)
+    return _project(ops, out, attn.o_proj, config, o_amax, o_cast, residual)
 
 
-def mlp(ops, module: nn.Module, gate, up, config, amax=None, cast=None):
+def mlp(
+    ops, module: nn.Module, gate, up, config, amax=None, cast=None, residual=None,
+    residual_config=None,
+):  # fmt: skip
     """SwiGLU of the gate/up projections, down GEMM (fused with SwiGLU when the op set has
-    ``swiglu_linear``: the down GEMM's input is then re-formed in backward, not saved).
-    ``amax``: the down weight's max |w| or None; ``cast``: its item of ``ops.cast_weights``
-    or None."""
+    ``swiglu_linear``: the down GEMM's input is then re-formed in backward, not saved),
+    plus ``residual`` when given, added with ``residual_config`` (default ``config``): in
+    the down GEMM's node when the op set fuses it and the add keeps the layer's config.
+    ``amax``: the down weight's max |w| or None; ``cast``: its item of
+    ``ops.cast_weights`` or None."""
     down = module.down_proj
+    kw = _amax_kw("weight_amax", amax, "weight_cast", cast)
     fused = getattr(ops, "swiglu_linear", None)
+    res_config = config if residual_config is None else residual_config
+    if (
+        residual is not None and fused is not None and res_config is config
+        and getattr(ops, "fused_residual", False)
+    ):  # fmt: skip
+        return fused(gate, up, down.weight, down.bias, config, residual=residual, **kw)
     if fused is not None:
-        kw = _amax_kw("weight_amax", amax, "weight_cast", cast)
-        return fused(gate, up, down.weight, down.bias, config, **kw)
-    return _project(ops, ops.swiglu(gate, up, config), down, config, amax, cast)
+        y = fused(gate, up, down.weight, down.bias, config, **kw)
+    else:
+        y = _project(ops, ops.swiglu(gate, up, config), down, config, amax, cast)
+    return y if residual is None else ops.residual_add(y, residual, res_config)
 
 
 def decoder_layer(
@@ -224,7 +245,7 @@ def decoder_layer(
     if cast_weights and amaxes and (casts is not None or (fresh and fresh(weights, config))):
         amaxes = None  # every weight is cast (or cached): the linears need no maxima
     a, c = amaxes or [None] * len(linears), casts or [None] * len(linears)
-    out = attention(
+    hidden_states = attention(
         ops,
         attn,
         norm_project(
@@ -244,14 +265,16 @@ def decoder_layer(
         attn_kwargs or {},
         a[3],
         c[3],
+        residual=hidden_states,
     )
-    hidden_states = ops.residual_add(out, hidden_states, config)
     norm2 = layer.post_attention_layernorm
     # gate and up (bf16, the widest tensors of the layer) live only while mlp() runs.
     gate, up = norm_project(
         ops, hidden_states, norm2, gate_up, config, amaxes and a[4:6], casts and c[4:6]
     )
-    out = mlp(ops, mlp_, gate, up, config, a[6], c[6])
+    res_config = config
     if not hand_over_output:
-        config = (config or fa.FP8ActivationConfig()).replace(precision_flow=False)
-    return ops.residual_add(out, hidden_states, config)
+        res_config = (config or fa.FP8ActivationConfig()).replace(precision_flow=False)
+    return mlp(
+        ops, mlp_, gate, up, config, a[6], c[6], residual=hidden_states, residual_config=res_config
+    )

@@ -15,6 +15,7 @@ from fp8_quant import resolve_backend
 
 from .config import DEFAULT_CONFIG, FP8ActivationConfig
 from .ops import (
+    FP8LinearAddFunction,
     FP8LinearFunction,
     GELUFunction,
     LayerNormFunction,
@@ -23,6 +24,7 @@ from .ops import (
     RMSNormLinearFunction,
     SiLUFunction,
     SwiGLUFunction,
+    SwiGLULinearAddFunction,
     SwiGLULinearFunction,
 )
 from .ops.linear import (
@@ -74,10 +76,15 @@ def _check_float(x, name: str) -> None:
         )
 
 
-def _check_like(x: Tensor, other: Tensor, name: str, other_name: str) -> None:
-    """``other`` must match ``x`` in shape, dtype and device (no broadcasting)."""
+def _check_like(
+    x: Tensor, other: Tensor, name: str, other_name: str, shape: tuple | None = None
+) -> None:
+    """``other`` must match ``x`` in shape (or have ``shape`` when given), dtype and device
+    (no broadcasting)."""
     _check_float(other, other_name)
-    if other.shape != x.shape:
+    if shape is not None and tuple(other.shape) != shape:
+        raise ValueError(f"{other_name} must have the shape {shape}, got {tuple(other.shape)}")
+    if shape is None and other.shape != x.shape:
         raise ValueError(
             f"{other_name} shape {tuple(other.shape)} != {name} shape {tuple(x.shape)}"
         )
@@ -116,6 +123,12 @@ def _check_param(p: Tensor | None, x: Tensor, name: str, size: int) -> None:
         )
     if p.device != x.device:
         raise ValueError(f"{name} is on {p.device} but x on {x.device}")
+
+
+def _check_residual(residual: Tensor | None, x: Tensor, out_features: int, name: str) -> None:
+    """A linear's ``residual``: the output's shape, x's dtype and device, or None."""
+    if residual is not None:
+        _check_like(x, residual, name, "residual", (*x.shape[:-1], out_features))
 
 
 # --------------------------------------------------------------------- plumbing
@@ -270,8 +283,10 @@ def fp8_linear(
     *,
     weight_amax: Tensor | None = None,
     weight_cast: WeightCast | None = None,
+    residual: Tensor | None = None,
 ) -> Tensor:
-    """``x @ weight.T + bias`` with FP8 GEMMs (E4M3 operands, E5M2 output gradient).
+    """``x @ weight.T + bias`` with FP8 GEMMs (E4M3 operands, E5M2 output gradient), plus
+    ``residual`` when given.
 
     x: ``(..., in)``, weight: ``(out, in)``, bias: ``(out,)`` or None; any float dtypes
     (e.g. bf16 activations with fp32 master weights). Returns ``(..., out)`` in x's dtype;
@@ -281,7 +296,8 @@ def fp8_linear(
     of ``cast_weights`` (the layer's casts made in one launch), or None. With the precision
     flow, the per-tensor FP8 x (both layouts) is attached to x: further linears on the same
     x (Q/K/V, gate/up) reuse it, so x is quantized and saved once (the attachment lives as
-    long as x).
+    long as x). ``residual`` (the output's shape, x's dtype): ``residual_add(fp8_linear(x,
+    weight, bias), residual)`` in one autograd node (the same bits and hand-over).
 
     >>> y = fp8_linear(torch.randn(8, 64, requires_grad=True), torch.randn(32, 64))
     """
@@ -302,9 +318,11 @@ def fp8_linear(
     _check_param(bias, x, "bias", weight.shape[0])
     weight_amax = _check_amax(weight_amax, weight, "weight_amax")
     _check_cast(weight_cast, weight, "weight_cast")
-    if x.numel() == 0:
+    _check_residual(residual, x, weight.shape[0], "x")
+    if x.numel() == 0 or (residual is not None and residual.numel() == 0):
         b = None if bias is None else bias.to(x.dtype)
-        return torch.nn.functional.linear(x, weight.to(x.dtype), b)
+        y = torch.nn.functional.linear(x, weight.to(x.dtype), b)
+        return y if residual is None else y + residual
     backend = resolve_backend(x, cfg.backend)  # once per op: the kernels take it resolved
     amax = take_group_amax(x) if cfg.precision_flow else None
     amax = None if amax is None else amax.amax()
@@ -321,7 +339,7 @@ def fp8_linear(
             with torch.no_grad():
                 x_fp8 = quantize_t(_rows(x), cfg.fwd_format.value, amax, backend)
             attach_per_tensor(x, x_fp8, key)
-    y = FP8LinearFunction.apply(
+    args = (
         _arg(x),
         weight,
         bias,
@@ -335,7 +353,13 @@ def fp8_linear(
         x_fp8,
         weight_amax,
     )
-    return _shaped(y, x)
+    if residual is None or torch.compiler.is_compiling():
+        # dynamo traces a Function that calls another's backward as two ops, not one node
+        y = _shaped(FP8LinearFunction.apply(*args), x)
+        return y if residual is None else residual_add(y, residual, cfg)
+    mode = _emit(cfg, "fp8") if _needs_grad(x, weight, bias, residual) else "none"
+    y, *hand = FP8LinearAddFunction.apply(*args, _arg(residual), cfg.group_size, mode)
+    return _hand_over(y, residual.shape, cfg, mode, *hand)
 
 
 def rms_norm(
@@ -555,9 +579,11 @@ def swiglu_linear(
     *,
     weight_amax: Tensor | None = None,
     weight_cast: WeightCast | None = None,
+    residual: Tensor | None = None,
 ) -> Tensor:
     """``fp8_linear(swiglu(gate, up), weight, bias)`` (Llama's down projection) that does not
     save the linear's input: backward re-forms it from SwiGLU's saved FP8 gate and up.
+    ``residual``: plus it, as in ``fp8_linear``.
 
     Saves 1 B/elem of ``silu(gate) * up`` less than the two ops; the same output, input
     gradients and bias gradient, and a weight gradient from the re-formed input (within
@@ -579,20 +605,27 @@ def swiglu_linear(
     _check_param(bias, gate, "bias", weight.shape[0])
     weight_amax = _check_amax(weight_amax, weight, "weight_amax")
     _check_cast(weight_cast, weight, "weight_cast")
+    _check_residual(residual, gate, weight.shape[0], "gate")
     if gate.numel() == 0 or not _needs_grad(gate, up, weight, bias):
         y = swiglu(gate, up, cfg)
-        return fp8_linear(y, weight, bias, cfg, weight_amax=weight_amax, weight_cast=weight_cast)
+        kw = dict(weight_amax=weight_amax, weight_cast=weight_cast, residual=residual)
+        return fp8_linear(y, weight, bias, cfg, **kw)
     backend = resolve_backend(gate, cfg.backend)
     cache = cfg.weight_cache and not torch.compiler.is_compiling()
     w_fp8 = weight_cast or (
         weight_fp8(weight, cfg.fwd_format, backend, weight_amax) if cache else None
     )
-    y = SwiGLULinearFunction.apply(
+    args = (
         _arg(gate), _arg(up), weight, bias, _handed_fp8(gate, cfg), _handed_fp8(up, cfg), w_fp8,
         cfg.group_size, cfg.fwd_format.value, cfg.grad_format.value, backend,
         use_scaled_mm(gate, weight, cfg.gemm), weight_amax,
     )  # fmt: skip
-    return _shaped(y, gate)
+    if residual is None or torch.compiler.is_compiling():  # (see fp8_linear)
+        y = _shaped(SwiGLULinearFunction.apply(*args), gate)
+        return y if residual is None else residual_add(y, residual, cfg)
+    mode = _emit(cfg, "fp8")  # gradients are needed here (checked above)
+    y, *hand = SwiGLULinearAddFunction.apply(*args, _arg(residual), cfg.group_size, mode)
+    return _hand_over(y, residual.shape, cfg, mode, *hand)
 
 
 def residual_add(x: Tensor, residual: Tensor, config: FP8ActivationConfig | None = None) -> Tensor:

@@ -88,3 +88,40 @@ class ResidualAddFunction(torch.autograd.Function):
     def backward(ctx, dy, *_):
         dx = dy.reshape(ctx.x_shape)
         return dx, dx, None, None, None, None
+
+
+def with_residual_add(base: type[torch.autograd.Function], n_inputs: int, name: str):
+    """A Function ``(*base inputs, residual, group_size, emit) -> (y, y_q, y_s, y_amax)``:
+    ``base``'s forward (one output, in ``residual``'s shape), then ``+ residual`` through
+    the residual-add kernel, in one autograd node instead of two. The same kernels and bits
+    as ``ResidualAddFunction`` on ``base``'s output; backward passes the output gradient to
+    ``base``'s backward and, unchanged, to ``residual``. ``n_inputs``: how many inputs
+    ``base.forward`` takes after ``ctx`` (all of them are passed); its format and backend
+    inputs (``fwd_fmt``, ``backend``) are the residual add's."""
+
+    def forward(ctx, *args):
+        inputs, (residual, group_size, emit) = args[:n_inputs], args[n_inputs:]
+        out = base.forward(ctx, *inputs)
+        ctx.residual_shape = residual.shape
+        fmt, backend = ctx.fmts[0], ctx.backend
+        y, *hand = residual_add_fwd(rows(out), rows(residual), group_size, fmt, emit, backend)
+        ctx.mark_non_differentiable(*(t for t in hand if t is not None))
+        ctx.set_materialize_grads(False)  # no zero tensors for the hand-over's grads
+        return unrows(y, residual.shape), *hand
+
+    def backward(ctx, dy, *_):
+        if dy is None:
+            return (None,) * (n_inputs + 3)
+        grads = base.backward(ctx, dy)
+        d_residual = dy.reshape(ctx.residual_shape) if ctx.needs_input_grad[n_inputs] else None
+        return (*grads, d_residual, None, None)
+
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {
+            "__doc__": f"``{base.__name__}`` then ``+ residual`` (``with_residual_add``).",
+            "forward": staticmethod(forward),
+            "backward": staticmethod(backward),
+        },
+    )
