@@ -69,14 +69,15 @@ from coat_models.train.presets import build_model, preset_config
 from coat_models.train.report import fmt_bytes, format_table
 from coat_models.train.trainer import MASTER_DTYPES, TrainConfig, Trainer, lr_scheduler, pinned
 
-# name -> (mode, master dtype, FP8 weight cache kept between steps: TrainConfig.weight_cache);
-# mode "torchao" is no coat-train mode: torchao_model/torchao_trial below, fused torch AdamW.
+# name -> (mode, master dtype, FP8 weight cache kept between steps: TrainConfig.weight_cache,
+# None as coat-train: on with gradient accumulation); mode "torchao" is no coat-train mode:
+# torchao_model/torchao_trial below, fused torch AdamW.
 VARIANTS = {
     "bf16": ("bf16", "fp32", False),
-    "coat": ("coat", "fp32", False),
-    "coat-bf16master": ("coat", "bf16", False),
+    "coat": ("coat", "fp32", None),
+    "coat-bf16master": ("coat", "bf16", None),
     "coat-cache": ("coat", "fp32", True),
-    "coat-compile": ("coat", "fp32", False),
+    "coat-compile": ("coat", "fp32", None),
     "torchao": ("torchao", "fp32", False),
 }
 # Variants whose model is ``torch.compile``d in place (``nn.Module.compile``) once the trainer
@@ -376,7 +377,8 @@ def _phases(trainer: Trainer, rounds: int, hooks: bool) -> dict:
     def forward():
         with trainer.tracker.saving() if hooks else contextlib.nullcontext():
             with torch.autocast(trainer.device.type, dtype=torch.bfloat16):
-                return model(input_ids=ids, labels=ids).loss
+                no_cache = {k: make() for k, make in trainer._cache_kwargs.items()}
+                return model(input_ids=ids, labels=ids, **no_cache).loss
 
     def optimizer():
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
@@ -391,21 +393,31 @@ def _phases(trainer: Trainer, rounds: int, hooks: bool) -> dict:
     return {n: (med(host[n]), med(wall[n])) for n in names}
 
 
-def profile_step(name: str, config, data, mb: int, seq: int, rounds: int, top: int, device) -> str:
+def profile_step(
+    name: str, config, data, mb: int, seq: int, rounds: int, top: int, device, grad_accum: int = 1
+) -> str:
     """The report of one variant (see ``profile`` in the module docstring)."""
     mode, master, cache = VARIANTS[name]
     model = build_model(config, device=device, master_dtype=MASTER_DTYPES[master], seed=0)
     cfg = TrainConfig(mode=mode, master_dtype=master, weight_cache=cache, batch_size=mb,
-                      seq_len=seq, lr=1e-4, steps=10**6, warmup=10, eval_batches=1)  # fmt: skip
+                      seq_len=seq, lr=1e-4, steps=10**6, warmup=10, eval_batches=1,
+                      grad_accum=grad_accum)  # fmt: skip
     trainer = Trainer(model, data, cfg, device=device, progress=False)
-    lines = [f"== {name}, micro-batch {mb} x seq {seq}"]
+    lines = [f"== {name}, micro-batch {mb} x seq {seq} x grad-accum {grad_accum}"]
     try:
         for _ in range(2):
             trainer.run_step()
-        steps = [trainer.run_step()["step_time_s"] * 1e3 for _ in range(rounds)]
+        steps, hosts = [], []
+        for _ in range(rounds):
+            _sync(device)
+            t0 = time.perf_counter()
+            trainer.queue_step()
+            hosts.append((time.perf_counter() - t0) * 1e3)
+            steps.append(trainer.read_steps()[-1]["step_time_s"] * 1e3)
         lines.append(
             f"run_step wall: median {statistics.median(steps):.1f} ms "
-            f"({', '.join(f'{s:.0f}' for s in steps)})"
+            f"({', '.join(f'{s:.0f}' for s in steps)}); host (until queue_step returns) "
+            f"median {statistics.median(hosts):.1f} ms"
         )
         for hooks in (True, False):
             ph = _phases(trainer, rounds, hooks)
@@ -446,6 +458,7 @@ def profile_main(argv) -> int:
     p.add_argument("--preset", default="llama2-7b")
     p.add_argument("--variants", default="bf16,coat", help=f"from {', '.join(VARIANTS)}")
     p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches a step (run_step)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
@@ -466,7 +479,9 @@ def profile_main(argv) -> int:
     parts = []
     for v in names:
         mb, seq = args.micro_batch, args.seq_len
-        parts.append(profile_step(v, config, data, mb, seq, args.rounds, args.top, device))
+        parts.append(
+            profile_step(v, config, data, mb, seq, args.rounds, args.top, device, args.grad_accum)
+        )
         print(parts[-1], flush=True)
     if args.out:
         Path(args.out).write_text("\n\n".join(parts) + "\n")

@@ -725,6 +725,34 @@ def test_clipping_inside_coat_adamw_is_clip_grad_norm(tmp_path, mode):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode", ["coat", "coat-act"])
+def test_weight_cache_is_on_with_gradient_accumulation_and_changes_no_bit(tmp_path, mode):
+    """coat-train's default FP8 weight cache (``weight_cache=None``): on with gradient
+    accumulation (micro-batches 2.. reuse the first one's casts), off without it or under CUDA
+    graphs, explicit either way; on or off, the same losses and weights bit for bit."""
+    from fp8_activations.ops.linear import cached_weight_fp8
+
+    assert not TrainConfig(mode=mode).uses_weight_cache
+    assert TrainConfig(mode=mode, grad_accum=2).uses_weight_cache
+    assert not TrainConfig(mode=mode, grad_accum=2, cuda_graphs=True).uses_weight_cache
+    assert not TrainConfig(mode=mode, grad_accum=2, weight_cache=False).uses_weight_cache
+    assert TrainConfig(mode=mode, weight_cache=True).uses_weight_cache
+    runs = []
+    for cache in (None, False):
+        tr = _tiny_trainer(tmp_path / str(cache), mode, steps=3, grad_accum=2, weight_cache=cache)
+        layers = [m for m in tr.model.modules() if getattr(m, "coat_config", None) is not None]
+        assert layers and {m.coat_config.weight_cache for m in layers} == {cache is None}
+        losses = [tr.run_step()["loss"] for _ in range(3)]
+        weights = [p for m in layers for p in m.parameters() if p.dim() == 2]
+        held = [bool(cached_weight_fp8(w)) for w in weights]
+        assert all(held) if cache is None else not any(held)
+        runs.append((losses, [p.detach().clone() for p in tr.model.parameters()]))
+        tr.close()
+    (losses_a, params_a), (losses_b, params_b) = runs
+    assert losses_a == losses_b
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b, strict=True))
+
+
 def test_training_forward_passes_a_cache_that_keeps_nothing(tmp_path):
     """The training forward gets ``NoKVCache``: the loss of ``use_cache=False`` and of the
     default (filled) cache, bit for bit, with nothing kept and no host read of

@@ -150,9 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--fp8-weight-cache",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="FP8 activations: keep each weight's FP8 copies (2 bytes/param) between "
-        "micro-batches until the optimizer step; saves casts with --grad-accum, costs memory",
+        "micro-batches until the optimizer step; saves casts with --grad-accum, costs memory "
+        "(default: on with --grad-accum > 1, except under --cuda-graphs or --fsdp)",
     )
     r.add_argument(
         "--cuda-graphs",
@@ -842,7 +844,12 @@ def run(args) -> int:
         + f"; data: {job.data}; {c0.steps} steps x {c0.batch_size} x {c0.seq_len} tokens"
         + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
         + (f" x {dist.get_world_size()} ranks" if strategy else "")
-        + f"; modes: {', '.join(modes)}",
+        + f"; modes: {', '.join(modes)}"
+        + (
+            "; FP8 weight cache on"
+            if c0.uses_weight_cache and strategy != "fsdp" and any(MODES[m][0] for m in modes)
+            else ""
+        ),
         flush=True,
     )
     summaries, curves = [], {}
@@ -907,10 +914,15 @@ def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device,
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if oom:
+        cache = (
+            "; or --no-fp8-weight-cache (the FP8 weight copies take 2 bytes/param)"
+            if MODES[cfg.mode][0] and cfg.uses_weight_cache and strategy != "fsdp"
+            else ""
+        )
         raise TrainError(
             f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
             f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise "
-            f"--grad-accum to keep the batch){job.tune}"
+            f"--grad-accum to keep the batch){job.tune}{cache}"
         )
     summary["wall_s"] = time.perf_counter() - t0
     if _rank() == 0:  # under torchrun rank 0 alone writes files and prints

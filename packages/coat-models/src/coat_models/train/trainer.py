@@ -113,7 +113,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     # FP8 activations: keep each weight's two FP8 copies (2 B/param) between micro-batches
     # until the optimizer changes it (one cast less per linear and micro-batch). Same bits.
-    weight_cache: bool = False
+    # None: on with gradient accumulation (grad_accum > 1) and without CUDA graphs; never
+    # under FSDP (see ``uses_weight_cache``).
+    weight_cache: bool | None = None
     # FP8 activations on CUDA: replay the COAT decoder layers as CUDA graphs (same bits);
     # their saved activations live in the graphs' pool, "other" in the memory breakdown.
     cuda_graphs: bool = False
@@ -173,6 +175,16 @@ class TrainConfig:
         return cls(mode=mode, **{**{k: getattr(preset, k) for k in PRESET_FIELDS}, **overrides})
 
     @property
+    def uses_weight_cache(self) -> bool:
+        """Whether the FP8 weight cache is on: ``weight_cache``, or when None, with gradient
+        accumulation and without CUDA graphs (micro-batches 2.. of a step reuse the first
+        one's casts; at Llama-2-7B, micro-batch 1 x 4, 9% more tokens/s on an H200 for
+        12 GiB). ``prepare`` also turns it off under FSDP."""
+        if self.weight_cache is not None:
+            return self.weight_cache
+        return self.grad_accum > 1 and not self.cuda_graphs
+
+    @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len * self.grad_accum
 
@@ -205,7 +217,7 @@ def prepare(model, task, cfg: TrainConfig, device, strategy=None, activation_che
 
         # FSDP2 all-gathers into reused storage, which the weight cache cannot tell from the
         # weights it cached.
-        fp8_config = FP8ActivationConfig(weight_cache=cfg.weight_cache and strategy != "fsdp")
+        fp8_config = FP8ActivationConfig(weight_cache=cfg.uses_weight_cache and strategy != "fsdp")
     try:
         model = task.convert(model, fp8_config)
     except TypeError as e:  # documented: an unsupported architecture, named in e
