@@ -179,6 +179,32 @@ def test_gpu_trainer_cuda_graphs_same_losses(accum):
     assert all(torch.equal(a, b) for a, b in zip(got_p, want_p, strict=True))
 
 
+@pytest.mark.gpu
+def test_gpu_trainer_weight_cache_same_losses():
+    """coat-train's default FP8 weight cache with gradient accumulation on the GPU: the same
+    losses and weights, bit for bit, as casting every weight in every micro-batch."""
+    from coat_models.train.data import load_data
+    from coat_models.train.presets import build_model, preset_config
+    from coat_models.train.trainer import Trainer
+
+    data = load_data(max_bytes=2**20)
+    cuda = torch.device("cuda")
+    runs = []
+    for cache in (None, False):
+        cfg = TrainConfig(mode="coat", steps=4, batch_size=4, seq_len=128, grad_accum=3,
+                          eval_batches=1, weight_cache=cache)  # fmt: skip
+        model = build_model(preset_config("tiny", data.vocab_size, max_seq=128), device=cuda,
+                            master_dtype=torch.float32, seed=0)  # fmt: skip
+        tr = Trainer(model, data, cfg, device=cuda, progress=False)
+        assert cfg.uses_weight_cache is (cache is None)
+        losses = [tr.run_step()["loss"] for _ in range(cfg.steps)]
+        runs.append((losses, [p.detach().clone() for p in tr.model.parameters()]))
+        tr.close()
+    (want, want_p), (got, got_p) = runs
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(got_p, want_p, strict=True))
+
+
 def test_tracker_counts_each_saved_storage_once():
     lin = torch.nn.Linear(64, 32, bias=False)
     tracker = MemoryTracker(lin)
