@@ -67,7 +67,14 @@ from coat_models.train.memory import (
 )
 from coat_models.train.presets import build_model, preset_config
 from coat_models.train.report import fmt_bytes, format_table
-from coat_models.train.trainer import MASTER_DTYPES, TrainConfig, Trainer, lr_scheduler, pinned
+from coat_models.train.trainer import (
+    MASTER_DTYPES,
+    TrainConfig,
+    Trainer,
+    frozen_heap,
+    lr_scheduler,
+    pinned,
+)
 
 # name -> (mode, master dtype, FP8 weight cache kept between steps: TrainConfig.weight_cache,
 # None as coat-train: on with gradient accumulation); mode "torchao" is no coat-train mode:
@@ -174,9 +181,10 @@ def trial(model, data, mode, master, cache, mb, args, device, compiled=False) ->
         warm = trainer.run_step()  # kernels, autotuning, optimizer state
         # The breakdown: hooks cost host time.
         counted = trainer.run_step(track_memory=not compiled)
-        for _ in range(args.steps):
-            trainer.queue_step()  # as coat-train between its log points
-        timed = trainer.read_steps()
+        with frozen_heap():  # as coat-train's fit: no full collection walks the model
+            for _ in range(args.steps):
+                trainer.queue_step()  # as coat-train between its log points
+            timed = trainer.read_steps()
         if not all(math.isfinite(r["loss"]) for r in timed):
             raise RuntimeError(f"bench_e2e: non-finite loss in {mode} at micro-batch {mb}")
         memory = memory_report(trainer.tracker, trainer.meter)
@@ -263,10 +271,11 @@ def torchao_trial(model, data, mb, args, device) -> dict:
             t0 = time.perf_counter()
             losses.append(step(i).item())
             warm.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        timed = [step(3 + i) for i in range(args.steps)]
-        timed = torch.stack(timed).tolist()  # waits for the window's steps
-        window = time.perf_counter() - t0
+        with frozen_heap():  # as the coat-train variants
+            t0 = time.perf_counter()
+            timed = [step(3 + i) for i in range(args.steps)]
+            timed = torch.stack(timed).tolist()  # waits for the window's steps
+            window = time.perf_counter() - t0
         if not all(math.isfinite(v) for v in timed):
             raise RuntimeError(f"bench_e2e: non-finite loss in torchao at micro-batch {mb}")
         measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -408,12 +417,13 @@ def profile_step(
         for _ in range(2):
             trainer.run_step()
         steps, hosts = [], []
-        for _ in range(rounds):
-            _sync(device)
-            t0 = time.perf_counter()
-            trainer.queue_step()
-            hosts.append((time.perf_counter() - t0) * 1e3)
-            steps.append(trainer.read_steps()[-1]["step_time_s"] * 1e3)
+        with frozen_heap():  # as coat-train's fit
+            for _ in range(rounds):
+                _sync(device)
+                t0 = time.perf_counter()
+                trainer.queue_step()
+                hosts.append((time.perf_counter() - t0) * 1e3)
+                steps.append(trainer.read_steps()[-1]["step_time_s"] * 1e3)
         lines.append(
             f"run_step wall: median {statistics.median(steps):.1f} ms "
             f"({', '.join(f'{s:.0f}' for s in steps)}); host (until queue_step returns) "

@@ -296,8 +296,8 @@ class NoKVCache(DynamicCache):
 
 
 @contextlib.contextmanager
-def _frozen_heap():
-    """Python's collector leaves the objects alive before the run alone during it: each
+def frozen_heap():
+    """Within it, Python's collector leaves the objects alive before it alone: each
     full collection would otherwise walk all of them (torch, transformers and the model:
     ~400,000 objects, 0.1-0.3 s), and training's many short-lived autograd objects trigger
     such collections every few steps, stalling the host that feeds the GPU. Undone after
@@ -591,7 +591,7 @@ class Trainer:
             tensorboard=cfg.report_to == "tensorboard",
             enabled=self.is_main,
         )
-        with metrics, _frozen_heap():
+        with metrics, frozen_heap():
             try:
                 while self.step < cfg.steps:
                     step = self.step + 1
