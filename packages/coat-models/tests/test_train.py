@@ -186,6 +186,7 @@ def test_gpu_trainer_weight_cache_same_losses():
     from coat_models.train.data import load_data
     from coat_models.train.presets import build_model, preset_config
     from coat_models.train.trainer import Trainer
+    from fp8_activations.ops.linear import cached_weight_fp8
 
     data = load_data(max_bytes=2**20)
     cuda = torch.device("cuda")
@@ -196,8 +197,12 @@ def test_gpu_trainer_weight_cache_same_losses():
         model = build_model(preset_config("tiny", data.vocab_size, max_seq=128), device=cuda,
                             master_dtype=torch.float32, seed=0)  # fmt: skip
         tr = Trainer(model, data, cfg, device=cuda, progress=False)
-        assert cfg.uses_weight_cache is (cache is None)
+        layers = [m for m in tr.model.modules() if getattr(m, "coat_config", None) is not None]
+        assert layers and {m.coat_config.weight_cache for m in layers} == {cache is None}
         losses = [tr.run_step()["loss"] for _ in range(cfg.steps)]
+        weights = [p for m in layers for p in m.parameters() if p.dim() == 2]
+        held = [bool(cached_weight_fp8(w)) for w in weights]
+        assert all(held) if cache is None else not any(held)
         runs.append((losses, [p.detach().clone() for p in tr.model.parameters()]))
         tr.close()
     (want, want_p), (got, got_p) = runs
@@ -772,11 +777,39 @@ def test_weight_cache_is_on_with_gradient_accumulation_and_changes_no_bit(tmp_pa
         weights = [p for m in layers for p in m.parameters() if p.dim() == 2]
         held = [bool(cached_weight_fp8(w)) for w in weights]
         assert all(held) if cache is None else not any(held)
+        assert tr.summary()["fp8_weight_cache"] is (cache is None)
         runs.append((losses, [p.detach().clone() for p in tr.model.parameters()]))
         tr.close()
     (losses_a, params_a), (losses_b, params_b) = runs
     assert losses_a == losses_b
     assert all(torch.equal(a, b) for a, b in zip(params_a, params_b, strict=True))
+
+
+@pytest.mark.parametrize(
+    "modes,overrides,strategy,header,oom",
+    [
+        (["coat"], {"grad_accum": 2}, None, "; FP8 weight cache on", "; or --no-fp8-weight"),
+        (["bf16", "coat"], {"grad_accum": 2}, None, "; FP8 weight cache on (coat)", "; or --no"),
+        # bf16 has no CUDA graphs to record, coat does: neither has the cache
+        (["bf16", "coat"], {"grad_accum": 2, "cuda_graphs": True}, None, "", ""),
+        (["coat"], {"grad_accum": 2}, "fsdp", "", ""),
+        (["coat"], {"grad_accum": 2, "weight_cache": False}, None, "", ""),
+        # lowering --batch-size and raising --grad-accum, as advised, would turn it on
+        (["coat"], {}, None, "", " (with --grad-accum > 1 the FP8 weight cache adds"),
+        (["coat-optim"], {"grad_accum": 2}, None, "", ""),
+    ],
+)
+def test_run_header_and_oom_message_name_the_weight_cache(modes, overrides, strategy, header, oom):
+    from coat_models.train import cli
+
+    cfgs = []
+    for m in modes:
+        fields = {**overrides}
+        fields["cuda_graphs"] = fields.get("cuda_graphs", False) and cli.MODES[m][0]
+        cfgs.append(TrainConfig(mode=m, **fields))
+    assert cli._cache_note(cfgs, strategy) == header
+    note = cli._oom_cache_note(cfgs[-1], strategy)
+    assert note.startswith(oom) and (note == "") == (oom == "")
 
 
 def test_training_forward_passes_a_cache_that_keeps_nothing(tmp_path):

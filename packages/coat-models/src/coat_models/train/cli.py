@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import gc
 import importlib
@@ -845,11 +846,7 @@ def run(args) -> int:
         + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
         + (f" x {dist.get_world_size()} ranks" if strategy else "")
         + f"; modes: {', '.join(modes)}"
-        + (
-            "; FP8 weight cache on"
-            if c0.uses_weight_cache and strategy != "fsdp" and any(MODES[m][0] for m in modes)
-            else ""
-        ),
+        + _cache_note(cfgs, strategy),
         flush=True,
     )
     summaries, curves = [], {}
@@ -865,6 +862,28 @@ def run(args) -> int:
                     "data": job.source}  # fmt: skip
         print(write_run_report(out, run_info, summaries, curves))
         return 0
+
+
+def _cache_note(cfgs: list[TrainConfig], strategy: str | None) -> str:
+    """The run header's note of the modes that train with the FP8 weight cache."""
+    on = [c.mode for c in cfgs if c.fp8_weight_cache(strategy)]
+    if not on:
+        return ""
+    return "; FP8 weight cache on" + (f" ({', '.join(on)})" if len(on) < len(cfgs) else "")
+
+
+def _oom_cache_note(cfg: TrainConfig, strategy: str | None) -> str:
+    """What the out-of-memory message says of the FP8 weight cache: it was on; or lowering
+    --batch-size and raising --grad-accum, as the message advises, would turn it on."""
+    if cfg.fp8_weight_cache(strategy):
+        return "; or --no-fp8-weight-cache (the FP8 weight copies take 2 bytes/param)"
+    accumulating = dataclasses.replace(cfg, grad_accum=2)
+    if cfg.weight_cache is None and accumulating.fp8_weight_cache(strategy):
+        return (
+            " (with --grad-accum > 1 the FP8 weight cache adds 2 bytes/param: "
+            "--no-fp8-weight-cache)"
+        )
+    return ""
 
 
 def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device, strategy):
@@ -914,11 +933,7 @@ def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device,
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if oom:
-        cache = (
-            "; or --no-fp8-weight-cache (the FP8 weight copies take 2 bytes/param)"
-            if MODES[cfg.mode][0] and cfg.uses_weight_cache and strategy != "fsdp"
-            else ""
-        )
+        cache = _oom_cache_note(cfg, strategy)
         raise TrainError(
             f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
             f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise "
