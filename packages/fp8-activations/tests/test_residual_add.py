@@ -63,6 +63,25 @@ def test_same_bits_as_linear_then_residual_add(name, cache, backend):
         assert torch.equal(a, b), f"gradient of input {i}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "on-the-fly"])
+def test_gpu_same_bits_as_linear_then_residual_add(name, cache):
+    """The same on CUDA: Triton kernels and ``torch._scaled_mm`` (the GEMM the fused node
+    runs on a GPU with FP8 tensor cores)."""
+    make, fused, unfused = CASES[name]
+    torch.manual_seed(0)
+    inputs = [t.cuda() for t in make()]
+    dy = torch.randn_like(inputs[-1])
+    cfg = FP8ActivationConfig(weight_cache=cache)
+    got, want = _run(fused, inputs, cfg, dy), _run(unfused, inputs, cfg, dy)
+    assert torch.equal(got[0], want[0])
+    assert want[1] is not None and got[1] is not None
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+    for i, (a, b) in enumerate(zip(got[2], want[2], strict=True)):
+        assert torch.equal(a, b), f"gradient of input {i}"
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_one_autograd_node(name):
     make, fused, _ = CASES[name]
