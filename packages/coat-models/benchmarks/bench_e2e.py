@@ -29,7 +29,10 @@ where COAT's step is slower than bf16's (a diagnostic, not the numbers to report
 
     python packages/coat-models/benchmarks/bench_e2e.py profile --variants bf16,coat --micro-batch 1
 
-For each variant: ``Trainer.run_step`` wall time; the step split into forward, backward and
+``--grad-accum N`` profiles steps of N micro-batches. First a host probe (``host_probe``:
+ns per Python call, us per small op), also printed in the main run's header, to compare
+readings across machines. For each variant: ``Trainer.run_step`` wall time and the host time
+until ``queue_step`` returns; the step split into forward, backward and
 clip + optimizer step, each as host time (until the call returns) and wall time (until the
 GPU is done), with and without the memory tracker's saved-tensor hooks; ``cProfile``'s top
 functions over two steps; the GPU kernel time of one step (``torch.profiler``, top kernels),
@@ -361,6 +364,45 @@ def _meta_model(config):
 
 
 # ------------------------------------------------ profile: where one step's time goes
+def host_probe(device: torch.device) -> dict:
+    """How fast this machine's host runs what an eager step is made of, to compare readings
+    across machines (host-bound eager COAT read up to 40% apart on machines where bf16 read
+    the same): ns per Python function call, us of host time per small elementwise op on
+    ``device`` (queued: the GPU keeps up with these). Best of 5 rounds each."""
+
+    def f(a, b=1):
+        return a + b
+
+    def best(fn, n):
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn(n)
+            times.append((time.perf_counter() - t0) / n)
+        return min(times)
+
+    def calls(n):
+        for i in range(n):
+            f(i)
+
+    x = torch.zeros(16, device=device)
+
+    def ops(n):
+        for _ in range(n):
+            x.add_(1)
+        _sync(device)
+
+    ops(100)
+    return {"python_call_ns": best(calls, 200_000) * 1e9, "small_op_us": best(ops, 2000) * 1e6}
+
+
+def _probe_line(probe: dict) -> str:
+    return (
+        f"host probe: {probe['python_call_ns']:.0f} ns per Python call, "
+        f"{probe['small_op_us']:.1f} us per small op"
+    )
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -486,7 +528,8 @@ def profile_main(argv) -> int:
         return 2
     data = load_data()
     config = preset_config(args.preset, data.vocab_size, max_seq=args.seq_len)
-    parts = []
+    parts = [_probe_line(host_probe(device))]
+    print(parts[0], flush=True)
     for v in names:
         mb, seq = args.micro_batch, args.seq_len
         parts.append(
@@ -535,9 +578,10 @@ def main(argv=None) -> int:
     data = load_data()
     config = preset_config(args.preset, data.vocab_size, max_seq=args.seq_len)
     names = args.variants
+    probe = host_probe(device)
     print(
         f"bench_e2e: {args.preset}, seq {args.seq_len}, {gpu}, "
-        f"torch {torch.__version__}; variants {', '.join(names)}",
+        f"torch {torch.__version__}; variants {', '.join(names)}; {_probe_line(probe)}",
         flush=True,
     )
     t_start = time.perf_counter()
@@ -610,6 +654,7 @@ def main(argv=None) -> int:
                     "args": vars(args),
                     "device": gpu,
                     "torch": torch.__version__,
+                    "host_probe": probe,
                     "trials": results,
                     "summary": summary,
                 },
