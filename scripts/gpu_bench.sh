@@ -10,6 +10,11 @@
 #   scripts/gpu_bench.sh multi   2 GPUs. bench_fsdp.py on both; then GPU 0: bench_vila.py;
 #                                GPU 1: the fp8 packages' GPU tests, the CoatAdamW bench, the
 #                                layer profile.
+#   scripts/gpu_bench.sh speed   1 GPU. Issue 15's table through coat-train, every variant in this
+#                                one call: Llama-2-7B bf16 vs coat at micro-batch 1 x grad-accum
+#                                4 and at micro-batch 2, torchao float8 + compile at micro-batch 2
+#                                (bench_e2e; carry its wheel), coat at micro-batch 8, the 125m
+#                                preset bf16 vs coat; first a host probe (bench_e2e.py probe).
 #   scripts/gpu_bench.sh check   1 GPU. Every GPU test, bench_quantize.py (every quantizer), the
 #                                CoatAdamW bench, the host-time profile of a layer; with CLI=1
 #                                also coat-train's 125m preset, bf16 vs coat, with and without
@@ -24,9 +29,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:-}
 case "$phase" in
-single | multi | check) ;;
+single | multi | check | speed) ;;
 *)
-  echo "usage: scripts/gpu_bench.sh single|multi|check (see the comment at the top)" >&2
+  echo "usage: scripts/gpu_bench.sh single|multi|check|speed (see the comment at the top)" >&2
   exit 2
   ;;
 esac
@@ -135,6 +140,27 @@ multi)
   grep -A6 "^optimizer" "$r/optim.txt" 2>/dev/null
   head -30 "$r/profile.txt"
   tail -5 "$r/profile.log"
+  ;;
+speed)
+  timeout 60 python3 $B/bench_e2e.py probe > "$r/probe.txt" 2>&1
+  G=(--eval-batches 1 --log-every 3 --no-progress --no-export)
+  train() { # train NAME TIMEOUT ARGS...: coat-train into $r/NAME.txt
+    local name=$1 t=$2
+    shift 2
+    timeout "$t" python3 -m coat_models.train.cli "$@" --out "/tmp/speed-$name" > "$r/$name.txt" 2>&1
+  }
+  train ga4 150 --preset llama2-7b --compare bf16,coat --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}"
+  train mb2 150 --preset llama2-7b --compare bf16,coat --batch-size 2 --steps 12 "${G[@]}"
+  timeout 150 python3 $B/bench_e2e.py --variants torchao --micro-batches 2 --steps 8 > "$r/torchao.txt" 2>&1
+  train mb8 90 --preset llama2-7b --mode coat --batch-size 8 --steps 8 "${G[@]}"
+  train s125 90 --preset 125m --compare bf16,coat --steps 60 --eval-batches 2 --no-progress --no-export
+  cat "$r/probe.txt"
+  for f in ga4 mb2 mb8 s125; do
+    echo "== $f"
+    grep -E "^coat-train: |tokens/s|peak memory|out of memory|rror" "$r/$f.txt" | cut -c1-160
+  done
+  echo "== torchao"
+  grep -E "^torchao|rror" "$r/torchao.txt" | head -3
   ;;
 check)
   # shellcheck disable=SC2086

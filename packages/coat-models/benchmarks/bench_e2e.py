@@ -29,15 +29,15 @@ where COAT's step is slower than bf16's (a diagnostic, not the numbers to report
 
     python packages/coat-models/benchmarks/bench_e2e.py profile --variants bf16,coat --micro-batch 1
 
-``--grad-accum N`` profiles steps of N micro-batches. First a host probe (``host_probe``:
-ns per Python call, us per small op), also printed in the main run's header, to compare
-readings across machines. For each variant: ``Trainer.run_step`` wall time and the host time
-until ``queue_step`` returns; the step split into forward, backward and
-clip + optimizer step, each as host time (until the call returns) and wall time (until the
-GPU is done), with and without the memory tracker's saved-tensor hooks; ``cProfile``'s top
-functions over two steps; the GPU kernel time of one step (``torch.profiler``, top kernels),
-last: once it has run, Triton's launches pay for its launch hook. ``--device cpu`` is a
-smoke test of the script only.
+``profile --grad-accum N`` profiles steps of N micro-batches. It prints a host probe first
+(``host_probe``: ns per Python call, us per small op; ``bench_e2e.py probe`` prints it alone,
+the main run in its header) to compare readings across machines. Then for each variant:
+``Trainer.run_step`` wall time and the host time until ``queue_step`` returns; the step
+split into forward, backward and clip + optimizer step, each as host time (until the call
+returns) and wall time (until the GPU is done), with and without the memory tracker's
+saved-tensor hooks; ``cProfile``'s top functions over two steps; the GPU kernel time of one
+step (``torch.profiler``, top kernels), last: once it has run, Triton's launches pay for its
+launch hook. ``--device cpu`` is a smoke test of the script only.
 """
 
 from __future__ import annotations
@@ -569,6 +569,10 @@ def main(argv=None) -> int:
         argv = sys.argv[1:]
     if argv[:1] == ["profile"]:
         return profile_main(argv[1:])
+    if argv[:1] == ["probe"]:  # the host probe alone (scripts/gpu_bench.sh speed)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        print(_probe_line(host_probe(device)), f"({device.type})")
+        return 0
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
