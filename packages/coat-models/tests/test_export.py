@@ -52,6 +52,11 @@ def test_export_loads_back_with_the_trained_weights(tmp_path, data, mode, master
         assert value.dtype == dtype, name
         assert torch.equal(value, trained[name]), name
     assert any(not torch.equal(trained[k], initial[k]) for k in initial)  # it did train
+    # Buffers too (not in the state dict): RoPE's inv_freq stays fp32 under bf16 master
+    # weights, as from_pretrained rebuilds it (it was cast to bf16: other rotations).
+    buffers = dict(loaded.named_buffers())
+    for name, b in trainer.model.named_buffers():
+        assert b.dtype == buffers[name].dtype and torch.equal(b, buffers[name]), name
 
     ids = torch.from_numpy(data.val[:64].astype("int64")).view(2, 32)
     trainer.model.eval()
@@ -90,6 +95,26 @@ def test_no_export(tmp_path, capsys):
     assert not (tmp_path / "bf16" / "final").exists()
     assert "models:      not exported (--no-export)" in out.splitlines()
     assert json.loads((tmp_path / "bf16" / "summary.json").read_text())["export"] is None
+
+
+def test_safetensors_write_error_is_an_os_error(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError, not an OSError: the
+    export turns it into one (which coat-train reports in one line), leaving no partial
+    copy."""
+    from coat_models.train.trainer import export_pretrained
+    from safetensors import SafetensorError
+    from transformers import PreTrainedModel
+
+    def full_disk(self, path, **kw):
+        path.mkdir(parents=True)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
+    model = build_model(preset_config("tiny", 320, max_seq=32), device=torch.device("cpu"),
+                        master_dtype=torch.float32, seed=0)  # fmt: skip
+    with pytest.raises(OSError, match="No space left on device"):
+        export_pretrained(model, tmp_path / "final")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_full_disk_at_export_keeps_the_results_and_says_what_to_do(tmp_path, capsys, monkeypatch):

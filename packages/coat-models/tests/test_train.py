@@ -675,6 +675,24 @@ def test_non_finite_loss_is_reported_at_the_next_read_naming_its_step(tmp_path):
     tr.close()
 
 
+def test_non_finite_weights_after_the_last_step_end_the_run(tmp_path):
+    """A last update that leaves the weights non-finite (every loss read was finite: a NaN
+    gradient norm under torch AdamW) ends the run with an error, not a summary and an
+    export of NaN weights: the final validation loss is checked."""
+    from coat_models.train.trainer import TrainError
+
+    tr = _tiny_trainer(tmp_path, steps=3)
+
+    def poison(module, args, out):
+        if tr.step == 3 and not module.training:  # the final evaluation
+            out.loss = out.loss * float("nan")
+
+    tr.model.register_forward_hook(poison)
+    with pytest.raises(TrainError, match=r"validation loss became nan after step 3: the weights"):
+        tr.fit()
+    tr.close()
+
+
 @pytest.mark.parametrize("mode", ["bf16", "coat-act"])
 def test_breakdown_of_the_counted_steps_equals_counting_every_step(tmp_path, mode):
     """fit counts memory on the first timed step and the last only; its breakdown is the one

@@ -185,8 +185,15 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
                 )
         except ValueError as e:  # e.g. a config transformers has no causal LM for
             raise ModelError(f"cannot build a causal LM from this config: {e}") from None
-    # Init in fp32 then cast, so fp32- and bf16-master runs start from the same weights.
-    return model.to(master_dtype).train()
+    # Init in fp32 then cast, so fp32- and bf16-master runs start from the same weights. The
+    # parameters only: floating buffers (RoPE's inv_freq) stay fp32, as from_pretrained
+    # rebuilds them, so that the exported model computes what was trained.
+    buffers = [(m, name, b) for m in model.modules() for name, b in m.named_buffers(recurse=False)
+               if b is not None and b.is_floating_point()]  # fmt: skip
+    model.to(master_dtype)
+    for module, name, b in buffers:
+        setattr(module, name, b)
+    return model.train()
 
 
 @dataclass(frozen=True)

@@ -365,8 +365,12 @@ def export_pretrained(model, path: Path, *, tokenizer=None, state_dict=None) -> 
             model.config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # a partial copy (a full disk) is not left behind
+        from safetensors import SafetensorError
+
+        if isinstance(e, SafetensorError):  # its I/O errors (a full disk) are not OSErrors
+            raise OSError(str(e)) from e
         raise
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
@@ -640,6 +644,15 @@ class Trainer:
                 raise
         if self.val_metrics is None:  # resumed at the final step: nothing trained here
             self.val_metrics = self.evaluate()
+        val = self.val_metrics.get("val_loss")
+        if val is not None and not math.isfinite(val):
+            # The losses read so far were finite, but the last update was not (e.g. a NaN
+            # gradient norm under torch AdamW): nothing to export.
+            raise TrainError(
+                f"mode {cfg.mode}: the validation loss became {val} after step {self.step}: "
+                f"the weights are no longer finite; lower --lr (now {cfg.lr:g}) or raise "
+                "--warmup"
+            )
         return self.summary()
 
     def _log_steps(self, metrics: MetricsLog, first: int, counting: bool = False) -> dict:
