@@ -115,6 +115,42 @@ def interrupt_before(step):
     return queue_step
 
 
+def test_sigterm_stops_like_ctrl_c(tmp_path, capsys, monkeypatch):
+    """SIGTERM (a job scheduler, docker stop) ends the run as Ctrl-C does: the steps done
+    are logged and the message names the checkpoints; exit 143. It killed the process
+    before, losing the queued steps."""
+    import os
+    import signal
+
+    orig = Trainer.queue_step
+
+    def queue_step(trainer, *args, **kwargs):
+        if trainer.step + 1 == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return orig(trainer, *args, **kwargs)
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(Trainer, "queue_step", queue_step)
+    code, _, err = run(["--steps", "6", "--log-every", "10", *FAST, "--out", tmp_path], capsys)
+    assert code == 143 and "terminated; completed checkpoints" in err and "Traceback" not in err
+    assert [r["step"] for r in read_jsonl(tmp_path / "bf16" / "metrics.jsonl")] == [1, 2, 3]
+    assert signal.getsignal(signal.SIGTERM) is before  # restored
+
+
+def test_an_interrupted_rerun_leaves_no_earlier_report(tmp_path, capsys, monkeypatch):
+    """Training again into an --out whose run finished drops that run's summary.json and
+    loss.png first: a rerun stopped half-way left them describing the old run beside the
+    new run's files."""
+    args = ["--steps", "2", *FAST, "--out", tmp_path]
+    code, *_ = run(args, capsys)
+    assert code == 0 and (tmp_path / "summary.json").is_file()
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "queue_step", interrupt_before(2))
+        code, *_ = run(args, capsys)
+    assert code == 130
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "loss.png").exists()
+
+
 @pytest.mark.parametrize(
     "mode,master,accum",
     [
@@ -272,6 +308,10 @@ BAD_INPUTS = [
     (["--out", "/proc/coat-train-test/run"], "cannot create a directory in /proc"),
     (["--mode", "bf16", "--cuda-graphs"], "add a mode with FP8 activations"),
     (["--mode", "coat", "--cuda-graphs", "--fp8-weight-cache"], "drop --fp8-weight-cache"),
+    # accepted and ignored: no mode of the run has FP8 activations
+    (["--compare", "bf16,coat-optim", "--fp8-weight-cache"], "applies to modes with FP8 act"),
+    # Path("") is the current directory: the run's files landed there
+    (["--out", ""], "--out is empty: pass a directory"),
     (["--mode", "coat", "--cuda-graphs", "--activation-checkpointing"], "runs in one process"),
     (["--mode", "coat", "--cuda-graphs", "--device", "cpu"], "needs a CUDA device"),
     # a window of one token predicts nothing: was a NaN loss blamed on --lr (exit 1)

@@ -303,6 +303,7 @@ def test_forged_manifest_cannot_make_a_torch_file_run_code(runs, tmp_path):
     code, _, err = train([*ARGS, "--resume", "--out", out])
     assert code == 2 and err.count("\n") == 1, err
     assert "trainer.pt is not a checkpoint file this code can read" in err
+    assert "weights_only" not in err  # torch's advice to load it anyway is not passed on
     assert not marker.exists()
 
 

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -829,6 +830,13 @@ def run(args) -> int:
             importlib.import_module("torch.utils.tensorboard")  # imports tensorboard
         except ImportError:
             raise UsageError(TENSORBOARD_HINT) from None
+    if not args.out.strip():  # Path("") is the current directory
+        raise UsageError("--out is empty: pass a directory, e.g. --out runs/demo")
+    if args.fp8_weight_cache and not any(MODES[m][0] for m in modes):
+        raise UsageError(
+            "--fp8-weight-cache applies to modes with FP8 activations (coat, coat-act): add "
+            "one, or drop it"
+        )
     out = Path(args.out)
     _check_out(out, modes)
     if (args.preset or "tiny") in VL_PRESETS:
@@ -910,6 +918,9 @@ def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device,
             # _resume_point refuses those), only now that the model and trainer exist.
             _barrier()
             run_on_rank0(lambda: shutil.rmtree(mode_dir, ignore_errors=True))
+        # An earlier run's report (rewritten at the end) goes too: left, it would describe
+        # that run beside this one's files if this one stops.
+        run_on_rank0(lambda: [(mode_dir.parent / n).unlink(missing_ok=True) for n in OUT_FILES])
         summary = trainer.fit(resume)
         summary["export"] = None
         if not args.no_export:
@@ -959,6 +970,15 @@ def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device,
     return summary
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler, ``docker stop``, ``kill``): stopped as by Ctrl-C, with the
+    steps done logged and the checkpoints kept."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -968,6 +988,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_versions())
         return 0
     own_group = not dist.is_initialized()  # run() joins torchrun's group for --fsdp / --ddp
+    sigterm = None
+    with contextlib.suppress(ValueError):  # a handler can be set in the main thread only
+        sigterm = signal.signal(signal.SIGTERM, _terminate)
     try:
         return run(args)
     except (UsageError, DataError, ModelError, CheckpointError) as e:
@@ -977,13 +1000,16 @@ def main(argv: list[str] | None = None) -> int:
         rank = f"rank {_rank()}: " if dist.is_initialized() and dist.get_world_size() > 1 else ""
         print(f"{PROG}: error: {rank}{e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         _say(
-            f"\n{PROG}: interrupted; completed checkpoints (if any) are under {args.out}",
+            f"\n{PROG}: {'terminated' if isinstance(e, _Terminated) else 'interrupted'}; "
+            f"completed checkpoints (if any) are under {args.out}",
             file=sys.stderr,
         )
-        return 130
+        return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
     finally:
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -864,8 +864,15 @@ class Trainer:
         try:
             return torch.load(path, map_location=self.device, weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
+            # Not torch's own text for a refused pickle: it suggests weights_only=False,
+            # i.e. running the file's code, which coat-train never does.
+            why = (
+                "it holds objects other than tensors and plain containers"
+                if isinstance(e, pickle.UnpicklingError)
+                else first_line(e)
+            )
             raise checkpoint.CheckpointError(
-                f"{path} is not a checkpoint file this code can read: {first_line(e)}"
+                f"{path} is not a checkpoint file this code can read: {why}"
             ) from None
 
     def export(self, path: Path, tokenizer=None) -> Path:
