@@ -327,6 +327,8 @@ BAD_INPUTS = [
     (["--data", "{ids_npy}", "--corpus-mib", "1"], "--corpus-mib applies to the built-in"),
     (["--data", "{ids_npy}", "--data-dtype", "int32"], "--data-dtype applies to a .bin --data"),
     (["--data", "{u64_npy}"], "token id 18446744073709551615 is beyond any vocabulary"),
+    # ids misread (or a huge --vocab-size): "a smaller model or bf16 masters" did not help
+    (["--vocab-size", "99999999999"], "a vocabulary of 99,999,999,999 tokens: if it is the"),
     # a micro-batch whose logits alone exceed RAM: the OOM killer ended the run silently
     (["--batch-size", "100000000", *SMALL], "for its logits (vocab 320), but"),
     # learned positions: an IndexError traceback after --out was written

@@ -477,6 +477,14 @@ def _check_fits(n_params, modes, masters, device, label, strategy, cfg, vocab, t
     else:
         total, where = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine")
         sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if strategy else 1
+    # No tokenizer has a million tokens: such a vocabulary (the data's largest id + 1) says
+    # the ids were misread, which no smaller model or master dtype fixes.
+    odd = (
+        f" (a vocabulary of {vocab:,} tokens: if it is the data's largest id + 1, check "
+        "--data-dtype and the file's ids; else --vocab-size)"
+        if vocab > 2**20
+        else ""
+    )
     for mode, master in zip(modes, masters, strict=True):
         w = 4 if master == "fp32" else 2
         # Every rank first builds the whole model in its master dtype, then shards it.
@@ -486,7 +494,7 @@ def _check_fits(n_params, modes, masters, device, label, strategy, cfg, vocab, t
                 f"{label} has {n_params / 1e9:.2f} B parameters: under --fsdp every rank first "
                 f"builds the whole model ({fmt_bytes(whole)} in {master}) before sharding it, "
                 f"but {where} has {fmt_bytes(total)}: choose a smaller model or "
-                f"--master-dtype bf16"
+                f"--master-dtype bf16{odd}"
             )
         # weights and gradients, and the optimizer state: CoatAdamW ~2.08 B, torch AdamW 8 B
         need = n_params * (2 * w + (2 if MODES[mode][1] else 8)) * sharing // shards
@@ -495,7 +503,7 @@ def _check_fits(n_params, modes, masters, device, label, strategy, cfg, vocab, t
                 f"{label} has {n_params / 1e9:.2f} B parameters: mode {mode} ({master} master) "
                 f"needs at least {fmt_bytes(need)} for weights, gradients and optimizer state, "
                 f"but {where} has {fmt_bytes(total)}: choose a smaller model, or a COAT mode "
-                f"with --master-dtype bf16"
+                f"with --master-dtype bf16{odd}"
             )
     # The loss reads the logits of every position: bf16 from the head and their fp32 copy
     # (transformers upcasts before cross-entropy) exist together, besides everything else.
@@ -505,6 +513,7 @@ def _check_fits(n_params, modes, masters, device, label, strategy, cfg, vocab, t
             f"a micro-batch of {cfg.batch_size} x {cfg.seq_len} tokens needs at least "
             f"{fmt_bytes(logits)} for its logits (vocab {vocab}), but {where} has "
             f"{fmt_bytes(total)}: lower --batch-size (raise --grad-accum to keep the batch){tune}"
+            f"{odd}"
         )
 
 
