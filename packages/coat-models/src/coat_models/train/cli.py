@@ -780,9 +780,15 @@ def _resume_point(args, mode_dir: Path) -> Path | None:
     try:
         found = checkpoint.newest(ckpts)
     except CheckpointError as e:
-        raise CheckpointError(
-            f"{e}: delete it, or pass --resume DIR with the checkpoint to continue from"
-        ) from None
+        usable = checkpoint.ordered(ckpts)  # those with a readable manifest
+        todo = (
+            f"delete that checkpoint directory, or pass --resume {usable[-1]} (the newest "
+            "readable one)"
+            if usable
+            else "delete that checkpoint directory (no other is readable: the mode starts "
+            "from step 0), or pass another --out"
+        )
+        raise CheckpointError(f"{e}: {todo}") from None
     if found is None:  # a run killed before its first checkpoint
         _say(f"{PROG}: no checkpoint in {ckpts}: mode starts from step 0", file=sys.stderr)
     else:
