@@ -308,6 +308,27 @@ def test_forged_manifest_cannot_make_a_torch_file_run_code(runs, tmp_path):
     assert not marker.exists()
 
 
+def test_model_file_that_does_not_fit_names_what_differs(runs, tmp_path):
+    """model.pt without one of the model's tensors (the manifest rewritten to match): one
+    line that names the missing key, exit 2 (it said only "Error(s) in loading state_dict
+    for LlamaForCausalLM:", the details on lines it dropped)."""
+    out, ckpts = copy_base(runs, tmp_path)
+    newest = ckpts / "step_0000004"
+    state = torch.load(newest / "model.pt", weights_only=True)
+    key = sorted(state)[-1]
+    del state[key]
+    torch.save(state, newest / "model.pt")
+    manifest = checkpoint.read_manifest(newest)
+    (newest / "manifest.json").unlink()
+    checkpoint.write_manifest(
+        newest, kind="torch", world_size=1, step=4, serial=manifest.serial, info=manifest.info
+    )
+    code, _, err = train([*ARGS, "--resume", "--out", out])
+    assert code == 2 and err.count("\n") == 1, err
+    assert "does not fit this model and optimizer" in err and "Missing key(s)" in err, err
+    assert key in err
+
+
 # --------------------------------------------------------------------------- metrics
 def test_torn_last_metrics_line_is_trimmed(runs, tmp_path):
     """A kill while a metrics line was being written leaves half a line: --resume drops it."""

@@ -850,8 +850,12 @@ class Trainer:
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
             # Same settings and model, yet the tensors do not fit: not a file this run's code
             # wrote. The run stops here, with nothing half-loaded to go on with.
+            # torch's load_state_dict error says what differs on its later lines: kept, on
+            # one line, shortened (a key list can be long).
+            why = " ".join(str(e).split()) or type(e).__name__
+            why = why if len(why) <= 300 else why[:297] + "..."
             raise checkpoint.CheckpointError(
-                f"{path} does not fit this model and optimizer: {first_line(e)}"
+                f"{path} does not fit this model and optimizer: {why}"
             ) from None
         self.step = state["step"]
         self.totals = state["totals"]
