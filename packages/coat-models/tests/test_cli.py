@@ -203,8 +203,8 @@ def test_checkpoints_are_atomic(tmp_path, capsys, monkeypatch):
 
     torch_save = torch.save
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(OSError, match="disk full"):
-        cli.main([str(a) for a in args])
+    code, _, err = run(args, capsys)  # one line, no traceback
+    assert code == 1 and err.strip() == "coat-train: error: disk full", err
     ckpts = tmp_path / "bf16" / "checkpoints"
     assert [p.name for p in ckpts.iterdir()] == [f".tmp-step_0000002-{os.getpid()}"]
     monkeypatch.setattr(torch, "save", torch_save)

@@ -329,6 +329,36 @@ def test_model_file_that_does_not_fit_names_what_differs(runs, tmp_path):
     assert key in err
 
 
+@pytest.mark.parametrize("where", ["checkpoint", "metrics"])
+def test_full_disk_while_training_is_one_line(tmp_path, monkeypatch, where):
+    """A full disk while writing a checkpoint (torch's writer says "unexpected pos", a
+    RuntimeError) or metrics.jsonl: one line naming the file and the remedy, exit 1, no
+    traceback (it was a traceback either way)."""
+    import errno
+
+    from coat_models.train.report import MetricsLog
+
+    if where == "checkpoint":
+
+        def full(obj, f):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 614208")
+
+        monkeypatch.setattr(checkpoint.torch, "save", full)
+    else:
+
+        def full(self, record):
+            raise OSError(errno.ENOSPC, "No space left on device", "metrics.jsonl")
+
+        monkeypatch.setattr(MetricsLog, "write", full)
+    code, _, err = train([*ARGS, "--save-every", "1", "--out", tmp_path / "run"])
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "free space there or pass another --out" in err, err
+    if where == "checkpoint":
+        assert "cannot write" in err and ".pt (" in err and "bytes free there" in err, err
+    else:
+        assert "metrics.jsonl: No space left on device" in err, err
+
+
 # --------------------------------------------------------------------------- metrics
 def test_torn_last_metrics_line_is_trimmed(runs, tmp_path):
     """A kill while a metrics line was being written leaves half a line: --resume drops it."""

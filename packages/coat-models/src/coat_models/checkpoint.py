@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,7 +142,14 @@ def write_torch_files(directory: Path, objects: dict[str, object]) -> None:
     """``torch.save`` each object to ``directory/<name>``, fsynced, in order."""
     for name, obj in objects.items():
         with open(directory / name, "wb") as f:
-            torch.save(obj, f)
+            try:
+                torch.save(obj, f)
+            except RuntimeError as e:  # torch's writer reports a full disk so ("unexpected pos")
+                free = shutil.disk_usage(directory).free
+                raise OSError(
+                    f"cannot write {directory / name} ({free:,} bytes free there): "
+                    f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+                ) from e
             f.flush()
             os.fsync(f.fileno())
         _reached(f"write:{name}")

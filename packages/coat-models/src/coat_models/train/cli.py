@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import gc
 import importlib
@@ -1014,6 +1015,12 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainError, ReportError) as e:
         rank = f"rank {_rank()}: " if dist.is_initialized() and dist.get_world_size() > 1 else ""
         print(f"{PROG}: error: {rank}{e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk, a file that vanished: what the OS said, on one line
+        where = f"{e.filename}: " if e.filename else ""
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT) or "bytes free there" in str(e)
+        hint = f"; free space there or pass another --out (now {args.out})" if full else ""
+        print(f"{PROG}: error: {where}{e.strerror or e}{hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
         _say(
