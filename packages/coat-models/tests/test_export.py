@@ -82,6 +82,10 @@ def test_cli_names_the_export_in_its_output_and_summary(tmp_path, capsys):
     run = json.loads((tmp_path / "summary.json").read_text())["runs"][0]
     assert run["export"] == str(final)
     assert (final / "model.safetensors").is_file()
+    assert "Writing model shards" not in err  # --no-progress quiets transformers' bar too
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()  # and leaves it as it found it
 
 
 ARGV = "--preset tiny --steps 2 --eval-every 2 --batch-size 2 --seq-len 32 --eval-batches 1"

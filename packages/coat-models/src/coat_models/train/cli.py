@@ -1004,6 +1004,12 @@ def main(argv: list[str] | None = None) -> int:
         print(_versions())
         return 0
     own_group = not dist.is_initialized()  # run() joins torchrun's group for --fsdp / --ddp
+    hf_bars = None
+    if args.no_progress:  # transformers' bars too (writing the export, loading --model-dir)
+        from transformers.utils import logging as hf_logging
+
+        hf_bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
     sigterm = None
     with contextlib.suppress(ValueError):  # a handler can be set in the main thread only
         sigterm = signal.signal(signal.SIGTERM, _terminate)
@@ -1030,6 +1036,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
     finally:
+        if hf_bars:
+            hf_logging.enable_progress_bar()
         if sigterm is not None:
             signal.signal(signal.SIGTERM, sigterm)
         if own_group and dist.is_initialized():
