@@ -298,6 +298,7 @@ BAD_INPUTS = [
         "fewer than --seq-len 100000 + 1: use more data (a larger --corpus-mib, or --data FILE)",
     ),
     (["--resume", "{tmp}/nope"], "no such checkpoint directory"),
+    (["--data", "{tmp}"], "is a directory: pass a file"),  # said "no such file"
     (["--resume", "{no_manifest}"], "no_manifest has no manifest.json: it is not a complete"),
     (["--resume", "{bad_manifest}"], "manifest.json is not valid JSON"),
     (["--model-dir", "{bad_weights}", *SMALL], "model.safetensors is not a readable safetensors"),

@@ -359,6 +359,18 @@ def test_full_disk_while_training_is_one_line(tmp_path, monkeypatch, where):
         assert "metrics.jsonl: No space left on device" in err, err
 
 
+@pytest.mark.parametrize("above", ["out", "mode", "checkpoints"])
+def test_resume_of_a_folder_above_the_checkpoints_names_them(runs, tmp_path, above):
+    """--resume DIR given --out, the mode's folder or checkpoints/: one line naming the
+    newest checkpoint inside, exit 2 (it said the folder has no manifest.json)."""
+    out, ckpts = copy_base(runs, tmp_path)
+    folder = {"out": out, "mode": out / "bf16", "checkpoints": ckpts}[above]
+    code, _, err = train([*ARGS, "--resume", folder, "--out", out])
+    assert code == 2 and err.count("\n") == 1, err
+    newest = ckpts / "step_0000004"
+    assert f"holds checkpoints, it is not one: pass one of them, e.g. --resume {newest}" in err
+
+
 # --------------------------------------------------------------------------- metrics
 def test_torn_last_metrics_line_is_trimmed(runs, tmp_path):
     """A kill while a metrics line was being written leaves half a line: --resume drops it."""

@@ -762,6 +762,14 @@ def _check_resume(args, out: Path, modes: list[str]) -> None:
         path = Path(args.resume)
         if not path.is_dir():
             raise UsageError(f"--resume {path}: no such checkpoint directory")
+        # A folder above the checkpoints (--out, a mode's, checkpoints/): name those in it.
+        inside = [p for d in (path, path / "checkpoints", path / modes[0] / "checkpoints")
+                  for p in checkpoint.ordered(d)]  # fmt: skip
+        if not (path / checkpoint.MANIFEST).exists() and inside:
+            raise UsageError(
+                f"--resume {path} holds checkpoints, it is not one: pass one of them, e.g. "
+                f"--resume {inside[-1]} (the newest), or --resume alone for the newest"
+            )
         checkpoint.read_manifest(path)
 
 

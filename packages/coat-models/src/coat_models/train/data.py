@@ -173,6 +173,8 @@ def load_data(
     if path is None:
         return load_stdlib_corpus(max_bytes, tokenizer)
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"--data {path} is a directory: pass a file (.txt, .npy or .bin)")
     if not path.is_file():
         raise DataError(f"--data {path}: no such file")
     if not 0 < val_fraction < 1:
