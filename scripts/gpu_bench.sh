@@ -10,11 +10,14 @@
 #   scripts/gpu_bench.sh multi   2 GPUs. bench_fsdp.py on both; then GPU 0: bench_vila.py;
 #                                GPU 1: the fp8 packages' GPU tests, the CoatAdamW bench, the
 #                                layer profile.
-#   scripts/gpu_bench.sh speed   1 GPU. Issue 15's table through coat-train, every variant in this
-#                                one call: Llama-2-7B bf16 vs coat at micro-batch 1 x grad-accum
-#                                4 and at micro-batch 2, torchao float8 + compile at micro-batch 2
-#                                (bench_e2e; carry its wheel), coat at micro-batch 8, the 125m
-#                                preset bf16 vs coat; first a host probe (bench_e2e.py probe).
+#   scripts/gpu_bench.sh speed-accum  1 GPU. Issue 15's short steps through coat-train: the 125m
+#                                preset and Llama-2-7B at micro-batch 1 x grad-accum 4, bf16 vs
+#                                coat as coat-train runs it (CUDA graphs on by default), then coat
+#                                with --no-cuda-graphs (eager); first a host probe.
+#   scripts/gpu_bench.sh speed-batch  1 GPU. Llama-2-7B at micro-batch 2: bf16 vs coat (default),
+#                                coat eager, torchao float8 + compile (bench_e2e; carry its wheel);
+#                                coat at micro-batch 8; bench_e2e's coat vs coat-compile at
+#                                micro-batches 1 and 2.
 #   scripts/gpu_bench.sh check   1 GPU. Every GPU test, bench_quantize.py (every quantizer), the
 #                                CoatAdamW bench, the host-time profile of a layer; with CLI=1
 #                                also coat-train's 125m preset, bf16 vs coat, with and without
@@ -29,9 +32,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:-}
 case "$phase" in
-single | multi | check | speed) ;;
+single | multi | check | speed-accum | speed-batch) ;;
 *)
-  echo "usage: scripts/gpu_bench.sh single|multi|check|speed (see the comment at the top)" >&2
+  echo "usage: scripts/gpu_bench.sh single|multi|check|speed-accum|speed-batch (see the top)" >&2
   exit 2
   ;;
 esac
@@ -141,26 +144,41 @@ multi)
   head -30 "$r/profile.txt"
   tail -5 "$r/profile.log"
   ;;
-speed)
-  timeout 60 python3 $B/bench_e2e.py probe > "$r/probe.txt" 2>&1
+speed-accum | speed-batch)
   G=(--eval-batches 1 --log-every 3 --no-progress --no-export)
   train() { # train NAME TIMEOUT ARGS...: coat-train into $r/NAME.txt
     local name=$1 t=$2
     shift 2
     timeout "$t" python3 -m coat_models.train.cli "$@" --out "/tmp/speed-$name" > "$r/$name.txt" 2>&1
   }
-  train ga4 150 --preset llama2-7b --compare bf16,coat --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}"
-  train mb2 150 --preset llama2-7b --compare bf16,coat --batch-size 2 --steps 12 "${G[@]}"
-  timeout 150 python3 $B/bench_e2e.py --variants torchao --micro-batches 2 --steps 8 > "$r/torchao.txt" 2>&1
-  train mb8 90 --preset llama2-7b --mode coat --batch-size 8 --steps 8 "${G[@]}"
-  train s125 90 --preset 125m --compare bf16,coat --steps 60 --eval-batches 2 --no-progress --no-export
-  cat "$r/probe.txt"
-  for f in ga4 mb2 mb8 s125; do
+  L=(--preset llama2-7b)
+  if [ "$phase" = speed-accum ]; then
+    timeout 60 python3 $B/bench_e2e.py probe > "$r/probe.txt" 2>&1
+    train s125 100 --preset 125m --compare bf16,coat --steps 60 --eval-batches 2 --no-progress --no-export
+    train s125_eager 80 --preset 125m --mode coat --no-cuda-graphs --steps 60 --eval-batches 2 --no-progress --no-export
+    train ga4 170 "${L[@]}" --compare bf16,coat --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}"
+    train ga4_eager 110 "${L[@]}" --mode coat --no-cuda-graphs --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}"
+    runs="s125 s125_eager ga4 ga4_eager"
+  else
+    train mb2 150 "${L[@]}" --compare bf16,coat --batch-size 2 --steps 12 "${G[@]}"
+    train mb2_eager 90 "${L[@]}" --mode coat --no-cuda-graphs --batch-size 2 --steps 12 "${G[@]}"
+    timeout 150 python3 $B/bench_e2e.py --variants torchao --micro-batches 2 --steps 8 > "$r/torchao.txt" 2>&1
+    train mb8 90 "${L[@]}" --mode coat --batch-size 8 --steps 8 "${G[@]}"
+    BENCH_OUT=$r/compile.json timeout 150 python3 $B/bench_e2e.py --variants coat,coat-compile \
+      --micro-batches 1,2 --steps 6 --budget-s 140 > "$r/compile.txt" 2>&1
+    runs="mb2 mb2_eager mb8"
+  fi
+  [ -f "$r/probe.txt" ] && cat "$r/probe.txt"
+  for f in $runs; do
     echo "== $f"
     grep -E "^coat-train: |tokens/s|peak memory|out of memory|rror" "$r/$f.txt" | cut -c1-160
   done
-  echo "== torchao"
-  grep -E "^torchao|rror" "$r/torchao.txt" | head -3
+  if [ "$phase" = speed-batch ]; then
+    echo "== torchao"
+    grep -E "^torchao|rror" "$r/torchao.txt" | head -3
+    echo "== compile"
+    grep -A5 "^variant" "$r/compile.txt" | head -6
+  fi
   ;;
 check)
   # shellcheck disable=SC2086
@@ -170,10 +188,10 @@ check)
   timeout 150 python3 $B/bench_llama_layer.py host --variants coat,bf16_eager --batches 1,4 \
     --out "$r/host.txt" > "$r/host.log" 2>&1
   if [ -n "${CLI:-}" ]; then
-    for g in "" --cuda-graphs; do
+    for g in no-cuda-graphs cuda-graphs; do
       timeout 150 python3 -m coat_models.train.cli --preset 125m --compare bf16,coat --steps 60 \
-        --eval-every 60 --eval-batches 2 --device cuda --no-progress --out "$r/cli${g:+-graphs}" \
-        $g > "$r/cli${g:+-graphs}.txt" 2>&1
+        --eval-every 60 --eval-batches 2 --device cuda --no-progress --out "$r/cli-$g" \
+        "--$g" > "$r/cli-$g.txt" 2>&1
     done
   fi
   test_summary
@@ -181,7 +199,7 @@ check)
   grep -A6 "^optimizer" "$r/optim.txt"
   grep "^==\|syncs" "$r/host.txt"
   tail -3 "$r/host.log"
-  for f in "$r/cli.txt" "$r/cli-graphs.txt"; do [ -f "$f" ] && tail -12 "$f"; done
+  for f in "$r/cli-no-cuda-graphs.txt" "$r/cli-cuda-graphs.txt"; do [ -f "$f" ] && tail -12 "$f"; done
   ;;
 esac
 tar czf "$out/all.tgz" -C "$out" r && rm -rf "$r"

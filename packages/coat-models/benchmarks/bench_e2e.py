@@ -569,7 +569,7 @@ def main(argv=None) -> int:
         argv = sys.argv[1:]
     if argv[:1] == ["profile"]:
         return profile_main(argv[1:])
-    if argv[:1] == ["probe"]:  # the host probe alone (scripts/gpu_bench.sh speed)
+    if argv[:1] == ["probe"]:  # the host probe alone (scripts/gpu_bench.sh speed-accum)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         print(_probe_line(host_probe(device)), f"({device.type})")
         return 0

@@ -276,10 +276,10 @@ def test_layer_outputs_feed_the_next_op_without_view_nodes():
 
 
 def test_torch_compile_runs_coat_layers_eagerly(monkeypatch):
-    """``torch.compile(model)``: COAT layers leave the traced graph (one break per layer) and
-    run their eager path, precision flow included (``decoder_layer`` runs at every call, not
-    once while tracing); the same loss and gradients, bit for bit. Per-layer compilation,
-    what users do for speed, likewise."""
+    """``torch.compile(model)``: the base model with its COAT layers runs eagerly as one
+    piece, precision flow included (``decoder_layer`` runs at every call, not once while
+    tracing), and dynamo makes one graph (head and loss), not one per layer; the same loss
+    and gradients, bit for bit. Per-layer compilation (one graph break per layer) likewise."""
     from coat_models import blocks
 
     calls = []
@@ -301,6 +301,9 @@ def test_torch_compile_runs_coat_layers_eagerly(monkeypatch):
         return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
 
     want = loss_and_grads(model)
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
     for _ in range(2):
         calls.clear()

@@ -830,6 +830,47 @@ def test_run_header_and_oom_message_name_the_weight_cache(modes, overrides, stra
     assert note.startswith(oom) and (note == "") == (oom == "")
 
 
+@pytest.mark.parametrize(
+    "argv,device,strategy,want",
+    [
+        ([], "cuda", None, True),  # one CUDA process, a language-model preset
+        (["--preset", "125m", "--grad-accum", "4"], "cuda", None, True),
+        ([], "cpu", None, False),
+        ([], "cuda", "fsdp", False),
+        ([], "cuda", "ddp", False),
+        (["--activation-checkpointing"], "cuda", None, False),
+        (["--fp8-weight-cache"], "cuda", None, False),  # asked for: graphs would refuse it
+        (["--preset", "llava-tiny"], "cuda", None, False),  # VL batches may change shape
+    ],
+)
+def test_cuda_graphs_default(argv, device, strategy, want):
+    """coat-train records the COAT layers as CUDA graphs unless told (--no-cuda-graphs) or
+    where they do not apply; the header names the modes that have them."""
+    from coat_models.train import cli
+
+    args = cli.build_parser().parse_args(argv)
+    assert args.cuda_graphs is None  # neither flag given
+    assert cli._default_cuda_graphs(args, torch.device(device), strategy) is want
+    assert cli.build_parser().parse_args(["--no-cuda-graphs"]).cuda_graphs is False
+    cfgs = [TrainConfig(mode="bf16"), TrainConfig(mode="coat", cuda_graphs=want)]
+    assert cli._graphs_note(cfgs) == ("; CUDA graphs on (coat)" if want else "")
+    assert cli._graphs_note(cfgs[1:]) == ("; CUDA graphs on" if want else "")
+
+
+def test_no_cuda_graphs_by_default_on_cpu(tmp_path, capsys):
+    """On a CPU the default leaves graphs off: the run trains eagerly and says nothing of them;
+    --no-cuda-graphs is accepted and summary.json records what was used."""
+    from coat_models.train import cli
+
+    for flags in ([], ["--no-cuda-graphs"]):
+        out = tmp_path / str(len(flags))
+        argv = ["--mode", "coat", "--steps", "2", "--eval-every", "2", "--eval-batches", "1",
+                "--no-progress", "--no-export", "--out", str(out), *flags]  # fmt: skip
+        assert cli.main(argv) == 0
+        assert "CUDA graphs" not in capsys.readouterr().out
+        assert json.loads((out / "summary.json").read_text())["args"]["cuda_graphs"] is False
+
+
 def test_training_forward_passes_a_cache_that_keeps_nothing(tmp_path):
     """The training forward gets ``NoKVCache``: the loss of ``use_cache=False`` and of the
     default (filled) cache, bit for bit, with nothing kept and no host read of

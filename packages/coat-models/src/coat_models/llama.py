@@ -377,6 +377,19 @@ def _coat_forward_eager(layer, hidden_states, *args, **kwargs):
     return layer._coat_forward(hidden_states, *args, **kwargs)
 
 
+def _has_coat_layers(module: nn.Module) -> bool:
+    return any(getattr(m, "_coat_decoder_layer", False) for m in module.modules())
+
+
+@torch.compiler.disable
+def _base_model_eager(base_model: nn.Module, named: dict):
+    """The base model of a COAT causal LM inside ``torch.compile(model)``: run eagerly as one
+    piece, so the traced graph breaks once here instead of once per COAT layer (each break
+    adds a compiled fragment with its own guards and autograd wrapper to every step); the
+    compiled part is the head and loss."""
+    return base_model(**named)
+
+
 class _CoatCausalLM(_CoatMixin):
     """Mixed in before a causal LM's class: training with labels computes the loss in
     chunks straight from the last hidden states (no full logits tensor, no fp32 copy of it)
@@ -397,7 +410,10 @@ class _CoatCausalLM(_CoatMixin):
         return_dict = named.pop("return_dict", None)
         num_items = named.get("num_items_in_batch")
         ignore_index = named.pop("ignore_index", -100)
-        outputs = self.base_model(**named)
+        if torch.compiler.is_compiling() and _has_coat_layers(self.base_model):
+            outputs = _base_model_eager(self.base_model, named)
+        else:
+            outputs = self.base_model(**named)
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         hidden = outputs.last_hidden_state

@@ -161,9 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--cuda-graphs",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="FP8 activations on CUDA: replay the COAT decoder layers as CUDA graphs (faster "
-        "when the host cannot keep up; same numbers); other modes of --compare run as usual",
+        "when the host cannot keep up; same numbers; the graphs' pool costs memory); other "
+        "modes of --compare run as usual (default: on for language-model presets on one "
+        "CUDA GPU without --activation-checkpointing or --fp8-weight-cache)",
     )
     r.add_argument(
         "--master-dtype",
@@ -422,10 +425,32 @@ def _train_config(args, defaults, mode: str, master: str) -> TrainConfig:
             **{k: getattr(defaults, k) if v is None else v for k, v in given.items()},
             **{k: getattr(args, k) for k in ARG_FIELDS},
             weight_cache=args.fp8_weight_cache,
-            cuda_graphs=args.cuda_graphs and MODES[mode][0],
+            cuda_graphs=bool(args.cuda_graphs) and MODES[mode][0],
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def _default_cuda_graphs(args, device, strategy) -> bool:
+    """Whether a run that says neither --cuda-graphs nor --no-cuda-graphs records the COAT
+    layers: where graphs apply (one CUDA process, no activation checkpointing, no FP8 weight
+    cache asked for) and for language-model presets, whose steps have one shape (a VL
+    preset's batches may vary and would record per shape)."""
+    return (
+        device.type == "cuda"
+        and strategy is None
+        and not args.activation_checkpointing
+        and not args.fp8_weight_cache
+        and (args.preset or "tiny") not in VL_PRESETS
+    )
+
+
+def _graphs_note(cfgs: list[TrainConfig]) -> str:
+    """The run header's note of the modes whose COAT layers replay from CUDA graphs."""
+    on = [c.mode for c in cfgs if c.cuda_graphs]
+    if not on:
+        return ""
+    return "; CUDA graphs on" + (f" ({', '.join(on)})" if len(on) < len(cfgs) else "")
 
 
 def _check_cuda_graphs(args, modes, device, strategy) -> None:
@@ -843,8 +868,11 @@ def run(args) -> int:
             f"--compare {args.compare} has none: add one, or drop --master-dtype"
         )
     defaults, label = _settings(args)
+    asked_graphs = args.cuda_graphs
+    if asked_graphs is None:
+        args.cuda_graphs = _default_cuda_graphs(args, device, strategy)
     cfgs = [_train_config(args, defaults, m, d) for m, d in zip(modes, masters, strict=True)]
-    if args.cuda_graphs:
+    if asked_graphs:
         _check_cuda_graphs(args, modes, device, strategy)
     _check_data_options(args)
     if args.threads is not None:
@@ -878,7 +906,8 @@ def run(args) -> int:
         + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
         + (f" x {dist.get_world_size()} ranks" if strategy else "")
         + f"; modes: {', '.join(modes)}"
-        + _cache_note(cfgs, strategy),
+        + _cache_note(cfgs, strategy)
+        + _graphs_note(cfgs),
         flush=True,
     )
     summaries, curves = [], {}
@@ -969,6 +998,8 @@ def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device,
             torch.cuda.empty_cache()
     if oom:
         cache = _oom_cache_note(cfg, strategy)
+        if cfg.cuda_graphs:
+            cache += "; or --no-cuda-graphs (the graphs' memory pool holds the layers' buffers)"
         raise TrainError(
             f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
             f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise "

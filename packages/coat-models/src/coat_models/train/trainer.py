@@ -232,6 +232,11 @@ def prepare(model, task, cfg: TrainConfig, device, strategy=None, activation_che
             enable_cuda_graphs(model)
         except ValueError as e:  # a CPU model, another attention implementation
             raise TrainError(f"--cuda-graphs: {e}") from None
+        # The recording's side stream makes the gradient accumulators, so the first graphed
+        # backward would warn of the stream mismatch (expected: see coat_models.graphs).
+        quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+        if quiet is not None:
+            quiet(False)
     if strategy == "fsdp":
         target = distributed.shard_model(model, activation_checkpointing=activation_checkpointing)
     elif strategy == "ddp":
