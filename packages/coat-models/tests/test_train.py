@@ -637,6 +637,25 @@ def test_table_names_the_timed_steps(spans, label):
     assert row.split("  ")[0] == label
 
 
+def test_table_says_where_the_cuda_graphs_memory_is():
+    """With CUDA graphs the graphs' pool is in "other"; the note says so and names the
+    modes (and the way back to eager); without graphs it says nothing of them."""
+    from coat_models.train.memory import MemoryTracker
+    from coat_models.train.report import format_table
+
+    memory = {"device": "cuda", "measured_by": "cuda max_memory_allocated", "measured_peak": 12,
+              "tracked_peak": 10, **dict.fromkeys(MemoryTracker.KINDS, 2), "other": 2}  # fmt: skip
+    runs = [
+        {"mode": m, "master_dtype": "fp32", "train_loss": 1.0, "train_loss_window": 1,
+         "val_loss": None, "tokens_per_s": 100.0, "memory": memory, "timed_steps": [3, 1, 3],
+         "cuda_graphs": graphs}
+        for m, graphs in (("bf16", False), ("coat", True))
+    ]  # fmt: skip
+    assert "With CUDA graphs (coat; --no-cuda-graphs: eager), other includes" in format_table(runs)
+    runs[1]["cuda_graphs"] = False
+    assert "CUDA graphs" not in format_table(runs)
+
+
 def test_checkpoint_without_valid_totals_is_refused(tmp_path):
     """A checkpoint whose training state has neither this code's ``totals`` nor the earlier
     one's is refused in one line before anything is loaded, not a KeyError mid-run."""

@@ -280,6 +280,12 @@ def format_table(summaries: list[dict]) -> str:
         for r in [head] + body
     ]
     notes = ["", MEMORY_NOTE[mem[0]["device"] == "cuda"]]
+    graphed = [s["mode"] for s in summaries if s.get("cuda_graphs")]
+    if graphed:
+        notes[-1] += (
+            f" With CUDA graphs ({', '.join(graphed)}; --no-cuda-graphs: eager), other includes "
+            "the graphs' memory pool: the recorded layers' activations and gradient buffers."
+        )
     if world > 1:
         notes.append(
             f"{world} ranks ({summaries[0]['parallel']['strategy']}): tokens/s and memory{per}"

@@ -728,6 +728,7 @@ class Trainer:
             **_speed(t["timed"] if t["timed"]["time"] else t["counting"]),
             "params": sum(p.numel() for p in self.model.parameters()),
             "fp8_weight_cache": self.cfg.fp8_weight_cache(self.strategy),
+            "cuda_graphs": self.cfg.cuda_graphs,
             "memory": t["memory"],
             **self.task.summary(),
         }
