@@ -84,22 +84,25 @@ def test_vl_bad_input_gives_one_clear_line(tmp_path, capsys, argv, code, message
 
 @pytest.mark.gpu
 def test_gpu_llava_tiny_cuda_graphs_same_losses(monkeypatch, tmp_path, capsys):
-    """--cuda-graphs on a vision-language preset: the language model's COAT layers are
-    recorded; every step's loss equals the eager run's, bit for bit."""
+    """CUDA graphs on a vision-language preset (coat-train's default on a GPU): the language
+    model's COAT layers are recorded; every step's loss equals the eager run's
+    (--no-cuda-graphs), bit for bit."""
     from coat_models import graphs
 
     recorded = []
     record = graphs._record
     monkeypatch.setattr(graphs, "_record", lambda *a: (recorded.append(1), record(*a))[1])
     losses = []
-    for use_graphs in (False, True):
-        out = tmp_path / f"graphs-{use_graphs}"
+    for flags in (["--no-cuda-graphs"], []):
+        out = tmp_path / f"graphs-{len(flags)}"
         argv = ["--mode", "coat", "--steps", "4", "--device", "cuda", "--out", out, *FAST]
-        code, _, err = run([*argv, *(["--cuda-graphs"] if use_graphs else [])], capsys)
+        code, stdout, err = run([*argv, *flags], capsys)
         assert code == 0, err
+        assert bool(recorded) is not bool(flags)  # recorded by the default run only
+        assert ("CUDA graphs on" in stdout) is not bool(flags)
         losses.append([r["loss"] for r in read_jsonl(out / "coat/metrics.jsonl")
                        if r["type"] == "train"])  # fmt: skip
-    assert recorded and losses[1] == losses[0]
+    assert losses[1] == losses[0]
 
 
 # ------------------------------------------------------------------ checkpoints and resume

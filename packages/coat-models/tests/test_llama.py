@@ -303,6 +303,11 @@ def test_torch_compile_runs_coat_layers_eagerly(monkeypatch):
     want = loss_and_grads(model)
     explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    # Partly converted: the plain layer stays compiled, with a break at the COAT layer.
+    keep = lambda m, fqn: fqn.endswith(".0")  # noqa: E731
+    partial = apply_coat(tiny_llama(), module_filter_fn=keep).train()
+    explained = torch._dynamo.explain(partial)(input_ids=ids, labels=ids)
+    assert explained.graph_break_count >= 1
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
     for _ in range(2):

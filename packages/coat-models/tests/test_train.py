@@ -608,6 +608,29 @@ def test_resumed_runs_time_the_steps_they_name(tmp_path, written_by):
     assert f"tokens/s {label}" in format_table([resumed])
 
 
+def test_resume_with_other_speed_settings_times_only_its_own_steps(tmp_path):
+    """Resumed with another FP8 weight cache (or CUDA graphs) setting, which changes speed
+    and memory but no number: the summary's tokens/s and memory are of the resumed steps
+    alone (step 7: step 5 warms up, 6 and 8 count memory), not a blend of both settings;
+    with the same settings the first process's timed steps still count."""
+    from coat_models.checkpoint import checkpoint_name
+
+    tr = _tiny_trainer(tmp_path, "coat", steps=8, save_every=4, log_every=3, grad_accum=2)
+    full = tr.fit()
+    tr.close()
+    assert full["fp8_weight_cache"] and full["timed_steps"] == [4, 3, 7]
+    for cache, want in ((None, [2, 3, 7]), (False, [1, 7, 7])):
+        tr = _tiny_trainer(tmp_path, "coat", steps=8, log_every=3, grad_accum=2,
+                           weight_cache=cache)  # fmt: skip
+        resumed = tr.fit(resume=tr.ckpt_dir / checkpoint_name(4))
+        tr.close()
+        assert resumed["timed_steps"] == want
+        recs = _train_records(tmp_path)
+        if cache is False:
+            step7 = recs[7]["tokens"] / recs[7]["step_time_s"]
+            assert resumed["tokens_per_s"] == pytest.approx(step7, rel=1e-9)
+
+
 @pytest.mark.parametrize(
     ("spans", "label"),
     [
@@ -859,7 +882,7 @@ def test_run_header_and_oom_message_name_the_weight_cache(modes, overrides, stra
         ([], "cuda", "ddp", False),
         (["--activation-checkpointing"], "cuda", None, False),
         (["--fp8-weight-cache"], "cuda", None, False),  # asked for: graphs would refuse it
-        (["--preset", "llava-tiny"], "cuda", None, False),  # VL batches may change shape
+        (["--preset", "llava-tiny"], "cuda", None, True),  # VL batches: padded, one shape
     ],
 )
 def test_cuda_graphs_default(argv, device, strategy, want):
@@ -876,6 +899,62 @@ def test_cuda_graphs_default(argv, device, strategy, want):
     assert cli._graphs_note(cfgs[1:]) == ("; CUDA graphs on" if want else "")
 
 
+class _Built(Exception):
+    """Raised by a stand-in job builder: the TrainConfigs coat-train made, before training."""
+
+
+@pytest.mark.parametrize(
+    "argv,graphs,caches",
+    [
+        (["--compare", "bf16,coat"], [False, True], [False, False]),
+        (["--compare", "bf16,coat-optim"], [False, False], [False, False]),  # not refused
+        (["--mode", "coat", "--no-cuda-graphs"], [False], [False]),
+        (["--mode", "coat", "--grad-accum", "2"], [True], [False]),
+        (["--mode", "coat", "--grad-accum", "2", "--no-cuda-graphs"], [False], [True]),
+        (["--mode", "coat", "--grad-accum", "2", "--no-fp8-weight-cache"], [True], [False]),
+        (["--mode", "coat", "--fp8-weight-cache"], [False], [True]),
+        (["--mode", "coat", "--activation-checkpointing"], [False], [False]),
+        (["--mode", "coat", "--preset", "llava-tiny"], [True], [False]),
+        (["--mode", "coat", "--model-dir", "{tmp}"], [True], [False]),
+    ],
+)
+def test_run_on_cuda_resolves_graphs_and_cache_per_mode(tmp_path, monkeypatch, argv, graphs,
+                                                        caches):  # fmt: skip
+    """What ``run`` hands the trainer on a CUDA host when neither --cuda-graphs nor
+    --no-cuda-graphs is given (the default rule), or one is; ``args`` keep what was given."""
+    from coat_models.train import cli
+
+    def built(args, cfgs, *rest):
+        raise _Built(cfgs)
+
+    monkeypatch.setattr(cli, "_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(cli, "_lm_job", built)
+    monkeypatch.setattr(cli, "_vl_job", built)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    args = cli.build_parser().parse_args([*argv, "--out", str(tmp_path / "out")])
+    given = args.cuda_graphs
+    with pytest.raises(_Built) as e:
+        cli.run(args)
+    (cfgs,) = e.value.args
+    assert [c.cuda_graphs for c in cfgs] == graphs
+    assert [c.fp8_weight_cache() for c in cfgs] == caches
+    assert args.cuda_graphs is given
+
+
+def test_oom_message_names_no_cuda_graphs():
+    """With CUDA graphs the out-of-memory advice names --no-cuda-graphs, and, where
+    accumulation would then turn the FP8 weight cache on, --no-fp8-weight-cache too."""
+    from coat_models.train import cli
+
+    assert cli._oom_graphs_note(TrainConfig(mode="coat")) == ""
+    note = cli._oom_graphs_note(TrainConfig(mode="coat", cuda_graphs=True))
+    assert note.startswith("; or --no-cuda-graphs (the graphs' memory pool") and "fp8" not in note
+    note = cli._oom_graphs_note(TrainConfig(mode="coat", cuda_graphs=True, grad_accum=2))
+    assert note.endswith("; with --grad-accum > 1 add --no-fp8-weight-cache too)")
+    cfg = TrainConfig(mode="coat", cuda_graphs=True, grad_accum=2, weight_cache=False)
+    assert "fp8" not in cli._oom_graphs_note(cfg)
+
+
 def test_no_cuda_graphs_by_default_on_cpu(tmp_path, capsys):
     """On a CPU the default leaves graphs off: the run trains eagerly and says nothing of them;
     --no-cuda-graphs is accepted and summary.json records what was used."""
@@ -884,10 +963,13 @@ def test_no_cuda_graphs_by_default_on_cpu(tmp_path, capsys):
     for flags in ([], ["--no-cuda-graphs"]):
         out = tmp_path / str(len(flags))
         argv = ["--mode", "coat", "--steps", "2", "--eval-every", "2", "--eval-batches", "1",
-                "--no-progress", "--no-export", "--out", str(out), *flags]  # fmt: skip
+                "--device", "cpu", "--no-progress", "--no-export", "--out", str(out),
+                *flags]  # fmt: skip
         assert cli.main(argv) == 0
         assert "CUDA graphs" not in capsys.readouterr().out
-        assert json.loads((out / "summary.json").read_text())["args"]["cuda_graphs"] is False
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["args"]["cuda_graphs"] is (False if flags else None)  # as given
+        assert summary["runs"][0]["cuda_graphs"] is False
 
 
 def test_training_forward_passes_a_cache_that_keeps_nothing(tmp_path):

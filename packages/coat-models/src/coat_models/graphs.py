@@ -118,6 +118,13 @@ def enable_cuda_graphs(model: nn.Module) -> nn.Module:
     return model
 
 
+def cuda_graph_replays(model: nn.Module) -> int:
+    """Training forwards of ``model`` that ran its COAT layers from CUDA graphs since
+    ``enable_cuda_graphs`` (0 when graphs are off, or every call ran eagerly)."""
+    state = _STATES.get(model)
+    return 0 if state is None else state["gen"]
+
+
 def _install(model: nn.Module, layers: list[nn.Module]) -> None:
     _STATES[model] = {"enabled": True, "key": None, "layers": layers, "gen": 0}
     for layer in layers:

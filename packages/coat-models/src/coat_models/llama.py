@@ -377,8 +377,16 @@ def _coat_forward_eager(layer, hidden_states, *args, **kwargs):
     return layer._coat_forward(hidden_states, *args, **kwargs)
 
 
-def _has_coat_layers(module: nn.Module) -> bool:
-    return any(getattr(m, "_coat_decoder_layer", False) for m in module.modules())
+def _all_layers_coat(base_model: nn.Module) -> bool:
+    """Whether every decoder layer of a text base model (``.layers``) is a COAT layer: then
+    nothing in it but embeddings and the final norm would be compiled anyway. A partly
+    converted model, or a LLaVA model (vision tower, projector), keeps its compiled parts."""
+    layers = getattr(base_model, "layers", None)
+    return (
+        isinstance(layers, nn.ModuleList)
+        and len(layers) > 0
+        and all(getattr(layer, "_coat_decoder_layer", False) for layer in layers)
+    )
 
 
 @torch.compiler.disable
@@ -410,7 +418,7 @@ class _CoatCausalLM(_CoatMixin):
         return_dict = named.pop("return_dict", None)
         num_items = named.get("num_items_in_batch")
         ignore_index = named.pop("ignore_index", -100)
-        if torch.compiler.is_compiling() and _has_coat_layers(self.base_model):
+        if torch.compiler.is_compiling() and _all_layers_coat(self.base_model):
             outputs = _base_model_eager(self.base_model, named)
         else:
             outputs = self.base_model(**named)

@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="FP8 activations: keep each weight's FP8 copies (2 bytes/param) between "
         "micro-batches until the optimizer step; saves casts with --grad-accum, costs memory "
-        "(default: on with --grad-accum > 1, except under --cuda-graphs or --fsdp)",
+        "(default: on with --grad-accum > 1, unless CUDA graphs are on, the default on one "
+        "CUDA GPU, or under --fsdp)",
     )
     r.add_argument(
         "--cuda-graphs",
@@ -165,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="FP8 activations on CUDA: replay the COAT decoder layers as CUDA graphs (faster "
         "when the host cannot keep up; same numbers; the graphs' pool costs memory); other "
-        "modes of --compare run as usual (default: on for language-model presets on one "
-        "CUDA GPU without --activation-checkpointing or --fp8-weight-cache)",
+        "modes of --compare run as usual (default: on with one CUDA GPU, without "
+        "--activation-checkpointing or --fp8-weight-cache)",
     )
     r.add_argument(
         "--master-dtype",
@@ -416,7 +417,7 @@ def _settings(args):
     return PRESETS.get(name) or VL_PRESETS[name], f"preset {name}"
 
 
-def _train_config(args, defaults, mode: str, master: str) -> TrainConfig:
+def _train_config(args, defaults, mode: str, master: str, graphs: bool) -> TrainConfig:
     given = {k: getattr(args, k) for k in PRESET_FIELDS}  # None: the preset's default
     try:
         return TrainConfig(
@@ -425,7 +426,7 @@ def _train_config(args, defaults, mode: str, master: str) -> TrainConfig:
             **{k: getattr(defaults, k) if v is None else v for k, v in given.items()},
             **{k: getattr(args, k) for k in ARG_FIELDS},
             weight_cache=args.fp8_weight_cache,
-            cuda_graphs=bool(args.cuda_graphs) and MODES[mode][0],
+            cuda_graphs=graphs and MODES[mode][0],
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -433,15 +434,14 @@ def _train_config(args, defaults, mode: str, master: str) -> TrainConfig:
 
 def _default_cuda_graphs(args, device, strategy) -> bool:
     """Whether a run that says neither --cuda-graphs nor --no-cuda-graphs records the COAT
-    layers: where graphs apply (one CUDA process, no activation checkpointing, no FP8 weight
-    cache asked for) and for language-model presets, whose steps have one shape (a VL
-    preset's batches may vary and would record per shape)."""
+    layers: wherever graphs apply (one CUDA process, no activation checkpointing, no FP8
+    weight cache asked for). Every step of a run has one shape (VL batches are padded to
+    --seq-len), so the layers are recorded once."""
     return (
         device.type == "cuda"
         and strategy is None
         and not args.activation_checkpointing
         and not args.fp8_weight_cache
-        and (args.preset or "tiny") not in VL_PRESETS
     )
 
 
@@ -868,12 +868,22 @@ def run(args) -> int:
             f"--compare {args.compare} has none: add one, or drop --master-dtype"
         )
     defaults, label = _settings(args)
-    asked_graphs = args.cuda_graphs
-    if asked_graphs is None:
-        args.cuda_graphs = _default_cuda_graphs(args, device, strategy)
-    cfgs = [_train_config(args, defaults, m, d) for m, d in zip(modes, masters, strict=True)]
-    if asked_graphs:
+    # args keep what was given (None: the default); summary.json's runs say what was used.
+    graphs = args.cuda_graphs
+    if graphs is None:
+        graphs = _default_cuda_graphs(args, device, strategy)
+    cfgs = [
+        _train_config(args, defaults, m, d, graphs) for m, d in zip(modes, masters, strict=True)
+    ]
+    if args.cuda_graphs:
         _check_cuda_graphs(args, modes, device, strategy)
+    if any(c.cuda_graphs for c in cfgs):
+        # The recording's side stream makes the gradient accumulators, so the first graphed
+        # backward warns of the stream mismatch: expected (coat_models.graphs). This process
+        # is coat-train's own, so the switch stays off.
+        quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+        if quiet is not None:
+            quiet(False)
     _check_data_options(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -947,6 +957,17 @@ def _oom_cache_note(cfg: TrainConfig, strategy: str | None) -> str:
     return ""
 
 
+def _oom_graphs_note(cfg: TrainConfig) -> str:
+    """What the out-of-memory message says of CUDA graphs: their pool's memory, and that
+    without them accumulation turns the FP8 weight cache on (unless told)."""
+    if not cfg.cuda_graphs:
+        return ""
+    note = "; or --no-cuda-graphs (the graphs' memory pool holds the layers' buffers"
+    if cfg.weight_cache is None and cfg.grad_accum > 1:
+        note += "; with --grad-accum > 1 add --no-fp8-weight-cache too"
+    return note + ")"
+
+
 def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device, strategy):
     """Train one mode into ``mode_dir``; its summary (rank 0 writes and prints it)."""
     resume = _resume_point(args, mode_dir)
@@ -997,9 +1018,7 @@ def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device,
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if oom:
-        cache = _oom_cache_note(cfg, strategy)
-        if cfg.cuda_graphs:
-            cache += "; or --no-cuda-graphs (the graphs' memory pool holds the layers' buffers)"
+        cache = _oom_cache_note(cfg, strategy) + _oom_graphs_note(cfg)
         raise TrainError(
             f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
             f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise "

@@ -38,7 +38,7 @@ from fp8_optim import CoatAdamW
 from transformers import DynamicCache
 
 from .. import checkpoint, distributed
-from ..graphs import enable_cuda_graphs
+from ..graphs import cuda_graph_replays, enable_cuda_graphs
 from ..optim import create_optimizer, param_groups
 from .args import Range
 from .data import TokenData
@@ -232,11 +232,6 @@ def prepare(model, task, cfg: TrainConfig, device, strategy=None, activation_che
             enable_cuda_graphs(model)
         except ValueError as e:  # a CPU model, another attention implementation
             raise TrainError(f"--cuda-graphs: {e}") from None
-        # The recording's side stream makes the gradient accumulators, so the first graphed
-        # backward would warn of the stream mismatch (expected: see coat_models.graphs).
-        quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
-        if quiet is not None:
-            quiet(False)
     if strategy == "fsdp":
         target = distributed.shard_model(model, activation_checkpointing=activation_checkpointing)
     elif strategy == "ddp":
@@ -440,8 +435,9 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self._queued: list[tuple] = []  # (step, loss, grad norm, lr) not yet read, on the device
         self._t0: float | None = None  # start of the first queued step
-        # Steps after the first: ``timed`` (the steady state) and ``counting`` (memory).
-        self.totals = {"timed": _window(), "counting": _window(), "memory": None}
+        # Steps after the first: ``timed`` (the steady state) and ``counting`` (memory), under
+        # ``speed``, the settings that change speed and memory but no number.
+        self.totals = self._fresh_totals()
         self.train_losses: list[float] = []
         self.val_metrics: dict | None = None  # of the last evaluation: val_loss, ...
         self.progress = Progress(cfg.mode, cfg.steps, enabled=progress and self.is_main)
@@ -728,7 +724,8 @@ class Trainer:
             **_speed(t["timed"] if t["timed"]["time"] else t["counting"]),
             "params": sum(p.numel() for p in self.model.parameters()),
             "fp8_weight_cache": self.cfg.fp8_weight_cache(self.strategy),
-            "cuda_graphs": self.cfg.cuda_graphs,
+            # Asked for and replayed (a layer given an attention mask, say, runs eagerly).
+            "cuda_graphs": self.cfg.cuda_graphs and cuda_graph_replays(self.model) > 0,
             "memory": t["memory"],
             **self.task.summary(),
         }
@@ -772,6 +769,13 @@ class Trainer:
             # from an older one left checkpoints of higher steps.
             checkpoint.prune(self.ckpt_dir, self.cfg.keep_checkpoints)
         return final
+
+    def _fresh_totals(self) -> dict:
+        speed = {
+            "cuda_graphs": self.cfg.cuda_graphs,
+            "fp8_weight_cache": self.cfg.fp8_weight_cache(self.strategy),
+        }
+        return {"timed": _window(), "counting": _window(), "memory": None, "speed": speed}
 
     def _trainer_state(self) -> dict:
         """The training state besides model and optimizer (equal on every rank but ``rng``)."""
@@ -867,6 +871,14 @@ class Trainer:
         self.totals = state["totals"]
         if "timed_tokens" in self.totals:
             self.totals = _totals_of_old_checkpoint(self.totals, self.cfg, self.step)
+        now = self._fresh_totals()
+        # A checkpoint that does not say was written before coat-train's CUDA-graphs default:
+        # without graphs, and with the weight-cache rule of today.
+        then = self.totals.setdefault("speed", {**now["speed"], "cuda_graphs": False})
+        if then != now["speed"]:
+            # Resumed with other CUDA graphs / FP8 weight cache settings: tokens/s and memory
+            # count this run's steps only, not a blend of the two.
+            self.totals = now
         self.train_losses = list(state["train_losses"])
 
     def _load_file(self, path: Path):
