@@ -608,27 +608,47 @@ def test_resumed_runs_time_the_steps_they_name(tmp_path, written_by):
     assert f"tokens/s {label}" in format_table([resumed])
 
 
-def test_resume_with_other_speed_settings_times_only_its_own_steps(tmp_path):
-    """Resumed with another FP8 weight cache (or CUDA graphs) setting, which changes speed
-    and memory but no number: the summary's tokens/s and memory are of the resumed steps
-    alone (step 7: step 5 warms up, 6 and 8 count memory), not a blend of both settings;
-    with the same settings the first process's timed steps still count."""
+def test_resume_with_other_speed_settings_times_only_its_own_steps(tmp_path, monkeypatch):
+    """Resumed with another FP8 weight cache, activation checkpointing (or CUDA graphs)
+    setting, which changes speed and memory but no number: the summary's tokens/s and memory
+    are of the resumed steps alone (step 7: step 5 warms up, 6 and 8 count memory), not a
+    blend of both settings; with the same settings the first process's timed steps still
+    count; resumed at the end (nothing left to train), the checkpoint's totals are the run's."""
     from coat_models.checkpoint import checkpoint_name
+    from coat_models.train import trainer as trainer_mod
+    from coat_models.train.report import format_table
+
+    def resume(at, **overrides):
+        fields = dict(steps=8, log_every=3, grad_accum=2, **overrides)
+        tr = _tiny_trainer(tmp_path, "coat", **fields)
+        summary = tr.fit(resume=tr.ckpt_dir / checkpoint_name(at))
+        tr.close()
+        format_table([summary])  # the report of a resumed run
+        return summary
 
     tr = _tiny_trainer(tmp_path, "coat", steps=8, save_every=4, log_every=3, grad_accum=2)
     full = tr.fit()
     tr.close()
     assert full["fp8_weight_cache"] and full["timed_steps"] == [4, 3, 7]
-    for cache, want in ((None, [2, 3, 7]), (False, [1, 7, 7])):
-        tr = _tiny_trainer(tmp_path, "coat", steps=8, log_every=3, grad_accum=2,
-                           weight_cache=cache)  # fmt: skip
-        resumed = tr.fit(resume=tr.ckpt_dir / checkpoint_name(4))
-        tr.close()
-        assert resumed["timed_steps"] == want
-        recs = _train_records(tmp_path)
-        if cache is False:
-            step7 = recs[7]["tokens"] / recs[7]["step_time_s"]
-            assert resumed["tokens_per_s"] == pytest.approx(step7, rel=1e-9)
+    assert resume(4)["timed_steps"] == [2, 3, 7]
+    alone = resume(4, weight_cache=False)
+    recs = _train_records(tmp_path)
+    assert alone["timed_steps"] == [1, 7, 7]
+    assert alone["tokens_per_s"] == pytest.approx(recs[7]["tokens"] / recs[7]["step_time_s"])
+    assert alone["memory"]["tracked_peak"] > 0  # counted again, at steps 6 and 8
+    at_end = resume(8, weight_cache=False)  # was a TypeError in the report
+    assert at_end["timed_steps"] == full["timed_steps"] and at_end["memory"] == full["memory"]
+    # activation checkpointing, given to the Trainer (not a TrainConfig field)
+    made = []
+    real = trainer_mod.Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        made.append(self)
+        real(self, *args, **{**kwargs, "activation_checkpointing": True})
+
+    monkeypatch.setattr(trainer_mod.Trainer, "__init__", init)
+    assert resume(4)["timed_steps"] == [1, 7, 7]
+    assert made[-1].activation_checkpointing
 
 
 @pytest.mark.parametrize(
@@ -930,6 +950,9 @@ def test_run_on_cuda_resolves_graphs_and_cache_per_mode(tmp_path, monkeypatch, a
     monkeypatch.setattr(cli, "_device", lambda name: torch.device("cuda"))
     monkeypatch.setattr(cli, "_lm_job", built)
     monkeypatch.setattr(cli, "_vl_job", built)
+    warn = []  # torch's AccumulateGrad stream-mismatch warning: off where graphs are on
+    monkeypatch.setattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch",
+                        warn.append, raising=False)  # fmt: skip
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     args = cli.build_parser().parse_args([*argv, "--out", str(tmp_path / "out")])
     given = args.cuda_graphs
@@ -939,6 +962,31 @@ def test_run_on_cuda_resolves_graphs_and_cache_per_mode(tmp_path, monkeypatch, a
     assert [c.cuda_graphs for c in cfgs] == graphs
     assert [c.fp8_weight_cache() for c in cfgs] == caches
     assert args.cuda_graphs is given
+    assert warn == ([False] if any(graphs) else [])
+
+
+def test_summary_says_whether_the_graphs_replayed(tmp_path, monkeypatch):
+    """``summary()['cuda_graphs']``: asked for and replayed (a layer that only ever ran
+    eagerly, e.g. under an attention mask, does not count); kept in the checkpoint's totals,
+    so that a run resumed at its end still says so. (CPU: recording and replays stubbed.)"""
+    from coat_models.checkpoint import checkpoint_name
+    from coat_models.train import trainer as trainer_mod
+
+    replays = [0]
+    monkeypatch.setattr(trainer_mod, "enable_cuda_graphs", lambda model: model)
+    monkeypatch.setattr(trainer_mod, "cuda_graph_replays", lambda model: replays[0])
+    fields = dict(steps=4, save_every=4, log_every=2, cuda_graphs=True)
+    tr = _tiny_trainer(tmp_path / "never", "coat", **fields)
+    assert tr.fit()["cuda_graphs"] is False  # asked for, never replayed
+    tr.close()
+    replays[0] = 3
+    tr = _tiny_trainer(tmp_path / "replayed", "coat", **fields)
+    assert tr.fit()["cuda_graphs"] is True
+    tr.close()
+    replays[0] = 0  # a new process that trains nothing more
+    tr = _tiny_trainer(tmp_path / "replayed", "coat", **fields)
+    assert tr.fit(resume=tr.ckpt_dir / checkpoint_name(4))["cuda_graphs"] is True
+    tr.close()
 
 
 def test_oom_message_names_no_cuda_graphs():
@@ -947,10 +995,10 @@ def test_oom_message_names_no_cuda_graphs():
     from coat_models.train import cli
 
     assert cli._oom_graphs_note(TrainConfig(mode="coat")) == ""
-    note = cli._oom_graphs_note(TrainConfig(mode="coat", cuda_graphs=True))
-    assert note.startswith("; or --no-cuda-graphs (the graphs' memory pool") and "fp8" not in note
-    note = cli._oom_graphs_note(TrainConfig(mode="coat", cuda_graphs=True, grad_accum=2))
-    assert note.endswith("; with --grad-accum > 1 add --no-fp8-weight-cache too)")
+    for accum in (1, 2):  # the advice may raise --grad-accum: the cache would then turn on
+        note = cli._oom_graphs_note(TrainConfig(mode="coat", cuda_graphs=True, grad_accum=accum))
+        assert note.startswith("; or --no-cuda-graphs (the graphs' memory pool")
+        assert note.endswith("; with --grad-accum > 1 add --no-fp8-weight-cache too)")
     cfg = TrainConfig(mode="coat", cuda_graphs=True, grad_accum=2, weight_cache=False)
     assert "fp8" not in cli._oom_graphs_note(cfg)
 

@@ -963,7 +963,7 @@ def _oom_graphs_note(cfg: TrainConfig) -> str:
     if not cfg.cuda_graphs:
         return ""
     note = "; or --no-cuda-graphs (the graphs' memory pool holds the layers' buffers"
-    if cfg.weight_cache is None and cfg.grad_accum > 1:
+    if cfg.weight_cache is None:  # the advice above may raise --grad-accum
         note += "; with --grad-accum > 1 add --no-fp8-weight-cache too"
     return note + ")"
 

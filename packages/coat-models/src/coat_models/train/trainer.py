@@ -416,6 +416,7 @@ class Trainer:
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.describe = describe or {}
         self.strategy = strategy
+        self.activation_checkpointing = activation_checkpointing
         self.world = dist.get_world_size() if strategy else 1
         self.rank = dist.get_rank() if strategy else 0
         self.is_main = self.rank == 0  # writes metrics, prints progress, prunes checkpoints
@@ -725,7 +726,7 @@ class Trainer:
             "params": sum(p.numel() for p in self.model.parameters()),
             "fp8_weight_cache": self.cfg.fp8_weight_cache(self.strategy),
             # Asked for and replayed (a layer given an attention mask, say, runs eagerly).
-            "cuda_graphs": self.cfg.cuda_graphs and cuda_graph_replays(self.model) > 0,
+            "cuda_graphs": self._graphs_replayed(),
             "memory": t["memory"],
             **self.task.summary(),
         }
@@ -774,11 +775,23 @@ class Trainer:
         speed = {
             "cuda_graphs": self.cfg.cuda_graphs,
             "fp8_weight_cache": self.cfg.fp8_weight_cache(self.strategy),
+            "activation_checkpointing": self.activation_checkpointing,
         }
-        return {"timed": _window(), "counting": _window(), "memory": None, "speed": speed}
+        return {"timed": _window(), "counting": _window(), "memory": None, "speed": speed,
+                "graphs_replayed": False}  # fmt: skip
+
+    def _graphs_replayed(self) -> bool:
+        """Whether the steps the totals count ran their COAT layers from CUDA graphs (kept in
+        the totals, so that a run resumed at its end still says so)."""
+        replayed = self.totals.get("graphs_replayed", False) or (
+            self.cfg.cuda_graphs and cuda_graph_replays(self.model) > 0
+        )
+        self.totals["graphs_replayed"] = replayed
+        return replayed
 
     def _trainer_state(self) -> dict:
         """The training state besides model and optimizer (equal on every rank but ``rng``)."""
+        self._graphs_replayed()  # into the totals
         return {
             "format": 1,
             "step": self.step,
@@ -872,12 +885,14 @@ class Trainer:
         if "timed_tokens" in self.totals:
             self.totals = _totals_of_old_checkpoint(self.totals, self.cfg, self.step)
         now = self._fresh_totals()
-        # A checkpoint that does not say was written before coat-train's CUDA-graphs default:
-        # without graphs, and with the weight-cache rule of today.
-        then = self.totals.setdefault("speed", {**now["speed"], "cuda_graphs": False})
-        if then != now["speed"]:
-            # Resumed with other CUDA graphs / FP8 weight cache settings: tokens/s and memory
-            # count this run's steps only, not a blend of the two.
+        # A checkpoint written before the totals named their settings is taken to have had
+        # this run's (as before): its totals carry on.
+        then = self.totals.setdefault("speed", now["speed"])
+        if then != now["speed"] and self.step < self.cfg.steps:
+            # Resumed with other CUDA graphs / FP8 weight cache / activation checkpointing
+            # settings, which change speed and memory but no number: tokens/s and memory count
+            # this run's steps only, not a blend. (At the end nothing is left to count: the
+            # checkpoint's totals are the run's.)
             self.totals = now
         self.train_losses = list(state["train_losses"])
 
