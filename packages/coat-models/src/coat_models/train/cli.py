@@ -445,12 +445,17 @@ def _default_cuda_graphs(args, device, strategy) -> bool:
     )
 
 
+def _on_note(what: str, cfgs: list[TrainConfig], on: list[bool]) -> str:
+    """The run header's note ``; <what> on``, naming the modes when not all of them have it."""
+    modes = [c.mode for c, o in zip(cfgs, on, strict=True) if o]
+    if not modes:
+        return ""
+    return f"; {what} on" + (f" ({', '.join(modes)})" if len(modes) < len(cfgs) else "")
+
+
 def _graphs_note(cfgs: list[TrainConfig]) -> str:
     """The run header's note of the modes whose COAT layers replay from CUDA graphs."""
-    on = [c.mode for c in cfgs if c.cuda_graphs]
-    if not on:
-        return ""
-    return "; CUDA graphs on" + (f" ({', '.join(on)})" if len(on) < len(cfgs) else "")
+    return _on_note("CUDA graphs", cfgs, [c.cuda_graphs for c in cfgs])
 
 
 def _check_cuda_graphs(args, modes, device, strategy) -> None:
@@ -937,10 +942,7 @@ def run(args) -> int:
 
 def _cache_note(cfgs: list[TrainConfig], strategy: str | None) -> str:
     """The run header's note of the modes that train with the FP8 weight cache."""
-    on = [c.mode for c in cfgs if c.fp8_weight_cache(strategy)]
-    if not on:
-        return ""
-    return "; FP8 weight cache on" + (f" ({', '.join(on)})" if len(on) < len(cfgs) else "")
+    return _on_note("FP8 weight cache", cfgs, [c.fp8_weight_cache(strategy) for c in cfgs])
 
 
 def _oom_cache_note(cfg: TrainConfig, strategy: str | None) -> str:
