@@ -10,14 +10,17 @@
 #   scripts/gpu_bench.sh multi   2 GPUs. bench_fsdp.py on both; then GPU 0: bench_vila.py;
 #                                GPU 1: the fp8 packages' GPU tests, the CoatAdamW bench, the
 #                                layer profile.
-#   scripts/gpu_bench.sh speed-accum  1 GPU. Issue 15's short steps through coat-train: the 125m
-#                                preset and Llama-2-7B at micro-batch 1 x grad-accum 4, bf16 vs
-#                                coat as coat-train runs it (CUDA graphs on by default), then coat
-#                                with --no-cuda-graphs (eager); first a host probe.
+#   scripts/gpu_bench.sh speed-accum  1 GPU. Training speed through coat-train at small steps: the
+#                                125m preset and Llama-2-7B at micro-batch 1 x grad-accum 4,
+#                                bf16 vs coat as coat-train runs it (CUDA graphs on by default),
+#                                then coat with --no-cuda-graphs (eager); first a host probe.
 #   scripts/gpu_bench.sh speed-batch  1 GPU. Llama-2-7B at micro-batch 2: bf16 vs coat (default),
 #                                coat eager, torchao float8 + compile (bench_e2e; carry its wheel);
 #                                coat at micro-batch 8; bench_e2e's coat vs coat-compile at
 #                                micro-batches 1 and 2.
+#   scripts/gpu_bench.sh accuracy     1 GPU, ~5 min. The 125m preset trained 2000 steps with bf16
+#                                and coat (bench_e2e_accuracy.py), checked against the golden
+#                                loss curves; exit status 1 when a check fails.
 #   scripts/gpu_bench.sh check   1 GPU. Every GPU test, bench_quantize.py (every quantizer), the
 #                                CoatAdamW bench, the host-time profile of a layer; with CLI=1
 #                                also coat-train's 125m preset, bf16 vs coat, with and without
@@ -32,9 +35,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:-}
 case "$phase" in
-single | multi | check | speed-accum | speed-batch) ;;
+single | multi | check | speed-accum | speed-batch | accuracy) ;;
 *)
-  echo "usage: scripts/gpu_bench.sh single|multi|check|speed-accum|speed-batch (see the top)" >&2
+  echo "usage: scripts/gpu_bench.sh single|multi|check|speed-accum|speed-batch|accuracy (see the top)" >&2
   exit 2
   ;;
 esac
@@ -180,6 +183,15 @@ speed-accum | speed-batch)
     grep -A5 "^variant" "$r/compile.txt" | head -6
   fi
   ;;
+accuracy)
+  # The run (with its exported models) stays out of all.tgz; its curves and summary go in.
+  BENCH_OUT=$r/accuracy.json timeout 560 python3 $B/bench_e2e_accuracy.py --out /tmp/accuracy \
+    > "$r/accuracy.txt" 2>&1
+  status=$?
+  for m in bf16 coat; do cp /tmp/accuracy/$m/metrics.jsonl "$r/accuracy-$m.jsonl"; done
+  cp /tmp/accuracy/summary.json "$r/accuracy-summary.json"
+  grep -vE "^(step|\[)" "$r/accuracy.txt" | tail -n 30
+  ;;
 check)
   # shellcheck disable=SC2086
   gpu_tests 240 $ALL_TESTS
@@ -203,3 +215,4 @@ check)
   ;;
 esac
 tar czf "$out/all.tgz" -C "$out" r && rm -rf "$r"
+exit "${status:-0}"

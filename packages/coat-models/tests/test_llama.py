@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from types import SimpleNamespace
 
 import coat_models
 import pytest
@@ -415,7 +416,9 @@ def test_residual_adds_in_the_linears_nodes(monkeypatch, checkpointing):
         return got, sorted(type(f).__name__ for f in nodes)
 
     fused, fused_nodes = run()
-    monkeypatch.setattr(blocks.FP8_OPS, "fused_residual", False)
+    # The same op set whose linears do not take the residual (as the reference op set).
+    unfused = SimpleNamespace(**{**vars(blocks.FP8_OPS), "fused_residual": False})
+    monkeypatch.setattr(blocks, "FP8_OPS", unfused)
     plain, plain_nodes = run()
     assert torch.equal(fused[0], plain[0])
     for name, want in plain[1].items():

@@ -1,7 +1,7 @@
 """CoatAdamW step time, state bytes/param and update error against torch.optim.AdamW(fused=True)
 (and bitsandbytes AdamW8bit / torchao AdamWFp8 when importable), on the 1.20 B-parameter
-Llama-1B-shaped list of COAT.md: 16 layers, hidden 2048, MLP 8192, vocab 32000, untied head,
-147 fp32 tensors with fp32 gradients.
+Llama-1B-shaped list (the COAT paper's optimizer benchmark shape): 16 layers, hidden 2048,
+MLP 8192, vocab 32000, untied head, 147 fp32 tensors with fp32 gradients.
 
     pytest -o python_files='bench_*.py' --benchmark-only -s packages/fp8-optim/benchmarks
 

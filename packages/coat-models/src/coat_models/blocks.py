@@ -1,6 +1,6 @@
 """One Llama-shaped decoder layer as three COAT blocks, written once against an op set.
 
-The blocks (paper section 2; ``../shared/COAT.md``):
+The blocks (COAT, arXiv 2410.19313, section 2):
 
 1. ``RMSNorm -> Q, K, V projections``, fused (``rms_norm_linear``): the norm saves its
    input in FP8 (1x16 groups) and its per-row rstd; its output is quantized per tensor once

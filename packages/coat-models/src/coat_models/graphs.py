@@ -180,8 +180,7 @@ def _record(model: nn.Module, key: tuple, hidden, cos, sin) -> None:
             samples.append((h.requires_grad_(), cos.detach().clone(), sin.detach().clone()))
         # The recording's side stream creates the parameters' gradient accumulators, so
         # later backwards warn once of a stream mismatch (and wait on that idle stream). Making
-        # them first on this stream breaks the capture instead (cudaErrorStreamCaptureImplicit,
-        # seen on an H200, 2026-11-30).
+        # them first on this stream breaks the capture instead (cudaErrorStreamCaptureImplicit).
         with torch.autocast("cuda", enabled=False), torch.enable_grad():
             graphed = torch.cuda.make_graphed_callables(
                 tuple(_LayerBody(layer) for layer in layers), tuple(samples)

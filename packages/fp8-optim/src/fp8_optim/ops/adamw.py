@@ -64,17 +64,12 @@ class AdamWLaunch:
     A chunk is ``block_g`` whole groups of one tensor; ``group_threads`` threads share a
     group (G / group_threads elements each), one warp per 32 / group_threads groups. Fewer
     elements per thread: fewer registers, more warps in flight to hide memory latency;
-    more: the per-group work is shared by fewer threads. H200 sweep (1.20 B params, ms;
-    groups x threads/group, BENCHMARKS.md run 7): 8x16 5.16, 4x16 5.13, 16x16 5.47, 8x16
-    with maxnreg 48 5.23, 8x32 6.18 (an offline sm_90 build: 616 instructions and 56
-    registers per thread of 8 elements at 8x16; 4 elements at 8x32, 40 registers).
+    more: the per-group work is shared by fewer threads. The defaults were the fastest of
+    ``benchmarks/sweep_adamw_gpu.py``'s shapes on an H200.
 
     ``num_warps``: None gives one warp per 32 / group_threads groups (a group never spans
     warps). ``maxnreg``: register cap per thread (None: the compiler's choice).
-    One program per chunk (1.17 M programs for 1.2 B params): programs looping over several
-    chunks were measured slower on an H200 (1.14-1.37x torch fused's speed against 1.66x
-    for one chunk per program with the kernel of then, BENCHMARKS.md), so that option was
-    removed.
+    One program per chunk: a program looping over several chunks was slower on an H200.
     """
 
     block_g: int = 8

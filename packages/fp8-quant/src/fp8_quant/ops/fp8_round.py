@@ -26,9 +26,9 @@ rounds down (1.0625001 -> 1.0, triton-lang/triton#11753); before sm_89 it does n
 The integer ``fp8_encode`` is plain fp32 and int32 arithmetic whose results IEEE 754 fixes
 exactly, so the interpreter (numpy) and every GPU give the same bits. On sm_90+ Triton emits
 one ``cvt.rn.satfinite.e4m3x2.f32`` per two values (the integer encode is ~13 instructions a
-value): the per-group quantize went from 72-85% to 96-103% of copy bandwidth on an H200
-(E4M3, same bits on random and edge inputs). ``tests/test_fp8_round.py -m gpu`` checks the
-cast of both formats on every bf16 and fp16 pattern and on every tie and its neighbours.
+value), so the quantizers run near copy bandwidth with it. ``tests/test_fp8_round.py -m
+gpu`` checks the cast of both formats on every bf16 and fp16 pattern and on every tie and
+its neighbours.
 
 Why ``tl.math.div_rn`` for the two per-group divisions: Triton lowers an fp32 ``/`` to
 ``div.full.f32`` on NVIDIA GPUs (up to 2 ulp off), while torch divides correctly rounded;
