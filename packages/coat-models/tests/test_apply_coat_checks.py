@@ -18,12 +18,7 @@ from torch import nn
 VOCAB = 256
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:

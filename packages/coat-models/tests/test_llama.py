@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import transformers
 from coat_models import apply_coat, is_coat, linear_cross_entropy, revert_coat
 from coat_models.testing import TINY_LLAMA as TINY
-from coat_models.testing import tiny_llama
+from coat_models.testing import sqnr, tiny_llama
 from fp8_activations import handed_over
 from fp8_activations.ops import cached_weight_fp8
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
@@ -23,23 +23,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 VOCAB = 256
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These models are tiny: one thread is faster than two, and far faster on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tokens(batch: int = 4, seq: int = 64, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio of ``x`` against ``ref`` in dB."""
-    ref, x = ref.double(), x.double()
-    return 10 * math.log10(ref.pow(2).sum().item() / (ref - x).pow(2).sum().item())
 
 
 def causal_lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 
 import numpy as np
 import pytest
 import torch
 import transformers
 from coat_models.optim import param_groups
+from coat_models.testing import sqnr
 from coat_models.train.presets import build_vlm
 from coat_models.train.tasks import VLTask
 from coat_models.train.trainer import TrainConfig, Trainer
@@ -38,15 +38,7 @@ from transformers import LlavaForConditionalGeneration
 STEPS = 50
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny model's matrices are ~100 x 100: one thread is fastest, and spares the
-    OpenMP spin-wait that made a 440x64 @ 64x176 matmul 87x slower with 2 threads (19.7 ms
-    instead of 0.23 ms) on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_llava(seed: int = 0) -> LlavaForConditionalGeneration:
@@ -70,12 +62,6 @@ def test_tiny_config_vocabulary_is_the_task_s():
     vocab = config.text_config.vocab_size
     assert vl_data.VL_VOCAB <= vocab < vl_data.VL_VOCAB + 64 and vocab % 64 == 0
     assert config.text_config.intermediate_size == 176  # 64 * 11 / 4, a multiple of 16
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio of ``x`` against ``ref`` in dB."""
-    ref, x = ref.double(), x.double()
-    return 10 * math.log10(ref.pow(2).sum().item() / (ref - x).pow(2).sum().item())
 
 
 def logits_and_grads(model, batch):

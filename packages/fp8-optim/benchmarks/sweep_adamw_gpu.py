@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -34,7 +33,7 @@ import torch
 import triton
 from fp8_optim import CoatAdamW
 from fp8_optim.ops import AdamWLaunch
-from fp8_quant.timing import cuda_ms_per_call
+from fp8_quant.timing import cuda_ms_per_call, gpu_state
 
 L = AdamWLaunch
 # (name, launch): the default first, then by expected value; names are
@@ -64,24 +63,6 @@ def llama_1b_shapes(layers=16, hidden=2048, mlp=8192, vocab=32000):
         shapes += [(hidden, hidden)] * 4 + [(mlp, hidden)] * 2 + [(hidden, mlp)]
         shapes += [(hidden,), (hidden,)]
     return shapes + [(hidden,), (vocab, hidden)]
-
-
-def gpu_state() -> str:
-    """Clocks, power, temperature and throttle reasons (read-only nvidia-smi query)."""
-    base = "name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu"
-    for fields in (base + ",clocks_event_reasons.active", base):
-        try:
-            r = subprocess.run(
-                ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return f"nvidia-smi unavailable: {e}"
-        if r.returncode == 0:
-            return f"{fields}: {r.stdout.strip()}"
-    return f"nvidia-smi failed: {r.stderr.strip()[:200]}"
 
 
 class Timer:

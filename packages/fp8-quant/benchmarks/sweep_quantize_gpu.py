@@ -36,7 +36,6 @@ import importlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -45,7 +44,7 @@ import triton
 from fp8_quant import FP8Format, reference
 from fp8_quant.ops import hw_cast_supported
 from fp8_quant.ops.fp8_round import HW_CAST_ENV
-from fp8_quant.timing import cuda_ms_per_call
+from fp8_quant.timing import cuda_ms_per_call, gpu_state
 
 qpg = importlib.import_module("fp8_quant.ops.quantize_per_group")  # the module, not the op
 GroupLaunch = qpg.GroupLaunch
@@ -117,24 +116,6 @@ class Timer:
         for _ in range(n):
             fn()
         return (time.perf_counter() - t0) / n * 1e3
-
-
-def gpu_state() -> str:
-    """Clocks, power, temperature and throttle reasons (read-only nvidia-smi query)."""
-    base = "name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu"
-    for fields in (base + ",clocks_event_reasons.active", base):
-        try:
-            r = subprocess.run(
-                ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return f"nvidia-smi unavailable: {e}"
-        if r.returncode == 0:
-            return f"{fields}: {r.stdout.strip()}"
-    return f"nvidia-smi failed: {r.stderr.strip()[:200]}"
 
 
 # ------------------------------------------------------------------------------ inputs

@@ -1,4 +1,5 @@
-"""Tiny random-init Llama models for tests, examples and benchmarks on a CPU.
+"""Tiny random-init Llama models for tests, examples and benchmarks on a CPU, and the error
+measure the tests compare them with.
 
 One definition of "a tiny Llama" that every test module (and the worker processes some of
 them spawn) imports; tests that need another shape pass overrides.
@@ -7,6 +8,8 @@ them spawn) imports; tests that need another shape pass overrides.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -40,3 +43,9 @@ def tiny_llama(seed: int = 0, **overrides):
     config = tiny_llama_config(**overrides)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``x`` against ``ref`` in dB (in float64)."""
+    ref, x = ref.double(), x.double()
+    return 10 * math.log10(ref.pow(2).sum().item() / (ref - x).pow(2).sum().item())

@@ -1,5 +1,5 @@
-"""Device time per call from CUDA events, the one helper every package's benchmarks and
-profiles use (``fp8_quant`` is the package they all depend on).
+"""Device time per call from CUDA events, and the GPU's clocks and throttle state: the helpers
+every package's benchmarks and profiles use (``fp8_quant`` is the package they all depend on).
 
 ``triton.testing.do_bench`` times one call at a time and flushes L2 between calls; a
 training step runs its kernels back to back from a warm L2 with the host queueing ahead.
@@ -8,11 +8,12 @@ training step runs its kernels back to back from a warm L2 with the host queuein
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["cuda_ms_per_call"]
+__all__ = ["cuda_ms_per_call", "gpu_state"]
 
 
 def cuda_ms_per_call(
@@ -52,3 +53,23 @@ def cuda_ms_per_call(
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return sorted(times)[rounds // 2]
+
+
+def gpu_state() -> str:
+    """Clocks, power, temperature and throttle reasons of the GPUs, one read-only
+    ``nvidia-smi`` query (older drivers lack the throttle field: asked again without it),
+    for a benchmark to print beside its numbers; a line saying why when nvidia-smi fails."""
+    base = "name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu"
+    for fields in (base + ",clocks_event_reasons.active", base):
+        try:
+            r = subprocess.run(
+                ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"nvidia-smi unavailable: {e}"
+        if r.returncode == 0:
+            return f"{fields}: {r.stdout.strip()}"
+    return f"nvidia-smi failed: {r.stderr.strip()[:200]}"
