@@ -3,10 +3,12 @@ example fails a check instead of a user.
 
     python scripts/run_readme.py packages/fp8-quant/README.md [MORE.md ...]
 
-The blocks of one README run in order in one namespace (a later block may continue an
-earlier one), in a fresh temporary working directory, so what they write lands nowhere and
-the checkout's ``packages/`` is not importable by accident: the installed packages run.
-A traceback points at the README's own line numbers.
+Each block runs on its own, in a fresh namespace (a new ``__main__``-like dict per block), as
+a reader who pastes just that block into a new interpreter would: a block that uses a name
+only an earlier block defines fails with NameError, so every block must carry its own imports
+and setup. The blocks of one README run in order, in one fresh temporary working directory,
+so what they write lands nowhere and the checkout's ``packages/`` is not importable by
+accident: the installed packages run. A traceback points at the README's own line numbers.
 
 A block states what it needs beyond its package with an HTML comment (invisible on GitHub)
 on the line right above its fence:
@@ -15,7 +17,7 @@ on the line right above its fence:
     <!-- readme: needs transformers accelerate -->   skipped unless these modules import
     <!-- readme: needs torchrun -->                  a whole program: run on its own under
                                                      `torchrun --standalone --nproc-per-node 2`
-                                                     (gloo on CPU), not in the shared namespace
+                                                     (gloo on CPU), not in this process
 
 Skipped blocks are listed with their reason. Exit status: 0 when every block that ran
 passed, 1 when one failed, 2 for bad arguments (a missing file, a README without a python
@@ -125,12 +127,12 @@ def run_torchrun(block: Block, workdir: Path) -> None:
 
 
 def run_readme(path: Path, *, torchrun: bool = True, log=print) -> list[tuple[Block, str]]:
-    """Run the python blocks of ``path``; returns ``(block, "ran" | "skipped: why")`` for
-    each. Raises the first failing block's exception (its traceback names the README line).
-    ``torchrun=False`` leaves out the blocks that need torchrun (they take a while)."""
+    """Run the python blocks of ``path`` in order, each in a fresh namespace; returns
+    ``(block, "ran" | "skipped: why")`` for each. Raises the first failing block's exception
+    (its traceback names the README line). ``torchrun=False`` leaves out the blocks that need
+    torchrun (they take a while)."""
     path = Path(path).resolve()
     blocks = python_blocks(path)
-    namespace: dict = {"__name__": "__main__"}
     results = []
     cwd = os.getcwd()
     with tempfile.TemporaryDirectory(prefix="readme-") as tmp:
@@ -147,8 +149,9 @@ def run_readme(path: Path, *, torchrun: bool = True, log=print) -> list[tuple[Bl
                 if block.torchrun:
                     run_torchrun(block, Path(tmp))
                 else:
+                    # A fresh namespace per block: what a reader pastes alone must run alone.
                     padded = "\n" * (block.line - 1) + block.code
-                    exec(compile(padded, str(path), "exec"), namespace)  # noqa: S102
+                    exec(compile(padded, str(path), "exec"), {"__name__": "__main__"})  # noqa: S102
                 results.append((block, "ran"))
         finally:
             os.chdir(cwd)

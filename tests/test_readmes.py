@@ -63,26 +63,54 @@ def _write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_blocks_share_one_namespace_and_run_in_order(tmp_path):
+def test_blocks_run_in_order_in_one_temporary_directory(tmp_path):
     path = _write(
         tmp_path,
         """\
         # demo
         ```python
-        x = [1]
+        from pathlib import Path
+
+        assert __name__ == "__main__"
+        assert not Path("README.md").exists()  # not the README's directory
+        Path("log.txt").write_text("first")
         ```
         text, then a bash block that is not run:
         ```bash
         exit 1
         ```
         ```python
-        x.append(2)
-        assert x == [1, 2]
+        from pathlib import Path
+
+        assert Path("log.txt").read_text() == "first"
         ```
         """,
     )
     results = runner.run_readme(path, log=lambda _: None)
-    assert [(b.line, status) for b, status in results] == [(3, "ran"), (10, "ran")]
+    assert [(b.line, status) for b, status in results] == [(3, "ran"), (14, "ran")]
+    assert not (tmp_path / "log.txt").exists()  # written in the runner's temporary directory
+
+
+@pytest.mark.parametrize(
+    "first, second, name",
+    [
+        pytest.param("x = [1]", "x.append(2)", "x", id="variable"),
+        pytest.param("import torch", "torch.zeros(1)", "torch", id="import"),
+        pytest.param("def f():\n    return 1", "f()", "f", id="function"),
+    ],
+)
+def test_a_block_cannot_use_names_of_an_earlier_block(tmp_path, first, second, name):
+    """Each block runs as a reader who pastes only that block runs it."""
+    path = tmp_path / "README.md"
+    path.write_text(f"```python\n{first}\n```\n\n```python\n{second}\n```\n")
+    second_line = first.count("\n") + 6
+    log = []
+    with pytest.raises(NameError, match=f"name '{name}' is not defined") as info:
+        runner.run_readme(path, log=log.append)
+    where = str(path.resolve())
+    assert log == [f"{where}:2: running", f"{where}:{second_line}: running"]  # the first ran
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert (where, second_line) in [(f.filename, f.lineno) for f in frames]
 
 
 def test_a_failing_block_raises_with_the_readme_line(tmp_path):
@@ -94,6 +122,7 @@ def test_a_failing_block_raises_with_the_readme_line(tmp_path):
         ```
 
         ```python
+        ok = 2
         y = ok + undefined_name
         ```
         """,
@@ -101,7 +130,7 @@ def test_a_failing_block_raises_with_the_readme_line(tmp_path):
     with pytest.raises(NameError, match="undefined_name") as info:
         runner.run_readme(path, log=lambda _: None)
     frames = traceback.extract_tb(info.value.__traceback__)
-    assert (str(path.resolve()), 6) in [(f.filename, f.lineno) for f in frames]
+    assert (str(path.resolve()), 7) in [(f.filename, f.lineno) for f in frames]
 
 
 def test_needs_marker_skips_what_is_missing(tmp_path):
