@@ -15,7 +15,13 @@ PACKAGES = ["fp8_quant", "fp8_optim", "fp8_activations", "coat_models"]
 DOCUMENTED = {
     "fp8_quant": {"Backend", "FP8Format", "quantize_per_group", "resolve_backend"},
     "fp8_optim": {"CoatAdamW", "CoatAdamWConfig"},
-    "fp8_activations": {"FP8ActivationConfig", "convert_to_fp8_activations", "handed_over"},
+    "fp8_activations": {
+        "FP8ActivationConfig",
+        "convert_to_fp8_activations",
+        "handed_over",
+        "HandOver",
+        "weight_cache_fresh",
+    },
     "coat_models": {"apply_coat", "revert_coat", "create_optimizer", "enable_cuda_graphs"},
 }
 

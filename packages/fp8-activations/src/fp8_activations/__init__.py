@@ -19,7 +19,7 @@ from .functional import (
     weight_cache_fresh,
 )
 from .modules import FP8GELU, FP8LayerNorm, FP8Linear, FP8RMSNorm, FP8SiLU
-from .tensor import FP8Tensor, Granularity, handed_over
+from .tensor import FP8Tensor, Granularity, HandOver, handed_over
 
 __version__ = "0.1.0"
 
@@ -32,6 +32,7 @@ __all__ = [
     "FP8SiLU",
     "FP8Tensor",
     "Granularity",
+    "HandOver",
     "cast_weights",
     "convert_to_fp8_activations",
     "fp8_linear",
