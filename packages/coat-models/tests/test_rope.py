@@ -1,4 +1,4 @@
-"""coat_models.rope: the fused RoPE kernel (CPU: Triton interpreter) against its plain-PyTorch
+"""coat_models.ops.rope: the fused RoPE kernel (CPU: Triton interpreter) against its plain-PyTorch
 reference and transformers' ``apply_rotary_pos_emb``, forward and backward, bit for bit; the
 COAT layer takes it where the model's RoPE is the standard one (same bits as without it);
 torch.compile; the fallbacks."""
@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from coat_models import blocks, reference, rope
+from coat_models import blocks, reference
+from coat_models.ops import rope
 from fp8_activations import FP8ActivationConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_rope
 

@@ -1,5 +1,9 @@
-"""``residual=`` of fp8_linear and swiglu_linear: the linear and the residual add in one
-autograd node, with the bits and the hand-over of ``residual_add(linear(...), residual)``."""
+"""fp8_activations.ops.residual_add: the op itself (every output and gradient against the
+float64 autograd result, Triton against the reference, the FP8 codes it hands over bit for
+bit, nothing kept for backward: ``op_checks`` in conftest.py; no FP8 in its math at all, the
+gradient is the identity -> floor 45 / exact), and ``residual=`` of fp8_linear and
+swiglu_linear: the linear and the residual add in one autograd node, with the bits and the
+hand-over of ``residual_add(linear(...), residual)``."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import fp8_activations as fa
 import pytest
 import torch
 from fp8_activations import FP8ActivationConfig, handed_over
+from fp8_activations.ops.residual_add import residual_add_fwd
 
 
 def _linear_inputs(dtype=torch.bfloat16):
@@ -128,3 +133,74 @@ def test_compiles_whole_with_the_same_bits(name):
     got = run(torch.compile(fused, backend="aot_eager", fullgraph=True))
     torch._dynamo.reset()
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+# ------------------------------------------------------------------ the op on its own
+ADD_CASES = {
+    "residual_add": dict(
+        fp8=lambda c: lambda x, r: fa.residual_add(x, r, c), ref=lambda x, r: x + r,
+        inputs="xx", floors={"out": 45, 0: 200, 1: 200}, saves=(), emits="fp8",
+    ),
+}  # fmt: skip
+# name -> (forward launcher with every input quantized and emit="fp8", saved inputs)
+FWD_FP8 = {
+    "residual_add": (lambda x, r, be: residual_add_fwd(x, r, 16, "e4m3", "fp8", be), 0),
+}
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
+
+
+@pytest.mark.parametrize("name", ADD_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sqnr_vs_float64_autograd(name, dtype, backend, op_checks):
+    op_checks.sqnr(ADD_CASES[name], dtype, backend)
+
+
+@pytest.mark.parametrize("name", ADD_CASES)
+@pytest.mark.parametrize(
+    "shape", [(3, 67), (2, 5, 48), (33, 16)], ids=["M3-N67", "B2-M5-N48", "M33-N16"]
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_matches_reference(name, shape, dtype, triton_available, op_checks):
+    """Under the interpreter on CPU; see ``_compare_backends`` in conftest.py."""
+    op_checks.backends_match(ADD_CASES[name], shape, dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ADD_CASES)
+@pytest.mark.parametrize(
+    "shape", [(3, 67), (1024, 4096), (96, 11008)], ids=["M3-N67", "M1024-N4096", "M96-N11008"]
+)
+def test_cuda_triton_matches_reference(name, shape, op_checks):
+    """Compiled kernels on the GPU vs the reference on the same GPU tensors."""
+    op_checks.backends_match(ADD_CASES[name], shape, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ADD_CASES)
+def test_cuda_sqnr_vs_float64_autograd(name, op_checks):
+    op_checks.cuda_sqnr(ADD_CASES[name])
+
+
+@pytest.mark.parametrize("name", FWD_FP8)
+@pytest.mark.parametrize("shape", [(3, 67), (33, 48)], ids=["M3-N67", "M33-N48"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_codes_match_reference(name, shape, dtype, triton_available, op_checks):
+    """Under the interpreter the launchers take the integer encode (no hardware cast)."""
+    op_checks.interpreted_fp8_codes(FWD_FP8[name], ADD_CASES[name], shape, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FWD_FP8)
+@pytest.mark.parametrize(
+    "shape", [(3, 67), (1024, 4096), (96, 11008)], ids=["M3-N67", "M1024-N4096", "M96-N11008"]
+)
+def test_cuda_fp8_codes_match_reference(name, shape, op_checks):
+    """The hardware cast where ``hw_cast_supported`` (sm_90+), else the integer encode."""
+    op_checks.fp8_codes_match(FWD_FP8[name], ADD_CASES[name], shape, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("name", ADD_CASES)
+def test_saved_bytes(name, op_checks):
+    """Exactly 1 B/elem + 4 B per 16 elements per saved input, at most 0.63x the eager BF16
+    op's (``_saved_bytes`` in conftest.py)."""
+    op_checks.saved_bytes(ADD_CASES[name])

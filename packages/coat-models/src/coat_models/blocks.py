@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import rope
+from .ops import rope
 
 FP8_OPS = SimpleNamespace(
     rms_norm=fa.rms_norm,
@@ -128,7 +128,7 @@ def attention(
     plus ``residual`` when given; ``o_amax``: its weight's max |w| or None, ``o_cast`` its
     item of ``ops.cast_weights`` or None.
 
-    RoPE is ``coat_models.rope``'s one kernel for q and k (the same bits) when the model's
+    RoPE is ``coat_models.ops.rope``'s one kernel for q and k (the same bits) when the model's
     ``apply_rotary_pos_emb`` is the standard ``rotate_half`` one and Triton runs, the
     model's own function otherwise. The kernel leaves no layout copies around SDPA, forward
     or backward: q, k, v stay ``(batch, seq, heads, head_dim)`` memory seen as ``(batch,

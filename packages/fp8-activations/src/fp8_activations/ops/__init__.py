@@ -2,7 +2,7 @@
 wrap them (so ``torch.compile`` sees opaque nodes) and one ``autograd.Function``.
 
 ``kernel_utils`` is the public part of what they share, for kernels of other packages
-(``coat_models.rope``); ``_common`` is private to these files."""
+(``coat_models.ops.rope``); ``_common`` is private to these files."""
 
 from .gelu import GELUFunction
 from .layer_norm import LayerNormFunction
