@@ -80,9 +80,32 @@ DATA_DEFAULTS = {
     "val_fraction": 0.05,
     "corpus_mib": STDLIB_MAX_BYTES / 2**20,
 }
-# TrainConfig fields given by options of the same name (with parser defaults).
-ARG_FIELDS = ("grad_accum", "min_lr_ratio", "weight_decay", "grad_clip", "seed", "log_every",
-              "save_every", "keep_checkpoints", "report_to")  # fmt: skip
+# TrainConfig fields given by options of the same name: (field, parser default, help); a
+# default of None is the preset's. Each option parses with the field's range (``RANGES``).
+TRAIN_OPTIONS = (
+    ("batch_size", None, "sequences per micro-batch"),
+    ("seq_len", None, "tokens per sequence"),
+    ("grad_accum", 1, "micro-batches per step"),
+    ("steps", None, "optimizer steps"),
+    ("lr", None, "peak learning rate"),
+    ("min_lr_ratio", 0.1, "cosine floor / peak lr"),
+    ("warmup", None, "linear warmup steps"),
+    ("weight_decay", 0.1, "AdamW's, on matrices"),
+    ("grad_clip", 1.0, "max grad norm; 0: off"),
+    ("seed", 0, "of the initial weights and the batches"),
+    ("eval_every", None, "steps between validation passes; 0: at the end only"),
+    ("eval_batches", None, "validation batches per pass"),
+    (
+        "log_every",
+        10,
+        "steps between reads of loss, grad norm and speed from the GPU (the loop "
+        "does not wait for the GPU in between; metrics.jsonl still has every step)",
+    ),
+)
+OUTPUT_OPTIONS = (
+    ("save_every", 0, "checkpoint every N steps; 0: off"),
+    ("keep_checkpoints", 2, "newest N kept per mode"),
+)
 VERSIONED = ("fp8-quant", "fp8-optim", "fp8-activations", "coat-models", "torch", "triton",
              "transformers")  # fmt: skip
 
@@ -117,9 +140,13 @@ def _mode_list(text: str) -> str:
     return ",".join(names)
 
 
-def _field(name: str):
-    """The parser's type for TrainConfig field ``name``: its range (one rule, ``RANGES``)."""
-    return RANGES[name].parse
+def _add_fields(group, options) -> None:
+    for name, default, text in options:
+        if default is not None:
+            text += f" (default {default})"
+        group.add_argument(
+            f"--{name.replace('_', '-')}", type=RANGES[name].parse, default=default, help=text
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,62 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"cap on the built-in corpus size (default {DATA_DEFAULTS['corpus_mib']:g})",
     )
     t = p.add_argument_group("training (where no default is stated: the preset's)")
-    t.add_argument("--batch-size", type=_field("batch_size"), help="sequences per micro-batch")
-    # Labels are the inputs shifted by one: one token predicts nothing and the loss is 0/0,
-    # which would surface as a NaN with the wrong remedy (--lr).
-    t.add_argument(
-        "--seq-len",
-        type=_field("seq_len"),
-        help="tokens per sequence",
-    )
-    t.add_argument(
-        "--grad-accum",
-        type=_field("grad_accum"),
-        default=1,
-        help="micro-batches per step (default 1)",
-    )
-    t.add_argument("--steps", type=_field("steps"), help="optimizer steps")
-    t.add_argument("--lr", type=_field("lr"), help="peak learning rate")
-    t.add_argument(
-        "--min-lr-ratio",
-        type=_field("min_lr_ratio"),
-        default=0.1,
-        help="cosine floor / peak lr (default 0.1)",
-    )
-    t.add_argument("--warmup", type=_field("warmup"), help="linear warmup steps")
-    t.add_argument(
-        "--weight-decay",
-        type=_field("weight_decay"),
-        default=0.1,
-        help="AdamW's, on matrices (default 0.1)",
-    )
-    t.add_argument(
-        "--grad-clip",
-        type=_field("grad_clip"),
-        default=1.0,
-        help="max grad norm; 0: off (default 1.0)",
-    )
-    t.add_argument(
-        "--seed",
-        type=_field("seed"),
-        default=0,
-        help="of the initial weights and the batches (default 0)",
-    )
-    t.add_argument(
-        "--eval-every",
-        type=_field("eval_every"),
-        help="steps between validation passes; 0: at the end only",
-    )
-    t.add_argument(
-        "--eval-batches", type=_field("eval_batches"), help="validation batches per pass"
-    )
-    t.add_argument(
-        "--log-every",
-        type=_field("log_every"),
-        default=10,
-        help="steps between reads of loss, grad norm and speed from the GPU (the loop does not "
-        "wait for the GPU in between; metrics.jsonl still has every step; default 10)",
-    )
+    _add_fields(t, TRAIN_OPTIONS)
     g = p.add_argument_group(
         "several GPUs (under torchrun --nproc-per-node N; rank r takes micro-batches "
         "r, N + r, ...: N ranks with --grad-accum A see the tokens of one process with N*A)"
@@ -283,18 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="runs/coat-train",
         help="output directory: new, empty, or one coat-train wrote (default %(default)s)",
     )
-    o.add_argument(
-        "--save-every",
-        type=_field("save_every"),
-        default=0,
-        help="checkpoint every N steps; 0: off (default 0)",
-    )
-    o.add_argument(
-        "--keep-checkpoints",
-        type=_field("keep_checkpoints"),
-        default=2,
-        help="newest N kept per mode (default 2)",
-    )
+    _add_fields(o, OUTPUT_OPTIONS)
     o.add_argument(
         "--resume",
         nargs="?",
@@ -418,13 +379,14 @@ def _settings(args):
 
 
 def _train_config(args, defaults, mode: str, master: str, graphs: bool) -> TrainConfig:
-    given = {k: getattr(args, k) for k in PRESET_FIELDS}  # None: the preset's default
+    fields = {k: getattr(args, k) for k, _, _ in (*TRAIN_OPTIONS, *OUTPUT_OPTIONS)}
+    fields |= {k: getattr(defaults, k) for k in PRESET_FIELDS if fields[k] is None}
     try:
         return TrainConfig(
             mode=mode,
             master_dtype=master,
-            **{k: getattr(defaults, k) if v is None else v for k, v in given.items()},
-            **{k: getattr(args, k) for k in ARG_FIELDS},
+            **fields,
+            report_to=args.report_to,
             weight_cache=args.fp8_weight_cache,
             cuda_graphs=graphs and MODES[mode][0],
         )
@@ -435,8 +397,7 @@ def _train_config(args, defaults, mode: str, master: str, graphs: bool) -> Train
 def _default_cuda_graphs(args, device, strategy) -> bool:
     """Whether a run that says neither --cuda-graphs nor --no-cuda-graphs records the COAT
     layers: wherever graphs apply (one CUDA process, no activation checkpointing, no FP8
-    weight cache asked for). Every step of a run has one shape (VL batches are padded to
-    --seq-len), so the layers are recorded once."""
+    weight cache asked for). Every step has one shape (VL batches are padded to --seq-len)."""
     return (
         device.type == "cuda"
         and strategy is None
@@ -456,6 +417,11 @@ def _on_note(what: str, cfgs: list[TrainConfig], on: list[bool]) -> str:
 def _graphs_note(cfgs: list[TrainConfig]) -> str:
     """The run header's note of the modes whose COAT layers replay from CUDA graphs."""
     return _on_note("CUDA graphs", cfgs, [c.cuda_graphs for c in cfgs])
+
+
+def _cache_note(cfgs: list[TrainConfig], strategy: str | None) -> str:
+    """The run header's note of the modes that train with the FP8 weight cache."""
+    return _on_note("FP8 weight cache", cfgs, [c.fp8_weight_cache(strategy) for c in cfgs])
 
 
 def _check_cuda_graphs(args, modes, device, strategy) -> None:
@@ -499,15 +465,13 @@ def _check_fits(n_params, modes, masters, device, label, strategy, cfg, vocab, t
     whose logits over ``vocab`` alone do, instead of being killed half-way (on CPU the
     kernel's OOM killer ends the process without a word). FSDP2 splits the former."""
     shards = dist.get_world_size() if strategy == "fsdp" else 1
+    sharing = 1
     if device.type == "cuda":
-        total, where, sharing = (
-            torch.cuda.get_device_properties(device).total_memory,
-            "the GPU",
-            1,
-        )
+        total, where = torch.cuda.get_device_properties(device).total_memory, "the GPU"
     else:
-        total, where = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine")
-        sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if strategy else 1
+        total, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
+        if strategy:  # the ranks of this machine share its RAM
+            sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     # No tokenizer has a million tokens: such a vocabulary (the data's largest id + 1) says
     # the ids were misread, which no smaller model or master dtype fixes.
     odd = (
@@ -938,11 +902,6 @@ def run(args) -> int:
                     "data": job.source}  # fmt: skip
         print(write_run_report(out, run_info, summaries, curves))
         return 0
-
-
-def _cache_note(cfgs: list[TrainConfig], strategy: str | None) -> str:
-    """The run header's note of the modes that train with the FP8 weight cache."""
-    return _on_note("FP8 weight cache", cfgs, [c.fp8_weight_cache(strategy) for c in cfgs])
 
 
 def _oom_cache_note(cfg: TrainConfig, strategy: str | None) -> str:

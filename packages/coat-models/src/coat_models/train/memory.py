@@ -91,23 +91,13 @@ class _Saved:
 
 
 class MemoryTracker:
-    """Live bytes of weights, gradients, optimizer state and tensors saved for backward, and
-    their values at the moment their sum peaked.
-
-    - weights: parameters and buffers (constant);
-    - gradients: ``.grad`` tensors, counted when autograd first writes them in a step;
-    - optimizer_state: tensors in ``optimizer.state``, counted after each step;
-    - activations: tensors autograd saves for backward, each storage once, until freed;
-    - weight_copies: saved tensors that are a cast or view of a parameter (autocast's bf16
-      copies), and tensors kept as attributes of parameters (COAT's FP8 weight caches).
-    Temporaries that are not saved (e.g. the fp32 logits inside the loss) and caches kept
-    elsewhere are in ``measured - tracked``.
-
-    ``grad_hooks=False`` counts gradients only in ``count_grads`` after backward: FSDP2 calls
-    the hooks of its sharded parameters with views of one reduce-scatter output per layer.
-    Counting costs host time (a Python call per saved tensor), so a trainer counts only some
-    steps: ``stop()`` between steps, ``start(optimizer)`` before one (``active`` says which).
-    """
+    """Live bytes of weights (parameters and buffers), gradients, optimizer state, tensors
+    saved for backward (activations, each storage once until freed) and weight copies (saved
+    casts or views of a parameter, and tensors kept as attributes of parameters: COAT's FP8
+    weight caches), and their values when their sum peaked. Unsaved temporaries are in
+    ``measured - tracked``. ``grad_hooks=False`` counts gradients in ``count_grads`` only
+    (FSDP2 calls the hooks of sharded parameters with views of one reduce-scatter output).
+    Counting costs host time: ``stop()`` between steps, ``start(optimizer)`` before one."""
 
     KINDS = ("weights", "gradients", "optimizer_state", "activations", "weight_copies")
 

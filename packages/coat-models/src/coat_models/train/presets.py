@@ -41,8 +41,7 @@ class Preset:
 
 
 PRESETS = {
-    # 0.89 M params: byte-level Python loss 5.8 -> 3.0 in 100 CPU steps of 8 x 128 tokens;
-    # one CPU core: 0.13 s a step for bf16, 0.59 s for COAT's plain-PyTorch CPU path.
+    # 0.89 M params: byte-level Python loss 5.8 -> 3.0 in 100 CPU steps of 8 x 128 tokens.
     "tiny": Preset(128, 4, 4, 4, 352, None, 8, 128, 100, 3e-3, 10, 25, 4),
     "125m": Preset(768, 12, 12, 12, 2048, 32000, 16, 1024, 2000, 6e-4, 100, 200, 16),
     "350m": Preset(1024, 24, 16, 16, 2816, 32000, 16, 1024, 2000, 3e-4, 100, 200, 16),
@@ -219,9 +218,8 @@ def _min_seq_len(config, images: int) -> int:
 
 
 VL_PRESETS = {
-    # 0.16 M params, 16 image tokens + caption = 55 tokens, trained end to end (tower too).
-    # bf16 on CPU: val loss 0.67 nats/token at step 50 (template), 0.049 and caption accuracy
-    # 0.32 at step 300 (template-only floor 0.125, chance 1/72): the images are read.
+    # 0.16 M params, 16 image tokens + caption = 55 tokens, trained end to end (tower too);
+    # on CPU it gets below the template-only floor by step 300: it reads the images.
     "llava-tiny": VLPreset(llava_tiny_config, 1, False, True,
                            32, _min_seq_len(llava_tiny_config(), 1), 300, 3e-3, 20, 50, 4),
     # VILA1.5-7B shapes (7.17 B params), stage-3 SFT: tower frozen; 2 images of 729 tokens

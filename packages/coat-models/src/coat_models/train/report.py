@@ -133,11 +133,8 @@ class MetricsLog:
             self._file.flush()
         if self._board is not None:
             for name, value in record.items():
-                if (
-                    name != "step"
-                    and isinstance(value, int | float)
-                    and not isinstance(value, bool)
-                ):
+                number = isinstance(value, int | float) and not isinstance(value, bool)
+                if number and name != "step":
                     self._board.add_scalar(f"{record['type']}/{name}", value, record["step"])
 
     def close(self) -> None:

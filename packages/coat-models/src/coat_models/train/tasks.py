@@ -63,14 +63,12 @@ class LMTask:
 class VLTask:
     """VL preset ``preset`` on the shapes-caption task with ``cfg``'s batch size, sequence
     length (``ValueError`` if too short for the preset's images and captions), seed and
-    number of validation batches. ``vision`` / ``freeze_vision`` default to the preset's
-    (FP8 activations in the tower too; a frozen tower)."""
+    number of validation batches."""
 
-    def __init__(self, preset: str, cfg, *, vision: bool | None = None, freeze_vision=None):
+    def __init__(self, preset: str, cfg):
         p = VL_PRESETS[preset]
         self.preset, self.config = preset, p.config()
-        self.vision = p.vision_fp8 if vision is None else vision
-        self.freeze_vision = p.freeze_vision if freeze_vision is None else freeze_vision
+        self.vision, self.freeze_vision = p.vision_fp8, p.freeze_vision
         self.shapes = ShapesCaptions(
             self.config.vision_config.image_size,
             num_image_tokens(self.config),

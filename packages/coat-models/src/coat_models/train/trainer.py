@@ -69,6 +69,8 @@ class TrainError(RuntimeError):
 _COUNT, _COUNT0 = Range(1), Range(0)
 RANGES = {
     "batch_size": _COUNT,
+    # Labels are the inputs shifted by one: one token predicts nothing and the loss is 0/0,
+    # which would surface as a NaN with the wrong remedy (--lr).
     "seq_len": Range(2, why=" (a causal LM predicts each token from those before it)"),
     "grad_accum": _COUNT,
     "steps": _COUNT,
@@ -111,28 +113,24 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 0  # 0: no checkpoints
     keep_checkpoints: int = 2
-    # FP8 activations: keep each weight's two FP8 copies (2 B/param) between micro-batches
-    # until the optimizer changes it (one cast less per linear and micro-batch). Same bits.
-    # None: on with gradient accumulation (grad_accum > 1) and without CUDA graphs; never
-    # under FSDP (see ``uses_weight_cache``).
+    # FP8 activations: keep each weight's FP8 copies (2 B/param) between micro-batches until
+    # the optimizer step. None: see ``uses_weight_cache``.
     weight_cache: bool | None = None
-    # FP8 activations on CUDA: replay the COAT decoder layers as CUDA graphs (same bits);
-    # their saved activations live in the graphs' pool, "other" in the memory breakdown.
-    cuda_graphs: bool = False
+    cuda_graphs: bool = False  # FP8 activations on CUDA: replay the COAT layers as CUDA graphs
     report_to: str = "none"  # or "tensorboard": event files in out_dir/tensorboard
 
     NOT_NUMERICS = ("eval_every", "eval_batches", "log_every", "save_every", "keep_checkpoints",
                     "weight_cache", "cuda_graphs", "report_to")  # fmt: skip
 
     def __post_init__(self):
-        if self.report_to not in REPORT_TO:
-            raise ValueError(
-                f"--report-to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}"
-            )
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}: choose one of {', '.join(MODES)}")
-        if self.master_dtype not in MASTER_DTYPES:
-            raise ValueError(f"--master-dtype must be fp32 or bf16, got {self.master_dtype!r}")
+        for name, known in {
+            "mode": MODES,
+            "master_dtype": MASTER_DTYPES,
+            "report_to": REPORT_TO,
+        }.items():
+            value = getattr(self, name)
+            if value not in known:
+                raise ValueError(f"unknown {name} {value!r}: choose one of {', '.join(known)}")
         if self.master_dtype == "bf16" and not MODES[self.mode][1]:
             raise ValueError(
                 f"--master-dtype bf16 needs CoatAdamW's stochastic rounding (modes coat, "
@@ -177,9 +175,8 @@ class TrainConfig:
     @property
     def uses_weight_cache(self) -> bool:
         """Whether the FP8 weight cache is asked for: ``weight_cache``, or when None, with
-        gradient accumulation and without CUDA graphs (micro-batches 2.. of a step reuse the
-        first one's casts; at Llama-2-7B, micro-batch 1 x 4, +1.9% and +9.0% tokens/s on two
-        H200 machines for 12 GiB). ``fp8_weight_cache`` says whether a run has it."""
+        gradient accumulation and without CUDA graphs (micro-batches 2.. reuse the first one's
+        casts). ``fp8_weight_cache`` says whether a run has it."""
         if self.weight_cache is not None:
             return self.weight_cache
         return self.grad_accum > 1 and not self.cuda_graphs
@@ -268,11 +265,9 @@ def _speed(t: dict) -> dict:
 
 
 def _totals_of_old_checkpoint(old: dict, cfg: TrainConfig, step: int) -> dict:
-    """``totals`` of a checkpoint written before the memory-counting steps were timed apart
-    (``timed_tokens``, ``timed_time``): one timed window of every step after the first of
-    each process, which began at step 2 and ran to the checkpoint's ``step``. Its number of
-    steps is its tokens over ``cfg.tokens_per_step`` (exact: resuming needs the same batch
-    shape), so that ``timed_steps`` keeps counting them after the resume."""
+    """``totals`` of a checkpoint written before the memory-counting steps were timed apart:
+    one window from step 2 to the checkpoint's ``step``, of ``timed_tokens /
+    tokens_per_step`` steps (exact: resuming needs the same batch shape)."""
     n = old["timed_tokens"] // cfg.tokens_per_step
     span = (2, step) if n else (None, None)
     timed = _window(old["timed_tokens"], old["timed_time"], n, *span)
@@ -289,12 +284,9 @@ def loss_error(mode: str, lr: float, rec: dict, read_at: int) -> TrainError:
 
 
 class NoKVCache(DynamicCache):
-    """A KV cache that keeps nothing, passed to every training forward. transformers
-    otherwise fills one (``use_cache`` defaults to True: a concatenation per layer, about
-    0.8 ms of host time per 7B decoder layer), or, with ``use_cache=False``, its mask code
-    reads ``position_ids`` on the host (a check for packed sequences that runs only when
-    there is no cache): a wait for the GPU in every forward. With this cache, layers get
-    their own keys and values back and the mask is that of an empty cache."""
+    """A KV cache that keeps nothing, passed to every training forward: transformers would
+    otherwise fill one (host time per layer) or, with ``use_cache=False``, read
+    ``position_ids`` on the host (a wait for the GPU in every forward)."""
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return key_states, value_states
@@ -302,12 +294,9 @@ class NoKVCache(DynamicCache):
 
 @contextlib.contextmanager
 def frozen_heap():
-    """Within it, Python's collector leaves the objects alive before it alone: each
-    full collection would otherwise walk all of them (torch, transformers and the model:
-    ~400,000 objects, 0.1-0.3 s), and training's many short-lived autograd objects trigger
-    such collections every few steps, stalling the host that feeds the GPU. Undone after
-    (all frozen objects, also any frozen before: Python cannot unfreeze some), so that later
-    collections free what the run left, e.g. a compared mode's model."""
+    """Within it, Python's collector skips the objects alive before it (torch, transformers,
+    the model: a full collection of them stalls the host that feeds the GPU). Undone after,
+    so that later collections free what the run left, e.g. a compared mode's model."""
     gc.collect()
     gc.freeze()
     try:
@@ -379,12 +368,9 @@ def export_pretrained(model, path: Path, *, tokenizer=None, state_dict=None) -> 
 
 class Trainer:
     """Train one mode: ``Trainer(...).fit()`` returns the summary; ``run_step`` is the unit the
-    benchmarks time.
-
-    ``task``: ``tasks.LMTask`` / ``tasks.VLTask`` (a ``TokenData`` is a causal LM on it).
-    ``strategy``: ``None`` (one process), or ``"fsdp"`` / ``"ddp"`` for one rank of a torchrun
-    job (after ``distributed.init_distributed()``). ``activation_checkpointing`` recomputes
-    each decoder layer in backward (same numbers, less memory)."""
+    benchmarks time. ``task``: ``tasks.LMTask`` / ``tasks.VLTask`` (a ``TokenData`` is a causal
+    LM on it). ``strategy``: ``None`` (one process), or ``"fsdp"`` / ``"ddp"`` for one rank of a
+    torchrun job (after ``distributed.init_distributed()``)."""
 
     def __init__(
         self,
@@ -419,6 +405,10 @@ class Trainer:
         self.activation_checkpointing = activation_checkpointing
         self.world = dist.get_world_size() if strategy else 1
         self.rank = dist.get_rank() if strategy else 0
+        # How this run is spread over processes (``None``: one process).
+        self.parallel = (
+            None if strategy is None else {"strategy": strategy, "world_size": self.world}
+        )
         self.is_main = self.rank == 0  # writes metrics, prints progress, prunes checkpoints
         self.model, self.optimizer = prepare(
             model, task, cfg, device, strategy, activation_checkpointing
@@ -442,13 +432,6 @@ class Trainer:
         self.train_losses: list[float] = []
         self.val_metrics: dict | None = None  # of the last evaluation: val_loss, ...
         self.progress = Progress(cfg.mode, cfg.steps, enabled=progress and self.is_main)
-
-    @property
-    def parallel(self) -> dict | None:
-        """How this run is spread over processes (``None``: one process)."""
-        return (
-            None if self.strategy is None else {"strategy": self.strategy, "world_size": self.world}
-        )
 
     def _mean(self, t: torch.Tensor) -> torch.Tensor:
         """Mean over ranks of a float64 tensor: one all-reduce (gloo takes CPU tensors)."""
@@ -515,12 +498,10 @@ class Trainer:
         return loss_sum / accum
 
     def _clip_gradients(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The gradients' total norm, and the clipping factor for the optimizer to apply
-        (or None when the gradients are clipped here, or not at all). CoatAdamW scales them
-        inside its update (``step(grad_scale=)``): the bits of ``clip_grad_norm_``'s
-        in-place multiply without its pass over every gradient (reading and writing 8 bytes
-        per parameter; about 15 ms of GPU time a step for a 7B model). Not under FSDP2,
-        whose gradients and norm are DTensors."""
+        """The gradients' total norm, and the clipping factor for the optimizer to apply (or
+        None when clipped here, or not at all). CoatAdamW scales inside its update
+        (``step(grad_scale=)``): ``clip_grad_norm_``'s bits without its pass over every
+        gradient. Not under FSDP2, whose gradients and norm are DTensors."""
         clip = self.cfg.grad_clip
         fused = clip > 0 and isinstance(self.optimizer, CoatAdamW) and self.strategy != "fsdp"
         if clip > 0 and not fused:

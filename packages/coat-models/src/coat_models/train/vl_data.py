@@ -101,16 +101,11 @@ def sample(seed: int, split: str, index: int, image_size: int) -> Sample:
 
 
 class ShapesCaptions:
-    """Batches of the shapes task shaped for a ``LlavaForConditionalGeneration``.
-
-    Args:
-        image_size: side of the square images (the vision tower's ``image_size``).
-        image_tokens: placeholders per image (``num_image_tokens(llava_config)``).
-        image_token_id: the config's ``image_token_id`` (``IMAGE_TOKEN_ID`` for the presets
-            built on this byte-level vocabulary; a larger vocab, e.g. 32064, may use any id).
-        images_per_sample: image-caption pairs per sequence.
-        seq_len: pad every sequence to this length (default: the shortest that fits).
-        seed: data seed; ``val_size``: images in the fixed validation set.
+    """Batches of the shapes task for a ``LlavaForConditionalGeneration``: square images of
+    side ``image_size`` (the tower's), ``image_tokens`` placeholders ``image_token_id`` per
+    image (any id >= ``IMAGE_TOKEN_ID``), ``images_per_sample`` image-caption pairs per
+    sequence padded to ``seq_len`` (default: the shortest that fits), ``val_size`` images in
+    the fixed validation set.
 
     >>> data = ShapesCaptions(32, 16, IMAGE_TOKEN_ID)
     >>> b = data.batch(step=0, batch_size=8)
@@ -149,11 +144,6 @@ class ShapesCaptions:
         self.seed, self.val_size = seed, val_size
         self.mean = np.asarray(mean, dtype=np.float32)
         self.std = np.asarray(std, dtype=np.float32)
-
-    @property
-    def vocab_size(self) -> int:
-        """Every id of the batches is below this."""
-        return max(VL_VOCAB, self.image_token_id + 1)
 
     def _sequence(self, samples: list[Sample]) -> tuple[np.ndarray, np.ndarray]:
         ids, labels = [BYTE_EOS], [IGNORE_INDEX]
