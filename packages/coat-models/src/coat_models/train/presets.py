@@ -45,7 +45,7 @@ PRESETS = {
     "tiny": Preset(128, 4, 4, 4, 352, None, 8, 128, 100, 3e-3, 10, 25, 4),
     "125m": Preset(768, 12, 12, 12, 2048, 32000, 16, 1024, 2000, 6e-4, 100, 200, 16),
     "350m": Preset(1024, 24, 16, 16, 2816, 32000, 16, 1024, 2000, 3e-4, 100, 200, 16),
-    # the 1.2 B shape of ../shared/COAT.md's optimizer benchmark (16 layers, untied head)
+    # the 1.2 B shape of the COAT paper's optimizer benchmark (16 layers, untied head)
     "1b": Preset(2048, 16, 16, 16, 8192, 32000, 8, 2048, 2000, 3e-4, 100, 200, 8),
     "llama2-7b": Preset(4096, 32, 32, 32, 11008, 32000, 1, 2048, 1000, 1e-4, 50, 200, 4),
     "llama2-13b": Preset(5120, 40, 40, 40, 13824, 32000, 1, 2048, 1000, 1e-4, 50, 200, 4),
