@@ -17,7 +17,8 @@ on the line right above its fence:
     <!-- readme: needs transformers accelerate -->   skipped unless these modules import
     <!-- readme: needs torchrun -->                  a whole program: run on its own under
                                                      `torchrun --standalone --nproc-per-node 2`
-                                                     (gloo on CPU), not in this process
+                                                     (gloo on CPU, also on a host with fewer
+                                                     GPUs than that), not in this process
 
 Skipped blocks are listed with their reason. Exit status: 0 when every block that ran
 passed, 1 when one failed, 2 for bad arguments (a missing file, a README without a python
@@ -108,6 +109,12 @@ def missing(block: Block) -> list[str]:
     return out
 
 
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def run_torchrun(block: Block, workdir: Path) -> None:
     """Run ``block`` as a program of its own under torchrun, in ``workdir``."""
     script = workdir / f"readme_line{block.line}.py"
@@ -116,6 +123,8 @@ def run_torchrun(block: Block, workdir: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={TORCHRUN_PROCS}", str(script)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if _cuda_devices() < TORCHRUN_PROCS:  # one GPU per process, or all on CPU (gloo)
+        env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(
         cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S
     )

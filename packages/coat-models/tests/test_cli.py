@@ -448,8 +448,12 @@ def test_checkpoints_of_an_earlier_run_are_not_overwritten(tmp_path, capsys):
     assert run(args, capsys)[0] == 0
     code, _, err = run(args, capsys)
     assert code == 2 and "holds checkpoints of an earlier run: pass --resume" in err
+    report = {n: (tmp_path / n).read_bytes() for n in cli.OUT_FILES if (tmp_path / n).exists()}
+    assert "summary.json" in report
     code, _, err = run([*args, "--lr", "1e-2", "--resume"], capsys)
-    assert code == 1 and "settings differ (lr: checkpoint 0.003, now 0.01)" in err
+    assert code == 2 and "settings differ (lr: checkpoint 0.003, now 0.01)" in err
+    # Refused before anything of the run is written: the earlier run's report stays whole.
+    assert {n: (tmp_path / n).read_bytes() for n in report} == report
 
 
 @pytest.mark.parametrize("weights", [False, True], ids=["config-only", "checkpoint"])
@@ -565,7 +569,7 @@ def test_refused_resume_names_the_remedy_and_writes_no_mode_dir(tmp_path, capsys
     ckpt = tmp_path / "a" / "bf16" / "checkpoints" / "step_0000002"
     out = tmp_path / "b"
     code, _, err = run([*args, "--mode", "coat-optim", "--resume", ckpt, "--out", out], capsys)
-    assert code == 1 and err.count("\n") == 1, err
+    assert code == 2 and err.count("\n") == 1, err
     assert "settings differ (mode: checkpoint 'bf16', now 'coat-optim'): pass the settings" in err
     assert "or start afresh with another --out" in err
     assert [p.name for p in out.iterdir()] == [cli.LOCK_FILE]

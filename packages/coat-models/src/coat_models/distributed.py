@@ -72,7 +72,13 @@ def init_distributed(timeout: timedelta | None = None) -> torch.device:
             "MASTER_ADDR, ...): launch with `torchrun --nproc-per-node N ...`"
         )
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if local >= count:
+            raise RuntimeError(
+                f"local rank {local} has no GPU: this host has {count} visible; launch at most "
+                f"{count} processes per node (torchrun --nproc-per-node {count})"
+            )
+        device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

@@ -61,6 +61,7 @@ from .trainer import (
     PRESET_FIELDS,
     RANGES,
     REPORT_TO,
+    ResumeSettingsError,
     TrainConfig,
     Trainer,
     TrainError,
@@ -953,10 +954,14 @@ def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device,
             # _resume_point refuses those), only now that the model and trainer exist.
             _barrier()
             run_on_rank0(lambda: shutil.rmtree(mode_dir, ignore_errors=True))
+
         # An earlier run's report (rewritten at the end) goes too: left, it would describe
-        # that run beside this one's files if this one stops.
-        run_on_rank0(lambda: [(mode_dir.parent / n).unlink(missing_ok=True) for n in OUT_FILES])
-        summary = trainer.fit(resume)
+        # that run beside this one's files if this one stops. Only once a resumed checkpoint
+        # is accepted: a refused resume leaves the earlier run's results as they were.
+        def drop_report():
+            run_on_rank0(lambda: [(mode_dir.parent / n).unlink(missing_ok=True) for n in OUT_FILES])
+
+        summary = trainer.fit(resume, on_start=drop_report)
         summary["export"] = None
         if not args.no_export:
             try:
@@ -1034,7 +1039,7 @@ def main(argv: list[str] | None = None) -> int:
         sigterm = signal.signal(signal.SIGTERM, _terminate)
     try:
         return run(args)
-    except (UsageError, DataError, ModelError, CheckpointError) as e:
+    except (UsageError, DataError, ModelError, CheckpointError, ResumeSettingsError) as e:
         _say(f"{PROG}: error: {e}", file=sys.stderr)  # the same on every rank
         return 2
     except (TrainError, ReportError) as e:

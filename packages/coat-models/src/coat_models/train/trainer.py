@@ -28,6 +28,7 @@ import pickle
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,11 @@ PRESET_FIELDS = ("batch_size", "seq_len", "steps", "lr", "warmup", "eval_every",
 
 class TrainError(RuntimeError):
     """A run that cannot go on; the message says why and what to change."""
+
+
+class ResumeSettingsError(TrainError):
+    """A checkpoint written with other settings than this run's: bad input (coat-train exits
+    2), refused before anything of the run is written."""
 
 
 # The numeric fields' ranges: TrainConfig checks them, coat-train's parser parses with them.
@@ -564,12 +570,16 @@ class Trainer:
             self.model.train()
 
     # -- the whole run -----------------------------------------------------------------------
-    def fit(self, resume: Path | None = None) -> dict:
+    def fit(self, resume: Path | None = None, on_start: Callable[[], None] | None = None) -> dict:
         """Train ``cfg.steps`` steps (from checkpoint ``resume`` if given), evaluating,
-        logging to ``out_dir/metrics.jsonl`` and checkpointing; returns the summary."""
+        logging to ``out_dir/metrics.jsonl`` and checkpointing; returns the summary.
+        ``on_start`` runs once the checkpoint is loaded, before anything is written (e.g. to
+        remove an earlier run's report only when this run will replace it)."""
         cfg = self.cfg
         if resume is not None:  # refused (other settings): nothing was written
             self.load_checkpoint(resume)
+        if on_start is not None:
+            on_start()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if resume is None:
             torch.manual_seed(cfg.seed)  # whatever setup drew, every mode starts alike
@@ -835,7 +845,7 @@ class Trainer:
             diff["model"] = (state["describe"], self.describe)
         if diff:
             said = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise TrainError(
+            raise ResumeSettingsError(
                 f"cannot resume from {path}: settings differ ({said}): pass the settings of "
                 "the run that wrote it, or start afresh with another --out"
             )
