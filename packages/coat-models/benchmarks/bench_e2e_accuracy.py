@@ -13,9 +13,11 @@ window within ``TRAIN_TOL`` (relative); and coat's final validation loss against
 the same run (the issue's target: within ``TARGET_GAP``, the paper's OLMo-1B gap is 0.43%).
 Exit 0 when every check holds, 1 otherwise. GPU training is not bit-reproducible between
 processes, and two seeds of bf16 itself differ by about 1% in final validation loss here,
-hence tolerances above that. ``--update-golden`` makes this run the golden curves (after a
-change that is meant to move them; say why in the commit). Extra arguments go to coat-train
-(the golden curves are of the defaults). Not a pytest module: run it as a script.
+hence tolerances above that. ``--update-golden`` makes this run the golden curves and
+writes ``provenance.json`` beside them (date, device, software, commit, command, final
+losses); do it after a change that is meant to move them, and say why in the commit.
+Extra arguments go to coat-train (the golden curves are of the defaults). Not a pytest
+module: run it as a script.
 """
 
 from __future__ import annotations
@@ -104,6 +106,39 @@ def check(run_dir: Path, golden_dir: Path = GOLDEN) -> tuple[bool, list[str]]:
     return ok, lines
 
 
+def _provenance(run_dir: Path, command: list[str]) -> dict:
+    """Where new golden curves come from: date, device, software, the code's commit (None
+    outside a git checkout), the command, and the run's final validation losses."""
+    import datetime
+    import subprocess
+
+    import torch
+    import transformers
+    import triton
+
+    try:
+        code = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        code = None
+    finals = {mode: max(read_curves(run_dir, mode)[1].items())[1] for mode in MODES}
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "software": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "transformers": transformers.__version__,
+        },
+        "code": code,
+        "command": command,
+        "final_val_loss": finals,
+        "gap": f"{(finals['coat'] / finals['bf16'] - 1) * 100:+.3f}%",
+    }
+
+
 def _pct(rel: float | None) -> str:
     return "missing" if rel is None else f"{rel * 100:+.2f}%"
 
@@ -138,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("summary.json", "table.txt", "loss.png"):
             if (run_dir / name).exists():
                 shutil.copy(run_dir / name, GOLDEN / name)
+        provenance = _provenance(run_dir, ["bench_e2e_accuracy.py", *(argv or sys.argv[1:])])
+        (GOLDEN / "provenance.json").write_text(json.dumps(provenance, indent=1) + "\n")
         print(f"golden curves updated from {run_dir}")
         return 0
     if os.environ.get("BENCH_OUT"):
