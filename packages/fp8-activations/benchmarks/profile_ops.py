@@ -43,6 +43,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from fp8_quant.ops import hw_cast_supported
 from fp8_quant.timing import cuda_ms_per_call
 
 TOKENS, HIDDEN, MLP = 8192, 4096, 11008
@@ -311,7 +312,7 @@ def _precompile_job(job):
         bm, bn, w = cfg
         qtt._per_tensor_transpose_kernel[(-(-64 // bm) * -(-HIDDEN // bn),)](
             x, q, qt, amax, s, 64, HIDDEN, x.stride(0), x.stride(1),
-            FMT="e4m3", BM=bm, BN=bn, num_warps=w,
+            FMT="e4m3", HW_CAST=hw_cast_supported(x.device), BM=bm, BN=bn, num_warps=w,
         )  # fmt: skip
     elif kind == "linear":
         lin = torch.nn.Linear(HIDDEN, MLP, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -404,7 +405,7 @@ def linear_section(clock, variants, shape, deadline, dry, eager=True):
             def run(bm=bm, bn=bn, w=w, grid=grid, x=x, q=q, qt=qt, amax=amax, s=s, m_=m_, n_=n_):
                 qtt._per_tensor_transpose_kernel[grid](
                     x, q, qt, amax, s, m_, n_, x.stride(0), x.stride(1),
-                    FMT="e4m3", BM=bm, BN=bn, num_warps=w,
+                    FMT="e4m3", HW_CAST=hw_cast_supported(x.device), BM=bm, BN=bn, num_warps=w,
                 )  # fmt: skip
 
             t = clock.gpu(run)[0]
