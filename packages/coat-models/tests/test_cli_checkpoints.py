@@ -161,6 +161,7 @@ KILLED = {
 }
 
 
+@pytest.mark.slow
 def test_killed_at_each_stage_of_save_and_prune_resumes_bit_identically(runs, tmp_path):
     """SIGKILL at every step of a re-save and a prune with --keep-checkpoints 1: at each a
     complete checkpoint is on disk, and --resume continues from step 4 (the old or the new
@@ -405,6 +406,7 @@ _LOCK_HOLDER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_second_process_on_one_out_is_refused(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -433,6 +435,7 @@ def _snapshot(root) -> dict:
     return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_failed_new_run_keeps_the_previous_results(runs, tmp_path, monkeypatch):
     """A new run in the same --out that fails, at the checks or when its model is built,
     leaves the earlier run's results as they were."""

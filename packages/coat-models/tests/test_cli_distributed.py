@@ -114,6 +114,7 @@ def codes(out: Path, rank: int) -> dict:
 
 
 # --------------------------------------------------------------------------------- tests
+@pytest.mark.slow
 def test_fsdp_losses_match_one_process(runs):
     assert codes(runs, 0)["fsdp"] == codes(runs, 1)["fsdp"] == 0
     assert_losses_close(runs / "fsdp/coat/metrics.jsonl", runs / "ref_fsdp/coat/metrics.jsonl",
@@ -125,12 +126,14 @@ def test_fsdp_losses_match_one_process(runs):
     assert grad_norms == pytest.approx(want, rel=2**-7)  # bf16 norms: one ulp, see docstring
 
 
+@pytest.mark.slow
 def test_ddp_losses_match_one_process(runs):
     assert codes(runs, 0)["ddp"] == codes(runs, 1)["ddp"] == 0
     assert_losses_close(runs / "ddp/coat/metrics.jsonl", runs / "ref_ddp/coat/metrics.jsonl",
                         DDP_RTOL)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_vl_preset_matches_one_process(runs):
     """llava-tiny (COAT: FP8 tower, projector and LM; CoatAdamW) under --ddp, and under
     --fsdp --activation-checkpointing with bf16 masters and no clipping (see the module
@@ -161,6 +164,7 @@ def test_vl_preset_matches_one_process(runs):
     assert all(got[k].shape == ref[k].shape and got[k].dtype == ref[k].dtype for k in ref)
 
 
+@pytest.mark.slow
 def test_export_gathers_the_whole_model_on_rank0(runs):
     """<out>/<mode>/final under torchrun: the full state dict, gathered to rank 0, loads as
     the plain model with the one-process run's names, shapes and dtypes and nearly its
@@ -180,6 +184,7 @@ def test_export_gathers_the_whole_model_on_rank0(runs):
             torch.testing.assert_close(value, ref[key], rtol=0, atol=1.2e-2, msg=key)
 
 
+@pytest.mark.slow
 def test_rank0_alone_prints_and_writes(runs):
     for name in ("fsdp", "ddp"):
         table = output(runs, name, 0)
@@ -202,6 +207,7 @@ def test_rank0_alone_prints_and_writes(runs):
     assert fsdp["optimizer_state"] < 0.6 * ref["optimizer_state"]
 
 
+@pytest.mark.slow
 def test_full_disk_at_export_ends_every_rank_in_one_line(runs):
     """Rank 0 alone writes the export; when that fails (a full disk) every rank learns it
     and ends with exit 1 and one line naming the remedies, instead of the other ranks
@@ -217,6 +223,7 @@ def test_full_disk_at_export_ends_every_rank_in_one_line(runs):
     assert (runs / "full_disk" / "bf16" / "summary.json").is_file()
 
 
+@pytest.mark.slow
 def test_resume_under_torchrun_reproduces_losses_bit_for_bit(runs):
     assert codes(runs, 0)["killed"] == 130
     assert "interrupted" in output(runs, "killed", 0, "err")
@@ -232,6 +239,7 @@ def test_resume_under_torchrun_reproduces_losses_bit_for_bit(runs):
         ".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_manifest_covers_every_rank_s_files(runs):
     """Rank 0 writes the manifest after the barrier: it lists both ranks' shards and DCP's
     .metadata with their SHA-256, and how the run was launched."""
@@ -246,6 +254,7 @@ def test_manifest_covers_every_rank_s_files(runs):
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+@pytest.mark.slow
 def test_changed_shard_is_refused_on_every_rank(runs):
     """A byte of rank 0's shard changed. Rank 1 hashes that file (the ranks share the
     hashing); both ranks stop with exit 2 before reading anything, none hangs."""
@@ -255,6 +264,7 @@ def test_changed_shard_is_refused_on_every_rank(runs):
     assert "--resume" in err and "step_0000002" in err
 
 
+@pytest.mark.slow
 def test_planted_metadata_runs_no_code_under_torchrun(runs):
     """A .metadata that would create a directory when unpickled, with a manifest forged to
     match and the right launch: every rank refuses it in the metadata unpickler."""
@@ -264,6 +274,7 @@ def test_planted_metadata_runs_no_code_under_torchrun(runs):
     assert not (runs / "code-ran").exists()
 
 
+@pytest.mark.slow
 def test_resume_across_launches_is_refused(runs, capsys):
     """Policy: a checkpoint resumes only under the launch that wrote it (one process, or the
     same --fsdp/--ddp and number of ranks); every rank says so and exits, none hangs."""

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import coat_models
+import pytest
 
 SRC = Path(coat_models.__file__).parent
 PACKAGE = "coat_models"
@@ -128,6 +129,7 @@ def test_integration_does_not_import_the_trainer():
     assert uses == {}
 
 
+@pytest.mark.slow
 def test_each_module_imports_alone():
     """A fresh interpreter per module (all started at once: import time is mostly torch)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

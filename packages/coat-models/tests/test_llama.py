@@ -183,6 +183,7 @@ def test_gradient_accumulation_reduces_weights_once_per_version(monkeypatch):
 
 
 @pytest.mark.parametrize("cache", [False, True], ids=["on-the-fly", "cache"])
+@pytest.mark.slow
 def test_layer_casts_its_weights_together(cache, monkeypatch):
     """The decoder layer casts its seven weights with one launch per direction
     (``cast_weights``; with the weight cache: the stale copies in one launch), with the same
@@ -749,6 +750,7 @@ def _saved_storages(fn, *args, **kwargs) -> dict[int, int]:
     return storages
 
 
+@pytest.mark.slow
 def test_llama2_7b_layer_saved_bytes():
     """The saved bytes of one COAT Llama-2-7B layer (counted with saved_tensors_hooks, on 32
     and 64 tokens: the count is linear in the tokens) follow the table above, which at the

@@ -314,6 +314,7 @@ PEAK_TOLERANCE = {"bf16": 0.15, "coat": 0.50}
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc")
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow
 def test_tracked_memory_matches_resident_set(mode):
     env = dict(
         os.environ,
