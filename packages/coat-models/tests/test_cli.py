@@ -456,6 +456,24 @@ def test_checkpoints_of_an_earlier_run_are_not_overwritten(tmp_path, capsys):
     assert {n: (tmp_path / n).read_bytes() for n in report} == report
 
 
+def test_compare_resume_refused_at_a_later_mode_changes_nothing(tmp_path, capsys):
+    """Under --compare every mode's checkpoint is checked before any mode trains: a setting
+    that differs for the second mode only (--master-dtype: bf16 mode keeps fp32 masters)
+    is refused before the first mode goes on, and nothing under --out changes."""
+    args = ["--compare", "bf16,coat", "--steps", 4, "--save-every", 2, "--eval-every", 2]
+    args += ["--no-export", "--out", tmp_path, *FAST]
+    assert run(args, capsys)[0] == 0
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    code, _, err = run([*args, "--steps", 6, "--resume"], capsys)
+    assert code == 2 and "settings differ (steps: checkpoint 4, now 6)" in err
+    code, _, err = run([*args, "--resume", "--master-dtype", "bf16"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "coat/checkpoints/step_0000004: settings differ (master_dtype: checkpoint 'fp32'" in err
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after.keys() - {tmp_path / cli.LOCK_FILE} == before.keys() - {tmp_path / cli.LOCK_FILE}
+    assert all(after[p] == data for p, data in before.items() if p.name != cli.LOCK_FILE)
+
+
 @pytest.mark.parametrize("weights", [False, True], ids=["config-only", "checkpoint"])
 def test_model_dir_and_text_data(tmp_path, capsys, weights):
     from transformers import LlamaForCausalLM

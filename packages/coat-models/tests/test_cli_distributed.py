@@ -278,16 +278,16 @@ def test_planted_metadata_runs_no_code_under_torchrun(runs):
 def test_resume_across_launches_is_refused(runs, capsys):
     """Policy: a checkpoint resumes only under the launch that wrote it (one process, or the
     same --fsdp/--ddp and number of ranks); every rank says so and exits, none hangs."""
-    for rank in range(WORLD):
-        assert codes(runs, rank)["from_single"] == 1
-        err = output(runs, "from_single", rank, "err")
-        assert f"rank {rank}: cannot resume from" in err
-        assert "written by a run in one process; resume it in one process" in err
+    for rank in range(WORLD):  # bad input: exit 2 everywhere, the line printed by rank 0
+        assert codes(runs, rank)["from_single"] == 2
+    err = output(runs, "from_single", 0, "err")
+    assert "coat-train: error: cannot resume from" in err, err
+    assert "written by a run in one process; resume it in one process" in err
     ckpt = runs / "fsdp/coat/checkpoints/step_0000002"
     argv = [*FSDP_ARGS, "--grad-accum", "2", "--resume", ckpt, "--out", runs / "to_single"]
     code = cli.main([str(a) for a in argv])
     err = capsys.readouterr().err
-    assert code == 1 and "written by --fsdp on 2 ranks, this run is one process" in err
+    assert code == 2 and "written by --fsdp on 2 ranks, this run is one process" in err
 
 
 @pytest.mark.parametrize(
@@ -319,6 +319,26 @@ def test_bad_combinations_give_one_clear_line(tmp_path, capsys, monkeypatch, arg
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("coat-train: error: ") and message in err, err
     assert err.count("\n") == 1
+    assert not torch.distributed.is_initialized()
+
+
+def test_more_processes_than_gpus_is_one_clear_line(tmp_path, capsys, monkeypatch):
+    """torchrun --nproc-per-node above the GPUs of the host: the rank without a GPU says so
+    itself (rank 0 does not see it) in one line naming the count, exit 2, before any process
+    group forms (CUDA's own error is a traceback)."""
+    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device called"))
+    code = cli.main(["--ddp", "--out", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert (
+        "coat-train: error: rank 1: local rank 1 has no GPU" in err and "--nproc-per-node 1" in err
+    )
     assert not torch.distributed.is_initialized()
 
 

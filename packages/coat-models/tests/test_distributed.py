@@ -468,14 +468,14 @@ def test_needs_a_process_group():
 def test_a_local_rank_without_a_gpu_is_refused_with_the_remedy(monkeypatch):
     """torchrun with more processes than GPUs: one line naming the count to launch, before
     any process group or CUDA call (CUDA's own error says "invalid device ordinal")."""
-    from coat_models.distributed import init_distributed
+    from coat_models.distributed import LaunchError, init_distributed
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device called"))
-    with pytest.raises(RuntimeError, match=r"local rank 1 has no GPU: .* --nproc-per-node 1\)"):
+    with pytest.raises(LaunchError, match=r"local rank 1 has no GPU: .* --nproc-per-node 1\)"):
         init_distributed()
 
 

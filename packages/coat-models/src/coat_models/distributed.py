@@ -41,6 +41,7 @@ from . import checkpoint
 __all__ = [
     "STRATEGIES",
     "CheckpointMismatchError",
+    "LaunchError",
     "all_ranks_max",
     "all_ranks_mean",
     "as_float",
@@ -59,6 +60,10 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- process group
+class LaunchError(RuntimeError):
+    """torchrun's launch does not fit this host (more processes per node than GPUs)."""
+
+
 def init_distributed(timeout: timedelta | None = None) -> torch.device:
     """Join the process group ``torchrun`` describes and return this rank's device.
 
@@ -74,9 +79,10 @@ def init_distributed(timeout: timedelta | None = None) -> torch.device:
     if torch.cuda.is_available():
         local, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
         if local >= count:
-            raise RuntimeError(
+            raise LaunchError(
                 f"local rank {local} has no GPU: this host has {count} visible; launch at most "
-                f"{count} processes per node (torchrun --nproc-per-node {count})"
+                f"{count} processes per node (torchrun --nproc-per-node {count}), or train on "
+                "the CPU with CUDA_VISIBLE_DEVICES="
             )
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)

@@ -65,6 +65,7 @@ from .trainer import (
     TrainConfig,
     Trainer,
     TrainError,
+    check_settings,
 )
 
 PROG = "coat-train"
@@ -113,6 +114,11 @@ VERSIONED = ("fp8-quant", "fp8-optim", "fp8-activations", "coat-models", "torch"
 
 class UsageError(ValueError):
     """Bad command line; the message says what to change."""
+
+
+class RankUsageError(UsageError):
+    """Bad input that some ranks only see (e.g. a local rank without a GPU): each of them
+    says it, naming its rank, where a ``UsageError`` is said once, by rank 0."""
 
 
 def _versions() -> str:
@@ -352,9 +358,12 @@ def _strategy(args) -> str | None:
 
 def _rank_device(name: str) -> torch.device:
     """Join torchrun's process group; this rank's device (cuda:LOCAL_RANK, else cpu)."""
-    from ..distributed import init_distributed
+    from ..distributed import LaunchError, init_distributed
 
-    device = init_distributed()
+    try:
+        device = init_distributed()
+    except LaunchError as e:
+        raise RankUsageError(str(e)) from None
     # COAT's decoder layer returns a view; the Llama loop does no in-place op on it, so
     # FSDP2's warning about one does not apply (coat-models README, multi-GPU limits)
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -800,6 +809,26 @@ def _resume_point(args, mode_dir: Path) -> Path | None:
     return found
 
 
+def _check_resume_settings(args, cfgs: list[TrainConfig], job: _Job, out: Path) -> None:
+    """With --resume, every mode's newest checkpoint against the mode's settings before any
+    mode trains: under --compare a refusal at a later mode would otherwise come after the
+    earlier ones went on, their report gone. Reads the manifests only (the settings are
+    recorded there); each mode's loading checks them again from trainer.pt. Skipped for a
+    given checkpoint directory (one mode) and for checkpoints written before the manifest
+    recorded the settings, or that fail to read (the mode's own resume says why)."""
+    if args.resume != "latest":
+        return
+    for cfg, task in zip(cfgs, job.tasks, strict=True):
+        try:
+            found = checkpoint.newest(out / cfg.mode / "checkpoints")
+            info = {} if found is None else checkpoint.read_manifest(found).info
+        except CheckpointError:
+            continue
+        settings = info.get("settings")
+        if isinstance(settings, dict) and {"config", "data", "describe"} <= settings.keys():
+            check_settings(found, settings, cfg, task.fingerprint, job.describe)
+
+
 def _unusable_newest(e: CheckpointError, newest: Path) -> CheckpointError:
     """A newest checkpoint that failed its checks, with what to do: never a silent fall back
     to an older one."""
@@ -892,6 +921,7 @@ def run(args) -> int:
     )
     summaries, curves = [], {}
     with _output_lock(out):
+        _check_resume_settings(args, cfgs, job, out)
         for cfg, task in zip(cfgs, job.tasks, strict=True):
             summary = _train_mode(args, job, cfg, task, out / cfg.mode, device, strategy)
             summaries.append(summary)
@@ -1039,6 +1069,9 @@ def main(argv: list[str] | None = None) -> int:
         sigterm = signal.signal(signal.SIGTERM, _terminate)
     try:
         return run(args)
+    except RankUsageError as e:
+        print(f"{PROG}: error: rank {_rank()}: {e}", file=sys.stderr)
+        return 2
     except (UsageError, DataError, ModelError, CheckpointError, ResumeSettingsError) as e:
         _say(f"{PROG}: error: {e}", file=sys.stderr)  # the same on every rank
         return 2

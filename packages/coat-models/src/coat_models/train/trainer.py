@@ -67,8 +67,8 @@ class TrainError(RuntimeError):
 
 
 class ResumeSettingsError(TrainError):
-    """A checkpoint written with other settings than this run's: bad input (coat-train exits
-    2), refused before anything of the run is written."""
+    """A checkpoint written with other settings or under another launch than this run's: bad
+    input (coat-train exits 2), refused before anything of the run is written."""
 
 
 # The numeric fields' ranges: TrainConfig checks them, coat-train's parser parses with them.
@@ -736,7 +736,11 @@ class Trainer:
         final = self.ckpt_dir / checkpoint.checkpoint_name(self.step)
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         state = self._trainer_state()
-        info = {"parallel": self.parallel}
+        # The settings in the manifest too (plain JSON): coat-train checks every mode's
+        # before training any (a --compare resume refused at its second mode would otherwise
+        # come after the first mode went on); the check on loading reads trainer.pt's.
+        settings = {"config": self.cfg.numerics(), "data": self.task.fingerprint}
+        info = {"parallel": self.parallel, "settings": {**settings, "describe": self.describe}}
         if self.strategy is not None:
             rngs = [None] * self.world
             dist.all_gather_object(rngs, state["rng"])
@@ -809,14 +813,14 @@ class Trainer:
         if not (written_by is None or isinstance(written_by, dict)):
             raise checkpoint.CheckpointError(f"{path}: its manifest's launch is {written_by!r}")
         if manifest.kind == "torch" and self.strategy is not None:
-            raise TrainError(
+            raise ResumeSettingsError(
                 f"cannot resume from {path} with --{self.strategy} on {self.world} ranks: it "
                 "was written by a run in one process; resume it in one process (without "
                 "torchrun, --fsdp or --ddp), or start this run afresh with another --out"
             )
         if manifest.kind == "dcp" and (self.strategy is None or written_by != self.parallel):
             written = _launch(written_by) if written_by else f"{manifest.world_size} ranks"
-            raise TrainError(
+            raise ResumeSettingsError(
                 f"cannot resume from {path}: it was written by {written}, this run is "
                 f"{_launch(self.parallel)}; resume with the launch that wrote it (the same "
                 "--fsdp/--ddp and torchrun --nproc-per-node), or start afresh with another --out"
@@ -833,22 +837,12 @@ class Trainer:
                 )
             state = self._load_file(path / "trainer.pt")
         _check_trainer_state(state, path, manifest.step)
-        now = self.cfg.numerics()
-        diff = {
-            k: (v, now.get(k))
-            for k, v in state["config"].items()
-            if _plain(now.get(k)) != _plain(v)
+        recorded = {
+            "config": state["config"],
+            "data": state["data"]["fingerprint"],
+            "describe": state["describe"],
         }
-        if state["data"]["fingerprint"] != self.task.fingerprint:
-            diff["data"] = (state["data"]["fingerprint"], self.task.fingerprint)
-        if state["describe"] != self.describe:
-            diff["model"] = (state["describe"], self.describe)
-        if diff:
-            said = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise ResumeSettingsError(
-                f"cannot resume from {path}: settings differ ({said}): pass the settings of "
-                "the run that wrote it, or start afresh with another --out"
-            )
+        check_settings(path, recorded, self.cfg, self.task.fingerprint, self.describe)
         try:
             if manifest.kind == "dcp":
                 distributed.load_checkpoint(path, self.model, self.optimizer, verify=False)
@@ -943,6 +937,26 @@ CUDA_GRAPHS_ALONE = (
 
 def _plain(v):
     return list(v) if isinstance(v, tuple) else v
+
+
+def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, describe) -> None:
+    """Refuse (``ResumeSettingsError``, naming each difference) to resume from checkpoint
+    ``path`` whose ``recorded`` settings (``config``: its numerics, ``data``: the data's
+    fingerprint, ``describe``: the model) are not this run's."""
+    now = cfg.numerics()
+    diff = {
+        k: (v, now.get(k)) for k, v in recorded["config"].items() if _plain(now.get(k)) != _plain(v)
+    }
+    if recorded["data"] != fingerprint:
+        diff["data"] = (recorded["data"], fingerprint)
+    if recorded["describe"] != describe:
+        diff["model"] = (recorded["describe"], describe)
+    if diff:
+        said = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
+        raise ResumeSettingsError(
+            f"cannot resume from {path}: settings differ ({said}): pass the settings of "
+            "the run that wrote it, or start afresh with another --out"
+        )
 
 
 _TRAINER_STATE = {  # key -> type of what trainer.pt / DCP's extra holds
