@@ -3,12 +3,12 @@ example fails a check instead of a user.
 
     python scripts/run_readme.py packages/fp8-quant/README.md [MORE.md ...]
 
-Each block runs on its own, in a fresh namespace (a new ``__main__``-like dict per block), as
-a reader who pastes just that block into a new interpreter would: a block that uses a name
-only an earlier block defines fails with NameError, so every block must carry its own imports
-and setup. The blocks of one README run in order, in one fresh temporary working directory,
-so what they write lands nowhere and the checkout's ``packages/`` is not importable by
-accident: the installed packages run. A traceback points at the README's own line numbers.
+Each block runs in a fresh namespace (a new ``__main__``-like dict per block): a block that
+uses a name only an earlier block defines fails with NameError, so every block must carry its
+own imports and setup, as for a reader who pastes just that block. The blocks still share one
+interpreter (imported modules, torch's global state) and, in order, one fresh temporary
+working directory, so what they write lands nowhere and the checkout's ``packages/`` is not
+importable by accident: the installed packages run. A traceback points at the README's own line numbers.
 
 A block states what it needs beyond its package with an HTML comment (invisible on GitHub)
 on the line right above its fence:

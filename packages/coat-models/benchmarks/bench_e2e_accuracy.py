@@ -15,7 +15,7 @@ Exit 0 when every check holds, 1 otherwise. GPU training is not bit-reproducible
 processes, and two seeds of bf16 itself differ by about 1% in final validation loss here,
 hence tolerances above that. ``--update-golden`` makes this run the golden curves and
 writes ``provenance.json`` beside them (date, device, software, commit, command, final
-losses); do it after a change that is meant to move them, and say why in the commit.
+losses, ``--why``); do it after a change that is meant to move them, and say why.
 Extra arguments go to coat-train (the golden curves are of the defaults). Not a pytest
 module: run it as a script.
 """
@@ -107,8 +107,9 @@ def check(run_dir: Path, golden_dir: Path = GOLDEN) -> tuple[bool, list[str]]:
 
 
 def _provenance(run_dir: Path, command: list[str]) -> dict:
-    """Where new golden curves come from: date, device, software, the code's commit (None
-    outside a git checkout), the command, and the run's final validation losses."""
+    """Where new golden curves come from: date, device, software, the code's commit
+    (``-dirty`` with uncommitted changes; None outside a git checkout), the command, and the
+    run's final validation losses."""
     import datetime
     import subprocess
 
@@ -118,7 +119,7 @@ def _provenance(run_dir: Path, command: list[str]) -> dict:
 
     try:
         code = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+            ["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
             capture_output=True, text=True, timeout=10, check=True,
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="accuracy-125m-run", help="the run's directory")
     p.add_argument("--check-only", metavar="RUN_DIR", help="compare an earlier run, no training")
     p.add_argument("--update-golden", action="store_true", help="this run becomes the golden one")
+    p.add_argument("--why", default="", help="with --update-golden: why the curves move")
     args, extra = p.parse_known_args(argv)
     run_dir = Path(args.check_only or args.out)
     if not args.check_only:
@@ -174,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             if (run_dir / name).exists():
                 shutil.copy(run_dir / name, GOLDEN / name)
         provenance = _provenance(run_dir, ["bench_e2e_accuracy.py", *(argv or sys.argv[1:])])
+        provenance["why"] = args.why
         (GOLDEN / "provenance.json").write_text(json.dumps(provenance, indent=1) + "\n")
         print(f"golden curves updated from {run_dir}")
         return 0

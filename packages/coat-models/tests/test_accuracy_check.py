@@ -85,13 +85,14 @@ def test_update_golden_records_where_the_curves_come_from(bench, tmp_path, monke
     run = _copy_run(bench, tmp_path / "run", scale_val=0.99)
     golden = tmp_path / "golden"
     monkeypatch.setattr(bench, "GOLDEN", golden)
-    assert bench.main(["--check-only", str(run), "--update-golden"]) == 0
+    assert bench.main(["--check-only", str(run), "--update-golden", "--why", "a test"]) == 0
     for mode in bench.MODES:
         assert (golden / mode / "metrics.jsonl").read_bytes() == (
             run / mode / "metrics.jsonl"
         ).read_bytes()
     prov = json.loads((golden / "provenance.json").read_text())
-    assert prov["command"] == ["bench_e2e_accuracy.py", "--check-only", str(run), "--update-golden"]
+    want = ["bench_e2e_accuracy.py", "--check-only", str(run), "--update-golden", "--why", "a test"]
+    assert prov["command"] == want and prov["why"] == "a test"
     for mode in bench.MODES:
         assert prov["final_val_loss"][mode] == bench.read_curves(run, mode)[1][2000]
     assert set(prov) >= {"date", "device", "software", "code", "gap"}
