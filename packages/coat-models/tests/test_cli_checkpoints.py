@@ -284,7 +284,7 @@ def test_planted_dcp_metadata_is_never_unpickled(runs, tmp_path, forged_manifest
     for resume in (["--resume"], ["--resume", planted]):
         code, _, err = train([*ARGS, *resume, "--out", out])
         if forged_manifest:
-            assert code == 1 and "written by --fsdp on 2 ranks, this run is one process" in err
+            assert code == 2 and "written by --fsdp on 2 ranks, this run is one process" in err
         else:
             assert code == 2 and "step_9999999 has no manifest.json" in err, err
         assert not marker.exists()
