@@ -8,7 +8,8 @@ uses a name only an earlier block defines fails with NameError, so every block m
 own imports and setup, as for a reader who pastes just that block. The blocks still share one
 interpreter (imported modules, torch's global state) and, in order, one fresh temporary
 working directory, so what they write lands nowhere and the checkout's ``packages/`` is not
-importable by accident: the installed packages run. A traceback points at the README's own line numbers.
+importable by accident: the installed packages run. A traceback points at the README's own
+line numbers.
 
 A block states what it needs beyond its package with an HTML comment (invisible on GitHub)
 on the line right above its fence:
