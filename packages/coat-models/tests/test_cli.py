@@ -152,16 +152,23 @@ def test_an_interrupted_rerun_leaves_no_earlier_report(tmp_path, capsys, monkeyp
 
 
 @pytest.mark.parametrize(
-    "mode,master,accum",
+    "mode,master,accum,device",
     [
-        ("bf16", "fp32", 2),
-        ("coat", "fp32", 1),
-        ("coat", "bf16", 1),
+        ("bf16", "fp32", 2, "cpu"),
+        ("coat", "fp32", 1, "cpu"),
+        ("coat", "bf16", 1, "cpu"),
+        # On a GPU the checkpoint's RNG states are read back onto the CPU (a CUDA tensor
+        # there failed every resume); with CUDA graphs (the default) and eagerly.
+        pytest.param("coat", "fp32", 2, "cuda", marks=pytest.mark.gpu),
+        pytest.param("coat", "fp32", 2, "cuda --no-cuda-graphs", marks=pytest.mark.gpu),
     ],
-    ids=["bf16-accum2", "coat", "coat-bf16-master"],
+    ids=["bf16-accum2", "coat", "coat-bf16-master", "cuda-graphs", "cuda-eager"],
 )
-def test_resume_reproduces_losses_bit_for_bit(tmp_path, capsys, monkeypatch, mode, master, accum):
+def test_resume_reproduces_losses_bit_for_bit(
+    tmp_path, capsys, monkeypatch, mode, master, accum, device
+):
     flags = f"--mode {mode} --master-dtype {master} --steps 4 --grad-accum {accum}"
+    flags += f" --device {device}"
     args = [*flags.split(), "--eval-every", "2", "--save-every", "2", *FAST]
     code, *_ = run([*args, "--out", tmp_path / "a"], capsys)
     assert code == 0

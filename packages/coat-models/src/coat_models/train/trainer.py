@@ -328,9 +328,10 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(s: dict) -> None:
-    torch.set_rng_state(s["torch"])
+    # Generator states are CPU ByteTensors whichever device they are for.
+    torch.set_rng_state(s["torch"].cpu())
     if s["cuda"] and torch.cuda.is_available() and len(s["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(s["cuda"])
+        torch.cuda.set_rng_state_all([t.cpu() for t in s["cuda"]])
     name, keys, *rest = s["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     random.setstate((s["python"][0], tuple(s["python"][1]), s["python"][2]))
@@ -835,7 +836,8 @@ class Trainer:
                     f"{path} holds {', '.join(sorted(manifest.files))}, not "
                     f"{', '.join(CHECKPOINT_FILES)}: not a coat-train checkpoint"
                 )
-            state = self._load_file(path / "trainer.pt")
+            # On the CPU: torch.set_rng_state takes a CPU ByteTensor only.
+            state = self._load_file(path / "trainer.pt", "cpu")
         _check_trainer_state(state, path, manifest.step)
         recorded = {
             "config": state["config"],
@@ -881,10 +883,11 @@ class Trainer:
             self.totals = now
         self.train_losses = list(state["train_losses"])
 
-    def _load_file(self, path: Path):
-        """``torch.load(weights_only=True)`` of a verified file, or a one-line error."""
+    def _load_file(self, path: Path, device=None):
+        """``torch.load(weights_only=True)`` of a verified file onto ``device`` (default: the
+        run's), or a one-line error."""
         try:
-            return torch.load(path, map_location=self.device, weights_only=True)
+            return torch.load(path, map_location=device or self.device, weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
             # Not torch's own text for a refused pickle: it suggests weights_only=False,
             # i.e. running the file's code, which coat-train never does.
