@@ -18,8 +18,9 @@ def test_tensorboard_events_hold_the_metrics(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     code = cli.main([*ARGV, "--report-to", "tensorboard", "--out", str(tmp_path)])
-    _, err = capsys.readouterr()
+    out, err = capsys.readouterr()
     assert code == 0, err
+    assert f"tensorboard: tensorboard --logdir {tmp_path} (event files in MODE/" in out
     records = [
         json.loads(r) for r in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()
     ]
@@ -37,8 +38,9 @@ def test_tensorboard_events_hold_the_metrics(tmp_path, capsys):
 
 def test_without_report_to_no_event_files(tmp_path, capsys):
     code = cli.main([*ARGV, "--steps", "2", "--out", str(tmp_path)])
-    assert code == 0, capsys.readouterr().err
-    assert not (tmp_path / "bf16" / "tensorboard").exists()
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert not (tmp_path / "bf16" / "tensorboard").exists() and "tensorboard" not in out
 
 
 def test_tensorboard_missing_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
