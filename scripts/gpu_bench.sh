@@ -21,7 +21,7 @@
 #   scripts/gpu_bench.sh accuracy     1 GPU, ~5 min. The 125m preset trained 2000 steps with bf16
 #                                and coat (bench_e2e_accuracy.py), checked against the golden
 #                                loss curves; exit status 1 when a check fails.
-#   scripts/gpu_bench.sh check   1 GPU. Every GPU test, bench_quantize.py (every quantizer), the
+#   scripts/gpu_bench.sh check   1 GPU. Every GPU test, fp8-quant's benches (every quantizer), the
 #                                CoatAdamW bench, the host-time profile of a layer; with CLI=1
 #                                also coat-train's 125m preset, bf16 vs coat, with and without
 #                                --cuda-graphs.
@@ -196,7 +196,7 @@ accuracy)
 check)
   # shellcheck disable=SC2086
   gpu_tests 240 $ALL_TESTS
-  bench quantize 120 packages/fp8-quant/benchmarks/bench_quantize.py
+  bench quantize 120 packages/fp8-quant/benchmarks
   optim_bench 100
   timeout 150 python3 $B/bench_llama_layer.py host --variants coat,bf16_eager --batches 1,4 \
     --out "$r/host.txt" > "$r/host.log" 2>&1

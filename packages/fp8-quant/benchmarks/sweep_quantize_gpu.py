@@ -6,7 +6,7 @@ one kernel vary, so this script measures every launch shape in ``CONFIGS``
 compared with, in rounds (round r measures every shape once), and reports the median over
 rounds and the spread:
 
-* ``bench``: ``triton.testing.do_bench`` median, as ``bench_quantize.py`` (L2 flushed by a
+* ``bench``: ``triton.testing.do_bench`` median, as the ``bench_*.py`` files (L2 flushed by a
   256 MB memset before every call: up to an L2 of dirty lines is written back *during* the
   timed call, and a host launch slower than the memset shows up as device time);
 * ``stream``: CUDA events around ``--iters`` back-to-back calls, started behind a device
