@@ -89,11 +89,12 @@ def init_distributed(timeout: timedelta | None = None) -> torch.device:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if timeout is None:
-            dist.init_process_group(backend)
-        else:
-            dist.init_process_group(backend, timeout=timeout)
+        kw = {} if timeout is None else {"timeout": timeout}
+        if device.type == "cuda":
+            # Bound to this rank's GPU: NCCL otherwise guesses it from the rank, and every
+            # barrier() warns that it does.
+            kw["device_id"] = device
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **kw)
     return device
 
 
