@@ -238,3 +238,27 @@ def test_dcp_planted_metadata_runs_no_code(dcp_checkpoint, tmp_path, forged_mani
     with pytest.raises(CheckpointError, match="posix.mkdir is not part of a checkpoint's"):
         distributed.read_checkpoint_extra(path, verify=False)
     assert not marker.exists()
+
+
+def test_dcp_extra_written_on_a_gpu_comes_back_on_the_cpu(tmp_path, monkeypatch):
+    """DCP keeps one rank's copy of ``extra``: a GPU tensor in it (e.g. an LR scheduler's
+    state with a tensor lr) must not come back on that rank's GPU on every rank, nor fail
+    where that GPU does not exist. Mimicked on the CPU: the tensors are saved tagged as on
+    ``cuda:1``, as rank 1 of a GPU run writes them."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    path = tmp_path / "step_0000001"
+    extra = {"step": 1, "base_lrs": [torch.tensor(0.25)]}
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:1")
+        distributed.save_checkpoint(path, model, opt, extra=extra, step=1)
+    for got in (
+        distributed.read_checkpoint_extra(path),
+        distributed.load_checkpoint(path, model, opt),
+    ):
+        assert got["step"] == 1
+        (lr,) = got["base_lrs"]
+        assert lr.device == torch.device("cpu") and lr.item() == 0.25

@@ -409,9 +409,10 @@ def save_checkpoint(
     the number of ranks, ``step``, JSON ``info``) and renames it into place, replacing an
     older one without a moment where neither is complete. Rank 0 must see every rank's files
     (one machine, or a shared file system). ``extra`` (step, scheduler state, ...: anything
-    ``torch.load(weights_only=True)`` reads back) is returned by ``load_checkpoint``; DCP
-    stores one copy, so it must be equal on every rank (gather per-rank values such as RNG
-    states into it). Works for FSDP2, DDP and single-process models alike.
+    ``torch.load(weights_only=True)`` reads back) is returned by ``load_checkpoint``, its
+    tensors on the CPU; DCP stores one copy, so it must be equal on every rank (gather
+    per-rank values such as RNG states into it). Works for FSDP2, DDP and single-process
+    models alike.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -484,7 +485,8 @@ def load_checkpoint(
     path, model: nn.Module, optimizer=None, *, strict: bool = True, verify: bool = True
 ) -> dict | None:
     """Load what ``save_checkpoint`` wrote into ``model`` (and ``optimizer``), on any number of
-    ranks: DCP reads each rank's shard. Every rank calls it; returns ``extra`` (or ``None``).
+    ranks: DCP reads each rank's shard. Every rank calls it; returns ``extra`` (or ``None``),
+    its tensors on the CPU.
 
     First the files are checked against the checkpoint's manifest (``verify_checkpoint``;
     ``verify=False`` skips it when the caller has just done so): a changed, missing or added
@@ -637,7 +639,9 @@ def _extra(state: dict) -> dict | None:
         return None
     extra = state["extra"]  # DCP puts a new BytesIO in the dict
     extra.seek(0)
-    return torch.load(extra, weights_only=True)
+    # Onto the CPU: DCP wrote one rank's copy, so a GPU tensor in it would come back on that
+    # rank's GPU on every rank, and fail to load where that GPU does not exist.
+    return torch.load(extra, map_location="cpu", weights_only=True)
 
 
 def _check_against(saved: dict, state: dict, path: str, strict: bool) -> list[str]:
