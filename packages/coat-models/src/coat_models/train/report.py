@@ -204,9 +204,8 @@ def write_run_report(out: Path, run: dict, summaries: list[dict], curves: dict) 
     write_atomic(out / "summary.json", json.dumps(result, indent=1))
     metrics = ", ".join(str(out / s["mode"] / "metrics.jsonl") for s in summaries)
     exports = [s["export"] for s in summaries if s.get("export")]
-    boards = [out / s["mode"] / "tensorboard" for s in summaries]
     board_line = []
-    if any(b.is_dir() for b in boards):  # --report-to tensorboard
+    if any((out / s["mode"] / "tensorboard").is_dir() for s in summaries):  # --report-to
         board_line = [f"tensorboard: tensorboard --logdir {out} (event files in MODE/tensorboard)"]
     return "\n".join([
         "", format_table(summaries), "", plot_line,

@@ -328,10 +328,9 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(s: dict) -> None:
-    # Generator states are CPU ByteTensors whichever device they are for.
-    torch.set_rng_state(s["torch"].cpu())
+    torch.set_rng_state(s["torch"])
     if s["cuda"] and torch.cuda.is_available() and len(s["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all([t.cpu() for t in s["cuda"]])
+        torch.cuda.set_rng_state_all(s["cuda"])
     name, keys, *rest = s["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     random.setstate((s["python"][0], tuple(s["python"][1]), s["python"][2]))
@@ -836,7 +835,8 @@ class Trainer:
                     f"{path} holds {', '.join(sorted(manifest.files))}, not "
                     f"{', '.join(CHECKPOINT_FILES)}: not a coat-train checkpoint"
                 )
-            # On the CPU: torch.set_rng_state takes a CPU ByteTensor only.
+            # On the CPU: generator states are CPU ByteTensors (torch.set_rng_state and
+            # torch.cuda.set_rng_state_all refuse them on a GPU).
             state = self._load_file(path / "trainer.pt", "cpu")
         _check_trainer_state(state, path, manifest.step)
         recorded = {
