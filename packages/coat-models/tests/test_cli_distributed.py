@@ -131,6 +131,10 @@ def test_ddp_losses_match_one_process(runs):
     assert codes(runs, 0)["ddp"] == codes(runs, 1)["ddp"] == 0
     assert_losses_close(runs / "ddp/coat/metrics.jsonl", runs / "ref_ddp/coat/metrics.jsonl",
                         DDP_RTOL)  # fmt: skip
+    # Byte counts stay integers as in one process (the max over ranks goes through float64).
+    for path in (runs / "ddp/coat/metrics.jsonl", runs / "ref_ddp/coat/metrics.jsonl"):
+        train = [r for r in read_jsonl(path) if r["type"] == "train"]
+        assert all(type(r["mem_tracked_peak"]) is int for r in train), path
 
 
 @pytest.mark.slow

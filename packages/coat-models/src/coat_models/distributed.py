@@ -324,8 +324,10 @@ def all_ranks_mean(value: float) -> float:
 
 
 def all_ranks_max(value: float) -> float:
-    """Max of a Python number over all ranks, e.g. per-GPU peak memory."""
-    return _all_reduce_number(value, dist.ReduceOp.MAX)
+    """Max of a Python number over all ranks, e.g. per-GPU peak memory; an int stays an int
+    (exact below 2**53: the reduction runs in float64)."""
+    result = _all_reduce_number(value, dist.ReduceOp.MAX)
+    return int(result) if isinstance(value, int) else result
 
 
 def as_float(value) -> float:
