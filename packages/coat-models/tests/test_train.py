@@ -1072,3 +1072,64 @@ def test_fit_freezes_the_heap_while_training(tmp_path, monkeypatch):
     tr.close()
     assert len(frozen) == 4 and min(frozen) > 1000
     assert gc.get_freeze_count() == 0
+
+
+# -- what a resume restores besides model and optimizer tensors ------------------------------
+@pytest.mark.parametrize(
+    "saved, device, expected",
+    [
+        pytest.param(["s"], "cuda:1", "s", id="one-saved-state-goes-to-the-training-gpu"),
+        pytest.param(["s0", "s1", "s2"], "cuda:1", "s1", id="older-all-gpus-by-index"),
+        pytest.param(["s0"] * 2 + ["s2"], "cuda", "s2", id="no-index-current-device"),
+        pytest.param(["s0", "s1"], "cuda:3", None, id="older-without-this-index"),
+        pytest.param([], "cuda:0", None, id="written-on-the-cpu"),
+    ],
+)
+def test_resume_restores_the_training_gpus_generator(monkeypatch, saved, device, expected):
+    """The training GPU's generator comes back whatever number of GPUs the resuming machine
+    shows (the check used to compare the saved count with the visible one and skip)."""
+    from coat_models.train import trainer as T
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d: calls.append((s, d)))
+    cpu_before = torch.get_rng_state()
+    state = T._rng_state(torch.device("cpu"))
+    assert state["cuda"] == []  # a CPU run saves no GPU generator
+    torch.rand(3)  # move the CPU generator on: the restore must bring it back
+    T._set_rng_state(state | {"cuda": saved}, torch.device(device))
+    assert torch.equal(torch.get_rng_state(), cpu_before)
+    assert calls == ([] if expected is None else [(expected, torch.device(device))])
+
+
+@pytest.mark.parametrize("fused_now", [True, False])
+def test_resumed_torch_optimizer_keeps_this_runs_implementation(tmp_path, fused_now):
+    """A checkpoint's param groups carry the optimizer's implementation switches: one written
+    on the CPU (fused=False) loaded by a GPU run kept it on the slower loop. The run's own
+    switches win; the state itself loads unchanged, step counters where the switch needs."""
+    from coat_models.train.trainer import _own_implementation
+
+    def optimizer(fused):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(4, 3))
+        return p, torch.optim.AdamW([p], lr=1e-2, fused=fused, foreach=False if fused else None)
+
+    p, written = optimizer(fused=not fused_now)
+    for _ in range(3):
+        p.grad = torch.randn_like(p)
+        written.step()
+    torch.save(written.state_dict(), tmp_path / "optimizer.pt")
+    saved = torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    q, resumed = optimizer(fused=fused_now)
+    resumed.load_state_dict(_own_implementation(saved, resumed))
+    group = resumed.param_groups[0]
+    assert group["fused"] is fused_now and group["lr"] == 1e-2
+    st, before = resumed.state[q], written.state[p]
+    assert torch.equal(st["exp_avg"], before["exp_avg"])
+    assert torch.equal(st["exp_avg_sq"], before["exp_avg_sq"])
+    assert float(st["step"]) == 3.0
+    if fused_now:  # torch's rule for the fused loop: float32 counters on the parameter's device
+        assert st["step"].dtype == torch.float32
+    q.grad = torch.ones_like(q)
+    resumed.step()  # the run's implementation takes the loaded state
+    assert float(resumed.state[q]["step"]) == 4.0

@@ -317,23 +317,48 @@ def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory() if device.type == "cuda" else t
 
 
-def _rng_state() -> dict:
+def _rng_state(device: torch.device) -> dict:
+    """The generators a run draws from: CPU, NumPy, Python, and the training GPU's (only
+    that one: a resume on a machine that shows another number of GPUs restores it too)."""
     np_state = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": [torch.cuda.get_rng_state(device)] if device.type == "cuda" else [],
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
     }
 
 
-def _set_rng_state(s: dict) -> None:
+def _set_rng_state(s: dict, device: torch.device) -> None:
+    """Restore ``_rng_state``'s generators; the training GPU's from the one saved state, or
+    (checkpoints that saved every visible GPU's) from the state at its index. A run that
+    moved between CPU and GPU has no GPU state to restore (nor the same random streams)."""
     torch.set_rng_state(s["torch"])
-    if s["cuda"] and torch.cuda.is_available() and len(s["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(s["cuda"])
+    cuda = s["cuda"]
+    if device.type == "cuda" and cuda:
+        index = torch.cuda.current_device() if device.index is None else device.index
+        state = cuda[0] if len(cuda) == 1 else cuda[index] if index < len(cuda) else None
+        if state is not None:
+            torch.cuda.set_rng_state(state, device)
     name, keys, *rest = s["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     random.setstate((s["python"][0], tuple(s["python"][1]), s["python"][2]))
+
+
+# torch optimizers' implementation switches: this run's, not the checkpoint's (one written on
+# the CPU says fused=False, which would keep a GPU run on the slower loop).
+_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable")
+
+
+def _own_implementation(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """``saved`` (an optimizer state dict) with ``optimizer``'s implementation switches in
+    its param groups; torch then places the loaded step counters as they need."""
+    groups = saved.get("param_groups")
+    if isinstance(groups, list) and len(groups) == len(optimizer.param_groups):
+        for ours, theirs in zip(optimizer.param_groups, groups, strict=True):
+            if isinstance(theirs, dict):
+                theirs.update({k: ours[k] for k in _IMPLEMENTATION_KEYS if k in ours})
+    return saved
 
 
 def _launch(parallel: dict | None) -> str:
@@ -404,7 +429,7 @@ class Trainer:
             raise TrainError(CUDA_GRAPHS_ALONE)
         if isinstance(task, TokenData):
             task = LMTask(task, cfg)
-        self.cfg, self.device, self.task = cfg, device, task
+        self.cfg, self.device, self.task = cfg, torch.device(device), task
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.describe = describe or {}
         self.strategy = strategy
@@ -791,7 +816,7 @@ class Trainer:
             "format": 1,
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
-            "rng": _rng_state(),
+            "rng": _rng_state(self.device),
             # Batches are a pure function of (seed, step): the step is the position.
             "data": {"next_step": self.step + 1, "fingerprint": self.task.fingerprint},
             "config": self.cfg.numerics(),
@@ -851,10 +876,11 @@ class Trainer:
                 rng = state["rng"][self.rank]
             else:
                 self.model.load_state_dict(self._load_file(path / "model.pt"))
-                self.optimizer.load_state_dict(self._load_file(path / "optimizer.pt"))
+                saved = self._load_file(path / "optimizer.pt")
+                self.optimizer.load_state_dict(_own_implementation(saved, self.optimizer))
                 rng = state["rng"]
             self.scheduler.load_state_dict(state["scheduler"])
-            _set_rng_state(rng)
+            _set_rng_state(rng, self.device)
         except checkpoint.CheckpointError:
             raise
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
