@@ -5,6 +5,7 @@ import io
 import json
 import os
 
+import coat_models
 import numpy as np
 import pytest
 import torch
@@ -88,6 +89,33 @@ def test_end_to_end(tmp_path, capsys, modes):
         mem = [r["memory"] for r in summary["runs"]]
         assert mem[1]["optimizer_state"] < mem[0]["optimizer_state"] / 3  # FP8 m and v
         assert mem[1]["activations"] < mem[0]["activations"]
+
+
+def test_compile_trains_the_modes_with_compiled_layers(tmp_path, capsys, monkeypatch):
+    """--compile: every mode's decoder layers go through compile_layers (here with the
+    aot_eager backend, the traced graph as it is: the same losses as eager on the CPU), the
+    header says so, and summary.json records it per mode."""
+    import coat_models.train.trainer as trainer
+
+    compiled = []
+
+    def compile_layers(model):
+        compiled.append(model)
+        return coat_models.compile_layers(model, backend="aot_eager")
+
+    monkeypatch.setattr(trainer, "compile_layers", compile_layers)
+    argv = ["--compare", "bf16,coat", "--steps", "4", "--eval-every", "4", *FAST]
+    code, stdout, stderr = run([*argv, "--compile", "--out", tmp_path / "c"], capsys)
+    assert code == 0, stderr
+    assert len(compiled) == 2 and "torch.compile on (each decoder layer)" in stdout
+    code, _, stderr = run([*argv, "--out", tmp_path / "e"], capsys)
+    assert code == 0, stderr
+    for mode in ("bf16", "coat"):
+        c_train, _, c_sum = check_run_dir(tmp_path / "c", mode, steps=4, eval_every=4)
+        e_train, _, e_sum = check_run_dir(tmp_path / "e", mode, steps=4, eval_every=4)
+        assert [r["loss"] for r in c_train] == [r["loss"] for r in e_train]
+        assert c_sum["compile"] is True and e_sum["compile"] is False
+    torch._dynamo.reset()
 
 
 def test_tiny_preset_learns_quickly(tmp_path, capsys):
@@ -322,6 +350,9 @@ BAD_INPUTS = [
     (["--out", ""], "--out is empty: pass a directory"),
     (["--mode", "coat", "--cuda-graphs", "--activation-checkpointing"], "runs in one process"),
     (["--mode", "coat", "--cuda-graphs", "--device", "cpu"], "needs a CUDA device"),
+    (["--mode", "coat", "--compile", "--cuda-graphs"], "both take over the decoder layers"),
+    (["--mode", "coat", "--compile", "--fp8-weight-cache"], "--compile traces the layers"),
+    (["--mode", "coat", "--compile", "--activation-checkpointing"], "without --activation-ch"),
     # a window of one token predicts nothing: was a NaN loss blamed on --lr (exit 1)
     (["--seq-len", "1", *SMALL], "argument --seq-len: must be an integer >= 2 (a causal LM"),
     # an empty --compare ran bf16 alone; "," named a blank mode

@@ -265,23 +265,18 @@ def test_layer_outputs_feed_the_next_op_without_view_nodes():
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
-def test_torch_compile_runs_coat_layers_eagerly(monkeypatch):
-    """``torch.compile(model)``: the base model with its COAT layers runs eagerly as one
-    piece, precision flow included (``decoder_layer`` runs at every call, not once while
-    tracing), and dynamo makes one graph (head and loss), not one per layer; the same loss
-    and gradients, bit for bit. Per-layer compilation (one graph break per layer) likewise."""
-    from coat_models import blocks
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_torch_compile_traces_coat_layers(backend):
+    """``compile_layers`` and ``torch.compile(model)``: the COAT layers are traced (the whole
+    model as one graph, no break; one graph for all layers), and loss and gradients keep
+    eager's bits (aot_eager: the traced ops as they are)."""
+    from coat_models import compile_layers
+    from fp8_activations import FP8ActivationConfig
 
-    calls = []
-    layer_fn = blocks.decoder_layer
-
-    def counted(*args, **kwargs):
-        calls.append(torch.compiler.is_compiling())
-        return layer_fn(*args, **kwargs)
-
-    monkeypatch.setattr(blocks, "decoder_layer", counted)
+    counters = torch._dynamo.utils.counters
     torch._dynamo.reset()
-    model = apply_coat(tiny_llama()).train()
+    config = FP8ActivationConfig(backend=backend, weight_cache=False)
+    model = apply_coat(tiny_llama(), config=config).train()
     ids = tokens(2, 32)
 
     def loss_and_grads(fn):
@@ -293,26 +288,24 @@ def test_torch_compile_runs_coat_layers_eagerly(monkeypatch):
     want = loss_and_grads(model)
     explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
-    # Partly converted: the plain layer stays compiled, with a break at the COAT layer.
-    keep = lambda m, fqn: fqn.endswith(".0")  # noqa: E731
-    partial = apply_coat(tiny_llama(), module_filter_fn=keep).train()
-    explained = torch._dynamo.explain(partial)(input_ids=ids, labels=ids)
-    assert explained.graph_break_count >= 1
+    for compiled in (torch.compile(model, backend="aot_eager"), None):
+        torch._dynamo.reset()
+        counters.clear()
+        if compiled is None:  # each layer compiled in place
+            assert compile_layers(model, backend="aot_eager") is model
+            compiled = model
+        for _ in range(2):  # compiled, then run again as compiled
+            got = loss_and_grads(compiled)
+            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        assert counters["stats"]["unique_graphs"] == 1  # no break, no recompilation
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager")
-    for _ in range(2):
-        calls.clear()
-        got = loss_and_grads(compiled)
-        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
-        assert calls == [False] * TINY["num_hidden_layers"]  # run, not traced
-    for layer in model.model.layers:
-        layer.compile(backend="aot_eager")
-    for _ in range(2):
-        calls.clear()
-        got = loss_and_grads(model)
-        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
-        assert calls == [False] * TINY["num_hidden_layers"]
-    torch._dynamo.reset()
+
+
+def test_compile_layers_refuses_a_model_without_layers():
+    from coat_models import compile_layers
+
+    with pytest.raises(TypeError, match="no transformer layers"):
+        compile_layers(torch.nn.Linear(2, 2))
 
 
 def test_wider_model_error_is_that_of_fp8_gemms():
@@ -1107,3 +1100,43 @@ def test_gpu_fast_host_path_is_the_previous_path_bit_for_bit(monkeypatch):
     assert len(fast) == len(slow)
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_layers_are_eager_bit_for_bit():
+    """``compile_layers`` with Inductor: COAT's FP8 kernels run from the compiled graph
+    (``triton_op``), one graph for every layer, and loss and every gradient are eager's bits
+    (fp32 master weights under bf16 autocast, two steps, the KV cache transformers passes
+    left empty). With the cache off in eager too: one weight cast per micro-batch either way."""
+    from coat_models import compile_layers
+    from fp8_activations import FP8ActivationConfig
+
+    ref = tiny_llama(**WIDE).cuda().train()
+    ids = tokens(2, 64).cuda()
+    config = FP8ActivationConfig(weight_cache=False)
+
+    def run(compiled: bool):
+        model = apply_coat(copy.deepcopy(ref), config=config)
+        if compiled:
+            compile_layers(model)
+        out = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+            out += [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-1e-3)
+        return out
+
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    want, got = run(False), run(True)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["graph_break"] == {}
+    differ = [i for i, (a, b) in enumerate(zip(want, got, strict=True)) if not torch.equal(a, b)]
+    assert not differ, f"{len(differ)} of {len(want)} tensors differ, first at {differ[:5]}"
+    torch._dynamo.reset()

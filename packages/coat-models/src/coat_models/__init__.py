@@ -5,6 +5,7 @@
 >>> optimizer = create_optimizer(model, lr=3e-4)
 """
 
+from .compiling import compile_layers
 from .convert import apply_coat, revert_coat
 from .graphs import disable_cuda_graphs, enable_cuda_graphs
 from .llama import is_coat
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "apply_coat",
+    "compile_layers",
     "create_optimizer",
     "disable_cuda_graphs",
     "enable_cuda_graphs",

@@ -277,8 +277,6 @@ class _CoatDecoderLayer(_CoatMixin):
         if not (self.training and (torch.is_grad_enabled() or checkpointing)):
             return super().forward(hidden_states, *args, **kwargs)
         check_coat_layer(self)
-        if torch.compiler.is_compiling():
-            return _coat_forward_eager(self, hidden_states, *args, **kwargs)
         return self._coat_forward(hidden_states, *args, **kwargs)
 
     def _coat_forward(self, hidden_states, *args, **kwargs):
@@ -290,6 +288,11 @@ class _CoatDecoderLayer(_CoatMixin):
         # transformers 5.17 calls the cache past_key_values, later versions cache.
         cache = kwargs.pop("cache", None)
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        if torch.compiler.is_compiling():
+            # Traced, a training forward leaves the cache empty (as CUDA graphs do): nobody
+            # reads keys and values of a training step, and each layer's cache state would
+            # be a guard of its own, recompiling the shared graph for every layer.
+            cache = None
         dtype, device = hidden_states.dtype, hidden_states.device.type
         cos_sin = kwargs.pop("position_embeddings")
         if torch.is_autocast_enabled(device):
@@ -344,6 +347,8 @@ def _to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``, remembering ``t`` on the result when that is a new tensor."""
     if t.dtype == dtype:
         return t
+    if torch.compiler.is_compiling():  # a traced tensor remembers nothing
+        return t.to(dtype)
     out = t.to(dtype)
     setattr(out, _CONVERTED, (t.dtype, out._version, t, t._version))
     return out
@@ -355,6 +360,8 @@ def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     gradient)."""
     if t.dtype == dtype:
         return t
+    if torch.compiler.is_compiling():  # a traced tensor remembers nothing
+        return t.to(dtype)
     hit = getattr(t, _CONVERTED, None)
     if (
         hit is not None and hit[0] == dtype and hit[1] == t._version
@@ -365,37 +372,6 @@ def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not t.requires_grad:
         setattr(t, _CONVERTED, (dtype, t._version, out, out._version))
     return out
-
-
-@torch.compiler.disable
-def _coat_forward_eager(layer, hidden_states, *args, **kwargs):
-    """A COAT layer's training forward inside ``torch.compile``: run eagerly, outside the
-    traced graph (a graph break per layer). Traced, the FP8 ops are opaque custom ops that
-    hand nothing over (each quantizes its own input again, and the layer saves more), which
-    measured slower than eager; eagerly the layer keeps its whole precision flow, and
-    ``torch.compile(model)`` compiles the rest of the model (embeddings, final norm, loss)."""
-    return layer._coat_forward(hidden_states, *args, **kwargs)
-
-
-def _all_layers_coat(base_model: nn.Module) -> bool:
-    """Whether every decoder layer of a text base model (``.layers``) is a COAT layer: then
-    nothing in it but embeddings and the final norm would be compiled anyway. A partly
-    converted model, or a LLaVA model (vision tower, projector), keeps its compiled parts."""
-    layers = getattr(base_model, "layers", None)
-    return (
-        isinstance(layers, nn.ModuleList)
-        and len(layers) > 0
-        and all(getattr(layer, "_coat_decoder_layer", False) for layer in layers)
-    )
-
-
-@torch.compiler.disable
-def _base_model_eager(base_model: nn.Module, named: dict):
-    """The base model of a COAT causal LM inside ``torch.compile(model)``: run eagerly as one
-    piece, so the traced graph breaks once here instead of once per COAT layer (each break
-    adds a compiled fragment with its own guards and autograd wrapper to every step); the
-    compiled part is the head and loss."""
-    return base_model(**named)
 
 
 class _CoatCausalLM(_CoatMixin):
@@ -418,10 +394,7 @@ class _CoatCausalLM(_CoatMixin):
         return_dict = named.pop("return_dict", None)
         num_items = named.get("num_items_in_batch")
         ignore_index = named.pop("ignore_index", -100)
-        if torch.compiler.is_compiling() and _all_layers_coat(self.base_model):
-            outputs = _base_model_eager(self.base_model, named)
-        else:
-            outputs = self.base_model(**named)
+        outputs = self.base_model(**named)
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         hidden = outputs.last_hidden_state

@@ -55,6 +55,7 @@ from .report import TENSORBOARD_HINT, ReportError, fmt_bytes, write_atomic, writ
 from .report import curves as read_curves
 from .tasks import LMTask, VLTask
 from .trainer import (
+    COMPILE_ALONE,
     CUDA_GRAPHS_ALONE,
     MASTER_DTYPES,
     MODES,
@@ -202,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
         "when the host cannot keep up; same numbers; the graphs' pool costs memory); other "
         "modes of --compare run as usual (default: on with one CUDA GPU, without "
         "--activation-checkpointing or --fp8-weight-cache)",
+    )
+    r.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each decoder layer (coat_models.compile_layers; every mode): the "
+        "layer's forward and backward run as one compiled graph each, COAT's FP8 kernels "
+        "inside; the first step compiles (tens of seconds); replaces CUDA graphs; one process, "
+        "without --activation-checkpointing",
     )
     r.add_argument(
         "--master-dtype",
@@ -399,6 +408,7 @@ def _train_config(args, defaults, mode: str, master: str, graphs: bool) -> Train
             report_to=args.report_to,
             weight_cache=args.fp8_weight_cache,
             cuda_graphs=graphs and MODES[mode][0],
+            compile=args.compile,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -407,12 +417,14 @@ def _train_config(args, defaults, mode: str, master: str, graphs: bool) -> Train
 def _default_cuda_graphs(args, device, strategy) -> bool:
     """Whether a run that says neither --cuda-graphs nor --no-cuda-graphs records the COAT
     layers: wherever graphs apply (one CUDA process, no activation checkpointing, no FP8
-    weight cache asked for). Every step has one shape (VL batches are padded to --seq-len)."""
+    weight cache asked for, no --compile). Every step has one shape (VL batches are padded
+    to --seq-len)."""
     return (
         device.type == "cuda"
         and strategy is None
         and not args.activation_checkpointing
         and not args.fp8_weight_cache
+        and not args.compile
     )
 
 
@@ -876,6 +888,8 @@ def run(args) -> int:
     ]
     if args.cuda_graphs:
         _check_cuda_graphs(args, modes, device, strategy)
+    if args.compile and (strategy is not None or args.activation_checkpointing):
+        raise UsageError(COMPILE_ALONE)
     if any(c.cuda_graphs for c in cfgs):
         # The recording's side stream makes the gradient accumulators, so the first graphed
         # backward warns of the stream mismatch: expected (coat_models.graphs). This process
@@ -916,7 +930,8 @@ def run(args) -> int:
         + (f" x {dist.get_world_size()} ranks" if strategy else "")
         + f"; modes: {', '.join(modes)}"
         + _cache_note(cfgs, strategy)
-        + _graphs_note(cfgs),
+        + _graphs_note(cfgs)
+        + ("; torch.compile on (each decoder layer)" if args.compile else ""),
         flush=True,
     )
     summaries, curves = [], {}

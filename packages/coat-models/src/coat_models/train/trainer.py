@@ -39,6 +39,7 @@ from fp8_optim import CoatAdamW
 from transformers import DynamicCache
 
 from .. import checkpoint, distributed
+from ..compiling import compile_layers
 from ..graphs import cuda_graph_replays, enable_cuda_graphs
 from ..optim import create_optimizer, param_groups
 from .args import Range
@@ -123,10 +124,11 @@ class TrainConfig:
     # the optimizer step. None: see ``uses_weight_cache``.
     weight_cache: bool | None = None
     cuda_graphs: bool = False  # FP8 activations on CUDA: replay the COAT layers as CUDA graphs
+    compile: bool = False  # torch.compile each transformer layer (coat_models.compile_layers)
     report_to: str = "none"  # or "tensorboard": event files in out_dir/tensorboard
 
     NOT_NUMERICS = ("eval_every", "eval_batches", "log_every", "save_every", "keep_checkpoints",
-                    "weight_cache", "cuda_graphs", "report_to")  # fmt: skip
+                    "weight_cache", "cuda_graphs", "compile", "report_to")  # fmt: skip
 
     def __post_init__(self):
         for name, known in {
@@ -165,6 +167,16 @@ class TrainConfig:
                 "--cuda-graphs replays what it recorded, so the FP8 weight cache (a decision "
                 "made in Python) must be off: drop --fp8-weight-cache"
             )
+        if self.compile and self.cuda_graphs:
+            raise ValueError(
+                "--compile and --cuda-graphs both take over the decoder layers: choose one"
+            )
+        if self.compile and self.weight_cache:
+            raise ValueError(
+                "--compile traces the layers, and a traced layer casts its weights every "
+                "micro-batch (the FP8 weight cache is a decision made in Python): drop "
+                "--fp8-weight-cache"
+            )
 
     @classmethod
     def from_preset(cls, name: str, mode: str = "bf16", **overrides) -> TrainConfig:
@@ -181,11 +193,11 @@ class TrainConfig:
     @property
     def uses_weight_cache(self) -> bool:
         """Whether the FP8 weight cache is asked for: ``weight_cache``, or when None, with
-        gradient accumulation and without CUDA graphs (micro-batches 2.. reuse the first one's
-        casts). ``fp8_weight_cache`` says whether a run has it."""
+        gradient accumulation and without CUDA graphs or compiled layers (micro-batches 2..
+        reuse the first one's casts). ``fp8_weight_cache`` says whether a run has it."""
         if self.weight_cache is not None:
             return self.weight_cache
-        return self.grad_accum > 1 and not self.cuda_graphs
+        return self.grad_accum > 1 and not self.cuda_graphs and not self.compile
 
     def fp8_weight_cache(self, strategy: str | None = None) -> bool:
         """Whether this mode trains with the FP8 weight cache under ``strategy``: a mode
@@ -216,8 +228,9 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
 
 
 def prepare(model, task, cfg: TrainConfig, device, strategy=None, activation_checkpointing=False):
-    """(model, optimizer) for ``cfg.mode``: the task's FP8 conversion, CUDA graphs, FSDP2 /
-    DDP under torchrun, then CoatAdamW or torch AdamW over what this rank updates."""
+    """(model, optimizer) for ``cfg.mode``: the task's FP8 conversion, CUDA graphs or
+    compiled layers, FSDP2 / DDP under torchrun, then CoatAdamW or torch AdamW over what this
+    rank updates."""
     fp8_act, fp8_optim = MODES[cfg.mode]
     fp8_config = None
     if fp8_act:
@@ -235,6 +248,8 @@ def prepare(model, task, cfg: TrainConfig, device, strategy=None, activation_che
             enable_cuda_graphs(model)
         except ValueError as e:  # a CPU model, another attention implementation
             raise TrainError(f"--cuda-graphs: {e}") from None
+    if cfg.compile:
+        compile_layers(model)
     if strategy == "fsdp":
         target = distributed.shard_model(model, activation_checkpointing=activation_checkpointing)
     elif strategy == "ddp":
@@ -427,6 +442,8 @@ class Trainer:
             )
         if cfg.cuda_graphs and (strategy is not None or activation_checkpointing):
             raise TrainError(CUDA_GRAPHS_ALONE)
+        if cfg.compile and (strategy is not None or activation_checkpointing):
+            raise TrainError(COMPILE_ALONE)
         if isinstance(task, TokenData):
             task = LMTask(task, cfg)
         self.cfg, self.device, self.task = cfg, torch.device(device), task
@@ -743,6 +760,7 @@ class Trainer:
             "fp8_weight_cache": self.cfg.fp8_weight_cache(self.strategy),
             # Asked for and replayed (a layer given an attention mask, say, runs eagerly).
             "cuda_graphs": self._graphs_replayed(),
+            "compile": self.cfg.compile,
             "memory": t["memory"],
             **self.task.summary(),
         }
@@ -794,6 +812,7 @@ class Trainer:
     def _fresh_totals(self) -> dict:
         speed = {
             "cuda_graphs": self.cfg.cuda_graphs,
+            "compile": self.cfg.compile,
             "fp8_weight_cache": self.cfg.fp8_weight_cache(self.strategy),
             "activation_checkpointing": self.activation_checkpointing,
         }
@@ -901,11 +920,12 @@ class Trainer:
         # A checkpoint written before the totals named their settings is taken to have had
         # this run's (as before): its totals carry on.
         then = self.totals.setdefault("speed", now["speed"])
+        then.setdefault("compile", False)  # written before --compile existed
         if then != now["speed"] and self.step < self.cfg.steps:
-            # Resumed with other CUDA graphs / FP8 weight cache / activation checkpointing
-            # settings, which change speed and memory but no number: tokens/s and memory count
-            # this run's steps only, not a blend. (At the end nothing is left to count: the
-            # checkpoint's totals are the run's.)
+            # Resumed with other CUDA graphs / compile / FP8 weight cache / activation
+            # checkpointing settings, which change speed and memory but no number: tokens/s
+            # and memory count this run's steps only, not a blend. (At the end nothing is
+            # left to count: the checkpoint's totals are the run's.)
             self.totals = now
         self.train_losses = list(state["train_losses"])
 
@@ -958,6 +978,10 @@ class Trainer:
         self.progress.close()
 
 
+COMPILE_ALONE = (
+    "--compile runs in one process without --activation-checkpointing (not yet supported "
+    "with --fsdp/--ddp or checkpointed layers): drop one of them"
+)
 CUDA_GRAPHS_ALONE = (
     "--cuda-graphs runs in one process without --activation-checkpointing (sharded "
     "parameters move; checkpointed layers run eagerly): drop one of them"

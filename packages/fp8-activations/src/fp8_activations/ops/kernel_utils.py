@@ -9,12 +9,13 @@ are ``fp8_quant.ops``'; the backend rule itself is ``fp8_quant.resolve_backend``
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import triton
 import triton.language as tl
 from fp8_quant import resolve_backend
-from fp8_quant.ops import abs_max
+from fp8_quant.ops import abs_max, traced_launches
 
 __all__ = ["cast_out", "custom_op", "use_triton"]
 
@@ -43,7 +44,18 @@ def custom_op(name: str, *, namespace: str = "fp8_activations"):
     """
 
     def wrap(fn):
-        op = torch.library.custom_op(f"{namespace}::{name}", fn, mutates_args=())
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            with traced_launches():
+                return fn(*args, **kwargs)
+
+        # The schema is read from the signature, its annotations resolved where fn lives.
+        traced.__signature__ = inspect.signature(fn, eval_str=True)
+
+        if _INTERPRETED:  # the interpreter cannot trace kernels: an opaque op there
+            op = torch.library.custom_op(f"{namespace}::{name}", fn, mutates_args=())
+        else:
+            op = torch.library.triton_op(f"{namespace}::{name}", traced, mutates_args=())
 
         @functools.wraps(fn)
         def call(*args):

@@ -38,7 +38,7 @@ Tensor = torch.Tensor
 def _centre(x, mask, N, eps):
     """``(x - mean, rstd)`` of each row of a row-block tile (zero outside ``mask``)."""
     xc = tl.where(mask, x - row_sum(x) / N, 0.0)
-    return xc, tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(xc * xc) / N + eps))
+    return xc, tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(xc * xc) / N + tl.cast(eps, tl.float32)))
 
 
 @triton.jit

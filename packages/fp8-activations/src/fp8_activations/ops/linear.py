@@ -42,7 +42,7 @@ def quantize_t(
         q, q_t, scale = fp8_ops.quantize_per_tensor_transpose(x, FP8Format(fmt), amax)
     else:
         q, q_t, scale = quantize_per_tensor_transpose(x, fmt, amax=amax, backend=backend)
-    if q_t.data_ptr() == q.data_ptr():  # one row (or column): q.T is q; outputs may not alias
+    if 1 in q.shape:  # one row (or column): q.T may be q; outputs may not alias
         q_t = q_t.clone()
     return q, q_t, scale
 
@@ -226,7 +226,10 @@ _SCALED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _mm(a, b, scale_a, scale_b, bias, out_dtype, use_scaled_mm, fast_accum=False):
     """``(a * scale_a) @ (b * scale_b) (+ bias)`` with FP8 ``a``, ``b``, fp32 accumulation."""
     if not use_scaled_mm or out_dtype not in _SCALED_MM_DTYPES:
-        return reference.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)
+        # Autocast off: torch.compile traces a backward under the forward's autocast state,
+        # which would turn the emulated fp32 product into a bf16 one.
+        with torch.autocast(a.device.type, enabled=False):
+            return reference.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)
     fused_bias = bias if bias is not None and bias.dtype == out_dtype != torch.float32 else None
     out = torch._scaled_mm(
         a, b, scale_a, scale_b, bias=fused_bias, out_dtype=out_dtype, use_fast_accum=fast_accum

@@ -48,7 +48,7 @@ def _rms_norm_fwd_kernel(
     base, offs, mask, s_base, s_offs, s_mask, cols = row_block(blk, M, N, BM, NGP, G, V)
     x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(x * x) / N + eps))
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(x * x) / N + tl.cast(eps, tl.float32)))
     if SAVE_RSTD:
         r = blk * BM + tl.arange(0, BM)[:, None, None, None]
         tl.store(RSTD + r, rstd, mask=r < M)
@@ -107,7 +107,7 @@ def _rms_norm_bwd_kernel(
             dyf = cast_out(dyf + dy2.to(tl.float32), DY).to(tl.float32)
         if NDY >= 3:
             dyf = cast_out(dyf + dy3.to(tl.float32), DY).to(tl.float32)
-        rstd = tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(x * x) / N + eps))
+        rstd = tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(x * x) / N + tl.cast(eps, tl.float32)))
         x_hat = x * rstd
         g = dyf * w
         c = row_sum(g * x_hat) / N

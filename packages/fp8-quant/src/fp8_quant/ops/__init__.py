@@ -10,7 +10,7 @@ take a ``GroupLaunch`` (their launch shape; benchmarks compare shapes through it
 """
 
 from ._host import cdiv, next_pow2
-from ._launch import launch, ordinary_launches
+from ._launch import launch, ordinary_launches, traced_launches
 from .fp8_round import (
     abs_max,
     fp8_encode,
@@ -45,5 +45,6 @@ __all__ = [
     "round_to_fp8_grid",
     "tensor_amax",
     "tensor_amax_multi",
+    "traced_launches",
     "triton_interpreting",
 ]

@@ -35,6 +35,8 @@ _INTERPRETING = triton_interpreting()
 _CACHE: dict[tuple, dict[tuple, tuple]] = {}
 # Depth of ``ordinary_launches()`` contexts: while > 0, every launch is ``kernel[grid]``.
 _ORDINARY = 0
+# Depth of ``traced_launches()`` contexts: while > 0, every launch is ``wrap_triton``'s.
+_TRACED = 0
 
 
 @contextlib.contextmanager
@@ -48,6 +50,19 @@ def ordinary_launches():
         yield
     finally:
         _ORDINARY -= 1
+
+
+@contextlib.contextmanager
+def traced_launches():
+    """Within this context every ``launch`` goes through ``torch.library.wrap_triton``: the
+    body of a ``torch.library.triton_op``, which ``torch.compile`` traces (the kernel then
+    becomes part of the compiled graph) and runs eagerly otherwise. Not thread-local."""
+    global _TRACED
+    _TRACED += 1
+    try:
+        yield
+    finally:
+        _TRACED -= 1
 
 
 def _keys(args) -> tuple:
@@ -77,6 +92,9 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
     positional ``args`` (tensors, ints, floats, bools) and keyword ``meta`` (constexprs and
     launch options such as ``num_warps``): the same kernel and bits as
     ``kernel[grid](*args, **meta)``. Launches on the current device's current stream."""
+    if _TRACED:
+        torch.library.wrap_triton(kernel)[grid](*args, **meta)
+        return
     if _INTERPRETING or _ORDINARY:
         kernel[grid](*args, **meta)
         return

@@ -1,0 +1,56 @@
+"""``compile_layers(model)``: ``torch.compile`` on each decoder layer, the supported way to
+compile a COAT model.
+
+Under ``torch.compile`` a COAT layer is traced: its FP8 kernels are ``torch.library.triton_op``
+operators, so Inductor sees the Triton kernels themselves and calls them from its generated
+code, and the layer's forward and backward each run as one compiled graph with one autograd
+node, instead of one Python call and autograd node per op. What tracing gives up: an op's
+output hands no FP8 copy to the next op (the next op quantizes its input again: the same
+bits, one quantization launch more), and the FP8 weight cache is not used (each micro-batch
+casts the weights again).
+
+One compiled graph serves every layer of a model (the layers have the same code and
+shapes), so compilation costs about one layer's worth whatever the depth; compiling the
+whole model (``torch.compile(model)``) also works but traces every layer into one graph.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+# Inductor keeps fused bf16 intermediates in fp32 unless told to round them as eager does:
+# told, the compiled layer's element-wise glue (casts, the residual gradients' sums) writes
+# eager's bits.
+_INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer layers of a Hugging Face model (COAT or not): the modules whose class
+    is a ``GradientCheckpointingLayer``, transformers' base of decoder and encoder layers."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
+    """Compile each transformer layer of ``model`` in place (``nn.Module.compile``) and
+    return ``model``. ``compile_kwargs`` go to ``torch.compile``; the defaults are
+    ``fullgraph=True`` (a layer that cannot be traced in one piece raises, naming why) and
+    ``dynamic=False`` (one graph per sequence length: training shapes are fixed). With the
+    default backend (Inductor) and no ``mode``, bf16 intermediates are rounded as eager rounds
+    them (``options={"emulate_precision_casts": True}``, merged with ``options`` given).
+
+    Call it after ``apply_coat`` (a layer converted after compiling runs eagerly). Raises
+    ``TypeError`` when ``model`` has no such layer.
+    """
+    layers = decoder_layers(model)
+    if not layers:
+        raise TypeError(
+            f"{type(model).__name__} has no transformer layers (transformers' "
+            "GradientCheckpointingLayer) to compile: compile it with torch.compile instead"
+        )
+    kwargs = {"fullgraph": True, "dynamic": False, **compile_kwargs}
+    if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
+        kwargs["options"] = {**_INDUCTOR_OPTIONS, **(kwargs.get("options") or {})}
+    for layer in layers:
+        layer.compile(**kwargs)
+    return model
