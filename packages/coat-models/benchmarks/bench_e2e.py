@@ -1,7 +1,8 @@
 """End-to-end training benchmark on one GPU (issue 6, benchmark 1): full-parameter training of
 Llama-2-7B shapes at seq 2048, per variant (bf16; coat; coat with bf16 master weights; and, on
 request, coat-cache: coat keeping the FP8 weight copies between steps, ``--fp8-weight-cache``;
-coat-compile: coat with the model ``torch.compile``d around its eager COAT layers;
+coat-compile: coat with each decoder layer compiled, ``coat_models.compile_layers``, as
+``coat-train --compile`` runs it;
 torchao: torchao's float8 training, tensorwise scaling, each decoder layer compiled):
 
 - the largest micro-batch that fits (1, 2, 4, 8, ... until CUDA runs out of memory),
@@ -58,7 +59,7 @@ import time
 from pathlib import Path
 
 import torch
-from coat_models import param_groups
+from coat_models import compile_layers, param_groups
 from coat_models.train.args import OneLineParser, int_in, int_list
 from coat_models.train.cli import is_oom
 from coat_models.train.data import BatchSampler, load_data
@@ -90,9 +91,9 @@ VARIANTS = {
     "coat-compile": ("coat", "fp32", None),
     "torchao": ("torchao", "fp32", False),
 }
-# Variants whose model is ``torch.compile``d in place (``nn.Module.compile``) once the trainer
-# has converted it: the COAT decoder layers run eagerly (one graph break each), the rest
-# (embeddings, final norm, head and loss) is compiled, as apply_coat documents.
+# Variants whose decoder layers are compiled in place (``compile_layers``) once the trainer has
+# converted the model: each COAT layer's forward and backward run as one compiled graph, its
+# FP8 kernels inside; embeddings, final norm, head and loss stay eager.
 COMPILED = {"coat-compile"}
 DEFAULT_VARIANTS = "bf16,coat,coat-bf16master"
 # Targets of issue 6 against bf16: peak memory at the same micro-batch, tokens/s at the best.
@@ -177,7 +178,7 @@ def trial(model, data, mode, master, cache, mb, args, device, compiled=False) ->
     try:
         trainer = Trainer(model, data, cfg, device=device, progress=False)
         if compiled:
-            trainer.model.compile()
+            compile_layers(trainer.model)
         free()
         trainer.meter.reset()
         trainer.tracker.reset_peak()
