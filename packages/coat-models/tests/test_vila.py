@@ -121,6 +121,27 @@ def test_logits_and_every_gradient_match_unconverted(vision):
             assert sqnr(want, got_grads[name]) >= GRAD_FLOOR_DB[group], name
 
 
+def test_compile_layers_compiles_the_language_model_only():
+    """compile_layers on a LLaVA model: the text decoder's layers (the vision tower's run
+    transformers' output-capturing hooks, which dynamo cannot trace in one graph), with the
+    same loss and gradients as eager (aot_eager: the traced ops as they are)."""
+    from coat_models import compile_layers
+    from coat_models.compiling import decoder_layers
+
+    model = apply_coat_vlm(tiny_llava())
+    language = list(model.model.language_model.layers)
+    assert decoder_layers(model) == language
+    batch = shapes_batch(4)
+    want = logits_and_grads(model, batch)
+    torch._dynamo.reset()
+    compile_layers(model, backend="aot_eager")
+    for _ in range(2):
+        got = logits_and_grads(model, batch)
+        assert got[1].keys() == want[1].keys()
+        assert all(torch.equal(got[1][k], want[1][k]) for k in want[1])
+    torch._dynamo.reset()
+
+
 def test_conversion_covers_tower_and_projector():
     from fp8_activations import FP8GELU, FP8LayerNorm, FP8Linear
 

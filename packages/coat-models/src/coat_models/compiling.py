@@ -26,18 +26,25 @@ _INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer layers of a Hugging Face model (COAT or not): the modules whose class
-    is a ``GradientCheckpointingLayer``, transformers' base of decoder and encoder layers."""
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    """The transformer layers of a Hugging Face model's text decoder (``get_decoder()``;
+    ``model`` itself when it has none), COAT or not: the modules whose class is a
+    ``GradientCheckpointingLayer``, transformers' base of decoder layers. A LLaVA model's
+    vision tower is left out: its layers run transformers' output-capturing hooks, which
+    dynamo cannot trace in one graph."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    root = decoder if isinstance(decoder, nn.Module) else model
+    return [m for m in root.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
-    """Compile each transformer layer of ``model`` in place (``nn.Module.compile``) and
-    return ``model``. ``compile_kwargs`` go to ``torch.compile``; the defaults are
-    ``fullgraph=True`` (a layer that cannot be traced in one piece raises, naming why) and
-    ``dynamic=False`` (one graph per sequence length: training shapes are fixed). With the
-    default backend (Inductor) and no ``mode``, bf16 intermediates are rounded as eager rounds
-    them (``options={"emulate_precision_casts": True}``, merged with ``options`` given).
+    """Compile each layer of ``model``'s text decoder in place (``nn.Module.compile``,
+    ``decoder_layers``) and return ``model``. ``compile_kwargs`` go to ``torch.compile``;
+    the defaults are ``fullgraph=True`` (a layer that cannot be traced in one piece raises,
+    naming why) and ``dynamic=False`` (one graph per sequence length: training shapes are
+    fixed). With the default backend (Inductor) and no ``mode``, bf16 intermediates are
+    rounded as eager rounds them (``options={"emulate_precision_casts": True}``, merged with
+    ``options`` given).
 
     Call it after ``apply_coat`` (a layer converted after compiling runs eagerly). Raises
     ``TypeError`` when ``model`` has no such layer.
