@@ -262,6 +262,41 @@ def test_trainer_learns_llava_and_writes_the_cli_records(bf16_run):
     assert evals[-1]["val_caption_acc"] == summary["val_caption_acc"]
 
 
+def test_compile_layers_compiles_the_language_model_and_leaves_the_tower_eager():
+    """compile_layers on a LLaVA model: the LM's decoder layers are compiled (one graph) and
+    give eager's loss and gradients; the vision tower's layers stay eager (transformers
+    collects their hidden states for the projector with hooks dynamo cannot trace: compiled
+    with fullgraph=True they raised)."""
+    from coat_models import compile_layers
+    from fp8_activations import FP8ActivationConfig
+
+    config = FP8ActivationConfig(weight_cache=False)
+    model = apply_coat_vlm(tiny_llava(), config=config, vision=True).train()
+    batch = shapes_batch(batch=2)
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        # The tower's post_layernorm is unused: no gradient, compiled or not.
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want = loss_and_grads()
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_layers(model, backend="aot_eager") is model
+    compiled = {
+        n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None
+    }
+    layers = llava_tiny_config().text_config.num_hidden_layers
+    assert compiled == {f"model.language_model.layers.{i}" for i in range(layers)}
+    got = loss_and_grads()
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------------- state dict, eval
 def test_state_dict_names_unchanged_and_loads_both_ways():
     ref = tiny_llava(seed=3)

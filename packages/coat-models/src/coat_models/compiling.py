@@ -27,12 +27,20 @@ _INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer layers of a Hugging Face model (COAT or not): the modules whose class
-    is a ``GradientCheckpointingLayer``, transformers' base of decoder and encoder layers."""
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    is a ``GradientCheckpointingLayer``, transformers' base of decoder and encoder layers,
+    except a LLaVA model's vision tower's. LLaVA reads the tower's hidden states through
+    hooks that transformers puts on its layers, which dynamo cannot trace (a ContextVar): in
+    one graph they raise, so the tower stays eager."""
+    return [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, GradientCheckpointingLayer) and "vision_tower" not in name.split(".")
+    ]
 
 
 def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
-    """Compile each transformer layer of ``model`` in place (``nn.Module.compile``) and
+    """Compile each transformer layer of ``model`` (``decoder_layers``: a LLaVA model's
+    language model layers, not its vision tower's) in place (``nn.Module.compile``) and
     return ``model``. ``compile_kwargs`` go to ``torch.compile``; the defaults are
     ``fullgraph=True`` (a layer that cannot be traced in one piece raises, naming why) and
     ``dynamic=False`` (one graph per sequence length: training shapes are fixed). With the
