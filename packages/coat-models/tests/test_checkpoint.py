@@ -210,6 +210,26 @@ def test_dcp_checkpoint_has_a_manifest_and_loads(dcp_checkpoint):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), want, strict=True))
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_dcp_load_keeps_the_optimizers_implementation(dcp_checkpoint, fused):
+    """A DCP checkpoint, like a torch one (test_train), leaves the loading optimizer's
+    implementation switches as they are (it wrote fused=None; the loaded optimizer says
+    fused=True, or foreach=False): the state loads, the optimizer steps on."""
+    path, model, opt = dcp_checkpoint
+    switches = {"fused": True} if fused else {"foreach": False}
+    other = torch.optim.AdamW(model.parameters(), lr=1e-3, **switches)
+    model.zero_grad(set_to_none=True)  # as a resuming run's model: DCP then sets up the state
+    distributed.load_checkpoint(path, model, other)
+    group = other.param_groups[0]
+    assert (group["fused"], group["foreach"]) == ((True, None) if fused else (None, False))
+    p = next(model.parameters())
+    assert torch.equal(other.state[p]["exp_avg"], opt.state[p]["exp_avg"])
+    assert float(other.state[p]["step"]) == 1.0
+    model(torch.randn(2, 8)).sum().backward()
+    other.step()
+    assert float(other.state[p]["step"]) == 2.0
+
+
 def test_dcp_changed_shard_is_refused_before_reading(dcp_checkpoint):
     path, model, opt = dcp_checkpoint
     _flip(path / "__0_0.distcp")

@@ -93,9 +93,11 @@ def test_end_to_end(tmp_path, capsys, modes):
 
 def test_compile_trains_the_modes_with_compiled_layers(tmp_path, capsys, monkeypatch):
     """--compile: every mode's decoder layers go through compile_layers (here with the
-    aot_eager backend, the traced graph as it is: the same losses as eager on the CPU), the
-    header says so, and summary.json records it per mode."""
+    aot_eager backend, the traced graph as it is: the same losses and final weights as eager
+    on the CPU, fp32 master weights under autocast), the header says so, and summary.json
+    records it per mode."""
     import coat_models.train.trainer as trainer
+    from safetensors.torch import load_file
 
     compiled = []
 
@@ -115,6 +117,12 @@ def test_compile_trains_the_modes_with_compiled_layers(tmp_path, capsys, monkeyp
         e_train, _, e_sum = check_run_dir(tmp_path / "e", mode, steps=4, eval_every=4)
         assert [r["loss"] for r in c_train] == [r["loss"] for r in e_train]
         assert c_sum["compile"] is True and e_sum["compile"] is False
+        # The weights after the last step: every step's gradients and update, bit for bit.
+        c_w, e_w = (
+            load_file(d / mode / "final/model.safetensors")
+            for d in (tmp_path / "c", tmp_path / "e")
+        )
+        assert c_w.keys() == e_w.keys() and all(torch.equal(c_w[k], e_w[k]) for k in c_w)
     torch._dynamo.reset()
 
 

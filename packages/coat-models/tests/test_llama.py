@@ -5,6 +5,7 @@ Llama-shaped models and the error for the rest. CPU; the GPU subset is marked ``
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from types import SimpleNamespace
 
@@ -298,6 +299,48 @@ def test_torch_compile_traces_coat_layers(backend):
             got = loss_and_grads(compiled)
             assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
         assert counters["stats"]["unique_graphs"] == 1  # no break, no recompilation
+    torch._dynamo.reset()
+
+
+def test_compiled_training_forward_keeps_a_cache_that_holds_tokens():
+    """A KV cache holding a prefix, passed to a training forward: compiled layers attend to it
+    as eager layers do (the same logits, gradients and filled cache; it was dropped, and
+    attention then saw only the new tokens), while a fresh cache stays empty and costs no
+    graph per layer."""
+    from coat_models import compile_layers
+    from fp8_activations import FP8ActivationConfig
+
+    config = FP8ActivationConfig(weight_cache=False)
+    ref = tiny_llama()
+    prefix, ids = tokens(2, 8, seed=2), tokens(2, 16)
+    # transformers 5.17 names the argument past_key_values, later versions cache.
+    params = inspect.signature(LlamaForCausalLM.forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"
+
+    def run(compiled: bool, with_prefix: bool):
+        model = apply_coat(copy.deepcopy(ref), config=config).train()
+        if compiled:
+            compile_layers(model, backend="aot_eager")
+        cache = None
+        if with_prefix:
+            with torch.no_grad():  # the plain forward fills the cache
+                cache = model(prefix, use_cache=True).past_key_values
+        out = model(ids, use_cache=True, **{name: cache})
+        out.logits.float().sum().backward()
+        length = out.past_key_values.get_seq_length()
+        return [out.logits.detach()] + [p.grad for p in model.parameters()], length
+
+    counters = torch._dynamo.utils.counters
+    want, want_length = run(compiled=False, with_prefix=True)
+    assert want_length == 8 + 16
+    torch._dynamo.reset()
+    got, got_length = run(compiled=True, with_prefix=True)
+    assert got_length == want_length
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    torch._dynamo.reset()
+    counters.clear()
+    _, fresh_length = run(compiled=True, with_prefix=False)
+    assert fresh_length == 0 and counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
 
 

@@ -196,6 +196,19 @@ def test_mixed_dtypes_and_frozen_weight():
     assert b.grad.dtype == torch.float32 and w.grad is None
 
 
+def test_emulated_gemm_is_fp32_under_autocast():
+    """The emulated GEMM computes what ``torch._scaled_mm`` does, an fp32 product, also when
+    called under autocast (it was a bf16 product there in forward and an fp32 one in
+    backward; a compiled backward is traced under the forward's autocast state): output and
+    gradients are those of the same call without autocast, bit for bit."""
+    cfg = FP8ActivationConfig(gemm="emulated")
+    inputs = _inputs(torch.float32)
+    want = _run(inputs, cfg)
+    with torch.autocast("cpu", torch.bfloat16):
+        got = _run(inputs, cfg)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
 def test_no_grad_forward_matches():
     x, w, b = _inputs(torch.bfloat16)
     with torch.no_grad():

@@ -64,6 +64,30 @@ def test_ordinary_launches_context(kernel):
     assert _launch._ORDINARY == 0
 
 
+def test_traced_launches_context(kernel, monkeypatch):
+    """Inside ``traced_launches`` (a triton_op's body) every launch goes through
+    ``torch.library.wrap_triton``, which torch.compile traces, cached or not; the context
+    nests and unwinds on errors, and afterwards launches take the direct path again."""
+    wrapped = []
+
+    def wrap_triton(k):
+        wrapped.append(k)
+        return k
+
+    monkeypatch.setattr(torch.library, "wrap_triton", wrap_triton)
+    x, y = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16)
+    _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
+    with _launch.traced_launches(), _launch.traced_launches():
+        _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)  # cached, yet wrapped
+        with pytest.raises(RuntimeError):
+            with _launch.traced_launches():
+                raise RuntimeError
+        _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
+    _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
+    assert [e[0] for e in kernel.log] == ["jit", "jit", "jit", "direct"]
+    assert wrapped == [kernel, kernel] and _launch._TRACED == 0
+
+
 def test_direct_after_first_launch(kernel):
     x, y = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16)
     _launch.launch(kernel, (3,), x, y, 4096, 1e-6, BLOCK=64, num_warps=4)

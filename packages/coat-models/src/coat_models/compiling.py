@@ -9,9 +9,13 @@ output hands no FP8 copy to the next op (the next op quantizes its input again: 
 bits, one quantization launch more), and the FP8 weight cache is not used (each micro-batch
 casts the weights again).
 
-One compiled graph serves every layer of a model (the layers have the same code and
-shapes), so compilation costs about one layer's worth whatever the depth; compiling the
-whole model (``torch.compile(model)``) also works but traces every layer into one graph.
+In training one compiled graph serves every layer of a model (the layers have the same code
+and shapes), so compilation costs about one layer's worth whatever the depth; compiling the
+whole model (``torch.compile(model)``) also works but traces every layer into one graph. A
+forward that fills transformers' KV cache (eval or generate with ``use_cache=True``, the
+default) indexes it by the layer's number, so each layer traces a graph of its own, and past
+dynamo's recompile limit (8) ``fullgraph=True`` raises: evaluate with ``use_cache=False``,
+as coat-train does.
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     rounded as eager rounds them (``options={"emulate_precision_casts": True}``, merged with
     ``options`` given).
 
-    Call it after ``apply_coat`` (a layer converted after compiling runs eagerly). Raises
-    ``TypeError`` when ``model`` has no such layer.
+    Call it after ``apply_coat`` (a layer converted after compiling is still traced, but
+    into a graph of its own per layer). Raises ``TypeError`` when ``model`` has no such
+    layer.
     """
     layers = decoder_layers(model)
     if not layers:

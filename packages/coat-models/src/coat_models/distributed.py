@@ -39,6 +39,7 @@ from torch import nn
 from . import checkpoint
 
 __all__ = [
+    "IMPLEMENTATION_KEYS",
     "STRATEGIES",
     "CheckpointMismatchError",
     "LaunchError",
@@ -483,6 +484,12 @@ def verify_checkpoint(path) -> checkpoint.Manifest:
     return manifest
 
 
+# torch optimizers' implementation switches, which a loaded checkpoint does not change: they
+# belong to the machine (one written on the CPU says fused=False, which would keep a GPU run
+# on the slower loop).
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable")
+
+
 def load_checkpoint(
     path, model: nn.Module, optimizer=None, *, strict: bool = True, verify: bool = True
 ) -> dict | None:
@@ -496,7 +503,8 @@ def load_checkpoint(
     against the model and optimizer: a missing or extra tensor, or a shape or dtype that
     differs (another model size, another optimizer or FP8 format, another group size) raises
     ``CheckpointMismatchError`` naming them, and nothing is loaded. ``strict=False`` skips
-    the model keys the checkpoint lacks.
+    the model keys the checkpoint lacks. A torch optimizer keeps its own implementation
+    switches (``IMPLEMENTATION_KEYS``), not the checkpoint's.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -511,8 +519,17 @@ def load_checkpoint(
         del state["optim"][key]
     if "extra" in saved:
         state["extra"] = io.BytesIO()
+    # Flat keys "param_groups.<fqn>.<name>": this optimizer's values go back over the loaded
+    # ones, before torch places the step counters by them.
+    switches = {
+        k: v
+        for k, v in state.get("optim", {}).items()
+        if k.startswith("param_groups.") and k.rpartition(".")[2] in IMPLEMENTATION_KEYS
+    }
     with _single_process_quiet():
         dcp.load(state, storage_reader=_reader(path))
+    if switches:
+        state["optim"].update(switches)
     options = StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict

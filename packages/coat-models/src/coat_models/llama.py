@@ -288,10 +288,13 @@ class _CoatDecoderLayer(_CoatMixin):
         # transformers 5.17 calls the cache past_key_values, later versions cache.
         cache = kwargs.pop("cache", None)
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
-        if torch.compiler.is_compiling():
-            # Traced, a training forward leaves the cache empty (as CUDA graphs do): nobody
-            # reads keys and values of a training step, and each layer's cache state would
-            # be a guard of its own, recompiling the shared graph for every layer.
+        if torch.compiler.is_compiling() and cache is not None and cache.get_seq_length() == 0:
+            # Traced, a training forward leaves an empty cache empty (as CUDA graphs do):
+            # nobody reads keys and values of a training step, and filling it would make each
+            # layer's index a guard of its own, recompiling the shared graph for every layer.
+            # A cache holding tokens (a prefix the step attends to) is used, as eagerly (one
+            # graph per layer then): dropped, attention would not see the prefix. The first
+            # layer's length decides, one guard that every layer shares.
             cache = None
         dtype, device = hidden_states.dtype, hidden_states.device.type
         cos_sin = kwargs.pop("position_embeddings")

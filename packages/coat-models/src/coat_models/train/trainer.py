@@ -360,19 +360,16 @@ def _set_rng_state(s: dict, device: torch.device) -> None:
     random.setstate((s["python"][0], tuple(s["python"][1]), s["python"][2]))
 
 
-# torch optimizers' implementation switches: this run's, not the checkpoint's (one written on
-# the CPU says fused=False, which would keep a GPU run on the slower loop).
-_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable")
-
-
 def _own_implementation(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
-    """``saved`` (an optimizer state dict) with ``optimizer``'s implementation switches in
-    its param groups; torch then places the loaded step counters as they need."""
+    """``saved`` (an optimizer state dict) with ``optimizer``'s implementation switches
+    (``distributed.IMPLEMENTATION_KEYS``: this run's, not the checkpoint's) in its param
+    groups; torch then places the loaded step counters as they need. DCP checkpoints:
+    ``distributed.load_checkpoint`` does the same."""
     groups = saved.get("param_groups")
     if isinstance(groups, list) and len(groups) == len(optimizer.param_groups):
         for ours, theirs in zip(optimizer.param_groups, groups, strict=True):
             if isinstance(theirs, dict):
-                theirs.update({k: ours[k] for k in _IMPLEMENTATION_KEYS if k in ours})
+                theirs.update({k: ours[k] for k in distributed.IMPLEMENTATION_KEYS if k in ours})
     return saved
 
 

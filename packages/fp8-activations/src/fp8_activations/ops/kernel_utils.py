@@ -32,12 +32,15 @@ def use_triton(x: torch.Tensor, backend: str) -> bool:
 
 
 def custom_op(name: str, *, namespace: str = "fp8_activations"):
-    """``torch.library.custom_op("<namespace>::<name>")`` that eager code calls directly.
+    """``torch.library.triton_op("<namespace>::<name>")`` that eager code calls directly.
 
     The decorated function takes a keyword-only ``eager: bool = False``. Under
-    ``torch.compile`` the registered op is traced (an opaque node with a fake
-    implementation) and must return a tensor for every output, so it runs with
-    ``eager=False`` (empty tensors for outputs not asked for). Eager code skips the
+    ``torch.compile`` the registered op is traced: its body runs on fake tensors with every
+    ``launch`` through ``wrap_triton`` (``traced_launches``), so the Triton kernels become
+    nodes of the graph (under ``TRITON_INTERPRET=1``, which cannot trace kernels, it is a
+    ``torch.library.custom_op``: an opaque node with the fake implementation registered
+    with ``register_fake``). Traced, it must return a tensor for every output, so it runs
+    with ``eager=False`` (empty tensors for outputs not asked for). Eager code skips the
     dispatcher, whose host time is as long as a whole memory-bound kernel on an H200, and
     calls the function with ``eager=True``: ``None`` for outputs not asked for. Another
     package passes its own ``namespace`` (op names are global).
