@@ -344,6 +344,50 @@ def test_compiled_training_forward_keeps_a_cache_that_holds_tokens():
     torch._dynamo.reset()
 
 
+def test_compiled_layers_evaluate_and_generate_eagerly():
+    """Only training forwards run compiled: eval and generate fill the KV cache, indexed by
+    the layer's number, which traced would make a graph per layer and, past dynamo's
+    recompile limit (8), raise under fullgraph=True. A 10-layer model trains compiled (one
+    graph), then generates what the eager model generates."""
+    from coat_models import compile_layers
+    from fp8_activations import FP8ActivationConfig
+
+    config = FP8ActivationConfig(weight_cache=False)
+    ref = apply_coat(tiny_llama(num_hidden_layers=10), config=config).train()
+    model = copy.deepcopy(ref)
+    ids = tokens(2, 16)
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    counters.clear()
+    compile_layers(model, backend="aot_eager")
+    for m in (ref, model):
+        m(input_ids=ids, labels=ids).loss.backward()
+    pairs = zip(ref.parameters(), model.parameters(), strict=True)
+    assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
+    assert counters["stats"]["unique_graphs"] == 1
+    with torch.no_grad():
+        want = ref.eval().generate(ids, max_new_tokens=3, do_sample=False)
+        got = model.eval().generate(ids, max_new_tokens=3, do_sample=False)
+    assert torch.equal(want, got)
+    assert counters["stats"]["unique_graphs"] == 1  # nothing traced outside training
+    torch._dynamo.reset()
+
+
+def test_compile_layers_and_cuda_graphs_refuse_each_other():
+    """Both take over the COAT layers: compiling twice, or graphs on compiled layers, is
+    refused with the remedy (checked before anything needs a GPU)."""
+    from coat_models import compile_layers, enable_cuda_graphs
+    from fp8_activations import FP8ActivationConfig
+
+    model = apply_coat(tiny_llama(), config=FP8ActivationConfig(weight_cache=False))
+    compile_layers(model, backend="aot_eager")
+    with pytest.raises(ValueError, match="compiled already"):
+        compile_layers(model, backend="aot_eager")
+    with pytest.raises(ValueError, match="compiled layers both take over the layers"):
+        enable_cuda_graphs(model)
+    torch._dynamo.reset()
+
+
 def test_compile_layers_refuses_a_model_without_layers():
     from coat_models import compile_layers
 

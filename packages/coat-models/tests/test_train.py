@@ -1128,8 +1128,6 @@ def test_resumed_torch_optimizer_keeps_this_runs_implementation(tmp_path, fused_
     assert torch.equal(st["exp_avg"], before["exp_avg"])
     assert torch.equal(st["exp_avg_sq"], before["exp_avg_sq"])
     assert float(st["step"]) == 3.0
-    if fused_now:  # torch's rule for the fused loop: float32 counters on the parameter's device
-        assert st["step"].dtype == torch.float32
     q.grad = torch.ones_like(q)
     resumed.step()  # the run's implementation takes the loaded state
     assert float(resumed.state[q]["step"]) == 4.0

@@ -268,6 +268,7 @@ def test_compile_layers_compiles_the_language_model_and_leaves_the_tower_eager()
     collects their hidden states for the projector with hooks dynamo cannot trace: compiled
     with fullgraph=True they raised)."""
     from coat_models import compile_layers
+    from coat_models.compiling import COMPILED
     from fp8_activations import FP8ActivationConfig
 
     config = FP8ActivationConfig(weight_cache=False)
@@ -286,9 +287,7 @@ def test_compile_layers_compiles_the_language_model_and_leaves_the_tower_eager()
     torch._dynamo.reset()
     counters.clear()
     assert compile_layers(model, backend="aot_eager") is model
-    compiled = {
-        n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None
-    }
+    compiled = {n for n, m in model.named_modules() if getattr(m, COMPILED, False)}
     layers = llava_tiny_config().text_config.num_hidden_layers
     assert compiled == {f"model.language_model.layers.{i}" for i in range(layers)}
     got = loss_and_grads()

@@ -9,19 +9,24 @@ output hands no FP8 copy to the next op (the next op quantizes its input again: 
 bits, one quantization launch more), and the FP8 weight cache is not used (each micro-batch
 casts the weights again).
 
-In training one compiled graph serves every layer of a model (the layers have the same code
-and shapes), so compilation costs about one layer's worth whatever the depth; compiling the
-whole model (``torch.compile(model)``) also works but traces every layer into one graph. A
-forward that fills transformers' KV cache (eval or generate with ``use_cache=True``, the
-default) indexes it by the layer's number, so each layer traces a graph of its own, and past
-dynamo's recompile limit (8) ``fullgraph=True`` raises: evaluate with ``use_cache=False``,
-as coat-train does.
+One compiled graph serves every layer of a model (the layers have the same code and shapes),
+so compilation costs about one layer's worth whatever the depth; compiling the whole model
+(``torch.compile(model)``) also works but traces every layer into one graph. Only training
+forwards (``layer.training`` with gradients on) run compiled: eval and generate fill
+transformers' KV cache, indexed by the layer's number, which would trace a graph per layer
+(and past dynamo's recompile limit, 8, raise under ``fullgraph=True``); they run the layers'
+own forward.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
+
+from . import graphs
+
+COMPILED = "_coat_compiled"  # on each layer compile_layers compiled: True
 
 # Inductor keeps fused bf16 intermediates in fp32 unless told to round them as eager does:
 # told, the compiled layer's element-wise glue (casts, the residual gradients' sums) writes
@@ -29,12 +34,13 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 _INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
+def text_decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer layers of a Hugging Face model's text decoder (``get_decoder()``;
     ``model`` itself when it has none), COAT or not: the modules whose class is a
     ``GradientCheckpointingLayer``, transformers' base of decoder layers. A LLaVA model's
     vision tower is left out: its layers run transformers' output-capturing hooks, which
-    dynamo cannot trace in one graph."""
+    dynamo cannot trace in one graph. (``distributed.decoder_layers``, what FSDP shards,
+    takes the tower's layers too.)"""
     get_decoder = getattr(model, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else None
     root = decoder if isinstance(decoder, nn.Module) else model
@@ -43,26 +49,48 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     """Compile each layer of ``model``'s text decoder in place (``nn.Module.compile``,
-    ``decoder_layers``) and return ``model``. ``compile_kwargs`` go to ``torch.compile``;
+    ``text_decoder_layers``) and return ``model``. ``compile_kwargs`` go to ``torch.compile``;
     the defaults are ``fullgraph=True`` (a layer that cannot be traced in one piece raises,
     naming why) and ``dynamic=False`` (one graph per sequence length: training shapes are
     fixed). With the default backend (Inductor) and no ``mode``, bf16 intermediates are
     rounded as eager rounds them (``options={"emulate_precision_casts": True}``, merged with
     ``options`` given).
 
-    Call it after ``apply_coat`` (a layer converted after compiling is still traced, but
-    into a graph of its own per layer). Raises ``TypeError`` when ``model`` has no such
-    layer.
+    Training forwards run compiled, others the layer's own forward (see the module
+    docstring). Call it after ``apply_coat`` (the compiled forward is the one the layer has
+    then). Raises ``TypeError`` when ``model`` has no such layer, ``ValueError`` when its
+    layers are already compiled or replay CUDA graphs (``disable_cuda_graphs`` first).
     """
-    layers = decoder_layers(model)
+    layers = text_decoder_layers(model)
     if not layers:
         raise TypeError(
             f"{type(model).__name__} has no transformer layers (transformers' "
             "GradientCheckpointingLayer) to compile: compile it with torch.compile instead"
         )
+    if graphs.cuda_graphs_enabled(model):
+        raise ValueError(
+            "compile_layers: the model's COAT layers replay CUDA graphs; both take over the "
+            "layers: call disable_cuda_graphs(model) first"
+        )
+    if any(getattr(layer, COMPILED, False) for layer in layers):
+        raise ValueError("compile_layers: the model's layers are compiled already")
     kwargs = {"fullgraph": True, "dynamic": False, **compile_kwargs}
     if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
         kwargs["options"] = {**_INDUCTOR_OPTIONS, **(kwargs.get("options") or {})}
     for layer in layers:
-        layer.compile(**kwargs)
+        layer.forward = _training_compiled(layer, torch.compile(layer.forward, **kwargs))
+        setattr(layer, COMPILED, True)
     return model
+
+
+def _training_compiled(layer: nn.Module, compiled):
+    """The layer's forward: ``compiled`` (of the layer's own forward) in training with
+    gradients, the layer's own forward otherwise."""
+    eager = layer.forward
+
+    def forward(*args, **kwargs):
+        if layer.training and torch.is_grad_enabled():
+            return compiled(*args, **kwargs)
+        return eager(*args, **kwargs)
+
+    return forward

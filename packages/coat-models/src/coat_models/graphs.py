@@ -90,6 +90,12 @@ def enable_cuda_graphs(model: nn.Module) -> nn.Module:
         raise ValueError("enable_cuda_graphs needs a model converted with apply_coat first")
     if len({id(layer) for layer in layers}) != len(layers):
         raise ValueError("enable_cuda_graphs: a decoder layer appears twice in the model")
+    # compiling.COMPILED (that module imports this one): both would take over the layers.
+    if any(getattr(layer, "_coat_compiled", False) for layer in layers):
+        raise ValueError(
+            "enable_cuda_graphs: the decoder layers are compiled (compile_layers); CUDA graphs "
+            "and compiled layers both take over the layers: use one of them"
+        )
     for layer in layers:
         cfg = layer.coat_config
         if cfg is None or cfg.weight_cache:
@@ -116,6 +122,12 @@ def enable_cuda_graphs(model: nn.Module) -> nn.Module:
     disable_cuda_graphs(model)
     _install(model, layers)
     return model
+
+
+def cuda_graphs_enabled(model: nn.Module) -> bool:
+    """Whether ``enable_cuda_graphs(model)`` is in force (not undone by ``disable_cuda_graphs``)."""
+    state = _STATES.get(model)
+    return state is not None and state["enabled"]
 
 
 def cuda_graph_replays(model: nn.Module) -> int:

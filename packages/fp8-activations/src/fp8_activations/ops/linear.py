@@ -42,7 +42,7 @@ def quantize_t(
         q, q_t, scale = fp8_ops.quantize_per_tensor_transpose(x, FP8Format(fmt), amax)
     else:
         q, q_t, scale = quantize_per_tensor_transpose(x, fmt, amax=amax, backend=backend)
-    if 1 in q.shape:  # one row (or column): q.T may be q; outputs may not alias
+    if min(q.shape) <= 1:  # one row (or column), or none: q.T may be q; outputs may not alias
         q_t = q_t.clone()
     return q, q_t, scale
 
