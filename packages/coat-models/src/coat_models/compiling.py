@@ -48,13 +48,13 @@ def text_decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
-    """Compile each layer of ``model``'s text decoder in place (``nn.Module.compile``,
-    ``text_decoder_layers``) and return ``model``. ``compile_kwargs`` go to ``torch.compile``;
-    the defaults are ``fullgraph=True`` (a layer that cannot be traced in one piece raises,
-    naming why) and ``dynamic=False`` (one graph per sequence length: training shapes are
-    fixed). With the default backend (Inductor) and no ``mode``, bf16 intermediates are
-    rounded as eager rounds them (``options={"emulate_precision_casts": True}``, merged with
-    ``options`` given).
+    """Compile each layer of ``model``'s text decoder in place (``torch.compile`` of its
+    forward; the layers: ``text_decoder_layers``) and return ``model``. ``compile_kwargs``
+    go to ``torch.compile``; the defaults are ``fullgraph=True`` (a layer that cannot be
+    traced in one piece raises, naming why) and ``dynamic=False`` (one graph per sequence
+    length: training shapes are fixed). With the default backend (Inductor) and no ``mode``,
+    bf16 intermediates are rounded as eager rounds them
+    (``options={"emulate_precision_casts": True}``, merged with ``options`` given).
 
     Training forwards run compiled, others the layer's own forward (see the module
     docstring). Call it after ``apply_coat`` (the compiled forward is the one the layer has

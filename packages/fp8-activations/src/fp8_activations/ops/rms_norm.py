@@ -48,6 +48,8 @@ def _rms_norm_fwd_kernel(
     base, offs, mask, s_base, s_offs, s_mask, cols = row_block(blk, M, N, BM, NGP, G, V)
     x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    # eps as fp32, as a launch passes a Python float; Inductor passes an unspecialized one as
+    # fp64, which would make the sum fp64 (and the same cast keeps eager's bits there).
     rstd = tl.math.div_rn(1.0, tl.sqrt_rn(row_sum(x * x) / N + tl.cast(eps, tl.float32)))
     if SAVE_RSTD:
         r = blk * BM + tl.arange(0, BM)[:, None, None, None]
