@@ -47,18 +47,10 @@ def custom_op(name: str, *, namespace: str = "fp8_activations"):
     """
 
     def wrap(fn):
-        @functools.wraps(fn)
-        def traced(*args, **kwargs):
-            with traced_launches():
-                return fn(*args, **kwargs)
-
-        # The schema is read from the signature, its annotations resolved where fn lives.
-        traced.__signature__ = inspect.signature(fn, eval_str=True)
-
         if _INTERPRETED:  # the interpreter cannot trace kernels: an opaque op there
             op = torch.library.custom_op(f"{namespace}::{name}", fn, mutates_args=())
         else:
-            op = torch.library.triton_op(f"{namespace}::{name}", traced, mutates_args=())
+            op = torch.library.triton_op(f"{namespace}::{name}", _traced(fn), mutates_args=())
 
         @functools.wraps(fn)
         def call(*args):
@@ -68,6 +60,19 @@ def custom_op(name: str, *, namespace: str = "fp8_activations"):
         return call
 
     return wrap
+
+
+def _traced(fn):
+    """``fn`` with every ``launch`` inside through ``wrap_triton`` (a triton_op's body)."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with traced_launches():
+            return fn(*args, **kwargs)
+
+    # The op's schema is read from the signature, its annotations resolved where fn lives.
+    traced.__signature__ = inspect.signature(fn, eval_str=True)
+    return traced
 
 
 @triton.jit
