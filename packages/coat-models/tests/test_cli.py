@@ -126,6 +126,34 @@ def test_compile_trains_the_modes_with_compiled_layers(tmp_path, capsys, monkeyp
     torch._dynamo.reset()
 
 
+def test_compile_with_activation_checkpointing_keeps_eager_bits(tmp_path, capsys, monkeypatch):
+    """--compile --activation-checkpointing (refused before): transformers' checkpointing
+    runs each compiled layer forward again in backward; losses and final weights are those of
+    the eager checkpointed run, bit for bit (aot_eager backend, CPU)."""
+    import coat_models.train.trainer as trainer
+    from safetensors.torch import load_file
+
+    def compile_layers(model):
+        return coat_models.compile_layers(model, backend="aot_eager")
+
+    monkeypatch.setattr(trainer, "compile_layers", compile_layers)
+    argv = ["--mode", "coat", "--activation-checkpointing", "--steps", "3", "--eval-every", "3"]
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    counters.clear()
+    code, stdout, stderr = run([*argv, *FAST, "--compile", "--out", tmp_path / "c"], capsys)
+    assert code == 0, stderr
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    code, _, stderr = run([*argv, *FAST, "--out", tmp_path / "e"], capsys)
+    assert code == 0, stderr
+    c_train, _, _ = check_run_dir(tmp_path / "c", "coat", steps=3, eval_every=3)
+    e_train, _, _ = check_run_dir(tmp_path / "e", "coat", steps=3, eval_every=3)
+    assert [r["loss"] for r in c_train] == [r["loss"] for r in e_train]
+    c_w, e_w = (load_file(tmp_path / d / "coat/final/model.safetensors") for d in "ce")
+    assert c_w.keys() == e_w.keys() and all(torch.equal(c_w[k], e_w[k]) for k in c_w)
+    torch._dynamo.reset()
+
+
 def test_tiny_preset_learns_quickly(tmp_path, capsys):
     """The demo's preset and batch: a clear drop of the loss in 30 CPU steps."""
     argv = "--preset tiny --steps 30 --eval-every 30 --corpus-mib 2".split()
@@ -360,7 +388,6 @@ BAD_INPUTS = [
     (["--mode", "coat", "--cuda-graphs", "--device", "cpu"], "needs a CUDA device"),
     (["--mode", "coat", "--compile", "--cuda-graphs"], "both take over the decoder layers"),
     (["--mode", "coat", "--compile", "--fp8-weight-cache"], "--compile traces the layers"),
-    (["--mode", "coat", "--compile", "--activation-checkpointing"], "without --activation-ch"),
     # a window of one token predicts nothing: was a NaN loss blamed on --lr (exit 1)
     (["--seq-len", "1", *SMALL], "argument --seq-len: must be an integer >= 2 (a causal LM"),
     # an empty --compare ran bf16 alone; "," named a blank mode

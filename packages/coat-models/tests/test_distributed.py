@@ -345,6 +345,19 @@ def test_ddp_losses_match_single_process(runs):
 
 
 @pytest.mark.slow
+def test_compiled_layers_under_fsdp_and_ddp_keep_eager_bits(runs):
+    """compile_layers before FSDP2 (with activation checkpointing) and before DDP: the same
+    losses (and FSDP's first reduced gradients) as the eager runs on the same ranks, bit for
+    bit, one graph for every layer of a run, no break."""
+    _, _, got = runs
+    assert got["fsdp_compiled_losses"] == got["fsdp_losses"]
+    assert got["ddp_compiled_losses"] == got["ddp_losses"]
+    for name, g in got["fsdp_grads"].items():
+        assert torch.equal(got["fsdp_compiled_grads"][name], g), name
+    assert got["fsdp_compiled_graphs"] == got["ddp_compiled_graphs"] == (1, {})
+
+
+@pytest.mark.slow
 def test_checkpoint_1_to_2_ranks_is_bit_identical_and_resumes(runs):
     """Saved by one process, loaded by FSDP2 on 2 ranks: every parameter and FP8 state
     equal to the bit; the 2 ranks then continue with the uninterrupted run's losses."""
@@ -614,6 +627,36 @@ def _worker(out: Path) -> None:
         "params": full_params(net), "states": states_by_name(opt, net),
         "local_rows": {n: [r[n] for r in all_rows] for n in rows},
     }  # fmt: skip
+
+    # 7. Sections 2 and 5 with each decoder layer compiled first (compile_layers, aot_eager:
+    # the traced ops as they are), as coat-train --compile does before sharding / wrapping.
+    from coat_models import apply_coat, compile_layers
+
+    counters = torch._dynamo.utils.counters
+    for strategy in ("fsdp", "ddp"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = compile_layers(apply_coat(tiny_llama(coat=False)), backend="aot_eager")
+        model, opt = prepare_data_parallel(
+            model, strategy, fp8_activations=False, fp8_optimizer=True, lr=LR,
+            activation_checkpointing=strategy == "fsdp",
+        )  # fmt: skip
+        losses = []
+        for step in range(1, STEPS + 1):
+            ids = batch(step, rank)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=strategy == "ddp"):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if step == 1 and strategy == "fsdp":
+                grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+                res["fsdp_compiled_grads"] = grads
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(mean_loss(loss))
+        res[f"{strategy}_compiled_losses"] = losses
+        res[f"{strategy}_compiled_graphs"] = (
+            counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+        )  # fmt: skip
 
     if rank == 0:
         torch.save(res, out / "results.pt")

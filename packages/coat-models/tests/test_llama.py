@@ -373,6 +373,56 @@ def test_compiled_layers_evaluate_and_generate_eagerly():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("order", ["checkpointing first", "compile first"])
+def test_compiled_layers_under_activation_checkpointing(order):
+    """compile_layers with transformers' activation checkpointing, enabled before or after:
+    each layer's compiled forward runs inside torch.utils.checkpoint (transformers >= 5.2x
+    checkpoints inside the class's forward, whose warning dynamo cannot trace: the wrapper is
+    taken off and the checkpointing done around the compiled forward; earlier versions
+    checkpoint in __call__, around it). Loss and gradients are eager checkpointing's bits,
+    one graph, and the checkpoints hold: outside them the compiled model saves what the eager
+    checkpointed one saves, far less than without checkpointing."""
+    from coat_models import compile_layers
+    from coat_models.distributed import enable_activation_checkpointing
+    from fp8_activations import FP8ActivationConfig
+
+    config = FP8ActivationConfig(weight_cache=False)
+    ref = apply_coat(tiny_llama(), config=config).train()
+    ids = tokens(2, 32)
+
+    def run(compiled: bool, checkpointing: bool = True):
+        model = copy.deepcopy(ref)
+        if checkpointing and order == "checkpointing first":
+            enable_activation_checkpointing(model)
+        if compiled:
+            compile_layers(model, backend="aot_eager")
+        if checkpointing and order == "compile first":
+            enable_activation_checkpointing(model)
+        out, saved = [], []
+
+        def pack(t):
+            saved.append(t.numel())
+            return t
+
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            out += [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+        return out, sum(saved)
+
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    counters.clear()
+    (want, want_saved), (got, got_saved) = run(False), run(True)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    _, unchecked_saved = run(True, checkpointing=False)
+    assert got_saved == want_saved < unchecked_saved / 2
+    torch._dynamo.reset()
+
+
 def test_compile_layers_and_cuda_graphs_refuse_each_other():
     """Both take over the COAT layers: compiling twice, or graphs on compiled layers, is
     refused with the remedy (checked before anything needs a GPU)."""
@@ -1190,26 +1240,34 @@ def test_gpu_fast_host_path_is_the_previous_path_bit_for_bit(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_compiled_layers_are_eager_bit_for_bit():
+@pytest.mark.parametrize("setup", ["fp32 autocast", "bf16 weights", "bf16 checkpointed"])
+def test_gpu_compiled_layers_are_eager_bit_for_bit(setup):
     """``compile_layers`` with Inductor: COAT's FP8 kernels run from the compiled graph
     (``triton_op``), one graph for every layer, and loss and every gradient are eager's bits
-    (fp32 master weights under bf16 autocast, two steps, the KV cache transformers passes
-    left empty). With the cache off in eager too: one weight cast per micro-batch either way."""
+    (two steps, the KV cache transformers passes left empty): fp32 master weights under bf16
+    autocast (one process), bf16 weights without autocast (what FSDP2's bf16 policy computes
+    with), and these under activation checkpointing. With the cache off in eager too: one
+    weight cast per micro-batch either way."""
     from coat_models import compile_layers
+    from coat_models.distributed import enable_activation_checkpointing
     from fp8_activations import FP8ActivationConfig
 
     ref = tiny_llama(**WIDE).cuda().train()
+    if setup != "fp32 autocast":
+        ref = ref.to(torch.bfloat16)
     ids = tokens(2, 64).cuda()
     config = FP8ActivationConfig(weight_cache=False)
 
     def run(compiled: bool):
         model = apply_coat(copy.deepcopy(ref), config=config)
+        if setup == "bf16 checkpointed":
+            enable_activation_checkpointing(model)
         if compiled:
             compile_layers(model)
         out = []
         for _ in range(2):
             model.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", torch.bfloat16):
+            with torch.autocast("cuda", torch.bfloat16, enabled=setup == "fp32 autocast"):
                 loss = model(ids, labels=ids).loss
             loss.backward()
             out += [loss.detach()] + [p.grad.clone() for p in model.parameters()]

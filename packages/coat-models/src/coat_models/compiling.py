@@ -16,9 +16,15 @@ forwards (``layer.training`` with gradients on) run compiled: eval and generate 
 transformers' KV cache, indexed by the layer's number, which would trace a graph per layer
 (and past dynamo's recompile limit, 8, raise under ``fullgraph=True``); they run the layers'
 own forward.
+
+Activation checkpointing, FSDP2 and DDP stay outside the compiled forward: transformers'
+checkpointing runs it inside ``torch.utils.checkpoint`` (recomputed in backward), FSDP2's and
+DDP's hooks run around it, as they run around an eager layer.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -58,8 +64,10 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
 
     Training forwards run compiled, others the layer's own forward (see the module
     docstring). Call it after ``apply_coat`` (the compiled forward is the one the layer has
-    then). Raises ``TypeError`` when ``model`` has no such layer, ``ValueError`` when its
-    layers are already compiled or replay CUDA graphs (``disable_cuda_graphs`` first).
+    then), before or after ``enable_activation_checkpointing``, and before ``shard_model`` /
+    ``wrap_ddp`` (coat-train's order, the one tested). Raises ``TypeError`` when ``model``
+    has no such layer, ``ValueError`` when its layers are already compiled or replay CUDA
+    graphs (``disable_cuda_graphs`` first).
     """
     layers = text_decoder_layers(model)
     if not layers:
@@ -78,19 +86,54 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
         kwargs["options"] = {**_INDUCTOR_OPTIONS, **(kwargs.get("options") or {})}
     for layer in layers:
-        layer.forward = _training_compiled(layer, torch.compile(layer.forward, **kwargs))
+        inner, checkpointed = _plain_forward(layer)
+        compiled = torch.compile(inner, **kwargs)
+        layer.forward = _training_compiled(layer, compiled, checkpointed)
         setattr(layer, COMPILED, True)
     return model
 
 
-def _training_compiled(layer: nn.Module, compiled):
-    """The layer's forward: ``compiled`` (of the layer's own forward) in training with
-    gradients, the layer's own forward otherwise."""
+# transformers >= 5.2x checkpoints a layer inside its class's forward (a wrapper made by
+# GradientCheckpointingLayer.__init_subclass__); earlier versions in __call__, around forward.
+_CHECKPOINTING_WRAPPER = "forward_with_checkpointing"
+
+
+def _plain_forward(layer: nn.Module):
+    """``(forward, checkpointed)``: the layer's forward bound to it, without transformers'
+    checkpointing wrappers (one per subclass: apply_coat's, FSDP2's), and whether any was
+    taken off. Traced, the wrapper's warning (a logger call) would break the graph; the
+    checkpointing itself is done around the compiled forward (``_training_compiled``)."""
+    if "forward" in vars(layer):  # set on the instance: compile what the caller set
+        return layer.forward, False
+    fn, checkpointed = type(layer).forward, False
+    # The wrapper carries the name of what it wraps (functools.wraps), its code its own.
+    while getattr(getattr(fn, "__code__", None), "co_name", "") == _CHECKPOINTING_WRAPPER:
+        fn, checkpointed = fn.__wrapped__, True
+    return fn.__get__(layer), checkpointed
+
+
+# What transformers' checkpointing sets for a checkpointed layer: nothing is cached.
+_NO_CACHE = {"use_cache": False}
+_CACHE_NAMES = ("cache", "past_key_values", "layer_past")
+
+
+def _training_compiled(layer: nn.Module, compiled, checkpointed: bool):
+    """The layer's forward: ``compiled`` in training with gradients (inside
+    ``torch.utils.checkpoint`` as transformers would do it when the layer's checkpointing is
+    on and ``checkpointed``, its wrapper taken off by ``_plain_forward``), the layer's own
+    forward otherwise."""
     eager = layer.forward
 
     def forward(*args, **kwargs):
-        if layer.training and torch.is_grad_enabled():
-            return compiled(*args, **kwargs)
-        return eager(*args, **kwargs)
+        if not (layer.training and torch.is_grad_enabled()):
+            return eager(*args, **kwargs)
+        if checkpointed and layer.gradient_checkpointing:
+            if "use_cache" in kwargs:
+                kwargs.update(_NO_CACHE)
+            if not getattr(layer, "_can_checkpoint_with_cache", False):
+                kwargs.update({k: None for k in _CACHE_NAMES if k in kwargs})
+            run = functools.partial(compiled, **kwargs)
+            return layer._gradient_checkpointing_func(run, *args)
+        return compiled(*args, **kwargs)
 
     return forward

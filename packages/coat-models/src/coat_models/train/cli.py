@@ -55,7 +55,6 @@ from .report import TENSORBOARD_HINT, ReportError, fmt_bytes, write_atomic, writ
 from .report import curves as read_curves
 from .tasks import LMTask, VLTask
 from .trainer import (
-    COMPILE_ALONE,
     CUDA_GRAPHS_ALONE,
     MASTER_DTYPES,
     MODES,
@@ -209,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="torch.compile each decoder layer (coat_models.compile_layers; every mode): the "
         "layer's forward and backward run as one compiled graph each, COAT's FP8 kernels "
-        "inside; the first step compiles (tens of seconds); replaces CUDA graphs; one process, "
-        "without --activation-checkpointing",
+        "inside; the first step compiles (tens of seconds); replaces CUDA graphs; with "
+        "--fsdp, --ddp and --activation-checkpointing too",
     )
     r.add_argument(
         "--master-dtype",
@@ -888,8 +887,6 @@ def run(args) -> int:
     ]
     if args.cuda_graphs:
         _check_cuda_graphs(args, modes, device, strategy)
-    if args.compile and (strategy is not None or args.activation_checkpointing):
-        raise UsageError(COMPILE_ALONE)
     if any(c.cuda_graphs for c in cfgs):
         # The recording's side stream makes the gradient accumulators, so the first graphed
         # backward warns of the stream mismatch: expected (coat_models.graphs). This process

@@ -439,8 +439,6 @@ class Trainer:
             )
         if cfg.cuda_graphs and (strategy is not None or activation_checkpointing):
             raise TrainError(CUDA_GRAPHS_ALONE)
-        if cfg.compile and (strategy is not None or activation_checkpointing):
-            raise TrainError(COMPILE_ALONE)
         if isinstance(task, TokenData):
             task = LMTask(task, cfg)
         self.cfg, self.device, self.task = cfg, torch.device(device), task
@@ -975,10 +973,6 @@ class Trainer:
         self.progress.close()
 
 
-COMPILE_ALONE = (
-    "--compile runs in one process without --activation-checkpointing (not yet supported "
-    "with --fsdp/--ddp or checkpointed layers): drop one of them"
-)
 CUDA_GRAPHS_ALONE = (
     "--cuda-graphs runs in one process without --activation-checkpointing (sharded "
     "parameters move; checkpointed layers run eagerly): drop one of them"
