@@ -423,6 +423,42 @@ def test_compiled_layers_under_activation_checkpointing(order):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("coat", [True, False])
+def test_copies_of_compiled_layers_run_their_own_weights(coat):
+    """A compiled model copied (``copy.deepcopy``, ``torch.save`` + ``torch.load``) computes
+    with the copy's weights, compiled again: the copy's compiled forward was the original's,
+    so a copy whose weights changed gave the original's loss. COAT layers (pickled as their
+    original class, converted again) and plain ones."""
+    import io
+
+    from coat_models import compile_layers
+    from coat_models.compiling import COMPILED
+    from fp8_activations import FP8ActivationConfig
+
+    model = tiny_llama().train()
+    if coat:
+        apply_coat(model, config=FP8ActivationConfig(weight_cache=False))
+    eager = copy.deepcopy(model)
+    compile_layers(model, backend="aot_eager")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    copies = [copy.deepcopy(model), torch.load(buf, weights_only=False)]  # written just above
+    ids = tokens(2, 32)
+    for m in [eager, *copies]:
+        with torch.no_grad():
+            for p in m.model.layers.parameters():
+                p.mul_(0.5)
+    want = eager(input_ids=ids, labels=ids).loss
+    assert not torch.equal(want, model(input_ids=ids, labels=ids).loss)
+    for m in copies:
+        assert torch.equal(m(input_ids=ids, labels=ids).loss, want)
+        for layer in m.model.layers:
+            assert getattr(layer, COMPILED) and layer.forward.layer is layer
+            assert is_coat(layer) == coat
+    torch._dynamo.reset()
+
+
 def test_compile_layers_and_cuda_graphs_refuse_each_other():
     """Both take over the COAT layers: compiling twice, or graphs on compiled layers, is
     refused with the remedy (checked before anything needs a GPU)."""

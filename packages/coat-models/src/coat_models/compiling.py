@@ -24,6 +24,7 @@ DDP's hooks run around it, as they run around an eager layer.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -86,10 +87,7 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
         kwargs["options"] = {**_INDUCTOR_OPTIONS, **(kwargs.get("options") or {})}
     for layer in layers:
-        inner, checkpointed = _plain_forward(layer)
-        compiled = torch.compile(inner, **kwargs)
-        layer.forward = _training_compiled(layer, compiled, checkpointed)
-        setattr(layer, COMPILED, True)
+        recompile(layer, kwargs, vars(layer).get("forward"))
     return model
 
 
@@ -99,12 +97,10 @@ _CHECKPOINTING_WRAPPER = "forward_with_checkpointing"
 
 
 def _plain_forward(layer: nn.Module):
-    """``(forward, checkpointed)``: the layer's forward bound to it, without transformers'
-    checkpointing wrappers (one per subclass: apply_coat's, FSDP2's), and whether any was
-    taken off. Traced, the wrapper's warning (a logger call) would break the graph; the
-    checkpointing itself is done around the compiled forward (``_training_compiled``)."""
-    if "forward" in vars(layer):  # set on the instance: compile what the caller set
-        return layer.forward, False
+    """``(forward, checkpointed)``: the class's forward bound to ``layer``, without
+    transformers' checkpointing wrappers (one per subclass: apply_coat's, FSDP2's), and
+    whether any was taken off. Traced, the wrapper's warning (a logger call) would break the
+    graph; the checkpointing itself is done around the compiled forward (``CompiledForward``)."""
     fn, checkpointed = type(layer).forward, False
     # The wrapper carries the name of what it wraps (functools.wraps), its code its own.
     while getattr(getattr(fn, "__code__", None), "co_name", "") == _CHECKPOINTING_WRAPPER:
@@ -117,23 +113,64 @@ _NO_CACHE = {"use_cache": False}
 _CACHE_NAMES = ("cache", "past_key_values", "layer_past")
 
 
-def _training_compiled(layer: nn.Module, compiled, checkpointed: bool):
-    """The layer's forward: ``compiled`` in training with gradients (inside
-    ``torch.utils.checkpoint`` as transformers would do it when the layer's checkpointing is
-    on and ``checkpointed``, its wrapper taken off by ``_plain_forward``), the layer's own
-    forward otherwise."""
-    eager = layer.forward
+class CompiledForward:
+    """A layer's forward after ``compile_layers`` (set on the layer as ``forward``): the
+    compiled forward in training with gradients (inside ``torch.utils.checkpoint`` as
+    transformers does it when the layer's checkpointing is on and ``_plain_forward`` took its
+    wrapper off), the layer's own forward otherwise.
 
-    def forward(*args, **kwargs):
+    ``own_forward``: a forward set on the instance before (compiled instead of the class's).
+    A copy of the layer (``copy.deepcopy``, pickling) gets a ``CompiledForward`` of its own,
+    compiled again for the copy when first called: a shared one would run the original
+    layer's weights.
+    """
+
+    def __init__(self, layer: nn.Module, compile_kwargs: dict, own_forward=None):
+        self.layer, self.compile_kwargs, self.own_forward = layer, compile_kwargs, own_forward
+        if own_forward is None:
+            inner, self.checkpointed = _plain_forward(layer)
+            self.eager = type(layer).forward.__get__(layer)
+        else:
+            inner, self.checkpointed, self.eager = own_forward, False, own_forward
+        self.compiled = torch.compile(inner, **compile_kwargs)
+
+    def __call__(self, *args, **kwargs):
+        layer = self.layer
         if not (layer.training and torch.is_grad_enabled()):
-            return eager(*args, **kwargs)
-        if checkpointed and layer.gradient_checkpointing:
+            return self.eager(*args, **kwargs)
+        if self.checkpointed and layer.gradient_checkpointing:
             if "use_cache" in kwargs:
                 kwargs.update(_NO_CACHE)
             if not getattr(layer, "_can_checkpoint_with_cache", False):
                 kwargs.update({k: None for k in _CACHE_NAMES if k in kwargs})
-            run = functools.partial(compiled, **kwargs)
+            run = functools.partial(self.compiled, **kwargs)
             return layer._gradient_checkpointing_func(run, *args)
-        return compiled(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
 
-    return forward
+    def __deepcopy__(self, memo):
+        layer = memo.get(id(self.layer))
+        if layer is None:  # copied without its layer: it still serves the original
+            return self
+        own = copy.deepcopy(self.own_forward, memo)
+        return CompiledForward(layer, self.compile_kwargs, own)
+
+    def __reduce__(self):
+        return CompiledForward, (self.layer, self.compile_kwargs, self.own_forward)
+
+
+def compiled_state(state: dict):
+    """Take a compiled layer's ``CompiledForward`` and marker out of ``state`` (its
+    ``__dict__`` to pickle); ``(compile_kwargs, own_forward)`` for ``recompile``, or None
+    when it is not compiled."""
+    compiled = state.get("forward")
+    if not isinstance(compiled, CompiledForward):
+        return None
+    del state["forward"]
+    state.pop(COMPILED, None)
+    return compiled.compile_kwargs, compiled.own_forward
+
+
+def recompile(layer: nn.Module, compile_kwargs: dict, own_forward=None) -> None:
+    """Compile ``layer`` as ``compile_layers`` did the layer it was copied from."""
+    layer.forward = CompiledForward(layer, compile_kwargs, own_forward)
+    setattr(layer, COMPILED, True)

@@ -21,7 +21,7 @@ from fp8_activations import FP8ActivationConfig
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import blocks, graphs, reference
+from . import blocks, compiling, graphs, reference
 from .loss import linear_cross_entropy
 
 SUPPORTED = (
@@ -246,10 +246,12 @@ def _bind(cls: type, args: tuple, kwargs: dict) -> dict:
     return bound
 
 
-def _unpickle(original: type, mixin: type, state: dict) -> nn.Module:
+def _unpickle(original: type, mixin: type, state: dict, compiled=None) -> nn.Module:
     module = original.__new__(original)
     module.__setstate__(state)
     module.__class__ = _coat_class(mixin, original)
+    if compiled is not None:  # (compile_kwargs, own_forward) of compile_layers
+        compiling.recompile(module, *compiled)
     return module
 
 
@@ -258,8 +260,12 @@ class _CoatMixin:
         # Pickle finds classes by name, and the COAT subclass carries the original's name:
         # rebuild the original class, then convert again (torch.save(model), deepcopy).
         # Without CUDA graphs (they belong to this model's tensors; a copy records its own).
+        # A compiled layer is compiled again once rebuilt (its compiled forward is bound to
+        # this layer and to the class it has then).
         state = {k: v for k, v in self.__dict__.items() if k not in graphs.LAYER_KEYS}
-        return _unpickle, (type(self)._coat_original_class, type(self)._coat_mixin, state)
+        compiled = compiling.compiled_state(state)
+        args = (type(self)._coat_original_class, type(self)._coat_mixin, state)
+        return _unpickle, args if compiled is None else (*args, compiled)
 
 
 class _CoatDecoderLayer(_CoatMixin):
