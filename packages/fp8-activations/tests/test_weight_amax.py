@@ -34,10 +34,15 @@ def test_weight_amaxes_are_exact(backend):
     if backend == "triton" and not triton_interpreting():
         pytest.skip("the Triton kernel runs on a CPU only under TRITON_INTERPRET=1")
     ws = [_leaf(32, K, seed=1), _leaf(16, K, scale=1e-3, seed=2), _leaf(48, 40, seed=3)]
-    got = fa.weight_amaxes(ws, FP8ActivationConfig(backend=backend))
-    for a, w in zip(got, ws, strict=True):
+    config = FP8ActivationConfig(backend=backend)
+    got = fa.weight_amaxes(ws, config)
+    # Traced (one operator for the Triton launch; torch's norm for the reference): the same.
+    torch._dynamo.reset()
+    traced = torch.compile(fa.weight_amaxes, backend="aot_eager", fullgraph=True)(ws, config)
+    torch._dynamo.reset()
+    for a, b, w in zip(got, traced, ws, strict=True):
         assert a.dtype == torch.float32 and a.dim() == 0
-        assert torch.equal(a, w.detach().abs().max().float())
+        assert torch.equal(a, w.detach().abs().max().float()) and torch.equal(b, a)
 
 
 @pytest.mark.parametrize("cache", [True, False], ids=["cache", "on-the-fly"])

@@ -127,3 +127,38 @@ def test_hooks_keep_every_launch_on_triton(kernel, monkeypatch):
     for _ in range(3):
         _launch.launch(kernel, (1,), x, x, 16, 0.5, BLOCK=64)
     assert [e[0] for e in kernel.log] == ["jit", "jit", "jit"]
+
+
+def test_scalar_out_is_sized_when_traced():
+    """``scalar_out``: a 0-dim fp32 tensor; inside ``traced_launches`` a view of a 1-element
+    buffer (Inductor writes zero into a 0-dim ``empty`` with a kernel of its own, one per
+    scale), so the per-tensor quantizers give the same bits either way."""
+    from fp8_quant import FP8Format
+    from fp8_quant.ops import quantize_per_tensor, quantize_per_tensor_transpose
+
+    plain = _launch.scalar_out("cpu")
+    assert plain.shape == () and plain.dtype == torch.float32 and plain._base is None
+    with _launch.traced_launches():
+        traced = _launch.scalar_out("cpu")
+    assert traced.shape == () and traced.dtype == torch.float32
+    assert traced._base is not None and traced._base.shape == (1,)
+    if not _launch._INTERPRETING:
+        return  # the quantizers run on CPU under the interpreter only
+    x = torch.randn(48, 80) * 3
+    want = [
+        quantize_per_tensor(x, FP8Format.E4M3),
+        quantize_per_tensor_transpose(x, FP8Format.E4M3),
+    ]
+    with _launch.traced_launches():  # wrap_triton runs the kernels eagerly here
+        got = [
+            quantize_per_tensor(x, FP8Format.E4M3),
+            quantize_per_tensor_transpose(x, FP8Format.E4M3),
+        ]
+    for a, b in zip(want, got, strict=True):
+        assert all(
+            torch.equal(
+                p.view(torch.uint8) if p.dim() else p, q.view(torch.uint8) if q.dim() else q
+            )
+            for p, q in zip(a, b, strict=True)
+        )
+        assert b[-1].shape == ()

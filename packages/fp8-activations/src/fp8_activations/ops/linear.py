@@ -84,22 +84,35 @@ def weight_amaxes(weights, backend: str = "auto") -> list[Tensor]:
     """Max |w| of each of ``weights`` (0-dim fp32 each) in one multi-tensor launch: a layer's
     seven weights cost one launch instead of two per weight (exact: a max is the same in
     any order, so the scales are the ones quantize_t would reduce itself). With Triton
-    (``backend``; contiguous weights on one device, eager) ``fp8_quant``'s
-    ``tensor_amax_multi``, else ``torch._foreach_norm(weights, inf)``, whose host time is
-    about three times the kernel's launch: the same bits.
+    (``backend``; contiguous weights on one device) ``fp8_quant``'s ``tensor_amax_multi``
+    (traced: inside an operator, as one kernel of the graph), else
+    ``torch._foreach_norm(weights, inf)``, whose host time is about three times the
+    kernel's launch (traced: about ten kernels for seven weights): the same bits.
 
     Without a weight cache, forward takes each weight's max from here (or from the caller)
     and saves it (4 bytes) for backward, which re-casts the weight from it instead of
     reducing again."""
     weights = list(weights)
     w0 = weights[0]
-    if (
-        not torch.compiler.is_compiling()
-        and use_triton(w0, backend)
-        and all(w.is_contiguous() and w.device == w0.device for w in weights)
+    if use_triton(w0, backend) and all(
+        w.is_contiguous() and w.device == w0.device for w in weights
     ):
+        if torch.compiler.is_compiling():  # traced: the launch inside an operator
+            return list(_amaxes(weights).unbind())
         return fp8_ops.tensor_amax_multi(weights)
     return list(torch._foreach_norm(weights, float("inf"), dtype=torch.float32))
+
+
+@custom_op("weight_amaxes")
+def _amaxes(weights: list[Tensor], *, eager: bool = False) -> Tensor:
+    """``weight_amaxes``' Triton launch as an operator: the maxima as one fp32 tensor
+    (traced, ``torch._foreach_norm`` would launch a kernel per weight and more)."""
+    return fp8_ops.tensor_amax_multi(weights, stacked=True)
+
+
+@_amaxes.register_fake
+def _(weights, *, eager=False):
+    return weights[0].new_empty(len(weights), dtype=torch.float32)
 
 
 def cast_weight(weight: Tensor, fmt: str, backend: str, amax: Tensor | None = None):

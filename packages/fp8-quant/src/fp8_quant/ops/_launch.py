@@ -65,6 +65,18 @@ def traced_launches():
         _TRACED -= 1
 
 
+def scalar_out(device) -> torch.Tensor:
+    """An uninitialized 0-dim fp32 tensor on ``device`` for a kernel to write (a scale).
+
+    Traced (``traced_launches``), a 0-dim view of a 1-element buffer: Inductor lowers a
+    0-dim ``empty`` as a kernel that writes zero into it (its allocation of a sized ``empty``
+    launches nothing), one launch per scale, 25 per Llama decoder layer's forward and
+    backward; eagerly a plain 0-dim tensor (one torch call less)."""
+    if _TRACED:
+        return torch.empty(1, device=device, dtype=torch.float32).view(())
+    return torch.empty((), device=device, dtype=torch.float32)
+
+
 def _keys(args) -> tuple:
     """Per argument: a tensor's dtype and 16-byte alignment; an int's == 1, multiple of 16
     and 32-bit range; the type of anything else. One comprehension, no call per argument

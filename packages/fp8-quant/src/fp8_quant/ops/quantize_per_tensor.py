@@ -12,7 +12,7 @@ import triton.language as tl
 
 from ..formats import FP8Format
 from ._host import cdiv, next_pow2
-from ._launch import launch
+from ._launch import launch, scalar_out
 from .fp8_round import fp8_encode, fp8_scale, hw_cast_supported
 from .quantize_per_group import group_amax
 from .tensor_amax_multi import tensor_amax_multi
@@ -72,7 +72,7 @@ def quantize_per_tensor(
     amax = resolve_amax(x, amax)
     x = x.contiguous()
     q = torch.empty(x.shape, device=x.device, dtype=fmt.torch_dtype)
-    scale = torch.empty((), device=x.device, dtype=torch.float32)
+    scale = scalar_out(x.device)
     n = x.numel()
     grid = (max(1, cdiv(n, _BLOCK)),)  # one program even when empty: it writes scale
     launch(_per_tensor_kernel, grid,

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..formats import FP8Format
 from ._host import cdiv
-from ._launch import launch
+from ._launch import launch, scalar_out
 from .fp8_round import fp8_encode, fp8_scale, hw_cast_supported
 
 SLOTS = 8  # tensors per launch (a Llama layer has 7 weights); more take more launches
@@ -94,7 +94,7 @@ def _launch_slots(xs, fmt, amaxes, row, col):
         m, n = x.shape
         q = torch.empty((m, n), device=device, dtype=fmt.torch_dtype) if row else None
         q_t = torch.empty((n, m), device=device, dtype=fmt.torch_dtype) if col else None
-        scale = torch.empty((), device=device, dtype=torch.float32)
+        scale = scalar_out(device)
         results.append((q, q_t, scale))
         q_bits = (q if row else q_t).view(torch.uint8)  # a real buffer for the unused one
         qt_bits = q_t.view(torch.uint8) if col else q_bits

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from ..formats import FP8Format
 from ._host import cdiv
-from ._launch import launch
+from ._launch import launch, scalar_out
 from .fp8_round import fp8_encode, fp8_scale, hw_cast_supported
 from .quantize_per_tensor import resolve_amax
 
@@ -57,7 +57,7 @@ def quantize_per_tensor_transpose(
     m, n = x.shape
     q = torch.empty((m, n), device=x.device, dtype=fmt.torch_dtype)
     qt = torch.empty((n, m), device=x.device, dtype=fmt.torch_dtype)
-    scale = torch.empty((), device=x.device, dtype=torch.float32)
+    scale = scalar_out(x.device)
     grid = (max(1, cdiv(m, _BM) * cdiv(n, _BN)),)  # >= 1: it writes scale
     launch(_per_tensor_transpose_kernel, grid,
         x, q.view(torch.uint8), qt.view(torch.uint8), amax, scale,

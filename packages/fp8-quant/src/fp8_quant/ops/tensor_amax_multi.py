@@ -58,9 +58,11 @@ def _multi_amax_kernel(
         _stretch(pid - E6, X7, A + 7, N7, BLOCK, ITERS)
 
 
-def tensor_amax_multi(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+def tensor_amax_multi(xs: list[torch.Tensor], *, stacked: bool = False):
     """Triton twin of ``reference.tensor_amax_multi`` (same bits): the 0-dim fp32 max
-    ``|x|`` of each contiguous ``x`` of ``xs`` (on one device, any float dtypes)."""
+    ``|x|`` of each contiguous ``x`` of ``xs`` (on one device, any float dtypes).
+    ``stacked=True``: one fp32 tensor of ``len(xs)`` maxima instead (the list's views are of
+    it), for an operator, whose outputs may not view each other."""
     bits = torch.zeros(len(xs), device=xs[0].device, dtype=torch.int32)
     for i in range(0, len(xs), SLOTS):
         chunk = xs[i : i + SLOTS]
@@ -73,4 +75,5 @@ def tensor_amax_multi(xs: list[torch.Tensor]) -> list[torch.Tensor]:
         launch(_multi_amax_kernel, (end,), bits[i:] if i else bits, *args,
             BLOCK=_BLOCK, ITERS=_ITERS, num_warps=_NUM_WARPS,
         )  # fmt: skip
-    return list(bits.view(torch.float32).unbind())
+    amaxes = bits.view(torch.float32)
+    return amaxes if stacked else list(amaxes.unbind())
