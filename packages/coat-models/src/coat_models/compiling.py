@@ -158,18 +158,6 @@ class CompiledForward:
         return CompiledForward, (self.layer, self.compile_kwargs, self.own_forward)
 
 
-def compiled_state(state: dict):
-    """Take a compiled layer's ``CompiledForward`` and marker out of ``state`` (its
-    ``__dict__`` to pickle); ``(compile_kwargs, own_forward)`` for ``recompile``, or None
-    when it is not compiled."""
-    compiled = state.get("forward")
-    if not isinstance(compiled, CompiledForward):
-        return None
-    del state["forward"]
-    state.pop(COMPILED, None)
-    return compiled.compile_kwargs, compiled.own_forward
-
-
 def recompile(layer: nn.Module, compile_kwargs: dict, own_forward=None) -> None:
     """Compile ``layer`` as ``compile_layers`` did the layer it was copied from."""
     layer.forward = CompiledForward(layer, compile_kwargs, own_forward)
