@@ -373,6 +373,38 @@ def test_compiled_layers_evaluate_and_generate_eagerly():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("change", ["apply_coat", "revert_coat"])
+def test_compiled_layers_follow_a_later_conversion(change):
+    """A layer converted (``apply_coat``) or reverted (``revert_coat``) after
+    ``compile_layers`` runs its new class's forward, compiled, as eager does: the compiled
+    forward was the class's forward of compile time, so a model converted after compiling
+    trained without COAT (plain loss and gradients, silently) and a reverted one raised in
+    every forward, eval included."""
+    from coat_models import compile_layers
+    from fp8_activations import FP8ActivationConfig
+
+    config = FP8ActivationConfig(weight_cache=False)
+    ref = tiny_llama().train()
+    if change == "revert_coat":
+        apply_coat(ref, config=config)
+    model = compile_layers(copy.deepcopy(ref), backend="aot_eager")
+    if change == "apply_coat":
+        apply_coat(ref, config=config)
+        apply_coat(model, config=config)
+    else:
+        revert_coat(ref)
+        revert_coat(model)
+    ids = tokens(2, 32)
+    for _ in range(2):
+        want_logits, want_grads = logits_and_grads(ref, ids)
+        got_logits, got_grads = logits_and_grads(model, ids)
+        assert torch.equal(got_logits, want_logits)
+        assert all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids).logits, ref.eval()(ids).logits)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("order", ["checkpointing first", "compile first"])
 def test_compiled_layers_under_activation_checkpointing(order):
     """compile_layers with transformers' activation checkpointing, enabled before or after:
