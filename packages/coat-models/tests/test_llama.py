@@ -373,6 +373,38 @@ def test_compiled_layers_evaluate_and_generate_eagerly():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("change", ["apply_coat", "revert_coat"])
+def test_compiled_layers_follow_a_later_conversion(change):
+    """A layer converted (``apply_coat``) or reverted (``revert_coat``) after
+    ``compile_layers`` runs its new class's forward, compiled, as eager does: the compiled
+    forward was the class's forward of compile time, so a model converted after compiling
+    trained without COAT (plain loss and gradients, silently) and a reverted one raised in
+    every forward, eval included."""
+    from coat_models import compile_layers
+    from fp8_activations import FP8ActivationConfig
+
+    config = FP8ActivationConfig(weight_cache=False)
+    ref = tiny_llama().train()
+    if change == "revert_coat":
+        apply_coat(ref, config=config)
+    model = compile_layers(copy.deepcopy(ref), backend="aot_eager")
+    if change == "apply_coat":
+        apply_coat(ref, config=config)
+        apply_coat(model, config=config)
+    else:
+        revert_coat(ref)
+        revert_coat(model)
+    ids = tokens(2, 32)
+    for _ in range(2):
+        want_logits, want_grads = logits_and_grads(ref, ids)
+        got_logits, got_grads = logits_and_grads(model, ids)
+        assert torch.equal(got_logits, want_logits)
+        assert all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids).logits, ref.eval()(ids).logits)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("order", ["checkpointing first", "compile first"])
 def test_compiled_layers_under_activation_checkpointing(order):
     """compile_layers with transformers' activation checkpointing, enabled before or after:
@@ -455,6 +487,52 @@ def test_copies_of_compiled_layers_run_their_own_weights(coat):
         assert torch.equal(m(input_ids=ids, labels=ids).loss, want)
         for layer in m.model.layers:
             assert getattr(layer, COMPILED) and layer.forward.layer is layer
+            assert is_coat(layer) == coat
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("coat", [True, False])
+@pytest.mark.parametrize("own", ["method", "partial"])
+def test_copies_of_compiled_layers_with_their_own_forward(coat, own):
+    """A layer whose forward was set on the instance before ``compile_layers`` (a bound
+    method, a ``functools.partial`` of the layer: what hooks such as accelerate's set) keeps
+    it in its copies, bound to the copy: a COAT layer's copy once recursed without end (its
+    pickled arguments held the forward, which holds the layer, which pickles its arguments
+    again...) or, copied through a partial, ran a second, hidden copy of the layer. Deepcopy,
+    a copy of the copy and (for the bound method) torch.save + torch.load."""
+    import functools
+    import io
+
+    from coat_models import compile_layers
+    from fp8_activations import FP8ActivationConfig
+
+    model = tiny_llama().train()
+    if coat:
+        apply_coat(model, config=FP8ActivationConfig(weight_cache=False))
+    eager = copy.deepcopy(model)
+    for layer in model.model.layers:
+        f = layer.forward
+        layer.forward = f if own == "method" else functools.partial(type(layer).forward, layer)
+    compile_layers(model, backend="aot_eager")
+    copies = [copy.deepcopy(model)]
+    copies.append(copy.deepcopy(copies[0]))
+    if own == "method":  # a partial of a COAT class's forward cannot be pickled by name
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        copies.append(torch.load(buf, weights_only=False))  # written just above
+    ids = tokens(2, 32)
+    for m in [eager, *copies]:
+        with torch.no_grad():
+            for p in m.model.layers.parameters():
+                p.mul_(0.5)
+    want = eager(input_ids=ids, labels=ids).loss
+    for m in copies:
+        assert torch.equal(m(input_ids=ids, labels=ids).loss, want)
+        for layer in m.model.layers:
+            own_forward = layer.forward.own_forward
+            bound = own_forward.__self__ if own == "method" else own_forward.args[0]
+            assert layer.forward.layer is layer and bound is layer
             assert is_coat(layer) == coat
     torch._dynamo.reset()
 
@@ -693,6 +771,37 @@ def test_torch_save_whole_model(tmp_path):
     assert type(loaded.model.layers[0]) is type(model.model.layers[0]) and is_coat(loaded)
     ids = tokens()
     assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_torch_save_of_the_earlier_layout_loads(tmp_path):
+    """Whole COAT models pickled before the state moved to pickle's state slot (the state,
+    and a compiled layer's compile_layers arguments, as ``_unpickle``'s arguments) load: the
+    same logits, COAT classes, layers compiled again."""
+    from coat_models import compile_layers, graphs, llama
+    from coat_models.compiling import COMPILED, CompiledForward
+
+    def earlier_reduce_ex(self, protocol):
+        state = {k: v for k, v in self.__dict__.items() if k not in graphs.LAYER_KEYS}
+        args = (type(self)._coat_original_class, type(self)._coat_mixin, state)
+        forward = state.pop("forward", None)
+        if isinstance(forward, CompiledForward):
+            state.pop(COMPILED)
+            args = (*args, (forward.compile_kwargs, forward.own_forward))
+        return llama._unpickle, args
+
+    model = apply_coat(tiny_llama()).train()
+    compile_layers(model, backend="aot_eager")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama._CoatMixin, "__reduce_ex__", earlier_reduce_ex)
+        torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)  # written just above
+    assert type(loaded.model.layers[0]) is type(model.model.layers[0]) and is_coat(loaded)
+    for layer in loaded.model.layers:
+        assert getattr(layer, COMPILED) and layer.forward.layer is layer
+    ids = tokens(2, 32)
+    assert torch.equal(loaded(ids, labels=ids).loss, model(ids, labels=ids).loss)
+    assert torch.equal(loaded.eval()(ids).logits, model.eval()(ids).logits)
+    torch._dynamo.reset()
 
 
 def test_revert_restores_original_modules():

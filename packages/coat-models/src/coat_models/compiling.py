@@ -64,8 +64,9 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     (``options={"emulate_precision_casts": True}``, merged with ``options`` given).
 
     Training forwards run compiled, others the layer's own forward (see the module
-    docstring). Call it after ``apply_coat`` (the compiled forward is the one the layer has
-    then), before or after ``enable_activation_checkpointing``, and before ``shard_model`` /
+    docstring). Call it after ``apply_coat`` (a layer converted or reverted later has its new
+    class's forward compiled when it next trains), before or after
+    ``enable_activation_checkpointing``, and before ``shard_model`` /
     ``wrap_ddp`` (coat-train's order, the one tested). Raises ``TypeError`` when ``model``
     has no such layer, ``ValueError`` when its layers are already compiled or replay CUDA
     graphs (``disable_cuda_graphs`` first).
@@ -122,20 +123,36 @@ class CompiledForward:
     ``own_forward``: a forward set on the instance before (compiled instead of the class's).
     A copy of the layer (``copy.deepcopy``, pickling) gets a ``CompiledForward`` of its own,
     compiled again for the copy when first called: a shared one would run the original
-    layer's weights.
+    layer's weights. Without ``own_forward``, the forward is the one of the layer's class
+    when called: ``apply_coat``, ``revert_coat`` and FSDP2 change the class.
     """
 
     def __init__(self, layer: nn.Module, compile_kwargs: dict, own_forward=None):
         self.layer, self.compile_kwargs, self.own_forward = layer, compile_kwargs, own_forward
+        self.cls = self.code = None
         if own_forward is None:
-            inner, self.checkpointed = _plain_forward(layer)
-            self.eager = type(layer).forward.__get__(layer)
+            self._bind()
         else:
-            inner, self.checkpointed, self.eager = own_forward, False, own_forward
-        self.compiled = torch.compile(inner, **compile_kwargs)
+            self.checkpointed, self.eager = False, own_forward
+            self.compiled = torch.compile(own_forward, **compile_kwargs)
+
+    def _bind(self) -> None:
+        # The class's forward now. Compiled again only for other code: FSDP2's subclass adds
+        # a checkpointing wrapper (transformers 5.2x) around the same forward.
+        layer = self.layer
+        self.cls = type(layer)
+        inner, self.checkpointed = _plain_forward(layer)
+        self.eager = self.cls.forward.__get__(layer)
+        if inner.__func__ is not self.code:
+            self.code = inner.__func__
+            self.compiled = torch.compile(inner, **self.compile_kwargs)
 
     def __call__(self, *args, **kwargs):
         layer = self.layer
+        if self.cls is not None and type(layer) is not self.cls:
+            # Converted, reverted or sharded since: the old class's forward would train
+            # plain after apply_coat, raise after revert_coat.
+            self._bind()
         if not (layer.training and torch.is_grad_enabled()):
             return self.eager(*args, **kwargs)
         if self.checkpointed and layer.gradient_checkpointing:
@@ -156,18 +173,6 @@ class CompiledForward:
 
     def __reduce__(self):
         return CompiledForward, (self.layer, self.compile_kwargs, self.own_forward)
-
-
-def compiled_state(state: dict):
-    """Take a compiled layer's ``CompiledForward`` and marker out of ``state`` (its
-    ``__dict__`` to pickle); ``(compile_kwargs, own_forward)`` for ``recompile``, or None
-    when it is not compiled."""
-    compiled = state.get("forward")
-    if not isinstance(compiled, CompiledForward):
-        return None
-    del state["forward"]
-    state.pop(COMPILED, None)
-    return compiled.compile_kwargs, compiled.own_forward
 
 
 def recompile(layer: nn.Module, compile_kwargs: dict, own_forward=None) -> None:

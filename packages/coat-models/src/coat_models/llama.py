@@ -246,9 +246,12 @@ def _bind(cls: type, args: tuple, kwargs: dict) -> dict:
     return bound
 
 
-def _unpickle(original: type, mixin: type, state: dict, compiled=None) -> nn.Module:
+def _unpickle(original: type, mixin: type, state: dict | None = None, compiled=None) -> nn.Module:
+    # Pickles written before the state moved to pickle's state slot pass it (and a compiled
+    # layer's compile_layers arguments) here.
     module = original.__new__(original)
-    module.__setstate__(state)
+    if state is not None:
+        module.__setstate__(state)
     module.__class__ = _coat_class(mixin, original)
     if compiled is not None:  # (compile_kwargs, own_forward) of compile_layers
         compiling.recompile(module, *compiled)
@@ -260,12 +263,12 @@ class _CoatMixin:
         # Pickle finds classes by name, and the COAT subclass carries the original's name:
         # rebuild the original class, then convert again (torch.save(model), deepcopy).
         # Without CUDA graphs (they belong to this model's tensors; a copy records its own).
-        # A compiled layer is compiled again once rebuilt (its compiled forward is bound to
-        # this layer and to the class it has then).
+        # The state goes in pickle's state slot, restored once the module exists: pickle
+        # and deepcopy then resolve what refers back to the module (a compiled layer's
+        # CompiledForward, a forward set on the instance) to the copy; as an argument of
+        # _unpickle it was copied before the module existed (a second copy of it, or no end).
         state = {k: v for k, v in self.__dict__.items() if k not in graphs.LAYER_KEYS}
-        compiled = compiling.compiled_state(state)
-        args = (type(self)._coat_original_class, type(self)._coat_mixin, state)
-        return _unpickle, args if compiled is None else (*args, compiled)
+        return _unpickle, (type(self)._coat_original_class, type(self)._coat_mixin), state
 
 
 class _CoatDecoderLayer(_CoatMixin):
