@@ -88,7 +88,8 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
         kwargs["options"] = {**_INDUCTOR_OPTIONS, **(kwargs.get("options") or {})}
     for layer in layers:
-        recompile(layer, kwargs, vars(layer).get("forward"))
+        layer.forward = CompiledForward(layer, kwargs, vars(layer).get("forward"))
+        setattr(layer, COMPILED, True)
     return model
 
 
@@ -173,9 +174,3 @@ class CompiledForward:
 
     def __reduce__(self):
         return CompiledForward, (self.layer, self.compile_kwargs, self.own_forward)
-
-
-def recompile(layer: nn.Module, compile_kwargs: dict, own_forward=None) -> None:
-    """Compile ``layer`` as ``compile_layers`` did the layer it was copied from."""
-    layer.forward = CompiledForward(layer, compile_kwargs, own_forward)
-    setattr(layer, COMPILED, True)

@@ -21,7 +21,7 @@ from fp8_activations import FP8ActivationConfig
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import blocks, compiling, graphs, reference
+from . import blocks, graphs, reference
 from .loss import linear_cross_entropy
 
 SUPPORTED = (
@@ -246,15 +246,12 @@ def _bind(cls: type, args: tuple, kwargs: dict) -> dict:
     return bound
 
 
-def _unpickle(original: type, mixin: type, state: dict | None = None, compiled=None) -> nn.Module:
-    # Pickles written before the state moved to pickle's state slot pass it (and a compiled
-    # layer's compile_layers arguments) here.
+def _unpickle(original: type, mixin: type, state: dict | None = None) -> nn.Module:
+    # Pickles written before the state moved to pickle's state slot pass it here.
     module = original.__new__(original)
     if state is not None:
         module.__setstate__(state)
     module.__class__ = _coat_class(mixin, original)
-    if compiled is not None:  # (compile_kwargs, own_forward) of compile_layers
-        compiling.recompile(module, *compiled)
     return module
 
 
