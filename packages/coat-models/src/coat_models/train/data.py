@@ -137,12 +137,12 @@ def load_token_file(path: str | os.PathLike, bin_dtype: str = "uint16") -> np.nd
     else:
         if bin_dtype not in BIN_DTYPES:
             raise DataError(f"--data-dtype must be one of {sorted(BIN_DTYPES)}, got {bin_dtype!r}")
-        dtype = np.dtype(BIN_DTYPES[bin_dtype])
-        if path.stat().st_size == 0:  # np.memmap cannot map an empty file
+        dtype, size = np.dtype(BIN_DTYPES[bin_dtype]), path.stat().st_size
+        if size == 0:  # np.memmap cannot map an empty file
             raise DataError(f"{path} is empty: pass a file of token ids")
-        if path.stat().st_size % dtype.itemsize:
+        if size % dtype.itemsize:
             raise DataError(
-                f"{path}: size {path.stat().st_size} bytes is not a multiple of "
+                f"{path}: size {size} bytes is not a multiple of "
                 f"{dtype.itemsize} ({bin_dtype}): pass the right --data-dtype"
             )
         ids = np.memmap(path, dtype=dtype, mode="r")

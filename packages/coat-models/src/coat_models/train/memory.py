@@ -110,7 +110,7 @@ class MemoryTracker:
         self.live["weights"] = tensor_bytes(tensors)
         self._params = list(model.parameters())
         self._saved: dict = {}  # storage key -> [refs, bytes, kind]
-        self._attached: dict = {}  # storage key -> [live tensors, bytes]
+        self._attached: dict = {}  # storage key -> [live tensors, bytes, "weight_copies"]
         self._watched: set[int] = set()  # ids of live tensors attached to parameters
         self._scan_pending = False
         self._grads_seen: set[int] = set()
@@ -164,7 +164,7 @@ class MemoryTracker:
         # Detached: t may be an output of the node saving it, and t.grad_fn back to the node
         # is a cycle gc cannot see, so a graph whose backward never runs (an OOM) would never
         # be freed. Autograd restores the history on unpack.
-        return _Saved(t.detach(), keys, self._release)
+        return _Saved(t.detach(), keys, lambda keys: self._release(self._saved, keys))
 
     def _unpack(self, saved):
         if self._scan_pending:  # the first unpack of a backward: the forward is complete
@@ -184,7 +184,7 @@ class MemoryTracker:
                 for key, nbytes in _storages(t):
                     ref = self._attached.get(key)
                     if ref is None:
-                        self._attached[key] = ref = [0, nbytes]
+                        self._attached[key] = ref = [0, nbytes, "weight_copies"]
                         self.live["weight_copies"] += nbytes
                         saved = self._saved.get(key)
                         if saved is not None:  # already counted as saved: count it once
@@ -197,20 +197,17 @@ class MemoryTracker:
 
     def _drop_attached(self, tensor_id, keys):
         self._watched.discard(tensor_id)
-        for key in keys:
-            ref = self._attached[key]
-            ref[0] -= 1
-            if ref[0] == 0:
-                self.live["weight_copies"] -= ref[1]
-                del self._attached[key]
+        self._release(self._attached, keys)
 
-    def _release(self, keys):
+    def _release(self, table: dict, keys):
+        """One reference fewer to each storage ``keys`` names in ``table`` (``_saved`` or
+        ``_attached``); one with none left is no longer live."""
         for key in keys:
-            ref = self._saved[key]
+            ref = table[key]
             ref[0] -= 1
             if ref[0] == 0:
                 self.live[ref[2]] -= ref[1]
-                del self._saved[key]
+                del table[key]
 
     def _on_grad(self, p):
         if id(p) not in self._grads_seen:

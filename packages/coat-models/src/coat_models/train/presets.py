@@ -98,7 +98,7 @@ def model_dir_config(path: str):
         # ValueError / OSError for bad JSON or an unknown model type, and huggingface_hub's
         # StrictDataclassError (an Exception, not a ValueError) for values the config's
         # validation refuses (hidden size not a multiple of the heads, a str for an int)
-        raise ModelError(f"--model-dir {path}: cannot read config.json ({_one_line(e)})") from None
+        raise ModelError(f"--model-dir {path}: cannot read config.json ({one_line(e)})") from None
     if not isinstance(getattr(config, "vocab_size", None), int):
         # e.g. a LlavaConfig: its vocabulary is the text config's; not a causal LM config
         raise ModelError(
@@ -156,7 +156,7 @@ def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     """``e``'s message on one line (huggingface_hub's validation errors span two)."""
     return " ".join(str(e).split()) or type(e).__name__
 

@@ -35,7 +35,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from fp8_activations import FP8ActivationConfig
 from fp8_optim import CoatAdamW
+from safetensors import SafetensorError
 from transformers import DynamicCache
 
 from .. import checkpoint, distributed
@@ -45,7 +47,7 @@ from ..optim import create_optimizer, param_groups
 from .args import Range
 from .data import TokenData
 from .memory import MemoryTracker, PeakMeter, memory_report
-from .presets import PRESETS, VL_PRESETS, ModelError, first_line
+from .presets import PRESETS, VL_PRESETS, ModelError, first_line, one_line
 from .report import MetricsLog, Progress, fmt_bytes
 from .tasks import LMTask
 
@@ -217,7 +219,7 @@ class TrainConfig:
 def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
     """transformers' cosine schedule with warmup and a floor: LR ``lr * s / warmup`` at
     0-based step ``s < warmup``, then a half cosine down to ``lr * min_lr_ratio`` at ``steps``."""
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup  # lazy: slow to import
 
     return get_cosine_with_min_lr_schedule_with_warmup(
         optimizer,
@@ -234,8 +236,6 @@ def prepare(model, task, cfg: TrainConfig, device, strategy=None, activation_che
     fp8_act, fp8_optim = MODES[cfg.mode]
     fp8_config = None
     if fp8_act:
-        from fp8_activations import FP8ActivationConfig
-
         # FSDP2 all-gathers into reused storage, which the weight cache cannot tell from the
         # weights it cached.
         fp8_config = FP8ActivationConfig(weight_cache=cfg.fp8_weight_cache(strategy))
@@ -274,15 +274,6 @@ def prepare(model, task, cfg: TrainConfig, device, strategy=None, activation_che
 def _window(tokens=0, time=0.0, steps=0, first=None, last=None) -> dict:
     """Tokens, seconds, number, first and last of a set of timed steps."""
     return {"tokens": tokens, "time": time, "steps": steps, "first": first, "last": last}
-
-
-def _speed(t: dict) -> dict:
-    """``tokens_per_s`` over the steps of ``t`` (``_window``) and which steps they were
-    (``timed_steps``: number, first, last)."""
-    return {
-        "tokens_per_s": t["tokens"] / t["time"] if t["time"] else None,
-        "timed_steps": [t["steps"], t["first"], t["last"]],
-    }
 
 
 def _totals_of_old_checkpoint(old: dict, cfg: TrainConfig, step: int) -> dict:
@@ -335,12 +326,12 @@ def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _rng_state(device: torch.device) -> dict:
     """The generators a run draws from: CPU, NumPy, Python, and the training GPU's (only
     that one: a resume on a machine that shows another number of GPUs restores it too)."""
-    np_state = np.random.get_state()
+    np_state, py_state = np.random.get_state(), random.getstate()
     return {
         "torch": torch.get_rng_state(),
         "cuda": [torch.cuda.get_rng_state(device)] if device.type == "cuda" else [],
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
     }
 
 
@@ -399,8 +390,6 @@ def export_pretrained(model, path: Path, *, tokenizer=None, state_dict=None) -> 
             tokenizer.save_pretrained(tmp)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # a partial copy (a full disk) is not left behind
-        from safetensors import SafetensorError
-
         if isinstance(e, SafetensorError):  # its I/O errors (a full disk) are not OSErrors
             raise OSError(str(e)) from e
         raise
@@ -449,9 +438,7 @@ class Trainer:
         self.world = dist.get_world_size() if strategy else 1
         self.rank = dist.get_rank() if strategy else 0
         # How this run is spread over processes (``None``: one process).
-        self.parallel = (
-            None if strategy is None else {"strategy": strategy, "world_size": self.world}
-        )
+        self.parallel = strategy and {"strategy": strategy, "world_size": self.world}
         self.is_main = self.rank == 0  # writes metrics, prints progress, prunes checkpoints
         self.model, self.optimizer = prepare(
             model, task, cfg, device, strategy, activation_checkpointing
@@ -738,7 +725,7 @@ class Trainer:
     def summary(self) -> dict:
         """Losses (mean over ranks), ``tokens_per_s`` and ``memory`` per rank (the slowest
         and the largest rank), ``tokens_per_step`` over all ranks."""
-        t = self.totals
+        t = self.totals["timed"] if self.totals["timed"]["time"] else self.totals["counting"]
         window = self.train_losses[-TRAIN_LOSS_WINDOW:]
         return {
             "mode": self.cfg.mode,
@@ -750,13 +737,14 @@ class Trainer:
             "train_loss": sum(window) / len(window) if window else None,
             "train_loss_window": len(window),
             **(self.val_metrics or {"val_loss": None}),
-            **_speed(t["timed"] if t["timed"]["time"] else t["counting"]),
+            "tokens_per_s": t["tokens"] / t["time"] if t["time"] else None,
+            "timed_steps": [t["steps"], t["first"], t["last"]],  # number, first, last
             "params": sum(p.numel() for p in self.model.parameters()),
             "fp8_weight_cache": self.cfg.fp8_weight_cache(self.strategy),
             # Asked for and replayed (a layer given an attention mask, say, runs eagerly).
             "cuda_graphs": self._graphs_replayed(),
             "compile": self.cfg.compile,
-            "memory": t["memory"],
+            "memory": self.totals["memory"],
             **self.task.summary(),
         }
 
@@ -902,7 +890,7 @@ class Trainer:
             # wrote. The run stops here, with nothing half-loaded to go on with.
             # torch's load_state_dict error says what differs on its later lines: kept, on
             # one line, shortened (a key list can be long).
-            why = " ".join(str(e).split()) or type(e).__name__
+            why = one_line(e)
             why = why if len(why) <= 300 else why[:297] + "..."
             raise checkpoint.CheckpointError(
                 f"{path} does not fit this model and optimizer: {why}"
@@ -912,10 +900,9 @@ class Trainer:
         if "timed_tokens" in self.totals:
             self.totals = _totals_of_old_checkpoint(self.totals, self.cfg, self.step)
         now = self._fresh_totals()
-        # A checkpoint written before the totals named their settings is taken to have had
-        # this run's (as before): its totals carry on.
+        # Totals that name no settings (or no "compile") had this run's: they carry on.
         then = self.totals.setdefault("speed", now["speed"])
-        then.setdefault("compile", False)  # written before --compile existed
+        then.setdefault("compile", False)
         if then != now["speed"] and self.step < self.cfg.steps:
             # Resumed with other CUDA graphs / compile / FP8 weight cache / activation
             # checkpointing settings, which change speed and memory but no number: tokens/s
