@@ -1,5 +1,7 @@
 """coat_models.data: the embedded stdlib corpus, user text / .npy / .bin files, the sampler."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -106,3 +108,16 @@ def test_val_batches_are_fixed_windows():
     assert sum(len(b) for b in val_batches(tokens[:55], 4, 10, 3)) == 5  # short split: fewer
     with pytest.raises(DataError, match="validation split has 5 tokens"):
         val_batches(tokens[:5], 4, 10, 3)
+
+
+def test_val_batches_of_a_memory_mapped_int64_file_are_copies(tmp_path):
+    # np.save of Python ints writes int64: loaded memory-mapped (read-only), a view of it
+    # made torch warn of a non-writable array, and the batches followed the file.
+    np.save(tmp_path / "ids.npy", np.arange(2000, dtype=np.int64) % 300)
+    d = load_data(tmp_path / "ids.npy", val_fraction=0.5)
+    assert d.val.dtype == np.int64 and not d.val.flags.writeable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batches = val_batches(d.val, batch_size=4, seq_len=10, max_batches=2)
+    assert not any(np.shares_memory(b.numpy(), d.val) for b in batches)
+    assert torch.equal(torch.cat(batches).flatten(), torch.from_numpy(d.val[:80].copy()))

@@ -225,5 +225,7 @@ def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: 
             f"the validation split has {len(tokens)} tokens, fewer than --seq-len {seq_len}: "
             "use more data, a larger --val-fraction or a shorter --seq-len"
         )
-    windows = np.asarray(tokens[: n_windows * seq_len], dtype=np.int64).reshape(n_windows, seq_len)
+    # A copy: int64 ids would otherwise stay a view of a read-only memory-mapped --data file,
+    # which torch.from_numpy warns about (and the batches would change with the file).
+    windows = np.array(tokens[: n_windows * seq_len], dtype=np.int64).reshape(n_windows, seq_len)
     return [torch.from_numpy(windows[i : i + batch_size]) for i in range(0, n_windows, batch_size)]
