@@ -37,7 +37,7 @@ from .. import checkpoint
 from ..checkpoint import CheckpointError
 from ..distributed import run_on_rank0
 from .args import OneLineParser, float_in, int_in
-from .data import STDLIB_MAX_BYTES, DataError, load_data
+from .data import STDLIB_MAX_BYTES, DataError, load_data, token_file_suffix
 from .presets import (
     MODEL_DIR_DEFAULTS,
     PRESETS,
@@ -467,7 +467,7 @@ def _check_data_options(args) -> None:
                     f"--{name.replace('_', '-')} does not apply to --preset {args.preset}: it "
                     "trains on the built-in shapes-caption task"
                 )
-    bin_file = args.data is not None and Path(args.data).suffix == ".bin"
+    bin_file = args.data is not None and token_file_suffix(args.data) == ".bin"
     applies = {
         "data_dtype": (bin_file, "a .bin --data file"),
         "val_fraction": (args.data is not None, "a --data file"),
