@@ -316,6 +316,8 @@ def _inputs(tmp_path) -> dict:
     # ids beyond int64 (they would wrap to negative ids in the int64 batches)
     paths["u64.npy"] = tmp_path / "u64.npy"
     np.save(paths["u64.npy"], np.full(5000, 2**64 - 1, dtype=np.uint64))
+    paths["six.BIN"] = tmp_path / "six.BIN"  # a .bin in capitals: 3 uint16 ids, not int32s
+    paths["six.BIN"].write_bytes(b"\1\0\2\0\3\0")
     # config.json values transformers' validation refuses (not a ValueError: a traceback)
     paths["bad_heads"] = tmp_path / "bad_heads"
     paths["bad_heads"].mkdir()
@@ -401,6 +403,9 @@ BAD_INPUTS = [
     (["--data", "{ids_npy}", "--corpus-mib", "1"], "--corpus-mib applies to the built-in"),
     (["--data", "{ids_npy}", "--data-dtype", "int32"], "--data-dtype applies to a .bin --data"),
     (["--data", "{u64_npy}"], "token id 18446744073709551615 is beyond any vocabulary"),
+    # .BIN was text: --data-dtype "applies to a .bin --data file only", and without it the
+    # file's bytes were trained on
+    (["--data", "{six_BIN}", "--data-dtype", "int32"], "six.BIN: size 6 bytes is not a multip"),
     # ids misread (or a huge --vocab-size): "a smaller model or bf16 masters" did not help
     (["--vocab-size", "99999999999"], "a vocabulary of 99,999,999,999 tokens: if it is the"),
     # a micro-batch whose logits alone exceed RAM: the OOM killer ended the run silently

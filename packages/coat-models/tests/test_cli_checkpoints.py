@@ -370,6 +370,19 @@ def test_resume_of_a_folder_above_the_checkpoints_names_them(runs, tmp_path, abo
     assert code == 2 and err.count("\n") == 1, err
     newest = ckpts / "step_0000004"
     assert f"holds checkpoints, it is not one: pass one of them, e.g. --resume {newest}" in err
+    assert err.endswith(" (the newest), or --resume alone for the newest\n"), err
+
+
+@pytest.mark.parametrize("above", ["out", "mode", "checkpoints"])
+def test_resume_of_a_folder_of_another_out_names_that_out(runs, tmp_path, above):
+    """--resume DIR given a folder above the checkpoints of another --out than this run's:
+    plain --resume would look under this run's --out, so the advice names the other one."""
+    out, ckpts = copy_base(runs, tmp_path)
+    folder = {"out": out, "mode": out / "bf16", "checkpoints": ckpts}[above]
+    code, _, err = train([*ARGS, "--resume", folder, "--out", tmp_path / "new"])
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.endswith(f", or --out {out} and --resume alone for the newest\n"), err
+    assert not (tmp_path / "new").exists()
 
 
 # --------------------------------------------------------------------------- metrics

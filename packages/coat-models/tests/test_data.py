@@ -1,5 +1,7 @@
 """coat_models.data: the embedded stdlib corpus, user text / .npy / .bin files, the sampler."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -79,6 +81,36 @@ def test_bad_token_files(tmp_path, make, match):
         load_data(path)
 
 
+@pytest.mark.parametrize(
+    "name,save",
+    [
+        ("ids.npz", lambda p, ids: np.savez(p, ids=ids)),
+        ("ids.pt", lambda p, ids: torch.save(torch.from_numpy(ids), p)),
+        ("ids.txt", lambda p, ids: p.write_text("text\n", encoding="utf-16")),
+    ],
+    ids=["npz", "torch-save", "utf16-text"],
+)
+def test_binary_file_is_not_read_as_text(tmp_path, name, save):
+    # Any suffix but .npy / .bin is text, tokenized byte-level: these were trained on as the
+    # bytes of a zip or a pickle, the header saying "text".
+    save(tmp_path / name, np.arange(3000, dtype=np.int64) % 300)
+    with pytest.raises(DataError, match=r"is not text \(it holds NUL bytes\): pass a UTF-8"):
+        load_data(tmp_path / name)
+
+
+@pytest.mark.parametrize("suffix", [".NPY", ".Bin"])
+def test_token_file_suffix_in_any_case(tmp_path, suffix):
+    ids = (np.arange(3000) % 300).astype(np.uint16)
+    path = tmp_path / f"IDS{suffix}"
+    if suffix == ".NPY":
+        np.save(tmp_path / "ids.npy", ids)
+        (tmp_path / "ids.npy").rename(path)
+    else:
+        ids.tofile(path)
+    d = load_data(path, val_fraction=0.1)
+    assert np.array_equal(np.concatenate([d.train, d.val]), ids) and d.vocab_size == 300
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         load_data(tmp_path / "nope.txt")
@@ -106,3 +138,16 @@ def test_val_batches_are_fixed_windows():
     assert sum(len(b) for b in val_batches(tokens[:55], 4, 10, 3)) == 5  # short split: fewer
     with pytest.raises(DataError, match="validation split has 5 tokens"):
         val_batches(tokens[:5], 4, 10, 3)
+
+
+def test_val_batches_of_a_memory_mapped_int64_file_are_copies(tmp_path):
+    # np.save of Python ints writes int64: loaded memory-mapped (read-only), a view of it
+    # made torch warn of a non-writable array, and the batches followed the file.
+    np.save(tmp_path / "ids.npy", np.arange(2000, dtype=np.int64) % 300)
+    d = load_data(tmp_path / "ids.npy", val_fraction=0.5)
+    assert d.val.dtype == np.int64 and not d.val.flags.writeable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batches = val_batches(d.val, batch_size=4, seq_len=10, max_batches=2)
+    assert not any(np.shares_memory(b.numpy(), d.val) for b in batches)
+    assert torch.equal(torch.cat(batches).flatten(), torch.from_numpy(d.val[:80].copy()))

@@ -132,6 +132,11 @@ BAD_FIELDS = [
     ({"grad_clip": float("nan")}, "--grad-clip must be a finite number >= 0, got nan"),
     ({"weight_decay": -0.1}, "--weight-decay must be a finite number >= 0, got -0.1"),
     ({"save_every": 2, "keep_checkpoints": 0}, "--keep-checkpoints must be >= 1 with"),
+    # from Python: a string was a TypeError of a comparison, a bool a number (lr=True: 1.0)
+    ({"lr": "3e-4"}, "--lr must be a finite number > 0, got '3e-4'"),
+    ({"steps": "10"}, "--steps must be an integer >= 1, got '10'"),
+    ({"lr": True}, "--lr must be a finite number > 0, got True"),
+    ({"grad_accum": None}, "--grad-accum must be an integer >= 1, got None"),
 ]
 
 

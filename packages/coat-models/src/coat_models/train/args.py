@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import numbers
 import os
 import sys
 from collections.abc import Callable
@@ -66,7 +67,10 @@ class Range:
         return f"{what} in {low}{_num(self.low)}, {_num(self.high)}{high}{self.why}"
 
     def error(self, value) -> str | None:
-        """``"must be ..."`` when ``value`` is outside (nan and inf are outside), else None."""
+        """``"must be ..."`` when ``value`` is outside (nan and inf are outside) or not a
+        number (a string, a bool), else None."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return f"must be {self.describe()}"
         ok = (self.low < value if self.open_low else self.low <= value) and (
             self.high is None or (value < self.high if self.open_high else value <= self.high)
         )

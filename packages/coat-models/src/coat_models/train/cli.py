@@ -37,7 +37,7 @@ from .. import checkpoint
 from ..checkpoint import CheckpointError
 from ..distributed import run_on_rank0
 from .args import OneLineParser, float_in, int_in
-from .data import STDLIB_MAX_BYTES, DataError, load_data
+from .data import STDLIB_MAX_BYTES, DataError, load_data, token_file_suffix
 from .presets import (
     MODEL_DIR_DEFAULTS,
     PRESETS,
@@ -467,7 +467,7 @@ def _check_data_options(args) -> None:
                     f"--{name.replace('_', '-')} does not apply to --preset {args.preset}: it "
                     "trains on the built-in shapes-caption task"
                 )
-    bin_file = args.data is not None and Path(args.data).suffix == ".bin"
+    bin_file = args.data is not None and token_file_suffix(args.data) == ".bin"
     applies = {
         "data_dtype": (bin_file, "a .bin --data file"),
         "val_fraction": (args.data is not None, "a --data file"),
@@ -777,13 +777,20 @@ def _check_resume(args, out: Path, modes: list[str]) -> None:
         path = Path(args.resume)
         if not path.is_dir():
             raise UsageError(f"--resume {path}: no such checkpoint directory")
-        # A folder above the checkpoints (--out, a mode's, checkpoints/): name those in it.
-        inside = [p for d in (path, path / "checkpoints", path / modes[0] / "checkpoints")
-                  for p in checkpoint.ordered(d)]  # fmt: skip
-        if not (path / checkpoint.MANIFEST).exists() and inside:
+        # A folder above the checkpoints (--out, a mode's, checkpoints/): name those in it,
+        # and the --out under which plain --resume finds the newest.
+        folders = {  # checkpoints folder -> the --out it is in
+            path: path.parent.parent,
+            path / "checkpoints": path.parent,
+            path / modes[0] / "checkpoints": path,
+        }
+        found = [(p, above) for d, above in folders.items() for p in checkpoint.ordered(d)]
+        if not (path / checkpoint.MANIFEST).exists() and found:
+            newest, holder = found[-1]
+            plain = "" if holder.resolve() == out.resolve() else f"--out {holder} and "
             raise UsageError(
                 f"--resume {path} holds checkpoints, it is not one: pass one of them, e.g. "
-                f"--resume {inside[-1]} (the newest), or --resume alone for the newest"
+                f"--resume {newest} (the newest), or {plain}--resume alone for the newest"
             )
         checkpoint.read_manifest(path)
 

@@ -6,9 +6,9 @@ size), tokenized byte-level. One file in every 20 (by sorted path) is held out f
 validation, so the split is fixed and spread over the whole library.
 
 User data (``--data``): a text file (byte-level tokens, or the tokenizer of ``--model-dir``
-if it ships one), or pre-tokenized ids in ``.npy`` (any integer dtype) or raw ``.bin``
-(``uint16`` by default, as nanoGPT writes them; or ``int32``). The last ``val_fraction`` of
-the tokens is the validation split.
+if it ships one; NUL bytes say it is not text), or pre-tokenized ids in ``.npy`` (any integer
+dtype) or raw ``.bin`` (``uint16`` by default, as nanoGPT writes them; or ``int32``). The
+last ``val_fraction`` of the tokens is the validation split.
 """
 
 from __future__ import annotations
@@ -125,11 +125,18 @@ def _encoder(tokenizer):
     return encode, eos, len(tokenizer)
 
 
+def token_file_suffix(path: str | os.PathLike) -> str | None:
+    """``".npy"`` or ``".bin"`` for a file of token ids (in any case: ``IDS.NPY``), else None
+    (a text file)."""
+    suffix = Path(path).suffix.lower()
+    return suffix if suffix in (".npy", ".bin") else None
+
+
 def load_token_file(path: str | os.PathLike, bin_dtype: str = "uint16") -> np.ndarray:
     """Pre-tokenized ids from ``.npy`` (memory-mapped, any integer dtype, flattened) or raw
     ``.bin`` (``bin_dtype``: uint16 or int32)."""
-    path = Path(path)
-    if path.suffix == ".npy":
+    path, suffix = Path(path), token_file_suffix(path)
+    if suffix == ".npy":
         try:
             ids = np.load(path, mmap_mode="r", allow_pickle=False)
         except (ValueError, EOFError, OSError) as e:  # garbage, truncated or empty
@@ -156,7 +163,7 @@ def load_token_file(path: str | os.PathLike, bin_dtype: str = "uint16") -> np.nd
         # embedding has 2**31 rows: these are not token ids, or not of this dtype.
         raise DataError(
             f"{path}: token id {int(ids.max())} is beyond any vocabulary (ids must be < 2**31): "
-            + ("pass the right --data-dtype" if path.suffix == ".bin" else "pass token ids")
+            + ("pass the right --data-dtype" if suffix == ".bin" else "pass token ids")
         )
     return ids
 
@@ -179,13 +186,19 @@ def load_data(
         raise DataError(f"--data {path}: no such file")
     if not 0 < val_fraction < 1:
         raise DataError(f"--val-fraction must be in (0, 1), got {val_fraction}")
-    if path.suffix in (".npy", ".bin"):
+    if token_file_suffix(path):
         ids = load_token_file(path, bin_dtype)
         vocab = int(ids.max()) + 1 if ids.size else 0
         kind = f"{ids.size:,} token ids ({ids.dtype})"
     else:
+        blob = path.read_bytes()
+        if b"\0" in blob:  # text has none; .npz, .pt, zip, UTF-16 ... do
+            raise DataError(
+                f"--data {path} is not text (it holds NUL bytes): pass a UTF-8 text file, or "
+                "token ids as .npy (one array, np.save) or raw .bin (--data-dtype)"
+            )
         encode, _, vocab = _encoder(tokenizer)
-        ids = encode(path.read_bytes())
+        ids = encode(blob)
         kind = f"text, {path.stat().st_size / 2**20:.2f} MiB"
     if len(ids) == 0:
         raise DataError(f"--data {path} holds no tokens: pass a non-empty file")
@@ -225,5 +238,7 @@ def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: 
             f"the validation split has {len(tokens)} tokens, fewer than --seq-len {seq_len}: "
             "use more data, a larger --val-fraction or a shorter --seq-len"
         )
-    windows = np.asarray(tokens[: n_windows * seq_len], dtype=np.int64).reshape(n_windows, seq_len)
+    # A copy: int64 ids would otherwise stay a view of a read-only memory-mapped --data file,
+    # which torch.from_numpy warns about (and the batches would change with the file).
+    windows = np.array(tokens[: n_windows * seq_len], dtype=np.int64).reshape(n_windows, seq_len)
     return [torch.from_numpy(windows[i : i + batch_size]) for i in range(0, n_windows, batch_size)]
