@@ -1216,6 +1216,19 @@ def test_create_optimizer_groups():
     assert any(p is model.model.embed_tokens.weight for p in decay["params"])  # tied once
 
 
+def test_create_optimizer_refuses_what_it_cannot_train():
+    frozen = tiny_llama().requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+        coat_models.create_optimizer(frozen)
+    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+        coat_models.optim.param_groups(torch.nn.ReLU(), 0.1)
+    for bad in (-0.1, float("nan"), float("inf"), "0.1"):
+        with pytest.raises(ValueError, match="weight_decay must be a finite number >= 0"):
+            coat_models.optim.param_groups(tiny_llama(), bad)
+    with pytest.raises(TypeError, match="is_coat takes an nn.Module, got NoneType"):
+        coat_models.is_coat(None)
+
+
 def test_hf_trainer(tmp_path, monkeypatch):
     """Trainer with ``optimizers=(create_optimizer(model, ...), None)``: trains through the
     COAT layers with the fused loss, evaluates through the plain path."""

@@ -557,4 +557,6 @@ def revert_classes(model: nn.Module) -> nn.Module:
 
 def is_coat(module: nn.Module) -> bool:
     """True for a model (or layer) that ``apply_coat`` converted."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"is_coat takes an nn.Module, got {type(module).__name__}")
     return any(hasattr(type(m), "_coat_original_class") for m in module.modules())

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 from fp8_optim import CoatAdamW, CoatAdamWConfig
 from torch import nn
 
@@ -10,11 +13,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two groups: decay for parameters with two or more dims (linear weights, embeddings
     and the LM head), none for one-dim ones (norm weights, biases), the grouping of
     transformers' ``Trainer`` and nanoGPT. Parameters with ``requires_grad=False`` are left
-    out; tied parameters appear once."""
+    out; tied parameters appear once. Raises ``ValueError`` for a negative or non-finite
+    ``weight_decay`` and for a model with no trainable parameter."""
+    if not isinstance(weight_decay, numbers.Real) or not 0 <= weight_decay < math.inf:
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
     decay, no_decay = [], []
     for p in model.parameters():  # deduplicates tied weights
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
+    if not decay and not no_decay:
+        raise ValueError(
+            "the model has no parameter with requires_grad=True: nothing to optimize "
+            "(unfreeze the parameters to train, e.g. p.requires_grad_(True))"
+        )
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
