@@ -151,3 +151,10 @@ def test_val_batches_of_a_memory_mapped_int64_file_are_copies(tmp_path):
         batches = val_batches(d.val, batch_size=4, seq_len=10, max_batches=2)
     assert not any(np.shares_memory(b.numpy(), d.val) for b in batches)
     assert torch.equal(torch.cat(batches).flatten(), torch.from_numpy(d.val[:80].copy()))
+
+
+def test_data_beyond_the_model_vocabulary_names_the_size_needed():
+    data = load_data(None, max_bytes=200_000)  # byte-level: ids up to 256 (the EOS)
+    data.check_fits(data.vocab_size)
+    with pytest.raises(DataError, match=f"--vocab-size {data.vocab_size} or more with a preset"):
+        data.check_fits(100)

@@ -56,7 +56,7 @@ class TokenData:
             raise DataError(
                 f"the data has token id {self.vocab_size - 1} but the model's vocabulary has "
                 f"{model_vocab} entries: use a model with a larger vocab_size "
-                f"(or --vocab-size with a preset)"
+                f"(or --vocab-size {self.vocab_size} or more with a preset)"
             )
 
 
