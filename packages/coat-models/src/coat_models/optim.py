@@ -15,7 +15,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     transformers' ``Trainer`` and nanoGPT. Parameters with ``requires_grad=False`` are left
     out; tied parameters appear once. Raises ``ValueError`` for a negative or non-finite
     ``weight_decay`` and for a model with no trainable parameter."""
-    if not isinstance(weight_decay, numbers.Real) or not 0 <= weight_decay < math.inf:
+    real = isinstance(weight_decay, numbers.Real) and not isinstance(weight_decay, bool)
+    if not real or not 0 <= weight_decay < math.inf:
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
     decay, no_decay = [], []
     for p in model.parameters():  # deduplicates tied weights
