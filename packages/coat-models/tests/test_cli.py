@@ -262,6 +262,18 @@ def test_resume_reproduces_losses_bit_for_bit(
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.parametrize(
+    ("every", "want"), [(2, ["step_0000002", "step_0000003"]), (9, ["step_0000003"])]
+)
+def test_last_step_is_checkpointed(tmp_path, capsys, every, want):
+    # before: step 3 was not saved (every 2), nothing was (every 9)
+    args = ["--steps", 3, "--save-every", every, "--eval-every", 3, "--out", tmp_path, *FAST]
+    code, _, err = run(args, capsys)
+    assert code == 0, err
+    saved = sorted(p.name for p in (tmp_path / "bf16" / "checkpoints").iterdir())
+    assert saved == want
+
+
 def test_checkpoints_are_atomic(tmp_path, capsys, monkeypatch):
     args = ["--steps", 4, "--save-every", 2, "--eval-every", 4, "--out", tmp_path, *FAST]
     calls = []
@@ -351,6 +363,7 @@ BAD_INPUTS = [
     (["--vocab-size", "-5"], "argument --vocab-size: must be an integer >= 1, got '-5'"),
     (["--batch-size", "0"], "argument --batch-size: must be an integer >= 1, got '0'"),
     (["--warmup", "-1"], "argument --warmup: must be an integer >= 0, got '-1'"),
+    (["--steps", "5", "--warmup", "5"], "--warmup 5 covers all 5 steps: the learning rate would"),
     (["--threads", "0"], "argument --threads: must be an integer in [1, "),
     # crashed torch's thread pool
     (["--threads", "100000"], "argument --threads: must be an integer in [1, "),

@@ -937,6 +937,14 @@ def test_linear_cross_entropy_bad_shapes():
         )
 
 
+@pytest.mark.parametrize("bad", [VOCAB, -1])
+def test_linear_cross_entropy_target_outside_vocab(bad):
+    h, w = torch.randn(4, 8), torch.randn(VOCAB, 8)
+    t = torch.tensor([0, -100, bad, 1])
+    with pytest.raises(ValueError, match=f"target {bad} is outside the head's vocabulary"):
+        linear_cross_entropy(h, w, t)
+
+
 # --------------------------------------------------------------- gradient checkpointing
 def _saved_bytes(model, ids) -> tuple[int, dict]:
     """Bytes autograd keeps for backward (unique storages) and the gradients."""

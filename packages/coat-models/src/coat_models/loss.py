@@ -86,8 +86,9 @@ def linear_cross_entropy(
     """Cross entropy of ``hidden @ weight.T`` against ``targets``, in chunks of rows.
 
     ``hidden (N, H)`` and ``weight (V, H)`` float (the GEMM runs in their dtype, or in the
-    autocast dtype), ``targets (N,)`` int64. Returns a 0-dim fp32 loss: the mean over targets
-    that are not ``ignore_index``, or their sum divided by ``num_items`` when it is given,
+    autocast dtype), ``targets (N,)`` int64 in ``[0, V)`` or ``ignore_index``. Returns a
+    0-dim fp32 loss: the mean over targets that are not ``ignore_index``, or their sum
+    divided by ``num_items`` when it is given,
     the reduction of transformers' ``ForCausalLMLoss``. Same value and gradients as
     ``coat_models.reference.linear_cross_entropy`` (up to summation order).
 
@@ -103,5 +104,15 @@ def linear_cross_entropy(
             f"targets must be int64 of shape ({hidden.shape[0]},), got {targets.dtype} "
             f"{tuple(targets.shape)}"
         )
-    rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    vocab = weight.shape[0]
+    # Checked where it costs no device sync; on a GPU an out-of-range target is a device-side
+    # assert, as in F.cross_entropy.
+    if targets.device.type == "cpu":
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+        if bad.any():
+            raise ValueError(
+                f"target {targets[bad][0].item()} is outside the head's vocabulary of {vocab}: "
+                f"targets must be in [0, {vocab}) or ignore_index ({ignore_index})"
+            )
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS // vocab)
     return _LinearCrossEntropy.apply(hidden, weight, targets, ignore_index, num_items, rows)

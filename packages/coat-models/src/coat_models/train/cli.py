@@ -105,7 +105,7 @@ TRAIN_OPTIONS = (
     ),
 )
 OUTPUT_OPTIONS = (
-    ("save_every", 0, "checkpoint every N steps; 0: off"),
+    ("save_every", 0, "checkpoint every N steps and at the last; 0: off"),
     ("keep_checkpoints", 2, "newest N kept per mode"),
 )
 VERSIONED = ("fp8-quant", "fp8-optim", "fp8-activations", "coat-models", "torch", "triton",
@@ -399,6 +399,11 @@ def _settings(args):
 def _train_config(args, defaults, mode: str, master: str, graphs: bool) -> TrainConfig:
     fields = {k: getattr(args, k) for k, _, _ in (*TRAIN_OPTIONS, *OUTPUT_OPTIONS)}
     fields |= {k: getattr(defaults, k) for k in PRESET_FIELDS if fields[k] is None}
+    if args.warmup is not None and args.warmup >= fields["steps"] > 0:
+        raise UsageError(
+            f"--warmup {args.warmup} covers all {fields['steps']} steps: the learning rate "
+            f"would never reach --lr; pass --warmup below {fields['steps']} (0: none)"
+        )
     try:
         return TrainConfig(
             mode=mode,

@@ -624,7 +624,10 @@ class Trainer:
                     evaluating = step == cfg.steps or (
                         cfg.eval_every and step % cfg.eval_every == 0
                     )
-                    saving = bool(cfg.save_every) and step % cfg.save_every == 0
+                    # The last step is saved too: the run's end state, optimizer included.
+                    saving = bool(cfg.save_every) and (
+                        step % cfg.save_every == 0 or step == cfg.steps
+                    )
                     # Memory is counted on the first step after the warm-up (optimizer
                     # state exists by then) and on the steps whose breakdown is recorded.
                     # Its hooks cost host time, so such a step is read alone and left out
