@@ -88,9 +88,9 @@ def linear_cross_entropy(
     ``hidden (N, H)`` and ``weight (V, H)`` float (the GEMM runs in their dtype, or in the
     autocast dtype), ``targets (N,)`` int64 in ``[0, V)`` or ``ignore_index``. Returns a
     0-dim fp32 loss: the mean over targets that are not ``ignore_index``, or their sum
-    divided by ``num_items`` when it is given,
-    the reduction of transformers' ``ForCausalLMLoss``. Same value and gradients as
-    ``coat_models.reference.linear_cross_entropy`` (up to summation order).
+    divided by ``num_items`` when it is given, the reduction of transformers'
+    ``ForCausalLMLoss``. Same value and gradients as ``coat_models.reference.
+    linear_cross_entropy`` (up to summation order).
 
     >>> loss = linear_cross_entropy(h.view(-1, 4096), lm_head.weight, labels.view(-1))
     """
