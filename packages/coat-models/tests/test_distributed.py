@@ -469,6 +469,30 @@ def test_shard_layout():
     assert shard_layout((5, 64), 2, 128) == "full"  # rank 1 would start at element 192
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gradient_copy_in_is_torchs_bit_for_bit(world):
+    """FSDP2's copy-in replaced by one copy per gradient (bf16 -> fp32, as under the bf16
+    policy): the same rows as torch's ``_chunk_cat``; a dim 0 that does not split evenly
+    (5 rows over 2 or 4 ranks, which torch pads) goes to torch's own function."""
+    from coat_models.distributed import _copy_in_per_gradient, _install_grad_copy_in
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    _install_grad_copy_in()  # what shard_model does; a second call changes nothing
+    _install_grad_copy_in()
+    installed = collectives.foreach_reduce_scatter_copy_in
+    assert installed.func is _copy_in_per_gradient
+    torch_copy_in = installed.args[0]
+    g = torch.Generator().manual_seed(world)
+    for shapes in ([(64, 48), (48,), (96, 64)], [(64, 48), (5, 8)]):
+        grads = [torch.randn(s, generator=g).bfloat16() for s in shapes]
+        padded = sum(-(-s[0] // world) * world * (s[1] if len(s) > 1 else 1) for s in shapes)
+        want = torch.full((padded,), float("nan"))
+        got = want.clone()
+        torch_copy_in(grads, want, world)
+        installed(grads, got, world)
+        assert torch.equal(got, want)
+
+
 def test_needs_a_process_group():
     from coat_models.distributed import shard_model, wrap_ddp
 
