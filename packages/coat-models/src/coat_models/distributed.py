@@ -178,6 +178,8 @@ def shard_model(
 
     Call ``apply_coat`` before this and build the optimizer after it, on the sharded
     parameters (``create_optimizer(model)``: CoatAdamW then updates each rank's shards).
+    The first call also gives FSDP2 (process-wide) a cheaper gradient copy-in with the same
+    bits (``_copy_in_per_gradient``).
 
     >>> shard_model(model, activation_checkpointing=True)
     """
