@@ -941,7 +941,7 @@ def test_linear_cross_entropy_bad_shapes():
 def test_linear_cross_entropy_target_outside_vocab(bad):
     h, w = torch.randn(4, 8), torch.randn(VOCAB, 8)
     t = torch.tensor([0, -100, bad, 1])
-    with pytest.raises(ValueError, match=f"target {bad} is outside the head's vocabulary"):
+    with pytest.raises(RuntimeError, match="a target is outside the head's vocabulary of"):
         linear_cross_entropy(h, w, t)
 
 
