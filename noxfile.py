@@ -26,7 +26,8 @@ TORCH = os.environ.get("COAT_TORCH_SPEC", "torch==2.13.0")
 
 def _install(session):
     session.install(TORCH)
-    session.install("pytest", "pytest-benchmark", "numpy")
+    # pytest-xdist: the CPU suite on every core (CI has two), and the GPU suite's -n 4.
+    session.install("pytest", "pytest-benchmark", "pytest-xdist", "numpy")
     session.install("--no-deps", *[f"-e./packages/{p}" for p in PACKAGES])
     session.install("triton>=3.6", "transformers>=5.17")
     # Hugging Face Trainer needs accelerate (the Trainer integration tests); matplotlib and
@@ -43,6 +44,10 @@ def tests(session):
     # pytest exits 5 when nothing was collected: nox treats that as a failure, as it should.
     session.run(
         "pytest",
+        "-n",
+        "auto",
+        "--maxprocesses",
+        "4",
         "-m",
         "not gpu",
         *[f"packages/{p}/tests" for p in PACKAGES],

@@ -262,6 +262,16 @@ def test_resume_reproduces_losses_bit_for_bit(
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_header_says_when_the_presets_warmup_spans_the_run(tmp_path, capsys):
+    args = [*FAST, "--steps", 3, "--eval-batches", 1, "--no-export"]
+    code, out, err = run([*args, "--out", tmp_path / "a"], capsys)  # tiny: warmup 10
+    assert code == 0, err
+    assert "the preset's LR warmup (10 steps) spans the run" in out.splitlines()[0]
+    code, out, err = run([*args, "--warmup", 2, "--out", tmp_path / "b"], capsys)
+    assert code == 0, err
+    assert "LR warmup" not in out
+
+
 @pytest.mark.parametrize(
     ("every", "want"), [(2, ["step_0000002", "step_0000003"]), (9, ["step_0000003"])]
 )

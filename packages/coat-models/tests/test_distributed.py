@@ -306,6 +306,7 @@ def test_fsdp_gradients_match_single_process(runs):
     for name, g in ref["fsdp_grads"].items():
         diff = (got["fsdp_grads"][name] - g).norm() / g.norm()
         assert diff <= GRAD_RTOL, (name, diff.item())
+    assert got["fsdp_chunk_cats"] == 0  # the gradients took coat_models' copy-in
 
 
 @pytest.mark.slow
@@ -470,13 +471,14 @@ def test_shard_layout():
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_gradient_copy_in_is_torchs_bit_for_bit(world):
+def test_gradient_copy_in_is_torchs_bit_for_bit(world, monkeypatch):
     """FSDP2's copy-in replaced by one copy per gradient (bf16 -> fp32, as under the bf16
     policy): the same rows as torch's ``_chunk_cat``; a dim 0 that does not split evenly
     (5 rows over 2 or 4 ranks, which torch pads) goes to torch's own function."""
     from coat_models.distributed import _copy_in_per_gradient, _install_grad_copy_in
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
+    monkeypatch.delenv("COAT_FSDP_COPY_IN", raising=False)  # the opt-out
     _install_grad_copy_in()  # what shard_model does; a second call changes nothing
     _install_grad_copy_in()
     installed = collectives.foreach_reduce_scatter_copy_in
@@ -485,6 +487,7 @@ def test_gradient_copy_in_is_torchs_bit_for_bit(world):
     g = torch.Generator().manual_seed(world)
     for shapes in ([(64, 48), (48,), (96, 64)], [(64, 48), (5, 8)]):
         grads = [torch.randn(s, generator=g).bfloat16() for s in shapes]
+        grads[0] = grads[0].t().contiguous().t()  # a non-contiguous gradient
         padded = sum(-(-s[0] // world) * world * (s[1] if len(s) > 1 else 1) for s in shapes)
         want = torch.full((padded,), float("nan"))
         got = want.clone()
@@ -570,6 +573,9 @@ def _worker(out: Path) -> None:
     adamw.step()
 
     # 2. COAT Llama under FSDP2 (bf16 policy, activation checkpointing), CoatAdamW shards.
+    # torch._chunk_cat counted: torch's gradient copy-in calls it, coat_models' does not.
+    chunk_cats, torch_chunk_cat = [], torch._chunk_cat
+    torch._chunk_cat = lambda *a, **k: chunk_cats.append(1) or torch_chunk_cat(*a, **k)
     model, opt = prepare_data_parallel(
         tiny_llama(coat=False), "fsdp", fp8_activations=True, fp8_optimizer=True, lr=LR,
         activation_checkpointing=True,
@@ -588,6 +594,8 @@ def _worker(out: Path) -> None:
             save_checkpoint(out / "fsdp_ckpt", model, opt, extra={"step": step})
             res["fsdp_saved"] = {"states": states_by_name(opt, model), "params": full_params(model)}
     res["fsdp_losses"] = losses
+    torch._chunk_cat = torch_chunk_cat
+    res["fsdp_chunk_cats"] = len(chunk_cats)
 
     # 3. The single-process checkpoint loaded on 2 ranks, then 2 more steps.
     model, opt = prepare_data_parallel(

@@ -219,25 +219,30 @@ def _copy_in_per_gradient(torch_copy_in, unsharded_grads, reduce_scatter_input, 
     torch profile (the largest host item of an FSDP2 step, for bf16 and COAT alike), which
     a host-bound step (eager COAT) waits for. Here it is one ``copy_`` per gradient. When
     a gradient's dim 0 does not split evenly (torch pads it) torch's path runs."""
-    rows = reduce_scatter_input.view(world_size, -1)
-    uneven = any(g.dim() == 0 or g.size(0) % world_size for g in unsharded_grads)
-    if uneven or sum(g.numel() for g in unsharded_grads) != rows.numel():
+    if any(g.dim() == 0 or g.size(0) % world_size for g in unsharded_grads):
         torch_copy_in(unsharded_grads, reduce_scatter_input, world_size)
         return
+    rows = reduce_scatter_input.view(world_size, -1)
     start = 0
     for grad in unsharded_grads:
         n = grad.numel() // world_size
-        rows[:, start : start + n].copy_(grad.reshape(world_size, n))
+        # Views on both sides: a non-contiguous gradient is read in place, not copied first.
+        dst = rows[:, start : start + n].view(world_size, -1, *grad.shape[1:])
+        dst.copy_(grad.unflatten(0, (world_size, -1)))
         start += n
 
 
 def _install_grad_copy_in() -> None:
-    """Route FSDP2's gradient copy-in through ``_copy_in_per_gradient`` (process-wide, once).
-    Only where torch's function has the signature it was written for (torch 2.11-2.13);
-    elsewhere FSDP2 keeps its own."""
+    """Route FSDP2's gradient copy-in through ``_copy_in_per_gradient`` (process-wide, once),
+    where torch's function has the signature it was written for (checked on torch
+    2.11-2.13); elsewhere, and with ``COAT_FSDP_COPY_IN=torch`` in the environment, FSDP2
+    keeps its own."""
     import inspect
 
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    if os.environ.get("COAT_FSDP_COPY_IN", "coat") == "torch":
+        return
 
     torch_copy_in = getattr(collectives, "foreach_reduce_scatter_copy_in", None)
     if torch_copy_in is None or isinstance(torch_copy_in, functools.partial):

@@ -940,7 +940,13 @@ def run(args) -> int:
         + f"; modes: {', '.join(modes)}"
         + _cache_note(cfgs, strategy)
         + _graphs_note(cfgs)
-        + ("; torch.compile on (each decoder layer)" if args.compile else ""),
+        + ("; torch.compile on (each decoder layer)" if args.compile else "")
+        + (
+            f"; the preset's LR warmup ({c0.warmup} steps) spans the run: the LR stays below "
+            f"--lr (set --warmup)"
+            if c0.warmup >= c0.steps
+            else ""
+        ),
         flush=True,
     )
     summaries, curves = [], {}
