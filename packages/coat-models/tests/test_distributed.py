@@ -496,6 +496,20 @@ def test_gradient_copy_in_is_torchs_bit_for_bit(world, monkeypatch):
         assert torch.equal(got, want)
 
 
+def test_bad_copy_in_choice_is_named(monkeypatch):
+    from coat_models.distributed import _install_grad_copy_in
+    from coat_models.train import cli
+
+    monkeypatch.setenv("COAT_FSDP_COPY_IN", "off")
+    with pytest.raises(ValueError, match="COAT_FSDP_COPY_IN must be 'coat' or 'torch', got 'off'"):
+        _install_grad_copy_in()
+    torchrun = {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
+    for key, value in torchrun.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(cli.UsageError, match="got 'off' \\(or unset it\\)"):
+        cli._strategy(cli.build_parser().parse_args(["--fsdp"]))
+
+
 def test_needs_a_process_group():
     from coat_models.distributed import shard_model, wrap_ddp
 

@@ -48,6 +48,7 @@ __all__ = [
     "as_float",
     "decoder_layers",
     "enable_activation_checkpointing",
+    "grad_copy_in_choice",
     "init_distributed",
     "load_checkpoint",
     "prepare_data_parallel",
@@ -232,6 +233,15 @@ def _copy_in_per_gradient(torch_copy_in, unsharded_grads, reduce_scatter_input, 
         start += n
 
 
+def grad_copy_in_choice() -> str:
+    """``COAT_FSDP_COPY_IN`` (default ``"coat"``): whose gradient copy-in FSDP2 uses under
+    ``shard_model``. Raises ``ValueError`` for another value."""
+    choice = os.environ.get("COAT_FSDP_COPY_IN", "coat")
+    if choice not in ("coat", "torch"):
+        raise ValueError(f"COAT_FSDP_COPY_IN must be 'coat' or 'torch', got {choice!r}")
+    return choice
+
+
 def _install_grad_copy_in() -> None:
     """Route FSDP2's gradient copy-in through ``_copy_in_per_gradient`` (process-wide, once),
     where torch's function has the signature it was written for (checked on torch
@@ -241,7 +251,7 @@ def _install_grad_copy_in() -> None:
 
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
-    if os.environ.get("COAT_FSDP_COPY_IN", "coat") == "torch":
+    if grad_copy_in_choice() == "torch":
         return
 
     torch_copy_in = getattr(collectives, "foreach_reduce_scatter_copy_in", None)

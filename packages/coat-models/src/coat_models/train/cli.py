@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .. import checkpoint
 from ..checkpoint import CheckpointError
-from ..distributed import run_on_rank0
+from ..distributed import grad_copy_in_choice, run_on_rank0
 from .args import OneLineParser, float_in, int_in
 from .data import STDLIB_MAX_BYTES, DataError, load_data, token_file_suffix
 from .presets import (
@@ -361,6 +361,11 @@ def _strategy(args) -> str | None:
             "given: each would train the whole run alone and write the same files; add "
             "--fsdp or --ddp"
         )
+    if strategy == "fsdp":
+        try:
+            grad_copy_in_choice()
+        except ValueError as e:
+            raise UsageError(f"{e} (or unset it)") from None
     return strategy
 
 
