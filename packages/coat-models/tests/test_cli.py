@@ -459,6 +459,39 @@ def test_bad_input_gives_one_clear_line(tmp_path, capsys, argv, message):
     assert sorted(tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize(
+    "value,interpret,message",
+    [
+        ("bogus", "1", "FP8_QUANT_BACKEND must be one of ('auto', 'triton', 'reference'), got"),
+        ("TRITON", "1", "got 'TRITON': set one of them, or unset it"),
+        ("triton", "0", "FP8_QUANT_BACKEND=triton needs a CUDA device, or TRITON_INTERPRET=1"),
+    ],
+    ids=["unknown", "capitals", "triton-on-cpu"],
+)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="triton runs on CUDA")
+def test_a_bad_fp8_quant_backend_is_one_line_before_anything_is_written(
+    tmp_path, capsys, monkeypatch, value, interpret, message
+):
+    """FP8_QUANT_BACKEND was read first by a COAT layer or CoatAdamW's first step: a
+    traceback, after coat-optim's earlier results (and the run's report) were deleted."""
+    out = tmp_path / "run"
+    code, _, err = run(
+        ["--steps", "2", "--compare", "bf16,coat-optim", "--out", out, *FAST], capsys
+    )
+    assert code == 0, err
+    before = sorted(out.rglob("*"))
+    monkeypatch.setenv("FP8_QUANT_BACKEND", value)
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    for mode in ("coat-optim", "coat"):
+        code, _, err = run(["--steps", "2", "--mode", mode, "--out", out, *FAST], capsys)
+        assert code == 2 and err.startswith("coat-train: error: ") and message in err, err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert sorted(out.rglob("*")) == before
+    # bf16 runs no FP8 kernel: the variable does not concern it
+    code, _, err = run(["--steps", "2", "--mode", "bf16", "--out", out, *FAST], capsys)
+    assert code == 0, err
+
+
 # argparse's own errors printed its 20-line usage block before the line that mattered.
 PARSER_ERRORS = [
     (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),

@@ -467,6 +467,27 @@ def _check_cuda_graphs(args, modes, device, strategy) -> None:
         raise UsageError("--cuda-graphs needs a CUDA device (--device cuda)")
 
 
+def _check_fp8_backend(modes: list[str], device: torch.device) -> None:
+    """``FP8_QUANT_BACKEND`` (the kernels of the FP8 modes) before anything is written: a
+    value the kernels refuse was a traceback at the first COAT layer or optimizer step,
+    after the mode's earlier results were deleted."""
+    from fp8_quant import Backend, resolve_backend
+
+    env = os.environ.get("FP8_QUANT_BACKEND")
+    if env is None or not any(any(MODES[m]) for m in modes):
+        return
+    try:
+        backend = Backend.parse(env, "FP8_QUANT_BACKEND")
+        resolve_backend(torch.empty(0, device=device), backend)
+    except ValueError as e:
+        if env != Backend.TRITON:
+            raise UsageError(f"{e}: set one of them, or unset it") from None
+        raise UsageError(
+            f"FP8_QUANT_BACKEND=triton needs a CUDA device, or TRITON_INTERPRET=1 on "
+            f"{device.type} (slow): unset FP8_QUANT_BACKEND, or set it to reference"
+        ) from None
+
+
 def _check_data_options(args) -> None:
     """Refuse a data option that does not apply to the data chosen (it would be ignored, and
     the user would not learn it); fill in the defaults of those that apply."""
@@ -911,6 +932,7 @@ def run(args) -> int:
         quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
         if quiet is not None:
             quiet(False)
+    _check_fp8_backend(modes, device)
     _check_data_options(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
