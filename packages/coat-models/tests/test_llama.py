@@ -937,6 +937,22 @@ def test_linear_cross_entropy_bad_shapes():
         )
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"chunk_rows": -1}, "chunk_rows must be an int >= 1, or None"),  # was a loss of 0
+        ({"chunk_rows": 0}, "chunk_rows must be an int >= 1, or None"),
+        ({"chunk_rows": 2.5}, "chunk_rows must be an int >= 1, or None"),
+        ({"ignore_index": None}, "ignore_index must be an int, got None"),
+    ],
+    ids=["rows-1", "rows0", "rows2.5", "ignore-None"],
+)
+def test_linear_cross_entropy_bad_arguments(kwargs, match):
+    h, w = torch.randn(4, 8, requires_grad=True), torch.randn(VOCAB, 8)
+    with pytest.raises(ValueError, match=match):
+        linear_cross_entropy(h, w, torch.tensor([0, 1, 2, 3]), **kwargs)
+
+
 @pytest.mark.parametrize("bad", [VOCAB, -1])
 def test_linear_cross_entropy_target_outside_vocab(bad):
     h, w = torch.randn(4, 8), torch.randn(VOCAB, 8)

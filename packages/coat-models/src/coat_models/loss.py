@@ -10,6 +10,8 @@ hidden states, the targets and one fp32 log-sum-exp per token are kept.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 
@@ -90,7 +92,8 @@ def linear_cross_entropy(
     0-dim fp32 loss: the mean over targets that are not ``ignore_index``, or their sum
     divided by ``num_items`` when it is given, the reduction of transformers'
     ``ForCausalLMLoss``. Same value and gradients as ``coat_models.reference.
-    linear_cross_entropy`` (up to summation order).
+    linear_cross_entropy`` (up to summation order). ``chunk_rows``: rows projected at a
+    time (default: as many as make 2**26 fp32 logits).
 
     >>> loss = linear_cross_entropy(h.view(-1, 4096), lm_head.weight, labels.view(-1))
     """
@@ -103,6 +106,17 @@ def linear_cross_entropy(
         raise ValueError(
             f"targets must be int64 of shape ({hidden.shape[0]},), got {targets.dtype} "
             f"{tuple(targets.shape)}"
+        )
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    # A negative chunk_rows ran no chunk: a loss of 0 and no gradient, without a word.
+    if chunk_rows is not None and (
+        isinstance(chunk_rows, bool)
+        or not isinstance(chunk_rows, numbers.Integral)
+        or chunk_rows < 1
+    ):
+        raise ValueError(
+            f"chunk_rows must be an int >= 1, or None (the default), got {chunk_rows!r}"
         )
     vocab = weight.shape[0]
     # Checked on CPU without reading a value into Python (no host read in a training step,
