@@ -890,6 +890,27 @@ def test_llava_goes_through_apply_coat_vlm_with_fused_loss():
         assert torch.equal(model.eval()(input_ids=ids, pixel_values=pixels).logits, ref_logits)
 
 
+def test_apply_coat_reads_no_loss_of_a_model_without_a_head(monkeypatch):
+    """A VLM's language model (a LlamaModel) has no loss: reading its loss_function made
+    transformers log "`loss_type=None` was set in the config but it is unrecognized" in
+    every COAT run of a LLaVA model (and of a bare LlamaModel)."""
+    read = []
+    loss_function = transformers.PreTrainedModel.loss_function
+
+    def recorded(self):
+        read.append(type(self).__name__)
+        return loss_function.fget(self)
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "loss_function", property(recorded))
+    apply_coat(LlamaModel(tiny_llama().config))
+    assert read == []
+    from coat_models import vila
+
+    model = apply_coat(transformers.LlavaForConditionalGeneration(vila.llava_tiny_config()))
+    assert read == ["LlavaForConditionalGeneration"]  # the model with the head, once
+    assert type(model).__name__ == "LlavaForConditionalGeneration" and is_coat(model)
+
+
 # ------------------------------------------------------------------------ fused loss
 def test_fused_loss_matches_logits_loss():
     """Training with labels: the loss comes from the hidden states in chunks, no logits."""

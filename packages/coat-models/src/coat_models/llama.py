@@ -468,13 +468,13 @@ def set_fused_loss(model: nn.Module, enabled: bool = True) -> bool:
 
 def _head_supported(model: nn.Module) -> bool:
     head = getattr(model, "lm_head", None)
-    loss_fn = getattr(model, "loss_function", None)
+    if type(head) is not nn.Linear or head.bias is not None:
+        # loss_function is not read here: on a model without a loss (a VLM's LlamaModel)
+        # transformers logs that its loss_type=None is unrecognized.
+        return False
     config = getattr(model, "config", None)
-    return (
-        type(head) is nn.Linear
-        and head.bias is None
-        and getattr(loss_fn, "__name__", "") == "ForCausalLMLoss"
-        and not any(getattr(config, name, None) for name in _HEAD_EXTRAS)
+    return getattr(model.loss_function, "__name__", "") == "ForCausalLMLoss" and not any(
+        getattr(config, name, None) for name in _HEAD_EXTRAS
     )
 
 
