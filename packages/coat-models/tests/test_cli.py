@@ -270,6 +270,14 @@ def test_header_says_when_the_presets_warmup_spans_the_run(tmp_path, capsys):
     code, out, err = run([*args, "--warmup", 2, "--out", tmp_path / "b"], capsys)
     assert code == 0, err
     assert "LR warmup" not in out
+    # --model-dir has no preset: its defaults are 125m's (warmup 100); it said "the preset's"
+    preset_config("tiny", data_vocab=257).save_pretrained(tmp_path / "config")
+    args = [a for a in args if a not in ("--preset", "tiny")]
+    code, out, err = run(
+        [*args, "--model-dir", tmp_path / "config", "--out", tmp_path / "c"], capsys
+    )
+    assert code == 0, err
+    assert "; --model-dir's default LR warmup (100 steps) spans the run" in out.splitlines()[0]
 
 
 @pytest.mark.parametrize(

@@ -958,6 +958,7 @@ def run(args) -> int:
     _check_resume(args, out, modes)
 
     c0 = cfgs[0]
+    whose = "--model-dir's default" if args.model_dir else "the preset's"
     _say(
         f"{PROG}: {label} ({job.shape}) on {device.type}"
         + (f" ({strategy})" if strategy else "")
@@ -969,8 +970,8 @@ def run(args) -> int:
         + _graphs_note(cfgs)
         + ("; torch.compile on (each decoder layer)" if args.compile else "")
         + (
-            f"; the preset's LR warmup ({c0.warmup} steps) spans the run: the LR stays below "
-            f"--lr (set --warmup)"
+            f"; {whose} LR warmup ({c0.warmup} steps) spans the run: the LR stays below --lr "
+            "(set --warmup)"
             if c0.warmup >= c0.steps
             else ""
         ),
