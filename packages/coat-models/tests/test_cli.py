@@ -652,6 +652,36 @@ def _tree(root):
     return {p.relative_to(root): p.read_bytes() if p.is_file() else None for p in root.rglob("*")}
 
 
+def test_model_dir_and_resume_name_the_directory_meant(tmp_path, capsys):
+    """--model-dir given a run's --out, mode directory or checkpoint, and --resume given
+    the exported model, said only "no config.json" / "no manifest.json"."""
+    run_dir = tmp_path / "run"
+    args = ["--steps", 2, "--save-every", 2, "--eval-every", 2, *FAST]
+    assert run([*args, "--out", run_dir], capsys)[0] == 0
+    final, ckpt = run_dir / "bf16" / "final", run_dir / "bf16" / "checkpoints" / "step_0000002"
+    train = [a for a in args if a not in ("--preset", "tiny")]
+    cases = [
+        (["--model-dir", run_dir], f"no config.json; coat-train exported its models below it: "
+         f"pass --model-dir {final}"),
+        (["--model-dir", run_dir / "bf16"], f"pass --model-dir {final}"),
+        (["--model-dir", ckpt], f"a coat-train checkpoint, not a model (no config.json): "
+         f"continue its run with --resume {ckpt}, or fine-tune its run's model with "
+         f"--model-dir {final}"),
+        (["--model-dir", tmp_path / "nope"], "nope: no such directory"),
+        (["--resume", final, "--preset", "tiny"], f"--resume {final} is a model (config.json), "
+         f"not a checkpoint: fine-tune it with --model-dir {final}"),
+    ]  # fmt: skip
+    before = sorted(tmp_path.rglob("*"))
+    for argv, message in cases:
+        code, _, err = run([*train, *argv, "--out", tmp_path / "out"], capsys)
+        assert code == 2 and err.startswith("coat-train: error: ") and message in err, err
+        assert err.count("\n") == 1
+    assert sorted(tmp_path.rglob("*")) == before
+    # the directory named is the one meant
+    code, _, err = run([*train, "--model-dir", final, "--out", tmp_path / "out"], capsys)
+    assert code == 0, err
+
+
 def test_out_holding_a_user_s_files_is_refused(tmp_path, capsys):
     """A fresh run deletes its mode's directory and overwrites summary.json and loss.png:
     before, a user's bf16/notes.txt and summary.json were destroyed without a word."""

@@ -823,6 +823,12 @@ def _check_resume(args, out: Path, modes: list[str]) -> None:
                 f"--resume {path} holds checkpoints, it is not one: pass one of them, e.g. "
                 f"--resume {newest} (the newest), or {plain}--resume alone for the newest"
             )
+        if not (path / checkpoint.MANIFEST).exists() and (path / "config.json").is_file():
+            raise UsageError(
+                f"--resume {path} is a model (config.json), not a checkpoint: fine-tune it with "
+                f"--model-dir {path} (a new optimizer and LR schedule), or resume from a "
+                "checkpoint of its run (written with --save-every)"
+            )
         checkpoint.read_manifest(path)
 
 

@@ -91,7 +91,7 @@ def model_dir_config(path: str):
 
     d = Path(path)
     if not (d / "config.json").is_file():
-        raise ModelError(f"--model-dir {path}: no config.json (need a Hugging Face model dir)")
+        raise ModelError(f"--model-dir {path}: {_not_a_model_dir(d)}")
     try:
         config = AutoConfig.from_pretrained(d, local_files_only=True)
     except Exception as e:
@@ -112,6 +112,27 @@ def model_dir_config(path: str):
     if has_weights:
         _check_safetensors(d)
     return config, has_weights
+
+
+def _not_a_model_dir(d: Path) -> str:
+    """Why ``d`` (without config.json) is no model directory, naming the one meant where
+    ``d`` is what coat-train wrote: its --out, a mode's directory, or a checkpoint (whose
+    run's model is ``<out>/<mode>/final``)."""
+    if not d.is_dir():
+        return "no such directory"
+    is_checkpoint = (d / "manifest.json").is_file()
+    above = d.parent.parent if is_checkpoint else d
+    exports = [p.parent for p in (*above.glob("final/config.json"),
+                                  *sorted(above.glob("*/final/config.json")))]  # fmt: skip
+    models = " or ".join(f"--model-dir {e}" for e in exports)
+    if is_checkpoint:
+        return (
+            f"a coat-train checkpoint, not a model (no config.json): continue its run with "
+            f"--resume {d}" + (f", or fine-tune its run's model with {models}" if models else "")
+        )
+    if models:
+        return f"no config.json; coat-train exported its models below it: pass {models}"
+    return "no config.json (need a Hugging Face model dir)"
 
 
 def _check_safetensors(d: Path) -> None:
