@@ -397,6 +397,8 @@ BAD_INPUTS = [
     (["--weight-decay", "-0.1"], "argument --weight-decay: must be a finite number >= 0, got"),
     (["--val-fraction", "1"], "--val-fraction: must be a finite number in (0, 1), got '1'"),
     (["--keep-checkpoints", "0", "--save-every", "2"], "--keep-checkpoints must be >= 1 with"),
+    # no checkpoint is written without --save-every: the option was ignored without a word
+    (["--keep-checkpoints", "3"], "--keep-checkpoints applies with --save-every N (without it"),
     (
         ["--seq-len", "100000", "--corpus-mib", "0.05"],
         "fewer than --seq-len 100000 + 1: use more data (a larger --corpus-mib, or --data FILE)",
@@ -735,7 +737,7 @@ def test_help_states_the_defaults_the_code_uses():
         # identity: 0 == False would drop --seed's and --save-every's defaults
         if not any(a.default is v for v in (None, False, argparse.SUPPRESS))
     }
-    defaults |= cli.DATA_DEFAULTS
+    defaults |= cli.DATA_DEFAULTS | {"keep_checkpoints": cli.KEEP_CHECKPOINTS}
     assert set(defaults) >= {"grad_accum", "min_lr_ratio", "weight_decay", "grad_clip", "seed",
                              "log_every", "out", "save_every", "keep_checkpoints", "device",
                              "report_to", "master_dtype", "corpus_mib", "val_fraction",

@@ -104,10 +104,10 @@ TRAIN_OPTIONS = (
         "does not wait for the GPU in between; metrics.jsonl still has every step)",
     ),
 )
-OUTPUT_OPTIONS = (
-    ("save_every", 0, "checkpoint every N steps and at the last; 0: off"),
-    ("keep_checkpoints", 2, "newest N kept per mode"),
-)
+OUTPUT_OPTIONS = (("save_every", 0, "checkpoint every N steps and at the last; 0: off"),)
+# --keep-checkpoints' default, filled in after parsing: given without --save-every (no
+# checkpoint is written), it is refused rather than ignored.
+KEEP_CHECKPOINTS = 2
 VERSIONED = ("fp8-quant", "fp8-optim", "fp8-activations", "coat-models", "torch", "triton",
              "transformers")  # fmt: skip
 
@@ -272,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_fields(o, OUTPUT_OPTIONS)
     o.add_argument(
+        "--keep-checkpoints",
+        type=RANGES["keep_checkpoints"].parse,
+        help=f"newest N kept per mode, with --save-every (default {KEEP_CHECKPOINTS})",
+    )
+    o.add_argument(
         "--resume",
         nargs="?",
         const="latest",
@@ -403,6 +408,7 @@ def _settings(args):
 
 def _train_config(args, defaults, mode: str, master: str, graphs: bool) -> TrainConfig:
     fields = {k: getattr(args, k) for k, _, _ in (*TRAIN_OPTIONS, *OUTPUT_OPTIONS)}
+    fields["keep_checkpoints"] = args.keep_checkpoints
     fields |= {k: getattr(defaults, k) for k in PRESET_FIELDS if fields[k] is None}
     if args.warmup is not None and args.warmup >= fields["steps"] > 0:
         raise UsageError(
@@ -922,6 +928,13 @@ def run(args) -> int:
             f"--compare {args.compare} has none: add one, or drop --master-dtype"
         )
     defaults, label = _settings(args)
+    if args.keep_checkpoints is None:
+        args.keep_checkpoints = KEEP_CHECKPOINTS
+    elif not args.save_every:
+        raise UsageError(
+            "--keep-checkpoints applies with --save-every N (without it no checkpoint is "
+            "written): add --save-every, or leave --keep-checkpoints out"
+        )
     # args keep what was given (None: the default); summary.json's runs say what was used.
     graphs = args.cuda_graphs
     if graphs is None:
