@@ -401,7 +401,19 @@ BAD_INPUTS = [
     (["--keep-checkpoints", "3"], "--keep-checkpoints applies with --save-every N (without it"),
     (
         ["--seq-len", "100000", "--corpus-mib", "0.05"],
-        "fewer than --seq-len 100000 + 1: use more data (a larger --corpus-mib, or --data FILE)",
+        "fewer than --seq-len 100000 + 1: use a larger --corpus-mib, or --data FILE, or a "
+        "shorter --seq-len",
+    ),
+    # the remedies of the data given: --corpus-mib is refused with --data (it was advised)
+    (
+        ["--data", "{ids_npy}", "--seq-len", "4800"],
+        "the training split has 4750 tokens, fewer than --seq-len 4800 + 1: use a longer "
+        "--data file, or a smaller --val-fraction, or a shorter --seq-len",
+    ),
+    (
+        ["--data", "{ids_npy}", "--seq-len", "300"],
+        "the validation split has 250 tokens, fewer than --seq-len 300: use a longer --data "
+        "file, or a larger --val-fraction, or a shorter --seq-len",
     ),
     (["--resume", "{tmp}/nope"], "no such checkpoint directory"),
     (["--data", "{tmp}"], "is a directory: pass a file"),  # said "no such file"

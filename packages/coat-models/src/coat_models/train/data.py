@@ -50,6 +50,16 @@ class TokenData:
     vocab_size: int  # every id is < vocab_size
     source: str  # one line for the run header
     fingerprint: str  # sha256 prefix over both splits: resume refuses other data
+    builtin: bool = False  # the stdlib corpus (--corpus-mib), not a --data file
+
+    def more(self, split: str) -> str:
+        """What gives the ``"training"`` or ``"validation"`` split more tokens (the options
+        that apply to this data: --val-fraction is refused without --data, --corpus-mib
+        with it)."""
+        if self.builtin:
+            return "a larger --corpus-mib, or --data FILE"
+        fraction = "smaller" if split == "training" else "larger"
+        return f"a longer --data file, or a {fraction} --val-fraction"
 
     def check_fits(self, model_vocab: int) -> None:
         if self.vocab_size > model_vocab:
@@ -109,7 +119,7 @@ def load_stdlib_corpus(max_bytes: int = STDLIB_MAX_BYTES, tokenizer=None) -> Tok
     nbytes = sum(len(b) for _, b in files)
     py = f"python{sys.version_info.major}.{sys.version_info.minor}"
     source = f"{py} stdlib source ({len(files)} files, {nbytes / 2**20:.1f} MiB)"
-    return TokenData(train, val, vocab, source, _fingerprint(train, val))
+    return TokenData(train, val, vocab, source, _fingerprint(train, val), builtin=True)
 
 
 def _encoder(tokenizer):
@@ -212,12 +222,13 @@ class BatchSampler:
     micro-step) depends only on (seed, step, micro-step): every mode of a comparison sees the
     same tokens, and a resumed run continues exactly from the step number alone."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
+    def __init__(
+        self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, more="more data"
+    ):
         if len(tokens) <= seq_len:  # a window is seq_len + 1 tokens: inputs and next tokens
             raise DataError(
                 f"the training split has {len(tokens)} tokens, fewer than --seq-len {seq_len} "
-                "+ 1: use more data (a larger --corpus-mib, or --data FILE), a smaller "
-                "--val-fraction or a shorter --seq-len"
+                f"+ 1: use {more}, or a shorter --seq-len"
             )
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
 
@@ -229,14 +240,16 @@ class BatchSampler:
         return torch.from_numpy(np.stack(rows))
 
 
-def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int):
+def val_batches(
+    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int, more="more data"
+):
     """The fixed validation set: the first ``max_batches`` batches of consecutive
     non-overlapping windows of the validation split (fewer if the split is short)."""
     n_windows = min(len(tokens) // seq_len, batch_size * max_batches)
     if n_windows == 0:
         raise DataError(
             f"the validation split has {len(tokens)} tokens, fewer than --seq-len {seq_len}: "
-            "use more data, a larger --val-fraction or a shorter --seq-len"
+            f"use {more}, or a shorter --seq-len"
         )
     # A copy: int64 ids would otherwise stay a view of a read-only memory-mapped --data file,
     # which torch.from_numpy warns about (and the batches would change with the file).

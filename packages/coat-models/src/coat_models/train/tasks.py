@@ -29,8 +29,10 @@ class LMTask:
 
     def __init__(self, data: TokenData, cfg):
         self.data = data
-        self.sampler = BatchSampler(data.train, cfg.batch_size, cfg.seq_len, cfg.seed)
-        self.val = val_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+        more = data.more("training")
+        self.sampler = BatchSampler(data.train, cfg.batch_size, cfg.seq_len, cfg.seed, more)
+        more = data.more("validation")
+        self.val = val_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, more)
 
     @property
     def fingerprint(self) -> str:
