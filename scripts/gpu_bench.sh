@@ -11,13 +11,13 @@
 #                                GPU 1: the fp8 packages' GPU tests, the CoatAdamW bench, the
 #                                layer profile.
 #   scripts/gpu_bench.sh speed-accum  1 GPU. Training speed through coat-train at small steps: the
-#                                125m preset and Llama-2-7B at micro-batch 1 x grad-accum 4,
-#                                bf16 vs coat as coat-train runs it (CUDA graphs on by default),
-#                                then coat with --no-cuda-graphs (eager); first a host probe.
+#                                125m preset and Llama-2-7B at micro-batch 1 x grad-accum 4, each
+#                                twice, bf16 vs coat in one process: as coat-train runs it (CUDA
+#                                graphs on by default), then with --no-cuda-graphs (eager); first
+#                                a host probe.
 #   scripts/gpu_bench.sh speed-batch  1 GPU. Llama-2-7B at micro-batch 2: bf16 vs coat (default),
 #                                coat eager, torchao float8 + compile (bench_e2e; carry its wheel);
-#                                coat at micro-batch 8; bench_e2e's coat vs coat-compile at
-#                                micro-batches 1 and 2.
+#                                coat at micro-batch 8 (the best-vs-best row).
 #   scripts/gpu_bench.sh accuracy     1 GPU, ~5 min. The 125m preset trained 2000 steps with bf16
 #                                and coat (bench_e2e_accuracy.py), checked against the golden
 #                                loss curves; exit status 1 when a check fails.
@@ -157,18 +157,17 @@ speed-accum | speed-batch)
   L=(--preset llama2-7b)
   if [ "$phase" = speed-accum ]; then
     timeout 60 python3 $B/bench_e2e.py probe > "$r/probe.txt" 2>&1
-    train s125 100 --preset 125m --compare bf16,coat --steps 60 --eval-batches 2 --no-progress --no-export
-    train s125_eager 80 --preset 125m --mode coat --no-cuda-graphs --steps 60 --eval-batches 2 --no-progress --no-export
+    S125=(--preset 125m --compare bf16,coat --steps 60 --eval-batches 2 --no-progress --no-export)
+    train s125 100 "${S125[@]}"
+    train s125_eager 80 "${S125[@]}" --no-cuda-graphs
     train ga4 170 "${L[@]}" --compare bf16,coat --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}"
-    train ga4_eager 110 "${L[@]}" --mode coat --no-cuda-graphs --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}"
+    train ga4_eager 150 "${L[@]}" --compare bf16,coat --no-cuda-graphs --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}"
     runs="s125 s125_eager ga4 ga4_eager"
   else
     train mb2 150 "${L[@]}" --compare bf16,coat --batch-size 2 --steps 12 "${G[@]}"
     train mb2_eager 90 "${L[@]}" --mode coat --no-cuda-graphs --batch-size 2 --steps 12 "${G[@]}"
     timeout 150 python3 $B/bench_e2e.py --variants torchao --micro-batches 2 --steps 8 > "$r/torchao.txt" 2>&1
     train mb8 90 "${L[@]}" --mode coat --batch-size 8 --steps 8 "${G[@]}"
-    BENCH_OUT=$r/compile.json timeout 150 python3 $B/bench_e2e.py --variants coat,coat-compile \
-      --micro-batches 1,2 --steps 6 --budget-s 140 > "$r/compile.txt" 2>&1
     runs="mb2 mb2_eager mb8"
   fi
   [ -f "$r/probe.txt" ] && cat "$r/probe.txt"
@@ -178,9 +177,7 @@ speed-accum | speed-batch)
   done
   if [ "$phase" = speed-batch ]; then
     echo "== torchao"
-    grep -E "^torchao|rror" "$r/torchao.txt" | head -3
-    echo "== compile"
-    grep -A5 "^variant" "$r/compile.txt" | head -6
+    grep -E "^torchao|host probe|rror" "$r/torchao.txt" | head -4
   fi
   ;;
 accuracy)
