@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import MANIFEST
 from ..vila import llava_tiny_config, vila7b_config
 from .data import round_up
 from .vl_data import min_seq_len, num_image_tokens
@@ -120,7 +121,7 @@ def _not_a_model_dir(d: Path) -> str:
     run's model is ``<out>/<mode>/final``)."""
     if not d.is_dir():
         return "no such directory"
-    is_checkpoint = (d / "manifest.json").is_file()
+    is_checkpoint = (d / MANIFEST).is_file()
     above = d.parent.parent if is_checkpoint else d
     exports = [p.parent for p in (*above.glob("final/config.json"),
                                   *sorted(above.glob("*/final/config.json")))]  # fmt: skip
