@@ -9,7 +9,7 @@ import coat_models
 import numpy as np
 import pytest
 import torch
-from coat_models.train import cli
+from coat_models.train import cli, outdir
 from coat_models.train.presets import preset_config
 from coat_models.train.trainer import Trainer
 
@@ -604,7 +604,7 @@ def test_checkpoints_of_an_earlier_run_are_not_overwritten(tmp_path, capsys):
     assert run(args, capsys)[0] == 0
     code, _, err = run(args, capsys)
     assert code == 2 and "holds checkpoints of an earlier run: pass --resume" in err
-    report = {n: (tmp_path / n).read_bytes() for n in cli.OUT_FILES if (tmp_path / n).exists()}
+    report = {n: (tmp_path / n).read_bytes() for n in outdir.OUT_FILES if (tmp_path / n).exists()}
     assert "summary.json" in report
     code, _, err = run([*args, "--lr", "1e-2", "--resume"], capsys)
     assert code == 2 and "settings differ (lr: checkpoint 0.003, now 0.01)" in err
@@ -626,8 +626,9 @@ def test_compare_resume_refused_at_a_later_mode_changes_nothing(tmp_path, capsys
     assert code == 2 and err.count("\n") == 1, err
     assert "coat/checkpoints/step_0000004: settings differ (master_dtype: checkpoint 'fp32'" in err
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    assert after.keys() - {tmp_path / cli.LOCK_FILE} == before.keys() - {tmp_path / cli.LOCK_FILE}
-    assert all(after[p] == data for p, data in before.items() if p.name != cli.LOCK_FILE)
+    lock = tmp_path / outdir.LOCK_FILE
+    assert after.keys() - {lock} == before.keys() - {lock}
+    assert all(after[p] == data for p, data in before.items() if p.name != outdir.LOCK_FILE)
 
 
 @pytest.mark.parametrize("weights", [False, True], ids=["config-only", "checkpoint"])
@@ -776,4 +777,4 @@ def test_refused_resume_names_the_remedy_and_writes_no_mode_dir(tmp_path, capsys
     assert code == 2 and err.count("\n") == 1, err
     assert "settings differ (mode: checkpoint 'bf16', now 'coat-optim'): pass the settings" in err
     assert "or start afresh with another --out" in err
-    assert [p.name for p in out.iterdir()] == [cli.LOCK_FILE]
+    assert [p.name for p in out.iterdir()] == [outdir.LOCK_FILE]

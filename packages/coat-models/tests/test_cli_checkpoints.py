@@ -410,9 +410,9 @@ _LOCK_HOLDER = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from coat_models.train.cli import _output_lock
+    from coat_models.train.outdir import output_lock
 
-    with _output_lock(Path(sys.argv[1])):
+    with output_lock(Path(sys.argv[1])):
         print("locked", flush=True)
         sys.stdin.read()
     """

@@ -20,6 +20,18 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+PROG = "coat-train"
+
+
+class UsageError(ValueError):
+    """Bad command line; the message says what to change."""
+
+
+class RankUsageError(UsageError):
+    """Bad input that some ranks only see (e.g. a local rank without a GPU): each of them
+    says it, naming its rank, where a ``UsageError`` is said once, by rank 0."""
+
+
 # argparse's messages that name no valid input: the help lists it.
 _SEE_HELP = ("unrecognized arguments", "the following arguments are required", "expected one")
 

@@ -13,17 +13,14 @@ import argparse
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import gc
 import importlib
 import importlib.metadata
 import json
 import os
-import re
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -33,11 +30,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint
 from ..checkpoint import CheckpointError
 from ..distributed import grad_copy_in_choice, run_on_rank0
-from .args import OneLineParser, float_in, int_in
+from .args import PROG, OneLineParser, RankUsageError, UsageError, float_in, int_in
 from .data import STDLIB_MAX_BYTES, DataError, load_data, token_file_suffix
+from .outdir import (
+    OUT_FILES,
+    barrier,
+    check_out,
+    check_resume,
+    check_resume_settings,
+    output_lock,
+    process_rank,
+    resume_point,
+    say,
+    unusable_newest,
+)
 from .presets import (
     MODEL_DIR_DEFAULTS,
     PRESETS,
@@ -65,16 +73,9 @@ from .trainer import (
     TrainConfig,
     Trainer,
     TrainError,
-    check_settings,
 )
 
-PROG = "coat-train"
 ALL_PRESETS = [*PRESETS, *VL_PRESETS]
-LOCK_FILE = ".lock"  # in --out: held (flock) by the coat-train writing there, with its PID
-# What coat-train writes in --out and in each mode's directory: a fresh run replaces these
-# (the mode's directory is deleted), so an --out holding anything else is refused.
-OUT_FILES = ("summary.json", "loss.png")
-MODE_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "final", "tensorboard")
 # The data options' defaults, filled in after parsing: one given where it does not apply is
 # refused rather than ignored.
 DATA_DEFAULTS = {
@@ -110,15 +111,6 @@ OUTPUT_OPTIONS = (("save_every", 0, "checkpoint every N steps and at the last; 0
 KEEP_CHECKPOINTS = 2
 VERSIONED = ("fp8-quant", "fp8-optim", "fp8-activations", "coat-models", "torch", "triton",
              "transformers")  # fmt: skip
-
-
-class UsageError(ValueError):
-    """Bad command line; the message says what to change."""
-
-
-class RankUsageError(UsageError):
-    """Bad input that some ranks only see (e.g. a local rank without a GPU): each of them
-    says it, naming its rank, where a ``UsageError`` is said once, by rank 0."""
 
 
 def _versions() -> str:
@@ -686,223 +678,6 @@ def _vl_job(args, cfgs, device, label) -> _Job:
     )
 
 
-# -- the output directory and resuming -------------------------------------------------------
-def _rank() -> int:
-    """This process's rank (torchrun's RANK before the process group exists); 0 alone."""
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-
-
-def _say(*args, **kwargs) -> None:
-    """``print`` on rank 0 only."""
-    if _rank() == 0:
-        print(*args, **kwargs)
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _check_out(out: Path, modes: list[str]) -> None:
-    """Refuse an ``--out`` this process cannot create or write, or one holding files that
-    coat-train did not write where it would replace them. Leaves nothing behind."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file: pass a directory")
-    if out.is_dir():
-        _check_foreign(out, modes)
-    parent = out
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(f"--out {out}: {parent} is a file, not a directory: pass another --out")
-    # os.access says yes to root everywhere but read-only mounts; a real mkdir does not lie.
-    try:
-        probe = tempfile.mkdtemp(prefix=".coat-train-probe-", dir=parent)
-    except OSError as e:
-        raise UsageError(
-            f"--out {out}: cannot create a directory in {parent} ({e.strerror}): pass another --out"
-        ) from None
-    os.rmdir(probe)
-
-
-def _ours(name: str) -> bool:
-    """A name coat-train writes in a mode's directory, or a killed run's temporary file."""
-    return name in MODE_FILES or re.fullmatch(r"\..+\.tmp-\d+", name) is not None
-
-
-def _check_foreign(out: Path, modes: list[str]) -> None:
-    """A fresh run overwrites ``OUT_FILES`` and deletes each mode's directory: refuse where
-    that would destroy a user's files (in a directory no coat-train has locked, or names in
-    a mode directory that coat-train does not write)."""
-    if not (out / LOCK_FILE).is_file():
-        clash = [n for n in (*OUT_FILES, *modes) if (out / n).exists()]
-        if clash:
-            raise UsageError(
-                f"--out {out} holds {', '.join(clash)}, which coat-train did not write (it "
-                f"has no {LOCK_FILE}) and would replace: pass a new or empty directory"
-            )
-    for mode in modes:
-        mode_dir = out / mode
-        if mode_dir.exists() and not mode_dir.is_dir():
-            raise UsageError(f"{mode_dir} is a file: move it, or pass another --out")
-        names = [p.name for p in mode_dir.iterdir()] if mode_dir.is_dir() else []
-        foreign = sorted(n for n in names if not _ours(n))
-        if foreign:
-            raise UsageError(
-                f"{mode_dir} holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, "
-                f"which coat-train did not write; a fresh run deletes {mode_dir}: move them, "
-                "or pass another --out"
-            )
-
-
-@contextlib.contextmanager
-def _output_lock(out: Path):
-    """Hold an exclusive ``flock`` on ``out/.lock`` for the run (rank 0): two coat-train
-    processes on one ``--out`` would interleave their metrics and delete each other's
-    checkpoints. The kernel drops the lock with the process; the file stays (deleting it
-    would let a third process lock a new file while a second still holds the old one)."""
-    error, fd = None, None
-    if _rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            fd = None
-            error = (
-                f"--out {out} is in use by another coat-train (PID {holder}): wait for it to "
-                "finish, or pass another --out"
-            )
-        else:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        raise UsageError(error)
-    try:
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def _earlier_run(mode_dir: Path) -> UsageError:
-    return UsageError(
-        f"{mode_dir} holds checkpoints of an earlier run: pass --resume to continue it, or "
-        f"another --out (or delete {mode_dir / 'checkpoints'})"
-    )
-
-
-def _check_resume(args, out: Path, modes: list[str]) -> None:
-    """The resume options against what is on disk, before anything is written (reads the
-    manifest of ``--resume DIR``: JSON, nothing else)."""
-    if args.resume is None:
-        for mode in modes:
-            if checkpoint.has_checkpoints(out / mode / "checkpoints"):
-                raise _earlier_run(out / mode)
-    elif args.resume != "latest":
-        if len(modes) != 1:
-            raise UsageError(
-                "--resume CHECKPOINT needs a single --mode; with --compare use "
-                "plain --resume (each mode's newest checkpoint)"
-            )
-        path = Path(args.resume)
-        if not path.is_dir():
-            raise UsageError(f"--resume {path}: no such checkpoint directory")
-        # A folder above the checkpoints (--out, a mode's, checkpoints/): name those in it,
-        # and the --out under which plain --resume finds the newest.
-        folders = {  # checkpoints folder -> the --out it is in
-            path: path.parent.parent,
-            path / "checkpoints": path.parent,
-            path / modes[0] / "checkpoints": path,
-        }
-        found = [(p, above) for d, above in folders.items() for p in checkpoint.ordered(d)]
-        if not (path / checkpoint.MANIFEST).exists() and found:
-            newest, holder = found[-1]
-            plain = "" if holder.resolve() == out.resolve() else f"--out {holder} and "
-            raise UsageError(
-                f"--resume {path} holds checkpoints, it is not one: pass one of them, e.g. "
-                f"--resume {newest} (the newest), or {plain}--resume alone for the newest"
-            )
-        if not (path / checkpoint.MANIFEST).exists() and (path / "config.json").is_file():
-            raise UsageError(
-                f"--resume {path} is a model (config.json), not a checkpoint: fine-tune it with "
-                f"--model-dir {path} (a new optimizer and LR schedule), or resume from a "
-                "checkpoint of its run (written with --save-every)"
-            )
-        checkpoint.read_manifest(path)
-
-
-def _resume_point(args, mode_dir: Path) -> Path | None:
-    """Where this mode continues from (``None``: step 0), with the output lock held, once
-    what a killed run left is finished (``checkpoint.recover``)."""
-    ckpts = mode_dir / "checkpoints"
-    _barrier()  # every rank is past the previous mode
-    run_on_rank0(lambda: checkpoint.recover(ckpts))  # the others wait for it
-    if args.resume is None:
-        if checkpoint.has_checkpoints(ckpts):
-            raise _earlier_run(mode_dir)
-        return None
-    if args.resume != "latest":
-        _say(f"{PROG}: resuming from {args.resume}", flush=True)
-        return Path(args.resume)
-    try:
-        found = checkpoint.newest(ckpts)
-    except CheckpointError as e:
-        usable = checkpoint.ordered(ckpts)  # those with a readable manifest
-        todo = (
-            f"delete that checkpoint directory, or pass --resume {usable[-1]} (the newest "
-            "readable one)"
-            if usable
-            else "delete that checkpoint directory (no other is readable: the mode starts "
-            "from step 0), or pass another --out"
-        )
-        raise CheckpointError(f"{e}: {todo}") from None
-    if found is None:  # a run killed before its first checkpoint
-        _say(f"{PROG}: no checkpoint in {ckpts}: mode starts from step 0", file=sys.stderr)
-    else:
-        _say(f"{PROG}: resuming from {found}", flush=True)
-    return found
-
-
-def _check_resume_settings(args, cfgs: list[TrainConfig], job: _Job, out: Path) -> None:
-    """With --resume, every mode's newest checkpoint against the mode's settings before any
-    mode trains: under --compare a refusal at a later mode would otherwise come after the
-    earlier ones went on, their report gone. Reads the manifests only (the settings are
-    recorded there); each mode's loading checks them again from trainer.pt. Skipped for a
-    given checkpoint directory (one mode) and for checkpoints written before the manifest
-    recorded the settings, or that fail to read (the mode's own resume says why)."""
-    if args.resume != "latest":
-        return
-    for cfg, task in zip(cfgs, job.tasks, strict=True):
-        try:
-            found = checkpoint.newest(out / cfg.mode / "checkpoints")
-            info = {} if found is None else checkpoint.read_manifest(found).info
-        except CheckpointError:
-            continue
-        settings = info.get("settings")
-        if isinstance(settings, dict) and {"config", "data", "describe"} <= settings.keys():
-            check_settings(found, settings, cfg, task.fingerprint, job.describe)
-
-
-def _unusable_newest(e: CheckpointError, newest: Path) -> CheckpointError:
-    """A newest checkpoint that failed its checks, with what to do: never a silent fall back
-    to an older one."""
-    older = [p for p in checkpoint.ordered(newest.parent) if p != newest]
-    if older:
-        todo = (
-            f"delete {newest} to resume from the previous checkpoint, or pass --resume {older[-1]}"
-        )
-    else:
-        todo = f"there is no older checkpoint: delete {newest.parent} to start afresh"
-    return CheckpointError(f"{e}; {todo}")
-
-
 def is_oom(e: BaseException) -> bool:
     """CUDA's OutOfMemoryError, or the RuntimeError of the CPU allocator / a CUDA kernel."""
     text = str(e) if isinstance(e, RuntimeError) else ""
@@ -968,17 +743,17 @@ def run(args) -> int:
             "one, or drop it"
         )
     out = Path(args.out)
-    _check_out(out, modes)
+    check_out(out, modes)
     if (args.preset or "tiny") in VL_PRESETS:
         job = _vl_job(args, cfgs, device, label)
     else:
         job = _lm_job(args, cfgs, modes, device, label)
     _check_fits(job.n_params, modes, masters, device, label, strategy, cfgs[0], job.vocab, job.tune)
-    _check_resume(args, out, modes)
+    check_resume(args, out, modes)
 
     c0 = cfgs[0]
     whose = "--model-dir's default" if args.model_dir else "the preset's"
-    _say(
+    say(
         f"{PROG}: {label} ({job.shape}) on {device.type}"
         + (f" ({strategy})" if strategy else "")
         + f"; data: {job.data}; {c0.steps} steps x {c0.batch_size} x {c0.seq_len} tokens"
@@ -997,14 +772,14 @@ def run(args) -> int:
         flush=True,
     )
     summaries, curves = [], {}
-    with _output_lock(out):
-        _check_resume_settings(args, cfgs, job, out)
+    with output_lock(out):
+        check_resume_settings(args, cfgs, job, out)
         for cfg, task in zip(cfgs, job.tasks, strict=True):
             summary = _train_mode(args, job, cfg, task, out / cfg.mode, device, strategy)
             summaries.append(summary)
-            if _rank() == 0:
+            if process_rank() == 0:
                 curves[cfg.mode] = read_curves(out / cfg.mode / "metrics.jsonl")
-        if _rank() != 0:
+        if process_rank() != 0:
             return 0
         run_info = {"args": vars(args), "device": device.type, "model": job.describe,
                     "data": job.source}  # fmt: skip
@@ -1039,7 +814,7 @@ def _oom_graphs_note(cfg: TrainConfig) -> str:
 
 def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device, strategy):
     """Train one mode into ``mode_dir``; its summary (rank 0 writes and prints it)."""
-    resume = _resume_point(args, mode_dir)
+    resume = resume_point(args, mode_dir)
     t0 = time.perf_counter()
     trainer = oom = export_error = None
     try:
@@ -1058,8 +833,8 @@ def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device,
         del model
         if resume is None:
             # A fresh run replaces what an earlier one left (never a complete checkpoint:
-            # _resume_point refuses those), only now that the model and trainer exist.
-            _barrier()
+            # resume_point refuses those), only now that the model and trainer exist.
+            barrier()
             run_on_rank0(lambda: shutil.rmtree(mode_dir, ignore_errors=True))
 
         # An earlier run's report (rewritten at the end) goes too: left, it would describe
@@ -1077,7 +852,7 @@ def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device,
                 export_error = e
     except CheckpointError as e:
         if args.resume == "latest" and resume is not None:
-            raise _unusable_newest(e, resume) from None
+            raise unusable_newest(e, resume) from None
         raise
     except (RuntimeError, torch.OutOfMemoryError) as e:
         if not is_oom(e):
@@ -1098,7 +873,7 @@ def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device,
             f"--grad-accum to keep the batch){job.tune}{cache}"
         )
     summary["wall_s"] = time.perf_counter() - t0
-    if _rank() == 0:  # under torchrun rank 0 alone writes files and prints
+    if process_rank() == 0:  # under torchrun rank 0 alone writes files and prints
         write_atomic(mode_dir / "summary.json", json.dumps(summary, indent=1))
     if export_error is not None:  # on every rank: none goes on to the next mode
         raise TrainError(
@@ -1107,7 +882,7 @@ def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device,
             "space there or pass --no-export"
         )
     acc = summary.get("val_caption_acc")
-    _say(
+    say(
         f"[{cfg.mode}] done in {summary['wall_s']:.1f}s: train loss "
         f"{summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}"
         + ("" if acc is None else f", caption accuracy {acc:.2f}")
@@ -1147,13 +922,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except RankUsageError as e:
-        print(f"{PROG}: error: rank {_rank()}: {e}", file=sys.stderr)
+        print(f"{PROG}: error: rank {process_rank()}: {e}", file=sys.stderr)
         return 2
     except (UsageError, DataError, ModelError, CheckpointError, ResumeSettingsError) as e:
-        _say(f"{PROG}: error: {e}", file=sys.stderr)  # the same on every rank
+        say(f"{PROG}: error: {e}", file=sys.stderr)  # the same on every rank
         return 2
     except (TrainError, ReportError) as e:
-        rank = f"rank {_rank()}: " if dist.is_initialized() and dist.get_world_size() > 1 else ""
+        rank = (
+            f"rank {process_rank()}: "
+            if dist.is_initialized() and dist.get_world_size() > 1
+            else ""
+        )
         print(f"{PROG}: error: {rank}{e}", file=sys.stderr)
         return 1
     except OSError as e:  # a full disk, a file that vanished: what the OS said, on one line
@@ -1163,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {where}{e.strerror or e}{hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
-        _say(
+        say(
             f"\n{PROG}: {'terminated' if isinstance(e, _Terminated) else 'interrupted'}; "
             f"completed checkpoints (if any) are under {args.out}",
             file=sys.stderr,
