@@ -1,6 +1,8 @@
 """coat-train's output directory: what a run may write where (``--out`` and one directory per
-mode), the lock that keeps two runs apart, and where each mode resumes from. Every check here
-runs before anything is written; a refusal is a ``UsageError`` naming the remedy.
+mode), the lock that keeps two runs apart, and where each mode resumes from. ``check_out`` and
+``check_resume`` run before anything is written, ``check_resume_settings`` with the lock held
+before any mode trains, ``resume_point`` as each mode starts; a refusal names the remedy (a
+``UsageError``, or a ``CheckpointError`` / ``ResumeSettingsError`` about a checkpoint).
 
     out/.lock               held (flock) by the coat-train writing there, with its PID
     out/summary.json, loss.png
