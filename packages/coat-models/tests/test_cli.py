@@ -9,7 +9,7 @@ import coat_models
 import numpy as np
 import pytest
 import torch
-from coat_models.train import cli, outdir
+from coat_models.train import cli, jobs, outdir
 from coat_models.train.presets import preset_config
 from coat_models.train.trainer import Trainer
 
@@ -561,8 +561,8 @@ def test_out_is_checked_before_data_and_model(tmp_path, capsys, monkeypatch):
     def not_reached(*a, **k):
         raise AssertionError("loaded data before checking --out")
 
-    monkeypatch.setattr(cli, "load_data", not_reached)
-    monkeypatch.setattr(cli, "build_model", not_reached)
+    monkeypatch.setattr(jobs, "load_data", not_reached)
+    monkeypatch.setattr(jobs, "build_model", not_reached)
     (tmp_path / "f").write_text("")
     code, _, err = run(["--out", tmp_path / "f" / "run", *FAST], capsys)
     assert code == 2 and "is a file, not a directory" in err

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from coat_models import checkpoint
-from coat_models.train import cli
+from coat_models.train import cli, jobs
 from coat_models.train.trainer import Trainer
 
 ARGS = (
@@ -463,7 +463,7 @@ def test_failed_new_run_keeps_the_previous_results(runs, tmp_path, monkeypatch):
     def no_memory(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
 
-    monkeypatch.setattr(cli, "build_model", no_memory)
+    monkeypatch.setattr(jobs, "build_model", no_memory)
     code, _, err = train(argv)
     assert code == 1 and "out of memory in mode bf16" in err
     assert _snapshot(out) == before

@@ -954,8 +954,8 @@ def test_run_on_cuda_resolves_graphs_and_cache_per_mode(tmp_path, monkeypatch, a
         raise _Built(cfgs)
 
     monkeypatch.setattr(cli, "_device", lambda name: torch.device("cuda"))
-    monkeypatch.setattr(cli, "_lm_job", built)
-    monkeypatch.setattr(cli, "_vl_job", built)
+    monkeypatch.setattr(cli, "lm_job", built)
+    monkeypatch.setattr(cli, "vl_job", built)
     warn = []  # torch's AccumulateGrad stream-mismatch warning: off where graphs are on
     monkeypatch.setattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch",
                         warn.append, raising=False)  # fmt: skip

@@ -23,8 +23,6 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +31,8 @@ import torch.distributed as dist
 from ..checkpoint import CheckpointError
 from ..distributed import grad_copy_in_choice, run_on_rank0
 from .args import PROG, OneLineParser, RankUsageError, UsageError, float_in, int_in
-from .data import STDLIB_MAX_BYTES, DataError, load_data, token_file_suffix
+from .data import STDLIB_MAX_BYTES, DataError, token_file_suffix
+from .jobs import Job, check_fits, lm_job, vl_job
 from .outdir import (
     OUT_FILES,
     barrier,
@@ -51,17 +50,9 @@ from .presets import (
     PRESETS,
     VL_PRESETS,
     ModelError,
-    build_model,
-    build_vlm,
-    model_dir_config,
-    model_dir_tokenizer,
-    preset_config,
-    vl_min_seq_len,
-    vl_param_count,
 )
-from .report import TENSORBOARD_HINT, ReportError, fmt_bytes, write_atomic, write_run_report
+from .report import TENSORBOARD_HINT, ReportError, write_atomic, write_run_report
 from .report import curves as read_curves
-from .tasks import LMTask, VLTask
 from .trainer import (
     CUDA_GRAPHS_ALONE,
     MASTER_DTYPES,
@@ -509,175 +500,6 @@ def _check_data_options(args) -> None:
             raise UsageError(f"--{name.replace('_', '-')} applies to {what} only: leave it out")
 
 
-def _check_fits(n_params, modes, masters, device, label, strategy, cfg, vocab, tune) -> None:
-    """Refuse up front a model whose weights, gradients and optimizer state alone exceed the
-    device's memory (CPU: physical RAM, shared by the ranks of this machine), or a micro-batch
-    whose logits over ``vocab`` alone do, instead of being killed half-way (on CPU the
-    kernel's OOM killer ends the process without a word). FSDP2 splits the former."""
-    shards = dist.get_world_size() if strategy == "fsdp" else 1
-    sharing = 1
-    if device.type == "cuda":
-        total, where = torch.cuda.get_device_properties(device).total_memory, "the GPU"
-    else:
-        total, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
-        if strategy:  # the ranks of this machine share its RAM
-            sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    # No tokenizer has a million tokens: such a vocabulary (the data's largest id + 1) says
-    # the ids were misread, which no smaller model or master dtype fixes.
-    odd = (
-        f" (a vocabulary of {vocab:,} tokens: if it is the data's largest id + 1, check "
-        "--data-dtype and the file's ids; else --vocab-size)"
-        if vocab > 2**20
-        else ""
-    )
-    for mode, master in zip(modes, masters, strict=True):
-        w = 4 if master == "fp32" else 2
-        # Every rank first builds the whole model in its master dtype, then shards it.
-        whole = n_params * w * sharing
-        if shards > 1 and whole > total:
-            raise UsageError(
-                f"{label} has {n_params / 1e9:.2f} B parameters: under --fsdp every rank first "
-                f"builds the whole model ({fmt_bytes(whole)} in {master}) before sharding it, "
-                f"but {where} has {fmt_bytes(total)}: choose a smaller model or "
-                f"--master-dtype bf16{odd}"
-            )
-        # weights and gradients, and the optimizer state: CoatAdamW ~2.08 B, torch AdamW 8 B
-        need = n_params * (2 * w + (2 if MODES[mode][1] else 8)) * sharing // shards
-        if need > total:
-            raise UsageError(
-                f"{label} has {n_params / 1e9:.2f} B parameters: mode {mode} ({master} master) "
-                f"needs at least {fmt_bytes(need)} for weights, gradients and optimizer state, "
-                f"but {where} has {fmt_bytes(total)}: choose a smaller model, or a COAT mode "
-                f"with --master-dtype bf16{odd}"
-            )
-    # The loss reads the logits of every position: bf16 from the head and their fp32 copy
-    # (transformers upcasts before cross-entropy) exist together, besides everything else.
-    logits = cfg.batch_size * cfg.seq_len * vocab * (2 + 4) * sharing
-    if logits > total:
-        raise UsageError(
-            f"a micro-batch of {cfg.batch_size} x {cfg.seq_len} tokens needs at least "
-            f"{fmt_bytes(logits)} for its logits (vocab {vocab}), but {where} has "
-            f"{fmt_bytes(total)}: lower --batch-size (raise --grad-accum to keep the batch){tune}"
-            f"{odd}"
-        )
-
-
-# -- what is trained ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Job:
-    """What ``run`` trains, checked before ``--out`` is touched."""
-
-    tasks: list  # one per mode: tasks.LMTask or tasks.VLTask
-    build: Callable[[TrainConfig], torch.nn.Module]  # the mode's model, seeded, on the device
-    n_params: int
-    describe: dict  # the model, in summaries and checkpoints (resume refuses another)
-    shape: str  # e.g. "0.89 M params, vocab 320", for the header
-    data: str  # the data in the header
-    source: str  # the data in summary.json
-    vocab: int  # the logits' width
-    tokenizer: object = None  # exported with the model
-    tune: str = " or --seq-len"  # what else to lower when memory runs out
-
-
-def _count_params(config, modes) -> int:
-    """Parameters of the model ``config`` describes, built on the meta device (no memory).
-    For modes with FP8 activations, ``apply_coat``'s structural check runs on it too, so an
-    architecture it does not support is refused before anything is written."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except ValueError as e:  # e.g. a config transformers has no causal LM for
-        raise ModelError(f"cannot build a causal LM from this config: {e}") from None
-    fp8 = [m for m in modes if MODES[m][0]]
-    if fp8:
-        from coat_models import apply_coat
-
-        try:
-            apply_coat(model)  # on meta weights: the structure alone (no probe run)
-        except TypeError as e:
-            raise ModelError(f"mode {fp8[0]}: {e}") from None
-    return sum(p.numel() for p in model.parameters())
-
-
-def _lm_job(args, cfgs, modes, device, label) -> _Job:
-    """A causal LM: model config first (cheap), then data (the tokenizer may come from the
-    model dir)."""
-    seq_len = cfgs[0].seq_len  # the same in every mode
-    weights_dir = tokenizer = None
-    if args.model_dir:
-        config, has_weights = model_dir_config(args.model_dir)
-        # Learned positions (GPT-2) fail with an IndexError past the table; RoPE runs on, at
-        # positions the model was not made for. Presets size theirs to the run.
-        positions = getattr(config, "max_position_embeddings", None)
-        if isinstance(positions, int) and seq_len > positions:
-            raise UsageError(
-                f"--seq-len {seq_len} is longer than --model-dir {args.model_dir}'s "
-                f"max_position_embeddings {positions}: pass --seq-len <= {positions}"
-            )
-        weights_dir = args.model_dir if has_weights else None
-        tokenizer = model_dir_tokenizer(args.model_dir)
-    data = load_data(
-        args.data,
-        bin_dtype=args.data_dtype,
-        val_fraction=args.val_fraction,
-        max_bytes=int(args.corpus_mib * 2**20),
-        tokenizer=tokenizer,
-    )
-    if not args.model_dir:
-        config = preset_config(args.preset or "tiny", data.vocab_size, args.vocab_size, seq_len)
-    data.check_fits(config.vocab_size)
-    tasks = [LMTask(data, cfg) for cfg in cfgs]  # refuses too short a split
-    n_params = _count_params(config, modes)
-
-    def build(cfg):
-        master = MASTER_DTYPES[cfg.master_dtype]
-        return build_model(
-            config, device=device, master_dtype=master, seed=cfg.seed, weights_dir=weights_dir
-        )
-
-    return _Job(
-        tasks=tasks,
-        build=build,
-        n_params=n_params,
-        describe={"model": label, "params": n_params, "vocab_size": config.vocab_size},
-        shape=f"{n_params / 1e6:.2f} M params, vocab {config.vocab_size}",
-        data=f"{data.source}, {len(data.train):,} train / {len(data.val):,} val tokens",
-        source=data.source,
-        vocab=config.vocab_size,
-        tokenizer=tokenizer,
-    )
-
-
-def _vl_job(args, cfgs, device, label) -> _Job:
-    """A vision-language preset on the generated shapes-caption task."""
-    name, need = args.preset, vl_min_seq_len(args.preset)
-    if cfgs[0].seq_len < need:
-        raise UsageError(
-            f"--seq-len {cfgs[0].seq_len} is too short for --preset {name}: its images and "
-            f"their captions need {need} tokens: pass --seq-len >= {need} or leave it out"
-        )
-    tasks = [VLTask(name, cfg) for cfg in cfgs]
-    n_params = vl_param_count(name)
-
-    def build(cfg):
-        master = MASTER_DTYPES[cfg.master_dtype]
-        return build_vlm(tasks[0].config, device=device, master_dtype=master, seed=cfg.seed)
-
-    return _Job(
-        tasks=tasks,
-        build=build,
-        n_params=n_params,
-        describe={"model": label, "params": n_params},
-        shape=f"{n_params / 1e6:.2f} M params, LLaVA-style",
-        data="generated shapes-caption images",
-        source="shapes-caption (generated)",
-        vocab=tasks[0].config.text_config.vocab_size,
-        tune="",
-    )
-
-
 def is_oom(e: BaseException) -> bool:
     """CUDA's OutOfMemoryError, or the RuntimeError of the CPU allocator / a CUDA kernel."""
     text = str(e) if isinstance(e, RuntimeError) else ""
@@ -745,10 +567,10 @@ def run(args) -> int:
     out = Path(args.out)
     check_out(out, modes)
     if (args.preset or "tiny") in VL_PRESETS:
-        job = _vl_job(args, cfgs, device, label)
+        job = vl_job(args, cfgs, device, label)
     else:
-        job = _lm_job(args, cfgs, modes, device, label)
-    _check_fits(job.n_params, modes, masters, device, label, strategy, cfgs[0], job.vocab, job.tune)
+        job = lm_job(args, cfgs, modes, device, label)
+    check_fits(job.n_params, modes, masters, device, label, strategy, cfgs[0], job.vocab, job.tune)
     check_resume(args, out, modes)
 
     c0 = cfgs[0]
@@ -812,7 +634,7 @@ def _oom_graphs_note(cfg: TrainConfig) -> str:
     return note + ")"
 
 
-def _train_mode(args, job: _Job, cfg: TrainConfig, task, mode_dir: Path, device, strategy):
+def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, strategy):
     """Train one mode into ``mode_dir``; its summary (rank 0 writes and prints it)."""
     resume = resume_point(args, mode_dir)
     t0 = time.perf_counter()
