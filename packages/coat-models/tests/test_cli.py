@@ -91,6 +91,7 @@ def test_end_to_end(tmp_path, capsys, modes):
         assert mem[1]["activations"] < mem[0]["activations"]
 
 
+@pytest.mark.slow
 def test_compile_trains_the_modes_with_compiled_layers(tmp_path, capsys, monkeypatch):
     """--compile: every mode's decoder layers go through compile_layers (here with the
     aot_eager backend, the traced graph as it is: the same losses and final weights as eager
@@ -126,6 +127,7 @@ def test_compile_trains_the_modes_with_compiled_layers(tmp_path, capsys, monkeyp
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_compile_with_activation_checkpointing_keeps_eager_bits(tmp_path, capsys, monkeypatch):
     """--compile --activation-checkpointing (refused before): transformers' checkpointing
     runs each compiled layer forward again in backward; losses and final weights are those of

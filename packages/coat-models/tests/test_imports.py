@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import coat_models
+import pytest
 
 SRC = Path(coat_models.__file__).parent
 PACKAGE = "coat_models"
@@ -171,6 +172,7 @@ def _import_each(names: list[str]) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_each_module_imports_alone():
     names = [
         ".".join([PACKAGE, *m.split(".")[:-1]]) if m.endswith("__init__") else f"{PACKAGE}.{m}"
@@ -181,6 +183,7 @@ def test_each_module_imports_alone():
     assert not failed, failed
 
 
+@pytest.mark.slow
 def test_import_check_sees_a_broken_module(tmp_path, monkeypatch):
     # The check itself can fail: a module whose import raises is reported, with its error.
     planted = "import coat_models.convert\nraise ImportError('planted')\n"

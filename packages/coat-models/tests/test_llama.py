@@ -266,6 +266,7 @@ def test_layer_outputs_feed_the_next_op_without_view_nodes():
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_torch_compile_traces_coat_layers(backend):
     """``compile_layers`` and ``torch.compile(model)``: the COAT layers are traced (the whole
@@ -302,6 +303,7 @@ def test_torch_compile_traces_coat_layers(backend):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_compiled_training_forward_keeps_a_cache_that_holds_tokens():
     """A KV cache holding a prefix, passed to a training forward: compiled layers attend to it
     as eager layers do (the same logits, gradients and filled cache; it was dropped, and

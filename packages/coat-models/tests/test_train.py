@@ -614,6 +614,7 @@ def test_resumed_runs_time_the_steps_they_name(tmp_path, written_by):
     assert f"tokens/s {label}" in format_table([resumed])
 
 
+@pytest.mark.slow
 def test_resume_with_other_speed_settings_times_only_its_own_steps(tmp_path, monkeypatch):
     """Resumed with another FP8 weight cache, activation checkpointing (or CUDA graphs)
     setting, which changes speed and memory but no number: the summary's tokens/s and memory

@@ -6,6 +6,7 @@ which by construction gives the same bits."""
 from __future__ import annotations
 
 import fp8_activations as fa
+import pytest
 import torch
 from fp8_activations import convert_to_fp8_activations
 from fp8_activations.tensor import handed_over
@@ -47,6 +48,7 @@ def test_aot_eager_fullgraph_matches_eager_bit_for_bit():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_inductor_matches_eager():
     """Inductor compiles the graph around the custom ops (CPU C++ codegen: ~10-25 s)."""
     torch._dynamo.reset()

@@ -216,9 +216,9 @@ def _copy_in_per_gradient(torch_copy_in, unsharded_grads, reduce_scatter_input, 
     row ``w`` holding the ``w``-th dim-0 chunk of every gradient, cast to the reduce dtype
     (``torch._chunk_cat``). Its CUDA kernel builds host-side metadata of one integer per
     2 KiB of output and copies it to the device on every call: for a Llama-2-7B layer in
-    fp32, ~400,000 integers and 1.6-2.8 ms of host time per layer and micro-batch in a
-    torch profile (the largest host item of an FSDP2 step, for bf16 and COAT alike), which
-    a host-bound step (eager COAT) waits for. Here it is one ``copy_`` per gradient. When
+    fp32, hundreds of thousands of integers, milliseconds of host time per layer and
+    micro-batch (the largest host item of an FSDP2 step, for bf16 and COAT alike), which a
+    host-bound step (eager COAT) waits for. Here it is one ``copy_`` per gradient. When
     a gradient's dim 0 does not split evenly (torch pads it) torch's path runs."""
     if any(g.dim() == 0 or g.size(0) % world_size for g in unsharded_grads):
         torch_copy_in(unsharded_grads, reduce_scatter_input, world_size)

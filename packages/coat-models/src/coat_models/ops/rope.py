@@ -4,8 +4,8 @@ Transformers' ``apply_rotary_pos_emb`` runs ``q * cos + rotate_half(q) * sin`` a
 on ``(batch, heads, seq, head_dim)`` views of the Q/K projections: per layer about ten
 element-wise kernels in forward (mul, neg, cat, add for q and k) and more in backward (the
 slices' zero-filled gradients, their copies and sums, a reshape copy back to the
-projections' layout); on a Llama-2-7B layer (8192 tokens) about 2-3 ms of an H200's time
-for what is 256 MiB of traffic each way, ~0.06 ms at 4.8 TB/s. Here one launch rotates q and k:
+projections' layout), each a full pass over q and k for what is one read and one write of
+them. Here one launch rotates q and k:
 it reads the projections where they are (any strides, e.g. ``(batch, seq, heads *
 head_dim)`` viewed as ``(batch, heads, seq, head_dim)``) and writes ``(batch, seq, heads,
 head_dim)`` contiguous, returned as the ``(batch, heads, seq, head_dim)`` view that SDPA

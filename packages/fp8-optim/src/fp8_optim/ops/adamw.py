@@ -21,8 +21,7 @@ the memory-bound step. A group lives in registers from load to store: the update
 group's max and min non-zero, k, and the requantization need no second pass. Per-group
 numbers are stored by inline PTX from the reductions' own layout (tl.store would move them
 through shared memory, two barriers each); the only barrier left is the skipped-group count's.
-At 8 elements a thread the EVEN kernel is 616 instructions, 90 of them MUFU (offline sm_90
-build): 88% of the copy bandwidth on an H200.
+``benchmarks/`` measures the step against the copy bandwidth.
 
 GPU math: ``lg2``/``ex2`` are the hardware approximations (one MUFU op each, about 2^-22
 relative error) rather than Triton's ~20-instruction accurate ``log2``: the result is

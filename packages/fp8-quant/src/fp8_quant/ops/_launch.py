@@ -1,11 +1,10 @@
 """``launch(kernel, grid, *args, **meta)``: ``kernel[grid](*args, **meta)`` with less host time.
 
-Triton's ``JITFunction.run`` costs about 19 us of host time per launch on an H200's host
-(binding keyword arguments, specializing every argument, building a cache key from strings,
-asking torch for the current device and stream, checking globals); the compiled kernel's own
-launcher costs about 7 us (``benchmarks`` of this package, ``bench_llama_layer.py host`` of
-coat-models). A COAT decoder layer launches ~40 kernels per forward and backward, so the
-difference is about half a millisecond of host time per layer and step.
+Triton's ``JITFunction.run`` spends several times the host time of the compiled kernel's own
+launcher on every launch (binding keyword arguments, specializing every argument, building a
+cache key from strings, asking torch for the current device and stream, checking globals;
+``bench_llama_layer.py host`` of coat-models shows it). A COAT decoder layer launches ~40
+kernels per forward and backward, and a host-bound step waits for each of them.
 
 Here the first launch of each *specialization* goes through ``kernel[grid]``, which compiles
 (or finds) the kernel and returns it; later launches of the same specialization call its
