@@ -4,8 +4,10 @@ A causal LM's head and loss normally build ``(tokens, vocab)`` logits in the mod
 an fp32 copy of them and an fp32 gradient of the same size: for Llama-2-7B at 8192 tokens
 that is 0.5 + 1.0 + 1.0 GB. Here each chunk of rows is projected, reduced to its
 log-sum-exp and dropped; backward recomputes the chunk's logits (one more head GEMM, under
-1% of a training step's FLOPs for a 7B model) and turns them into the gradients. Only the
-hidden states, the targets and one fp32 log-sum-exp per token are kept.
+1% of a training step's FLOPs for a 7B model) and turns them into the gradients, in place.
+Only the hidden states, the targets and one fp32 log-sum-exp per token are kept. Both
+reductions run as one Triton kernel per chunk where Triton runs (``ops.cross_entropy``),
+PyTorch's ops otherwise.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import numbers
 
 import torch
 import torch.nn.functional as F
+
+from .ops.cross_entropy import cross_entropy_grad_, lse_rows
 
 # fp32 logits per chunk: 2**26 elements = 256 MiB (2097 rows of a 32000-token vocabulary).
 CHUNK_ELEMENTS = 2**26
@@ -33,16 +37,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dtype = _compute_dtype(hidden)
         valid = targets != ignore_index
         targets = targets.where(valid, 0)
-        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # Per row: the log-sum-exp of its logits and that minus its target's logit.
+        lse, diff = torch.empty(2, hidden.shape[0], dtype=torch.float32, device=hidden.device)
         w = weight.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], rows):
                 rs = slice(start, start + rows)
-                logits = F.linear(hidden[rs].to(dtype), w).float()
-                lse[rs] = torch.logsumexp(logits, dim=-1)
-                picked = logits.gather(1, targets[rs, None]).squeeze(1)
-                total += ((lse[rs] - picked) * valid[rs]).sum()
+                lse_rows(F.linear(hidden[rs].to(dtype), w), targets[rs], lse[rs], diff[rs])
+        total = (diff * valid).sum()
         denom = valid.sum() if num_items is None else num_items
         if torch.is_tensor(denom):
             denom = denom.to(device=hidden.device, dtype=torch.float32)
@@ -59,17 +61,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # fp32 accumulation over chunks: one rounding to the weight's dtype at the end.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        coef = valid * scale  # each row's weight in the loss (fp32), 0 where ignored
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], rows):
                 rs = slice(start, start + rows)
                 h = hidden[rs].to(dtype)
-                # d loss / d logits = softmax - one_hot(target), zero on ignored rows; in place
-                # on the chunk's fp32 logits (the out-of-place chain held three fp32 copies of
-                # the chunk at once: 512 MiB more at the loss's peak for a 32000 vocabulary).
-                g = F.linear(h, w).float()
-                g.sub_(lse[rs, None]).exp_()
-                g.scatter_add_(1, targets[rs, None], torch.full_like(lse[rs, None], -1.0))
-                g = g.mul_((valid[rs] * scale)[:, None]).to(dtype)
+                # d loss / d logits = (softmax - one_hot(target)) * coef, written over the
+                # chunk's logits in one pass (``ops.cross_entropy``; no fp32 copy of them).
+                g = cross_entropy_grad_(F.linear(h, w), targets[rs], lse[rs], coef[rs])
                 if grad_hidden is not None:
                     grad_hidden[rs] = g @ w
                 grad_weight += (g.t() @ h).float()

@@ -1,0 +1,139 @@
+"""``coat_models.ops.cross_entropy``: ``linear_cross_entropy``'s per-chunk kernels (forward's
+log-sum-exp, backward's in-place logits gradient) against their PyTorch references, and the
+loss and its gradients through them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from coat_models import linear_cross_entropy, reference
+from coat_models.ops.cross_entropy import (
+    cross_entropy_grad_,
+    cross_entropy_grad_reference,
+    lse_reference,
+    lse_rows,
+)
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="the Triton kernel needs CUDA or TRITON_INTERPRET=1",
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _problem(rows: int, vocab: int, dtype: torch.dtype, seed: int = 0):
+    """Logits (spread like a trained head's), targets (both ends of the vocabulary among
+    them), their log-sum-exp and per-row weights (some zero: ignored rows)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * 4).to(DEVICE, dtype)
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    targets[0], targets[-1] = 0, vocab - 1
+    coef = torch.rand(rows, generator=g)
+    coef[::5] = 0
+    lse = logits.float().logsumexp(-1)
+    return logits, targets.to(DEVICE), lse, coef.to(DEVICE)
+
+
+def _check(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit on a GPU (libdevice's expf is PyTorch's). The interpreter's exp is NumPy's,
+    which may differ in the last fp32 bit: fp32 to within that, bf16/fp16 after rounding."""
+    if DEVICE == "cuda" or want.dtype != torch.float32:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=2**-22, atol=2**-30)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,vocab", [(37, 5000), (1, 4096), (3, 17)], ids=str)
+def test_kernel_equals_reference(dtype, rows, vocab):
+    """One launch over (row, 4096-logit block) programs, blocks whole, partial and alone;
+    the kernel writes over its input and returns it."""
+    logits, targets, lse, coef = _problem(rows, vocab, dtype)
+    want = cross_entropy_grad_reference(logits, targets, lse, coef)
+    buf = logits.clone()
+    got = cross_entropy_grad_(buf, targets, lse, coef, backend="triton")
+    assert got.data_ptr() == buf.data_ptr()
+    _check(got, want)
+    # The rows' sums are 1 - 1 = 0 (a softmax minus a one-hot), scaled by coef.
+    torch.testing.assert_close(
+        want.float().sum(-1), torch.zeros(rows, device=DEVICE), atol=1e-2, rtol=0
+    )
+
+
+def test_reference_backend_and_other_dtypes_take_the_reference():
+    """``backend="reference"``, fp64 and a non-contiguous chunk run the reference's ops and
+    copy them back: the same values, in place."""
+    logits, targets, lse, coef = _problem(6, 40, torch.float32)
+    want = cross_entropy_grad_reference(logits, targets, lse, coef)
+    got = cross_entropy_grad_(logits.clone(), targets, lse, coef, backend="reference")
+    assert torch.equal(got, want)
+    d64 = logits.double()
+    got64 = cross_entropy_grad_(d64, targets, lse, coef, backend="triton")
+    assert got64 is d64 and torch.equal(got64, want.double())
+    wide = torch.zeros(6, 80, device=DEVICE)
+    wide[:, :40] = logits
+    view = wide[:, :40]  # rows 80 apart: not contiguous
+    cross_entropy_grad_(view, targets, lse, coef, backend="triton")
+    assert torch.equal(wide[:, :40], want) and not wide[:, 40:].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,vocab", [(37, 5000), (1, 4096), (3, 17)], ids=str)
+def test_lse_kernel_equals_reference(dtype, rows, vocab):
+    """A row's log-sum-exp (its max, then its sum of exponentials) and that minus the target's
+    logit, to fp32 rounding of the sums, which run in another order than torch.logsumexp's."""
+    logits, targets, _, _ = _problem(rows, vocab, dtype)
+    want_lse, want_diff = lse_reference(logits, targets)
+    out = torch.full((2, rows), float("nan"), device=DEVICE)
+    lse_rows(logits, targets, out[0], out[1], backend="triton")
+    torch.testing.assert_close(out[0], want_lse, rtol=2e-6, atol=0)
+    torch.testing.assert_close(out[1], want_diff, rtol=0, atol=2e-6 * want_lse.abs().max().item())
+
+
+def test_lse_kernel_infinities_and_nan_as_torch():
+    """+inf in a row gives an infinite log-sum-exp and -inf everywhere gives -inf (the max
+    taken as 0 when infinite, as torch.logsumexp does); a NaN gives NaN."""
+    logits = torch.randn(4, 300, device=DEVICE)
+    logits[0, 5] = float("inf")
+    logits[1] = float("-inf")
+    logits[2, 7] = float("nan")
+    targets = torch.tensor([1, 2, 3, 4], device=DEVICE)
+    want = lse_reference(logits, targets)
+    out = torch.empty(2, 4, device=DEVICE)
+    lse_rows(logits, targets, out[0], out[1], backend="triton")
+    for got, ref in zip(out, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=2e-6, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_loss_and_gradients_through_the_kernels(dtype, monkeypatch):
+    """``linear_cross_entropy`` with the kernels (``FP8_QUANT_BACKEND=triton``) against the
+    same loss on PyTorch's ops and against the fp64 oracle, ignored targets and several
+    chunks included: the loss to fp32 rounding, the gradients to one rounding of their
+    dtype (a log-sum-exp differing in its last bit can move an exp across a bf16 tie)."""
+    torch.manual_seed(0)
+    h = torch.randn(50, 32, device=DEVICE, dtype=dtype)
+    w = torch.randn(300, 32, device=DEVICE, dtype=dtype) * 0.3
+    t = torch.randint(0, 300, (50,), device=DEVICE)
+    t[::7] = -100
+
+    def run():
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = linear_cross_entropy(hh, ww, t, chunk_rows=16)
+        loss.backward()
+        return loss, hh.grad, ww.grad
+
+    monkeypatch.setenv("FP8_QUANT_BACKEND", "reference")
+    want = run()
+    monkeypatch.setenv("FP8_QUANT_BACKEND", "triton")
+    got = run()
+    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=0)
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-20
+    for a, b in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=ulp, atol=ulp * b.abs().max().item())
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    oracle = reference.linear_cross_entropy(h64, w64, t)
+    torch.testing.assert_close(got[0].double(), oracle, rtol=1e-2 if ulp > 1e-3 else 1e-6, atol=0)
