@@ -203,6 +203,55 @@ def test_sigterm_stops_like_ctrl_c(tmp_path, capsys, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is before  # restored
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_signal_python_drops_still_stops_the_run(tmp_path, capsys, monkeypatch):
+    """Ctrl-C whose KeyboardInterrupt lands in a ``__del__`` (the memory tracker's records),
+    where Python prints and drops it: the run still stops as interrupted (exit 130) at the
+    end of that step, the steps done logged. It used to train to the end and exit 0."""
+    import signal
+
+    orig = Trainer.queue_step
+
+    class DropsIt:
+        def __del__(self):  # what Python does with a signal's exception raised here
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+
+    def queue_step(trainer, *args, **kwargs):
+        if trainer.step + 1 == 4:
+            DropsIt()  # freed at once: the interrupt is raised and dropped
+        return orig(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "queue_step", queue_step)
+    code, _, err = run(["--steps", "8", "--log-every", "10", *FAST, "--out", tmp_path], capsys)
+    assert code == 130 and "interrupted; completed checkpoints" in err
+    assert [r["step"] for r in read_jsonl(tmp_path / "bf16" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_a_signal_inside_torch_save_is_an_interrupt_not_a_full_disk(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while a checkpoint is written: torch.save's writer turns the interrupt into a
+    RuntimeError ("unexpected pos"), which read as a full disk (exit 1). It is reported as
+    the interrupt (exit 130), and no checkpoint of that step is left."""
+    import signal
+
+    from coat_models import checkpoint
+
+    real_save = torch.save
+
+    def save(obj, f):
+        try:
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+        except KeyboardInterrupt:  # as torch's C++ writer catches it
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:672] . unexpected pos"
+            ) from None
+        return real_save(obj, f)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+    code, _, err = run(["--steps", "4", "--save-every", "2", *FAST, "--out", tmp_path], capsys)
+    assert code == 130 and "interrupted" in err and "bytes free" not in err
+    assert not list((tmp_path / "bf16").glob("checkpoints/step_*"))
+
+
 def test_an_interrupted_rerun_leaves_no_earlier_report(tmp_path, capsys, monkeypatch):
     """Training again into an --out whose run finished drops that run's summary.json and
     loss.png first: a rerun stopped half-way left them describing the old run beside the
@@ -627,6 +676,39 @@ def test_compare_resume_refused_at_a_later_mode_changes_nothing(tmp_path, capsys
     code, _, err = run([*args, "--resume", "--master-dtype", "bf16"], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert "coat/checkpoints/step_0000004: settings differ (master_dtype: checkpoint 'fp32'" in err
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    lock = tmp_path / outdir.LOCK_FILE
+    assert after.keys() - {lock} == before.keys() - {lock}
+    assert all(after[p] == data for p, data in before.items() if p.name != outdir.LOCK_FILE)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "no-manifest", "empty-step", "metrics"])
+def test_compare_resume_with_a_broken_later_checkpoint_changes_nothing(tmp_path, capsys, damage):
+    """A later mode's newest checkpoint that cannot be resumed (a truncated file, a lost
+    manifest, an empty step directory, a broken metrics line) is refused before the first
+    mode goes on: exit 2 (1 for the metrics file), one line, nothing under --out changed. The
+    first mode used to be resumed and finished again, its results rewritten and the report
+    deleted, before the second one failed."""
+    args = ["--compare", "bf16,coat", "--steps", 4, "--save-every", 2, "--eval-every", 2]
+    args += ["--no-export", "--keep-checkpoints", 5, "--out", tmp_path, *FAST]
+    assert run(args, capsys)[0] == 0
+    ckpts = tmp_path / "coat" / "checkpoints"
+    newest = ckpts / "step_0000004"
+    if damage == "truncated":
+        with open(newest / "model.pt", "r+b") as f:
+            f.truncate(1000)
+    elif damage == "no-manifest":
+        (newest / "manifest.json").unlink()
+    elif damage == "empty-step":
+        (ckpts / "step_0000006").mkdir()
+    else:
+        metrics = tmp_path / "coat" / "metrics.jsonl"
+        lines = metrics.read_text().splitlines(True)
+        metrics.write_text("".join([lines[0], "{not json\n", *lines[1:]]))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    code, _, err = run([*args, "--resume"], capsys)
+    assert code == (1 if damage == "metrics" else 2) and err.count("\n") == 1, err
+    assert "coat" in err and "Traceback" not in err
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     lock = tmp_path / outdir.LOCK_FILE
     assert after.keys() - {lock} == before.keys() - {lock}

@@ -10,7 +10,6 @@ that can be made up front runs before anything is written; bad input is one line
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import errno
 import gc
@@ -30,6 +29,7 @@ import torch.distributed as dist
 
 from ..checkpoint import CheckpointError
 from ..distributed import grad_copy_in_choice, run_on_rank0
+from . import interrupt
 from .args import PROG, OneLineParser, RankUsageError, UsageError, float_in, int_in
 from .data import STDLIB_MAX_BYTES, DataError, token_file_suffix
 from .jobs import Job, check_fits, lm_job, vl_job
@@ -714,15 +714,6 @@ def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, 
     return summary
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM (a job scheduler, ``docker stop``, ``kill``): stopped as by Ctrl-C, with the
-    steps done logged and the checkpoints kept."""
-
-
-def _terminate(signum, frame):
-    raise _Terminated
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -738,11 +729,19 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
-    sigterm = None
-    with contextlib.suppress(ValueError):  # a handler can be set in the main thread only
-        sigterm = signal.signal(signal.SIGTERM, _terminate)
+    with interrupt.handled():
+        return _run_reporting(args, own_group, hf_bars)
+
+
+def _run_reporting(args, own_group: bool, hf_bars) -> int:
+    """``run(args)``, its errors reported on one line each with the exit status; a signal
+    received on the way reports as the interrupt it was, whatever error it turned into."""
     try:
-        return run(args)
+        try:
+            return run(args)
+        except (Exception, KeyboardInterrupt):
+            interrupt.raise_pending()  # e.g. torch.save's "unexpected pos" after a Ctrl-C
+            raise
     except RankUsageError as e:
         print(f"{PROG}: error: rank {process_rank()}: {e}", file=sys.stderr)
         return 2
@@ -765,16 +764,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as e:
         say(
-            f"\n{PROG}: {'terminated' if isinstance(e, _Terminated) else 'interrupted'}; "
+            f"\n{PROG}: {'terminated' if isinstance(e, interrupt.Terminated) else 'interrupted'}; "
             f"completed checkpoints (if any) are under {args.out}",
             file=sys.stderr,
         )
-        return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
+        return 128 + (signal.SIGTERM if isinstance(e, interrupt.Terminated) else signal.SIGINT)
     finally:
         if hf_bars:
+            from transformers.utils import logging as hf_logging
+
             hf_logging.enable_progress_bar()
-        if sigterm is not None:
-            signal.signal(signal.SIGTERM, sigterm)
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -25,6 +25,7 @@ from .. import checkpoint
 from ..checkpoint import CheckpointError
 from ..distributed import run_on_rank0
 from .args import PROG, UsageError
+from .report import metrics_until
 from .trainer import TrainConfig, check_settings
 
 LOCK_FILE = ".lock"  # in --out: held (flock) by the coat-train writing there, with its PID
@@ -198,8 +199,18 @@ def resume_point(args, mode_dir: Path) -> Path | None:
     if args.resume != "latest":
         say(f"{PROG}: resuming from {args.resume}", flush=True)
         return Path(args.resume)
+    found = _newest(ckpts)
+    if found is None:  # a run killed before its first checkpoint
+        say(f"{PROG}: no checkpoint in {ckpts}: mode starts from step 0", file=sys.stderr)
+    else:
+        say(f"{PROG}: resuming from {found}", flush=True)
+    return found
+
+
+def _newest(ckpts: Path) -> Path | None:
+    """``checkpoint.newest``, its refusal saying what to do."""
     try:
-        found = checkpoint.newest(ckpts)
+        return checkpoint.newest(ckpts)
     except CheckpointError as e:
         usable = checkpoint.ordered(ckpts)  # those with a readable manifest
         todo = (
@@ -210,31 +221,37 @@ def resume_point(args, mode_dir: Path) -> Path | None:
             "from step 0), or pass another --out"
         )
         raise CheckpointError(f"{e}: {todo}") from None
-    if found is None:  # a run killed before its first checkpoint
-        say(f"{PROG}: no checkpoint in {ckpts}: mode starts from step 0", file=sys.stderr)
-    else:
-        say(f"{PROG}: resuming from {found}", flush=True)
-    return found
 
 
 def check_resume_settings(args, cfgs: list[TrainConfig], job, out: Path) -> None:
-    """With --resume, every mode's newest checkpoint against the mode's settings before any
-    mode trains: under --compare a refusal at a later mode would otherwise come after the
-    earlier ones went on, their report gone. Reads the manifests only (the settings are
-    recorded there); each mode's loading checks them again from trainer.pt. Skipped for a
-    given checkpoint directory (one mode) and for checkpoints written before the manifest
-    recorded the settings, or that fail to read (the mode's own resume says why)."""
+    """With --resume, every mode's newest checkpoint before any mode trains: under
+    --compare a refusal at a later mode would otherwise come after the earlier ones went on,
+    their results rewritten and the report gone. Each must have a readable manifest and the
+    mode's settings (recorded there; each mode's loading checks them again from
+    trainer.pt); the later modes' files are hashed against their manifests and their
+    metrics read here too (the first mode's are, as it loads, before it trains). Skipped for
+    a given checkpoint directory (one mode); the settings check for checkpoints written
+    before the manifest recorded them. Runs with the lock held."""
     if args.resume != "latest":
         return
-    for cfg, task in zip(cfgs, job.tasks, strict=True):
-        try:
-            found = checkpoint.newest(out / cfg.mode / "checkpoints")
-            info = {} if found is None else checkpoint.read_manifest(found).info
-        except CheckpointError:
+    for i, (cfg, task) in enumerate(zip(cfgs, job.tasks, strict=True)):
+        mode_dir = out / cfg.mode
+        barrier()
+        run_on_rank0(lambda d=mode_dir: checkpoint.recover(d / "checkpoints"))
+        found = _newest(mode_dir / "checkpoints")
+        if found is None:
             continue
-        settings = info.get("settings")
+        manifest = checkpoint.read_manifest(found)
+        settings = manifest.info.get("settings")
         if isinstance(settings, dict) and {"config", "data", "describe"} <= settings.keys():
             check_settings(found, settings, cfg, task.fingerprint, job.describe)
+        if i and manifest.kind == "torch":  # one process: DCP's own check is collective
+            try:
+                checkpoint.verify(found, manifest)
+            except CheckpointError as e:
+                raise unusable_newest(e, found) from None
+            if manifest.step is not None:
+                metrics_until(mode_dir / "metrics.jsonl", manifest.step)
 
 
 def unusable_newest(e: CheckpointError, newest: Path) -> CheckpointError:

@@ -115,7 +115,7 @@ class MetricsLog:
         if not enabled:
             return
         path = Path(directory) / "metrics.jsonl"
-        kept = [] if resume_step is None else _metrics_until(path, resume_step)
+        kept = [] if resume_step is None else metrics_until(path, resume_step)
         write_atomic(path, "".join(kept))
         self._file = open(path, "a")
         if tensorboard:
@@ -150,7 +150,7 @@ class MetricsLog:
         self.close()
 
 
-def _metrics_until(path: Path, step: int) -> list[str]:
+def metrics_until(path: Path, step: int) -> list[str]:
     """Lines of a metrics file up to ``step``. A torn last line (killed while writing it) is
     dropped: its step is after the checkpoint, written once the step's lines are out."""
     if not path.is_file():

@@ -44,6 +44,7 @@ from .. import checkpoint, distributed
 from ..compiling import compile_layers
 from ..graphs import cuda_graph_replays, enable_cuda_graphs
 from ..optim import create_optimizer, param_groups
+from . import interrupt
 from .args import Range
 from .data import TokenData
 from .memory import MemoryTracker, PeakMeter, memory_report
@@ -636,6 +637,7 @@ class Trainer:
                     if counting:
                         self._log_steps(metrics, first)
                     self.queue_step(track_memory=counting)
+                    interrupt.raise_pending()  # a Ctrl-C that landed where Python drops it
                     # The host waits for the device only at these steps (the same on every
                     # rank); the first is timed apart.
                     if not (
