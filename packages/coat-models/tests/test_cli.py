@@ -358,9 +358,10 @@ def test_checkpoints_are_atomic(tmp_path, capsys, monkeypatch):
     code, _, err = run(args, capsys)  # one line, no traceback
     assert code == 1 and err.strip() == "coat-train: error: disk full", err
     ckpts = tmp_path / "bf16" / "checkpoints"
-    assert [p.name for p in ckpts.iterdir()] == [f".tmp-step_0000002-{os.getpid()}"]
+    # the half-written directory is removed at once (its files would keep the space)
+    assert not list(ckpts.iterdir())
     monkeypatch.setattr(torch, "save", torch_save)
-    # the half-written directory is not a checkpoint: no resume point, and it is cleaned up
+    # no checkpoint was written: no resume point
     code, _, err = run([*args, "--resume"], capsys)
     assert code == 0, err
     assert "no checkpoint" in err
@@ -682,6 +683,23 @@ def test_compare_resume_refused_at_a_later_mode_changes_nothing(tmp_path, capsys
     assert all(after[p] == data for p, data in before.items() if p.name != outdir.LOCK_FILE)
 
 
+def test_a_refused_resume_into_a_new_out_leaves_no_directory(tmp_path, capsys):
+    """--resume of another run's checkpoint whose settings differ, into an --out that did not
+    exist: refused (exit 2) and no directory left behind (it held the lock file alone). Other
+    --steps: the message names the run's export as the way to train its model further."""
+    args = ["--save-every", 2, "--no-export", *FAST]
+    assert run([*args[:2], *FAST, "--steps", 2, "--out", tmp_path / "a"], capsys)[0] == 0
+    ckpt = tmp_path / "a" / "bf16" / "checkpoints" / "step_0000002"
+    code, _, err = run([*args, "--steps", 4, "--out", tmp_path / "b", "--resume", ckpt], capsys)
+    assert code == 2 and "settings differ (steps: checkpoint 2, now 4)" in err, err
+    assert f"--model-dir {tmp_path / 'a' / 'bf16' / 'final'}, its export" in err, err
+    assert not (tmp_path / "b").exists()
+    # An --out that existed stays, lock file included.
+    (tmp_path / "c").mkdir()
+    code, _, err = run([*args, "--steps", 4, "--out", tmp_path / "c", "--resume", ckpt], capsys)
+    assert code == 2 and [p.name for p in (tmp_path / "c").iterdir()] == [outdir.LOCK_FILE]
+
+
 @pytest.mark.parametrize("damage", ["truncated", "no-manifest", "empty-step", "metrics"])
 def test_compare_resume_with_a_broken_later_checkpoint_changes_nothing(tmp_path, capsys, damage):
     """A later mode's newest checkpoint that cannot be resumed (a truncated file, a lost
@@ -861,4 +879,4 @@ def test_refused_resume_names_the_remedy_and_writes_no_mode_dir(tmp_path, capsys
     assert code == 2 and err.count("\n") == 1, err
     assert "settings differ (mode: checkpoint 'bf16', now 'coat-optim'): pass the settings" in err
     assert "or start afresh with another --out" in err
-    assert [p.name for p in out.iterdir()] == [outdir.LOCK_FILE]
+    assert not out.exists()  # nor the --out it made (test_a_refused_resume_into_a_new_out...)

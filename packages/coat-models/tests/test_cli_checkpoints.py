@@ -356,6 +356,8 @@ def test_full_disk_while_training_is_one_line(tmp_path, monkeypatch, where):
     assert "free space there or pass another --out" in err, err
     if where == "checkpoint":
         assert "cannot write" in err and ".pt (" in err and "bytes free there" in err, err
+        # The partial checkpoint is gone: its files would keep the space the run lacked.
+        assert not [p.name for p in (tmp_path / "run" / "bf16" / "checkpoints").iterdir()]
     else:
         assert "metrics.jsonl: No space left on device" in err, err
 

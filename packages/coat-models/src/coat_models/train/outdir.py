@@ -108,8 +108,11 @@ def output_lock(out: Path):
     """Hold an exclusive ``flock`` on ``out/.lock`` for the run (rank 0): two coat-train
     processes on one ``--out`` would interleave their metrics and delete each other's
     checkpoints. The kernel drops the lock with the process; the file stays (deleting it
-    would let a third process lock a new file while a second still holds the old one)."""
+    would let a third process lock a new file while a second still holds the old one),
+    except in a directory this call created for a run that failed before writing anything
+    else there."""
     error, fd = None, None
+    created = process_rank() == 0 and not out.exists()
     if process_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
@@ -134,6 +137,14 @@ def output_lock(out: Path):
         raise UsageError(error)
     try:
         yield
+    except BaseException:
+        # A run refused before it wrote anything (e.g. --resume of another run's checkpoint
+        # whose settings differ) leaves no directory of its own behind, lock file and all.
+        if created and fd is not None and [p.name for p in out.iterdir()] == [LOCK_FILE]:
+            with contextlib.suppress(OSError):
+                (out / LOCK_FILE).unlink()
+                out.rmdir()
+        raise
     finally:
         if fd is not None:
             os.close(fd)

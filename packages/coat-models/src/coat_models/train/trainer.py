@@ -785,11 +785,16 @@ class Trainer:
                 checkpoint.remove(tmp)
             tmp.mkdir()
             files = [self.model.state_dict(), self.optimizer.state_dict(), state]
-            checkpoint.write_torch_files(tmp, dict(zip(CHECKPOINT_FILES, files, strict=True)))
-            serial = checkpoint.next_serial(self.ckpt_dir)
-            checkpoint.write_manifest(
-                tmp, kind="torch", world_size=1, step=self.step, serial=serial, info=info
-            )
+            try:
+                checkpoint.write_torch_files(tmp, dict(zip(CHECKPOINT_FILES, files, strict=True)))
+                serial = checkpoint.next_serial(self.ckpt_dir)
+                checkpoint.write_manifest(
+                    tmp, kind="torch", world_size=1, step=self.step, serial=serial, info=info
+                )
+            except BaseException:  # e.g. a full disk: its partial files would keep the space
+                with contextlib.suppress(OSError):
+                    checkpoint.remove(tmp)
+                raise
             checkpoint.publish(tmp, final)
         if self.is_main:
             # By serial: the checkpoint just written is the newest, even where a run resumed
@@ -989,9 +994,18 @@ def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, des
         diff["model"] = (recorded["describe"], describe)
     if diff:
         said = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
+        # A run's schedule is fixed by its --steps: going on past them is a new run from the
+        # weights (the export at the end, when there is one).
+        final = Path(path).parent.parent / "final"
+        further = (
+            f" (to train its model further: --model-dir {final}, its export, starts a new "
+            "run from its weights)"
+            if "steps" in diff and final.is_dir()
+            else ""
+        )
         raise ResumeSettingsError(
             f"cannot resume from {path}: settings differ ({said}): pass the settings of "
-            "the run that wrote it, or start afresh with another --out"
+            f"the run that wrote it, or start afresh with another --out{further}"
         )
 
 
