@@ -56,6 +56,18 @@ def lse_reference(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # ----------------------------------------------------------------------------------- kernel
+def _runs_kernel(logits: Tensor, backend: str) -> bool:
+    """Whether the kernels take these logits: contiguous bf16, fp16 or fp32 where Triton runs
+    (``backend``, fp8_quant's rule), not under ``torch.compile`` (which traces the
+    reference's ops)."""
+    return (
+        logits.dtype in _DTYPES
+        and logits.is_contiguous()
+        and use_triton(logits, backend)
+        and not torch.compiler.is_compiling()
+    )
+
+
 @triton.jit
 def _exp(x):
     if _INTERPRETED:
@@ -100,10 +112,7 @@ def lse_rows(
     ``(rows,)`` each): one launch where Triton runs (``backend``) for contiguous bf16, fp16
     or fp32 logits, else the reference's ops. Not differentiable (inside an op)."""
     rows, vocab = logits.shape
-    if (
-        not (logits.dtype in _DTYPES and logits.is_contiguous() and use_triton(logits, backend))
-        or torch.compiler.is_compiling()
-    ):
+    if not _runs_kernel(logits, backend):
         want = lse_reference(logits, targets)
         lse.copy_(want[0])
         diff.copy_(want[1])
@@ -135,10 +144,7 @@ def cross_entropy_grad_(
     or fp32 logits, else the reference's ops copied back. Not differentiable (a backward's
     inner step)."""
     rows, vocab = logits.shape
-    if (
-        not (logits.dtype in _DTYPES and logits.is_contiguous() and use_triton(logits, backend))
-        or torch.compiler.is_compiling()
-    ):
+    if not _runs_kernel(logits, backend):
         return logits.copy_(cross_entropy_grad_reference(logits, targets, lse, coef))
     if logits.numel() == 0:
         return logits
