@@ -49,15 +49,19 @@ def test_same_bits_and_one_launch_per_direction(cache, monkeypatch):
     leaves = [x, up, norm_w, *ws]
     _, want = _step(cfg, False, leaves, ws)
 
-    multi, per_weight = [], []
+    multi, grad_multi, per_weight = [], [], []
     real_multi, real_quantize, real_t = (
         fp8_quant.ops.quantize_per_tensor_multi, lin.quantize, lin.quantize_t
     )  # fmt: skip
-    monkeypatch.setattr(
-        fp8_quant.ops, "quantize_per_tensor_multi",
-        lambda xs, *a: multi.append((len(xs), *a[2:])) or real_multi(xs, *a),
-    )  # fmt: skip
     weight_ptrs = {w.data_ptr() for w in ws}
+
+    def spy_multi(xs, *a):
+        # The weights' casts, or (rms_norm_linear's backward) its outputs' gradients.
+        seen = multi if xs[0].data_ptr() in weight_ptrs else grad_multi
+        seen.append((len(xs), *a[2:]))
+        return real_multi(xs, *a)
+
+    monkeypatch.setattr(fp8_quant.ops, "quantize_per_tensor_multi", spy_multi)
 
     def spy(real):
         def call(t, *a):
@@ -79,6 +83,7 @@ def test_same_bits_and_one_launch_per_direction(cache, monkeypatch):
         assert [c.weight for c in casts] == ws
         assert multi == [(4, True, False), (4, False, True)]  # forward's, backward's
     assert per_weight == []  # no weight was cast on its own
+    assert grad_multi == [(2, True, True)]  # the norm's two linears' dy, both layouts
 
 
 NO_CACHE = FP8ActivationConfig(weight_cache=False)

@@ -72,6 +72,40 @@ def _(x, fmt, amax, backend, *, eager=False):
     return x.new_empty(x.shape, dtype=dtype), x.new_empty((), dtype=torch.float32)
 
 
+def quantize_t_many(
+    xs: list[Tensor], fmt: str, amaxes: list[Tensor | None], backend: str
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """``[quantize_t(x, fmt, amax, backend) for x, amax in zip(xs, amaxes)]``, the same bits,
+    in two launches where Triton runs eagerly on contiguous 2-D ``xs`` of at least 2 x 2:
+    one for the maxima not given (``tensor_amax_multi``) and one for every ``(q, q_t)``
+    (``quantize_per_tensor_multi``), instead of up to two per tensor (host time: a layer's
+    backward quantizes the gradients of q, k and v, and of gate and up, back to back)."""
+    if len(xs) < 2:
+        return [quantize_t(x, fmt, a, backend) for x, a in zip(xs, amaxes, strict=True)]
+    x0 = xs[0]
+    if (
+        torch.compiler.is_compiling()
+        or not use_triton(x0, backend)
+        or not all(
+            x.dim() == 2 and min(x.shape) > 1 and x.is_contiguous() and x.device == x0.device
+            for x in xs
+        )
+    ):
+        return [quantize_t(x, fmt, a, backend) for x, a in zip(xs, amaxes, strict=True)]
+    missing = [i for i, a in enumerate(amaxes) if a is None]
+    amaxes = list(amaxes)
+    if missing:
+        for i, a in zip(missing, fp8_ops.tensor_amax_multi([xs[i] for i in missing]), strict=True):
+            amaxes[i] = a
+    # The kernel reads each max as a 0-dim fp32 on the tensors' device (quantize_t's rule).
+    amaxes = [
+        a if a.dim() == 0 and a.dtype == torch.float32 and a.device == x0.device
+        else a.reshape(()).to(device=x0.device, dtype=torch.float32)
+        for a in amaxes
+    ]  # fmt: skip
+    return fp8_ops.quantize_per_tensor_multi(xs, FP8Format(fmt), amaxes, True, True)
+
+
 def grad_amax(dy: Tensor) -> Tensor | None:
     """The max |dy| from the group maxima its producer handed over (SwiGLU's backward for
     gate_proj / up_proj), or None: the per-tensor quantization then reduces dy itself. The

@@ -45,7 +45,7 @@ from .linear import (
     forward_weight,
     grad_amax,
     quantize,
-    quantize_t,
+    quantize_t_many,
     weight_t,
 )
 from .rms_norm import rms_norm_bwd, rms_norm_fwd
@@ -159,15 +159,17 @@ class RMSNormLinearFunction(torch.autograd.Function):
             )  # fmt: skip
         grads = [None] * (2 * n)
         d_parts = []  # the linears' input gradients, summed by the norm's backward kernel
+        # The output gradients quantized together (one launch for all where Triton runs);
+        # their FP8 copies then live together until the loop below is done (2 B/elem).
+        got = [i for i in range(n) if dys[i] is not None]
+        amaxes = [grad_amax(dys[i]) for i in got]
+        dys = {i: rows(dys[i]) for i in got}
+        quantized = quantize_t_many(list(dys.values()), grad_fmt, amaxes, ctx.backend)
+        quantized = dict(zip(got, quantized, strict=True))
         # Last linear first: autograd runs the unfused linears' backwards in that order and
         # sums their input gradients as it goes, so the sum here has the same bits.
-        for i in reversed(range(n)):
-            dy = dys[i]
-            if dy is None:
-                continue
-            dy_amax = grad_amax(dy)
-            dy = rows(dy)
-            dy_q, dy_t, dy_s = quantize_t(dy, grad_fmt, dy_amax, ctx.backend)
+        for i in reversed(got):
+            dy, (dy_q, dy_t, dy_s) = dys.pop(i), quantized.pop(i)
             scaled = ctx.use_scaled_mm[i]
             if needs[0] or needs[1]:
                 saved = w_saved[2 * i : 2 * i + 2]
