@@ -22,7 +22,8 @@
 #                                and coat (bench_e2e_accuracy.py), checked against the golden
 #                                loss curves; exit status 1 when a check fails.
 #   scripts/gpu_bench.sh check   1 GPU. Every GPU test, fp8-quant's benches (every quantizer), the
-#                                CoatAdamW bench, the host-time profile of a layer; with CLI=1
+#                                CoatAdamW bench, coat-models' RoPE and cross-entropy kernel
+#                                benches, the host-time profile of a layer; with CLI=1
 #                                also coat-train's 125m preset, bf16 vs coat, with and without
 #                                --cuda-graphs.
 #
@@ -195,6 +196,8 @@ check)
   gpu_tests 240 $ALL_TESTS
   bench quantize 120 packages/fp8-quant/benchmarks
   optim_bench 100
+  bench rope 90 $B/bench_rope.py
+  bench cross_entropy 150 $B/bench_cross_entropy.py
   timeout 150 python3 $B/bench_llama_layer.py host --variants coat,bf16_eager --batches 1,4 \
     --out "$r/host.txt" > "$r/host.log" 2>&1
   if [ -n "${CLI:-}" ]; then
@@ -207,6 +210,7 @@ check)
   test_summary
   sed -n '/^fp8-quant on/,$p' "$r/quantize.txt" | head -30
   grep -A6 "^optimizer" "$r/optim.txt"
+  grep -A8 -E "^(RoPE|cross entropy)" "$r/rope.txt" "$r/cross_entropy.txt"
   grep "^==\|syncs" "$r/host.txt"
   tail -3 "$r/host.log"
   for f in "$r/cli-no-cuda-graphs.txt" "$r/cli-cuda-graphs.txt"; do [ -f "$f" ] && tail -12 "$f"; done

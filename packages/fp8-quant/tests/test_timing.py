@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from fp8_quant.timing import cuda_ms_per_call
+from fp8_quant.timing import cuda_ms_per_call, host_ms_per_call
 
 
 def test_bad_counts_are_refused_before_any_call():
@@ -29,3 +29,14 @@ def test_counts_calls_and_measures_device_time():
     assert len(calls) == 1 + 4 * 3  # the warm-up call, then calls x rounds
     assert torch.all(x == 13)
     assert math.isfinite(ms) and ms > 0  # a measurement came back (its size is not tested)
+
+
+def test_host_ms_per_call_waits_before_each_call_and_times_the_call():
+    """The device is waited for before every call and once after the last, never inside a
+    timed call; the median of the calls' times comes back."""
+    events = []
+    ms = host_ms_per_call(lambda: events.append("call"), 3, sync=lambda: events.append("sync"))
+    assert events == ["sync", "call"] * 3 + ["sync"]
+    assert math.isfinite(ms) and ms >= 0
+    with pytest.raises(ValueError, match="calls must be >= 1"):
+        host_ms_per_call(lambda: None, 0)

@@ -8,12 +8,14 @@ training step runs its kernels back to back from a warm L2 with the host queuein
 
 from __future__ import annotations
 
+import statistics
 import subprocess
+import time
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["cuda_ms_per_call", "gpu_state"]
+__all__ = ["cuda_ms_per_call", "gpu_state", "host_ms_per_call"]
 
 
 def cuda_ms_per_call(
@@ -53,6 +55,28 @@ def cuda_ms_per_call(
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return sorted(times)[rounds // 2]
+
+
+def host_ms_per_call(fn: Callable[[], object], calls: int = 10, *, sync=None) -> float:
+    """Median host milliseconds to run ``fn`` once, the device idle at the start of each call
+    and never waited for inside it: the time to enqueue the call's work (for a host-bound
+    call, what a training step pays). ``sync``: how to wait for the device between calls
+    (default ``torch.cuda.synchronize`` when CUDA is available, nothing otherwise).
+
+    >>> ms = host_ms_per_call(lambda: layer(x).sum().backward(), calls=20)
+    """
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
+    if sync is None:
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = []
+    for _ in range(calls):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    sync()
+    return statistics.median(times)
 
 
 def gpu_state() -> str:
