@@ -137,3 +137,53 @@ def test_loss_and_gradients_through_the_kernels(dtype, monkeypatch):
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
     oracle = reference.linear_cross_entropy(h64, w64, t)
     torch.testing.assert_close(got[0].double(), oracle, rtol=1e-2 if ulp > 1e-3 else 1e-6, atol=0)
+
+
+def _head(dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(40, 32, generator=g).to(DEVICE, dtype).requires_grad_()
+    w = (torch.randn(300, 32, generator=g) * 0.3).to(DEVICE, dtype).requires_grad_()
+    t = torch.randint(0, 300, (40,), generator=g).to(DEVICE)
+    t[::6] = -100
+    return h, w, t
+
+
+@pytest.mark.parametrize("factor", [0.25, 3.0], ids=str)
+def test_gradients_made_in_forward_scale_by_the_upstream_gradient(factor):
+    """Forward makes the gradients for an upstream gradient of 1; backward scales them. A
+    power of two (gradient accumulation's 1 / 4) scales every rounding exactly: the bits of
+    the unscaled gradients times it; another factor rounds once more."""
+    h, w, t = _head()
+    linear_cross_entropy(h, w, t, chunk_rows=16).backward()
+    base = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    (linear_cross_entropy(h, w, t, chunk_rows=16) * factor).backward()
+    for got, want in zip((h.grad, w.grad), base, strict=True):
+        if factor == 0.25:
+            assert torch.equal(got, want * factor)
+        else:
+            torch.testing.assert_close(got, want * factor, rtol=2**-7, atol=0)
+
+
+def test_no_gradient_work_without_autograd(monkeypatch):
+    """Under no_grad (or with no input requiring grad) the loss is the same and the gradient
+    pass over the logits never runs; with autograd, a retained graph gives the same
+    gradients on every backward (the saved gradients are not scaled in place)."""
+    import coat_models.loss as loss_mod
+
+    h, w, t = _head()
+    passes = []
+    real = loss_mod.cross_entropy_grad_
+    monkeypatch.setattr(loss_mod, "cross_entropy_grad_", lambda *a: passes.append(1) or real(*a))
+    with torch.no_grad():
+        quiet = linear_cross_entropy(h, w, t, chunk_rows=16)
+    frozen = linear_cross_entropy(h.detach(), w.detach(), t, chunk_rows=16)
+    assert passes == [] and not frozen.requires_grad
+    loss = linear_cross_entropy(h, w, t, chunk_rows=16)
+    assert len(passes) == 3  # one per chunk of 16 rows
+    assert torch.equal(loss.detach(), quiet) and torch.equal(frozen, quiet)
+    (loss * 0.5).backward(retain_graph=True)
+    first = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    (loss * 0.5).backward()
+    assert torch.equal(h.grad, first[0]) and torch.equal(w.grad, first[1])

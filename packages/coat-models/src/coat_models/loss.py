@@ -3,11 +3,13 @@
 A causal LM's head and loss normally build ``(tokens, vocab)`` logits in the model's dtype,
 an fp32 copy of them and an fp32 gradient of the same size: for Llama-2-7B at 8192 tokens
 that is 0.5 + 1.0 + 1.0 GB. Here each chunk of rows is projected, reduced to its
-log-sum-exp and dropped; backward recomputes the chunk's logits (one more head GEMM, under
-1% of a training step's FLOPs for a 7B model) and turns them into the gradients, in place.
-Only the hidden states, the targets and one fp32 log-sum-exp per token are kept. Both
-reductions run as one Triton kernel per chunk where Triton runs (``ops.cross_entropy``),
-PyTorch's ops otherwise.
+log-sum-exp and, when the loss will be differentiated, turned into its gradients at once
+(the loss is the model's last op, so forward knows them up to the upstream gradient, a
+factor that backward applies): the chunk's logits gradient is written over its logits, its
+share of the hidden states' gradient is one GEMM and of the weight's one more, summed in
+fp32 over chunks. The logits are then dropped; nothing is projected twice. Kept for
+backward: the two gradients. Both reductions run as one Triton kernel per chunk where
+Triton runs (``ops.cross_entropy``), PyTorch's ops otherwise.
 """
 
 from __future__ import annotations
@@ -32,47 +34,54 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
+    """The loss and, when ``with_grads``, its gradients for an upstream gradient of 1, made
+    in forward chunk by chunk while each chunk's logits exist (the loss is the model's last
+    op: backward would have to project every chunk again, a fourth head GEMM); backward
+    scales them by the upstream gradient."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, num_items, rows):
+    def forward(ctx, hidden, weight, targets, ignore_index, num_items, rows, with_grads):
         dtype = _compute_dtype(hidden)
         valid = targets != ignore_index
         targets = targets.where(valid, 0)
-        # Per row: the log-sum-exp of its logits and that minus its target's logit.
-        lse, diff = torch.empty(2, hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        w = weight.to(dtype)
-        with torch.autocast(hidden.device.type, enabled=False):
-            for start in range(0, hidden.shape[0], rows):
-                rs = slice(start, start + rows)
-                lse_rows(F.linear(hidden[rs].to(dtype), w), targets[rs], lse[rs], diff[rs])
-        total = (diff * valid).sum()
         denom = valid.sum() if num_items is None else num_items
         if torch.is_tensor(denom):
             denom = denom.to(device=hidden.device, dtype=torch.float32)
-        ctx.save_for_backward(hidden, weight, targets, valid, lse)
-        ctx.denom, ctx.dtype, ctx.rows = denom, dtype, rows
-        return total / denom
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, targets, valid, lse = ctx.saved_tensors
-        dtype, rows = ctx.dtype, ctx.rows
-        scale = (grad / ctx.denom).float()
+        # Per row: the log-sum-exp of its logits and that minus its target's logit.
+        lse, diff = torch.empty(2, hidden.shape[0], dtype=torch.float32, device=hidden.device)
         w = weight.to(dtype)
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        # fp32 accumulation over chunks: one rounding to the weight's dtype at the end.
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        coef = valid * scale  # each row's weight in the loss (fp32), 0 where ignored
+        grad_hidden = grad_weight = None
+        if with_grads:
+            coef = valid / denom  # each row's weight in the loss (fp32), 0 where ignored
+            grad_hidden = torch.empty_like(hidden)
+            # fp32 accumulation over chunks: one rounding to the weight's dtype at the end.
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], rows):
                 rs = slice(start, start + rows)
                 h = hidden[rs].to(dtype)
-                # d loss / d logits = (softmax - one_hot(target)) * coef, written over the
-                # chunk's logits in one pass (``ops.cross_entropy``; no fp32 copy of them).
-                g = cross_entropy_grad_(F.linear(h, w), targets[rs], lse[rs], coef[rs])
-                if grad_hidden is not None:
+                logits = F.linear(h, w)
+                lse_rows(logits, targets[rs], lse[rs], diff[rs])
+                if with_grads:
+                    # d loss / d logits = (softmax - one_hot(target)) * coef, written over
+                    # the chunk's logits in one pass (``ops.cross_entropy``).
+                    g = cross_entropy_grad_(logits, targets[rs], lse[rs], coef[rs])
                     grad_hidden[rs] = g @ w
-                grad_weight += (g.t() @ h).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+                    grad_weight += (g.t() @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return (diff * valid).sum() / denom
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Made in forward (``with_grads``: always so when autograd recorded this node).
+        grad_hidden, grad_weight = ctx.saved_tensors
+        grad = grad.float()
+        gh = grad_hidden * grad.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = (grad_weight * grad).to(ctx.weight_dtype)
+        return gh, gw, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -90,9 +99,12 @@ def linear_cross_entropy(
     autocast dtype), ``targets (N,)`` int64 in ``[0, V)`` or ``ignore_index``. Returns a
     0-dim fp32 loss: the mean over targets that are not ``ignore_index``, or their sum
     divided by ``num_items`` when it is given, the reduction of transformers'
-    ``ForCausalLMLoss``. Same value and gradients as ``coat_models.reference.
-    linear_cross_entropy`` (up to summation order). ``chunk_rows``: rows projected at a
-    time (default: as many as make 2**26 fp32 logits).
+    ``ForCausalLMLoss``. With gradients enabled and ``hidden`` or ``weight`` requiring
+    grad, the gradients are computed here too (backward only scales them): a loss that is
+    never differentiated is cheaper under ``torch.no_grad()``. Same value and gradients as
+    ``coat_models.reference.linear_cross_entropy`` (up to summation order, and one rounding
+    of the gradients to their dtype where the upstream gradient is not a power of two).
+    ``chunk_rows``: rows projected at a time (default: as many as make 2**26 fp32 logits).
 
     >>> loss = linear_cross_entropy(h.view(-1, 4096), lm_head.weight, labels.view(-1))
     """
@@ -129,4 +141,7 @@ def linear_cross_entropy(
             f"[0, {vocab}) or ignore_index ({ignore_index})",
         )
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // vocab)
-    return _LinearCrossEntropy.apply(hidden, weight, targets, ignore_index, num_items, rows)
+    with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(
+        hidden, weight, targets, ignore_index, num_items, rows, with_grads
+    )
