@@ -1,9 +1,9 @@
 """Cross entropy over one chunk of logits, forward and backward, one pass each.
 
-``linear_cross_entropy`` projects a chunk of rows to logits and, in forward, reduces each row
-to its log-sum-exp and the logit of its target; in backward it recomputes the chunk and turns
-it into ``(softmax(logits) - one_hot(target)) * coef`` per row (``coef``: the row's weight in
-the loss, zero for an ignored target). In PyTorch each is an fp32 copy of the chunk and
+``linear_cross_entropy`` projects a chunk of rows to logits, reduces each row to its
+log-sum-exp and the logit of its target, and (when the loss will be differentiated) turns
+the chunk into ``(softmax(logits) - one_hot(target)) * coef`` per row (``coef``: the row's
+weight in the loss, zero for an ignored target). In PyTorch each is an fp32 copy of the chunk and
 several passes over it (forward: max, subtract, exp, sum; backward: subtract, exp, scatter,
 scale, cast back). Here forward is one kernel reading the logits in their own dtype (a row
 twice: its max, then its sum of exponentials, as ``torch.logsumexp`` computes it) and
