@@ -1137,3 +1137,27 @@ def test_resumed_torch_optimizer_keeps_this_runs_implementation(tmp_path, fused_
     q.grad = torch.ones_like(q)
     resumed.step()  # the run's implementation takes the loaded state
     assert float(resumed.state[q]["step"]) == 4.0
+
+
+def test_tracker_counts_the_losss_saved_gradients_as_gradients():
+    """``linear_cross_entropy`` makes its gradients in forward and saves them: the tracker
+    counts them as gradients (not activations) until backward frees them, and dropping the
+    parameters' gradients after the step leaves every count at zero."""
+    from coat_models import linear_cross_entropy
+
+    head = torch.nn.Linear(16, 50, bias=False)
+    tracker = MemoryTracker(head)
+    h = torch.randn(12, 16, requires_grad=True)
+    t = torch.randint(0, 50, (12,))
+    with tracker.saving():
+        loss = linear_cross_entropy(h, head.weight, t, chunk_rows=5)
+    saved = h.nbytes + 50 * 16 * 4  # the hidden states' and the weight's (fp32) gradients
+    assert tracker.live["gradients"] == saved and tracker.live["activations"] == 0
+    loss.backward()
+    tracker.count_grads()  # h.grad is no parameter's: only the head's gradient is counted
+    del loss
+    assert tracker.live["gradients"] == head.weight.grad.nbytes
+    assert tracker.at_peak["gradients"] == saved  # released before the head's is counted
+    tracker.grads_dropped()
+    assert tracker.live["gradients"] == 0 and tracker.live["activations"] == 0
+    tracker.close()

@@ -23,6 +23,9 @@ from .ops.cross_entropy import cross_entropy_grad_, lse_rows
 
 # fp32 logits per chunk: 2**26 elements = 256 MiB (2097 rows of a 32000-token vocabulary).
 CHUNK_ELEMENTS = 2**26
+# Set on the gradients forward makes and saves for backward: they are gradients, not
+# activations, for whoever counts saved tensors (coat-train's memory breakdown).
+SAVED_GRADIENT = "_coat_saved_gradient"
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -68,6 +71,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     g = cross_entropy_grad_(logits, targets[rs], lse[rs], coef[rs])
                     grad_hidden[rs] = g @ w
                     grad_weight += (g.t() @ h).float()
+        for t in (grad_hidden, grad_weight):
+            if t is not None:
+                setattr(t, SAVED_GRADIENT, True)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return (diff * valid).sum() / denom

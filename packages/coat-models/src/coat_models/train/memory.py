@@ -9,6 +9,8 @@ import weakref
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ..loss import SAVED_GRADIENT
+
 
 def _storages(t: torch.Tensor):
     """[(key, bytes)] of the memory a tensor holds; wrapper subclasses (FP8 data + scales,
@@ -95,8 +97,10 @@ class MemoryTracker:
     saved for backward (activations, each storage once until freed) and weight copies (saved
     casts or views of a parameter, and tensors kept as attributes of parameters: COAT's FP8
     weight caches), and their values when their sum peaked. Unsaved temporaries are in
-    ``measured - tracked``. ``grad_hooks=False`` counts gradients in ``count_grads`` only
-    (FSDP2 calls the hooks of sharded parameters with views of one reduce-scatter output).
+    ``measured - tracked``; a saved tensor marked ``loss.SAVED_GRADIENT`` (the loss's
+    gradients, made in forward) is a gradient. ``grad_hooks=False`` counts gradients in
+    ``count_grads`` only (FSDP2 calls the hooks of sharded parameters with views of one
+    reduce-scatter output).
     Counting costs host time: ``stop()`` between steps, ``start(optimizer)`` before one."""
 
     KINDS = ("weights", "gradients", "optimizer_state", "activations", "weight_copies")
@@ -114,6 +118,7 @@ class MemoryTracker:
         self._watched: set[int] = set()  # ids of live tensors attached to parameters
         self._scan_pending = False
         self._grads_seen: set[int] = set()
+        self._param_grads = 0  # bytes of the parameters' gradients counted in "gradients"
         self._grad_hooks = grad_hooks
         self._handles: list = []
         self.active = False
@@ -156,6 +161,8 @@ class MemoryTracker:
             ref = self._saved.get(key)
             if ref is None:
                 kind = "weight_copies" if _is_weight_copy(t) else "activations"
+                if getattr(t, SAVED_GRADIENT, False):  # e.g. the loss's, made in forward
+                    kind = "gradients"
                 self._saved[key] = ref = [0, nbytes, kind]
                 self.live[kind] += nbytes
             ref[0] += 1
@@ -212,6 +219,7 @@ class MemoryTracker:
     def _on_grad(self, p):
         if id(p) not in self._grads_seen:
             self._grads_seen.add(id(p))
+            self._param_grads += tensor_bytes([p.grad])
             self.live["gradients"] += tensor_bytes([p.grad])
             self._update()
 
@@ -220,6 +228,7 @@ class MemoryTracker:
         storage once; call after backward."""
         new = [p for p in self._params if p.grad is not None and id(p) not in self._grads_seen]
         self._grads_seen.update(id(p) for p in new)
+        self._param_grads += tensor_bytes([p.grad for p in new])
         self.live["gradients"] += tensor_bytes([p.grad for p in new])
         self._update()
 
@@ -229,7 +238,9 @@ class MemoryTracker:
         self.scan_attached()
 
     def grads_dropped(self):
-        self.live["gradients"] = 0
+        # The parameters' gradients; a gradient saved for backward is released when freed.
+        self.live["gradients"] -= self._param_grads
+        self._param_grads = 0
         self._grads_seen.clear()
 
     def _update(self):
