@@ -148,21 +148,72 @@ def _head(dtype=torch.bfloat16):
     return h, w, t
 
 
-@pytest.mark.parametrize("factor", [0.25, 3.0], ids=str)
-def test_gradients_made_in_forward_scale_by_the_upstream_gradient(factor):
-    """Forward makes the gradients for an upstream gradient of 1; backward scales them. A
-    power of two (gradient accumulation's 1 / 4) scales every rounding exactly: the bits of
-    the unscaled gradients times it; another factor rounds once more."""
-    h, w, t = _head()
-    linear_cross_entropy(h, w, t, chunk_rows=16).backward()
-    base = h.grad.clone(), w.grad.clone()
+def _grads(h, w, t, factor, early=None):
+    """Gradients of ``factor * linear_cross_entropy(h, w, t)`` (chunks of 16 rows); ``early``
+    forces where they are made (True: in forward, False: in backward)."""
+    from coat_models.loss import _LinearCrossEntropy
+
     h.grad = w.grad = None
-    (linear_cross_entropy(h, w, t, chunk_rows=16) * factor).backward()
-    for got, want in zip((h.grad, w.grad), base, strict=True):
-        if factor == 0.25:
-            assert torch.equal(got, want * factor)
-        else:
-            torch.testing.assert_close(got, want * factor, rtol=2**-7, atol=0)
+    if early is None:
+        loss = linear_cross_entropy(h, w, t, chunk_rows=16)
+    else:
+        loss = _LinearCrossEntropy.apply(h, w, t, -100, None, 16, early, (True, True))
+    (loss * factor).backward()
+    return h.grad.clone(), w.grad.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gradients_made_in_forward_are_backwards_bits(dtype):
+    """Made in forward and scaled by the upstream gradient in backward: for a power of two
+    (gradient accumulation's 1 / 4) the bits of the gradients made in backward from the
+    scaled per-row weights; for another factor (1 / 3) one more rounding, in fp32, of the
+    unit-scale gradients: no rounding of the factor to the gradients' dtype first."""
+    h, w, t = _head(dtype)
+    for factor in (1.0, 0.25, 2.0**-20):
+        for got, want in zip(_grads(h, w, t, factor), _grads(h, w, t, factor, early=False),
+                             strict=True):  # fmt: skip
+            assert torch.equal(got, want)
+    unit = _grads(h, w, t, 1.0)
+    got = _grads(h, w, t, 1 / 3)
+    assert torch.equal(got[0], (unit[0].float() * (1 / 3)).to(dtype))
+    # The weight's is scaled before its one rounding from the fp32 sum.
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22  # two roundings of the values compared
+    torch.testing.assert_close(got[1].float(), unit[1].float() / 3, rtol=ulp, atol=0)
+
+
+def test_fp16_gradients_are_made_in_backward_under_a_loss_scale():
+    """fp16: the gradients are made in backward from the loss-scaled per-row weights (at unit
+    scale many would underflow to zero first): GradScaler's 65536 gives finite gradients,
+    the reference's times 65536, and no exact zeros where the reference has none."""
+    h, w, t = (x.half() if x.is_floating_point() else x for x in _head())
+    h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+    scale = 65536.0
+    got = _grads(h, w, t, scale)
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    (reference.linear_cross_entropy(h64, w64, t) * scale).backward()
+    for g, want in zip(got, (h64.grad, w64.grad), strict=True):
+        assert torch.isfinite(g).all()
+        assert ((g == 0) & (want != 0)).sum() == 0
+        torch.testing.assert_close(g.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
+
+
+def test_only_the_wanted_gradients_are_made():
+    """A frozen head (LoRA, a frozen tied embedding) keeps no fp32 weight gradient from
+    forward to backward, and frozen hidden states no hidden-state gradient."""
+    h, w, t = _head()
+    for frozen in ("weight", "hidden"):
+        hh = h.detach().requires_grad_(frozen != "hidden")
+        ww = w.detach().requires_grad_(frozen != "weight")
+        kept = []
+        pack = kept.append
+        with torch.autograd.graph.saved_tensors_hooks(lambda x, p=pack: p(x) or x, lambda x: x):
+            loss = linear_cross_entropy(hh, ww, t, chunk_rows=16)
+        assert sum(x.nbytes for x in kept if x is not None) == (
+            hh.nbytes if frozen == "weight" else ww.numel() * 4
+        )
+        loss.backward()
+        assert (hh.grad is None) == (frozen == "hidden")
+        assert (ww.grad is None) == (frozen == "weight")
 
 
 def test_no_gradient_work_without_autograd(monkeypatch):

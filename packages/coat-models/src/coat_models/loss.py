@@ -8,8 +8,10 @@ log-sum-exp and, when the loss will be differentiated, turned into its gradients
 factor that backward applies): the chunk's logits gradient is written over its logits, its
 share of the hidden states' gradient is one GEMM and of the weight's one more, summed in
 fp32 over chunks. The logits are then dropped; nothing is projected twice. Kept for
-backward: the two gradients. Both reductions run as one Triton kernel per chunk where
-Triton runs (``ops.cross_entropy``), PyTorch's ops otherwise.
+backward: the two gradients. In fp16 (trained with a loss scale, which unit-scale gradients
+would underflow before) backward projects each chunk again instead, the upstream gradient
+folded into the per-row weights first. Both reductions run as one Triton kernel per chunk
+where Triton runs (``ops.cross_entropy``), PyTorch's ops otherwise.
 """
 
 from __future__ import annotations
@@ -36,14 +38,27 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _chunk_grads(h, w, targets, lse, coef, grad_hidden, grad_weight, logits=None):
+    """One chunk's share of the gradients for per-row loss weights ``coef``: the logits
+    gradient ``(softmax - one_hot(target)) * coef`` written over the chunk's logits in one
+    pass (``ops.cross_entropy``), then ``grad_hidden``'s rows and ``grad_weight``'s fp32 sum
+    (either may be None: not wanted)."""
+    g = cross_entropy_grad_(F.linear(h, w) if logits is None else logits, targets, lse, coef)
+    if grad_hidden is not None:
+        grad_hidden.copy_(g @ w)
+    if grad_weight is not None:
+        grad_weight += (g.t() @ h).float()
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
-    """The loss and, when ``with_grads``, its gradients for an upstream gradient of 1, made
-    in forward chunk by chunk while each chunk's logits exist (the loss is the model's last
-    op: backward would have to project every chunk again, a fourth head GEMM); backward
-    scales them by the upstream gradient."""
+    """The loss. ``early``: its gradients for an upstream gradient of 1 are made in forward,
+    chunk by chunk while each chunk's logits exist (the loss is the model's last op), and
+    backward scales them; else (fp16, whose unit-scale gradients would underflow before a
+    loss scale applies) backward projects every chunk again and folds the upstream gradient
+    into the per-row weights first. ``needs``: whether hidden and weight want gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, num_items, rows, with_grads):
+    def forward(ctx, hidden, weight, targets, ignore_index, num_items, rows, early, needs):
         dtype = _compute_dtype(hidden)
         valid = targets != ignore_index
         targets = targets.where(valid, 0)
@@ -54,40 +69,58 @@ class _LinearCrossEntropy(torch.autograd.Function):
         lse, diff = torch.empty(2, hidden.shape[0], dtype=torch.float32, device=hidden.device)
         w = weight.to(dtype)
         grad_hidden = grad_weight = None
-        if with_grads:
+        if early:
             coef = valid / denom  # each row's weight in the loss (fp32), 0 where ignored
-            grad_hidden = torch.empty_like(hidden)
+            grad_hidden = torch.empty_like(hidden) if needs[0] else None
             # fp32 accumulation over chunks: one rounding to the weight's dtype at the end.
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            grad_weight = None
+            if needs[1]:
+                grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], rows):
                 rs = slice(start, start + rows)
                 h = hidden[rs].to(dtype)
                 logits = F.linear(h, w)
                 lse_rows(logits, targets[rs], lse[rs], diff[rs])
-                if with_grads:
-                    # d loss / d logits = (softmax - one_hot(target)) * coef, written over
-                    # the chunk's logits in one pass (``ops.cross_entropy``).
-                    g = cross_entropy_grad_(logits, targets[rs], lse[rs], coef[rs])
-                    grad_hidden[rs] = g @ w
-                    grad_weight += (g.t() @ h).float()
-        for t in (grad_hidden, grad_weight):
-            if t is not None:
-                setattr(t, SAVED_GRADIENT, True)
-        ctx.save_for_backward(grad_hidden, grad_weight)
+                if early:
+                    gh = None if grad_hidden is None else grad_hidden[rs]
+                    _chunk_grads(h, w, targets[rs], lse[rs], coef[rs], gh, grad_weight, logits)
+        ctx.early, ctx.denom, ctx.dtype, ctx.rows = early, denom, dtype, rows
         ctx.weight_dtype = weight.dtype
+        if early:
+            for t in (grad_hidden, grad_weight):
+                if t is not None:
+                    setattr(t, SAVED_GRADIENT, True)
+            ctx.save_for_backward(grad_hidden, grad_weight)
+        else:
+            ctx.save_for_backward(hidden, weight, targets, valid, lse)
         return (diff * valid).sum() / denom
 
     @staticmethod
     def backward(ctx, grad):
-        # Made in forward (``with_grads``: always so when autograd recorded this node).
-        grad_hidden, grad_weight = ctx.saved_tensors
-        grad = grad.float()
-        gh = grad_hidden * grad.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
-        gw = None
-        if ctx.needs_input_grad[1]:
-            gw = (grad_weight * grad).to(ctx.weight_dtype)
-        return gh, gw, None, None, None, None, None
+        need_h, need_w = ctx.needs_input_grad[:2]
+        if ctx.early:  # made in forward for an upstream gradient of 1: scaled in fp32 here
+            grad_hidden, grad_weight = ctx.saved_tensors
+            grad = grad.float()
+            gh = gw = None
+            if need_h and grad_hidden is not None:
+                gh = (grad_hidden.float() * grad).to(grad_hidden.dtype)
+            if need_w and grad_weight is not None:
+                gw = (grad_weight * grad).to(ctx.weight_dtype)
+            return gh, gw, None, None, None, None, None, None
+        hidden, weight, targets, valid, lse = ctx.saved_tensors
+        w = weight.to(ctx.dtype)
+        gh = torch.empty_like(hidden) if need_h else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        coef = valid * (grad / ctx.denom).float()  # the upstream gradient in each row's weight
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], ctx.rows):
+                rs = slice(start, start + ctx.rows)
+                h = hidden[rs].to(ctx.dtype)
+                _chunk_grads(h, w, targets[rs], lse[rs], coef[rs], None if gh is None else gh[rs],
+                             gw if need_w else None)  # fmt: skip
+        gw = gw.to(weight.dtype) if need_w else None
+        return gh, gw, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -105,11 +138,14 @@ def linear_cross_entropy(
     autocast dtype), ``targets (N,)`` int64 in ``[0, V)`` or ``ignore_index``. Returns a
     0-dim fp32 loss: the mean over targets that are not ``ignore_index``, or their sum
     divided by ``num_items`` when it is given, the reduction of transformers'
-    ``ForCausalLMLoss``. With gradients enabled and ``hidden`` or ``weight`` requiring
-    grad, the gradients are computed here too (backward only scales them): a loss that is
-    never differentiated is cheaper under ``torch.no_grad()``. Same value and gradients as
-    ``coat_models.reference.linear_cross_entropy`` (up to summation order, and one rounding
-    of the gradients to their dtype where the upstream gradient is not a power of two).
+    ``ForCausalLMLoss``. With gradients enabled, the gradients of whichever of ``hidden``
+    and ``weight`` require grad are computed here too (backward scales them by the upstream
+    gradient, in fp32): a loss that is never differentiated is cheaper under
+    ``torch.no_grad()``. In fp16 (loss scaling) backward computes them instead, from the
+    scaled upstream gradient. Same value and gradients as
+    ``coat_models.reference.linear_cross_entropy`` (up to summation order, and one more
+    rounding of the gradients to their dtype where the upstream gradient is not a power of
+    two).
     ``chunk_rows``: rows projected at a time (default: as many as make 2**26 fp32 logits).
 
     >>> loss = linear_cross_entropy(h.view(-1, 4096), lm_head.weight, labels.view(-1))
@@ -147,7 +183,10 @@ def linear_cross_entropy(
             f"[0, {vocab}) or ignore_index ({ignore_index})",
         )
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // vocab)
-    with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    grads = torch.is_grad_enabled()
+    needs = (grads and hidden.requires_grad, grads and weight.requires_grad)
+    # fp16 gradients at unit scale would underflow before a loss scale could apply.
+    early = any(needs) and _compute_dtype(hidden) != torch.float16
     return _LinearCrossEntropy.apply(
-        hidden, weight, targets, ignore_index, num_items, rows, with_grads
+        hidden, weight, targets, ignore_index, num_items, rows, early, needs
     )
