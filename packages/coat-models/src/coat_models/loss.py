@@ -111,16 +111,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden, weight, targets, valid, lse = ctx.saved_tensors
         w = weight.to(ctx.dtype)
         gh = torch.empty_like(hidden) if need_h else None
-        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        gw = None
+        if need_w:  # fp32 accumulation over chunks, one rounding at the end
+            gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         coef = valid * (grad / ctx.denom).float()  # the upstream gradient in each row's weight
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], ctx.rows):
                 rs = slice(start, start + ctx.rows)
                 h = hidden[rs].to(ctx.dtype)
-                _chunk_grads(h, w, targets[rs], lse[rs], coef[rs], None if gh is None else gh[rs],
-                             gw if need_w else None)  # fmt: skip
-        gw = gw.to(weight.dtype) if need_w else None
-        return gh, gw, None, None, None, None, None, None
+                gh_rows = None if gh is None else gh[rs]
+                _chunk_grads(h, w, targets[rs], lse[rs], coef[rs], gh_rows, gw)
+        return gh, None if gw is None else gw.to(weight.dtype), None, None, None, None, None, None
 
 
 def linear_cross_entropy(
