@@ -33,12 +33,13 @@ where COAT's step is slower than bf16's (a diagnostic, not the numbers to report
 ``profile --grad-accum N`` profiles steps of N micro-batches. It prints a host probe first
 (``host_probe``: ns per Python call, us per small op; ``bench_e2e.py probe`` prints it alone,
 the main run in its header) to compare readings across machines. Then for each variant:
-``Trainer.run_step`` wall time and the host time until ``queue_step`` returns; the step
-split into forward, backward and clip + optimizer step, each as host time (until the call
-returns) and wall time (until the GPU is done), with and without the memory tracker's
-saved-tensor hooks; ``cProfile``'s top functions over two steps; the GPU kernel time of one
-step (``torch.profiler``, top kernels), last: once it has run, Triton's launches pay for its
-launch hook. ``--device cpu`` is a smoke test of the script only.
+``Trainer.run_step`` wall time and the host time until ``queue_step`` returns; the host
+time of each ``torch._scaled_mm`` call inside a step; the step split into forward, backward
+and clip + optimizer step, each as host time (until the call returns) and wall time (until
+the GPU is done), with and without the memory tracker's saved-tensor hooks; ``cProfile``'s
+top functions over two steps; the GPU kernel time of one step (``torch.profiler``, top
+kernels), last: once it has run, Triton's launches pay for its launch hook. ``--device cpu``
+is a smoke test of the script only.
 """
 
 from __future__ import annotations
@@ -445,6 +446,34 @@ def _phases(trainer: Trainer, rounds: int, hooks: bool) -> dict:
     return {n: (med(host[n]), med(wall[n])) for n in names}
 
 
+def _scaled_mm_host(trainer: Trainer) -> str:
+    """Host time of each ``torch._scaled_mm`` call inside two queued steps (a step's calls
+    cost more than the same call repeated alone: caches are cold between them)."""
+    real, times = torch._scaled_mm, []
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = real(*args, **kwargs)
+        times.append(time.perf_counter() - t0)
+        return out
+
+    torch._scaled_mm = timed
+    try:
+        for _ in range(2):
+            trainer.queue_step()
+        trainer.read_steps()
+    finally:
+        torch._scaled_mm = real
+    if not times:
+        return "torch._scaled_mm host per call inside a step: no calls"
+    us = sorted(t * 1e6 for t in times)
+    n = len(us)
+    return (
+        f"torch._scaled_mm host per call inside a step: median {us[n // 2]:.1f} us, p90 "
+        f"{us[int(n * 0.9)]:.1f} us, {n // 2} calls a step, {sum(us) / 2e3:.1f} ms a step"
+    )
+
+
 def profile_step(
     name: str, config, data, mb: int, seq: int, rounds: int, top: int, device, grad_accum: int = 1
 ) -> str:
@@ -472,6 +501,7 @@ def profile_step(
             f"({', '.join(f'{s:.0f}' for s in steps)}); host (until queue_step returns) "
             f"median {statistics.median(hosts):.1f} ms"
         )
+        lines.append(_scaled_mm_host(trainer))
         for hooks in (True, False):
             ph = _phases(trainer, rounds, hooks)
             cells = ", ".join(f"{n} {h:.1f}/{w:.1f}" for n, (h, w) in ph.items())
