@@ -7,15 +7,20 @@ curves committed in ``results/accuracy-125m/<mode>/metrics.jsonl``.
     python packages/coat-models/benchmarks/bench_e2e_accuracy.py --check-only /tmp/acc
 
 The first trains both modes into ``--out`` (default ``accuracy-125m-run``), the second only
-compares an earlier run's curves. Checks, per mode against its golden curve: every
+compares an earlier run's curves. Checks, per mode against its golden curve (seed 0): every
 validation loss within ``VAL_TOL`` and the mean training loss of every ``WINDOW``-step
-window within ``TRAIN_TOL`` (relative); and coat's final validation loss against bf16's of
-the same run (the issue's target: within ``TARGET_GAP``, the paper's OLMo-1B gap is 0.43%).
-Exit 0 when every check holds, 1 otherwise. GPU training is not bit-reproducible between
-processes, and two seeds of bf16 itself differ by about 1% in final validation loss here,
-hence tolerances above that. ``--update-golden`` makes this run the golden curves and
-writes ``provenance.json`` beside them (date, device, software, commit, command, final
-losses, ``--why``); do it after a change that is meant to move them, and say why.
+window within ``TRAIN_TOL`` (relative); and coat's final validation loss against bf16's
+(the issue's target: coat at most ``TARGET_GAP`` above bf16; the paper's OLMo-1B gap is
+0.43%). Exit 0 when every curve check holds, 1 otherwise (the gap is reported, met or not,
+and does not set the exit status). GPU training is not bit-reproducible
+between processes, and the final validation loss of one mode moves by about 1% from seed to
+seed here (bf16: 0.6764, 0.6804, 0.6870 at seeds 0-2), more than the target: ``--seeds N``
+trains both modes at seeds 0 to N-1 (seed s > 0 into ``<out>/seed-<s>``) and the target
+then holds for the mean of the seeds' gaps (coat / bf16 - 1 at the same seed), each seed's
+gap listed beside it. ``--check-only`` finds the ``seed-<s>`` folders itself.
+``--update-golden`` makes this run (seed 0) the golden curves and writes ``provenance.json``
+beside them (date, device, software, commit, command, final losses, ``--why``); do it after
+a change that is meant to move them, and say why.
 Extra arguments go to coat-train (the golden curves are of the defaults). Not a pytest
 module: run it as a script.
 """
@@ -77,11 +82,48 @@ def _row(what: str, got: float | None, want: float, tol: float) -> dict:
             "ok": rel is not None and abs(rel) <= tol}  # fmt: skip
 
 
+def seed_runs(run_dir: Path) -> dict[int, Path]:
+    """``{seed: directory}`` of a run: seed 0 is ``run_dir`` itself, seed s > 0 its
+    ``seed-<s>`` folder (``--seeds``)."""
+    runs = {0: run_dir}
+    for d in run_dir.glob("seed-*"):
+        if d.is_dir() and d.name[5:].isdigit() and int(d.name[5:]) > 0:
+            runs[int(d.name[5:])] = d
+    return dict(sorted(runs.items()))
+
+
+def final_val(run_dir: Path, mode: str) -> float | None:
+    """The validation loss at the last evaluated step of ``<run_dir>/<mode>``, None if none."""
+    val = read_curves(run_dir, mode)[1]
+    return val[max(val)] if val else None
+
+
+def parity(run_dir: Path) -> tuple[bool | None, list[str]]:
+    """coat's final validation loss against bf16's, per seed and their mean gap: ``(met,
+    report lines)``, met None when no seed has both."""
+    gaps = {}
+    for seed, d in seed_runs(run_dir).items():
+        bf16, coat = final_val(d, "bf16"), final_val(d, "coat")
+        if bf16 is not None and coat is not None:
+            gaps[seed] = (bf16, coat, coat / bf16 - 1)
+    if not gaps:
+        return None, []
+    lines = [f"seed {s}: final val loss bf16 {b:.4f}, coat {c:.4f}: gap {g * 100:+.3f}%"
+             for s, (b, c, g) in gaps.items()]  # fmt: skip
+    mean = sum(g for _, _, g in gaps.values()) / len(gaps)
+    met = mean <= TARGET_GAP
+    what = "gap" if len(gaps) == 1 else f"mean gap of {len(gaps)} seeds"
+    lines.append(
+        f"{what} {mean * 100:+.3f}% (target: coat at most {TARGET_GAP:.1%} above bf16: "
+        f"{'met' if met else 'NOT met'})"
+    )
+    return met, lines
+
+
 def check(run_dir: Path, golden_dir: Path = GOLDEN) -> tuple[bool, list[str]]:
-    """Both modes' curves against the golden ones and coat's final gap to bf16: ``(all
-    held, report lines)``."""
+    """Both modes' curves (seed 0) against the golden ones, and coat's final gap to bf16
+    (``parity``): ``(every curve check held, report lines)``."""
     lines, ok = [], True
-    finals = {}
     for mode in MODES:
         run = read_curves(run_dir, mode)
         rows = compare(run, read_curves(golden_dir, mode))
@@ -95,14 +137,7 @@ def check(run_dir: Path, golden_dir: Path = GOLDEN) -> tuple[bool, list[str]]:
         )
         lines += [f"  OUT: {r['what']}: run {r['run']}, golden {r['golden']:.4f} "
                   f"({_pct(r['rel'])})" for r in bad]  # fmt: skip
-        finals[mode] = run[1][max(run[1])] if run[1] else None
-    if None not in finals.values():
-        gap = finals["coat"] / finals["bf16"] - 1
-        met = abs(gap) <= TARGET_GAP
-        lines.append(
-            f"final val loss bf16 {finals['bf16']:.4f}, coat {finals['coat']:.4f}: gap "
-            f"{gap * 100:+.3f}% (target within {TARGET_GAP:.1%}: {'met' if met else 'NOT met'})"
-        )
+    lines += parity(run_dir)[1]
     return ok, lines
 
 
@@ -152,16 +187,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-only", metavar="RUN_DIR", help="compare an earlier run, no training")
     p.add_argument("--update-golden", action="store_true", help="this run becomes the golden one")
     p.add_argument("--why", default="", help="with --update-golden: why the curves move")
+    p.add_argument("--seeds", type=int, default=1, metavar="N",
+                   help="train at seeds 0 to N-1; the gap target holds for their mean")  # fmt: skip
     args, extra = p.parse_known_args(argv)
+    if args.seeds < 1:
+        p.error(f"--seeds must be at least 1, got {args.seeds}")
     run_dir = Path(args.check_only or args.out)
     if not args.check_only:
         from coat_models.train import cli
 
-        code = cli.main(["--preset", "125m", "--compare", ",".join(MODES), "--steps", str(STEPS),
-                         "--eval-every", "500", "--log-every", "50", "--no-progress",
-                         "--out", str(run_dir), *extra])  # fmt: skip
-        if code:
-            return code
+        for seed in range(args.seeds):
+            out = run_dir / f"seed-{seed}" if seed else run_dir
+            code = cli.main(["--preset", "125m", "--compare", ",".join(MODES), "--steps",
+                             str(STEPS), "--eval-every", "500", "--log-every", "50",
+                             "--no-progress", "--seed", str(seed), "--out", str(out),
+                             *extra])  # fmt: skip
+            if code:
+                return code
     try:
         ok, lines = check(run_dir)
     except (OSError, ValueError, KeyError) as e:

@@ -96,3 +96,38 @@ def test_update_golden_records_where_the_curves_come_from(bench, tmp_path, monke
     for mode in bench.MODES:
         assert prov["final_val_loss"][mode] == bench.read_curves(run, mode)[1][2000]
     assert set(prov) >= {"date", "device", "software", "code", "gap"}
+
+
+def _finals(run: Path, bf16: float, coat: float) -> Path:
+    """A run directory whose only points are the two modes' final validation losses."""
+    for mode, loss in (("bf16", bf16), ("coat", coat)):
+        (run / mode).mkdir(parents=True)
+        record = {"type": "eval", "step": 2000, "val_loss": loss}
+        (run / mode / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    return run
+
+
+def test_parity_is_the_mean_gap_over_seeds(bench, tmp_path):
+    """--seeds: seed s > 0 lives in <run>/seed-<s>; the target holds for the mean of the
+    seeds' gaps (coat / bf16 - 1), each listed; coat below bf16 is not a miss."""
+    run = _finals(tmp_path, 1.0, 1.012)
+    met, lines = bench.parity(run)
+    assert met is False and "gap +1.200%" in lines[-1], lines
+    _finals(run / "seed-1", 1.0, 0.992)
+    _finals(run / "seed-2", 2.0, 1.98)
+    (run / "seed-x").mkdir()  # not a seed folder
+    assert list(bench.seed_runs(run)) == [0, 1, 2]
+    met, lines = bench.parity(run)
+    assert met is True, lines
+    assert lines[-1].startswith("mean gap of 3 seeds -0.")
+    assert [line.split(":")[0] for line in lines[:3]] == ["seed 0", "seed 1", "seed 2"]
+    assert "gap -0.800%" in lines[1] and "gap -1.000%" in lines[2]
+    # the mean, not each seed: (1.2 - 0.8 - 1.0) / 3 = -0.2%
+    assert "-0.200%" in lines[-1]
+
+
+def test_seeds_must_be_positive(bench, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--seeds", "0", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert "--seeds must be at least 1" in capsys.readouterr().err
