@@ -181,6 +181,24 @@ def test_gradients_made_in_forward_are_backwards_bits(dtype):
     torch.testing.assert_close(got[1].float(), unit[1].float() / 3, rtol=ulp, atol=0)
 
 
+def test_fp32_states_under_autocast_get_the_autocast_gemms_gradients():
+    """fp32 hidden states and head under bf16 autocast: the GEMMs run on their bf16 copies,
+    so the hidden states' gradient is the bf16 run's exactly (written into the fp32 rows)
+    and the head's, summed in fp32, rounds to the bf16 run's; made in forward or in
+    backward, the same bits."""
+    h16, w16, t = _head(torch.bfloat16)
+    h, w = (x.detach().float().requires_grad_() for x in (h16, w16))
+    want = _grads(h16, w16, t, 0.25)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        got = _grads(h, w, t, 0.25)
+        late = _grads(h, w, t, 0.25, early=False)
+    assert got[0].dtype == got[1].dtype == torch.float32
+    assert torch.equal(got[0], want[0].float())
+    assert torch.equal(got[1].to(torch.bfloat16), want[1])
+    for a, b in zip(got, late, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_fp16_gradients_are_made_in_backward_under_a_loss_scale():
     """fp16: the gradients are made in backward from the loss-scaled per-row weights (at unit
     scale many would underflow to zero first): GradScaler's 65536 gives finite gradients,

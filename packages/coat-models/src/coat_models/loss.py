@@ -44,10 +44,12 @@ def _chunk_grads(h, w, targets, lse, coef, grad_hidden, grad_weight, logits=None
     pass (``ops.cross_entropy``), then ``grad_hidden``'s rows and ``grad_weight``'s fp32 sum
     (either may be None: not wanted)."""
     g = cross_entropy_grad_(F.linear(h, w) if logits is None else logits, targets, lse, coef)
-    if grad_hidden is not None:
+    if grad_hidden is not None and grad_hidden.dtype == g.dtype:
+        torch.mm(g, w, out=grad_hidden)  # in place: no temporary, no copy
+    elif grad_hidden is not None:  # hidden states in another dtype than the autocast one
         grad_hidden.copy_(g @ w)
-    if grad_weight is not None:
-        grad_weight += (g.t() @ h).float()
+    if grad_weight is not None:  # the fp32 add reads the GEMM's output as is: no fp32 copy
+        grad_weight.add_(g.t() @ h)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
