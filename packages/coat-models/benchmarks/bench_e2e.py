@@ -1,4 +1,4 @@
-"""End-to-end training benchmark on one GPU (issue 6, benchmark 1): full-parameter training of
+"""End-to-end training benchmark on one GPU: full-parameter training of
 Llama-2-7B shapes at seq 2048, per variant (bf16; coat; coat with bf16 master weights; and, on
 request, coat-cache: coat keeping the FP8 weight copies between steps, ``--fp8-weight-cache``;
 coat-compile: coat with each decoder layer compiled, ``coat_models.compile_layers``, as
@@ -97,7 +97,7 @@ VARIANTS = {
 # FP8 kernels inside; embeddings, final norm, head and loss stay eager.
 COMPILED = {"coat-compile"}
 DEFAULT_VARIANTS = "bf16,coat,coat-bf16master"
-# Targets of issue 6 against bf16: peak memory at the same micro-batch, tokens/s at the best.
+# Targets against bf16: peak memory at the same micro-batch, tokens/s at the best.
 TARGETS = {"coat": {"memory": 1.6, "speed": 1.6}, "coat-bf16master": {"memory": 2.2, "speed": 1.6}}
 
 

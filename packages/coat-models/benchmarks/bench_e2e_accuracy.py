@@ -10,7 +10,7 @@ The first trains both modes into ``--out`` (default ``accuracy-125m-run``), the 
 compares an earlier run's curves. Checks, per mode against its golden curve (seed 0): every
 validation loss within ``VAL_TOL`` and the mean training loss of every ``WINDOW``-step
 window within ``TRAIN_TOL`` (relative); and coat's final validation loss against bf16's
-(the issue's target: coat at most ``TARGET_GAP`` above bf16; the paper's OLMo-1B gap is
+(the target: coat at most ``TARGET_GAP`` above bf16; the paper's OLMo-1B gap is
 0.43%). Exit 0 when every curve check holds, 1 otherwise (the gap is reported, met or not,
 and does not set the exit status). GPU training is not bit-reproducible
 between processes, and the final validation loss of one mode moves by about 1% from seed to

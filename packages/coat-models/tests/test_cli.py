@@ -207,7 +207,7 @@ def test_sigterm_stops_like_ctrl_c(tmp_path, capsys, monkeypatch):
 def test_a_signal_python_drops_still_stops_the_run(tmp_path, capsys, monkeypatch):
     """Ctrl-C whose KeyboardInterrupt lands in a ``__del__`` (the memory tracker's records),
     where Python prints and drops it: the run still stops as interrupted (exit 130) at the
-    end of that step, the steps done logged. It used to train to the end and exit 0."""
+    end of that step, the steps done logged, instead of training to the end and exiting 0."""
     import signal
 
     orig = Trainer.queue_step
@@ -704,9 +704,9 @@ def test_a_refused_resume_into_a_new_out_leaves_no_directory(tmp_path, capsys):
 def test_compare_resume_with_a_broken_later_checkpoint_changes_nothing(tmp_path, capsys, damage):
     """A later mode's newest checkpoint that cannot be resumed (a truncated file, a lost
     manifest, an empty step directory, a broken metrics line) is refused before the first
-    mode goes on: exit 2 (1 for the metrics file), one line, nothing under --out changed. The
-    first mode used to be resumed and finished again, its results rewritten and the report
-    deleted, before the second one failed."""
+    mode goes on: exit 2 (1 for the metrics file), one line, nothing under --out changed: the
+    first mode is not resumed and finished again, its results rewritten and the report
+    deleted, only for the second one to fail."""
     args = ["--compare", "bf16,coat", "--steps", 4, "--save-every", 2, "--eval-every", 2]
     args += ["--no-export", "--keep-checkpoints", 5, "--out", tmp_path, *FAST]
     assert run(args, capsys)[0] == 0

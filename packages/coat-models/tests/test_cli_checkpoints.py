@@ -140,7 +140,7 @@ _FORK_SERVER = textwrap.dedent(
 # --keep-checkpoints 1, so their first save replaces the step-4 checkpoint already there.
 KILLED = {
     # step 2 moved out of the checkpoints directory first: the step 4 being replaced is the
-    # only checkpoint there (the --keep-checkpoints 1 case of the issue)
+    # only checkpoint there (the --keep-checkpoints 1 case)
     "replace-the-only-one": (
         "{out}/saved/step_0000002",
         [

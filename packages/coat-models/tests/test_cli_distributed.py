@@ -8,7 +8,7 @@ single-process references run here first.
 
 Rank r of 2 takes micro-batch ``micro * 2 + r``, so 2 ranks with ``--grad-accum A`` train on
 the tokens of one process with ``--grad-accum 2A``. Expected differences (CPU, one thread,
-deterministic kernels; measured with torch 2.13):
+deterministic kernels):
 
 * FSDP2 computes with bf16 parameters where one process uses autocast over fp32 ones, so
   the comparison uses ``--master-dtype bf16`` (both then compute on the same bf16 weights)
@@ -16,12 +16,12 @@ deterministic kernels; measured with torch 2.13):
   can differ from the one-process norm by one bf16 ulp, and the clip factor with it). With
   A = 1 the rank's gradients are reduced in fp32 and rounded once to bf16, exactly as one
   process accumulates two bf16 halves. Only the logged loss differs: one process averages
-  the micro-batch losses in fp32, the ranks in float64. Measured: 5e-8 relative;
+  the micro-batch losses in fp32, the ranks in float64: about 5e-8 relative;
   FSDP_RTOL = 1e-6. (With fp32 master weights the bf16 compute moves the losses by about
   2e-4 relative.)
 * DDP with A = 2 sums the four micro-batch gradients in another fp32 order, (g0 + g2) +
   (g1 + g3) against ((g0 + g1) + g2) + g3: about 1e-7 relative per step, which the FP8
-  optimizer states may amplify by a code. Measured: at most 2.3e-6 over 4 steps;
+  optimizer states may amplify by a code: up to about 2.3e-6 over 4 steps;
   DDP_RTOL = 2e-5. Both tolerances fail on a wrong data split: a micro-batch other than
   the one-process run's moves the first loss by about 2e-3.
 * A resumed run reproduces the uninterrupted one bit for bit (same launch, same numbers).

@@ -1,4 +1,4 @@
-"""coat-train with the vision-language presets (issue 7): the llava-tiny preset end to end on
+"""coat-train with the vision-language presets: the llava-tiny preset end to end on
 CPU through the CLI (both modes, compare table, JSONL, PNG), and its bad-input messages."""
 
 import json

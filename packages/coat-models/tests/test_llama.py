@@ -129,10 +129,10 @@ def fp8_gemms(model: LlamaForCausalLM) -> LlamaForCausalLM:
 # most of them (hence TINY's 29-31 dB logits). Against fp32, 3 seeds, on CPU: COAT 22.1-22.7
 # dB on the logits and 15.9-16.0 dB on its worst gradient (the last layer's q/k_proj weights:
 # their gradient passes the softmax of a near-uniform attention, which cancels most of it);
-# the same model with only its GEMMs in FP8 (`fp8_gemms`) 22.2-22.7 dB and 15.9-16.2 dB; the
-# H200 run (torch 2.11) measured COAT's logits at 22.2 dB. So the floor there is not
-# TINY's 26 dB: COAT must stay within 1 dB (logits) and 1.5 dB (each gradient) of
-# `fp8_gemms` on the same device, and above absolute floors 3 dB under the worst COAT value.
+# the same model with only its GEMMs in FP8 (`fp8_gemms`) 22.2-22.7 dB and 15.9-16.2 dB; on
+# a GPU COAT's logits fall in the same range. So the floor there is not TINY's 26 dB: COAT
+# must stay within 1 dB (logits) and 1.5 dB (each gradient) of `fp8_gemms` on the same
+# device, and above absolute floors 3 dB under the worst COAT value.
 WIDE = dict(hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=4)
 WIDE_LOGITS_FLOOR_DB, WIDE_GRAD_FLOOR_DB = 19.0, 13.0
 
@@ -1031,17 +1031,17 @@ def test_layer_saves_one_fp8_copy_per_gemm_input():
     )
 
 
-# Issue 5: one Llama-2-7B decoder layer (hidden h 4096, MLP f 11008, 32 heads, batch 4 x seq
-# 2048 = 8192 tokens) must save <= 640 MB. Bytes saved per token:
+# The activation-memory bound: one Llama-2-7B decoder layer (hidden h 4096, MLP f 11008, 32
+# heads, batch 4 x seq 2048 = 8192 tokens) must save <= 640 MB. Bytes saved per token:
 #   SDPA's q, k, v and output, bf16                        4 * 2h
 #   SDPA's logsumexp, fp32 per head                        4 * 32
 #   the two norms' inputs, 1x16 E4M3 + an fp32 scale/16    2 * 1.25h
 #   o_proj's input x^T, per-tensor E4M3                    h
 #   SwiGLU's gate and up, 1x16                             2 * 1.25f
 #   the two norms' rstd, fp32                              2 * 4
-# and per layer a few 0-dim scales and maxima. (Before the norms' outputs were re-formed in
-# backward, Q/K/V and gate/up also saved their per-tensor x^T: 2h more, 648 MiB = 679.5 MB,
-# the H200 measurement of benchmarks/bench_llama_layer.py.)
+# and per layer a few 0-dim scales and maxima. (The norms' outputs are re-formed in backward
+# from their saved inputs: Q/K/V and gate/up saving their per-tensor x^T too would add 2h,
+# 648 MiB = 679.5 MB in all, over the bound.)
 LLAMA_7B = dict(hidden=4096, mlp=11008, heads=32)
 
 
@@ -1065,8 +1065,8 @@ def _saved_storages(fn, *args, **kwargs) -> dict[int, int]:
 @pytest.mark.slow
 def test_llama2_7b_layer_saved_bytes():
     """The saved bytes of one COAT Llama-2-7B layer (counted with saved_tensors_hooks, on 32
-    and 64 tokens: the count is linear in the tokens) follow the table above, which at the
-    issue's 8192 tokens is under 640 MB (612.4 MB, 584.1 MiB)."""
+    and 64 tokens: the count is linear in the tokens) follow the table above, which at 8192
+    tokens is under 640 MB (612.4 MB, 584.1 MiB)."""
     h, f, heads = LLAMA_7B.values()
     config = LlamaConfig(
         hidden_size=h, intermediate_size=f, num_attention_heads=heads, num_hidden_layers=1,
@@ -1227,8 +1227,8 @@ def train_losses(model, optimizer, stream, autocast: bool = False) -> torch.Tens
 # loss falling by 2.0-2.1 over the 50 steps. Max |loss difference| over the steps, seeds
 # 0/1/2: COAT 0.0157/0.0283/0.0326 (FP8 activations with torch AdamW alone
 # 0.0142/0.0234/0.0218), plain BF16 autocast 0.0068/0.0055/0.0044. The tolerance is 1.5x the
-# worst COAT value, about 1% of the loss; a CoatAdamW that lost Adam's update bound on
-# sparse embedding gradients (since fixed) was 0.198 off.
+# worst COAT value, about 1% of the loss; a CoatAdamW without Adam's update bound on sparse
+# embedding gradients is 0.198 off.
 TRAIN_TOLERANCE = 0.05
 
 
@@ -1387,11 +1387,10 @@ def test_gpu_activation_memory_and_checkpointing():
     mib = {"plain": p_plain, "coat": p_coat, "ckpt": p_ckpt}
     mib = {name: round(p / 2**20, 1) for name, p in mib.items()}
     # A CPU replay of this test (each kernel allocating only its outputs, as on the GPU)
-    # gives coat/plain 0.59 and ckpt/coat 0.71 for the code of the H200 run, which measured
-    # 0.725: both peaks were set in the MLP backward by the SwiGLU re-form's fp32 temporaries
-    # (4 x 43 MiB here), which checkpointing cannot remove. With that re-form one kernel, the
-    # norm outputs re-formed too and no FP8 hand-over kept with checkpointed layer inputs,
-    # the replay gives coat/plain 0.53 and ckpt/coat 0.54.
+    # gives coat/plain 0.53 and ckpt/coat 0.54, with the SwiGLU re-form one kernel, the norm
+    # outputs re-formed too and no FP8 hand-over kept with checkpointed layer inputs. A
+    # re-form as separate ops sets both peaks in the MLP backward with its fp32 temporaries
+    # (4 x 43 MiB here), which checkpointing cannot remove (ckpt/coat above 0.7).
     assert p_coat < 0.8 * p_plain, mib
     assert p_ckpt < 0.7 * p_coat, mib
 

@@ -10,7 +10,7 @@
   ``test_swiglu.py``, ``test_residual_add.py``.
 
 SQNR floors of those ops (dB; bf16 and fp32 inputs, 64 x 256, values ~N(0, 3^2) with a few
-40x outliers) are explained in each op's file; measured values at the time of writing are in
+40x outliers) are explained in each op's file; the values these seeded cases give are in
 brackets there, and floors leave >= 5 dB of margin. Every output is computed in fp32 from the
 high-precision input with one rounding to the output dtype: bf16 rounding alone is ~55 dB
 [54.9-55.6] -> floor 45.

@@ -8,7 +8,7 @@ SQNR floors (dB; setup and the output's floor of 45: conftest.py), measured in b
 * dx: depends on x only through x / rms(x); the E4M3 group error of the saved x (~31 dB on
   the values) mostly cancels in the normalization [51.5] -> floor 40.
 * dweight = sum(dy * x_hat): linear in the saved x -> inherits E4M3's ~31-33 dB [32.6-33.5]
-  -> floor 27 (the issue's 25 dB plus margin). dbias = sum(dy) never sees the FP8 value
+  -> floor 27 (25 dB plus margin). dbias = sum(dy) never sees the FP8 value
   [55.4] -> floor 45.
 """
 

@@ -7,7 +7,7 @@ SQNR floors (dB; setup and the output's floor of 45: conftest.py), measured in b
 * dx: depends on x only through x / rms(x); the E4M3 group error of the saved x (~31 dB on
   the values) mostly cancels in the normalization [51.5] -> floor 40.
 * dweight = sum(dy * x_hat): linear in the saved x -> inherits E4M3's ~31-33 dB [32.6-33.5]
-  -> floor 27 (the issue's 25 dB plus margin).
+  -> floor 27 (25 dB plus margin).
 """
 
 from __future__ import annotations

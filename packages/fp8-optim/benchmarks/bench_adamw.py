@@ -150,8 +150,8 @@ def test_step_coat_adamw_odd_tensor(benchmark, params):
 
 
 def test_step_coat_adamw_all_odd(benchmark, params):
-    # Every chunk on the non-EVEN kernel (what one odd-sized tensor used to cause): the
-    # price of unaligned or odd-sized tensors, for the record.
+    # Every chunk on the non-EVEN kernel (as if no gradient were aligned): the price of
+    # unaligned or odd-sized tensors, for the record.
     opt = CoatAdamW(params, lr=1e-4)
     opt.step()
     for *_, plan in opt._plans.values():

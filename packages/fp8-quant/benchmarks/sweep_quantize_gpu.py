@@ -52,12 +52,12 @@ FMT = FP8Format.E4M3
 GROUPS = (16, 128)
 
 # (name, launch): the default first; then by expected value. Elements per thread =
-# tile / (32 * warps): the default has 32. ``int-``: the integer encode forced (the default
-# before the hardware cast; t8192-w4 was its best shape, 74-85% of copy on an H200).
+# tile / (32 * warps): the default has 64. ``int-``: the integer encode forced, as GPUs
+# without the hardware cast run it (its best shape is t8192-w4: 74-85% of copy on an H200).
 CONFIGS = [
     ("default", qpg.LAUNCH),  # tile 8192, 4 warps
     ("t4096-w4", GroupLaunch(tile=4096, num_warps=4)),
-    ("t8192-w8", GroupLaunch(tile=8192, num_warps=8)),  # the default until 2026-11-30
+    ("t8192-w8", GroupLaunch(tile=8192, num_warps=8)),  # GroupLaunch()'s 8-warp rule
     ("t2048-w4", GroupLaunch(tile=2048, num_warps=4)),
     ("int-default", qpg.LAUNCH),
     ("int-t8192-w8", GroupLaunch(tile=8192, num_warps=8)),
