@@ -4,28 +4,18 @@
 harness (timing, the table) is ``conftest.py``. Bytes are the minimal ones: each weight read
 once."""
 
-import pytest
 import torch
 from fp8_quant.ops import tensor_amax, tensor_amax_multi
 
-# q, k, v, o; gate, up; down (Llama-2-7B: hidden 4096, intermediate 11008)
-SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)]
 
-
-@pytest.fixture(scope="module")
-def weights():
-    torch.manual_seed(0)
-    return [torch.randn(s, device="cuda") * 0.02 for s in SHAPES]
-
-
-def test_tensor_amax_multi(record, weights):
-    nbytes = sum(w.nbytes for w in weights)
-    want = [w.abs().amax() for w in weights]
-    got = tensor_amax_multi(weights)
+def test_tensor_amax_multi(record, layer_weights):
+    nbytes = sum(w.nbytes for w in layer_weights)
+    want = [w.abs().amax() for w in layer_weights]
+    got = tensor_amax_multi(layer_weights)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     note = "7B layer's 7 fp32 weights"
-    record("tensor_amax_multi (1 launch)", lambda: tensor_amax_multi(weights), nbytes, note)
-    per_weight = lambda: [tensor_amax(w) for w in weights]  # noqa: E731
+    record("tensor_amax_multi (1 launch)", lambda: tensor_amax_multi(layer_weights), nbytes, note)
+    per_weight = lambda: [tensor_amax(w) for w in layer_weights]  # noqa: E731
     record("tensor_amax per weight (7 launches)", per_weight, nbytes, note)
-    foreach = lambda: torch._foreach_norm(weights, float("inf"))  # noqa: E731
+    foreach = lambda: torch._foreach_norm(layer_weights, float("inf"))  # noqa: E731
     record("torch._foreach_norm(ws, inf)", foreach, nbytes, "PyTorch")

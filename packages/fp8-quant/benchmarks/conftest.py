@@ -24,6 +24,7 @@ mode, with no benchmarks/ folder on ``sys.path``):
 
 * ``x``: the bf16 input, ``M x N``, seed 0.
 * ``amax``: the per-tensor amax a producing kernel would hand over (group scaling).
+* ``layer_weights``: a Llama-2-7B decoder layer's seven fp32 weights (the multi-tensor ops).
 * ``record(name, fn, nbytes, note="")``: time ``fn`` both ways, record it with
   pytest-benchmark, add the row ``name`` to the table and return it;
   ``record.ceiling(fn, nbytes, note)``: the same for the copy ceiling; ``record.time(fn)``:
@@ -63,6 +64,18 @@ def x():
 def amax(x):
     """The per-tensor amax a producing kernel would hand over (group scaling)."""
     return fp8_quant.group_amax(x, 16).amax()
+
+
+# A Llama-2-7B decoder layer's weights (hidden 4096, MLP 11008): q, k, v, o; gate, up; down.
+LAYER_SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)]
+
+
+@pytest.fixture(scope="module")
+def layer_weights():
+    """The seven weights of a Llama-2-7B decoder layer as fp32 master weights (coat-train
+    keeps them so), for the multi-tensor ops."""
+    torch.manual_seed(0)
+    return [torch.randn(s, device="cuda") * 0.02 for s in LAYER_SHAPES]
 
 
 def _do_bench(fn) -> float:
