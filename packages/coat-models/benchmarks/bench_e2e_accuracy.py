@@ -182,7 +182,8 @@ def _pct(rel: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     from coat_models.train.args import OneLineParser
 
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    # No abbreviations: --seed (a coat-train argument) must not be read as --seeds.
+    p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--out", default="accuracy-125m-run", help="the run's directory")
     p.add_argument("--check-only", metavar="RUN_DIR", help="compare an earlier run, no training")
     p.add_argument("--update-golden", action="store_true", help="this run becomes the golden one")
@@ -192,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = p.parse_known_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds must be at least 1, got {args.seeds}")
+    if any(a == "--seed" or a.startswith("--seed=") for a in extra):
+        # coat-train would take the last --seed: every seed's run would be the same one.
+        p.error("--seed is not passed on: the runs' seeds are 0 to N-1 of --seeds N")
     run_dir = Path(args.check_only or args.out)
     if not args.check_only:
         from coat_models.train import cli

@@ -126,8 +126,26 @@ def test_parity_is_the_mean_gap_over_seeds(bench, tmp_path):
     assert "-0.200%" in lines[-1]
 
 
-def test_seeds_must_be_positive(bench, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seeds", "0"], "--seeds must be at least 1"),
+        (["--seeds", "3", "--seed", "5"], "--seed is not passed on"),
+        (["--seed=5"], "--seed is not passed on"),
+    ],
+)
+def test_bad_seed_arguments_are_refused(bench, tmp_path, capsys, monkeypatch, argv, message):
+    """Refused before anything trains (one line, exit 2): no seeds, and a --seed for
+    coat-train, whose last --seed would make every seed's run the same one (nor is --seed
+    read as an abbreviation of --seeds)."""
+    from coat_models.train import cli
+
+    def train(argv):
+        raise AssertionError(f"trained with {argv}")
+
+    monkeypatch.setattr(cli, "main", train)
     with pytest.raises(SystemExit) as e:
-        bench.main(["--seeds", "0", "--out", str(tmp_path)])
+        bench.main([*argv, "--out", str(tmp_path / "run")])
     assert e.value.code == 2
-    assert "--seeds must be at least 1" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
