@@ -43,14 +43,23 @@ TARGET_GAP = 0.005
 
 
 def read_curves(run_dir: Path, mode: str) -> tuple[dict[int, float], dict[int, float]]:
-    """``({step: train loss}, {step: validation loss})`` of ``<run_dir>/<mode>/metrics.jsonl``."""
+    """``({step: train loss}, {step: validation loss})`` of ``<run_dir>/<mode>/metrics.jsonl``.
+    Raises ``ValueError`` naming the file and line for a record that is not a JSON object
+    with an integer step and a numeric loss."""
+    path = run_dir / mode / "metrics.jsonl"
     train, val = {}, {}
-    for line in (run_dir / mode / "metrics.jsonl").read_text().splitlines():
+    for n, line in enumerate(path.read_text().splitlines(), 1):
         record = json.loads(line)
-        if record.get("type") == "train":
-            train[record["step"]] = record["loss"]
-        elif record.get("type") == "eval":
-            val[record["step"]] = record["val_loss"]
+        kind = record.get("type") if isinstance(record, dict) else None
+        if kind not in ("train", "eval"):
+            if not isinstance(record, dict):
+                raise ValueError(f"{path} line {n}: not a JSON object")
+            continue
+        step, loss = record.get("step"), record.get("loss" if kind == "train" else "val_loss")
+        if type(step) is not int or type(loss) not in (int, float):
+            why = f"its {kind} record needs an integer step and a number"
+            raise ValueError(f"{path} line {n}: {why}")
+        (train if kind == "train" else val)[step] = float(loss)
     return train, val
 
 
@@ -196,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(a == "--seed" or a.startswith("--seed=") for a in extra):
         # coat-train would take the last --seed: every seed's run would be the same one.
         p.error("--seed is not passed on: the runs' seeds are 0 to N-1 of --seeds N")
+    if args.check_only is not None and not args.check_only:
+        p.error("--check-only needs the run's directory")
+    if args.check_only and extra:  # nothing trains, so nothing would read them
+        p.error(f"unrecognized arguments with --check-only: {' '.join(extra)}")
     run_dir = Path(args.check_only or args.out)
     if not args.check_only:
         from coat_models.train import cli

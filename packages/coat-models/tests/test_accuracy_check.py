@@ -149,3 +149,47 @@ def test_bad_seed_arguments_are_refused(bench, tmp_path, capsys, monkeypatch, ar
     assert e.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("[1, 2]", "line 1: not a JSON object"),
+        ('{"type": "train", "step": 1, "loss": null}', "line 1: its train record needs"),
+        ('{"type": "eval", "step": "2000", "val_loss": 0.7}', "line 1: its eval record needs"),
+        ("{not json", "Expecting property name"),
+    ],
+)
+def test_unreadable_curves_are_one_line_and_exit_2(bench, tmp_path, capsys, line, message):
+    """A metrics file that is not what coat-train writes is unreadable input (exit 2, one
+    line naming the file), not a failed accuracy check (exit 1) or a traceback."""
+    run = _copy_run(bench, tmp_path / "run")
+    (run / "coat" / "metrics.jsonl").write_text(line + "\n")
+    assert bench.main(["--check-only", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot read the curves" in err and message in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--check-only", ""], "--check-only needs the run's directory"),
+        (["--check-only", "RUN", "--bogus"], "unrecognized arguments with --check-only"),
+    ],
+)
+def test_check_only_never_trains(bench, tmp_path, capsys, monkeypatch, argv, message):
+    """``--check-only ''`` is not "no --check-only" (which trains), and options it would
+    ignore are refused: one line, exit 2, nothing trained."""
+    from coat_models.train import cli
+
+    def train(argv):
+        raise AssertionError(f"trained with {argv}")
+
+    monkeypatch.setattr(cli, "main", train)
+    monkeypatch.chdir(tmp_path)
+    argv = [str(_copy_run(bench, tmp_path / "run")) if a == "RUN" else a for a in argv]
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "accuracy-125m-run").exists()

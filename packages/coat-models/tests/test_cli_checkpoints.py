@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -290,19 +291,24 @@ def test_planted_dcp_metadata_is_never_unpickled(runs, tmp_path, forged_manifest
         assert not marker.exists()
 
 
-def test_forged_manifest_cannot_make_a_torch_file_run_code(runs, tmp_path):
+@pytest.mark.parametrize("protocol", [2, pickle.DEFAULT_PROTOCOL])
+def test_forged_manifest_cannot_make_a_torch_file_run_code(runs, tmp_path, protocol):
     """trainer.pt replaced by a code-running pickle and the manifest rewritten to match:
-    torch.load(weights_only=True) refuses it; one line, exit 2."""
+    torch.load(weights_only=True) refuses it; one line, exit 2, also for a pickle protocol
+    torch.save does not write (torch's warning about it is not shown)."""
     out, ckpts = copy_base(runs, tmp_path)
     marker = tmp_path / "code-ran"
     newest = ckpts / "step_0000004"
-    (newest / "trainer.pt").write_bytes(pickle.dumps(Payload(marker), protocol=2))
+    (newest / "trainer.pt").write_bytes(pickle.dumps(Payload(marker), protocol=protocol))
     manifest = checkpoint.read_manifest(newest)
     (newest / "manifest.json").unlink()
     checkpoint.write_manifest(
         newest, kind="torch", world_size=1, step=4, serial=manifest.serial, info=manifest.info
     )
-    code, _, err = train([*ARGS, "--resume", "--out", out])
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        code, _, err = train([*ARGS, "--resume", "--out", out])
+    assert not [w for w in shown if "pickle protocol" in str(w.message)]
     assert code == 2 and err.count("\n") == 1, err
     assert "trainer.pt is not a checkpoint file this code can read" in err
     assert "weights_only" not in err  # torch's advice to load it anyway is not passed on

@@ -28,6 +28,7 @@ import pickle
 import random
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -925,7 +926,11 @@ class Trainer:
         """``torch.load(weights_only=True)`` of a verified file onto ``device`` (default: the
         run's), or a one-line error."""
         try:
-            return torch.load(path, map_location=device or self.device, weights_only=True)
+            with warnings.catch_warnings():
+                # torch warns of a pickle protocol torch.save does not write before refusing
+                # (or reading) the file: the one line below says what is wrong instead.
+                warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+                return torch.load(path, map_location=device or self.device, weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
             # Not torch's own text for a refused pickle: it suggests weights_only=False,
             # i.e. running the file's code, which coat-train never does.
