@@ -493,6 +493,9 @@ BAD_INPUTS = [
     (["--compare", ""], "argument --compare: names no mode: list some of bf16, coat"),
     (["--compare", ","], "argument --compare: names no mode"),
     (["--compare", "coat, coat"], "argument --compare: lists a mode twice: coat, coat"),
+    # an empty item was dropped without a word
+    (["--compare", "bf16,,coat"], "argument --compare: has an empty item: 'bf16,,coat'"),
+    (["--compare", "coat,"], "argument --compare: has an empty item"),
     # bf16 masters requested, and every mode of the comparison silently kept fp32
     (["--compare", "bf16,coat-act", "--master-dtype", "bf16"], "has none: add one, or drop"),
     # data options that do not apply were ignored without a word

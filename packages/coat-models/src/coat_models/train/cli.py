@@ -117,9 +117,11 @@ def _versions() -> str:
 
 def _mode_list(text: str) -> str:
     """``--compare``'s type: comma-separated modes, each once; the names joined by commas."""
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:  # `--compare ""` must not fall back to the default mode
+    names = [s.strip() for s in text.split(",")]
+    if not any(names):  # `--compare ""` must not fall back to the default mode
         raise argparse.ArgumentTypeError(f"names no mode: list some of {', '.join(MODES)}")
+    if not all(names):  # `bf16,,coat` or `bf16,`: a mode left out by mistake?
+        raise argparse.ArgumentTypeError(f"has an empty item: {text!r}")
     bad = [n for n in names if n not in MODES]
     if bad:
         raise argparse.ArgumentTypeError(
