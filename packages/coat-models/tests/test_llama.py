@@ -21,6 +21,19 @@ from fp8_activations import handed_over
 from fp8_activations.ops import cached_weight_fp8
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
+
+def with_ops(model, drop: tuple[str, ...] = (), **ops):
+    """``model`` with every COAT layer running the FP8 op set with ``ops`` replaced and the
+    ops named in ``drop`` removed (each layer's own ``coat_ops``: no module state changes)."""
+    from coat_models import blocks
+
+    base = {k: v for k, v in vars(blocks.FP8_OPS).items() if k not in drop}
+    op_set = SimpleNamespace(**{**base, **ops})
+    for layer in model.model.layers:
+        layer.coat_ops = op_set
+    return model
+
+
 VOCAB = 256
 
 
@@ -149,7 +162,7 @@ def _check_against_fp8_gemms(ref, ids):
         assert coat >= max(WIDE_GRAD_FLOOR_DB, gemms - 1.5), (name, coat, gemms)
 
 
-def test_gradient_accumulation_reduces_weights_once_per_version(monkeypatch):
+def test_gradient_accumulation_reduces_weights_once_per_version():
     """Micro-batches after the first of a step find every weight's FP8 copy current: the
     layer skips the weight-maxima reduction (one read of all its weights), with the same
     gradients bit for bit as computing the maxima every micro-batch."""
@@ -157,9 +170,7 @@ def test_gradient_accumulation_reduces_weights_once_per_version(monkeypatch):
 
     calls = []
     reduce = blocks.FP8_OPS.weight_amaxes
-    monkeypatch.setattr(
-        blocks.FP8_OPS, "weight_amaxes", lambda ws, cfg=None: calls.append(1) or reduce(ws, cfg)
-    )
+    spy = lambda ws, cfg=None: calls.append(1) or reduce(ws, cfg)  # noqa: E731
     ids = [tokens(2, 32, seed=s) for s in (3, 4, 5)]
 
     def accumulate(model):
@@ -168,7 +179,7 @@ def test_gradient_accumulation_reduces_weights_once_per_version(monkeypatch):
             causal_lm_loss(model(x).logits, x).backward()
         return grads(model)
 
-    model = apply_coat(tiny_llama()).train()
+    model = with_ops(apply_coat(tiny_llama()).train(), weight_amaxes=spy)
     got = accumulate(model)
     assert len(calls) == TINY["num_hidden_layers"]  # the first micro-batch only
     with torch.no_grad():
@@ -177,7 +188,7 @@ def test_gradient_accumulation_reduces_weights_once_per_version(monkeypatch):
     calls.clear()
     assert all(torch.equal(got[n], g) for n, g in accumulate(model).items())
     assert len(calls) == TINY["num_hidden_layers"]
-    monkeypatch.setattr(blocks.FP8_OPS, "weight_cache_fresh", lambda ws, cfg: False)
+    with_ops(model, weight_amaxes=spy, weight_cache_fresh=lambda ws, cfg: False)
     calls.clear()
     assert all(torch.equal(got[n], g) for n, g in accumulate(model).items())
     assert len(calls) == TINY["num_hidden_layers"] * len(ids)
@@ -185,7 +196,7 @@ def test_gradient_accumulation_reduces_weights_once_per_version(monkeypatch):
 
 @pytest.mark.parametrize("cache", [False, True], ids=["on-the-fly", "cache"])
 @pytest.mark.slow
-def test_layer_casts_its_weights_together(cache, monkeypatch):
+def test_layer_casts_its_weights_together(cache):
     """The decoder layer casts its seven weights with one launch per direction
     (``cast_weights``; with the weight cache: the stale copies in one launch), with the same
     logits and gradients bit for bit as letting each linear cast its own weight: fp32
@@ -213,14 +224,14 @@ def test_layer_casts_its_weights_together(cache, monkeypatch):
     config = FP8ActivationConfig(weight_cache=cache, backend="triton")
     calls = []
     real = blocks.FP8_OPS.cast_weights
-    monkeypatch.setattr(
-        blocks.FP8_OPS, "cast_weights", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
-    got = two_steps(apply_coat(tiny_llama(num_hidden_layers=1), config=config).train())
+    spy = lambda *a, **k: calls.append(1) or real(*a, **k)  # noqa: E731
+    model = apply_coat(tiny_llama(num_hidden_layers=1), config=config).train()
+    got = two_steps(with_ops(model, cast_weights=spy))
     # Once per layer and micro-batch without the cache; with it, once per layer and step.
     assert len(calls) == (2 if cache else 4)  # one layer
-    monkeypatch.delattr(blocks.FP8_OPS, "cast_weights")
-    want = two_steps(apply_coat(tiny_llama(num_hidden_layers=1), config=config).train())
+    model = apply_coat(tiny_llama(num_hidden_layers=1), config=config).train()
+    want = two_steps(with_ops(model, drop=("cast_weights",)))
+    assert len(calls) == (2 if cache else 4)  # the op set without it: the linears cast
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
@@ -626,16 +637,14 @@ def test_autocast_layers_hand_over_in_the_compute_dtype(monkeypatch):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
-def test_residual_adds_in_the_linears_nodes(monkeypatch, checkpointing):
+def test_residual_adds_in_the_linears_nodes(checkpointing):
     """The two residual adds of a layer run in the autograd nodes of the linears before them
     (o_proj, down_proj): the bits of separate residual_add nodes, two nodes fewer a layer."""
-    from coat_models import blocks
-
     ref = tiny_llama().train()
     ids = tokens()
 
-    def run():
-        model = apply_coat(copy.deepcopy(ref)).train()
+    def run(**ops):
+        model = with_ops(apply_coat(copy.deepcopy(ref)).train(), **ops)
         if checkpointing:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         got = logits_and_grads(model, ids)
@@ -652,9 +661,7 @@ def test_residual_adds_in_the_linears_nodes(monkeypatch, checkpointing):
 
     fused, fused_nodes = run()
     # The same op set whose linears do not take the residual (as the reference op set).
-    unfused = SimpleNamespace(**{**vars(blocks.FP8_OPS), "fused_residual": False})
-    monkeypatch.setattr(blocks, "FP8_OPS", unfused)
-    plain, plain_nodes = run()
+    plain, plain_nodes = run(fused_residual=False)
     assert torch.equal(fused[0], plain[0])
     for name, want in plain[1].items():
         assert torch.equal(want, fused[1][name]), name
@@ -800,11 +807,12 @@ def test_revert_restores_original_modules():
     ref = tiny_llama()
     model = copy.deepcopy(ref)
     classes = {name: type(m) for name, m in model.named_modules()}
-    apply_coat(model)
+    with_ops(apply_coat(model))  # a layer's own op set goes with the revert too
     assert is_coat(model) and type(model.model.layers[1]) is not classes["model.layers.1"]
     assert revert_coat(model) is model
     assert {name: type(m) for name, m in model.named_modules()} == classes
-    assert not is_coat(model) and not any(hasattr(m, "coat_config") for m in model.modules())
+    assert not is_coat(model)
+    assert not any(hasattr(m, a) for m in model.modules() for a in ("coat_config", "coat_ops"))
     ids = tokens()
     want_logits, want_grads = logits_and_grads(ref.train(), ids)
     got_logits, got_grads = logits_and_grads(model.train(), ids)
@@ -1396,19 +1404,18 @@ def test_gpu_activation_memory_and_checkpointing():
 
 
 @pytest.mark.gpu
-def test_gpu_fast_host_path_is_the_previous_path_bit_for_bit(monkeypatch):
+def test_gpu_fast_host_path_is_the_previous_path_bit_for_bit():
     """The host-time cuts change no bit: direct launches of compiled kernels
     (``fp8_quant.ops.launch``) and skipping the weight maxima on later micro-batches,
     against ``kernel[grid]`` launches and maxima every micro-batch: two steps of two
     micro-batches, fp32 master weights under bf16 autocast, losses and every gradient."""
-    from coat_models import blocks
     from fp8_quant.ops import ordinary_launches
 
     ref = tiny_llama(**WIDE).cuda().train()
     ids = [tokens(2, 64, seed=s).cuda() for s in (1, 2)]
 
-    def run():
-        model = apply_coat(copy.deepcopy(ref))
+    def run(**ops):
+        model = with_ops(apply_coat(copy.deepcopy(ref)), **ops)
         out = []
         for _ in range(2):
             model.zero_grad(set_to_none=True)
@@ -1425,9 +1432,8 @@ def test_gpu_fast_host_path_is_the_previous_path_bit_for_bit(monkeypatch):
 
     fast = run()
 
-    monkeypatch.setattr(blocks.FP8_OPS, "weight_cache_fresh", lambda ws, cfg: False)
     with ordinary_launches():  # every launch through kernel[grid]
-        slow = run()
+        slow = run(weight_cache_fresh=lambda ws, cfg: False)
     assert len(fast) == len(slow)
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)

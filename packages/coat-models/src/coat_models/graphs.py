@@ -63,7 +63,7 @@ class _LayerBody(nn.Module):
     def forward(self, hidden, cos, sin):
         with torch.autocast(hidden.device.type, enabled=False):
             return blocks.decoder_layer(
-                blocks.FP8_OPS,
+                self.layer.coat_ops,
                 self.layer,
                 hidden,
                 attention_mask=None,
@@ -163,9 +163,9 @@ LAYER_KEYS = (_GRAPHED, "_coat_graph_owner")
 def _signature(layers: list[nn.Module]) -> tuple:
     """What a recording depends on besides the input shapes: every parameter's storage,
     dtype and requires_grad (``.to()``, ``.data =``, unfreezing record again) and each
-    layer's FP8 config."""
+    layer's FP8 config and op set."""
     return tuple(
-        (id(layer.coat_config), *((p.data_ptr(), p.dtype, p.requires_grad)
+        (id(layer.coat_config), id(layer.coat_ops), *((p.data_ptr(), p.dtype, p.requires_grad)
                                   for p in layer.parameters()))
         for layer in layers
     )  # fmt: skip

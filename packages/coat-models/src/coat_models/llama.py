@@ -272,6 +272,9 @@ class _CoatDecoderLayer(_CoatMixin):
     """Mixed in before a decoder layer's class: training runs ``blocks.decoder_layer``."""
 
     coat_config = None
+    # The op set the training forward runs (``blocks``' contract): an instance attribute
+    # replaces it for that layer alone (a test's spy on one op, a different op set).
+    coat_ops = blocks.FP8_OPS
     # The marker ``graphs`` finds COAT layers by (it does not import this module, which
     # imports it). On the class, so that a reverted layer loses it with its class.
     _coat_decoder_layer = True
@@ -320,7 +323,7 @@ class _CoatDecoderLayer(_CoatMixin):
             return to_dtype(out, dtype)
         with torch.autocast(device, enabled=False):
             out = blocks.decoder_layer(
-                blocks.FP8_OPS,
+                self.coat_ops,
                 self,
                 hidden_states,
                 attention_mask=mask,
@@ -537,6 +540,7 @@ def convert_llama(
         if not convert:
             layer.__class__ = original
             layer.__dict__.pop("coat_config", None)
+            layer.__dict__.pop("coat_ops", None)
             continue
         layer.__class__ = _coat_class(_CoatDecoderLayer, original)
         layer.coat_config = config
@@ -552,6 +556,7 @@ def revert_classes(model: nn.Module) -> nn.Module:
         if original is not type(module):
             module.__class__ = original
         module.__dict__.pop("coat_config", None)
+        module.__dict__.pop("coat_ops", None)
     return model
 
 
