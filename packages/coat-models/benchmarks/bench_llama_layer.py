@@ -60,7 +60,7 @@ import torch
 BATCH, SEQ, HIDDEN, MLP, HEADS = 4, 2048, 4096, 11008, 32
 DEVICE = "cuda"
 TARGET_MB, TARGET_MS = 640.0, 12.0
-# coat_compile: torch.compile of the COAT layer (its FP8 ops are opaque custom ops);
+# coat_compile: torch.compile of the COAT layer (its FP8 kernels traced, torch.library.triton_op);
 # coat_cudagraphs: the same with mode="reduce-overhead" (CUDA graphs: no host time per op).
 # coat_graphed: COAT with coat_models.enable_cuda_graphs (weight cache off: each call casts
 # the weights, as after every optimizer step; fwd+bwd replayed from CUDA graphs, no compile):
