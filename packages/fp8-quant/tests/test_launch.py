@@ -29,6 +29,7 @@ class FakeKernel:
 
         self.params = [_Param(p) for p in inspect.signature(signature).parameters.values()]
         self.log = []
+        self.cache = {}  # the direct launches' cache of this kernel's tests
 
     def __getitem__(self, grid):
         def run(*args, **meta):
@@ -43,23 +44,28 @@ class FakeKernel:
 
 @pytest.fixture
 def kernel(monkeypatch):
-    monkeypatch.setattr(_launch, "_INTERPRETING", False)
-    monkeypatch.setattr(_launch, "_CACHE", {})
+    # torch's CUDA device and stream queries, answered on CPU.
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
     return FakeKernel()
 
 
+def launch(kernel: FakeKernel, grid, *args, **meta) -> None:
+    """``_launch.launch`` as it runs on a GPU (not interpreting), with ``kernel``'s own
+    cache."""
+    _launch._dispatch(kernel, grid, args, meta, False, kernel.cache)
+
+
 def test_ordinary_launches_context(kernel):
     x, y = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16)
-    _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
+    launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
     with _launch.ordinary_launches(), _launch.ordinary_launches():
-        _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)  # cached, yet kernel[grid]
+        launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)  # cached, yet kernel[grid]
         with pytest.raises(RuntimeError):
             with _launch.ordinary_launches():
                 raise RuntimeError  # the context unwinds on errors too
-        _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
-    _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
+        launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
+    launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
     assert [e[0] for e in kernel.log] == ["jit", "jit", "jit", "direct"]
     assert _launch._ORDINARY == 0
 
@@ -76,22 +82,22 @@ def test_traced_launches_context(kernel, monkeypatch):
 
     monkeypatch.setattr(torch.library, "wrap_triton", wrap_triton)
     x, y = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16)
-    _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
+    launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
     with _launch.traced_launches(), _launch.traced_launches():
-        _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)  # cached, yet wrapped
+        launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)  # cached, yet wrapped
         with pytest.raises(RuntimeError):
             with _launch.traced_launches():
                 raise RuntimeError
-        _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
-    _launch.launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
+        launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
+    launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)
     assert [e[0] for e in kernel.log] == ["jit", "jit", "jit", "direct"]
     assert wrapped == [kernel, kernel] and _launch._TRACED == 0
 
 
 def test_direct_after_first_launch(kernel):
     x, y = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16)
-    _launch.launch(kernel, (3,), x, y, 4096, 1e-6, BLOCK=64, num_warps=4)
-    _launch.launch(kernel, (5, 2), x, y, 4096, 1e-5, BLOCK=64, num_warps=4)
+    launch(kernel, (3,), x, y, 4096, 1e-6, BLOCK=64, num_warps=4)
+    launch(kernel, (5, 2), x, y, 4096, 1e-5, BLOCK=64, num_warps=4)
     assert [e[0] for e in kernel.log] == ["jit", "direct"]
     # Grid padded to three dims, the current stream, every argument in signature order:
     # positional ones, then the constexprs (FLAG from its default).
@@ -110,9 +116,9 @@ def test_direct_after_first_launch(kernel):
 )
 def test_new_specialization_goes_through_triton(kernel, change):
     x, y = torch.zeros(64), torch.zeros(64)
-    _launch.launch(kernel, (1,), x, y, 4096, 0.5, BLOCK=64)
-    _launch.launch(kernel, (1,), *change(x, y, 4096), 0.5, BLOCK=64)
-    _launch.launch(kernel, (1,), x, y, 4096, 0.5, BLOCK=128)  # another constexpr value
+    launch(kernel, (1,), x, y, 4096, 0.5, BLOCK=64)
+    launch(kernel, (1,), *change(x, y, 4096), 0.5, BLOCK=64)
+    launch(kernel, (1,), x, y, 4096, 0.5, BLOCK=128)  # another constexpr value
     assert [e[0] for e in kernel.log] == ["jit", "jit", "jit"]
 
 
@@ -125,7 +131,7 @@ def test_hooks_keep_every_launch_on_triton(kernel, monkeypatch):
         monkeypatch.setattr(rt, "launch_enter_hook", print)
     x = torch.zeros(64)
     for _ in range(3):
-        _launch.launch(kernel, (1,), x, x, 16, 0.5, BLOCK=64)
+        launch(kernel, (1,), x, x, 16, 0.5, BLOCK=64)
     assert [e[0] for e in kernel.log] == ["jit", "jit", "jit"]
 
 

@@ -103,16 +103,23 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
     positional ``args`` (tensors, ints, floats, bools) and keyword ``meta`` (constexprs and
     launch options such as ``num_warps``): the same kernel and bits as
     ``kernel[grid](*args, **meta)``. Launches on the current device's current stream."""
+    _dispatch(kernel, grid, args, meta, _INTERPRETING, _CACHE)
+
+
+def _dispatch(kernel, grid, args: tuple, meta: dict, interpreting: bool, cache: dict) -> None:
+    """``launch``'s body, with whether the interpreter runs and the direct launches' cache
+    passed in (a test drives the direct path on CPU with a stand-in kernel and its own
+    cache; ``launch`` passes the module's)."""
     if _TRACED:
         torch.library.wrap_triton(kernel)[grid](*args, **meta)
         return
-    if _INTERPRETING or _ORDINARY:
+    if interpreting or _ORDINARY:
         kernel[grid](*args, **meta)
         return
     device = torch._C._cuda_getDevice()
     # id(): kernels are module-level objects; hashing a JITFunction hashes its source key.
     site = (id(kernel), len(args), tuple(meta.items()), device)
-    entries = _CACHE.get(site)
+    entries = cache.get(site)
     key = _keys(args)
     entry = None if entries is None else entries.get(key)
     if entry is None:
@@ -121,7 +128,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
             names = [p.name for p in kernel.params][len(args) :]
             defaults = {p.name: p.default for p in kernel.params}
             tail = tuple(meta[n] if n in meta else defaults[n] for n in names)
-            _CACHE.setdefault(site, {})[key] = (
+            cache.setdefault(site, {})[key] = (
                 compiled.run, compiled.function, compiled.packed_metadata, tail
             )  # fmt: skip
         return
