@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import copy
 import weakref
+from types import SimpleNamespace
 
 import coat_models
 import pytest
 import torch
-from coat_models import apply_coat, disable_cuda_graphs, enable_cuda_graphs, graphs, revert_coat
+from coat_models import (
+    apply_coat,
+    blocks,
+    disable_cuda_graphs,
+    enable_cuda_graphs,
+    graphs,
+    revert_coat,
+)
 from coat_models.testing import tiny_llama
 from fp8_activations import FP8ActivationConfig
 
@@ -78,6 +86,11 @@ def test_signature_follows_parameters():
     before = graphs._signature(layers)
     layers[0].mlp.up_proj.weight.requires_grad_(False)
     assert graphs._signature(layers) != before  # unfreezing/freezing records again
+    before = graphs._signature(layers)
+    layers[0].coat_ops = SimpleNamespace(**{**vars(blocks.FP8_OPS), "fused_residual": False})
+    assert graphs._signature(layers) != before  # another op set records again
+    layers[0].coat_ops = SimpleNamespace(**vars(blocks.FP8_OPS))
+    assert graphs._signature(layers) == before  # the same ops: the recording stands
 
 
 def test_copies_carry_no_graphs():

@@ -30,7 +30,8 @@ def with_ops(model, drop: tuple[str, ...] = (), **ops):
     base = {k: v for k, v in vars(blocks.FP8_OPS).items() if k not in drop}
     op_set = SimpleNamespace(**{**base, **ops})
     for layer in model.model.layers:
-        layer.coat_ops = op_set
+        if is_coat(layer):
+            layer.coat_ops = op_set
     return model
 
 
@@ -834,8 +835,12 @@ def test_module_filter_and_reapply():
     assert all(m is model.get_submodule(fqn) for fqn, m in seen)
     assert not is_coat(model.model.layers[0]) and is_coat(model.model.layers[1])
     assert "coat_config" not in model.model.layers[0].__dict__
+    with_ops(model)  # layer 1's own op set: dropped by the next conversion
+    assert "coat_ops" not in model.model.layers[0].__dict__
+    assert "ops=own" in repr(model.model.layers[1])
     apply_coat(model)  # again, all layers: converting twice is fine
     assert is_coat(model.model.layers[0])
+    assert not any("coat_ops" in layer.__dict__ for layer in model.model.layers)
     ids = tokens()
     assert sqnr(logits_and_grads(ref, ids)[0], logits_and_grads(model, ids)[0]) >= LOGITS_FLOOR_DB
 

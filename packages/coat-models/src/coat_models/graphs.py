@@ -163,9 +163,10 @@ LAYER_KEYS = (_GRAPHED, "_coat_graph_owner")
 def _signature(layers: list[nn.Module]) -> tuple:
     """What a recording depends on besides the input shapes: every parameter's storage,
     dtype and requires_grad (``.to()``, ``.data =``, unfreezing record again) and each
-    layer's FP8 config and op set."""
+    layer's FP8 config and op set, the objects themselves: compared by value and kept alive
+    by the key (an id could be reused by a new object once the old one is freed)."""
     return tuple(
-        (id(layer.coat_config), id(layer.coat_ops), *((p.data_ptr(), p.dtype, p.requires_grad)
+        (layer.coat_config, layer.coat_ops, *((p.data_ptr(), p.dtype, p.requires_grad)
                                   for p in layer.parameters()))
         for layer in layers
     )  # fmt: skip

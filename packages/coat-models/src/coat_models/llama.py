@@ -273,7 +273,8 @@ class _CoatDecoderLayer(_CoatMixin):
 
     coat_config = None
     # The op set the training forward runs (``blocks``' contract): an instance attribute
-    # replaces it for that layer alone (a test's spy on one op, a different op set).
+    # replaces it for that layer alone (a test's spy on one op, a different op set) until
+    # apply_coat or revert_coat, which drop it.
     coat_ops = blocks.FP8_OPS
     # The marker ``graphs`` finds COAT layers by (it does not import this module, which
     # imports it). On the class, so that a reverted layer loses it with its class.
@@ -336,7 +337,8 @@ class _CoatDecoderLayer(_CoatMixin):
         return to_dtype(out, dtype)
 
     def extra_repr(self) -> str:
-        return f"coat={self.coat_config}"
+        ops = ", ops=own" if "coat_ops" in self.__dict__ else ""
+        return f"coat={self.coat_config}{ops}"
 
 
 # Under autocast with fp32 master weights each COAT layer runs in the autocast dtype and
@@ -544,6 +546,7 @@ def convert_llama(
             continue
         layer.__class__ = _coat_class(_CoatDecoderLayer, original)
         layer.coat_config = config
+        layer.__dict__.pop("coat_ops", None)  # converted again: the default op set
     set_fused_loss(model, fused_loss)
     return model
 
