@@ -8,17 +8,23 @@ test."""
 import fp8_quant
 import pytest
 import torch
+from fp8_quant import reference
 from fp8_quant.ops import quantize_per_tensor_multi, tensor_amax_multi
 
 FMT = fp8_quant.E4M3
+# id: (table row, the case)
 CASES = {
-    "quantize_per_tensor_multi (1 launch)": lambda ws, amaxes: quantize_per_tensor_multi(
-        ws, FMT, amaxes, True, True
+    "multi": (
+        "quantize_per_tensor_multi (1 launch)",
+        lambda ws, amaxes: quantize_per_tensor_multi(ws, FMT, amaxes, True, True),
     ),
-    "quantize_per_tensor_transpose per weight": lambda ws, amaxes: [
-        fp8_quant.quantize_per_tensor_transpose(w, FMT, amax=a)
-        for w, a in zip(ws, amaxes, strict=True)
-    ],
+    "per-weight": (
+        "quantize_per_tensor_transpose per weight",
+        lambda ws, amaxes: [
+            fp8_quant.quantize_per_tensor_transpose(w, FMT, amax=a)
+            for w, a in zip(ws, amaxes, strict=True)
+        ],
+    ),
 }
 
 
@@ -26,14 +32,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dim() else t
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_quantize_per_tensor_multi(record, layer_weights, name):
-    fn = CASES[name]
+@pytest.mark.parametrize("case", CASES)
+def test_quantize_per_tensor_multi(record, layer_weights, case):
+    name, fn = CASES[case]
     amaxes = tensor_amax_multi(layer_weights)
-    for w, a, got in zip(layer_weights, amaxes, fn(layer_weights, amaxes), strict=True):
-        want = fp8_quant.quantize_per_tensor_transpose(w, FMT, amax=a)
-        assert all(torch.equal(_bits(x), _bits(y)) for x, y in zip(got, want, strict=True)), (
-            f"{name}: not quantize_per_tensor_transpose's bits"
+    want = reference.quantize_per_tensor_multi(layer_weights, FMT, amaxes, True, True)
+    for got, ref in zip(fn(layer_weights, amaxes), want, strict=True):
+        assert all(torch.equal(_bits(x), _bits(y)) for x, y in zip(got, ref, strict=True)), (
+            f"{name}: not the reference's bits"
         )
     nbytes = sum(w.nbytes + 2 * w.numel() for w in layer_weights)
     record(name, lambda: fn(layer_weights, amaxes), nbytes, "7B layer's 7 fp32 weights, q and q_t")

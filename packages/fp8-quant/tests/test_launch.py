@@ -168,3 +168,31 @@ def test_scalar_out_is_sized_when_traced():
             for p, q in zip(a, b, strict=True)
         )
         assert b[-1].shape == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_launch_goes_direct_through_the_module_cache(monkeypatch):
+    """On a GPU, ``launch`` fills the module's cache at a specialization's first launch and
+    later launches skip ``kernel[grid]``, with the reference's bits."""
+    import importlib
+
+    from fp8_quant import reference
+
+    module = importlib.import_module("fp8_quant.ops.tensor_amax_multi")
+    kernel = module._multi_amax_kernel
+    through_triton = []
+    real = type(kernel).__getitem__
+
+    def getitem(self, grid):
+        through_triton.append(self)
+        return real(self, grid)
+
+    monkeypatch.setattr(type(kernel), "__getitem__", getitem)
+    xs = [torch.randn(n, device="cuda") for n in (1000, 4096, 3)]
+    module.tensor_amax_multi(xs)  # compiles or finds the kernel, fills the cache
+    assert any(site[0] == id(kernel) for site in _launch._CACHE)
+    before = len(through_triton)
+    got = module.tensor_amax_multi(xs)
+    assert len(through_triton) == before  # the direct launch
+    assert all(torch.equal(a, b) for a, b in zip(got, reference.tensor_amax_multi(xs), strict=True))
