@@ -48,6 +48,9 @@ def tests(session):
         "auto",
         "--maxprocesses",
         "4",
+        # Tests marked xdist_group stay on one worker: a module's fixture computed once.
+        "--dist",
+        "loadgroup",
         "-m",
         "not gpu",
         *[f"packages/{p}/tests" for p in PACKAGES],

@@ -10,6 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+# One xdist worker takes the whole module (nox runs --dist loadgroup), so that the
+# module-scoped `trials` is computed once, not once on every worker.
+pytestmark = pytest.mark.xdist_group("bench_e2e")
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bench_e2e.py"
 
 

@@ -24,6 +24,9 @@ from coat_models import checkpoint
 from coat_models.train import cli, jobs
 from coat_models.train.trainer import Trainer
 
+# One xdist worker takes the whole module (nox runs --dist loadgroup), so that the
+# module-scoped `runs` is computed once, not once on every worker.
+pytestmark = pytest.mark.xdist_group("cli_checkpoints")
 ARGS = (
     "--preset tiny --batch-size 4 --seq-len 64 --eval-batches 2 --corpus-mib 1 --no-progress "
     "--threads 1 --steps 6 --save-every 2 --eval-every 2"

@@ -44,6 +44,9 @@ import pytest
 import torch
 from coat_models.train import cli
 
+# One xdist worker takes the whole module (nox runs --dist loadgroup), so that the
+# module-scoped `runs` is computed once, not once on every worker.
+pytestmark = pytest.mark.xdist_group("cli_distributed")
 WORLD = 2
 FSDP_RTOL = 1e-6
 DDP_RTOL = 2e-5

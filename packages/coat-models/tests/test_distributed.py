@@ -24,6 +24,9 @@ import pytest
 import torch
 from torch import nn
 
+# One xdist worker takes the whole module (nox runs --dist loadgroup), so that the
+# module-scoped `runs` is computed once, not once on every worker.
+pytestmark = pytest.mark.xdist_group("distributed")
 WORLD = 2
 STEPS = 4  # optimizer steps per run; checkpoints are written after step SAVE_AT
 SAVE_AT = 2

@@ -232,6 +232,8 @@ def bf16_run(tmp_path_factory):
 TOL_ABS, TOL_REL = 0.01, 0.01
 
 
+# Both modes on one xdist worker (--dist loadgroup): the BF16 run they follow is made once.
+@pytest.mark.xdist_group("vila_bf16_run")
 @pytest.mark.parametrize("mode", ["coat-act", "coat"])
 def test_50_steps_track_bf16_at_every_step(bf16_run, mode, tmp_path):
     if mode == "coat":
