@@ -45,6 +45,7 @@ def trials(bench):
     return out
 
 
+@pytest.mark.slow  # the trials fixture: two training trials, 3-5 s
 def test_compiled_trial_reports_no_breakdown_it_did_not_count(trials):
     """The compiled trial counts no step's tensors (saved-tensor hooks would recompile): its
     tracked peak and parts are unknown (None, "n/a" in the tables), not the weights alone
@@ -57,6 +58,7 @@ def test_compiled_trial_reports_no_breakdown_it_did_not_count(trials):
     assert compiled["device"] == "cpu" and compiled["measured_peak"] is None
 
 
+@pytest.mark.slow  # the trials fixture: two training trials, 3-5 s
 def test_coat_train_table_names_the_timed_steps(bench, trials):
     """Each trial times steps 3 to steps + 2 (a warm-up step and a memory-counting one come
     first): the table says so, with the trials' tokens/s and ratios."""

@@ -234,6 +234,7 @@ TOL_ABS, TOL_REL = 0.01, 0.01
 
 # Both modes on one xdist worker (--dist loadgroup): the BF16 run they follow is made once.
 @pytest.mark.xdist_group("vila_bf16_run")
+@pytest.mark.slow  # 50 steps of llava-tiny, 3-6 s each, after the BF16 run's 2 s
 @pytest.mark.parametrize("mode", ["coat-act", "coat"])
 def test_50_steps_track_bf16_at_every_step(bf16_run, mode, tmp_path):
     if mode == "coat":
