@@ -20,10 +20,15 @@ deterministic kernels):
   FSDP_RTOL = 1e-6. (With fp32 master weights the bf16 compute moves the losses by about
   2e-4 relative.)
 * DDP with A = 2 sums the four micro-batch gradients in another fp32 order, (g0 + g2) +
-  (g1 + g3) against ((g0 + g1) + g2) + g3: about 1e-7 relative per step, which the FP8
-  optimizer states may amplify by a code: up to about 2.3e-6 over 4 steps;
-  DDP_RTOL = 2e-5. Both tolerances fail on a wrong data split: a micro-batch other than
-  the one-process run's moves the first loss by about 2e-3.
+  (g1 + g3) against ((g0 + g1) + g2) + g3: about 1e-7 relative per step, which FP8 may
+  amplify: a weight one ulp apart can flip an FP8 code of an optimizer state or of an
+  activation (per-tensor scales follow the maxima). Seen: up to 2.3e-6 over 4 steps on one
+  host, 6.1e-5 on another (AMD EPYC, 2026-12-03: the train loss of step 4, while the eval
+  loss after that step was within 5.7e-6, as a flip confined to that step's micro-batches
+  would give); DDP_RTOL = 2e-4
+  after the first step. The first step's loss comes before any update: only the averaging
+  differs, DDP_FIRST_RTOL = 1e-6. Both FSDP_RTOL and DDP_FIRST_RTOL fail on a wrong data
+  split: a micro-batch other than the one-process run's moves the first loss by about 2e-3.
 * A resumed run reproduces the uninterrupted one bit for bit (same launch, same numbers).
 """
 
@@ -49,7 +54,8 @@ from coat_models.train import cli
 pytestmark = pytest.mark.xdist_group("cli_distributed")
 WORLD = 2
 FSDP_RTOL = 1e-6
-DDP_RTOL = 2e-5
+DDP_FIRST_RTOL = 1e-6
+DDP_RTOL = 2e-4
 FAST = (
     "--preset tiny --mode coat --batch-size 4 --seq-len 64 --eval-batches 2 --corpus-mib 1 "
     "--steps 4 --eval-every 2 --threads 1 --no-progress"
@@ -76,9 +82,12 @@ def losses(path: Path) -> list[tuple]:
     return [(r["type"], r["step"], r.get("loss", r.get("val_loss"))) for r in read_jsonl(path)]
 
 
-def assert_losses_close(got: Path, want: Path, rtol: float) -> None:
+def assert_losses_close(got: Path, want: Path, rtol: float, first_rtol: float | None = None):
+    """The same records, losses within ``rtol`` (the first within ``first_rtol``)."""
     a, b = losses(got), losses(want)
     assert [r[:2] for r in a] == [r[:2] for r in b]
+    first = rtol if first_rtol is None else first_rtol
+    assert a[0][2] == pytest.approx(b[0][2], rel=first, abs=0)
     assert [r[2] for r in a] == pytest.approx([r[2] for r in b], rel=rtol, abs=0)
 
 
@@ -133,7 +142,7 @@ def test_fsdp_losses_match_one_process(runs):
 def test_ddp_losses_match_one_process(runs):
     assert codes(runs, 0)["ddp"] == codes(runs, 1)["ddp"] == 0
     assert_losses_close(runs / "ddp/coat/metrics.jsonl", runs / "ref_ddp/coat/metrics.jsonl",
-                        DDP_RTOL)  # fmt: skip
+                        DDP_RTOL, DDP_FIRST_RTOL)  # fmt: skip
     # Byte counts stay integers as in one process (the max over ranks goes through float64).
     for path in (runs / "ddp/coat/metrics.jsonl", runs / "ref_ddp/coat/metrics.jsonl"):
         train = [r for r in read_jsonl(path) if r["type"] == "train"]
