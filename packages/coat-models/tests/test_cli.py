@@ -156,6 +156,58 @@ def test_compile_with_activation_checkpointing_keeps_eager_bits(tmp_path, capsys
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+def test_compile_with_gradient_accumulation_reads_the_weight_cache(tmp_path, capsys, monkeypatch):
+    """--compile --grad-accum 2 keeps the FP8 weight cache (its default with accumulation):
+    each compiled layer gets its weights' cached copies as inputs, refreshed in one launch
+    on the first micro-batch of a step only, and casts no weight itself; losses and final
+    weights are eager's, bit for bit (aot_eager backend, CPU)."""
+    import coat_models.train.trainer as trainer
+    import fp8_quant.ops
+    import fp8_quant.reference
+    from safetensors.torch import load_file
+
+    def compile_layers(model):
+        return coat_models.compile_layers(model, backend="aot_eager")
+
+    monkeypatch.setattr(trainer, "compile_layers", compile_layers)
+    argv = ["--mode", "coat", "--grad-accum", "2", "--steps", "3", "--eval-every", "3", *FAST]
+    code, _, stderr = run([*argv, "--out", tmp_path / "e"], capsys)
+    assert code == 0, stderr
+    casts = []  # (tensors, rows, columns) of each multi-tensor cast
+
+    def spy(real):
+        def call(xs, fmt, amaxes, row, col):
+            casts.append((len(xs), row, col))
+            return real(xs, fmt, amaxes, row, col)
+
+        return call
+
+    for module in (fp8_quant.ops, fp8_quant.reference):
+        real = module.quantize_per_tensor_multi
+        monkeypatch.setattr(module, "quantize_per_tensor_multi", spy(real))
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    counters.clear()
+    code, stdout, stderr = run([*argv, "--compile", "--out", tmp_path / "c"], capsys)
+    assert code == 0, stderr
+    assert "FP8 weight cache on" in stdout
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    from coat_models.train.presets import PRESETS
+
+    # Both layouts of a layer's seven weights, once a step per layer; no weight cast alone
+    # (a layer's backward also quantizes q, k, v's or gate, up's gradients together, eagerly).
+    weights = [c for c in casts if c not in ((2, True, True), (3, True, True))]
+    assert weights == [(7, True, True)] * (3 * PRESETS["tiny"].layers)
+    c_train, _, c_sum = check_run_dir(tmp_path / "c", "coat", steps=3, eval_every=3)
+    e_train, _, _ = check_run_dir(tmp_path / "e", "coat", steps=3, eval_every=3)
+    assert c_sum["fp8_weight_cache"] is True
+    assert [r["loss"] for r in c_train] == [r["loss"] for r in e_train]
+    c_w, e_w = (load_file(tmp_path / d / "coat/final/model.safetensors") for d in "ce")
+    assert c_w.keys() == e_w.keys() and all(torch.equal(c_w[k], e_w[k]) for k in c_w)
+    torch._dynamo.reset()
+
+
 def test_tiny_preset_learns_quickly(tmp_path, capsys):
     """The demo's preset and batch: a clear drop of the loss in 30 CPU steps."""
     argv = "--preset tiny --steps 30 --eval-every 30 --corpus-mib 2".split()
@@ -486,7 +538,6 @@ BAD_INPUTS = [
     (["--mode", "coat", "--cuda-graphs", "--activation-checkpointing"], "runs in one process"),
     (["--mode", "coat", "--cuda-graphs", "--device", "cpu"], "needs a CUDA device"),
     (["--mode", "coat", "--compile", "--cuda-graphs"], "both take over the decoder layers"),
-    (["--mode", "coat", "--compile", "--fp8-weight-cache"], "--compile traces the layers"),
     # a window of one token predicts nothing: was a NaN loss blamed on --lr (exit 1)
     (["--seq-len", "1", *SMALL], "argument --seq-len: must be an integer >= 2 (a causal LM"),
     # an empty --compare ran bf16 alone; "," named a blank mode

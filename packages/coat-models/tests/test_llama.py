@@ -1445,14 +1445,16 @@ def test_gpu_fast_host_path_is_the_previous_path_bit_for_bit():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "cache-accum"])
 @pytest.mark.parametrize("setup", ["fp32 autocast", "bf16 weights", "bf16 checkpointed"])
-def test_gpu_compiled_layers_are_eager_bit_for_bit(setup):
+def test_gpu_compiled_layers_are_eager_bit_for_bit(setup, cache):
     """``compile_layers`` with Inductor: COAT's FP8 kernels run from the compiled graph
     (``triton_op``), one graph for every layer, and loss and every gradient are eager's bits
     (two steps, the KV cache transformers passes left empty): fp32 master weights under bf16
     autocast (one process), bf16 weights without autocast (what FSDP2's bf16 policy computes
-    with), and these under activation checkpointing. With the cache off in eager too: one
-    weight cast per micro-batch either way."""
+    with), and these under activation checkpointing. Without the FP8 weight cache (the
+    layer's weights cast in the graph every micro-batch) and with it, two micro-batches a
+    step (the compiled layers take the cache's copies as inputs)."""
     from coat_models import compile_layers
     from coat_models.distributed import enable_activation_checkpointing
     from fp8_activations import FP8ActivationConfig
@@ -1461,7 +1463,7 @@ def test_gpu_compiled_layers_are_eager_bit_for_bit(setup):
     if setup != "fp32 autocast":
         ref = ref.to(torch.bfloat16)
     ids = tokens(2, 64).cuda()
-    config = FP8ActivationConfig(weight_cache=False)
+    config = FP8ActivationConfig(weight_cache=cache)
 
     def run(compiled: bool):
         model = apply_coat(copy.deepcopy(ref), config=config)
@@ -1472,10 +1474,12 @@ def test_gpu_compiled_layers_are_eager_bit_for_bit(setup):
         out = []
         for _ in range(2):
             model.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", torch.bfloat16, enabled=setup == "fp32 autocast"):
-                loss = model(ids, labels=ids).loss
-            loss.backward()
-            out += [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+            for micro in (ids, ids.flip(0)) if cache else (ids,):
+                with torch.autocast("cuda", torch.bfloat16, enabled=setup == "fp32 autocast"):
+                    loss = model(micro, labels=micro).loss
+                loss.backward()
+                out.append(loss.detach())
+            out += [p.grad.clone() for p in model.parameters()]
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(p.grad, alpha=-1e-3)

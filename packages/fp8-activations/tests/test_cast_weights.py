@@ -159,3 +159,88 @@ def test_a_cast_serves_one_forward_of_the_weights_it_was_made_from():
     want = fa.rms_norm_linear(x, None, 1e-6, ws, None, NO_CACHE)
     for a, b in zip(y, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "on-the-fly"])
+def test_traced_casts_forward_in_one_launch_same_bits(cache, monkeypatch):
+    """Under ``torch.compile`` (aot_eager: the traced ops as they are) ``cast_weights`` casts
+    forward's copies of all the weights in one launch inside the graph and backward re-casts
+    each weight's transposed copy alone (that layout only): eager's bits. The weight cache,
+    Python state, is not used traced."""
+    torch._dynamo.reset()
+    cfg = FP8ActivationConfig(weight_cache=cache, backend="triton")
+    x, up, norm_w = _leaf(4, 8, K, seed=1), _leaf(4, 8, K, seed=2), _leaf(K, seed=3)
+    shapes = ((32, K), (16, K), (K, 32), (K, K))
+    ws = [_leaf(*s, scale=0.1, seed=4 + i) for i, s in enumerate(shapes)]
+    leaves = [x, up, norm_w, *ws]
+    _, want = _step(FP8ActivationConfig(weight_cache=False, backend="triton"), True, leaves, ws)
+
+    def block(x, up, norm_w, *ws):
+        return _block(cfg, fa.cast_weights(list(ws), cfg), x, up, norm_w, ws)
+
+    multi, per_weight = [], []
+    weight_ptrs = {w.data_ptr() for w in ws}
+    real_multi = fp8_quant.ops.quantize_per_tensor_multi
+
+    def spy_multi(xs, *a):
+        if xs[0].data_ptr() in weight_ptrs:
+            multi.append((len(xs), *a[2:]))
+        return real_multi(xs, *a)
+
+    def spy(real):
+        def call(t, *a, **kw):
+            if t.data_ptr() in weight_ptrs:
+                per_weight.append(tuple(t.shape))
+            return real(t, *a, **kw)
+
+        return call
+
+    monkeypatch.setattr(fp8_quant.ops, "quantize_per_tensor_multi", spy_multi)
+    for name in ("quantize_per_tensor", "quantize_per_tensor_transpose"):
+        monkeypatch.setattr(fp8_quant.ops, name, spy(getattr(fp8_quant.ops, name)))
+    for t in leaves:
+        t.grad = None
+    out = torch.compile(block, backend="aot_eager", fullgraph=True)(*leaves[:3], *ws)
+    out.float().square().sum().backward()
+    for a, b in zip([out.detach()] + [t.grad for t in leaves], want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert multi == [(4, True, False)] + [(1, False, True)] * 4  # forward's, backward's
+    assert per_weight == []  # nor cast by a per-tensor kernel
+    assert not any(fa.weight_cache_fresh([w], cfg) for w in ws)
+
+
+def test_cached_weight_casts_hand_out_the_cache_as_tensors(monkeypatch):
+    """``cached_weight_casts``: the cache's copies as items of tensors only (what a compiled
+    region takes as inputs), the stale ones refreshed in one launch first; the linears given
+    them cast nothing and give the cache path's bits. None without the cache."""
+    cfg = FP8ActivationConfig(weight_cache=True, backend="triton")
+    x, up, norm_w = _leaf(4, 8, K, seed=1), _leaf(4, 8, K, seed=2), _leaf(K, seed=3)
+    shapes = ((32, K), (16, K), (K, 32), (K, K))
+    ws = [_leaf(*s, scale=0.1, seed=4 + i) for i, s in enumerate(shapes)]
+    leaves = [x, up, norm_w, *ws]
+    _, want = _step(cfg, False, leaves, ws)  # the linears fill and read the cache
+    assert fa.cached_weight_casts(ws, NO_CACHE) is None
+    multi, weight_ptrs = [], {w.data_ptr() for w in ws}
+    real_multi = fp8_quant.ops.quantize_per_tensor_multi
+
+    def spy_multi(xs, *a):
+        if xs[0].data_ptr() in weight_ptrs:  # not the gradients rms_norm_linear casts
+            multi.append((len(xs), *a[2:]))
+        return real_multi(xs, *a)
+
+    monkeypatch.setattr(fp8_quant.ops, "quantize_per_tensor_multi", spy_multi)
+    for t in leaves:
+        t.grad = None
+    with torch.no_grad():
+        ws[1].mul_(1)  # one stale copy
+    casts = fa.cached_weight_casts(ws, cfg)
+    assert multi == [(1, True, True)]  # the stale one alone
+    assert [c.weight for c in casts] == ws and all(c.layer is None for c in casts)
+    for c, w in zip(casts, ws, strict=True):
+        assert all(a is b for a, b in zip(c.tensors, lin.cached_weight_fp8(w), strict=True))
+    assert fa.cached_weight_casts(ws, cfg)[0].tensors[0] is casts[0].tensors[0]  # fresh
+    out = _block(cfg, casts, x, up, norm_w, ws)
+    out.float().square().sum().backward()
+    assert multi == [(1, True, True)]  # nothing cast by the linears
+    for a, b in zip([out.detach()] + [t.grad for t in leaves], want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -75,3 +75,35 @@ def test_llama_7b_layer_gpu(cuda, row, col, fmt, assert_same_bits):
     shapes = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)]
     xs, amaxes = _tensors(shapes, torch.float32, cuda)
     _check(xs, amaxes, fmt, row, col, assert_same_bits)
+
+
+@pytest.mark.parametrize("row,col", LAYOUTS, ids=["both", "row", "col"])
+def test_traced_launch_passes_each_written_buffer_once(
+    interpreter, row, col, fmt, assert_same_bits, monkeypatch
+):
+    """Inside ``traced_launches()`` (a ``triton_op``'s body, whose launches go through
+    ``wrap_triton``) no buffer the kernel may write is passed twice: functionalized, every
+    such argument is cloned and copied back, and a copy the kernel did not write (an unused
+    layout, an unused slot) would overwrite one it did. The same bits."""
+    import importlib
+
+    from fp8_quant.ops import traced_launches
+
+    module = importlib.import_module("fp8_quant.ops.quantize_per_tensor_multi")
+
+    launches = []
+    real = module.launch
+
+    def spy(kernel, grid, *args, **meta):
+        launches.append(args)
+        return real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(module, "launch", spy)
+    xs, amaxes = _tensors(SHAPES[:3], torch.bfloat16)
+    with traced_launches():
+        _check(xs, amaxes, fmt, row, col, assert_same_bits)
+    (args,) = launches  # per slot: x, q, q_t, amax, scale, m, n, end
+    writable = [args[s * 8 + k].data_ptr() for s in range(SLOTS) for k in (1, 2, 4)]
+    layouts = (1,) * row + (2,) * col + (4,)  # the q, q_t and scale the kernel writes
+    written = [args[s * 8 + k].data_ptr() for s in range(len(xs)) for k in layouts]
+    assert all(writable.count(p) == 1 for p in written)

@@ -23,7 +23,9 @@ linears take ``weight_amax=`` / ``weight_amaxes=``: one reduction launch for the
 seven weights instead of two per weight), and ``weight_cache_fresh(weights, config)``
 (then the maxima are computed only when a weight will be cast), and
 ``cast_weights(weights, config, weight_amaxes=)`` (then the linears take ``weight_cast=`` /
-``weight_casts=``: the seven weights cast in one launch per direction): ``FP8_OPS`` are
+``weight_casts=``: the seven weights cast in one launch per direction), and
+``cached_weight_casts(weights, config)`` (the weight cache's copies as such items, which a
+compiled layer takes as inputs: ``layer_weight_casts``): ``FP8_OPS`` are
 fp8_activations' functional ops (each saves FP8 and hands its output's FP8 form or group
 maxima to the next op), ``coat_models.reference`` the model's exact arithmetic (no fused ops).
 """
@@ -51,6 +53,7 @@ FP8_OPS = SimpleNamespace(
     weight_amaxes=fa.weight_amaxes,
     weight_cache_fresh=fa.weight_cache_fresh,
     cast_weights=fa.cast_weights,
+    cached_weight_casts=fa.cached_weight_casts,
     # linear and swiglu_linear take residual= (the residual add in their autograd node)
     fused_residual=True,
 )
@@ -203,6 +206,30 @@ def mlp(
     return y if residual is None else ops.residual_add(y, residual, res_config)
 
 
+def layer_linears(layer: nn.Module) -> list[nn.Module]:
+    """A Llama-shaped layer's seven linears in the order the blocks use their weights: q, k,
+    v, o, gate, up, down."""
+    attn, mlp_ = layer.self_attn, layer.mlp
+    return [
+        attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+        mlp_.gate_proj, mlp_.up_proj, mlp_.down_proj,
+    ]  # fmt: skip
+
+
+# The keyword of a COAT decoder layer's forward that takes ``layer_weight_casts``' items.
+WEIGHT_CASTS = "coat_weight_casts"
+
+
+def layer_weight_casts(ops, layer: nn.Module, config=None) -> list | None:
+    """The weight cache's FP8 copies of the layer's seven weights (the stale ones refreshed
+    in one launch), as ``decoder_layer``'s ``weight_casts``: made eagerly, outside a compiled
+    layer, which cannot read the cache. None when the op set or ``config`` has no cache."""
+    cached = getattr(ops, "cached_weight_casts", None)
+    if cached is None or not torch.is_grad_enabled():
+        return None
+    return cached([lin.weight for lin in layer_linears(layer)], config)
+
+
 def decoder_layer(
     ops,
     layer: nn.Module,
@@ -214,6 +241,7 @@ def decoder_layer(
     config=None,
     attn_kwargs: dict | None = None,
     hand_over_output: bool = True,
+    weight_casts: list | None = None,
 ) -> torch.Tensor:
     """A pre-norm Llama decoder layer: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``.
 
@@ -222,28 +250,33 @@ def decoder_layer(
     attention's packing arguments, ...). ``hand_over_output=False``: the output carries no
     FP8 copy for the next layer's norm (which then quantizes it itself, same bits): under
     gradient checkpointing the output is kept as the next layer's checkpoint input, and the
-    copy would be kept with it (1.25 B/elem more than the input itself).
+    copy would be kept with it (1.25 B/elem more than the input itself). ``weight_casts``:
+    the seven weights' ``layer_weight_casts``, made before the call, or None (the layer
+    casts them itself).
     """
     attn, mlp_, shape = layer.self_attn, layer.mlp, hidden_states.shape[:-1]
-    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-    gate_up = [mlp_.gate_proj, mlp_.up_proj]
-    linears = [*qkv, attn.o_proj, *gate_up, mlp_.down_proj]
+    linears = layer_linears(layer)
+    qkv, gate_up = linears[:3], linears[4:6]
     amaxes = getattr(ops, "weight_amaxes", None)
     weights = [lin.weight for lin in linears]
+    casts = weight_casts
+    fresh = getattr(ops, "weight_cache_fresh", None)
+    if casts is not None:
+        amaxes = None  # cast before the call (layer_weight_casts)
     # Only while training: the weights' maxima let backward re-cast them without reductions;
     # not when every weight's cached FP8 copy is current (micro-batches after the first of a
     # step): nothing is cast then, and the reduction would read every weight for nothing.
-    fresh = getattr(ops, "weight_cache_fresh", None)
-    if amaxes and torch.is_grad_enabled() and not (fresh and fresh(weights, config)):
+    elif amaxes and torch.is_grad_enabled() and not (fresh and fresh(weights, config)):
         amaxes = amaxes(weights, config)
     else:
         amaxes = None
     # All seven weights cast in one launch (and again in one for backward), or their cached
     # copies refreshed in one: None when the op set (or cast_weights) leaves it to the linears.
     cast_weights = getattr(ops, "cast_weights", None)
-    casts = cast_weights(weights, config, weight_amaxes=amaxes) if cast_weights and amaxes else None
-    if cast_weights and amaxes and (casts is not None or (fresh and fresh(weights, config))):
-        amaxes = None  # every weight is cast (or cached): the linears need no maxima
+    if cast_weights and amaxes:
+        casts = cast_weights(weights, config, weight_amaxes=amaxes)
+        if casts is not None or (fresh and fresh(weights, config)):
+            amaxes = None  # every weight is cast (or cached): the linears need no maxima
     a, c = amaxes or [None] * len(linears), casts or [None] * len(linears)
     hidden_states = attention(
         ops,

@@ -4,10 +4,13 @@ compile a COAT model.
 Under ``torch.compile`` a COAT layer is traced: its FP8 kernels are ``torch.library.triton_op``
 operators, so Inductor sees the Triton kernels themselves and calls them from its generated
 code, and the layer's forward and backward each run as one compiled graph with one autograd
-node, instead of one Python call and autograd node per op. What tracing gives up: an op's
-output hands no FP8 copy to the next op (the next op quantizes its input again: the same
-bits, one quantization launch more), and the FP8 weight cache is not used (each micro-batch
-casts the weights again).
+node, instead of one Python call and autograd node per op. A layer's weights are cast in
+one launch inside the graph (``fp8_activations.cast_weights`` traced); with the FP8 weight
+cache (``FP8ActivationConfig.weight_cache``) the compiled forward casts none: the cache is
+read before the call, its stale copies refreshed in one launch, and the copies go in as
+inputs, so micro-batches after the first of an optimizer step reuse them as eager layers do.
+What tracing gives up: an op's output hands no FP8 copy to the next op (the next op
+quantizes its input again: the same bits, one quantization launch more).
 
 One compiled graph serves every layer of a model (the layers have the same code and shapes),
 so compilation costs about one layer's worth whatever the depth; compiling the whole model
@@ -31,7 +34,7 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from . import graphs
+from . import blocks, graphs
 
 COMPILED = "_coat_compiled"  # on each layer compile_layers compiled: True
 
@@ -156,6 +159,13 @@ class CompiledForward:
             self._bind()
         if not (layer.training and torch.is_grad_enabled()):
             return self.eager(*args, **kwargs)
+        ops = getattr(layer, "coat_ops", None)
+        if ops is not None:
+            # The FP8 weight cache, read here (Python state a graph cannot read): the layer's
+            # copies go in as inputs, refreshed in one launch when the weights changed.
+            casts = blocks.layer_weight_casts(ops, layer, layer.coat_config)
+            if casts is not None:
+                kwargs[blocks.WEIGHT_CASTS] = casts
         if self.checkpointed and layer.gradient_checkpointing:
             if "use_cache" in kwargs:
                 kwargs.update(_NO_CACHE)

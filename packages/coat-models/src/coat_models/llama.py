@@ -295,6 +295,7 @@ class _CoatDecoderLayer(_CoatMixin):
             kwargs = _bind(self._coat_original_class, (hidden_states, *args), kwargs)
             hidden_states = kwargs.pop("hidden_states")
         kwargs.pop("use_cache", None)
+        weight_casts = kwargs.pop(blocks.WEIGHT_CASTS, None)  # compile_layers' cached copies
         # transformers 5.17 calls the cache past_key_values, later versions cache.
         cache = kwargs.pop("cache", None)
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
@@ -333,6 +334,7 @@ class _CoatDecoderLayer(_CoatMixin):
                 config=self.coat_config,
                 attn_kwargs=kwargs,
                 hand_over_output=not checkpointing,
+                weight_casts=weight_casts,
             )
         return to_dtype(out, dtype)
 

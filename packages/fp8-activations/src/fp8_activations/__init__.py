@@ -5,6 +5,7 @@ from . import config as _config
 from .config import FP8ActivationConfig
 from .convert import convert_to_fp8_activations, revert_fp8_activations
 from .functional import (
+    cached_weight_casts,
     cast_weights,
     fp8_linear,
     gelu,
@@ -33,6 +34,7 @@ __all__ = [
     "FP8Tensor",
     "Granularity",
     "HandOver",
+    "cached_weight_casts",
     "cast_weights",
     "convert_to_fp8_activations",
     "fp8_linear",

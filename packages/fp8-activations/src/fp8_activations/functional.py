@@ -29,8 +29,11 @@ from .ops import (
 )
 from .ops.linear import (
     LayerCast,
+    RowsCast,
     WeightCast,
+    cached_weight_fp8,
     fill_weight_caches,
+    quantize_rows_many,
     quantize_t,
     use_scaled_mm,
     weight_fp8,
@@ -236,9 +239,11 @@ def cast_weights(
     / ``weight_casts`` to the linear that uses ``weights[i]`` in this forward (once).
 
     With ``config.weight_cache`` the stale cached copies are refreshed in one launch and
-    None is returned (the linears take them from the cache); None also under
-    ``torch.compile`` and for weights this cannot take (not 2-D, contiguous and non-empty,
-    or on several devices): the linears then cast themselves. ``weight_amaxes``: each
+    None is returned (the linears take them from the cache); None also for weights this
+    cannot take (not 2-D, contiguous and non-empty, or on several devices): the linears then
+    cast themselves. Under ``torch.compile`` (which uses no weight cache) forward's copies
+    are made in one launch inside the graph, and backward casts each weight's transposed
+    copy on its own. ``weight_amaxes``: each
     weight's exact max |w| (as ``weight_amaxes``), else reduced here. The same bits as
     the linears' own casts.
 
@@ -254,7 +259,7 @@ def cast_weights(
     if weight_amaxes is not None and len(weight_amaxes) != len(weights):
         raise ValueError(f"got {len(weights)} weights but {len(weight_amaxes)} weight_amaxes")
     device = weights[0].device
-    if torch.compiler.is_compiling() or any(
+    if any(
         w.dim() != 2 or not w.numel() or not w.is_contiguous() or w.device != device
         for w in weights
     ):
@@ -268,11 +273,52 @@ def cast_weights(
             for i, (a, w) in enumerate(zip(weight_amaxes, weights, strict=True))
         ]
     )
+    if torch.compiler.is_compiling():
+        # Traced: tensors only (a LayerCast is Python state), forward's copies in one launch.
+        fmt = cfg.fwd_format.value
+        out = quantize_rows_many([w.detach() for w in weights], fmt, amaxes, backend)
+        n = len(weights)
+        return [
+            WeightCast(None, i, w, tensors=RowsCast(out[i], out[n + i], amaxes[i]))
+            for i, w in enumerate(weights)
+        ]
     if cfg.weight_cache:
         fill_weight_caches(list(weights), cfg.fwd_format, backend, amaxes)
         return None
     layer = LayerCast(list(weights), amaxes, cfg.fwd_format.value, backend)
     return [WeightCast(layer, i, w) for i, w in enumerate(weights)]
+
+
+def cached_weight_casts(
+    weights: Sequence[Tensor],
+    config: FP8ActivationConfig | None = None,
+    *,
+    weight_amaxes: Sequence[Tensor] | None = None,
+) -> list[WeightCast] | None:
+    """The FP8 weight cache's copies of ``weights`` as ``weight_cast`` items made of tensors
+    only, refreshing the stale ones first in one launch (``cast_weights``' rule): for a
+    ``torch.compile`` region (a compiled decoder layer), which cannot read the cache, a
+    decision made in Python. Call it eagerly, outside the region, and pass the items in: the
+    region then casts no weight, and micro-batches after the first of an optimizer step
+    reuse the copies as eager code does. ``weight_amaxes``: as ``cast_weights``' (used only
+    when a copy is stale).
+
+    None when ``config.weight_cache`` is off, under ``torch.compile``, or for weights
+    ``cast_weights`` cannot take. The items' copies are the cache's: an in-place update of a
+    weight after this call makes its item stale; call again after each optimizer step.
+
+    >>> ws = [torch.randn(32, 64), torch.randn(16, 64)]
+    >>> casts = cached_weight_casts(ws)
+    >>> q, kv = rms_norm_linear(torch.randn(4, 64), None, 1e-6, ws, weight_casts=casts)
+    """
+    cfg = _config(config)
+    if not cfg.weight_cache or torch.compiler.is_compiling():
+        return None
+    if not weight_cache_fresh(weights, cfg):
+        cast_weights(weights, cfg, weight_amaxes=weight_amaxes)  # refreshes the stale ones
+        if not weight_cache_fresh(weights, cfg):  # weights cast_weights declines
+            return None
+    return [WeightCast(None, i, w, tensors=cached_weight_fp8(w)) for i, w in enumerate(weights)]
 
 
 def fp8_linear(
@@ -344,8 +390,9 @@ def fp8_linear(
         weight,
         bias,
         amax,
-        weight_cast
-        or (weight_fp8(weight, cfg.fwd_format, backend, weight_amax) if cache else None),
+        weight_cast.arg
+        if weight_cast
+        else (weight_fp8(weight, cfg.fwd_format, backend, weight_amax) if cache else None),
         cfg.fwd_format.value,
         cfg.grad_format.value,
         backend,
@@ -466,7 +513,7 @@ def rms_norm_linear(
     w_fp8 = None  # per weight: its layer cast, its cached copies, or None (cast here)
     if cache or weight_casts is not None:
         w_fp8 = tuple(
-            c or (weight_fp8(w, cfg.fwd_format, backend, a) if cache else None)
+            c.arg if c else (weight_fp8(w, cfg.fwd_format, backend, a) if cache else None)
             for w, a, c in zip(weights, amaxes, casts, strict=True)
         )
     outs = RMSNormLinearFunction.apply(
@@ -612,8 +659,10 @@ def swiglu_linear(
         return fp8_linear(y, weight, bias, cfg, **kw)
     backend = resolve_backend(gate, cfg.backend)
     cache = cfg.weight_cache and not torch.compiler.is_compiling()
-    w_fp8 = weight_cast or (
-        weight_fp8(weight, cfg.fwd_format, backend, weight_amax) if cache else None
+    w_fp8 = (
+        weight_cast.arg
+        if weight_cast
+        else (weight_fp8(weight, cfg.fwd_format, backend, weight_amax) if cache else None)
     )
     args = (
         _arg(gate), _arg(up), weight, bias, _handed_fp8(gate, cfg), _handed_fp8(up, cfg), w_fp8,

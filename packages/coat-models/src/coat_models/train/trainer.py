@@ -175,12 +175,6 @@ class TrainConfig:
             raise ValueError(
                 "--compile and --cuda-graphs both take over the decoder layers: choose one"
             )
-        if self.compile and self.weight_cache:
-            raise ValueError(
-                "--compile traces the layers, and a traced layer casts its weights every "
-                "micro-batch (the FP8 weight cache is a decision made in Python): drop "
-                "--fp8-weight-cache"
-            )
 
     @classmethod
     def from_preset(cls, name: str, mode: str = "bf16", **overrides) -> TrainConfig:
@@ -197,11 +191,12 @@ class TrainConfig:
     @property
     def uses_weight_cache(self) -> bool:
         """Whether the FP8 weight cache is asked for: ``weight_cache``, or when None, with
-        gradient accumulation and without CUDA graphs or compiled layers (micro-batches 2..
-        reuse the first one's casts). ``fp8_weight_cache`` says whether a run has it."""
+        gradient accumulation and without CUDA graphs (micro-batches 2.. reuse the first
+        one's casts; compiled layers take the copies as inputs). ``fp8_weight_cache`` says
+        whether a run has it."""
         if self.weight_cache is not None:
             return self.weight_cache
-        return self.grad_accum > 1 and not self.cuda_graphs and not self.compile
+        return self.grad_accum > 1 and not self.cuda_graphs
 
     def fp8_weight_cache(self, strategy: str | None = None) -> bool:
         """Whether this mode trains with the FP8 weight cache under ``strategy``: a mode

@@ -17,6 +17,7 @@ the fly in forward and again in backward.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 from fp8_quant import FP8Format, quantize_per_tensor, quantize_per_tensor_transpose
@@ -158,12 +159,68 @@ def cast_weight(weight: Tensor, fmt: str, backend: str, amax: Tensor | None = No
     return w_q, w_s, w_amax
 
 
+@custom_op("quantize_cols")
+def quantize_cols(
+    x: Tensor, fmt: str, amax: Tensor, backend: str, *, eager: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Per-tensor quantize a 2-D ``x`` from its max |x|, writing only the transposed copy:
+    ``(q.T contiguous, scale)``, the bits of ``quantize_t``'s ``q_t`` (backward's weight
+    re-cast, which has no use for the row-major copy)."""
+    x = x.contiguous()  # (the multi-tensor kernel reads rows of contiguous tensors)
+    ((_, q_t, scale),) = _multi(x, backend)([x], FP8Format(fmt), [amax], False, True)
+    return q_t, scale
+
+
+@quantize_cols.register_fake
+def _(x, fmt, amax, backend, *, eager=False):
+    m, n = x.shape
+    return x.new_empty((n, m), dtype=FP8Format.parse(fmt).torch_dtype), \
+        x.new_empty((), dtype=torch.float32)  # fmt: skip
+
+
+@custom_op("quantize_rows_many")
+def quantize_rows_many(
+    xs: list[Tensor], fmt: str, amaxes: list[Tensor], backend: str, *, eager: bool = False
+) -> list[Tensor]:
+    """Per-tensor quantize each 2-D ``x`` of ``xs`` (contiguous, on one device) from its max
+    |x| (``amaxes``), all in one launch: ``[q of each x..., scale of each x...]``, the bits of
+    ``quantize``. A traced layer's weight casts (``cast_weights`` under ``torch.compile``)."""
+    casts = _multi(xs[0], backend)(xs, FP8Format(fmt), amaxes, True, False)
+    return [q for q, _, _ in casts] + [s for _, _, s in casts]
+
+
+@quantize_rows_many.register_fake
+def _(xs, fmt, amaxes, backend, *, eager=False):
+    dtype = FP8Format.parse(fmt).torch_dtype
+    return [x.new_empty(x.shape, dtype=dtype) for x in xs] + \
+        [x.new_empty((), dtype=torch.float32) for x in xs]  # fmt: skip
+
+
+def _multi(x: Tensor, backend: str):
+    """The multi-tensor per-tensor cast for ``backend``: Triton's or the reference (the same
+    bits)."""
+    if use_triton(x, backend):
+        return fp8_ops.quantize_per_tensor_multi
+    return fp8_reference.quantize_per_tensor_multi
+
+
+class RowsCast(NamedTuple):
+    """One weight's row-major FP8 copy from a traced layer cast (``cast_weights`` under
+    ``torch.compile``): tensors only, which a compiled graph carries. Backward re-casts the
+    transposed copy from ``amax`` (``quantize_cols``)."""
+
+    q: Tensor
+    scale: Tensor
+    amax: Tensor
+
+
 def forward_weight(weight: Tensor, w_fp8, fmt: str, backend: str, w_amax: Tensor | None):
     """Forward's row-major FP8 weight: ``(w_q, w_s, saved)`` with ``saved`` what backward's
     ``weight_t`` needs, ``(w_t, w_s)`` of the cache or ``(None, w_amax)``. ``w_fp8``: a
-    ``WeightCast``, the cache's ``(w_q, w_t, w_s)``, or None (cast here from ``w_amax``)."""
-    if isinstance(w_fp8, WeightCast):
-        w_q, w_s, w_amax = w_fp8.rows()
+    ``WeightCast``, a traced layer cast's ``RowsCast``, the cache's ``(w_q, w_t, w_s)``, or
+    None (cast here from ``w_amax``)."""
+    if isinstance(w_fp8, (WeightCast, RowsCast)):
+        w_q, w_s, w_amax = w_fp8.rows() if isinstance(w_fp8, WeightCast) else w_fp8
         return w_q, w_s, (None, w_amax)
     if w_fp8 is not None:
         w_q, w_t, w_s = w_fp8
@@ -182,9 +239,10 @@ def weight_t(
         item = None if cast is None else cast.cols()
         if item is not None:
             return item
-        # No layer cast, or its copy was handed out to an earlier backward through this
-        # graph (retain_graph=True): cast this weight alone, the same bits from the same max.
-        _, w_t, w_s = quantize_t(weight.detach(), fmt, w_s, backend)
+        # No layer cast (or a traced one, which casts forward's copies only), or its copy was
+        # handed out to an earlier backward through this graph (retain_graph=True): cast
+        # this weight alone, the same bits from the same max.
+        w_t, w_s = quantize_cols(weight.detach(), fmt, w_s, backend)
     return w_t, w_s
 
 
@@ -208,10 +266,7 @@ class LayerCast:
         self._cols: list | None = None
 
     def _cast(self, row: bool, col: bool) -> list:
-        if use_triton(self._weights[0], self._backend):
-            multi = fp8_ops.quantize_per_tensor_multi
-        else:
-            multi = fp8_reference.quantize_per_tensor_multi
+        multi = _multi(self._weights[0], self._backend)
         return multi(self._weights, self._fmt, self._amaxes, row, col)
 
     def rows(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -241,11 +296,20 @@ class LayerCast:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class WeightCast:
-    """One weight's share of a ``LayerCast``: what the linears take as ``weight_cast``."""
+    """One weight's share of a layer's cast, what the linears take as ``weight_cast``: of a
+    ``LayerCast`` (eager), or tensors only (``layer`` None): a traced cast's ``RowsCast``, or
+    the weight cache's ``(w_q, w_t, w_scale)`` handed to a compiled region."""
 
-    layer: LayerCast
+    layer: LayerCast | None
     index: int
     weight: Tensor  # the weight it was cast from (checked by the ops: the same object)
+    tensors: RowsCast | tuple[Tensor, Tensor, Tensor] | None = None
+
+    @property
+    def arg(self) -> WeightCast | RowsCast | tuple[Tensor, Tensor, Tensor]:
+        """What the autograd Functions take as ``w_fp8``: the tensors alone when it has
+        them (the weight is their own argument already)."""
+        return self if self.tensors is None else self.tensors
 
     def rows(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.layer.rows(self.index)
@@ -261,9 +325,8 @@ def fill_weight_caches(weights: list[Tensor], fmt: FP8Format, backend: str, amax
     if not stale:
         return
     ws = [weights[i].detach() for i in stale]
-    multi = fp8_ops.quantize_per_tensor_multi if use_triton(ws[0], backend) else None
-    multi = multi or fp8_reference.quantize_per_tensor_multi
-    for i, cast in zip(stale, multi(ws, fmt, [amaxes[i] for i in stale], True, True), strict=True):
+    casts = _multi(ws[0], backend)(ws, fmt, [amaxes[i] for i in stale], True, True)
+    for i, cast in zip(stale, casts, strict=True):
         setattr(weights[i], _CACHE_ATTR, (_cache_key(weights[i], fmt), cast))
 
 

@@ -64,6 +64,11 @@ def traced_launches():
         _TRACED -= 1
 
 
+def launches_traced() -> bool:
+    """Whether launches are ``wrap_triton``'s now (inside ``traced_launches()``)."""
+    return _TRACED > 0
+
+
 def scalar_out(device) -> torch.Tensor:
     """An uninitialized 0-dim fp32 tensor on ``device`` for a kernel to write (a scale).
 

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..formats import FP8Format
 from ._host import cdiv
-from ._launch import launch, scalar_out
+from ._launch import launch, launches_traced, scalar_out
 from .fp8_round import fp8_encode, fp8_scale, hw_cast_supported
 
 SLOTS = 8  # tensors per launch (a Llama layer has 7 weights); more take more launches
@@ -90,6 +90,15 @@ def quantize_per_tensor_multi(
 def _launch_slots(xs, fmt, amaxes, row, col):
     device = xs[0].device
     args, results, end = [], [], 0
+    # Traced (wrap_triton), no buffer the kernel may write is passed twice: functionalized,
+    # each such argument is cloned and copied back after the kernel, and a copy that the
+    # kernel did not write (an unused layout or slot) would overwrite one it did. Spare
+    # buffers stand in there (never written: ROW / COL and the slots' program ranges);
+    # eagerly the real buffers do (no allocation).
+    spare = launches_traced() and (
+        torch.empty(1, device=device, dtype=torch.uint8),
+        scalar_out(device),
+    )
     for x, amax in zip(xs, amaxes, strict=True):
         m, n = x.shape
         q = torch.empty((m, n), device=device, dtype=fmt.torch_dtype) if row else None
@@ -98,9 +107,13 @@ def _launch_slots(xs, fmt, amaxes, row, col):
         results.append((q, q_t, scale))
         q_bits = (q if row else q_t).view(torch.uint8)  # a real buffer for the unused one
         qt_bits = q_t.view(torch.uint8) if col else q_bits
+        if spare:
+            q_bits, qt_bits = (q_bits if row else spare[0]), (qt_bits if col else spare[0])
         end += max(1, cdiv(m, _BM) * cdiv(n, _BN))  # >= 1: an empty tensor's scale
         args += [x, q_bits, qt_bits, amax, scale, m, n, end]
     unused = [*args[:7], end]  # the first tensor's arguments again, owning no program
+    if spare:
+        unused[1:3], unused[4] = [spare[0], spare[0]], spare[1]
     args += unused * (SLOTS - len(xs))
     launch(_multi_kernel, (end,), *args,
         FMT=fmt.value, HW_CAST=hw_cast_supported(device), BM=_BM, BN=_BN, ROW=row, COL=col,
