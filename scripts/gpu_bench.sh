@@ -18,6 +18,10 @@
 #   scripts/gpu_bench.sh speed-batch  1 GPU. Llama-2-7B at micro-batch 2: bf16 vs coat (default),
 #                                coat eager, torchao float8 + compile (bench_e2e; carry its wheel);
 #                                coat at micro-batch 8 (the best-vs-best row).
+#   scripts/gpu_bench.sh speed-compile 1 GPU, ~8 min. coat-train --compile against eager COAT
+#                                (--no-cuda-graphs), one process each: Llama-2-7B at micro-batch
+#                                2 x 2 with --activation-checkpointing and at 1 x 4 (FP8 weight
+#                                cache on by default in both), and the 125m preset.
 #   scripts/gpu_bench.sh accuracy     1 GPU, ~5 min. The 125m preset trained 2000 steps with bf16
 #                                and coat (bench_e2e_accuracy.py), checked against the golden
 #                                loss curves; exit status 1 when a check fails. ACC_SEEDS=3:
@@ -37,9 +41,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:-}
 case "$phase" in
-single | multi | check | speed-accum | speed-batch | accuracy) ;;
+single | multi | check | speed-accum | speed-batch | speed-compile | accuracy) ;;
 *)
-  echo "usage: scripts/gpu_bench.sh single|multi|check|speed-accum|speed-batch|accuracy (see the top)" >&2
+  echo "usage: scripts/gpu_bench.sh single|multi|check|speed-accum|speed-batch|speed-compile|accuracy (see the top)" >&2
   exit 2
   ;;
 esac
@@ -149,7 +153,7 @@ multi)
   head -30 "$r/profile.txt"
   tail -5 "$r/profile.log"
   ;;
-speed-accum | speed-batch)
+speed-accum | speed-batch | speed-compile)
   G=(--eval-batches 1 --log-every 3 --no-progress --no-export)
   train() { # train NAME TIMEOUT ARGS...: coat-train into $r/NAME.txt
     local name=$1 t=$2
@@ -165,6 +169,15 @@ speed-accum | speed-batch)
     train ga4 170 "${L[@]}" --compare bf16,coat --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}"
     train ga4_eager 150 "${L[@]}" --compare bf16,coat --no-cuda-graphs --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}"
     runs="s125 s125_eager ga4 ga4_eager"
+  elif [ "$phase" = speed-compile ]; then
+    C=("${L[@]}" --mode coat --steps 8 "${G[@]}")
+    for v in no-cuda-graphs compile; do
+      train "ac_$v" 110 "${C[@]}" --activation-checkpointing --batch-size 2 --grad-accum 2 "--$v"
+      train "ga4_$v" 110 "${C[@]}" --batch-size 1 --grad-accum 4 "--$v"
+      train "s125_$v" 50 --preset 125m --mode coat --steps 40 --eval-batches 1 --no-progress \
+        --no-export "--$v"
+    done
+    runs="ac_no-cuda-graphs ac_compile ga4_no-cuda-graphs ga4_compile s125_no-cuda-graphs s125_compile"
   else
     train mb2 150 "${L[@]}" --compare bf16,coat --batch-size 2 --steps 12 "${G[@]}"
     train mb2_eager 90 "${L[@]}" --mode coat --no-cuda-graphs --batch-size 2 --steps 12 "${G[@]}"
