@@ -20,8 +20,8 @@
 #                                coat at micro-batch 8 (the best-vs-best row).
 #   scripts/gpu_bench.sh speed-compile 1 GPU, ~8 min. coat-train --compile against eager COAT
 #                                (--no-cuda-graphs), one process each: Llama-2-7B at micro-batch
-#                                2 x 2 with --activation-checkpointing and at 1 x 4 (FP8 weight
-#                                cache on by default in both), and the 125m preset.
+#                                2 x 2 with --activation-checkpointing and at 1 x 4 (both with
+#                                --fp8-weight-cache), and the 125m preset.
 #   scripts/gpu_bench.sh accuracy     1 GPU, ~5 min. The 125m preset trained 2000 steps with bf16
 #                                and coat (bench_e2e_accuracy.py), checked against the golden
 #                                loss curves; exit status 1 when a check fails. ACC_SEEDS=3:
@@ -170,7 +170,7 @@ speed-accum | speed-batch | speed-compile)
     train ga4_eager 150 "${L[@]}" --compare bf16,coat --no-cuda-graphs --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}"
     runs="s125 s125_eager ga4 ga4_eager"
   elif [ "$phase" = speed-compile ]; then
-    C=("${L[@]}" --mode coat --steps 8 "${G[@]}")
+    C=("${L[@]}" --mode coat --steps 8 --fp8-weight-cache "${G[@]}")
     for v in no-cuda-graphs compile; do
       train "ac_$v" 110 "${C[@]}" --activation-checkpointing --batch-size 2 --grad-accum 2 "--$v"
       train "ga4_$v" 110 "${C[@]}" --batch-size 1 --grad-accum 4 "--$v"

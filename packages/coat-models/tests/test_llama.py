@@ -1488,7 +1488,23 @@ def test_gpu_compiled_layers_are_eager_bit_for_bit(setup, cache):
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    want, got = run(False), run(True)
+    want = run(False)
+    import fp8_quant.ops
+
+    refreshes = []  # casts of a layer's seven weights in both layouts: the cache's refresh
+    real_multi = fp8_quant.ops.quantize_per_tensor_multi
+
+    def spy(xs, fmt, amaxes, row, col):
+        if len(xs) == 7 and row and col:  # (tracing calls it for forward's layout only)
+            refreshes.append((row, col))
+        return real_multi(xs, fmt, amaxes, row, col)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp8_quant.ops, "quantize_per_tensor_multi", spy)
+        got = run(True)
+    # With the cache, each compiled layer's copies come from one eager refresh a step (the
+    # graph casts no weight); without it the graph casts them (no eager call).
+    assert len(refreshes) == (2 * ref.config.num_hidden_layers if cache else 0)
     assert counters["stats"]["unique_graphs"] == 1
     assert counters["graph_break"] == {}
     differ = [i for i, (a, b) in enumerate(zip(want, got, strict=True)) if not torch.equal(a, b)]

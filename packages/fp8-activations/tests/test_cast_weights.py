@@ -244,3 +244,7 @@ def test_cached_weight_casts_hand_out_the_cache_as_tensors(monkeypatch):
     assert multi == [(1, True, True)]  # nothing cast by the linears
     for a, b in zip([out.detach()] + [t.grad for t in leaves], want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.no_grad():
+        ws[2].mul_(2)  # e.g. an optimizer step after cached_weight_casts
+    with pytest.raises(ValueError, match="weight_cast is stale.*call cached_weight_casts"):
+        _block(cfg, casts, x, up, norm_w, ws)

@@ -107,3 +107,6 @@ def test_traced_launch_passes_each_written_buffer_once(
     layouts = (1,) * row + (2,) * col + (4,)  # the q, q_t and scale the kernel writes
     written = [args[s * 8 + k].data_ptr() for s in range(len(xs)) for k in layouts]
     assert all(writable.count(p) == 1 for p in written)
+    tensors = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
+    inputs = [args[s * 8 + k].data_ptr() for s in range(len(xs)) for k in (0, 3)]  # x, amax
+    assert all(tensors.count(p) == 1 for p in inputs)

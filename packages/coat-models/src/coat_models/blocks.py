@@ -23,7 +23,8 @@ linears take ``weight_amax=`` / ``weight_amaxes=``: one reduction launch for the
 seven weights instead of two per weight), and ``weight_cache_fresh(weights, config)``
 (then the maxima are computed only when a weight will be cast), and
 ``cast_weights(weights, config, weight_amaxes=)`` (then the linears take ``weight_cast=`` /
-``weight_casts=``: the seven weights cast in one launch per direction), and
+``weight_casts=``: the seven weights cast in one launch per direction; traced, forward's
+in one and backward's one per weight), and
 ``cached_weight_casts(weights, config)`` (the weight cache's copies as such items, which a
 compiled layer takes as inputs: ``layer_weight_casts``): ``FP8_OPS`` are
 fp8_activations' functional ops (each saves FP8 and hands its output's FP8 form or group
@@ -225,8 +226,8 @@ def layer_weight_casts(ops, layer: nn.Module, config=None) -> list | None:
     in one launch), as ``decoder_layer``'s ``weight_casts``: made eagerly, outside a compiled
     layer, which cannot read the cache. None when the op set or ``config`` has no cache."""
     cached = getattr(ops, "cached_weight_casts", None)
-    if cached is None or not torch.is_grad_enabled():
-        return None
+    if cached is None or not getattr(ops, "cast_weights", None) or not torch.is_grad_enabled():
+        return None  # (an op set without cast_weights casts each weight in its linear)
     return cached([lin.weight for lin in layer_linears(layer)], config)
 
 
@@ -270,8 +271,9 @@ def decoder_layer(
         amaxes = amaxes(weights, config)
     else:
         amaxes = None
-    # All seven weights cast in one launch (and again in one for backward), or their cached
-    # copies refreshed in one: None when the op set (or cast_weights) leaves it to the linears.
+    # All seven weights cast in one launch (and again in one for backward; traced, one per
+    # weight there), or their cached copies refreshed in one: None when the op set (or
+    # cast_weights) leaves it to the linears.
     cast_weights = getattr(ops, "cast_weights", None)
     if cast_weights and amaxes:
         casts = cast_weights(weights, config, weight_amaxes=amaxes)

@@ -109,10 +109,23 @@ def _check_amax(amax: Tensor | None, weight: Tensor, name: str) -> Tensor | None
 
 
 def _check_cast(cast, weight: Tensor, name: str) -> None:
-    """A ``cast_weights`` item for ``weight`` (the same tensor object), or None."""
-    if cast is not None and (not isinstance(cast, WeightCast) or cast.weight is not weight):
+    """A ``cast_weights`` / ``cached_weight_casts`` item for ``weight`` (the same tensor
+    object), or None; a cached one made from the weight's current version (eager)."""
+    if cast is None:
+        return
+    if not isinstance(cast, WeightCast) or cast.weight is not weight:
         raise TypeError(
             f"{name} must be the item of cast_weights(...) made for this weight, or None"
+        )
+    # (Traced, ``version`` is not read: an int read by dynamo is a guard, one graph per step.)
+    if (
+        not torch.compiler.is_compiling()
+        and cast.version is not None
+        and cast.version != weight._version
+    ):
+        raise ValueError(
+            f"{name} is stale: its weight changed in place after cached_weight_casts; call "
+            "cached_weight_casts after the last update"
         )
 
 
@@ -318,7 +331,10 @@ def cached_weight_casts(
         cast_weights(weights, cfg, weight_amaxes=weight_amaxes)  # refreshes the stale ones
         if not weight_cache_fresh(weights, cfg):  # weights cast_weights declines
             return None
-    return [WeightCast(None, i, w, tensors=cached_weight_fp8(w)) for i, w in enumerate(weights)]
+    return [
+        WeightCast(None, i, w, tensors=cached_weight_fp8(w), version=w._version)
+        for i, w in enumerate(weights)
+    ]
 
 
 def fp8_linear(

@@ -304,6 +304,7 @@ class WeightCast:
     index: int
     weight: Tensor  # the weight it was cast from (checked by the ops: the same object)
     tensors: RowsCast | tuple[Tensor, Tensor, Tensor] | None = None
+    version: int | None = None  # the cache's: the weight's version its copies were made from
 
     @property
     def arg(self) -> WeightCast | RowsCast | tuple[Tensor, Tensor, Tensor]:
@@ -364,7 +365,7 @@ class FP8LinearFunction(torch.autograd.Function):
 
     ``x_amax``: 0-dim max |x| handed over by the producer (group scaling), or None.
     ``w_fp8``: ``(w_q, w_t, w_scale)`` from the weight cache, a ``WeightCast`` (the layer's
-    casts made together), or None to cast on the fly.
+    casts made together), a ``RowsCast`` (a traced layer's), or None to cast on the fly.
     ``x_fp8``: ``quantize_t(x, fwd_fmt, x_amax, backend)`` already made (shared by several
     linears on one x, which then all save the same ``x_t``), or None to quantize here.
     ``w_amax``: the weight's max |w| (0-dim fp32) or None to reduce it here.

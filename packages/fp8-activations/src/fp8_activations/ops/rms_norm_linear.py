@@ -103,8 +103,8 @@ class RMSNormLinearFunction(torch.autograd.Function):
     ...)``, ``y_i = (rms_norm(x) @ weight_i.T + bias_i)`` (..., N_i) in x's dtype.
 
     ``x_fp8``: handed-over 1 x G ``(q, scales)`` of x, or None; ``w_fp8``: per weight the
-    weight cache's ``(w_q, w_t, w_scale)``, a ``WeightCast`` or None (cast on the fly), or
-    None for all;
+    weight cache's ``(w_q, w_t, w_scale)``, a ``WeightCast``, a ``RowsCast`` or None (cast
+    on the fly), or None for all;
     ``use_scaled_mm``: one bool per weight; ``w_amaxes``: each weight's max |w| (0-dim
     fp32) or None to reduce them here.
     """

@@ -95,7 +95,8 @@ class SwiGLULinearFunction(torch.autograd.Function):
     gate's dtype.
 
     ``*_fp8``: handed-over 1 x G ``(q, scales)`` of gate / up, or None; ``w_fp8``: the
-    weight cache's ``(w_q, w_t, w_scale)``, a ``WeightCast`` or None (cast on the fly);
+    weight cache's ``(w_q, w_t, w_scale)``, a ``WeightCast``, a ``RowsCast`` or None (cast
+    on the fly);
     ``w_amax``: the weight's max |w| (0-dim fp32) or None to reduce it here.
     """
 

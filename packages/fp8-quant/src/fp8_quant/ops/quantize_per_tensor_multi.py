@@ -93,10 +93,13 @@ def _launch_slots(xs, fmt, amaxes, row, col):
     # Traced (wrap_triton), no buffer the kernel may write is passed twice: functionalized,
     # each such argument is cloned and copied back after the kernel, and a copy that the
     # kernel did not write (an unused layout or slot) would overwrite one it did. Spare
-    # buffers stand in there (never written: ROW / COL and the slots' program ranges);
-    # eagerly the real buffers do (no allocation).
+    # buffers stand in there (never written: ROW / COL and the slots' program ranges), and
+    # for the unused slots' inputs too (no input is passed twice either); eagerly the real
+    # buffers do (no allocation).
     spare = launches_traced() and (
         torch.empty(1, device=device, dtype=torch.uint8),
+        scalar_out(device),
+        torch.empty(1, device=device, dtype=xs[0].dtype),
         scalar_out(device),
     )
     for x, amax in zip(xs, amaxes, strict=True):
@@ -112,8 +115,8 @@ def _launch_slots(xs, fmt, amaxes, row, col):
         end += max(1, cdiv(m, _BM) * cdiv(n, _BN))  # >= 1: an empty tensor's scale
         args += [x, q_bits, qt_bits, amax, scale, m, n, end]
     unused = [*args[:7], end]  # the first tensor's arguments again, owning no program
-    if spare:
-        unused[1:3], unused[4] = [spare[0], spare[0]], spare[1]
+    if spare:  # x, q, q_t, amax, scale
+        unused[:5] = [spare[2], spare[0], spare[0], spare[3], spare[1]]
     args += unused * (SLOTS - len(xs))
     launch(_multi_kernel, (end,), *args,
         FMT=fmt.value, HW_CAST=hw_cast_supported(device), BM=_BM, BN=_BN, ROW=row, COL=col,
