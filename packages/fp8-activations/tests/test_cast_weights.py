@@ -248,3 +248,22 @@ def test_cached_weight_casts_hand_out_the_cache_as_tensors(monkeypatch):
         ws[2].mul_(2)  # e.g. an optimizer step after cached_weight_casts
     with pytest.raises(ValueError, match="weight_cast is stale.*call cached_weight_casts"):
         _block(cfg, casts, x, up, norm_w, ws)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_quantize_cols_writes_quantize_t_transposed_copy(backend):
+    """``quantize_cols`` (a traced backward's weight re-cast): ``quantize_t``'s ``q_t`` and
+    scale bit for bit, from the same max, for odd shapes, one row, and a transposed view."""
+    for shape, transposed in (
+        ((48, 64), False),
+        ((13, 67), False),
+        ((1, 9), False),
+        ((64, 48), True),
+    ):
+        w = _leaf(*shape, scale=0.3).detach()
+        w = w.t() if transposed else w
+        amax = w.abs().amax().float()
+        q_t, scale = lin.quantize_cols(w, "e4m3", amax, backend)
+        _, want_t, want_s = lin.quantize_t(w.contiguous(), "e4m3", amax, backend)
+        assert torch.equal(q_t.view(torch.uint8), want_t.view(torch.uint8))
+        assert torch.equal(scale, want_s)

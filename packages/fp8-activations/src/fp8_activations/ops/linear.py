@@ -241,8 +241,13 @@ def weight_t(
             return item
         # No layer cast (or a traced one, which casts forward's copies only), or its copy was
         # handed out to an earlier backward through this graph (retain_graph=True): cast
-        # this weight alone, the same bits from the same max.
-        w_t, w_s = quantize_cols(weight.detach(), fmt, w_s, backend)
+        # this weight alone, the same bits from the same max. Traced, the transposed copy
+        # only (half the bytes written); eagerly quantize_t's launch, whose host time is
+        # the lower (a multi-tensor launch passes 64 arguments).
+        if torch.compiler.is_compiling():
+            w_t, w_s = quantize_cols(weight.detach(), fmt, w_s, backend)
+        else:
+            _, w_t, w_s = quantize_t(weight.detach(), fmt, w_s, backend)
     return w_t, w_s
 
 
