@@ -242,8 +242,8 @@ def weight_t(
         # No layer cast (or a traced one, which casts forward's copies only), or its copy was
         # handed out to an earlier backward through this graph (retain_graph=True): cast
         # this weight alone, the same bits from the same max. Traced, the transposed copy
-        # only (half the bytes written); eagerly quantize_t's launch, whose host time is
-        # the lower (a multi-tensor launch passes 64 arguments).
+        # only (half the bytes written); eagerly quantize_t's launch as before (the
+        # multi-tensor launch passes 64 arguments: more host time, though not measured).
         if torch.compiler.is_compiling():
             w_t, w_s = quantize_cols(weight.detach(), fmt, w_s, backend)
         else:
