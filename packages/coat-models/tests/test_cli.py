@@ -158,11 +158,10 @@ def test_compile_with_activation_checkpointing_keeps_eager_bits(tmp_path, capsys
 
 @pytest.mark.slow
 def test_compile_with_gradient_accumulation_reads_the_weight_cache(tmp_path, capsys, monkeypatch):
-    """--compile --grad-accum 2 --fp8-weight-cache (refused before): each compiled layer
-    gets its weights' cached copies as inputs, refreshed in one launch on the first
+    """--compile --grad-accum 2 keeps the FP8 weight cache, as eager does: each compiled
+    layer gets its weights' cached copies as inputs, refreshed in one launch on the first
     micro-batch of a step only, and casts no weight itself; losses and final weights are
-    eager's, bit for bit (aot_eager backend, CPU). Without the flag --compile keeps no cache
-    (its default)."""
+    eager's, bit for bit (aot_eager backend, CPU)."""
     import coat_models.train.trainer as trainer
     import fp8_quant.ops
     import fp8_quant.reference
@@ -173,7 +172,6 @@ def test_compile_with_gradient_accumulation_reads_the_weight_cache(tmp_path, cap
 
     monkeypatch.setattr(trainer, "compile_layers", compile_layers)
     argv = ["--mode", "coat", "--grad-accum", "2", "--steps", "3", "--eval-every", "3", *FAST]
-    argv += ["--fp8-weight-cache"]  # eager's default with accumulation; asked for compiled
     code, _, stderr = run([*argv, "--out", tmp_path / "e"], capsys)
     assert code == 0, stderr
     casts = []  # (tensors, rows, columns) of each multi-tensor cast

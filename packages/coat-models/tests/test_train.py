@@ -845,18 +845,19 @@ def test_clipping_inside_coat_adamw_is_clip_grad_norm(tmp_path, mode):
 @pytest.mark.parametrize("mode", ["coat", "coat-act"])
 def test_weight_cache_is_on_with_gradient_accumulation_and_changes_no_bit(tmp_path, mode):
     """coat-train's default FP8 weight cache (``weight_cache=None``): on with gradient
-    accumulation (micro-batches 2.. reuse the first one's casts), off without it, under CUDA
-    graphs or compiled layers, explicit either way; on or off, the same losses and weights
+    accumulation (micro-batches 2.. reuse the first one's casts), compiled layers too, off
+    without it or under CUDA graphs, explicit either way; on or off, the same losses and weights
     bit for bit."""
     from fp8_activations.ops.linear import cached_weight_fp8
 
     assert not TrainConfig(mode=mode).uses_weight_cache
     assert TrainConfig(mode=mode, grad_accum=2).uses_weight_cache
     assert not TrainConfig(mode=mode, grad_accum=2, cuda_graphs=True).uses_weight_cache
-    assert not TrainConfig(mode=mode, grad_accum=2, compile=True).uses_weight_cache
+    assert TrainConfig(mode=mode, grad_accum=2, compile=True).uses_weight_cache
+    off = TrainConfig(mode=mode, grad_accum=2, compile=True, weight_cache=False)
+    assert not off.uses_weight_cache
     assert not TrainConfig(mode=mode, grad_accum=2, weight_cache=False).uses_weight_cache
     assert TrainConfig(mode=mode, weight_cache=True).uses_weight_cache
-    assert TrainConfig(mode=mode, grad_accum=2, compile=True, weight_cache=True).uses_weight_cache
     runs = []
     for cache in (None, False):
         tr = _tiny_trainer(tmp_path / str(cache), mode, steps=3, grad_accum=2, weight_cache=cache)

@@ -176,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="FP8 activations: keep each weight's FP8 copies (2 bytes/param) between "
         "micro-batches until the optimizer step; saves casts with --grad-accum, costs memory "
-        "(default: on with --grad-accum > 1, unless CUDA graphs are on, the default on one "
-        "CUDA GPU, or under --fsdp or --compile; --compile takes it when asked for)",
+        "(default: on with --grad-accum > 1, also under --compile, unless CUDA graphs are on, "
+        "the default on one CUDA GPU, or under --fsdp)",
     )
     r.add_argument(
         "--cuda-graphs",

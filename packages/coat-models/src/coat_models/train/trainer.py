@@ -191,13 +191,12 @@ class TrainConfig:
     @property
     def uses_weight_cache(self) -> bool:
         """Whether the FP8 weight cache is asked for: ``weight_cache``, or when None, with
-        gradient accumulation and without CUDA graphs or compiled layers (micro-batches 2..
-        reuse the first one's casts; compiled layers take the copies as inputs when asked
-        for, not by default: their gain is not measured yet, the 2 B/param are).
-        ``fp8_weight_cache`` says whether a run has it."""
+        gradient accumulation and without CUDA graphs (micro-batches 2.. reuse the first
+        one's casts; compiled layers take the copies as inputs). ``fp8_weight_cache`` says
+        whether a run has it."""
         if self.weight_cache is not None:
             return self.weight_cache
-        return self.grad_accum > 1 and not self.cuda_graphs and not self.compile
+        return self.grad_accum > 1 and not self.cuda_graphs
 
     def fp8_weight_cache(self, strategy: str | None = None) -> bool:
         """Whether this mode trains with the FP8 weight cache under ``strategy``: a mode
