@@ -291,7 +291,7 @@ def test_torch_compile_traces_coat_layers(backend):
     torch._dynamo.reset()
     config = FP8ActivationConfig(backend=backend, weight_cache=False)
     model = apply_coat(tiny_llama(), config=config).train()
-    ids = tokens(2, 32)
+    ids = tokens(1, 16)
 
     def loss_and_grads(fn):
         model.zero_grad(set_to_none=True)
@@ -300,8 +300,7 @@ def test_torch_compile_traces_coat_layers(backend):
         return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
 
     want = loss_and_grads(model)
-    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    # One unique graph (counted below) for the whole model: no break (a break makes two).
     for compiled in (torch.compile(model, backend="aot_eager"), None):
         torch._dynamo.reset()
         counters.clear()
@@ -1077,8 +1076,8 @@ def _saved_storages(fn, *args, **kwargs) -> dict[int, int]:
 
 @pytest.mark.slow
 def test_llama2_7b_layer_saved_bytes():
-    """The saved bytes of one COAT Llama-2-7B layer (counted with saved_tensors_hooks, on 32
-    and 64 tokens: the count is linear in the tokens) follow the table above, which at 8192
+    """The saved bytes of one COAT Llama-2-7B layer (counted with saved_tensors_hooks, on 16
+    and 32 tokens: the count is linear in the tokens) follow the table above, which at 8192
     tokens is under 640 MB (612.4 MB, 584.1 MiB)."""
     h, f, heads = LLAMA_7B.values()
     config = LlamaConfig(
@@ -1090,12 +1089,13 @@ def test_llama2_7b_layer_saved_bytes():
     apply_coat(model)
     layer = model.layers[0]
     per_layer = set()
-    for seq in (32, 64):
+    for seq in (16, 32):
         x = torch.randn(1, seq, h, dtype=torch.bfloat16, requires_grad=True)
         cos_sin = model.rotary_emb(x, torch.arange(seq)[None])
         # Parameters, their FP8 cache, the input and RoPE's cos/sin are not the layer's
         # activations.
-        layer(x, attention_mask=None, position_embeddings=cos_sin)  # fills the weight cache
+        if seq == 16:  # fills the weight cache (the weights do not change after)
+            layer(x, attention_mask=None, position_embeddings=cos_sin)
         outside = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), x, *cos_sin)}
         for p in layer.parameters():
             outside |= {t.untyped_storage().data_ptr() for t in cached_weight_fp8(p)}
