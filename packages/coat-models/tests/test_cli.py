@@ -538,6 +538,7 @@ BAD_INPUTS = [
     (["--out", ""], "--out is empty: pass a directory"),
     (["--mode", "coat", "--cuda-graphs", "--activation-checkpointing"], "runs in one process"),
     (["--mode", "coat", "--cuda-graphs", "--device", "cpu"], "needs a CUDA device"),
+    (["--mode", "coat", "--no-reshard-after-forward"], "is FSDP2's (sharded weights gathered"),
     (["--mode", "coat", "--compile", "--cuda-graphs"], "both take over the decoder layers"),
     # a window of one token predicts nothing: was a NaN loss blamed on --lr (exit 1)
     (["--seq-len", "1", *SMALL], "argument --seq-len: must be an integer >= 2 (a causal LM"),

@@ -244,6 +244,10 @@ def test_resume_under_torchrun_reproduces_losses_bit_for_bit(runs):
     assert codes(runs, 0)["killed"] == 130
     assert "interrupted" in output(runs, "killed", 0, "err")
     assert codes(runs, 0)["resumed"] == codes(runs, 1)["resumed"] == 0
+    assert "; layers stay gathered until backward" in output(runs, "resumed", 0)
+    for rank in range(WORLD):  # what FSDP2 was given: the flag, and its default
+        resharding = json.loads((runs / f"resharding.rank{rank}.json").read_text())
+        assert resharding["resumed"] == [False] and resharding["fsdp"] == [True], resharding
     a = read_jsonl(runs / "fsdp/coat/metrics.jsonl")
     b = read_jsonl(runs / "killed/coat/metrics.jsonl")
     key = lambda r: (r["type"], r["step"], r.get("loss"), r.get("val_loss"), r.get("grad_norm"))
@@ -390,9 +394,21 @@ def _worker(out: Path) -> None:
     for module in (cli, report):
         module.write_atomic = recording(module.write_atomic)
     done: dict[str, int] = {}
+    # per run: the reshard_after_forward each shard_model call got
+    from coat_models import distributed as coat_distributed
+
+    shard_model, resharding = coat_distributed.shard_model, {}
+
+    def recording_shard(model, **kwargs):
+        resharding.setdefault(current[0], []).append(kwargs.get("reshard_after_forward", True))
+        return shard_model(model, **kwargs)
+
+    coat_distributed.shard_model = recording_shard
+    current = [""]
 
     def coat_train(name: str, argv: list, out_name: str | None = None) -> None:
         argv = [str(a) for a in [*argv, "--out", out / (out_name or name)]]
+        current[0] = name
         with (
             open(out / f"{name}.rank{rank}.out", "w") as o,
             open(out / f"{name}.rank{rank}.err", "w") as e,
@@ -416,7 +432,9 @@ def _worker(out: Path) -> None:
     train.Trainer.queue_step = interrupted
     coat_train("killed", [*FSDP_ARGS, "--fsdp", "--activation-checkpointing"])
     train.Trainer.queue_step = queue_step
-    coat_train("resumed", [*FSDP_ARGS, "--fsdp", "--resume"], out_name="killed")
+    # resumed without checkpointing and with the layers kept gathered: speed settings, same bits
+    coat_train("resumed", [*FSDP_ARGS, "--fsdp", "--no-reshard-after-forward", "--resume"],
+               out_name="killed")  # fmt: skip
     planted = out / "planted_ckpt"
     if rank == 0:
         shutil.copytree(out / "killed", out / "tampered")
@@ -451,6 +469,7 @@ def _worker(out: Path) -> None:
     PreTrainedModel.save_pretrained = save_pretrained
     (out / f"codes.rank{rank}.json").write_text(json.dumps(done))
     (out / f"writes.rank{rank}.json").write_text(json.dumps(writes))
+    (out / f"resharding.rank{rank}.json").write_text(json.dumps(resharding))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -57,6 +57,7 @@ from .trainer import (
     CUDA_GRAPHS_ALONE,
     MASTER_DTYPES,
     MODES,
+    NO_RESHARD_WITHOUT_FSDP,
     PRESET_FIELDS,
     RANGES,
     REPORT_TO,
@@ -248,6 +249,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="recompute each decoder layer in backward: less memory, same numbers (also in "
         "one process)",
+    )
+    g.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard_after_forward",
+        action="store_const",
+        const=False,  # default None: FSDP2's own default, resharding after forward
+        help="with --fsdp: keep each decoder layer's gathered weights from its forward to its "
+        "backward (FSDP2's reshard_after_forward=False): one all-gather a layer and "
+        "micro-batch fewer, the same numbers, the whole model's gathered weights more memory "
+        "on every rank",
     )
     o = p.add_argument_group("output and checkpoints")
     o.add_argument(
@@ -516,6 +527,8 @@ def run(args) -> int:
     results are replaced only once its model and trainer are built."""
     modes = _modes(args)
     strategy = _strategy(args)
+    if args.reshard_after_forward is False and strategy != "fsdp":
+        raise UsageError(NO_RESHARD_WITHOUT_FSDP)
     device = _device(args.device) if strategy is None else _rank_device(args.device)
     compare = args.compare is not None
     # bf16 master weights only where CoatAdamW's stochastic rounding is used; TrainConfig
@@ -587,6 +600,7 @@ def run(args) -> int:
         + _cache_note(cfgs, strategy)
         + _graphs_note(cfgs)
         + ("; torch.compile on (each decoder layer)" if args.compile else "")
+        + ("; layers stay gathered until backward" if args.reshard_after_forward is False else "")
         + (
             f"; {whose} LR warmup ({c0.warmup} steps) spans the run: the LR stays below --lr "
             "(set --warmup)"
@@ -653,6 +667,7 @@ def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, 
             describe=job.describe,
             strategy=strategy,
             activation_checkpointing=args.activation_checkpointing,
+            reshard_after_forward=args.reshard_after_forward is not False,
         )
         del model
         if resume is None:

@@ -226,10 +226,13 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
     )
 
 
-def prepare(model, task, cfg: TrainConfig, device, strategy=None, activation_checkpointing=False):
+def prepare(
+    model, task, cfg: TrainConfig, device, strategy=None, activation_checkpointing=False,
+    reshard_after_forward=True,
+):  # fmt: skip
     """(model, optimizer) for ``cfg.mode``: the task's FP8 conversion, CUDA graphs or
     compiled layers, FSDP2 / DDP under torchrun, then CoatAdamW or torch AdamW over what this
-    rank updates."""
+    rank updates. ``reshard_after_forward``: FSDP2's, for every layer."""
     fp8_act, fp8_optim = MODES[cfg.mode]
     fp8_config = None
     if fp8_act:
@@ -248,7 +251,11 @@ def prepare(model, task, cfg: TrainConfig, device, strategy=None, activation_che
     if cfg.compile:
         compile_layers(model)
     if strategy == "fsdp":
-        target = distributed.shard_model(model, activation_checkpointing=activation_checkpointing)
+        target = distributed.shard_model(
+            model,
+            activation_checkpointing=activation_checkpointing,
+            reshard_after_forward=reshard_after_forward,
+        )
     elif strategy == "ddp":
         model = distributed.wrap_ddp(
             model,
@@ -399,7 +406,10 @@ class Trainer:
     """Train one mode: ``Trainer(...).fit()`` returns the summary; ``run_step`` is the unit the
     benchmarks time. ``task``: ``tasks.LMTask`` / ``tasks.VLTask`` (a ``TokenData`` is a causal
     LM on it). ``strategy``: ``None`` (one process), or ``"fsdp"`` / ``"ddp"`` for one rank of a
-    torchrun job (after ``distributed.init_distributed()``)."""
+    torchrun job (after ``distributed.init_distributed()``). ``reshard_after_forward=False``
+    (FSDP2 only) keeps each layer's gathered weights from its forward to its backward: one
+    all-gather a layer and micro-batch fewer, the same numbers, the whole model's gathered
+    weights more memory on every rank."""
 
     def __init__(
         self,
@@ -413,6 +423,7 @@ class Trainer:
         describe: dict | None = None,
         strategy: str | None = None,
         activation_checkpointing: bool = False,
+        reshard_after_forward: bool = True,
     ):
         if strategy is not None and strategy not in distributed.STRATEGIES:
             raise ValueError(
@@ -425,6 +436,8 @@ class Trainer:
             )
         if cfg.cuda_graphs and (strategy is not None or activation_checkpointing):
             raise TrainError(CUDA_GRAPHS_ALONE)
+        if not reshard_after_forward and strategy != "fsdp":
+            raise TrainError(NO_RESHARD_WITHOUT_FSDP)
         if isinstance(task, TokenData):
             task = LMTask(task, cfg)
         self.cfg, self.device, self.task = cfg, torch.device(device), task
@@ -438,7 +451,7 @@ class Trainer:
         self.parallel = strategy and {"strategy": strategy, "world_size": self.world}
         self.is_main = self.rank == 0  # writes metrics, prints progress, prunes checkpoints
         self.model, self.optimizer = prepare(
-            model, task, cfg, device, strategy, activation_checkpointing
+            model, task, cfg, device, strategy, activation_checkpointing, reshard_after_forward
         )
         self.scheduler = lr_scheduler(self.optimizer, cfg)
         self.tracker = MemoryTracker(self.model, grad_hooks=strategy != "fsdp")
@@ -973,6 +986,10 @@ class Trainer:
 CUDA_GRAPHS_ALONE = (
     "--cuda-graphs runs in one process without --activation-checkpointing (sharded "
     "parameters move; checkpointed layers run eagerly): drop one of them"
+)
+NO_RESHARD_WITHOUT_FSDP = (
+    "--no-reshard-after-forward is FSDP2's (sharded weights gathered per layer): add --fsdp "
+    "under torchrun, or drop it"
 )
 
 
