@@ -11,7 +11,9 @@ Run on 2 GPUs (any N works)::
 
 Both modes: ``shard_model`` (``fully_shard`` per decoder layer, then the root) with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, fp32 master weights, gradient
-clipping at 1.0, no activation checkpointing (``--activation-checkpointing`` turns it on).
+clipping at 1.0, no activation checkpointing (``--activation-checkpointing`` turns it on),
+each layer resharded after its forward (``--no-reshard-after-forward`` keeps it gathered until
+its backward, as coat-train's flag of that name does).
 
 * ``bf16``: ``torch.optim.AdamW(fused=True)``, fp32 moments (8 B/param).
 * ``coat``: ``apply_coat`` (FP8 activations, FP8 GEMMs) and ``CoatAdamW`` (FP8 moments,
@@ -59,6 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int_in(1), default=3, help="timed steps per micro-batch")
     p.add_argument("--warmup", type=int_in(0), default=2, help="untimed steps per micro-batch")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--no-reshard-after-forward", dest="reshard", action="store_false")
     p.add_argument("--budget-s", type=float, default=420.0)
     return p.parse_args(argv)
 
@@ -73,7 +76,12 @@ def build(mode: str, args, device: torch.device):
     model = build_model(config, device=device, master_dtype=torch.float32, seed=0)
     if mode == "coat":
         apply_coat(model)
-    shard_model(model, mp_policy="bf16", activation_checkpointing=args.activation_checkpointing)
+    shard_model(
+        model,
+        mp_policy="bf16",
+        activation_checkpointing=args.activation_checkpointing,
+        reshard_after_forward=args.reshard,
+    )
     if mode == "coat":
         optimizer = create_optimizer(model, lr=1e-4)
     else:
@@ -195,6 +203,7 @@ def main(argv=None) -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "steps": args.steps, "warmup": args.warmup,
         "activation_checkpointing": args.activation_checkpointing,
+        "reshard_after_forward": args.reshard,
         "mp_policy": "param bf16, reduce fp32", "master_weights": "fp32",
     }  # fmt: skip
     results: list[dict] = []
@@ -236,6 +245,8 @@ def main(argv=None) -> None:
     meta["wall_s"] = time.perf_counter() - t_start
     if rank == 0:
         print(table(results, world, args.seq_len))
+        if not args.reshard:
+            print("(--no-reshard-after-forward: each layer gathered from forward to backward)")
         if out:
             write_json(out, {"meta": meta, "results": results})
     dist.destroy_process_group()
