@@ -245,6 +245,11 @@ def test_resume_under_torchrun_reproduces_losses_bit_for_bit(runs):
     assert "interrupted" in output(runs, "killed", 0, "err")
     assert codes(runs, 0)["resumed"] == codes(runs, 1)["resumed"] == 0
     assert "; layers stay gathered until backward" in output(runs, "resumed", 0)
+    for rank in range(WORLD):  # out of memory with it: one line that names it, exit 1
+        assert codes(runs, rank)["oom_gathered"] == 1
+    err = output(runs, "oom_gathered", 0, "err")
+    assert "out of memory in mode coat" in err and "Traceback" not in err, err
+    assert "or drop --no-reshard-after-forward" in err, err
     for rank in range(WORLD):  # what FSDP2 was given: the flag, and its default
         resharding = json.loads((runs / f"resharding.rank{rank}.json").read_text())
         assert resharding["resumed"] == [False] and resharding["fsdp"] == [True], resharding
@@ -435,6 +440,14 @@ def _worker(out: Path) -> None:
     # resumed without checkpointing and with the layers kept gathered: speed settings, same bits
     coat_train("resumed", [*FSDP_ARGS, "--fsdp", "--no-reshard-after-forward", "--resume"],
                out_name="killed")  # fmt: skip
+
+    # out of memory with the layers kept gathered: the message names the flag
+    def out_of_memory(trainer, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    train.Trainer.queue_step = out_of_memory
+    coat_train("oom_gathered", [*FSDP_ARGS, "--fsdp", "--no-reshard-after-forward"])
+    train.Trainer.queue_step = queue_step
     planted = out / "planted_ckpt"
     if rank == 0:
         shutil.copytree(out / "killed", out / "tampered")

@@ -299,3 +299,24 @@ def test_coat_layer_with_fused_rope_gives_the_same_bits(monkeypatch):
     )
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_hub_kernel_in_place_of_the_wrapped_function_is_not_fused(monkeypatch):
+    """transformers 5.25+ wraps ``apply_rotary_pos_emb`` in a ``kernels`` function module,
+    which runs the file's own function (fused here) until ``kernelize`` gives it a forward
+    of its own: then the model's function runs, not the kernel."""
+    from transformers.models.llama import modeling_llama
+
+    fn = modeling_llama.apply_rotary_pos_emb
+    if not isinstance(fn, torch.nn.Module):
+        pytest.skip(f"transformers {transformers.__version__} does not wrap apply_rotary_pos_emb")
+    assert rope.is_rotate_half(fn)
+    fn.forward = lambda *args: args  # an instance forward, as kernelize gives it
+    try:
+        assert not rope.is_rotate_half(fn)
+    finally:
+        del fn.forward  # the class's forward again (monkeypatch would pin the bound one)
+    assert rope.is_rotate_half(fn)
+    # a wrapper of another make, in the module's place
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", torch.nn.Identity())
+    assert not rope.is_rotate_half(modeling_llama.apply_rotary_pos_emb)

@@ -31,6 +31,8 @@ its neighbour. Llama, Mistral and Qwen2 share it (``ROTATE_HALF_MODULES``).
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 from collections.abc import Callable
 
 import torch
@@ -323,10 +325,40 @@ def apply_rotary_pos_emb(
 
 def is_rotate_half(fn: Callable | None) -> bool:
     """Whether ``fn`` is the ``apply_rotary_pos_emb`` of one of ``ROTATE_HALF_MODULES`` (not
-    a patched or hub replacement): the function this module's kernel computes."""
+    a patched or hub replacement): the function this module's kernel computes. Since
+    transformers 5.25 (with the ``kernels`` package it depends on) that function is wrapped
+    in a hub-kernel module, which counts while it calls the original (no hub kernel chosen)."""
+    if isinstance(fn, torch.nn.Module):
+        module = type(fn).__module__
+        return module in ROTATE_HALF_MODULES and _wraps_rotate_half(module)
     return (
         getattr(fn, "__module__", None) in ROTATE_HALF_MODULES
         and getattr(fn, "__name__", None) == "apply_rotary_pos_emb"
+    )
+
+
+@torch.compiler.assume_constant_result
+def _wraps_rotate_half(module: str) -> bool:
+    """Whether ``module``'s ``apply_rotary_pos_emb`` is a ``kernels`` function module that
+    runs the file's own function now: no hub kernel stands in for it (``kernelize`` gives
+    the instance a forward, or chooses a kernel per call in ``_ACTIVE_KERNEL_FUNCS``). A
+    wrapper of another make is not. Traced, the answer is a constant: a model does not
+    switch kernels within a run."""
+    fn = getattr(sys.modules.get(module), "apply_rotary_pos_emb", None)
+    if not isinstance(fn, torch.nn.Module) or "forward" in vars(fn):
+        return False
+    try:
+        found = inspect.getclosurevars(type(fn).forward)
+    except (AttributeError, TypeError):
+        return False
+    func, chosen = found.nonlocals.get("func"), found.globals.get("_ACTIVE_KERNEL_FUNCS")
+    if not callable(getattr(chosen, "get", None)):
+        return False
+    active = chosen.get()
+    return (
+        (active is None or id(fn) not in active)
+        and getattr(func, "__module__", None) == module
+        and getattr(func, "__name__", None) == "apply_rotary_pos_emb"
     )
 
 

@@ -706,6 +706,10 @@ def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, 
             torch.cuda.empty_cache()
     if oom:
         cache = _oom_cache_note(cfg, strategy) + _oom_graphs_note(cfg)
+        if args.reshard_after_forward is False:
+            cache += (
+                "; or drop --no-reshard-after-forward (it keeps every layer's weights gathered)"
+            )
         raise TrainError(
             f"out of memory in mode {cfg.mode} with micro-batch {cfg.batch_size} x "
             f"{cfg.seq_len} tokens on {device.type}: lower --batch-size (raise "
