@@ -347,12 +347,8 @@ def _wraps_rotate_half(module: str) -> bool:
     fn = getattr(sys.modules.get(module), "apply_rotary_pos_emb", None)
     if not isinstance(fn, torch.nn.Module) or "forward" in vars(fn):
         return False
-    try:
-        found = inspect.getclosurevars(type(fn).forward)
-    except (AttributeError, TypeError):
-        return False
-    func, chosen = found.nonlocals.get("func"), found.globals.get("_ACTIVE_KERNEL_FUNCS")
-    if not callable(getattr(chosen, "get", None)):
+    func, chosen = _hub_parts(type(fn))
+    if func is None:
         return False
     active = chosen.get()
     return (
@@ -360,6 +356,21 @@ def _wraps_rotate_half(module: str) -> bool:
         and getattr(func, "__module__", None) == module
         and getattr(func, "__name__", None) == "apply_rotary_pos_emb"
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _hub_parts(cls: type) -> tuple:
+    """``(wrapped function, context variable of the hub kernels chosen per call)`` of a
+    ``kernels`` function module class, read from its ``forward``'s closure and globals once
+    (a decoder layer asks on every forward); ``(None, None)`` for another make."""
+    try:
+        found = inspect.getclosurevars(cls.forward)
+    except (AttributeError, TypeError):
+        return None, None
+    func, chosen = found.nonlocals.get("func"), found.globals.get("_ACTIVE_KERNEL_FUNCS")
+    if not callable(func) or not callable(getattr(chosen, "get", None)):
+        return None, None
+    return func, chosen
 
 
 def fusable(fn: Callable | None, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str):
