@@ -100,8 +100,10 @@ def test_direct_after_first_launch(kernel):
     launch(kernel, (5, 2), x, y, 4096, 1e-5, BLOCK=64, num_warps=4)
     assert [e[0] for e in kernel.log] == ["jit", "direct"]
     # Grid padded to three dims, the current stream, every argument in signature order:
-    # positional ones, then the constexprs (FLAG from its default).
-    assert kernel.log[1] == ("direct", (5, 2, 1), 1234, (x, y, 4096, 1e-5, 64, True))
+    # positional ones (tensors as their addresses, which the launcher takes as they are),
+    # then the constexprs (FLAG from its default).
+    want = (x.data_ptr(), y.data_ptr(), 4096, 1e-5, 64, True)
+    assert kernel.log[1] == ("direct", (5, 2, 1), 1234, want)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ tensor argument its dtype and whether its address is 16-byte aligned; per intege
 is 1, a multiple of 16 and fits in 32 bits; the type of other arguments; the values of the
 keyword arguments (constexprs and launch options). So a launch never runs a kernel compiled
 for other arguments: at worst a key is finer than Triton's, and then Triton's own cache
-answers the first call.
+answers the first call. The direct launch passes each tensor as its address (an int), which
+spares the launcher two calls per tensor (``data_ptr()`` and a driver query).
 
 The interpreter (``TRITON_INTERPRET=1``) takes the ordinary path on every call, and so does
 a kernel whose first launch found Triton's launch hooks set (its profiler): set them before
@@ -81,18 +82,31 @@ def scalar_out(device) -> torch.Tensor:
     return torch.empty((), device=device, dtype=torch.float32)
 
 
-def _keys(args) -> tuple:
-    """Per argument: a tensor's dtype and 16-byte alignment; an int's == 1, multiple of 16
-    and 32-bit range; the type of anything else. One comprehension, no call per argument
-    (a launch has ~10-64 arguments; this runs on every launch). Ints are told first:
+def _keys(args) -> tuple[tuple, list]:
+    """``(key, launch_args)``. The key, per argument: a tensor's dtype, 16-byte alignment and
+    whether it is on a GPU; an int's == 1, multiple of 16 and 32-bit range; the type of
+    anything else. ``launch_args``: ``args`` with each tensor replaced by its address, which
+    the compiled launcher takes as is (given a tensor, it calls ``data_ptr()`` itself and
+    asks the driver whether the address is a device one: two calls per tensor, 40 tensors
+    in a multi-tensor cast; a tensor that is not on a GPU gets a key of its own, so it is
+    refused by ``kernel[grid]`` as before). One loop, no call per argument but
+    ``data_ptr()``: a launch has ~10-64 arguments. Ints are told first:
     ``isinstance(x, torch.Tensor)`` goes through the tensor metaclass's instance check,
     several times slower for an int than ``type(x) is int``."""
-    return tuple([
-        (a == 1, not a & 15, -2147483648 <= a <= 2147483647) if type(a) is int
-        else (a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor)
-        else type(a)
-        for a in args
-    ])  # fmt: skip
+    key, out = [], []
+    add_key, add_arg = key.append, out.append
+    for a in args:
+        if type(a) is int:
+            add_key((a == 1, not a & 15, -2147483648 <= a <= 2147483647))
+            add_arg(a)
+        elif isinstance(a, torch.Tensor):
+            ptr = a.data_ptr()
+            add_key((a.dtype, not ptr & 15, a.is_cuda))
+            add_arg(ptr)
+        else:
+            add_key(type(a))
+            add_arg(a)
+    return tuple(key), out
 
 
 def _hook_set(hook) -> bool:
@@ -127,7 +141,7 @@ def _dispatch(kernel, grid, args: tuple, meta: dict, interpreting: bool, cache: 
     # id(): kernels are module-level objects; hashing a JITFunction hashes its source key.
     site = (id(kernel), len(args), tuple(meta.items()), device)
     entries = cache.get(site)
-    key = _keys(args)
+    key, direct_args = _keys(args)
     entry = None if entries is None else entries.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **meta)
@@ -143,4 +157,4 @@ def _dispatch(kernel, grid, args: tuple, meta: dict, interpreting: bool, cache: 
     stream = torch._C._cuda_getCurrentRawStream(device)
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    run(grid[0], g1, g2, stream, function, packed, None, None, None, *args, *tail)
+    run(grid[0], g1, g2, stream, function, packed, None, None, None, *direct_args, *tail)
