@@ -27,6 +27,7 @@ numbers to report: the profilers add overhead), run as a script:
     python packages/coat-models/benchmarks/bench_llama_layer.py kernels --out layer_profile.txt
     python packages/coat-models/benchmarks/bench_llama_layer.py host --variants coat --batches 1,4
     python packages/coat-models/benchmarks/bench_llama_layer.py ops
+    python packages/coat-models/benchmarks/bench_llama_layer.py attribute --batch 1
 
 ``kernels``: GPU kernel time per kernel name under ``torch.profiler``, per variant (default:
 coat, bf16_eager; torchao_float8_compile when torchao imports). ``host``: per variant and
@@ -36,7 +37,9 @@ batch, the host time to enqueue one fwd+bwd (no sync inside) against its wall ti
 reported. When host time >= GPU time the layer is host-bound: the GPU waits for Python.
 ``ops``: the host time of one call of each building block (allocations, a view, a tiny
 kernel, one fp8_quant quantization, ``torch._scaled_mm`` against ``torch.mm``, an autograd
-node), which times the per-layer counts give the layer's host time.
+node), which times the per-layer counts give the layer's host time. ``attribute``: the COAT
+layer's host time as is, without its FP8 GEMM calls, without its Triton launches, and
+without both (each replaced by nothing: what remains is Python, autograd and allocations).
 """
 
 from __future__ import annotations
@@ -424,6 +427,70 @@ def profile_ops() -> str:
     return "\n".join(lines)
 
 
+def profile_attribute(batch: int, rounds: int) -> str:
+    """Where a COAT layer's host time goes: its fwd+bwd host time (fp32 weights under bf16
+    autocast, as coat-train runs it), then the same with ``torch._scaled_mm`` answered by an
+    empty tensor, with every Triton launch skipped, and with both (the outputs are garbage;
+    only the host time counts), after an optimizer-like weight update (the weights are
+    cast) and without one (the weight cache's copies reused: later micro-batches)."""
+    from coat_models import apply_coat
+    from fp8_quant.ops import _launch
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(
+        hidden_size=HIDDEN, intermediate_size=MLP, num_attention_heads=HEADS,
+        num_key_value_heads=HEADS, num_hidden_layers=1, vocab_size=128,
+        max_position_embeddings=SEQ, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = apply_coat(LlamaModel(config).to(DEVICE).train())
+    layer, params = model.layers[0], list(model.layers[0].parameters())
+    pos = model.rotary_emb(
+        torch.zeros(1, SEQ, HIDDEN, device=DEVICE), torch.arange(SEQ, device=DEVICE)[None]
+    )
+    x = torch.randn(batch, SEQ, HIDDEN, device=DEVICE, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def host_ms(bump: bool) -> float:
+        times = []
+        for i in range(rounds + 3):
+            x.grad = None
+            for p in params:
+                p.grad = None
+            if bump:
+                _bump_versions(layer)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = layer(x, attention_mask=None, position_embeddings=pos)
+            out.backward(grad)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        return statistics.median(times) * 1e3
+
+    def empty_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, use_fast_accum=False):
+        return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+
+    real_mm, real_dispatch = torch._scaled_mm, _launch._dispatch
+    lines = [f"== coat layer, batch {batch} x seq {SEQ}: host ms of fwd+bwd (median of {rounds})"]
+    for bump, tag in ((True, "weights cast"), (False, "weight cache reused")):
+        row = {}
+        for name, mm, dispatch in (
+            ("as is", real_mm, real_dispatch),
+            ("no _scaled_mm", empty_mm, real_dispatch),
+            ("no launches", real_mm, lambda *a: None),
+            ("neither", empty_mm, lambda *a: None),
+        ):
+            torch._scaled_mm, _launch._dispatch = mm, dispatch
+            try:
+                row[name] = host_ms(bump)
+            finally:
+                torch._scaled_mm, _launch._dispatch = real_mm, real_dispatch
+        lines.append(f"  {tag:20s} " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     """Profiles of the layer benchmarked above (diagnostics, not the numbers to report)."""
     from coat_models.train.args import OneLineParser  # its subparsers are of its class too
@@ -438,14 +505,17 @@ def main(argv=None) -> int:
     h.add_argument("--rounds", type=int, default=10)
     h.add_argument("--top", type=int, default=45)
     o = sub.add_parser("ops", help="host time per call of a layer's building blocks")
-    for s in (k, h, o):
+    a = sub.add_parser("attribute", help="layer host time with GEMMs and/or launches skipped")
+    a.add_argument("--batch", type=int, default=1)
+    a.add_argument("--rounds", type=int, default=30)
+    for s in (k, h, o, a):
         s.add_argument("--out", help="also write the report here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_llama_layer: profiling needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.what == "ops":
-        report = profile_ops()
+    if args.what in ("ops", "attribute"):
+        report = profile_ops() if args.what == "ops" else profile_attribute(args.batch, args.rounds)
         print(report, flush=True)
         if args.out:
             Path(args.out).write_text(report + "\n")
