@@ -75,7 +75,7 @@ RESULTS: dict[str, dict] = {}
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _model():
+def _model(dtype=torch.bfloat16):
     from transformers import LlamaConfig, LlamaModel
 
     config = LlamaConfig(
@@ -84,7 +84,7 @@ def _model():
         max_position_embeddings=SEQ, attn_implementation="sdpa",
     )  # fmt: skip
     torch.manual_seed(0)
-    return LlamaModel(config).to(DEVICE, torch.bfloat16).train()
+    return LlamaModel(config).to(DEVICE, dtype).train()
 
 
 def _layer(variant: str):
@@ -435,15 +435,8 @@ def profile_attribute(batch: int, rounds: int) -> str:
     cast) and without one (the weight cache's copies reused: later micro-batches)."""
     from coat_models import apply_coat
     from fp8_quant.ops import _launch
-    from transformers import LlamaConfig, LlamaModel
 
-    config = LlamaConfig(
-        hidden_size=HIDDEN, intermediate_size=MLP, num_attention_heads=HEADS,
-        num_key_value_heads=HEADS, num_hidden_layers=1, vocab_size=128,
-        max_position_embeddings=SEQ, attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = apply_coat(LlamaModel(config).to(DEVICE).train())
+    model = apply_coat(_model(torch.float32))
     layer, params = model.layers[0], list(model.layers[0].parameters())
     pos = model.rotary_emb(
         torch.zeros(1, SEQ, HIDDEN, device=DEVICE), torch.arange(SEQ, device=DEVICE)[None]
