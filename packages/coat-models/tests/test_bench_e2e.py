@@ -27,8 +27,9 @@ def bench():
 @pytest.fixture(scope="module")
 def trials(bench):
     """bf16 at micro-batch 1 as ``bench_e2e.py --preset tiny --seq-len 32 --steps 2`` runs it,
-    and the same trial as the coat-compile variant runs it with ``Module.compile`` a no-op
-    (what is checked is the trial's bookkeeping, not compilation)."""
+    and the same trial as the coat-compile variant runs it with ``compile_layers`` and
+    ``Module.compile`` no-ops (what is checked is the trial's bookkeeping, not compilation,
+    which took 30-50 s of this fixture on a 2-core CPU)."""
     from coat_models.train.data import load_data
     from coat_models.train.presets import build_model, preset_config
 
@@ -39,6 +40,7 @@ def trials(bench):
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.nn.Module, "compile", lambda self, *a, **k: None)
+        mp.setattr(bench, "compile_layers", lambda model, *a, **k: model)
         for name, compiled in (("bf16", False), ("coat-compile", True)):
             model = build_model(config, device=cpu, master_dtype=torch.float32, seed=0)
             out[name] = bench.trial(model, data, "bf16", "fp32", False, 1, args, cpu, compiled)
