@@ -124,6 +124,26 @@ def test_new_specialization_goes_through_triton(kernel, change):
     assert [e[0] for e in kernel.log] == ["jit", "jit", "jit"]
 
 
+class _OnGPU(torch.Tensor):
+    """A CPU tensor that says it is on a GPU: what a launch saw first, before a CPU one."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_a_cpu_tensor_after_gpu_ones_goes_through_triton(kernel):
+    """The direct launch passes addresses, which the launcher cannot check: a tensor that is
+    not on a GPU gets a specialization of its own, so ``kernel[grid]`` sees it (and refuses
+    it on a GPU build) instead of a kernel reading a host address."""
+    x, y = torch.zeros(64), torch.zeros(64)
+    gx, gy = x.as_subclass(_OnGPU), y.as_subclass(_OnGPU)
+    launch(kernel, (1,), gx, gy, 4096, 0.5, BLOCK=64)
+    launch(kernel, (1,), gx, gy, 4096, 0.5, BLOCK=64)
+    launch(kernel, (1,), x, gy, 4096, 0.5, BLOCK=64)
+    assert [e[0] for e in kernel.log] == ["jit", "direct", "jit"]
+
+
 def test_hooks_keep_every_launch_on_triton(kernel, monkeypatch):
     rt = triton.knobs.runtime
     hook = rt.launch_enter_hook
