@@ -408,12 +408,14 @@ def test_torn_last_metrics_line_is_trimmed(runs, tmp_path):
 
 
 def test_garbage_inside_metrics_is_an_error(runs, tmp_path):
+    """A metrics file with a line that is not a record is bad input: one line naming the
+    remedy, exit 2 (as a corrupt checkpoint), not a run-time failure."""
     out, _ = copy_base(runs, tmp_path)
     path = out / "bf16" / "metrics.jsonl"
     lines = path.read_text().splitlines(True)
     path.write_text(lines[0] + "garbage\n" + "".join(lines[1:]))
     code, _, err = train([*ARGS, "--resume", "--out", out])
-    assert code == 1 and "metrics.jsonl line 2 is not a metrics record" in err, err
+    assert code == 2 and "metrics.jsonl line 2 is not a metrics record" in err, err
 
 
 # ------------------------------------------------------------------ the output directory

@@ -51,7 +51,13 @@ from .presets import (
     VL_PRESETS,
     ModelError,
 )
-from .report import TENSORBOARD_HINT, ReportError, write_atomic, write_run_report
+from .report import (
+    TENSORBOARD_HINT,
+    MetricsFileError,
+    ReportError,
+    write_atomic,
+    write_run_report,
+)
 from .report import curves as read_curves
 from .trainer import (
     CUDA_GRAPHS_ALONE,
@@ -766,7 +772,14 @@ def _run_reporting(args, own_group: bool, hf_bars) -> int:
     except RankUsageError as e:
         print(f"{PROG}: error: rank {process_rank()}: {e}", file=sys.stderr)
         return 2
-    except (UsageError, DataError, ModelError, CheckpointError, ResumeSettingsError) as e:
+    except (
+        UsageError,
+        DataError,
+        ModelError,
+        CheckpointError,
+        ResumeSettingsError,
+        MetricsFileError,
+    ) as e:
         say(f"{PROG}: error: {e}", file=sys.stderr)  # the same on every rank
         return 2
     except (TrainError, ReportError) as e:

@@ -18,6 +18,11 @@ class ReportError(RuntimeError):
     """A report cannot be written or read; the message says what to do."""
 
 
+class MetricsFileError(ReportError):
+    """A run's metrics file holds a line that is not a record: bad input the user repairs
+    (coat-train exits 2), not a failure of the run."""
+
+
 def fmt_bytes(n: int | None) -> str:
     if n is None:
         return "n/a"
@@ -168,7 +173,7 @@ def metrics_until(path: Path, step: int) -> list[str]:
         except (ValueError, AttributeError):
             if last:
                 break
-            raise ReportError(
+            raise MetricsFileError(
                 f"{path} line {number} is not a metrics record: repair or delete the file "
                 "(the run's checkpoints do not depend on it)"
             ) from None
