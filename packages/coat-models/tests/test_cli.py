@@ -280,6 +280,58 @@ def test_a_signal_python_drops_still_stops_the_run(tmp_path, capsys, monkeypatch
     assert [r["step"] for r in read_jsonl(tmp_path / "bf16" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
+def test_a_signal_python_drops_prints_no_traceback(monkeypatch):
+    """The interrupt dropped in a ``__del__`` is recorded, so Python's "Exception ignored
+    in ..." traceback is not printed for it (Ctrl-C during a save printed one); another
+    exception raised in a ``__del__`` is still reported."""
+    import signal
+    import sys
+
+    from coat_models.train import interrupt
+
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(type(u.exc_value)))
+
+    class DropsIt:
+        def __init__(self, raise_):
+            self.raise_ = raise_
+
+        def __del__(self):
+            self.raise_()
+
+    def interrupt_me():
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+
+    def fail():
+        raise ValueError("a bug")
+
+    with interrupt.handled():
+        DropsIt(interrupt_me)
+        assert interrupt.pending() is KeyboardInterrupt
+        DropsIt(fail)
+    assert reported == [ValueError]
+    DropsIt(interrupt_me)  # outside: Python's own handler raises, the hook reports it
+    assert reported == [ValueError, KeyboardInterrupt]
+
+
+def test_a_signal_ignored_at_start_stays_ignored():
+    """Started with SIGINT ignored (nohup, a shell's background job), the run does not take
+    Ctrl-C meant for the terminal's foreground job: the handler is left as it was; SIGTERM
+    is handled. Both handlers come back afterwards."""
+    import signal
+
+    from coat_models.train import interrupt
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with interrupt.handled():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is interrupt._handler
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_a_signal_inside_torch_save_is_an_interrupt_not_a_full_disk(tmp_path, capsys, monkeypatch):
     """Ctrl-C while a checkpoint is written: torch.save's writer turns the interrupt into a
     RuntimeError ("unexpected pos"), which read as a full disk (exit 1). It is reported as

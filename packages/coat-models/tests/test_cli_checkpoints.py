@@ -418,6 +418,38 @@ def test_garbage_inside_metrics_is_an_error(runs, tmp_path):
     assert code == 2 and "metrics.jsonl line 2 is not a metrics record" in err, err
 
 
+def test_resumed_finished_run_evaluates_again_and_logs_it(runs, tmp_path):
+    """Resuming the finished run with another --eval-batches evaluates again: the summary's
+    val loss is the metrics file's last record (one eval record at the last step, not two)."""
+    out = tmp_path / "run"
+    shutil.copytree(runs / "ref", out)
+    before = records(out)
+    # (ARGS say --eval-batches 2; the last one given counts)
+    code, _, err = train([*ARGS, "--eval-batches", "3", "--keep-checkpoints", "1", "--resume",
+                          "--out", out])  # fmt: skip
+    assert code == 0, err
+    after = records(out)
+    evals = [r for r in after if r[0] == "eval" and r[1] == 6]
+    assert len(evals) == 1 and evals[0][3] != before[-1][3]  # 3 batches, not 2
+    assert after[:-1] == [r for r in before if not (r[0] == "eval" and r[1] == 6)]
+    summary = json.loads((out / "bf16" / "summary.json").read_text())
+    assert summary["val_loss"] == evals[0][3]
+
+
+def test_resume_says_when_the_metrics_lack_earlier_steps(runs, tmp_path):
+    """A metrics file that lost the records before the checkpoint (deleted): the resumed
+    run says so, and still trains to the same end; with the records there it says nothing."""
+    out, _ = copy_base(runs, tmp_path)
+    code, _, err = train([*ARGS, "--keep-checkpoints", "1", "--resume", "--out", out])
+    assert code == 0 and "note:" not in err, err
+    out, _ = copy_base(runs, tmp_path / "lost")
+    (out / "bf16" / "metrics.jsonl").unlink()
+    code, _, err = train([*ARGS, "--keep-checkpoints", "1", "--resume", "--out", out])
+    assert code == 0, err
+    assert "has no training records of 4 of the checkpoint's 4 steps (first missing: 1)" in err
+    assert records(out) == [r for r in records(runs / "ref") if r[1] > 4]
+
+
 # ------------------------------------------------------------------ the output directory
 _LOCK_HOLDER = textwrap.dedent(
     """

@@ -191,3 +191,38 @@ def test_import_check_sees_a_broken_module(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     failed = _import_each(["coat_models.convert", "broken_mod"])
     assert failed == {"broken_mod": "ImportError: planted"}
+
+
+_INTERRUPTED_IMPORT = """
+import sys
+
+class Interrupts:  # a Ctrl-C while torch is being imported
+    @staticmethod
+    def find_spec(name, *args):
+        if name == "torch":
+            raise KeyboardInterrupt
+        return None
+
+import coat_models, coat_models.train
+assert "torch" not in sys.modules and "transformers" not in sys.modules, "imported eagerly"
+sys.meta_path.insert(0, Interrupts)
+sys.exit(coat_models.train.main())
+"""
+
+
+def test_console_script_answers_a_ctrl_c_during_its_imports():
+    """``coat-train`` (``coat_models.train.main``) starts without importing torch or
+    transformers, so a Ctrl-C while they load ends it with one line and status 130, not a
+    traceback; ``coat_models``' public names still import on first use."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 130, run.stderr[-2000:]
+    assert run.stderr == "\ncoat-train: interrupted while starting\n"
+    assert set(coat_models.__all__) == set(coat_models._WHERE)
+    assert all(callable(getattr(coat_models, name)) for name in coat_models.__all__)
+    assert coat_models.llama.__name__ == "coat_models.llama"  # a submodule, imported on use
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        coat_models.nothing  # noqa: B018
+    pyproject = (SRC.parents[1] / "pyproject.toml").read_text()
+    assert 'coat-train = "coat_models.train:main"' in pyproject

@@ -3,25 +3,44 @@
 >>> from coat_models import apply_coat, create_optimizer
 >>> apply_coat(model)                          # in place; eval()/generate() stay plain
 >>> optimizer = create_optimizer(model, lr=3e-4)
+
+The names below are imported on first use (``import coat_models`` imports neither torch nor
+transformers): ``coat-train`` starts in a module that can answer a Ctrl-C during the imports.
 """
 
-from .compiling import compile_layers
-from .convert import apply_coat, revert_coat
-from .graphs import disable_cuda_graphs, enable_cuda_graphs
-from .llama import is_coat
-from .loss import linear_cross_entropy
-from .optim import create_optimizer, param_groups
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "apply_coat",
-    "compile_layers",
-    "create_optimizer",
-    "disable_cuda_graphs",
-    "enable_cuda_graphs",
-    "is_coat",
-    "linear_cross_entropy",
-    "param_groups",
-    "revert_coat",
-]
+# public name -> the module defining it
+_WHERE = {
+    "apply_coat": "convert",
+    "compile_layers": "compiling",
+    "create_optimizer": "optim",
+    "disable_cuda_graphs": "graphs",
+    "enable_cuda_graphs": "graphs",
+    "is_coat": "llama",
+    "linear_cross_entropy": "loss",
+    "param_groups": "optim",
+    "revert_coat": "convert",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        # A submodule not imported yet (``coat_models.llama``) is imported as such.
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -6,3 +6,18 @@
 coat-train and the benchmarks). The integration does not import it, and
 nothing is imported here: ``import coat_models`` stays light.
 """
+
+
+def main() -> int:
+    """The ``coat-train`` console script: ``cli.main``, imported here so that a Ctrl-C during
+    the seconds its imports (torch, transformers) take ends the command with one line and
+    status 130, as one during training does, instead of a traceback."""
+    import signal
+    import sys
+
+    try:
+        from .cli import main as cli_main
+    except KeyboardInterrupt:
+        print("\ncoat-train: interrupted while starting", file=sys.stderr)
+        return 128 + signal.SIGINT
+    return cli_main()

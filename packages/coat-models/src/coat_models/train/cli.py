@@ -39,6 +39,7 @@ from .outdir import (
     check_out,
     check_resume,
     check_resume_settings,
+    note_lost_records,
     output_lock,
     process_rank,
     resume_point,
@@ -687,6 +688,8 @@ def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, 
         # is accepted: a refused resume leaves the earlier run's results as they were.
         def drop_report():
             run_on_rank0(lambda: [(mode_dir.parent / n).unlink(missing_ok=True) for n in OUT_FILES])
+            if resume is not None:
+                note_lost_records(mode_dir, resume)
 
         summary = trainer.fit(resume, on_start=drop_report)
         summary["export"] = None

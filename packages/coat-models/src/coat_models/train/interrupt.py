@@ -1,7 +1,8 @@
 """Ctrl-C and SIGTERM that a run cannot lose.
 
 Python raises a signal's exception wherever the main thread happens to be. Where that is a
-``__del__`` (the memory tracker's saved-tensor records) Python prints and drops it; inside
+``__del__`` (the memory tracker's saved-tensor records) Python drops it (here without the
+"Exception ignored" traceback it would print: the signal is recorded); inside
 ``torch.save`` its writer turns it into a ``RuntimeError``. So the handlers here also record
 the signal, and the training loop calls ``raise_pending`` after every step (and the CLI before
 it reports another error): a dropped or disguised interrupt still stops the run, as an
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 
 _PENDING: list[type[KeyboardInterrupt]] = []  # the signals received inside ``handled()``
 
@@ -31,18 +33,37 @@ def _handler(signum, frame):
 def handled():
     """SIGINT and SIGTERM raise ``KeyboardInterrupt`` / ``Terminated`` and are recorded, for
     the duration (the previous handlers back afterwards; off the main thread, where Python
-    sets no handlers, nothing changes)."""
+    sets no handlers, nothing changes). A signal the process was started ignoring stays
+    ignored (``nohup``, a shell's background job: Ctrl-C in the terminal is not for it)."""
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            continue
         with contextlib.suppress(ValueError):  # a handler can be set in the main thread only
             previous[sig] = signal.signal(sig, _handler)
     _PENDING.clear()
+    unraisable = sys.unraisablehook
+    sys.unraisablehook = _quiet_if_recorded(unraisable)
     try:
         yield
     finally:
+        sys.unraisablehook = unraisable
         for sig, old in previous.items():
             signal.signal(sig, old)
         _PENDING.clear()
+
+
+def _quiet_if_recorded(hook):
+    """``sys.unraisablehook`` that says nothing of a recorded signal's exception raised
+    where Python cannot propagate it (a ``__del__``): ``raise_pending`` raises it again.
+    Anything else goes to ``hook``."""
+
+    def quiet(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and _PENDING:
+            return
+        hook(unraisable)
+
+    return quiet
 
 
 def pending() -> type[KeyboardInterrupt] | None:

@@ -25,7 +25,7 @@ from .. import checkpoint
 from ..checkpoint import CheckpointError
 from ..distributed import run_on_rank0
 from .args import PROG, UsageError
-from .report import metrics_until
+from .report import ReportError, metrics_until, train_steps
 from .trainer import TrainConfig, check_settings
 
 LOCK_FILE = ".lock"  # in --out: held (flock) by the coat-train writing there, with its PID
@@ -216,6 +216,30 @@ def resume_point(args, mode_dir: Path) -> Path | None:
     else:
         say(f"{PROG}: resuming from {found}", flush=True)
     return found
+
+
+def note_lost_records(mode_dir: Path, ckpt: Path) -> None:
+    """Say so when the mode's metrics file lacks training records of steps its own
+    checkpoint ``ckpt`` has done (the file deleted or replaced): the resumed run appends to
+    what is there, and its loss curve would start late with no word. The checkpoint holds
+    the summary's numbers, so nothing else is lost. Call once the checkpoint is accepted;
+    nothing for a checkpoint of another --out (a run continued elsewhere starts its own
+    metrics)."""
+    if process_rank() != 0 or ckpt.resolve().parent != (mode_dir / "checkpoints").resolve():
+        return
+    with contextlib.suppress(CheckpointError, OSError, ReportError, ValueError):
+        step = checkpoint.read_manifest(ckpt).step
+        if not step:
+            return
+        path = mode_dir / "metrics.jsonl"
+        missing = set(range(1, step + 1)) - train_steps(metrics_until(path, step))
+        if missing:
+            print(
+                f"{PROG}: note: {path} has no training records of {len(missing)} of the "
+                f"checkpoint's {step} steps (first missing: {min(missing)}): the metrics and "
+                "loss curve lack them; the summary's numbers come from the checkpoint",
+                file=sys.stderr,
+            )
 
 
 def _newest(ckpts: Path) -> Path | None:

@@ -105,7 +105,9 @@ class MetricsLog:
     """A run's ``metrics.jsonl`` (one JSON record per line, tagged with the mode) and, with
     ``tensorboard=True``, every number of a record as the TensorBoard scalar ``<type>/<name>``
     in ``dir/tensorboard``. ``resume_step``: keep the records up to that step (a resumed run
-    rewrites what came after). ``enabled=False`` (ranks other than 0) writes nothing."""
+    rewrites what came after); ``reevaluated``: also drop the evaluation record of that step
+    (a run resumed at its last step evaluates again, with its own ``--eval-batches``).
+    ``enabled=False`` (ranks other than 0) writes nothing."""
 
     def __init__(
         self,
@@ -113,6 +115,7 @@ class MetricsLog:
         mode: str,
         *,
         resume_step: int | None = None,
+        reevaluated: bool = False,
         tensorboard: bool = False,
         enabled: bool = True,
     ):
@@ -121,6 +124,8 @@ class MetricsLog:
             return
         path = Path(directory) / "metrics.jsonl"
         kept = [] if resume_step is None else metrics_until(path, resume_step)
+        if reevaluated:
+            kept = [line for line in kept if not _eval_at(line, resume_step)]
         write_atomic(path, "".join(kept))
         self._file = open(path, "a")
         if tensorboard:
@@ -153,6 +158,17 @@ class MetricsLog:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _eval_at(line: str, step: int) -> bool:
+    record = json.loads(line)
+    return record.get("type") == "eval" and record["step"] == step
+
+
+def train_steps(lines: list[str]) -> set[int]:
+    """The steps of the training records among ``metrics_until``'s lines."""
+    records = (json.loads(line) for line in lines)
+    return {r["step"] for r in records if r.get("type") == "train"}
 
 
 def metrics_until(path: Path, step: int) -> list[str]:

@@ -624,6 +624,7 @@ class Trainer:
             self.out_dir,
             cfg.mode,
             resume_step=None if resume is None else self.step,
+            reevaluated=resume is not None and self.step >= cfg.steps,
             tensorboard=cfg.report_to == "tensorboard",
             enabled=self.is_main,
         )
@@ -673,8 +674,11 @@ class Trainer:
                     with contextlib.suppress(Exception):
                         self._log_steps(metrics, first)
                 raise
-        if self.val_metrics is None:  # resumed at the final step: nothing trained here
-            self.val_metrics = self.evaluate()
+            if self.val_metrics is None:
+                # Resumed at the final step: nothing trained here. Evaluated again (with this
+                # run's --eval-batches), its record replacing the one the run wrote, so the
+                # summary's val loss is the metrics file's last.
+                self._evaluate_and_log(metrics)
         val = self.val_metrics.get("val_loss")
         if val is not None and not math.isfinite(val):
             # The losses read so far were finite, but the last update was not (e.g. a NaN
