@@ -28,6 +28,7 @@ numbers to report: the profilers add overhead), run as a script:
     python packages/coat-models/benchmarks/bench_llama_layer.py host --variants coat --batches 1,4
     python packages/coat-models/benchmarks/bench_llama_layer.py ops
     python packages/coat-models/benchmarks/bench_llama_layer.py attribute --batch 1
+    python packages/coat-models/benchmarks/bench_llama_layer.py launches --batch 1
 
 ``kernels``: GPU kernel time per kernel name under ``torch.profiler``, per variant (default:
 coat, bf16_eager; torchao_float8_compile when torchao imports). ``host``: per variant and
@@ -40,6 +41,8 @@ kernel, one fp8_quant quantization, ``torch._scaled_mm`` against ``torch.mm``, a
 node), which times the per-layer counts give the layer's host time. ``attribute``: the COAT
 layer's host time as is, without its FP8 GEMM calls, without its Triton launches, and
 without both (each replaced by nothing: what remains is Python, autograd and allocations).
+``launches``: each Triton launch of one COAT layer step replayed alone: its host time
+through ``fp8_quant.ops.launch``, in Triton's compiled launcher, and computing its key.
 """
 
 from __future__ import annotations
@@ -427,14 +430,12 @@ def profile_ops() -> str:
     return "\n".join(lines)
 
 
-def profile_attribute(batch: int, rounds: int) -> str:
-    """Where a COAT layer's host time goes: its fwd+bwd host time (fp32 weights under bf16
-    autocast, as coat-train runs it), then the same with ``torch._scaled_mm`` answered by an
-    empty tensor, with every Triton launch skipped, and with both (the outputs are garbage;
-    only the host time counts), after an optimizer-like weight update (the weights are
-    cast) and without one (the weight cache's copies reused: later micro-batches)."""
+def _coat_fp32_layer(batch: int):
+    """``(reset, step)`` of a COAT layer with fp32 weights under bf16 autocast, as
+    coat-train runs it: ``reset(bump)`` drops the gradients (``bump``: and updates the
+    weights in place, as an optimizer step would: the next step casts them), ``step()`` is
+    one forward + backward."""
     from coat_models import apply_coat
-    from fp8_quant.ops import _launch
 
     model = apply_coat(_model(torch.float32))
     layer, params = model.layers[0], list(model.layers[0].parameters())
@@ -444,19 +445,99 @@ def profile_attribute(batch: int, rounds: int) -> str:
     x = torch.randn(batch, SEQ, HIDDEN, device=DEVICE, requires_grad=True)
     grad = torch.randn_like(x)
 
+    def reset(bump: bool) -> None:
+        x.grad = None
+        for p in params:
+            p.grad = None
+        if bump:
+            _bump_versions(layer)
+
+    def step(model=model) -> None:  # keeps the model alive
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = layer(x, attention_mask=None, position_embeddings=pos)
+        out.backward(grad)
+
+    return reset, step
+
+
+def profile_launches(batch: int) -> str:
+    """Host microseconds of each Triton launch of one COAT layer step (weights cast), each
+    launch replayed alone in a loop: through ``fp8_quant.ops.launch`` as the ops call it,
+    through the compiled launcher it ends in (Triton's part), and the specialization key
+    (``_keys``) alone; the rest of ``launch`` is its cache lookup and the device and stream
+    queries."""
+    from fp8_quant.ops import _launch
+
+    reset, step = _coat_fp32_layer(batch)
+    for _ in range(3):
+        reset(True)
+        step()
+    torch.cuda.synchronize()
+    captured, real = [], _launch._dispatch
+
+    def capture(kernel, grid, args, meta, interpreting, cache):
+        captured.append((kernel, grid, args, dict(meta)))
+        real(kernel, grid, args, meta, interpreting, cache)
+
+    reset(True)
+    _launch._dispatch = capture
+    try:
+        step()
+    finally:
+        _launch._dispatch = real
+    torch.cuda.synchronize()
+    device = torch.cuda.current_device()
+    stream = torch.cuda.current_stream().cuda_stream
+    lines = [
+        f"== coat layer, batch {batch} x seq {SEQ}: {len(captured)} Triton launches in one "
+        "fwd+bwd (weights cast); host us per launch, replayed 100 times (median of 5)",
+        f"  {'kernel':34s} {'args':>4} {'launch':>8} {'launcher':>9} {'key':>6}",
+    ]
+    total = [0.0, 0.0, 0.0]
+    for kernel, grid, args, meta in captured:
+        row = _launch_us(_launch, kernel, grid, args, meta, device, stream)
+        total = [t + r for t, r in zip(total, row, strict=True)]
+        name = getattr(kernel, "fn", kernel).__name__
+        lines.append(f"  {name[:34]:34s} {len(args):4d} {row[0]:8.2f} {row[1]:9.2f} {row[2]:6.2f}")
+    lines.append(
+        f"  {'all':34s} {'':4s} {total[0]:8.1f} {total[1]:9.1f} {total[2]:6.1f}   "
+        f"(launch = launcher + key + lookup and queries)"
+    )
+    return "\n".join(lines)
+
+
+def _launch_us(_launch, kernel, grid, args, meta, device, stream) -> list[float]:
+    """Host us of one launch replayed: through ``launch``, in the compiled launcher its
+    cache entry holds, and computing its key."""
+    key, direct = _launch._keys(args)
+    site = (id(kernel), len(args), tuple(meta.items()), device)
+    run, function, packed, tail = _launch._CACHE[site][key]
+    g1, g2 = (list(grid[1:]) + [1, 1])[:2]
+    launcher_args = (grid[0], g1, g2, stream, function, packed, None, None, None, *direct, *tail)
+    return [
+        _host_us(lambda: _launch.launch(kernel, grid, *args, **meta), 100),
+        _host_us(lambda: run(*launcher_args), 100),
+        _host_us(lambda: _launch._keys(args), 100),
+    ]
+
+
+def profile_attribute(batch: int, rounds: int) -> str:
+    """Where a COAT layer's host time goes: its fwd+bwd host time (fp32 weights under bf16
+    autocast, as coat-train runs it), then the same with ``torch._scaled_mm`` answered by an
+    empty tensor, with every Triton launch skipped, and with both (the outputs are garbage;
+    only the host time counts), after an optimizer-like weight update (the weights are
+    cast) and without one (the weight cache's copies reused: later micro-batches)."""
+    from fp8_quant.ops import _launch
+
+    reset, step = _coat_fp32_layer(batch)
+
     def host_ms(bump: bool) -> float:
         times = []
         for i in range(rounds + 3):
-            x.grad = None
-            for p in params:
-                p.grad = None
-            if bump:
-                _bump_versions(layer)
+            reset(bump)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = layer(x, attention_mask=None, position_embeddings=pos)
-            out.backward(grad)
+            step()
             if i >= 3:
                 times.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
@@ -501,14 +582,21 @@ def main(argv=None) -> int:
     a = sub.add_parser("attribute", help="layer host time with GEMMs and/or launches skipped")
     a.add_argument("--batch", type=int, default=1)
     a.add_argument("--rounds", type=int, default=30)
-    for s in (k, h, o, a):
+    n = sub.add_parser("launches", help="host time of each Triton launch of a layer step")
+    n.add_argument("--batch", type=int, default=1)
+    for s in (k, h, o, a, n):
         s.add_argument("--out", help="also write the report here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_llama_layer: profiling needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.what in ("ops", "attribute"):
-        report = profile_ops() if args.what == "ops" else profile_attribute(args.batch, args.rounds)
+    if args.what in ("ops", "attribute", "launches"):
+        if args.what == "ops":
+            report = profile_ops()
+        elif args.what == "attribute":
+            report = profile_attribute(args.batch, args.rounds)
+        else:
+            report = profile_launches(args.batch)
         print(report, flush=True)
         if args.out:
             Path(args.out).write_text(report + "\n")
