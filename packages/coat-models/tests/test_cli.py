@@ -511,6 +511,21 @@ def _inputs(tmp_path) -> dict:
     llama = {"model_type": "llama", "hidden_size": 100, "num_attention_heads": 3,
              "num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 320}  # fmt: skip
     (paths["bad_heads"] / "config.json").write_text(json.dumps(llama))
+    # a size torch refuses (a negative dimension: a RuntimeError traceback)
+    paths["negative"] = tmp_path / "negative"
+    paths["negative"].mkdir()
+    (paths["negative"] / "config.json").write_text(
+        json.dumps({**llama, "hidden_size": -128, "num_attention_heads": 4})
+    )
+    # weights saved with another config (transformers printed its table, then a traceback)
+    paths["other_weights"] = tmp_path / "other_weights"
+    from safetensors.torch import save_file
+
+    small = preset_config("tiny", data_vocab=257)
+    small.save_pretrained(paths["other_weights"])
+    wide = torch.zeros(small.intermediate_size * 2, small.hidden_size)
+    save_file({"model.layers.0.mlp.up_proj.weight": wide},
+              paths["other_weights"] / "model.safetensors")  # fmt: skip
     paths["llava"] = tmp_path / "llava"
     from coat_models.vila import llava_tiny_config
 
@@ -534,8 +549,15 @@ BAD_INPUTS = [
     (["--model-dir", "{tmp}"], "no config.json"),
     (["--preset", "tiny", "--model-dir", "{tmp}"], "use --preset or --model-dir, not both"),
     (["--data", "{ids_npy}", "--vocab-size", "1024"], "token id 4999 but the model's vocabulary"),
-    (["--vocab-size", "0"], "argument --vocab-size: must be an integer >= 1, got '0'"),
-    (["--vocab-size", "-5"], "argument --vocab-size: must be an integer >= 1, got '-5'"),
+    (
+        ["--vocab-size", "0"],
+        "argument --vocab-size: must be an integer in [1, 1099511627776] (token ids, 2^40",
+    ),
+    (
+        ["--vocab-size", "-5"],
+        "argument --vocab-size: must be an integer in [1, 1099511627776] (token ids, 2^40 at "
+        "most), got '-5'",
+    ),
     (["--batch-size", "0"], "argument --batch-size: must be an integer >= 1, got '0'"),
     (["--warmup", "-1"], "argument --warmup: must be an integer >= 0, got '-1'"),
     (["--steps", "5", "--warmup", "5"], "--warmup 5 covers all 5 steps: the learning rate would"),
@@ -622,6 +644,17 @@ BAD_INPUTS = [
     ),
     (["--model-dir", "{bad_heads}"], "hidden size (100) is not a multiple of the number of"),
     (["--model-dir", "{llava}"], "(LlavaConfig) is not a causal LM's (no vocab_size): pass"),
+    (["--model-dir", "{negative}"], "(Trying to create tensor with negative dimension -128"),
+    (
+        ["--model-dir", "{other_weights}", *SMALL],
+        "model.safetensors holds model.layers.0.mlp.up_proj.weight of shape [704, 128], but its "
+        "config.json makes it [352, 128]: pass the config.json saved with these weights",
+    ),
+    # values beyond what the run can hold: tracebacks (an overflow), one after --out was made
+    (["--vocab-size", "99999999999999999999"], "--vocab-size: must be an integer in [1, 109951162"),
+    (["--grad-accum", "99999999999999999999"], "--grad-accum: must be an integer in [1, 2147483"),
+    # a NaN loss blamed on --lr
+    (["--weight-decay", "1e30"], "lr x weight_decay >= 1 per step (zeroing or flipping it)"),
 ]
 
 

@@ -136,7 +136,9 @@ BAD_FIELDS = [
     ({"lr": "3e-4"}, "--lr must be a finite number > 0, got '3e-4'"),
     ({"steps": "10"}, "--steps must be an integer >= 1, got '10'"),
     ({"lr": True}, "--lr must be a finite number > 0, got True"),
-    ({"grad_accum": None}, "--grad-accum must be an integer >= 1, got None"),
+    ({"grad_accum": None}, r"--grad-accum must be an integer in \[1, 2147483647\], got None"),
+    # AdamW scales each weight by 1 - lr * weight_decay a step: >= 1 zeroes or flips it
+    ({"lr": 0.5, "weight_decay": 2.0}, "--weight-decay 2 with --lr 0.5 decays each weight"),
 ]
 
 

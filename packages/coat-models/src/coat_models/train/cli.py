@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model-dir", help="Hugging Face config or checkpoint directory on disk")
     m.add_argument(
         "--vocab-size",
-        type=int_in(1),
+        type=int_in(1, 2**40, why=" (token ids, 2^40 at most)"),
         help="override a preset's vocabulary (default: 32000, tiny: the data's)",
     )
     r = p.add_argument_group("precision")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,8 @@ from .presets import (
     ModelError,
     build_model,
     build_vlm,
+    check_weight_shapes,
+    first_line,
     model_dir_config,
     model_dir_tokenizer,
     preset_config,
@@ -98,10 +101,11 @@ class Job:
     tune: str = " or --seq-len"  # what else to lower when memory runs out
 
 
-def count_params(config, modes) -> int:
+def count_params(config, modes, weights_dir=None) -> int:
     """Parameters of the model ``config`` describes, built on the meta device (no memory).
     For modes with FP8 activations, ``apply_coat``'s structural check runs on it too, so an
-    architecture it does not support is refused before anything is written."""
+    architecture it does not support is refused before anything is written; so are
+    ``weights_dir``'s safetensors weights whose shapes are not the config's."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -109,6 +113,12 @@ def count_params(config, modes) -> int:
             model = AutoModelForCausalLM.from_config(config)
     except ValueError as e:  # e.g. a config transformers has no causal LM for
         raise ModelError(f"cannot build a causal LM from this config: {e}") from None
+    except RuntimeError as e:  # sizes torch refuses (a negative hidden_size); meta: no OOM
+        raise ModelError(
+            f"cannot build a causal LM from this config ({first_line(e)}): check its sizes"
+        ) from None
+    if weights_dir is not None:
+        check_weight_shapes(Path(weights_dir), model)
     fp8 = [m for m in modes if MODES[m][0]]
     if fp8:
         from coat_models import apply_coat
@@ -148,7 +158,7 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
         config = preset_config(args.preset or "tiny", data.vocab_size, args.vocab_size, seq_len)
     data.check_fits(config.vocab_size)
     tasks = [LMTask(data, cfg) for cfg in cfgs]  # refuses too short a split
-    n_params = count_params(config, modes)
+    n_params = count_params(config, modes, weights_dir)
 
     def build(cfg):
         master = MASTER_DTYPES[cfg.master_dtype]

@@ -159,6 +159,29 @@ def _check_safetensors(d: Path) -> None:
             ) from None
 
 
+def check_weight_shapes(d: Path, model) -> None:
+    """Refuse safetensors weights in ``d`` whose shapes differ from ``model``'s (built from
+    ``d``'s config.json, e.g. on the meta device) under the same name: transformers would
+    print a table and raise. Headers only; other names are left to transformers."""
+    from safetensors import safe_open
+
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    index = d / "model.safetensors.index.json"
+    names = ["model.safetensors"] if (d / "model.safetensors").is_file() else []
+    if index.is_file():  # (read by _check_safetensors before)
+        names += sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    for name in names:
+        with safe_open(d / name, framework="pt") as f:
+            for key in f.keys():
+                got, want = tuple(f.get_slice(key).get_shape()), shapes.get(key)
+                if want is not None and got != want:
+                    raise ModelError(
+                        f"--model-dir {d}: {name} holds {key} of shape {list(got)}, but its "
+                        f"config.json makes it {list(want)}: pass the config.json saved with "
+                        "these weights, or remove the weights to train from random ones"
+                    )
+
+
 def model_dir_tokenizer(path: str):
     """The tokenizer shipped in a model directory, or None (then data is byte-level)."""
     if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):

@@ -83,7 +83,7 @@ RANGES = {
     # Labels are the inputs shifted by one: one token predicts nothing and the loss is 0/0,
     # which would surface as a NaN with the wrong remedy (--lr).
     "seq_len": Range(2, why=" (a causal LM predicts each token from those before it)"),
-    "grad_accum": _COUNT,
+    "grad_accum": Range(1, 2**31 - 1),
     "steps": _COUNT,
     "eval_batches": _COUNT,
     "log_every": _COUNT,
@@ -158,6 +158,14 @@ class TrainConfig:
             raise ValueError(
                 "--keep-checkpoints must be >= 1 with --save-every (0 would delete each "
                 "checkpoint as soon as it is written)"
+            )
+        if self.lr * self.weight_decay >= 1:
+            # AdamW multiplies each weight by 1 - lr * weight_decay every step: at >= 1 that
+            # zeroes or flips every weight, and the loss diverges for a reason --lr hides.
+            raise ValueError(
+                f"--weight-decay {self.weight_decay:g} with --lr {self.lr:g} decays each "
+                "weight by lr x weight_decay >= 1 per step (zeroing or flipping it): lower "
+                "--weight-decay (typical: 0.01-0.1)"
             )
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
