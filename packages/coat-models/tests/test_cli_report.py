@@ -36,6 +36,34 @@ def test_tensorboard_events_hold_the_metrics(tmp_path, capsys):
         assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-6)
 
 
+def _board_matches_metrics(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    records = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    for kind, tag, key in (("train", "train/loss", "loss"), ("eval", "eval/val_loss", "val_loss")):
+        expected = [(r["step"], r[key]) for r in records if r["type"] == kind]
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in got] == [s for s, _ in expected]
+        assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-6)
+    return records
+
+
+def test_tensorboard_of_a_resumed_finished_run_shows_its_new_evaluation(tmp_path, capsys):
+    """Resuming a finished run evaluates its last step again: TensorBoard then shows that one
+    evaluation (not the old one beside it) and still the step's training point."""
+    pytest.importorskip("tensorboard")
+    argv = [*ARGV, "--report-to", "tensorboard", "--save-every", "4", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    before = _board_matches_metrics(tmp_path / "bf16")
+    assert cli.main([*argv, "--eval-batches", "2", "--resume"]) == 0, capsys.readouterr().err
+    after = _board_matches_metrics(tmp_path / "bf16")
+    old, new = ([r["val_loss"] for r in rs if r["type"] == "eval" and r["step"] == 4]
+                for rs in (before, after))  # fmt: skip
+    assert len(old) == len(new) == 1 and old != new  # 2 batches, not 1
+
+
 def test_without_report_to_no_event_files(tmp_path, capsys):
     code = cli.main([*ARGV, "--steps", "2", "--out", str(tmp_path)])
     out, err = capsys.readouterr()

@@ -133,19 +133,29 @@ class MetricsLog:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ReportError(TENSORBOARD_HINT) from None
-            # purge_step: TensorBoard hides what an earlier, killed run logged from there on
-            purge = None if resume_step is None else resume_step + 1
+            # purge_step: TensorBoard hides what an earlier run logged at and after that step.
+            # After the checkpoint's step, as the run rewrites that; at it when the run
+            # evaluates that step again, and then the kept records of the step are logged anew.
+            purge = None if resume_step is None else resume_step + (not reevaluated)
             self._board = SummaryWriter(str(Path(directory) / "tensorboard"), purge_step=purge)
+            if reevaluated:
+                for line in kept:
+                    record = json.loads(line)
+                    if record["step"] == resume_step:
+                        self._scalars(record)
 
     def write(self, record: dict) -> None:
         if self._file is not None:
             self._file.write(json.dumps({"mode": self.mode, **record}) + "\n")
             self._file.flush()
         if self._board is not None:
-            for name, value in record.items():
-                number = isinstance(value, int | float) and not isinstance(value, bool)
-                if number and name != "step":
-                    self._board.add_scalar(f"{record['type']}/{name}", value, record["step"])
+            self._scalars(record)
+
+    def _scalars(self, record: dict) -> None:
+        for name, value in record.items():
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if number and name != "step":
+                self._board.add_scalar(f"{record['type']}/{name}", value, record["step"])
 
     def close(self) -> None:
         for handle in (self._file, self._board):
