@@ -30,7 +30,9 @@ where COAT's step is slower than bf16's (a diagnostic, not the numbers to report
 
     python packages/coat-models/benchmarks/bench_e2e.py profile --variants bf16,coat --micro-batch 1
 
-``profile --grad-accum N`` profiles steps of N micro-batches. It prints a host probe first
+``profile --grad-accum N`` profiles steps of N micro-batches; ``profile --compile`` compiles
+every variant's decoder layers (``coat-train --compile``; then no ``_scaled_mm`` timing and
+no tracker hooks, which would break or re-trace the graphs). It prints a host probe first
 (``host_probe``: ns per Python call, us per small op; ``bench_e2e.py probe`` prints it alone,
 the main run in its header) to compare readings across machines. Then for each variant:
 ``Trainer.run_step`` wall time and the host time until ``queue_step`` returns; the host
@@ -475,16 +477,18 @@ def _scaled_mm_host(trainer: Trainer) -> str:
 
 
 def profile_step(
-    name: str, config, data, mb: int, seq: int, rounds: int, top: int, device, grad_accum: int = 1
-) -> str:
+    name: str, config, data, mb: int, seq: int, rounds: int, top: int, device, grad_accum: int = 1,
+    compile_all: bool = False,
+) -> str:  # fmt: skip
     """The report of one variant (see ``profile`` in the module docstring)."""
     mode, master, cache = VARIANTS[name]
     model = build_model(config, device=device, master_dtype=MASTER_DTYPES[master], seed=0)
     cfg = TrainConfig(mode=mode, master_dtype=master, weight_cache=cache, batch_size=mb,
                       seq_len=seq, lr=1e-4, steps=10**6, warmup=10, eval_batches=1,
-                      grad_accum=grad_accum)  # fmt: skip
+                      grad_accum=grad_accum, compile=compile_all or name in COMPILED)  # fmt: skip
     trainer = Trainer(model, data, cfg, device=device, progress=False)
-    lines = [f"== {name}, micro-batch {mb} x seq {seq} x grad-accum {grad_accum}"]
+    compiled = " (layers compiled)" if cfg.compile else ""
+    lines = [f"== {name}{compiled}, micro-batch {mb} x seq {seq} x grad-accum {grad_accum}"]
     try:
         for _ in range(2):
             trainer.run_step()
@@ -501,8 +505,10 @@ def profile_step(
             f"({', '.join(f'{s:.0f}' for s in steps)}); host (until queue_step returns) "
             f"median {statistics.median(hosts):.1f} ms"
         )
-        lines.append(_scaled_mm_host(trainer))
-        for hooks in (True, False):
+        if not cfg.compile:  # (traced, the timing wrapper would break the graph)
+            lines.append(_scaled_mm_host(trainer))
+        # (compiled layers: saved-tensor hooks would recompile them)
+        for hooks in (False,) if cfg.compile else (True, False):
             ph = _phases(trainer, rounds, hooks)
             cells = ", ".join(f"{n} {h:.1f}/{w:.1f}" for n, (h, w) in ph.items())
             lines.append(f"phases host/wall ms, tracker hooks {'on' if hooks else 'off'}: {cells}")
@@ -547,6 +553,7 @@ def profile_main(argv) -> int:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--out", help="also write the report here")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script only")
+    p.add_argument("--compile", action="store_true", help="compile every variant's decoder layers")
     args = p.parse_args(argv)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     known = [n for n, v in VARIANTS.items() if v[0] != "torchao"]  # coat-train's modes only
@@ -563,9 +570,11 @@ def profile_main(argv) -> int:
     print(parts[0], flush=True)
     for v in names:
         mb, seq = args.micro_batch, args.seq_len
-        parts.append(
-            profile_step(v, config, data, mb, seq, args.rounds, args.top, device, args.grad_accum)
-        )
+        report = profile_step(
+            v, config, data, mb, seq, args.rounds, args.top, device, args.grad_accum,
+            compile_all=args.compile,
+        )  # fmt: skip
+        parts.append(report)
         print(parts[-1], flush=True)
     if args.out:
         Path(args.out).write_text("\n\n".join(parts) + "\n")

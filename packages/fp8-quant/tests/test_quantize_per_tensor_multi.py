@@ -78,13 +78,26 @@ def test_llama_7b_layer_gpu(cuda, row, col, fmt, assert_same_bits):
 
 
 @pytest.mark.parametrize("row,col", LAYOUTS, ids=["both", "row", "col"])
+def test_one_tensor_alone_and_left_over(interpreter, row, col, fmt, assert_same_bits):
+    """One tensor (the one-tensor kernel: no unused slots), alone and as the ninth after a
+    full launch."""
+    xs, amaxes = _tensors(ODD[:1] + SHAPES + ODD[3:], torch.bfloat16)
+    assert len(xs) == SLOTS + 1
+    _check(xs[:1], amaxes[:1], fmt, row, col, assert_same_bits)
+    _check(xs, amaxes, fmt, row, col, assert_same_bits)
+
+
+@pytest.mark.parametrize("n", [3, 1], ids=["3-tensors", "1-tensor"])
+@pytest.mark.parametrize("row,col", LAYOUTS, ids=["both", "row", "col"])
 def test_traced_launch_passes_each_written_buffer_once(
-    interpreter, row, col, fmt, assert_same_bits, monkeypatch
+    interpreter, row, col, n, fmt, assert_same_bits, monkeypatch
 ):
     """Inside ``traced_launches()`` (a ``triton_op``'s body, whose launches go through
     ``wrap_triton``) no buffer the kernel may write is passed twice: functionalized, every
     such argument is cloned and copied back, and a copy the kernel did not write (an unused
-    layout, an unused slot) would overwrite one it did. The same bits."""
+    layout, an unused slot) would overwrite one it did. One tensor takes the one-slot kernel
+    (seven arguments): Inductor copies every unused slot's buffers in and out, one-element
+    kernels each. The same bits."""
     import importlib
 
     from fp8_quant.ops import traced_launches
@@ -99,11 +112,13 @@ def test_traced_launch_passes_each_written_buffer_once(
         return real(kernel, grid, *args, **meta)
 
     monkeypatch.setattr(module, "launch", spy)
-    xs, amaxes = _tensors(SHAPES[:3], torch.bfloat16)
+    xs, amaxes = _tensors(SHAPES[:n], torch.bfloat16)
     with traced_launches():
         _check(xs, amaxes, fmt, row, col, assert_same_bits)
-    (args,) = launches  # per slot: x, q, q_t, amax, scale, m, n, end
-    writable = [args[s * 8 + k].data_ptr() for s in range(SLOTS) for k in (1, 2, 4)]
+    (args,) = launches  # per slot: x, q, q_t, amax, scale, m, n, end (one tensor: no end)
+    slots = SLOTS if n > 1 else 1
+    assert len(args) == (8 * SLOTS if n > 1 else 7)
+    writable = [args[s * 8 + k].data_ptr() for s in range(slots) for k in (1, 2, 4)]
     layouts = (1,) * row + (2,) * col + (4,)  # the q, q_t and scale the kernel writes
     written = [args[s * 8 + k].data_ptr() for s in range(len(xs)) for k in layouts]
     assert all(writable.count(p) == 1 for p in written)

@@ -65,6 +65,22 @@ def test_one_launch_per_eight_tensors(interpreter, monkeypatch):
     assert len(calls) == 1 + 2
 
 
+def test_one_tensor_takes_the_one_slot_kernel(interpreter, monkeypatch, assert_same_bits):
+    """One tensor (alone, or left over after full launches) goes through the one-slot kernel:
+    traced, no input is passed again for unused slots (Inductor would fill a copy of the
+    tensor for each). The bits of the reference."""
+    mod = sys.modules["fp8_quant.ops.tensor_amax_multi"]
+    kernels = []
+    real = mod.launch
+    monkeypatch.setattr(mod, "launch", lambda k, *a, **kw: kernels.append(k) or real(k, *a, **kw))
+    xs = _tensors([(300, 7)] + [(5, 3)] * SLOTS, torch.bfloat16)
+    for chunk in (xs[:1], xs):
+        got = tensor_amax_multi(chunk)
+        for g, w in zip(got, reference.tensor_amax_multi([x.cpu() for x in chunk]), strict=True):
+            assert_same_bits(g.cpu(), w)
+    assert kernels == [mod._amax_kernel, mod._multi_amax_kernel, mod._amax_kernel]
+
+
 @pytest.mark.gpu
 def test_gpu_layer_weights_same_bits(assert_same_bits):
     """Llama-2-7B's seven weight shapes, fp32 master weights, on the GPU."""

@@ -75,6 +75,17 @@ def _multi_kernel(
         _tile(pid - E6, X7, Q7, T7, A7, S7, M7, N7, FMT, HW_CAST, BM, BN, ROW, COL)
 
 
+@triton.jit
+def _one_kernel(
+    X0, Q0, T0, A0, S0, M0, N0,
+    FMT: tl.constexpr, HW_CAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    ROW: tl.constexpr, COL: tl.constexpr,
+):  # fmt: skip
+    # One tensor: no unused slots (traced, each unused slot's outputs are buffers Inductor
+    # copies in and out, 14 one-element kernels a cast; eagerly 56 launch arguments less).
+    _tile(tl.program_id(0), X0, Q0, T0, A0, S0, M0, N0, FMT, HW_CAST, BM, BN, ROW, COL)
+
+
 def quantize_per_tensor_multi(
     xs: list[torch.Tensor], fmt: FP8Format, amaxes: list[torch.Tensor], row: bool, col: bool
 ) -> list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]]:
@@ -114,11 +125,15 @@ def _launch_slots(xs, fmt, amaxes, row, col):
             q_bits, qt_bits = (q_bits if row else spare[0]), (qt_bits if col else spare[0])
         end += max(1, cdiv(m, _BM) * cdiv(n, _BN))  # >= 1: an empty tensor's scale
         args += [x, q_bits, qt_bits, amax, scale, m, n, end]
-    unused = [*args[:7], end]  # the first tensor's arguments again, owning no program
-    if spare:  # x, q, q_t, amax, scale
-        unused[:5] = [spare[2], spare[0], spare[0], spare[3], spare[1]]
-    args += unused * (SLOTS - len(xs))
-    launch(_multi_kernel, (end,), *args,
+    if len(xs) == 1:
+        kernel, args = _one_kernel, args[:7]
+    else:
+        kernel = _multi_kernel
+        unused = [*args[:7], end]  # the first tensor's arguments again, owning no program
+        if spare:  # x, q, q_t, amax, scale
+            unused[:5] = [spare[2], spare[0], spare[0], spare[3], spare[1]]
+        args += unused * (SLOTS - len(xs))
+    launch(kernel, (end,), *args,
         FMT=fmt.value, HW_CAST=hw_cast_supported(device), BM=_BM, BN=_BN, ROW=row, COL=col,
         num_warps=_NUM_WARPS,
     )  # fmt: skip

@@ -58,6 +58,13 @@ def _multi_amax_kernel(
         _stretch(pid - E6, X7, A + 7, N7, BLOCK, ITERS)
 
 
+@triton.jit
+def _amax_kernel(A, X0, N0, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    # One tensor: no unused slots (traced, each unused slot's copy of X0 is a buffer of its
+    # own that Inductor fills; eagerly 21 launch arguments less).
+    _stretch(tl.program_id(0), X0, A, N0, BLOCK, ITERS)
+
+
 def tensor_amax_multi(xs: list[torch.Tensor], *, stacked: bool = False):
     """Triton twin of ``reference.tensor_amax_multi`` (same bits): the 0-dim fp32 max
     ``|x|`` of each contiguous ``x`` of ``xs`` (on one device, any float dtypes).
@@ -71,8 +78,12 @@ def tensor_amax_multi(xs: list[torch.Tensor], *, stacked: bool = False):
             n = x.numel()
             end += max(1, cdiv(n, _BLOCK * _ITERS))  # >= 1: an empty tensor owns a program
             args += [x, n, end]
-        args += [*args[:2], end] * (SLOTS - len(chunk))  # unused slots own no program
-        launch(_multi_amax_kernel, (end,), bits[i:] if i else bits, *args,
+        if len(chunk) == 1:
+            kernel, args = _amax_kernel, args[:2]
+        else:
+            kernel = _multi_amax_kernel
+            args += [*args[:2], end] * (SLOTS - len(chunk))  # unused slots own no program
+        launch(kernel, (end,), bits[i:] if i else bits, *args,
             BLOCK=_BLOCK, ITERS=_ITERS, num_warps=_NUM_WARPS,
         )  # fmt: skip
     amaxes = bits.view(torch.float32)
