@@ -256,7 +256,21 @@ def test_sigterm_stops_like_ctrl_c(tmp_path, capsys, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is before  # restored
 
 
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler during the test, whatever the test process inherited: a
+    runner started as a background job or under nohup ignores SIGINT, which coat-train then
+    keeps ignored (``test_a_signal_ignored_at_start_stays_ignored``), so a test that delivers
+    Ctrl-C by calling the handler would find nothing to call."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.usefixtures("python_sigint")
 def test_a_signal_python_drops_still_stops_the_run(tmp_path, capsys, monkeypatch):
     """Ctrl-C whose KeyboardInterrupt lands in a ``__del__`` (the memory tracker's records),
     where Python prints and drops it: the run still stops as interrupted (exit 130) at the
@@ -280,6 +294,7 @@ def test_a_signal_python_drops_still_stops_the_run(tmp_path, capsys, monkeypatch
     assert [r["step"] for r in read_jsonl(tmp_path / "bf16" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_signal_python_drops_prints_no_traceback(monkeypatch):
     """The interrupt dropped in a ``__del__`` is recorded, so Python's "Exception ignored
     in ..." traceback is not printed for it (Ctrl-C during a save printed one); another
@@ -332,6 +347,7 @@ def test_a_signal_ignored_at_start_stays_ignored():
         signal.signal(signal.SIGINT, before)
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_signal_inside_torch_save_is_an_interrupt_not_a_full_disk(tmp_path, capsys, monkeypatch):
     """Ctrl-C while a checkpoint is written: torch.save's writer turns the interrupt into a
     RuntimeError ("unexpected pos"), which read as a full disk (exit 1). It is reported as
