@@ -18,10 +18,12 @@
 #   scripts/gpu_bench.sh speed-batch  1 GPU. Llama-2-7B at micro-batch 2: bf16 vs coat (default),
 #                                coat eager, torchao float8 + compile (bench_e2e; carry its wheel);
 #                                coat at micro-batch 8 (the best-vs-best row).
-#   scripts/gpu_bench.sh speed-compile 1 GPU, ~8 min. coat-train --compile against eager COAT
-#                                (--no-cuda-graphs), one process each: Llama-2-7B at micro-batch
-#                                2 x 2 with --activation-checkpointing and at 1 x 4 (both with
-#                                --fp8-weight-cache), and the 125m preset.
+#   scripts/gpu_bench.sh speed-compile 1 GPU, ~8 min. coat-train --compile against eager
+#                                (--no-cuda-graphs): bf16 vs coat in one process, both compiled
+#                                or both eager, at the 125m preset and Llama-2-7B micro-batch
+#                                1 x 4; coat alone at 7B 2 x 2 with --activation-checkpointing;
+#                                FSDP2 on one GPU under torchrun (7B 1 x 4), two alternating
+#                                pairs; first a host probe.
 #   scripts/gpu_bench.sh accuracy     1 GPU, ~5 min. The 125m preset trained 2000 steps with bf16
 #                                and coat (bench_e2e_accuracy.py), checked against the golden
 #                                loss curves; exit status 1 when a check fails. ACC_SEEDS=3:
@@ -170,14 +172,29 @@ speed-accum | speed-batch | speed-compile)
     train ga4_eager 150 "${L[@]}" --compare bf16,coat --no-cuda-graphs --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}"
     runs="s125 s125_eager ga4 ga4_eager"
   elif [ "$phase" = speed-compile ]; then
-    C=("${L[@]}" --mode coat --steps 8 --fp8-weight-cache "${G[@]}")
-    for v in no-cuda-graphs compile; do
-      train "ac_$v" 110 "${C[@]}" --activation-checkpointing --batch-size 2 --grad-accum 2 "--$v"
-      train "ga4_$v" 110 "${C[@]}" --batch-size 1 --grad-accum 4 "--$v"
-      train "s125_$v" 50 --preset 125m --mode coat --steps 40 --eval-batches 1 --no-progress \
-        --no-export "--$v"
+    timeout 60 python3 $B/bench_e2e.py probe > "$r/probe.txt" 2>&1
+    S125=(--preset 125m --compare bf16,coat --steps 60 --eval-batches 2 --no-progress --no-export)
+    train s125_compile 150 "${S125[@]}" --compile
+    train s125_eager 100 "${S125[@]}" --no-cuda-graphs
+    GA4=("${L[@]}" --compare bf16,coat --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}")
+    train ga4_compile 200 "${GA4[@]}" --compile
+    train ga4_eager 170 "${GA4[@]}" --no-cuda-graphs
+    AC=("${L[@]}" --mode coat --steps 8 "${G[@]}" --activation-checkpointing --batch-size 2 --grad-accum 2)
+    train ac_eager 110 "${AC[@]}" --no-cuda-graphs
+    train ac_compile 110 "${AC[@]}" --compile
+    # FSDP2 on one GPU under torchrun: two pairs, compiled first in each (runs of one setting
+    # move by more than the difference).
+    F=("${L[@]}" --fsdp --mode coat --batch-size 1 --grad-accum 4 --steps 10 "${G[@]}")
+    for i in 1 2; do
+      for v in compile eager; do
+        flag=(--compile)
+        [ "$v" = eager ] && flag=()
+        timeout 80 torchrun --standalone --nproc-per-node 1 -m coat_models.train.cli "${F[@]}" \
+          "${flag[@]}" --out "/tmp/speed-fsdp$i-$v" > "$r/fsdp${i}_$v.txt" 2>&1
+      done
     done
-    runs="ac_no-cuda-graphs ac_compile ga4_no-cuda-graphs ga4_compile s125_no-cuda-graphs s125_compile"
+    runs="s125_compile s125_eager ga4_compile ga4_eager ac_eager ac_compile"
+    runs="$runs fsdp1_compile fsdp1_eager fsdp2_compile fsdp2_eager"
   else
     train mb2 150 "${L[@]}" --compare bf16,coat --batch-size 2 --steps 12 "${G[@]}"
     train mb2_eager 90 "${L[@]}" --mode coat --no-cuda-graphs --batch-size 2 --steps 12 "${G[@]}"
