@@ -78,13 +78,28 @@ def test_llama_7b_layer_gpu(cuda, row, col, fmt, assert_same_bits):
 
 
 @pytest.mark.parametrize("row,col", LAYOUTS, ids=["both", "row", "col"])
-def test_one_tensor_alone_and_left_over(interpreter, row, col, fmt, assert_same_bits):
-    """One tensor (the one-tensor kernel: no unused slots), alone and as the ninth after a
-    full launch."""
+def test_one_tensor_alone_and_left_over(interpreter, row, col, fmt, assert_same_bits, monkeypatch):
+    """One tensor takes the one-tensor kernel (no unused slots): alone, as the ninth after a
+    full launch, and empty (its one program still writes the scale). The bits of the
+    reference."""
+    import importlib
+
+    module = importlib.import_module("fp8_quant.ops.quantize_per_tensor_multi")
+    kernels, real = [], module.launch
+
+    def spy(kernel, *args, **meta):
+        kernels.append(kernel)
+        return real(kernel, *args, **meta)
+
+    monkeypatch.setattr(module, "launch", spy)
     xs, amaxes = _tensors(ODD[:1] + SHAPES + ODD[3:], torch.bfloat16)
     assert len(xs) == SLOTS + 1
     _check(xs[:1], amaxes[:1], fmt, row, col, assert_same_bits)
     _check(xs, amaxes, fmt, row, col, assert_same_bits)
+    _check([torch.empty(0, 64, dtype=torch.bfloat16)], [torch.tensor(3.0)], fmt, row, col,
+           assert_same_bits)  # fmt: skip
+    one, multi = module._one_kernel, module._multi_kernel
+    assert kernels == [one, multi, one, one]
 
 
 @pytest.mark.parametrize("n", [3, 1], ids=["3-tensors", "1-tensor"])

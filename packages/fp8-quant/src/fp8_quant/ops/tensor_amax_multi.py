@@ -60,8 +60,8 @@ def _multi_amax_kernel(
 
 @triton.jit
 def _amax_kernel(A, X0, N0, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    # One tensor: no unused slots (traced, each unused slot's copy of X0 is a buffer of its
-    # own that Inductor fills; eagerly 21 launch arguments less).
+    # One tensor: no unused slots (traced, where x is computed in the graph, Inductor wrote a
+    # copy of it for every slot naming it; eagerly 22 launch arguments fewer).
     _stretch(tl.program_id(0), X0, A, N0, BLOCK, ITERS)
 
 
