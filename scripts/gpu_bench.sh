@@ -18,12 +18,14 @@
 #   scripts/gpu_bench.sh speed-batch  1 GPU. Llama-2-7B at micro-batch 2: bf16 vs coat (default),
 #                                coat eager, torchao float8 + compile (bench_e2e; carry its wheel);
 #                                coat at micro-batch 8 (the best-vs-best row).
-#   scripts/gpu_bench.sh speed-compile 1 GPU, ~8 min. coat-train --compile against eager
+#   scripts/gpu_bench.sh speed-compile 1 GPU, ~7 min. coat-train --compile against eager
 #                                (--no-cuda-graphs): bf16 vs coat in one process, both compiled
 #                                or both eager, at the 125m preset and Llama-2-7B micro-batch
-#                                1 x 4; coat alone at 7B 2 x 2 with --activation-checkpointing;
-#                                FSDP2 on one GPU under torchrun (7B 1 x 4), two alternating
-#                                pairs; first a host probe.
+#                                1 x 4; first a host probe.
+#   scripts/gpu_bench.sh speed-fsdp 1 GPU, ~7 min. coat alone, --compile against eager: Llama-2-7B
+#                                2 x 2 with --activation-checkpointing, then FSDP2 on one GPU
+#                                under torchrun (7B 1 x 4), two alternating pairs; first a host
+#                                probe. (Two phases: each fits one 10-minute device call.)
 #   scripts/gpu_bench.sh accuracy     1 GPU, ~5 min. The 125m preset trained 2000 steps with bf16
 #                                and coat (bench_e2e_accuracy.py), checked against the golden
 #                                loss curves; exit status 1 when a check fails. ACC_SEEDS=3:
@@ -43,9 +45,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:-}
 case "$phase" in
-single | multi | check | speed-accum | speed-batch | speed-compile | accuracy) ;;
+single | multi | check | speed-accum | speed-batch | speed-compile | speed-fsdp | accuracy) ;;
 *)
-  echo "usage: scripts/gpu_bench.sh single|multi|check|speed-accum|speed-batch|speed-compile|accuracy (see the top)" >&2
+  echo "usage: scripts/gpu_bench.sh single|multi|check|speed-accum|speed-batch|speed-compile|speed-fsdp|accuracy (see the top)" >&2
   exit 2
   ;;
 esac
@@ -155,7 +157,7 @@ multi)
   head -30 "$r/profile.txt"
   tail -5 "$r/profile.log"
   ;;
-speed-accum | speed-batch | speed-compile)
+speed-accum | speed-batch | speed-compile | speed-fsdp)
   G=(--eval-batches 1 --log-every 3 --no-progress --no-export)
   train() { # train NAME TIMEOUT ARGS...: coat-train into $r/NAME.txt
     local name=$1 t=$2
@@ -179,6 +181,9 @@ speed-accum | speed-batch | speed-compile)
     GA4=("${L[@]}" --compare bf16,coat --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}")
     train ga4_compile 200 "${GA4[@]}" --compile
     train ga4_eager 170 "${GA4[@]}" --no-cuda-graphs
+    runs="s125_compile s125_eager ga4_compile ga4_eager"
+  elif [ "$phase" = speed-fsdp ]; then
+    timeout 60 python3 $B/bench_e2e.py probe > "$r/probe.txt" 2>&1
     AC=("${L[@]}" --mode coat --steps 8 "${G[@]}" --activation-checkpointing --batch-size 2 --grad-accum 2)
     train ac_eager 110 "${AC[@]}" --no-cuda-graphs
     train ac_compile 110 "${AC[@]}" --compile
@@ -193,7 +198,7 @@ speed-accum | speed-batch | speed-compile)
           "${flag[@]}" --out "/tmp/speed-fsdp$i-$v" > "$r/fsdp${i}_$v.txt" 2>&1
       done
     done
-    runs="s125_compile s125_eager ga4_compile ga4_eager ac_eager ac_compile"
+    runs="ac_eager ac_compile"
     runs="$runs fsdp1_compile fsdp1_eager fsdp2_compile fsdp2_eager"
   else
     train mb2 150 "${L[@]}" --compare bf16,coat --batch-size 2 --steps 12 "${G[@]}"
