@@ -292,17 +292,9 @@ def profile_host(variant: str, batch: int, rounds: int, top: int) -> str:
             _bump_versions(layer)  # as an optimizer step would: weights are re-cast
         forward(x).backward(grad)
 
-    for _ in range(3):
-        step()
-    host, wall = [], []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        host.append(t1 - t0)
-        wall.append(time.perf_counter() - t0)
+    from layer_host_trees import host_wall  # (this folder: run as a script)
+
+    host, wall = host_wall(step, rounds, warmup=3)
     host_ms, wall_ms = statistics.median(host) * 1e3, statistics.median(wall) * 1e3
     lines = [
         f"== {variant}, batch {batch} x seq {SEQ}: host enqueue {host_ms:.3f} ms,"

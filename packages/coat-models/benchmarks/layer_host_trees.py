@@ -51,7 +51,16 @@ def _time(layer, x, grad, pos, autocast: bool, rounds: int) -> tuple[float, floa
             out = layer(x, attention_mask=None, position_embeddings=pos)
         out.backward(grad)
 
-    for _ in range(5):
+    host, wall = host_wall(step, rounds, warmup=5)
+    return statistics.median(host) * 1e3, statistics.median(wall) * 1e3
+
+
+def host_wall(step, rounds: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Seconds per call of ``step()`` (after ``warmup`` calls), ``rounds`` times: the host's
+    (until ``step`` returns, no sync inside) and the wall's (until the GPU is done too)."""
+    import torch
+
+    for _ in range(warmup):
         step()
     host, wall = [], []
     for _ in range(rounds):
@@ -62,7 +71,7 @@ def _time(layer, x, grad, pos, autocast: bool, rounds: int) -> tuple[float, floa
         torch.cuda.synchronize()
         host.append(t1 - t0)
         wall.append(time.perf_counter() - t0)
-    return statistics.median(host) * 1e3, statistics.median(wall) * 1e3
+    return host, wall
 
 
 def measure(label: str, coat: bool, rounds: int) -> None:
