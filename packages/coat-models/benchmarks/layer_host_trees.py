@@ -118,7 +118,7 @@ def _probe_ns() -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--tree", action="append", required=True, metavar="LABEL=PACKAGES",
+        "--tree", action="append", default=[], metavar="LABEL=PACKAGES",
         help="a label and a packages/ folder; the label bf16 times BF16 eager",
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=30)
@@ -128,6 +128,8 @@ def main(argv=None) -> int:
     if args.child:
         measure(args.child[0], args.child[1] == "coat", args.rounds)
         return 0
+    if not args.tree:
+        p.error("give at least one --tree LABEL=PATH")
     trees = []
     for item in args.tree:
         label, _, path = item.partition("=")
