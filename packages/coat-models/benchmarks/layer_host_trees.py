@@ -91,9 +91,10 @@ def measure(label: str, coat: bool, rounds: int) -> None:
             from coat_models import apply_coat
 
             apply_coat(model)
-        pos = model.rotary_emb(
-            torch.zeros(1, SEQ, HIDDEN, device="cuda"), torch.arange(SEQ, device="cuda")[None]
-        )
+        # RoPE's cos and sin in the weights' dtype (fp32 ones under autocast): bf16 q and k
+        # times fp32 cos would be fp32 beside a bf16 v, which SDPA refuses.
+        zeros = torch.zeros(1, SEQ, HIDDEN, device="cuda", dtype=dtype)
+        pos = model.rotary_emb(zeros, torch.arange(SEQ, device="cuda")[None])
         for batch in (1, 2):
             x = torch.randn(batch, SEQ, HIDDEN, device="cuda", dtype=dtype, requires_grad=True)
             autocast = dtype == torch.float32
