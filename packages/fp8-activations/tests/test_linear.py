@@ -296,34 +296,3 @@ def test_quantize_t_many_is_quantize_t_per_tensor(triton_available, case):
         assert s.equal(want_s) and s.dim() == 0 and s.dtype == torch.float32
     if case == "some given":
         assert got[1][2].item() != quantize_t(xs[1], "e5m2", None, "triton")[2].item()
-
-
-def test_quantize_t_many_traced_is_one_operator_with_eager_bits(triton_available):
-    """Under ``torch.compile`` (no maxima handed over) ``quantize_t_many`` is one operator,
-    ``fp8_activations::quantize_t_many`` (both launches inside it, instead of two per
-    tensor), with each tensor's ``quantize_t`` bits."""
-    from fp8_activations.ops.linear import quantize_t, quantize_t_many
-
-    torch._dynamo.reset()
-    g = torch.Generator().manual_seed(6)
-    xs = [(torch.randn(s, generator=g) * 3).to(torch.bfloat16) for s in ((64, 96), (32, 96))]
-    xs[1].view(-1)[::29] *= 40
-    ops_seen = []
-
-    def backend(gm, example_inputs):
-        ops_seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    def fn(a, b):
-        return [t for trip in quantize_t_many([a, b], "e5m2", [None, None], "triton") for t in trip]
-
-    got = torch.compile(fn, backend=backend, fullgraph=True)(*xs)
-    assert any("fp8_activations.quantize_t_many" in op for op in ops_seen), ops_seen
-    assert not any("fp8_activations.quantize_t." in op for op in ops_seen), ops_seen
-    for i, x in enumerate(xs):
-        want = quantize_t(x, "e5m2", None, "triton")
-        for a, b in zip(got[3 * i : 3 * i + 3], want, strict=True):
-            assert a.dtype == b.dtype and a.shape == b.shape
-            assert a.view(torch.uint8 if a.element_size() == 1 else a.dtype).equal(
-                b.view(torch.uint8 if b.element_size() == 1 else b.dtype)
-            )

@@ -77,27 +77,22 @@ def quantize_t_many(
     xs: list[Tensor], fmt: str, amaxes: list[Tensor | None], backend: str
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """``[quantize_t(x, fmt, amax, backend) for x, amax in zip(xs, amaxes)]``, the same bits,
-    in two launches where Triton runs on contiguous 2-D ``xs`` of at least 2 x 2: one for
-    the maxima not given (``tensor_amax_multi``) and one for every ``(q, q_t)``
+    in two launches where Triton runs eagerly on contiguous 2-D ``xs`` of at least 2 x 2:
+    one for the maxima not given (``tensor_amax_multi``) and one for every ``(q, q_t)``
     (``quantize_per_tensor_multi``), instead of up to two per tensor (host time: a layer's
-    backward quantizes the gradients of q, k and v, and of gate and up, back to back).
-    Traced (``torch.compile``), where no maxima are handed over, both launches run inside one
-    operator (``_quantize_t_many``)."""
+    backward quantizes the gradients of q, k and v, and of gate and up, back to back)."""
     if len(xs) < 2:
         return [quantize_t(x, fmt, a, backend) for x, a in zip(xs, amaxes, strict=True)]
     x0 = xs[0]
-    if not use_triton(x0, backend) or not all(
-        x.dim() == 2 and min(x.shape) > 1 and x.is_contiguous() and x.device == x0.device
-        for x in xs
+    if (
+        torch.compiler.is_compiling()
+        or not use_triton(x0, backend)
+        or not all(
+            x.dim() == 2 and min(x.shape) > 1 and x.is_contiguous() and x.device == x0.device
+            for x in xs
+        )
     ):
         return [quantize_t(x, fmt, a, backend) for x, a in zip(xs, amaxes, strict=True)]
-    if torch.compiler.is_compiling():
-        # Traced, no maxima are handed over: both launches inside one operator (per tensor
-        # it would be two launches each, 6 for a layer's q, k, v gradients instead of 2).
-        if any(a is not None for a in amaxes):
-            return [quantize_t(x, fmt, a, backend) for x, a in zip(xs, amaxes, strict=True)]
-        out, n = _quantize_t_many(xs, fmt), len(xs)
-        return [(out[i], out[n + i], out[2 * n + i]) for i in range(n)]
     missing = [i for i, a in enumerate(amaxes) if a is None]
     amaxes = list(amaxes)
     if missing:
@@ -110,24 +105,6 @@ def quantize_t_many(
         for a in amaxes
     ]  # fmt: skip
     return fp8_ops.quantize_per_tensor_multi(xs, FP8Format(fmt), amaxes, True, True)
-
-
-@custom_op("quantize_t_many")
-def _quantize_t_many(xs: list[Tensor], fmt: str, *, eager: bool = False) -> list[Tensor]:
-    """``quantize_t_many``'s two launches (every max, then every ``(q, q_t)``) as one
-    operator for traced code: ``[q of each x..., q_t of each x..., scale of each x...]``.
-    ``xs``: contiguous 2-D tensors of at least 2 x 2 on one device."""
-    amaxes = fp8_ops.tensor_amax_multi(xs)
-    casts = fp8_ops.quantize_per_tensor_multi(xs, FP8Format(fmt), amaxes, True, True)
-    return [c[0] for c in casts] + [c[1] for c in casts] + [c[2] for c in casts]
-
-
-@_quantize_t_many.register_fake
-def _(xs, fmt, *, eager=False):
-    dtype = FP8Format.parse(fmt).torch_dtype
-    return [x.new_empty(x.shape, dtype=dtype) for x in xs] + \
-        [x.new_empty((x.shape[1], x.shape[0]), dtype=dtype) for x in xs] + \
-        [x.new_empty((), dtype=torch.float32) for x in xs]  # fmt: skip
 
 
 def grad_amax(dy: Tensor) -> Tensor | None:
