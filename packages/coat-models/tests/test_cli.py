@@ -273,8 +273,9 @@ def python_sigint():
 @pytest.mark.usefixtures("python_sigint")
 def test_a_signal_python_drops_still_stops_the_run(tmp_path, capsys, monkeypatch):
     """Ctrl-C whose KeyboardInterrupt lands in a ``__del__`` (the memory tracker's records),
-    where Python prints and drops it: the run still stops as interrupted (exit 130) at the
-    end of that step, the steps done logged, instead of training to the end and exiting 0."""
+    where Python prints and drops it: the run still stops as interrupted (exit 130) after
+    the micro-batch it landed in (that step is not applied), the steps done logged, instead of
+    training to the end and exiting 0."""
     import signal
 
     orig = Trainer.queue_step
@@ -291,7 +292,7 @@ def test_a_signal_python_drops_still_stops_the_run(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(Trainer, "queue_step", queue_step)
     code, _, err = run(["--steps", "8", "--log-every", "10", *FAST, "--out", tmp_path], capsys)
     assert code == 130 and "interrupted; completed checkpoints" in err
-    assert [r["step"] for r in read_jsonl(tmp_path / "bf16" / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_jsonl(tmp_path / "bf16" / "metrics.jsonl")] == [1, 2, 3]
 
 
 @pytest.mark.usefixtures("python_sigint")
@@ -345,6 +346,36 @@ def test_a_signal_ignored_at_start_stays_ignored():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.usefixtures("python_sigint")
+def test_a_dropped_signal_stops_the_run_after_the_micro_batch(tmp_path, capsys, monkeypatch):
+    """Ctrl-C that lands where Python drops it (a ``__del__``: the memory tracker's records)
+    is recorded and raised after the micro-batch it landed in, not only after the step: with
+    a large --grad-accum a step is long, and the run looked deaf to Ctrl-C (exit 130, no
+    further micro-batch)."""
+    import signal
+
+    from coat_models.train import trainer
+
+    calls = []
+    real_pinned = trainer.pinned
+
+    class DropsIt:
+        def __del__(self):
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+
+    def pinned(t, device):
+        calls.append(1)
+        if len(calls) == 1:
+            DropsIt()  # the interrupt is raised inside __del__ and dropped there
+        return real_pinned(t, device)
+
+    monkeypatch.setattr(trainer, "pinned", pinned)
+    argv = ["--steps", "2", "--grad-accum", "50", *FAST, "--out", tmp_path]
+    code, _, err = run(argv, capsys)
+    assert code == 130 and "interrupted" in err
+    assert 0 < len(calls) <= 4  # the first micro-batch's tensors (inputs, labels), no more
 
 
 @pytest.mark.usefixtures("python_sigint")

@@ -4,9 +4,10 @@ Python raises a signal's exception wherever the main thread happens to be. Where
 ``__del__`` (the memory tracker's saved-tensor records) Python drops it (here without the
 "Exception ignored" traceback it would print: the signal is recorded); inside
 ``torch.save`` its writer turns it into a ``RuntimeError``. So the handlers here also record
-the signal, and the training loop calls ``raise_pending`` after every step (and the CLI before
-it reports another error): a dropped or disguised interrupt still stops the run, as an
-interrupt, at the next step at the latest.
+the signal, and the training loop calls ``raise_pending`` after every micro-batch and step
+(and the CLI before it reports another error): a dropped or disguised interrupt still stops
+the run, as an interrupt, at the next micro-batch at the latest. (A signal cannot stop one
+long native operation: Python runs its handlers between bytecodes.)
 """
 
 from __future__ import annotations

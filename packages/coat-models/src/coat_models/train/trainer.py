@@ -543,6 +543,9 @@ class Trainer:
                     loss = self.model(**batch, **no_cache).loss
                 (loss / accum).backward()
             loss_sum += loss.detach().float()
+            # A Ctrl-C that landed where Python drops it stops the run after this
+            # micro-batch, not after the step (which a large --grad-accum makes long).
+            interrupt.raise_pending()
         return loss_sum / accum
 
     def _clip_gradients(self) -> tuple[torch.Tensor, torch.Tensor | None]:
