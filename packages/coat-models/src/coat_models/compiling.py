@@ -40,20 +40,10 @@ COMPILED = "_coat_compiled"  # on each layer compile_layers compiled: True
 
 # Inductor keeps fused bf16 intermediates in fp32 unless told to round them as eager does:
 # told, the compiled layer's element-wise glue (casts, the residual gradients' sums) writes
-# eager's bits. COAT's own Triton kernels (user-defined ones to Inductor) are launched by
-# Inductor's static launcher, as its generated kernels are, instead of through Triton's Python
-# launcher: the same kernels, a compiled 125m step 63.3 -> 41.4 ms on one H200's host (its
-# ~780 launches; torch 2.11, BENCHMARKS.md).
+# eager's bits. (Inductor's static launcher for COAT's own kernels,
+# ``static_launch_user_defined_triton_kernels``, gives coat-train's compiled 125m step no
+# measurable speed: BENCHMARKS.md.)
 _INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
-_STATIC_LAUNCH = "static_launch_user_defined_triton_kernels"  # torch's option (2.11-2.13)
-
-
-def _inductor_options() -> dict:
-    """``_INDUCTOR_OPTIONS``, plus the static launch where this torch has the option."""
-    import torch._inductor.config as inductor_config
-
-    static = {_STATIC_LAUNCH: True} if hasattr(inductor_config, _STATIC_LAUNCH) else {}
-    return {**_INDUCTOR_OPTIONS, **static}
 
 
 def text_decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -101,7 +91,7 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
         raise ValueError("compile_layers: the model's layers are compiled already")
     kwargs = {"fullgraph": True, "dynamic": False, **compile_kwargs}
     if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
-        kwargs["options"] = {**_inductor_options(), **(kwargs.get("options") or {})}
+        kwargs["options"] = {**_INDUCTOR_OPTIONS, **(kwargs.get("options") or {})}
     for layer in layers:
         layer.forward = CompiledForward(layer, kwargs, vars(layer).get("forward"))
         setattr(layer, COMPILED, True)
