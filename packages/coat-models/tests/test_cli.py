@@ -330,6 +330,80 @@ def test_a_signal_python_drops_prints_no_traceback(monkeypatch):
     assert reported == [ValueError, KeyboardInterrupt]
 
 
+_STUCK = """
+import sys, time, torch
+from coat_models.train import interrupt
+torch.set_num_threads(1)
+a = torch.randn(6000, 6000, dtype=torch.float64)
+with interrupt.handled("test: {signal} twice"):
+    if sys.argv[1] == "native":
+        print("ready", flush=True)
+        a @ a  # one native operation of seconds: no bytecode in between
+        print("finished", flush=True)
+    else:  # Python reaches the handler: the usual KeyboardInterrupt, twice
+        for i in range(2):
+            try:
+                print("ready", flush=True)
+                time.sleep(30)
+            except KeyboardInterrupt:
+                print("interrupt", i, flush=True)
+        time.sleep(2)  # past the watchdog's grace
+print("orderly", flush=True)
+"""
+
+
+def _signalled_twice(mode: str, sig) -> tuple:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STUCK, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout.readline() == "ready\n"
+        time.sleep(0.3)
+        child.send_signal(sig)
+        if mode == "python":
+            assert child.stdout.readline() == "interrupt 0\n"
+            assert child.stdout.readline() == "ready\n"
+        time.sleep(0.3)
+        child.send_signal(sig)
+        out, err = child.communicate(timeout=20)
+    finally:
+        if child.poll() is None:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+    return child.returncode, out, err
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_second_signal_stops_a_run_stuck_in_one_native_operation(name):
+    """Python runs a signal's handler between bytecodes only: inside one long torch operation
+    Ctrl-C waited for it to end (a helper's CLI probe: minutes). A second signal, when
+    Python has not handled the first within a second, ends the process at once with the
+    signal's exit status and a line saying so (fails before: the matmul ran on)."""
+    import signal
+
+    sig = getattr(signal, name)
+    code, out, err = _signalled_twice("native", sig)
+    assert code == 128 + sig, (out, err)
+    assert "finished" not in out
+    assert err.strip().splitlines()[-1] == f"test: {name} twice"
+
+
+def test_a_second_signal_that_python_handles_is_left_to_python():
+    """Where Python ran the first signal's handler (the usual case), a second signal is an
+    ordinary KeyboardInterrupt again: the watchdog stays out of the orderly stop."""
+    import signal
+
+    code, out, err = _signalled_twice("python", signal.SIGINT)
+    assert (code, out.splitlines()[-2:]) == (0, ["interrupt 1", "orderly"]), err
+    assert "twice" not in err
+
+
 def test_a_signal_ignored_at_start_stays_ignored():
     """Started with SIGINT ignored (nohup, a shell's background job), the run does not take
     Ctrl-C meant for the terminal's foreground job: the handler is left as it was; SIGTERM

@@ -759,7 +759,11 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
-    with interrupt.handled():
+    forced = (
+        f"{PROG}: {{signal}} twice while busy in one operation: stopped at once; completed "
+        f"checkpoints (if any) are under {args.out}"
+    )
+    with interrupt.handled(forced):
         return _run_reporting(args, own_group, hf_bars)
 
 

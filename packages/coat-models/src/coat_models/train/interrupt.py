@@ -6,15 +6,23 @@ Python raises a signal's exception wherever the main thread happens to be. Where
 ``torch.save`` its writer turns it into a ``RuntimeError``. So the handlers here also record
 the signal, and the training loop calls ``raise_pending`` after every micro-batch and step
 (and the CLI before it reports another error): a dropped or disguised interrupt still stops
-the run, as an interrupt, at the next micro-batch at the latest. (A signal cannot stop one
-long native operation: Python runs its handlers between bytecodes.)
+the run, as an interrupt, at the next micro-batch at the latest.
+
+Python runs its handlers between bytecodes, so a signal cannot stop one long native operation
+(a CPU attention over a 100k-token sequence ran on for minutes). A second signal can: the
+signals also reach a watchdog thread (``signal.set_wakeup_fd``, written by the C-level
+handler at once), which ends the process when a second SIGINT or SIGTERM arrives and Python
+has not run the handler of the first within a second. The checkpoints completed before stay.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
+import threading
+import time
 
 _PENDING: list[type[KeyboardInterrupt]] = []  # the signals received inside ``handled()``
 
@@ -31,11 +39,14 @@ def _handler(signum, frame):
 
 
 @contextlib.contextmanager
-def handled():
+def handled(forced_note: str = "{signal} twice: stopped at once"):
     """SIGINT and SIGTERM raise ``KeyboardInterrupt`` / ``Terminated`` and are recorded, for
     the duration (the previous handlers back afterwards; off the main thread, where Python
     sets no handlers, nothing changes). A signal the process was started ignoring stays
-    ignored (``nohup``, a shell's background job: Ctrl-C in the terminal is not for it)."""
+    ignored (``nohup``, a shell's background job: Ctrl-C in the terminal is not for it).
+    A second signal while Python has not run the first's handler ends the process at once
+    (``_Watchdog``: exit status 128 + the signal's number; ``forced_note`` on stderr, its
+    ``{signal}`` replaced by the signal's name)."""
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(sig) is signal.SIG_IGN:
@@ -45,13 +56,71 @@ def handled():
     _PENDING.clear()
     unraisable = sys.unraisablehook
     sys.unraisablehook = _quiet_if_recorded(unraisable)
+    watchdog = _Watchdog.start(set(previous), forced_note) if previous else None
     try:
         yield
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         sys.unraisablehook = unraisable
         for sig, old in previous.items():
             signal.signal(sig, old)
         _PENDING.clear()
+
+
+class _Watchdog:
+    """Reads the numbers of the signals received (``signal.set_wakeup_fd``'s pipe) in a
+    thread of its own, which runs while the main thread is inside a native operation that
+    released the GIL (torch's operators do). The second of ``signals`` ends the process when
+    the first's Python handler has not run ``GRACE_S`` later: the main thread is stuck."""
+
+    GRACE_S = 1.0
+
+    def __init__(self, read_fd: int, write_fd: int, old_fd: int, signals: set, note: str):
+        self.read_fd, self.write_fd, self.old_fd = read_fd, write_fd, old_fd
+        self.signals, self.note = {int(s) for s in signals}, note
+        self.thread = threading.Thread(target=self._watch, name="coat-interrupt", daemon=True)
+
+    @classmethod
+    def start(cls, signals: set, note: str) -> _Watchdog | None:
+        read_fd, write_fd = os.pipe()
+        try:
+            os.set_blocking(write_fd, False)  # the C handler must never block on it
+            old_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except (ValueError, OSError):  # off the main thread, or a platform without it
+            os.close(read_fd)
+            os.close(write_fd)
+            return None
+        watchdog = cls(read_fd, write_fd, old_fd, signals, note)
+        watchdog.thread.start()
+        return watchdog
+
+    def _watch(self) -> None:
+        received = 0
+        while True:
+            try:
+                data = os.read(self.read_fd, 64)
+            except OSError:
+                return
+            if not data:  # stop() closed the write end
+                return
+            for signum in data:
+                if signum not in self.signals:
+                    continue
+                received += 1
+                if received >= 2:
+                    time.sleep(self.GRACE_S)
+                    if not _PENDING:  # the main thread has not reached a bytecode since
+                        name = signal.Signals(signum).name
+                        os.write(2, f"\n{self.note.replace('{signal}', name)}\n".encode())
+                        os._exit(128 + signum)
+
+    def stop(self) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            signal.set_wakeup_fd(self.old_fd)
+        os.close(self.write_fd)
+        self.thread.join(timeout=5)
+        os.close(self.read_fd)
 
 
 def _quiet_if_recorded(hook):
