@@ -715,9 +715,11 @@ BAD_INPUTS = [
         "the validation split has 250 tokens, fewer than --seq-len 300: use a longer --data "
         "file, or a larger --val-fraction, or a shorter --seq-len",
     ),
-    (["--resume", "{tmp}/nope"], "no such checkpoint directory"),
+    (["--resume", "{tmp}/nope"], "no such checkpoint directory (checkpoints are <out>/<mode>/"),
     (["--data", "{tmp}"], "is a directory: pass a file"),  # said "no such file"
     (["--resume", "{no_manifest}"], "no_manifest has no manifest.json: it is not a complete"),
+    # a checkpoint named that is none or corrupt: no way on was named
+    (["--resume", "{no_manifest}"], "is read; pass another checkpoint to --resume, plain --res"),
     (["--resume", "{bad_manifest}"], "manifest.json is not valid JSON"),
     (["--model-dir", "{bad_weights}", *SMALL], "model.safetensors is not a readable safetensors"),
     (["--model-dir", "{bad_tokenizer}", *SMALL], "cannot read its tokenizer"),
@@ -735,6 +737,10 @@ BAD_INPUTS = [
     (["--mode", "coat", "--cuda-graphs", "--device", "cpu"], "needs a CUDA device"),
     (["--mode", "coat", "--no-reshard-after-forward"], "is FSDP2's (sharded weights gathered"),
     (["--mode", "coat", "--compile", "--cuda-graphs"], "both take over the decoder layers"),
+    # bf16 alone: it said to add a mode with FP8 activations, then refused the pair
+    (["--compile", "--cuda-graphs"], "--compile and --cuda-graphs both take over the decoder"),
+    # it said "no such file"
+    (["--data", "/dev/null"], "--data /dev/null is not a regular file: pass a file"),
     # a window of one token predicts nothing: was a NaN loss blamed on --lr (exit 1)
     (["--seq-len", "1", *SMALL], "argument --seq-len: must be an integer >= 2 (a causal LM"),
     # an empty --compare ran bf16 alone; "," named a blank mode

@@ -253,6 +253,13 @@ def test_corrupt_newest_checkpoint_is_named_not_skipped(runs, tmp_path, name, co
     assert f"--resume {ckpts / 'step_0000002'}" in err, err
     assert (out / "bf16" / "metrics.jsonl").read_bytes() == metrics
     assert names(ckpts) == ["step_0000002", "step_0000004"]
+    # named with --resume DIR: the same refusal, and the ways on (it named none)
+    code, _, err = train([*ARGS, "--resume", ckpts / "step_0000004", "--out", out])
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert (
+        f"; pass another checkpoint to --resume, plain --resume for the newest under {ckpts}" in err
+    )
+    assert (out / "bf16" / "metrics.jsonl").read_bytes() == metrics
     if name == "flipped":  # the way it names works, and ends where the uninterrupted run does
         resume_2 = ["--resume", ckpts / "step_0000002"]
         code, _, err = train([*ARGS, "--keep-checkpoints", "1", *resume_2, "--out", out])

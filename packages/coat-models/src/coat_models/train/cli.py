@@ -44,6 +44,7 @@ from .outdir import (
     process_rank,
     resume_point,
     say,
+    unusable_given,
     unusable_newest,
 )
 from .presets import (
@@ -465,6 +466,10 @@ def _cache_note(cfgs: list[TrainConfig], strategy: str | None) -> str:
 
 
 def _check_cuda_graphs(args, modes, device, strategy) -> None:
+    if args.compile:  # the first conflict to name, whatever the modes
+        raise UsageError(
+            "--compile and --cuda-graphs both take over the decoder layers: choose one"
+        )
     if not any(MODES[m][0] for m in modes):
         raise UsageError(
             "--cuda-graphs records COAT's FP8 decoder layers: add a mode with FP8 "
@@ -701,6 +706,8 @@ def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, 
     except CheckpointError as e:
         if args.resume == "latest" and resume is not None:
             raise unusable_newest(e, resume) from None
+        if resume is not None:  # --resume DIR
+            raise unusable_given(e, Path(args.out), cfg.mode) from None
         raise
     except (RuntimeError, torch.OutOfMemoryError) as e:
         if not is_oom(e):

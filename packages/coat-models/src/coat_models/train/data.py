@@ -192,8 +192,10 @@ def load_data(
     path = Path(path)
     if path.is_dir():
         raise DataError(f"--data {path} is a directory: pass a file (.txt, .npy or .bin)")
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"--data {path}: no such file")
+    if not path.is_file():  # /dev/null, a pipe, a socket: nothing to split and sample from
+        raise DataError(f"--data {path} is not a regular file: pass a file (.txt, .npy or .bin)")
     if not 0 < val_fraction < 1:
         raise DataError(f"--val-fraction must be in (0, 1), got {val_fraction}")
     if token_file_suffix(path):

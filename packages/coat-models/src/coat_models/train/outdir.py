@@ -172,7 +172,10 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
             )
         path = Path(args.resume)
         if not path.is_dir():
-            raise UsageError(f"--resume {path}: no such checkpoint directory")
+            raise UsageError(
+                f"--resume {path}: no such checkpoint directory (checkpoints are "
+                f"<out>/<mode>/checkpoints/step_N; plain --resume takes the newest under --out)"
+            )
         # A folder above the checkpoints (--out, a mode's, checkpoints/): name those in it,
         # and the --out under which plain --resume finds the newest.
         folders = {  # checkpoints folder -> the --out it is in
@@ -194,7 +197,18 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
                 f"--model-dir {path} (a new optimizer and LR schedule), or resume from a "
                 "checkpoint of its run (written with --save-every)"
             )
-        checkpoint.read_manifest(path)
+        try:
+            checkpoint.read_manifest(path)
+        except CheckpointError as e:
+            raise unusable_given(e, out, modes[0]) from None
+
+
+def unusable_given(e: CheckpointError, out: Path, mode: str) -> CheckpointError:
+    """A checkpoint named by ``--resume DIR`` that failed its checks, with what to do."""
+    return CheckpointError(
+        f"{e}; pass another checkpoint to --resume, plain --resume for the newest under "
+        f"{out / mode / 'checkpoints'}, or no --resume to start from step 0"
+    )
 
 
 def resume_point(args, mode_dir: Path) -> Path | None:
