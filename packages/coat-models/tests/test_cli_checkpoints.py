@@ -403,6 +403,22 @@ def test_resume_of_a_folder_of_another_out_names_that_out(runs, tmp_path, above)
     assert not (tmp_path / "new").exists()
 
 
+def test_resume_with_modes_the_out_has_no_checkpoint_of_names_those_it_has(runs, tmp_path):
+    """Plain --resume of another mode than the run in --out trained: refused, naming the
+    modes to continue (it trained coat from step 0 and replaced the report in --out with
+    coat's alone); nothing changed. A --compare that stopped before any checkpoint still
+    starts from step 0 (no mode has one)."""
+    out, ckpts = copy_base(runs, tmp_path)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    code, _, err = train([*ARGS, "--mode", "coat", "--resume", "--out", out])
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--resume: {out} holds checkpoints of bf16, none of coat: continue that run " in err
+    assert "with --mode bf16, or train coat from step 0 without --resume" in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    code, _, err = train([*ARGS, "--compare", "bf16,coat", "--resume", "--out", tmp_path / "new"])
+    assert code == 0 and "no checkpoint in" in err, err
+
+
 # --------------------------------------------------------------------------- metrics
 def test_torn_last_metrics_line_is_trimmed(runs, tmp_path):
     """A kill while a metrics line was being written leaves half a line: --resume drops it."""

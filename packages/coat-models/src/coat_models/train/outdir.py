@@ -164,7 +164,9 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
         for mode in modes:
             if checkpoint.has_checkpoints(out / mode / "checkpoints"):
                 raise _earlier_run(out / mode)
-    elif args.resume != "latest":
+    elif args.resume == "latest":
+        _check_resumable(out, modes)
+    else:
         if len(modes) != 1:
             raise UsageError(
                 "--resume CHECKPOINT needs a single --mode; with --compare use "
@@ -201,6 +203,27 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
             checkpoint.read_manifest(path)
         except CheckpointError as e:
             raise unusable_given(e, out, modes[0]) from None
+
+
+def _check_resumable(out: Path, modes: list[str]) -> None:
+    """Plain ``--resume`` where no mode of this run has a checkpoint but others in ``--out``
+    do: the run there trained other modes (these would start from step 0, and the report
+    in ``--out`` would describe them alone), so name the modes to continue."""
+    if not out.is_dir() or any(checkpoint.has_checkpoints(out / m / "checkpoints") for m in modes):
+        return
+    others = sorted(
+        p.name
+        for p in out.iterdir()
+        if p.is_dir() and checkpoint.has_checkpoints(p / "checkpoints")
+    )
+    if others:
+        asked = ",".join(modes)
+        flag = f"--mode {others[0]}" if len(others) == 1 else f"--compare {','.join(others)}"
+        raise UsageError(
+            f"--resume: {out} holds checkpoints of {', '.join(others)}, none of {asked}: "
+            f"continue that run with {flag}, or train {asked} from step 0 without --resume "
+            "(or into another --out)"
+        )
 
 
 def unusable_given(e: CheckpointError, out: Path, mode: str) -> CheckpointError:
