@@ -127,6 +127,32 @@ def test_compile_trains_the_modes_with_compiled_layers(tmp_path, capsys, monkeyp
     torch._dynamo.reset()
 
 
+def test_activation_checkpointing_prints_no_cache_notices(tmp_path):
+    """transformers' notices that checkpointed layers drop use_cache and the cache are
+    expected (the training forward passes a cache that keeps nothing): coat-train's stderr
+    had two such lines with --activation-checkpointing. They go, other messages stay."""
+    import logging
+    import subprocess
+    import sys
+
+    from coat_models.train.trainer import _ExpectedCacheNotices
+
+    argv = ["--mode", "coat", "--activation-checkpointing", "--steps", "2", *FAST]
+    cmd = [sys.executable, "-m", "coat_models.train.cli", *argv, "--out", str(tmp_path / "o")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "incompatible with gradient checkpointing" not in done.stderr, done.stderr
+
+    def kept(message):
+        record = logging.LogRecord("transformers", logging.WARNING, "", 0, message, None, None)
+        return _ExpectedCacheNotices().filter(record)
+
+    assert not kept(
+        "Caching is incompatible with gradient checkpointing in X. Setting `cache=None`."
+    )
+    assert kept("Some weights of the model checkpoint were not used")
+
+
 @pytest.mark.slow
 def test_compile_with_activation_checkpointing_keeps_eager_bits(tmp_path, capsys, monkeypatch):
     """--compile --activation-checkpointing (refused before): transformers' checkpointing

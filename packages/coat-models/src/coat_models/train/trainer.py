@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import gc
 import inspect
+import logging
 import math
 import os
 import pickle
@@ -307,6 +308,29 @@ def loss_error(mode: str, lr: float, rec: dict, read_at: int) -> TrainError:
     )
 
 
+class _ExpectedCacheNotices(logging.Filter):
+    """Drops transformers' notices that checkpointed layers run without ``use_cache`` and
+    without the cache: a training forward of ``Trainer`` passes ``NoKVCache`` (it keeps
+    nothing; the model's mask still reads it) and wants no cache, so both are expected."""
+
+    NOTICES = (
+        "`use_cache=True` is incompatible with gradient checkpointing",
+        "Caching is incompatible with gradient checkpointing",
+    )
+    LOGGERS = ("transformers.utils.generic", "transformers.modeling_layers")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.NOTICES)
+
+
+def _quiet_expected_cache_notices() -> None:
+    """Install ``_ExpectedCacheNotices`` on the loggers that write them (once)."""
+    for name in _ExpectedCacheNotices.LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ExpectedCacheNotices) for f in logger.filters):
+            logger.addFilter(_ExpectedCacheNotices())
+
+
 class NoKVCache(DynamicCache):
     """A KV cache that keeps nothing, passed to every training forward: transformers would
     otherwise fill one (host time per layer) or, with ``use_cache=False``, read
@@ -453,6 +477,8 @@ class Trainer:
         self.describe = describe or {}
         self.strategy = strategy
         self.activation_checkpointing = activation_checkpointing
+        if activation_checkpointing:
+            _quiet_expected_cache_notices()
         self.world = dist.get_world_size() if strategy else 1
         self.rank = dist.get_rank() if strategy else 0
         # How this run is spread over processes (``None``: one process).
