@@ -10,6 +10,7 @@ that can be made up front runs before anything is written; bad input is one line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import gc
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointError
+from ..checkpoint import CheckpointError, has_checkpoints
 from ..distributed import grad_copy_in_choice, run_on_rank0
 from . import interrupt
 from .args import PROG, OneLineParser, RankUsageError, UsageError, float_in, int_in
@@ -751,6 +752,20 @@ def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, 
     return summary
 
 
+def _way_on(args) -> str:
+    """After an interrupt: where the completed checkpoints are and how to continue from
+    them, or that there are none."""
+    out = Path(args.out)
+    with contextlib.suppress(OSError):
+        if any(has_checkpoints(d) for d in out.glob("*/checkpoints")):
+            return (
+                f"completed checkpoints are under {out}: run the same command with --resume "
+                "to continue from the newest"
+            )
+    why = "" if args.save_every else " (--save-every N writes them)"
+    return f"no checkpoint was written to {out}{why}"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -811,11 +826,8 @@ def _run_reporting(args, own_group: bool, hf_bars) -> int:
         print(f"{PROG}: error: {where}{e.strerror or e}{hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
-        say(
-            f"\n{PROG}: {'terminated' if isinstance(e, interrupt.Terminated) else 'interrupted'}; "
-            f"completed checkpoints (if any) are under {args.out}",
-            file=sys.stderr,
-        )
+        what = "terminated" if isinstance(e, interrupt.Terminated) else "interrupted"
+        say(f"\n{PROG}: {what}; {_way_on(args)}", file=sys.stderr)
         return 128 + (signal.SIGTERM if isinstance(e, interrupt.Terminated) else signal.SIGINT)
     finally:
         if hf_bars:
