@@ -364,48 +364,64 @@ def test_a_signal_python_drops_prints_no_traceback(monkeypatch):
     assert reported == [ValueError, KeyboardInterrupt]
 
 
-_STUCK = """
+_SIGNALLED = """
 import sys, time, torch
 from coat_models.train import interrupt
 torch.set_num_threads(1)
 a = torch.randn(6000, 6000, dtype=torch.float64)
-with interrupt.handled("test: {signal} twice"):
+
+
+def caught(seconds):  # Python answers every signal for that long; how many it caught
+    n, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            time.sleep(0.01)
+        except KeyboardInterrupt:
+            n += 1
+    return n
+
+
+with interrupt.handled("test: a second signal ({signal})"):
+    print("ready", flush=True)
     if sys.argv[1] == "native":
-        print("ready", flush=True)
         a @ a  # one native operation of seconds: no bytecode in between
         print("finished", flush=True)
-    else:  # Python reaches the handler: the usual KeyboardInterrupt, twice
-        for i in range(2):
-            try:
-                print("ready", flush=True)
-                time.sleep(30)
-            except KeyboardInterrupt:
-                print("interrupt", i, flush=True)
-        time.sleep(2)  # past the watchdog's grace
+    elif sys.argv[1] == "answered-then-native":  # the first one Python answers
+        while not caught(0.1):
+            pass
+        print("answered", flush=True)
+        a @ a
+        print("finished", flush=True)
+    else:  # "mashed": many, all answered; then a later stretch in a new handled()
+        print("caught", caught(3), flush=True)
+if sys.argv[1] == "mashed":
+    with interrupt.handled():
+        time.sleep(2 * interrupt._Watchdog.GRACE_S)
 print("orderly", flush=True)
 """
 
 
-def _signalled_twice(mode: str, sig) -> tuple:
+def _signalled(mode: str, sig, count=2, gap=0.3) -> tuple:
+    """``_SIGNALLED``'s ``mode`` in a child process sent ``count`` signals ``gap`` s apart
+    once ready (after one answered one for "answered-then-native"): (status, out, err)."""
     import signal
     import subprocess
     import sys
     import time
 
     child = subprocess.Popen(
-        [sys.executable, "-c", _STUCK, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, "-c", _SIGNALLED, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True,
     )  # fmt: skip
     try:
         assert child.stdout.readline() == "ready\n"
-        time.sleep(0.3)
-        child.send_signal(sig)
-        if mode == "python":
-            assert child.stdout.readline() == "interrupt 0\n"
-            assert child.stdout.readline() == "ready\n"
-        time.sleep(0.3)
-        child.send_signal(sig)
-        out, err = child.communicate(timeout=20)
+        if mode == "answered-then-native":
+            child.send_signal(sig)
+            assert child.stdout.readline() == "answered\n"
+        for _ in range(count):
+            time.sleep(gap)
+            child.send_signal(sig)
+        out, err = child.communicate(timeout=30)
     finally:
         if child.poll() is None:
             child.send_signal(signal.SIGKILL)
@@ -413,29 +429,60 @@ def _signalled_twice(mode: str, sig) -> tuple:
     return child.returncode, out, err
 
 
-@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
-def test_a_second_signal_stops_a_run_stuck_in_one_native_operation(name):
+@pytest.mark.parametrize(
+    "name,mode",
+    [("SIGINT", "native"), ("SIGTERM", "native"), ("SIGINT", "answered-then-native")],
+)
+def test_a_second_signal_stops_a_run_stuck_in_one_native_operation(name, mode):
     """Python runs a signal's handler between bytecodes only: inside one long torch operation
-    Ctrl-C waited for it to end (a helper's CLI probe: minutes). A second signal, when
-    Python has not handled the first within a second, ends the process at once with the
-    signal's exit status and a line saying so (fails before: the matmul ran on)."""
+    Ctrl-C waited for it to end (a helper's CLI probe: minutes). Two signals Python has not
+    answered within a second end the process at once with the signal's exit status and a
+    line saying so (fails before: the matmul ran on), also after an earlier signal that
+    Python did answer (a review: the watchdog then never fired)."""
     import signal
 
     sig = getattr(signal, name)
-    code, out, err = _signalled_twice("native", sig)
+    code, out, err = _signalled(mode, sig)
     assert code == 128 + sig, (out, err)
     assert "finished" not in out
-    assert err.strip().splitlines()[-1] == f"test: {name} twice"
+    assert err.strip().splitlines()[-1] == f"test: a second signal ({name})"
 
 
-def test_a_second_signal_that_python_handles_is_left_to_python():
-    """Where Python ran the first signal's handler (the usual case), a second signal is an
-    ordinary KeyboardInterrupt again: the watchdog stays out of the orderly stop."""
+def test_signals_that_python_answers_are_left_to_python():
+    """Ctrl-C pressed many times while Python answers each (the usual case): every one is an
+    ordinary KeyboardInterrupt, the watchdog ends nothing, and it is gone once its
+    ``handled()`` ends (a review: a watchdog left behind killed a later stretch)."""
     import signal
 
-    code, out, err = _signalled_twice("python", signal.SIGINT)
-    assert (code, out.splitlines()[-2:]) == (0, ["interrupt 1", "orderly"]), err
-    assert "twice" not in err
+    code, out, err = _signalled("mashed", signal.SIGINT, count=8, gap=0.02)
+    assert (code, out.splitlines()[-2:]) == (0, ["caught 8", "orderly"]), err
+    assert "second signal" not in err
+
+
+def test_the_earlier_wakeup_fd_comes_back_or_none():
+    """The wakeup fd set before ``handled()`` is set again after it; one closed meanwhile
+    leaves none (it left the watchdog's closed pipe, where later signals' bytes could land
+    in whatever file reused the number)."""
+    import os
+    import signal
+
+    from coat_models.train import interrupt
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    before = signal.set_wakeup_fd(w)
+    try:
+        with interrupt.handled():
+            ours = signal.set_wakeup_fd(-1)
+            signal.set_wakeup_fd(ours)
+            assert ours not in (-1, w)  # the watchdog's pipe
+        assert signal.set_wakeup_fd(w) == w
+        with interrupt.handled():
+            os.close(w)
+        assert signal.set_wakeup_fd(-1) == -1
+    finally:
+        os.close(r)
+        signal.set_wakeup_fd(before)
 
 
 def test_a_signal_ignored_at_start_stays_ignored():
@@ -753,7 +800,7 @@ BAD_INPUTS = [
     (["--data", "{tmp}"], "is a directory: pass a file"),  # said "no such file"
     (["--resume", "{no_manifest}"], "no_manifest has no manifest.json: it is not a complete"),
     # a checkpoint named that is none or corrupt: no way on was named
-    (["--resume", "{no_manifest}"], "is read; pass another checkpoint to --resume, plain --res"),
+    (["--resume", "{no_manifest}"], "and nothing in it is read; pass no --resume to start from"),
     (["--resume", "{bad_manifest}"], "manifest.json is not valid JSON"),
     (["--model-dir", "{bad_weights}", *SMALL], "model.safetensors is not a readable safetensors"),
     (["--model-dir", "{bad_tokenizer}", *SMALL], "cannot read its tokenizer"),

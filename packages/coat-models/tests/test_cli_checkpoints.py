@@ -256,9 +256,17 @@ def test_corrupt_newest_checkpoint_is_named_not_skipped(runs, tmp_path, name, co
     # named with --resume DIR: the same refusal, and the ways on (it named none)
     code, _, err = train([*ARGS, "--resume", ckpts / "step_0000004", "--out", out])
     assert code == 2 and err.count("\n") == 1 and message in err, err
-    assert (
-        f"; pass another checkpoint to --resume, plain --resume for the newest under {ckpts}" in err
-    )
+    # (plain --resume would take the same one, no --resume meets the earlier run's checkpoints)
+    assert err.endswith(
+        f"; pass --resume {ckpts / 'step_0000002'} (the newest readable one beside it), or "
+        "another --out without --resume to start from step 0\n"
+    ), err
+    # into another --out: no plain --resume to offer there (it named one), a fresh start works
+    code, _, err = train([*ARGS, "--resume", ckpts / "step_0000004", "--out", tmp_path / "new"])
+    assert code == 2 and err.endswith(
+        f"; pass --resume {ckpts / 'step_0000002'} (the newest readable one beside it), or no "
+        "--resume to start from step 0\n"
+    ), err
     assert (out / "bf16" / "metrics.jsonl").read_bytes() == metrics
     if name == "flipped":  # the way it names works, and ends where the uninterrupted run does
         resume_2 = ["--resume", ckpts / "step_0000002"]
@@ -412,8 +420,11 @@ def test_resume_with_modes_the_out_has_no_checkpoint_of_names_those_it_has(runs,
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     code, _, err = train([*ARGS, "--mode", "coat", "--resume", "--out", out])
     assert code == 2 and err.count("\n") == 1, err
-    assert f"--resume: {out} holds checkpoints of bf16, none of coat: continue that run " in err
-    assert "with --mode bf16, or train coat from step 0 without --resume" in err
+    assert err.endswith(
+        f"--resume: {out} holds checkpoints of bf16 and none of coat: continue that run with "
+        "--mode bf16 --resume (or --compare bf16,coat --resume if it compared them: coat then "
+        "starts from step 0), or train coat into another --out\n"
+    ), err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     code, _, err = train([*ARGS, "--compare", "bf16,coat", "--resume", "--out", tmp_path / "new"])
     assert code == 0 and "no checkpoint in" in err, err

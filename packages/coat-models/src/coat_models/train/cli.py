@@ -708,7 +708,7 @@ def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, 
         if args.resume == "latest" and resume is not None:
             raise unusable_newest(e, resume) from None
         if resume is not None:  # --resume DIR
-            raise unusable_given(e, Path(args.out), cfg.mode) from None
+            raise unusable_given(e, resume, Path(args.out), cfg.mode) from None
         raise
     except (RuntimeError, torch.OutOfMemoryError) as e:
         if not is_oom(e):
@@ -782,8 +782,8 @@ def main(argv: list[str] | None = None) -> int:
         hf_bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
     forced = (
-        f"{PROG}: {{signal}} twice while busy in one operation: stopped at once; completed "
-        f"checkpoints (if any) are under {args.out}"
+        f"{PROG}: a second interrupt ({{signal}}) while busy in one operation: stopped at "
+        f"once; completed checkpoints (if any) are under {args.out}"
     )
     with interrupt.handled(forced):
         return _run_reporting(args, own_group, hf_bars)

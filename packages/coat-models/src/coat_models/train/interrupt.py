@@ -10,21 +10,24 @@ the run, as an interrupt, at the next micro-batch at the latest.
 
 Python runs its handlers between bytecodes, so a signal cannot stop one long native operation
 (a CPU attention over a 100k-token sequence ran on for minutes). A second signal can: the
-signals also reach a watchdog thread (``signal.set_wakeup_fd``, written by the C-level
-handler at once), which ends the process when a second SIGINT or SIGTERM arrives and Python
-has not run the handler of the first within a second. The checkpoints completed before stay.
+signals also reach a watchdog thread (``signal.set_wakeup_fd``: the C-level handler writes
+each signal's number into a pipe at once, and the Python handler, when it runs, writes a
+0 after them), which ends the process when two SIGINT or SIGTERM are in the pipe with no 0
+after them for a second. The checkpoints completed before stay.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import sys
 import threading
 import time
 
 _PENDING: list[type[KeyboardInterrupt]] = []  # the signals received inside ``handled()``
+_ANSWER_FD = [-1]  # the running watchdog's pipe: the handler writes a 0 there (-1: none)
 
 
 class Terminated(KeyboardInterrupt):
@@ -35,16 +38,19 @@ class Terminated(KeyboardInterrupt):
 def _handler(signum, frame):
     exc = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
     _PENDING.append(exc)
+    if _ANSWER_FD[0] >= 0:  # after the numbers of the signals this run answers
+        with contextlib.suppress(OSError):
+            os.write(_ANSWER_FD[0], b"\0")
     raise exc
 
 
 @contextlib.contextmanager
-def handled(forced_note: str = "{signal} twice: stopped at once"):
+def handled(forced_note: str = "a second signal ({signal}): stopped at once"):
     """SIGINT and SIGTERM raise ``KeyboardInterrupt`` / ``Terminated`` and are recorded, for
     the duration (the previous handlers back afterwards; off the main thread, where Python
     sets no handlers, nothing changes). A signal the process was started ignoring stays
     ignored (``nohup``, a shell's background job: Ctrl-C in the terminal is not for it).
-    A second signal while Python has not run the first's handler ends the process at once
+    Two signals that Python's handler has not answered within a second end the process
     (``_Watchdog``: exit status 128 + the signal's number; ``forced_note`` on stderr, its
     ``{signal}`` replaced by the signal's name)."""
     previous = {}
@@ -60,25 +66,32 @@ def handled(forced_note: str = "{signal} twice: stopped at once"):
     try:
         yield
     finally:
-        if watchdog is not None:
-            watchdog.stop()
-        sys.unraisablehook = unraisable
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-        _PENDING.clear()
+        try:  # (a signal raised in here must not skip the rest)
+            if watchdog is not None:
+                watchdog.stop()
+        finally:
+            sys.unraisablehook = unraisable
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+            _PENDING.clear()
 
 
 class _Watchdog:
-    """Reads the numbers of the signals received (``signal.set_wakeup_fd``'s pipe) in a
-    thread of its own, which runs while the main thread is inside a native operation that
-    released the GIL (torch's operators do). The second of ``signals`` ends the process when
-    the first's Python handler has not run ``GRACE_S`` later: the main thread is stuck."""
+    """Reads the pipe that ``signal.set_wakeup_fd`` writes the received signals' numbers
+    into, in a thread of its own, which runs while the main thread is inside a native
+    operation that released the GIL (torch's operators do). The Python handler writes a 0
+    after them when it runs (one run answers all the deliveries before it, as Python
+    merges them). Two of ``signals`` read with no 0 after them for ``GRACE_S``: the main
+    thread is stuck, and the process ends. After ``stop`` it ends nothing; the thread closes
+    its end of the pipe as it exits."""
 
     GRACE_S = 1.0
 
     def __init__(self, read_fd: int, write_fd: int, old_fd: int, signals: set, note: str):
         self.read_fd, self.write_fd, self.old_fd = read_fd, write_fd, old_fd
         self.signals, self.note = {int(s) for s in signals}, note
+        self.outer_answer_fd = _ANSWER_FD[0]
+        self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="coat-interrupt", daemon=True)
 
     @classmethod
@@ -92,35 +105,49 @@ class _Watchdog:
             os.close(write_fd)
             return None
         watchdog = cls(read_fd, write_fd, old_fd, signals, note)
+        _ANSWER_FD[0] = write_fd
         watchdog.thread.start()
         return watchdog
 
     def _watch(self) -> None:
-        received = 0
-        while True:
-            try:
+        try:
+            unanswered, last, deadline = 0, 0, None
+            while True:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready, _, _ = select.select([self.read_fd], [], [], wait)
+                if self.stopped.is_set():
+                    return
+                if not ready:  # a second with no answer: the main thread is stuck
+                    name = signal.Signals(last).name
+                    os.write(2, f"\n{self.note.replace('{signal}', name)}\n".encode())
+                    os._exit(128 + last)
                 data = os.read(self.read_fd, 64)
-            except OSError:
-                return
-            if not data:  # stop() closed the write end
-                return
-            for signum in data:
-                if signum not in self.signals:
-                    continue
-                received += 1
-                if received >= 2:
-                    time.sleep(self.GRACE_S)
-                    if not _PENDING:  # the main thread has not reached a bytecode since
-                        name = signal.Signals(signum).name
-                        os.write(2, f"\n{self.note.replace('{signal}', name)}\n".encode())
-                        os._exit(128 + signum)
+                if not data:  # stop() closed the write end
+                    return
+                for byte in data:
+                    if byte == 0:  # the handler ran after the signals before it
+                        unanswered = 0
+                    elif byte in self.signals:
+                        unanswered, last = unanswered + 1, byte
+                if unanswered < 2:
+                    deadline = None
+                elif deadline is None:
+                    deadline = time.monotonic() + self.GRACE_S
+        except (OSError, ValueError):
+            return
+        finally:
+            os.close(self.read_fd)
 
     def stop(self) -> None:
-        with contextlib.suppress(ValueError, OSError):
+        self.stopped.set()
+        _ANSWER_FD[0] = self.outer_answer_fd
+        try:
             signal.set_wakeup_fd(self.old_fd)
-        os.close(self.write_fd)
+        except (ValueError, OSError):  # the earlier fd was closed meanwhile: none, not ours
+            with contextlib.suppress(ValueError, OSError):
+                signal.set_wakeup_fd(-1)
+        os.close(self.write_fd)  # the thread reads the end of the pipe and exits
         self.thread.join(timeout=5)
-        os.close(self.read_fd)
 
 
 def _quiet_if_recorded(hook):

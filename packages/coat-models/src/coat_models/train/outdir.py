@@ -26,7 +26,7 @@ from ..checkpoint import CheckpointError
 from ..distributed import run_on_rank0
 from .args import PROG, UsageError
 from .report import ReportError, metrics_until, train_steps
-from .trainer import TrainConfig, check_settings
+from .trainer import MODES, TrainConfig, check_settings
 
 LOCK_FILE = ".lock"  # in --out: held (flock) by the coat-train writing there, with its PID
 # What coat-train writes in --out and in each mode's directory: a fresh run replaces these
@@ -202,36 +202,52 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
         try:
             checkpoint.read_manifest(path)
         except CheckpointError as e:
-            raise unusable_given(e, out, modes[0]) from None
+            raise unusable_given(e, path, out, modes[0]) from None
 
 
 def _check_resumable(out: Path, modes: list[str]) -> None:
-    """Plain ``--resume`` where no mode of this run has a checkpoint but others in ``--out``
-    do: the run there trained other modes (these would start from step 0, and the report
-    in ``--out`` would describe them alone), so name the modes to continue."""
+    """Plain ``--resume`` where no mode of this run has a checkpoint but other modes in
+    ``--out`` do: the run there trained those (these would start from step 0, and the report
+    in ``--out`` would describe them alone), so name the ways to continue it."""
     if not out.is_dir() or any(checkpoint.has_checkpoints(out / m / "checkpoints") for m in modes):
         return
-    others = sorted(
-        p.name
-        for p in out.iterdir()
-        if p.is_dir() and checkpoint.has_checkpoints(p / "checkpoints")
+    others = [m for m in MODES if checkpoint.has_checkpoints(out / m / "checkpoints")]
+    if not others:
+        return
+
+    def flag(names):
+        return f"--mode {names[0]}" if len(names) == 1 else f"--compare {','.join(names)}"
+
+    asked = ",".join(modes)
+    both = flag([m for m in MODES if m in others or m in modes])
+    raise UsageError(
+        f"--resume: {out} holds checkpoints of {', '.join(others)} and none of {asked}: "
+        f"continue that run with {flag(others)} --resume (or {both} --resume if it compared "
+        f"them: {asked} then starts from step 0), or train {asked} into another --out"
     )
-    if others:
-        asked = ",".join(modes)
-        flag = f"--mode {others[0]}" if len(others) == 1 else f"--compare {','.join(others)}"
-        raise UsageError(
-            f"--resume: {out} holds checkpoints of {', '.join(others)}, none of {asked}: "
-            f"continue that run with {flag}, or train {asked} from step 0 without --resume "
-            "(or into another --out)"
-        )
 
 
-def unusable_given(e: CheckpointError, out: Path, mode: str) -> CheckpointError:
-    """A checkpoint named by ``--resume DIR`` that failed its checks, with what to do."""
-    return CheckpointError(
-        f"{e}; pass another checkpoint to --resume, plain --resume for the newest under "
-        f"{out / mode / 'checkpoints'}, or no --resume to start from step 0"
-    )
+def unusable_given(e: CheckpointError, named: Path, out: Path, mode: str) -> CheckpointError:
+    """A checkpoint named by ``--resume DIR`` that failed its checks, with the ways on that
+    work: another readable checkpoint beside it, plain ``--resume`` where this run's
+    ``--out`` has checkpoints other than it, a fresh start where nothing stands in its way."""
+    named = named.resolve()
+    ways = []
+    beside = [p for p in checkpoint.ordered(named.parent) if p.resolve() != named]
+    if beside:
+        ways.append(f"--resume {beside[-1]} (the newest readable one beside it)")
+    own = out / mode / "checkpoints"
+    try:  # what plain --resume would take (it refuses an unreadable newest one)
+        own_newest = checkpoint.newest(own)
+    except CheckpointError:
+        own_newest = None
+    if own_newest is not None and own_newest.resolve() != named:
+        ways.append(f"plain --resume (the newest under {own})")
+    if checkpoint.has_checkpoints(own):
+        ways.append("another --out without --resume to start from step 0")
+    else:
+        ways.append("no --resume to start from step 0")
+    return CheckpointError(f"{e}; pass {', or '.join(ways)}")
 
 
 def resume_point(args, mode_dir: Path) -> Path | None:
