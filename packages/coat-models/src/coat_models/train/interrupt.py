@@ -112,9 +112,11 @@ class _Watchdog:
     def _watch(self) -> None:
         try:
             unanswered, last, deadline = 0, 0, None
+            poll = select.poll()  # (select.select refuses fds >= 1024)
+            poll.register(self.read_fd, select.POLLIN)
             while True:
-                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ready, _, _ = select.select([self.read_fd], [], [], wait)
+                wait = None if deadline is None else max(0, deadline - time.monotonic()) * 1e3
+                ready = poll.poll(wait)
                 if self.stopped.is_set():
                     return
                 if not ready:  # a second with no answer: the main thread is stuck
@@ -139,15 +141,33 @@ class _Watchdog:
             os.close(self.read_fd)
 
     def stop(self) -> None:
+        # Each step in a finally of the one before: a signal raised in one (the handler
+        # still runs here) does not skip the others.
         self.stopped.set()
         _ANSWER_FD[0] = self.outer_answer_fd
         try:
-            signal.set_wakeup_fd(self.old_fd)
-        except (ValueError, OSError):  # the earlier fd was closed meanwhile: none, not ours
-            with contextlib.suppress(ValueError, OSError):
-                signal.set_wakeup_fd(-1)
-        os.close(self.write_fd)  # the thread reads the end of the pipe and exits
-        self.thread.join(timeout=5)
+            try:
+                signal.set_wakeup_fd(self.old_fd)
+            except (ValueError, OSError):  # the earlier fd was closed meanwhile: none
+                with contextlib.suppress(ValueError, OSError):
+                    signal.set_wakeup_fd(-1)
+        finally:
+            try:
+                os.close(self.write_fd)  # the thread reads the end of the pipe and exits
+            finally:
+                self.thread.join(timeout=5)
+
+
+def _forget_watchdog_in_child() -> None:
+    """In a forked child: its signals' numbers and answers would reach the parent's
+    watchdog (the pipe is shared), so the child writes to it no more."""
+    _ANSWER_FD[0] = -1
+    with contextlib.suppress(ValueError, OSError):  # (a fork off the main thread: cannot)
+        signal.set_wakeup_fd(-1)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_watchdog_in_child)
 
 
 def _quiet_if_recorded(hook):
