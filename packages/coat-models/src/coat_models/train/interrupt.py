@@ -160,7 +160,10 @@ class _Watchdog:
 
 def _forget_watchdog_in_child() -> None:
     """In a forked child: its signals' numbers and answers would reach the parent's
-    watchdog (the pipe is shared), so the child writes to it no more."""
+    watchdog (the pipe is shared), so the child writes to it no more. (Nothing changes in
+    a child forked with no watchdog running.)"""
+    if _ANSWER_FD[0] < 0:
+        return
     _ANSWER_FD[0] = -1
     with contextlib.suppress(ValueError, OSError):  # (a fork off the main thread: cannot)
         signal.set_wakeup_fd(-1)
