@@ -129,7 +129,8 @@ class _Watchdog:
                 for byte in data:
                     if byte == 0:  # the handler ran after the signals before it
                         unanswered = 0
-                    elif byte in self.signals:
+                    elif byte in self.signals and signal.getsignal(byte) is _handler:
+                        # (a handler set over ours would write no answer: not counted)
                         unanswered, last = unanswered + 1, byte
                 if unanswered < 2:
                     deadline = None
