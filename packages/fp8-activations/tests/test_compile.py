@@ -69,3 +69,29 @@ def test_no_hand_over_under_compile():
     x = torch.randn(4, 32, requires_grad=True)
     assert handed_over(f(x, x)) is None
     assert handed_over(fa.residual_add(x, x)) is not None  # eager does attach
+
+
+def test_the_scaled_mm_probe_costs_no_second_compilation(monkeypatch):
+    """The first compiled call asks whether ``torch._scaled_mm`` runs (and caches the
+    answer): the second call reuses its graph. (The look into the cache was a guard on its
+    contents: the call that filled it failed it, and every compiled COAT layer compiled
+    twice on its first training step.)"""
+    from fp8_activations.ops import linear
+    from torch._dynamo.testing import CompileCounter
+
+    monkeypatch.setattr(linear, "_SCALED_MM_PROBE", {})
+    torch._dynamo.reset()
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def f(x):
+        return x + 1 if linear.scaled_mm_supported(x.device) else x - 1
+
+    x = torch.zeros(4)
+    want = x + 1 if linear.scaled_mm_supported(x.device) else x - 1
+    linear._SCALED_MM_PROBE.clear()  # traced first, as coat-train --compile runs it
+    for _ in range(3):
+        assert torch.equal(f(x), want)
+    assert counter.frame_count == 1
+    assert set(linear._SCALED_MM_PROBE) == {"cpu"}
+    torch._dynamo.reset()

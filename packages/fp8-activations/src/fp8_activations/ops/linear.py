@@ -462,20 +462,33 @@ _SCALED_MM_PROBE: dict[str, bool] = {}
 def scaled_mm_supported(device: torch.device) -> bool:
     """FP8 tensor cores on CUDA (compute capability >= 8.9); elsewhere whether this torch
     runs ``torch._scaled_mm`` at all (2.13 does on CPU, older versions may not)."""
-    if device.type == "cuda":  # cached: the capability query costs host time per call
-        key = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-        if key not in _SCALED_MM_PROBE:
-            _SCALED_MM_PROBE[key] = torch.cuda.get_device_capability(device) >= (8, 9)
-        return _SCALED_MM_PROBE[key]
-    if device.type not in _SCALED_MM_PROBE:
-        a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn, device=device)
-        one = torch.ones((), device=device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _probe(f"cuda:{index}")
+    return _probe(device.type)
+
+
+@torch.compiler.assume_constant_result
+def _probe(key: str) -> bool:
+    """``scaled_mm_supported`` of the device ``key`` names, asked once and cached (the
+    capability query costs host time per call). A constant to dynamo: traced, a look into
+    the cache would be a guard on its contents, and the first compiled call, which fills
+    it, would compile the graph a second time."""
+    hit = _SCALED_MM_PROBE.get(key)
+    if hit is not None:
+        return hit
+    if key.startswith("cuda:"):
+        hit = torch.cuda.get_device_capability(int(key[5:])) >= (8, 9)
+    else:
+        a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn, device=key)
+        one = torch.ones((), device=key)
         try:
             torch._scaled_mm(a, a.t(), one, one, out_dtype=torch.bfloat16)
-            _SCALED_MM_PROBE[device.type] = True
+            hit = True
         except (RuntimeError, NotImplementedError):
-            _SCALED_MM_PROBE[device.type] = False
-    return _SCALED_MM_PROBE[device.type]
+            hit = False
+    _SCALED_MM_PROBE[key] = hit
+    return hit
 
 
 def use_scaled_mm(x: Tensor, weight: Tensor, gemm: str) -> bool:
