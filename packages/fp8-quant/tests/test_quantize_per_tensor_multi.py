@@ -80,8 +80,8 @@ def test_llama_7b_layer_gpu(cuda, row, col, fmt, assert_same_bits):
 @pytest.mark.parametrize("row,col", LAYOUTS, ids=["both", "row", "col"])
 def test_one_tensor_alone_and_left_over(interpreter, row, col, fmt, assert_same_bits, monkeypatch):
     """One tensor takes the one-tensor kernel (no unused slots): alone, as the ninth after a
-    full launch, and empty (its one program still writes the scale). The bits of the
-    reference."""
+    full launch, and empty (its one program still writes the scale); two and three tensors
+    take kernels of two and three slots. The bits of the reference."""
     import importlib
 
     module = importlib.import_module("fp8_quant.ops.quantize_per_tensor_multi")
@@ -98,11 +98,13 @@ def test_one_tensor_alone_and_left_over(interpreter, row, col, fmt, assert_same_
     _check(xs, amaxes, fmt, row, col, assert_same_bits)
     _check([torch.empty(0, 64, dtype=torch.bfloat16)], [torch.tensor(3.0)], fmt, row, col,
            assert_same_bits)  # fmt: skip
+    _check(xs[:2], amaxes[:2], fmt, row, col, assert_same_bits)
+    _check(xs[1:4], amaxes[1:4], fmt, row, col, assert_same_bits)
     one, multi = module._one_kernel, module._multi_kernel
-    assert kernels == [one, multi, one, one]
+    assert kernels == [one, multi, one, one, module._two_kernel, module._three_kernel]
 
 
-@pytest.mark.parametrize("n", [3, 1], ids=["3-tensors", "1-tensor"])
+@pytest.mark.parametrize("n", [5, 3, 1], ids=["5-tensors", "3-tensors", "1-tensor"])
 @pytest.mark.parametrize("row,col", LAYOUTS, ids=["both", "row", "col"])
 def test_traced_launch_passes_each_written_buffer_once(
     interpreter, row, col, n, fmt, assert_same_bits, monkeypatch
@@ -110,9 +112,9 @@ def test_traced_launch_passes_each_written_buffer_once(
     """Inside ``traced_launches()`` (a ``triton_op``'s body, whose launches go through
     ``wrap_triton``) no buffer the kernel may write is passed twice: functionalized, every
     such argument is cloned and copied back, and a copy the kernel did not write (an unused
-    layout, an unused slot) would overwrite one it did. One tensor takes the one-slot kernel
-    (seven arguments): Inductor copies every unused slot's buffers in and out, one-element
-    kernels each. The same bits."""
+    layout, an unused slot) would overwrite one it did. One, two and three tensors take
+    kernels of as many slots: Inductor copies every unused slot's buffers in and out,
+    one-element kernels each. The same bits."""
     import importlib
 
     from fp8_quant.ops import traced_launches
@@ -131,12 +133,13 @@ def test_traced_launch_passes_each_written_buffer_once(
     with traced_launches():
         _check(xs, amaxes, fmt, row, col, assert_same_bits)
     (args,) = launches  # per slot: x, q, q_t, amax, scale, m, n, end (one tensor: no end)
-    slots = SLOTS if n > 1 else 1
-    assert len(args) == (8 * SLOTS if n > 1 else 7)
+    slots = SLOTS if n > 3 else n  # one, two and three tensors: kernels without unused slots
+    assert len(args) == (8 * slots if n > 1 else 7)
     writable = [args[s * 8 + k].data_ptr() for s in range(slots) for k in (1, 2, 4)]
-    layouts = (1,) * row + (2,) * col + (4,)  # the q, q_t and scale the kernel writes
-    written = [args[s * 8 + k].data_ptr() for s in range(len(xs)) for k in layouts]
-    assert all(writable.count(p) == 1 for p in written)
+    # Each tensor's q, q_t and scale, written or not (an unused layout's spare), passed once:
+    # a spare passed twice costs Inductor copy kernels.
+    own = [args[s * 8 + k].data_ptr() for s in range(len(xs)) for k in (1, 2, 4)]
+    assert all(writable.count(p) == 1 for p in own)
     tensors = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
     inputs = [args[s * 8 + k].data_ptr() for s in range(len(xs)) for k in (0, 3)]  # x, amax
     assert all(tensors.count(p) == 1 for p in inputs)

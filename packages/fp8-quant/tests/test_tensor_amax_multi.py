@@ -65,20 +65,24 @@ def test_one_launch_per_eight_tensors(interpreter, monkeypatch):
     assert len(calls) == 1 + 2
 
 
-def test_one_tensor_takes_the_one_slot_kernel(interpreter, monkeypatch, assert_same_bits):
-    """One tensor (alone, or left over after full launches) goes through the one-slot kernel:
-    traced, no input is passed again for unused slots (Inductor would fill a copy of the
-    tensor for each). The bits of the reference."""
+def test_one_to_three_tensors_take_kernels_without_unused_slots(
+    interpreter, monkeypatch, assert_same_bits
+):
+    """One tensor (alone, or left over after full launches), two and three go through
+    kernels of as many slots: traced, no input is passed again for unused slots (Inductor
+    would fill a copy of the tensor for each). The bits of the reference, the largest max in
+    each slot."""
     mod = sys.modules["fp8_quant.ops.tensor_amax_multi"]
     kernels = []
     real = mod.launch
     monkeypatch.setattr(mod, "launch", lambda k, *a, **kw: kernels.append(k) or real(k, *a, **kw))
     xs = _tensors([(300, 7)] + [(5, 3)] * SLOTS, torch.bfloat16)
-    for chunk in (xs[:1], xs):
+    for chunk in (xs[:1], xs, xs[:2], xs[:3], xs[-1:0:-4]):
         got = tensor_amax_multi(chunk)
         for g, w in zip(got, reference.tensor_amax_multi([x.cpu() for x in chunk]), strict=True):
             assert_same_bits(g.cpu(), w)
-    assert kernels == [mod._amax_kernel, mod._multi_amax_kernel, mod._amax_kernel]
+    one, two, three = mod._amax_kernel, mod._two_amax_kernel, mod._three_amax_kernel
+    assert kernels == [one, mod._multi_amax_kernel, one, two, three, two]
 
 
 @pytest.mark.gpu

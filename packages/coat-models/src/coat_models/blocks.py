@@ -24,7 +24,7 @@ seven weights instead of two per weight), and ``weight_cache_fresh(weights, conf
 (then the maxima are computed only when a weight will be cast), and
 ``cast_weights(weights, config, weight_amaxes=)`` (then the linears take ``weight_cast=`` /
 ``weight_casts=``: the seven weights cast in one launch per direction; traced, forward's
-in one and backward's one per weight), and
+in one and backward's one per fused linear: q/k/v, gate/up, o, down), and
 ``cached_weight_casts(weights, config)`` (the weight cache's copies as such items, which a
 compiled layer takes as inputs: ``layer_weight_casts``): ``FP8_OPS`` are
 fp8_activations' functional ops (each saves FP8 and hands its output's FP8 form or group

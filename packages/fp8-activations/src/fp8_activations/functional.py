@@ -255,8 +255,8 @@ def cast_weights(
     None is returned (the linears take them from the cache); None also for weights this
     cannot take (not 2-D, contiguous and non-empty, or on several devices): the linears then
     cast themselves. Under ``torch.compile`` (which uses no weight cache) forward's copies
-    are made in one launch inside the graph, and backward casts each weight's transposed
-    copy on its own. ``weight_amaxes``: each
+    are made in one launch inside the graph, and backward casts the transposed copies of
+    each fused linear's weights (``rms_norm_linear``'s two or three) in one. ``weight_amaxes``: each
     weight's exact max |w| (as ``weight_amaxes``), else reduced here. The same bits as
     the linears' own casts.
 

@@ -77,22 +77,31 @@ def quantize_t_many(
     xs: list[Tensor], fmt: str, amaxes: list[Tensor | None], backend: str
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """``[quantize_t(x, fmt, amax, backend) for x, amax in zip(xs, amaxes)]``, the same bits,
-    in two launches where Triton runs eagerly on contiguous 2-D ``xs`` of at least 2 x 2:
-    one for the maxima not given (``tensor_amax_multi``) and one for every ``(q, q_t)``
-    (``quantize_per_tensor_multi``), instead of up to two per tensor (host time: a layer's
-    backward quantizes the gradients of q, k and v, and of gate and up, back to back)."""
+    in two launches where Triton runs on contiguous 2-D ``xs`` of at least 2 x 2 (traced,
+    inside one operator): one for the maxima not given (``tensor_amax_multi``) and one for
+    every ``(q, q_t)`` (``quantize_per_tensor_multi``), instead of up to two per tensor (host
+    time: a layer's backward quantizes the gradients of q, k and v, and of gate and up, back
+    to back)."""
     if len(xs) < 2:
         return [quantize_t(x, fmt, a, backend) for x, a in zip(xs, amaxes, strict=True)]
     x0 = xs[0]
-    if (
-        torch.compiler.is_compiling()
-        or not use_triton(x0, backend)
-        or not all(
-            x.dim() == 2 and min(x.shape) > 1 and x.is_contiguous() and x.device == x0.device
-            for x in xs
-        )
+    if not use_triton(x0, backend) or not all(
+        x.dim() == 2 and min(x.shape) > 1 and x.is_contiguous() and x.device == x0.device
+        for x in xs
     ):
         return [quantize_t(x, fmt, a, backend) for x, a in zip(xs, amaxes, strict=True)]
+    # (traced, the two launches inside one operator)
+    out, n = _quantize_t_many(list(xs), fmt, list(amaxes), backend), len(xs)
+    return list(zip(out[:n], out[n : 2 * n], out[2 * n :], strict=True))
+
+
+@custom_op("quantize_t_many")
+def _quantize_t_many(
+    xs: list[Tensor], fmt: str, amaxes: list[Tensor | None], backend: str, *, eager: bool = False
+) -> list[Tensor]:
+    """``quantize_t_many``'s two launches (Triton, contiguous 2-D ``xs`` of at least 2 x 2 on
+    one device): ``[q of each x..., q_t of each..., scale of each...]``."""
+    x0 = xs[0]
     missing = [i for i, a in enumerate(amaxes) if a is None]
     amaxes = list(amaxes)
     if missing:
@@ -104,7 +113,16 @@ def quantize_t_many(
         else a.reshape(()).to(device=x0.device, dtype=torch.float32)
         for a in amaxes
     ]  # fmt: skip
-    return fp8_ops.quantize_per_tensor_multi(xs, FP8Format(fmt), amaxes, True, True)
+    casts = fp8_ops.quantize_per_tensor_multi(xs, FP8Format(fmt), amaxes, True, True)
+    return [c[0] for c in casts] + [c[1] for c in casts] + [c[2] for c in casts]
+
+
+@_quantize_t_many.register_fake
+def _(xs, fmt, amaxes, backend, *, eager=False):
+    dtype = FP8Format.parse(fmt).torch_dtype
+    return [x.new_empty(x.shape, dtype=dtype) for x in xs] + \
+        [x.new_empty((x.shape[1], x.shape[0]), dtype=dtype) for x in xs] + \
+        [x.new_empty((), dtype=torch.float32) for x in xs]  # fmt: skip
 
 
 def grad_amax(dy: Tensor) -> Tensor | None:
@@ -178,6 +196,24 @@ def _(x, fmt, amax, backend, *, eager=False):
         x.new_empty((), dtype=torch.float32)  # fmt: skip
 
 
+@custom_op("quantize_cols_many")
+def quantize_cols_many(
+    xs: list[Tensor], fmt: str, amaxes: list[Tensor], backend: str, *, eager: bool = False
+) -> list[Tensor]:
+    """``quantize_cols`` of each 2-D ``x`` of ``xs`` (contiguous, on one device) from its max
+    |x|, all in one launch: ``[q.T of each x..., scale of each x...]``. A traced fused
+    linear's backward re-casts its weights with it (``weights_t``)."""
+    casts = _multi(xs[0], backend)(xs, FP8Format(fmt), amaxes, False, True)
+    return [q_t for _, q_t, _ in casts] + [s for _, _, s in casts]
+
+
+@quantize_cols_many.register_fake
+def _(xs, fmt, amaxes, backend, *, eager=False):
+    dtype = FP8Format.parse(fmt).torch_dtype
+    return [x.new_empty((x.shape[1], x.shape[0]), dtype=dtype) for x in xs] + \
+        [x.new_empty((), dtype=torch.float32) for x in xs]  # fmt: skip
+
+
 @custom_op("quantize_rows_many")
 def quantize_rows_many(
     xs: list[Tensor], fmt: str, amaxes: list[Tensor], backend: str, *, eager: bool = False
@@ -249,6 +285,28 @@ def weight_t(
         else:
             _, w_t, w_s = quantize_t(weight.detach(), fmt, w_s, backend)
     return w_t, w_s
+
+
+def weights_t(
+    weights: list[Tensor], saved: list[tuple], fmt: str, backend: str, casts: list
+) -> list[tuple[Tensor, Tensor]]:
+    """``[weight_t(w, s, fmt, backend, c) for w, s, c in zip(weights, saved, casts)]``, the
+    same bits; traced, weights re-cast from their saved maxima (no cache, no layer cast) in
+    one launch for all (``quantize_cols_many``) instead of one each: a fused linear's two or
+    three weights."""
+    if (
+        torch.compiler.is_compiling()
+        and len(weights) > 1
+        and use_triton(weights[0], backend)
+        and all(
+            t is None and c is None and w.is_contiguous() and w.device == weights[0].device
+            for w, (t, _), c in zip(weights, saved, casts, strict=True)
+        )
+    ):  # fmt: skip
+        n = len(weights)
+        out = quantize_cols_many([w.detach() for w in weights], fmt, [a for _, a in saved], backend)
+        return list(zip(out[:n], out[n:], strict=True))
+    return [weight_t(w, s, fmt, backend, c) for w, s, c in zip(weights, saved, casts, strict=True)]
 
 
 class LayerCast:

@@ -47,6 +47,7 @@ from .linear import (
     quantize,
     quantize_t_many,
     weight_t,
+    weights_t,
 )
 from .rms_norm import rms_norm_bwd, rms_norm_fwd
 
@@ -166,14 +167,21 @@ class RMSNormLinearFunction(torch.autograd.Function):
         dys = {i: rows(dys[i]) for i in got}
         quantized = quantize_t_many(list(dys.values()), grad_fmt, amaxes, ctx.backend)
         quantized = dict(zip(got, quantized, strict=True))
+        w_ts = {}  # traced: backward's FP8 weights, re-cast in one launch (weights_t)
+        if (needs[0] or needs[1]) and torch.compiler.is_compiling():
+            w_ts = dict(zip(got, weights_t(
+                [weights[i] for i in got], [tuple(w_saved[2 * i : 2 * i + 2]) for i in got],
+                fwd_fmt, ctx.backend, [ctx.casts[i] for i in got],
+            ), strict=True))  # fmt: skip
         # Last linear first: autograd runs the unfused linears' backwards in that order and
         # sums their input gradients as it goes, so the sum here has the same bits.
         for i in reversed(got):
             dy, (dy_q, dy_t, dy_s) = dys.pop(i), quantized.pop(i)
             scaled = ctx.use_scaled_mm[i]
             if needs[0] or needs[1]:
-                saved = w_saved[2 * i : 2 * i + 2]
-                w_t, w_s = weight_t(weights[i], saved, fwd_fmt, ctx.backend, ctx.casts[i])
+                w_t, w_s = w_ts.pop(i) if w_ts else weight_t(
+                    weights[i], w_saved[2 * i : 2 * i + 2], fwd_fmt, ctx.backend, ctx.casts[i]
+                )  # fmt: skip
                 d_parts.append(_mm(dy_q, w_t.t(), dy_s, w_s, None, ctx.dtype, scaled))
             if needs[first + 2 * i]:
                 a, b = (_pad_inner(dy_t), _pad_inner(y_t)) if scaled else (dy_t, y_t)

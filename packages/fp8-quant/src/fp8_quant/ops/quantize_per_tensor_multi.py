@@ -87,6 +87,38 @@ def _one_kernel(
     _tile(tl.program_id(0), X0, Q0, T0, A0, S0, M0, N0, FMT, HW_CAST, BM, BN, ROW, COL)
 
 
+@triton.jit
+def _two_kernel(
+    X0, Q0, T0, A0, S0, M0, N0, E0, X1, Q1, T1, A1, S1, M1, N1, E1,
+    FMT: tl.constexpr, HW_CAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    ROW: tl.constexpr, COL: tl.constexpr,
+):  # fmt: skip
+    # Two and three tensors (a fused linear's weights or output gradients, gate/up and
+    # q/k/v): no unused slots, as for one (traced, each unused slot's buffers cost Inductor
+    # copy kernels; eagerly fewer launch arguments).
+    pid = tl.program_id(0)
+    if pid < E0:
+        _tile(pid, X0, Q0, T0, A0, S0, M0, N0, FMT, HW_CAST, BM, BN, ROW, COL)
+    elif pid < E1:
+        _tile(pid - E0, X1, Q1, T1, A1, S1, M1, N1, FMT, HW_CAST, BM, BN, ROW, COL)
+
+
+@triton.jit
+def _three_kernel(
+    X0, Q0, T0, A0, S0, M0, N0, E0, X1, Q1, T1, A1, S1, M1, N1, E1,
+    X2, Q2, T2, A2, S2, M2, N2, E2,
+    FMT: tl.constexpr, HW_CAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    ROW: tl.constexpr, COL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if pid < E0:
+        _tile(pid, X0, Q0, T0, A0, S0, M0, N0, FMT, HW_CAST, BM, BN, ROW, COL)
+    elif pid < E1:
+        _tile(pid - E0, X1, Q1, T1, A1, S1, M1, N1, FMT, HW_CAST, BM, BN, ROW, COL)
+    elif pid < E2:
+        _tile(pid - E1, X2, Q2, T2, A2, S2, M2, N2, FMT, HW_CAST, BM, BN, ROW, COL)
+
+
 def quantize_per_tensor_multi(
     xs: list[torch.Tensor], fmt: FP8Format, amaxes: list[torch.Tensor], row: bool, col: bool
 ) -> list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]]:
@@ -105,10 +137,12 @@ def _launch_slots(xs, fmt, amaxes, row, col):
     # Traced (wrap_triton), no buffer the kernel may write is passed twice: functionalized,
     # each such argument is cloned and copied back after the kernel, and a copy that the
     # kernel did not write (an unused layout or slot) would overwrite one it did. Spare
-    # buffers stand in there (never written: ROW / COL and the slots' program ranges), and
-    # for the unused slots' inputs too (no input is passed twice either); eagerly the real
-    # buffers do (no allocation).
-    spare = launches_traced() and (
+    # buffers stand in there (never written: ROW / COL and the slots' program ranges), one
+    # for each unused layout (a buffer passed once needs no copy), and for the unused slots'
+    # inputs too (no input is passed twice either); eagerly the real buffers do (no
+    # allocation).
+    traced = launches_traced()
+    spare = traced and (
         torch.empty(1, device=device, dtype=torch.uint8),
         scalar_out(device),
         torch.empty(1, device=device, dtype=xs[0].dtype),
@@ -122,12 +156,15 @@ def _launch_slots(xs, fmt, amaxes, row, col):
         results.append((q, q_t, scale))
         q_bits = (q if row else q_t).view(torch.uint8)  # a real buffer for the unused one
         qt_bits = q_t.view(torch.uint8) if col else q_bits
-        if spare:
-            q_bits, qt_bits = (q_bits if row else spare[0]), (qt_bits if col else spare[0])
+        if traced and not (row and col):  # the unused layout: a spare of its own
+            own = torch.empty(1, device=device, dtype=torch.uint8)
+            q_bits, qt_bits = (q_bits, own) if row else (own, qt_bits)
         end += max(1, cdiv(m, _BM) * cdiv(n, _BN))  # >= 1: an empty tensor's scale
         args += [x, q_bits, qt_bits, amax, scale, m, n, end]
     if len(xs) == 1:
         kernel, args = _one_kernel, args[:7]
+    elif len(xs) <= 3:
+        kernel = _two_kernel if len(xs) == 2 else _three_kernel
     else:
         kernel = _multi_kernel
         unused = [*args[:7], end]  # the first tensor's arguments again, owning no program

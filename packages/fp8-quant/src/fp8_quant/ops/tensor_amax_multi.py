@@ -65,6 +65,29 @@ def _amax_kernel(A, X0, N0, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     _stretch(tl.program_id(0), X0, A, N0, BLOCK, ITERS)
 
 
+@triton.jit
+def _two_amax_kernel(A, X0, N0, E0, X1, N1, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    # Two and three tensors (a fused linear's output gradients): no unused slots either.
+    pid = tl.program_id(0)
+    if pid < E0:
+        _stretch(pid, X0, A, N0, BLOCK, ITERS)
+    else:
+        _stretch(pid - E0, X1, A + 1, N1, BLOCK, ITERS)
+
+
+@triton.jit
+def _three_amax_kernel(
+    A, X0, N0, E0, X1, N1, E1, X2, N2, BLOCK: tl.constexpr, ITERS: tl.constexpr
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if pid < E0:
+        _stretch(pid, X0, A, N0, BLOCK, ITERS)
+    elif pid < E1:
+        _stretch(pid - E0, X1, A + 1, N1, BLOCK, ITERS)
+    else:
+        _stretch(pid - E1, X2, A + 2, N2, BLOCK, ITERS)
+
+
 def tensor_amax_multi(xs: list[torch.Tensor], *, stacked: bool = False):
     """Triton twin of ``reference.tensor_amax_multi`` (same bits): the 0-dim fp32 max
     ``|x|`` of each contiguous ``x`` of ``xs`` (on one device, any float dtypes).
@@ -80,6 +103,8 @@ def tensor_amax_multi(xs: list[torch.Tensor], *, stacked: bool = False):
             args += [x, n, end]
         if len(chunk) == 1:
             kernel, args = _amax_kernel, args[:2]
+        elif len(chunk) <= 3:  # (the last slot's end is the grid)
+            kernel, args = (_two_amax_kernel if len(chunk) == 2 else _three_amax_kernel), args[:-1]
         else:
             kernel = _multi_amax_kernel
             args += [*args[:2], end] * (SLOTS - len(chunk))  # unused slots own no program
