@@ -1166,3 +1166,22 @@ def test_tracker_counts_the_losss_saved_gradients_as_gradients():
     tracker.grads_dropped()
     assert tracker.live["gradients"] == 0 and tracker.live["activations"] == 0
     tracker.close()
+
+
+@pytest.mark.parametrize("mode", ["coat", "bf16"])
+def test_non_finite_gradient_norm_ends_the_run_before_a_checkpoint(tmp_path, mode):
+    """A NaN gradient at step 5 (the loss finite) ends the run when the step is read, before
+    its checkpoint is written: CoatAdamW skipped the update and the run went on to report
+    "done" (a run of such steps trained nothing); under torch AdamW the weights became NaN
+    and the step's checkpoint kept them."""
+    from coat_models.train.trainer import TrainError
+
+    tr = _tiny_trainer(tmp_path, mode=mode, steps=40, log_every=10, save_every=5)
+    param = next(tr.model.parameters())
+    param.register_hook(lambda g: g * float("nan") if tr.step + 1 == 5 else g)
+    with pytest.raises(TrainError, match=r"the gradient norm became nan at step 5: lower --lr"):
+        tr.fit()
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert not tr.ckpt_dir.exists() or not any(tr.ckpt_dir.iterdir())
+    tr.close()

@@ -299,11 +299,21 @@ def _totals_of_old_checkpoint(old: dict, cfg: TrainConfig, step: int) -> dict:
     return {"timed": timed, "counting": _window(), "memory": old["memory"]}
 
 
+def finite(rec: dict) -> bool:
+    """Whether a step's loss and gradient norm are finite. A non-finite norm ends the run as
+    a non-finite loss does: torch's AdamW would have made the weights NaN, CoatAdamW skipped
+    the update (a run of skipped steps trains nothing, and reported "done")."""
+    return math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])
+
+
 def loss_error(mode: str, lr: float, rec: dict, read_at: int) -> TrainError:
-    """The error for a non-finite loss in ``rec``, found when step ``read_at`` was read."""
+    """The error for a non-finite loss or gradient norm in ``rec``, found when step
+    ``read_at`` was read."""
     late = f" (read at step {read_at})" if read_at != rec["step"] else ""
+    what, value = ("loss", rec["loss"]) if not math.isfinite(rec["loss"]) else \
+        ("gradient norm", rec["grad_norm"])  # fmt: skip
     return TrainError(
-        f"mode {mode}: the loss became {rec['loss']} at step {rec['step']}{late}: lower --lr "
+        f"mode {mode}: the {what} became {value} at step {rec['step']}{late}: lower --lr "
         f"(now {lr:g}) or raise --warmup"
     )
 
@@ -623,10 +633,10 @@ class Trainer:
 
     def run_step(self, track_memory: bool = False) -> dict:
         """One optimizer step, waited for: its record (steps still queued are read too).
-        Raises ``TrainError`` for a non-finite loss."""
+        Raises ``TrainError`` for a non-finite loss or gradient norm."""
         self.queue_step(track_memory)
         recs = self.read_steps()
-        bad = next((r for r in recs if not math.isfinite(r["loss"])), None)
+        bad = next((r for r in recs if not finite(r)), None)
         if bad is not None:
             raise loss_error(self.cfg.mode, self.cfg.lr, bad, self.step)
         return recs[-1]
@@ -736,7 +746,7 @@ class Trainer:
         measured = self._max(self.meter.peak())  # per rank: the largest
         tracked = self._max(self.tracker.peak)  # of the steps counted so far
         for rec in recs:
-            if not math.isfinite(rec["loss"]):
+            if not finite(rec):  # before anything of this step is saved
                 raise loss_error(self.cfg.mode, self.cfg.lr, rec, self.step)
             rec["mem_tracked_peak"] = tracked
             rec["mem_measured_peak"] = measured
