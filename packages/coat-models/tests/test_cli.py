@@ -1253,3 +1253,27 @@ def test_refused_resume_names_the_remedy_and_writes_no_mode_dir(tmp_path, capsys
     assert "settings differ (mode: checkpoint 'bf16', now 'coat-optim'): pass the settings" in err
     assert "or start afresh with another --out" in err
     assert not out.exists()  # nor the --out it made (test_a_refused_resume_into_a_new_out...)
+
+
+def test_resume_from_another_out_into_an_earlier_run_is_refused(tmp_path, capsys):
+    """``--resume DIR`` of another --out into an --out whose mode holds an earlier run's
+    checkpoints or metrics is refused before anything is written (it appended the new run's
+    steps to the earlier run's metrics and replaced its checkpoints, exit 0); into an empty
+    --out it continues, and an older checkpoint of the run itself is taken too."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    args = ["--mode", "coat", "--steps", 4, "--save-every", 2, "--eval-every", 2, "--no-export"]
+    assert run([*args, "--seed", 1, "--out", a, *FAST], capsys)[0] == 0
+    assert run([*args, "--out", b, *FAST], capsys)[0] == 0
+    before = {p: p.read_bytes() for p in a.rglob("*") if p.is_file()}
+    older = b / "coat" / "checkpoints" / "step_0000002"
+    code, _, err = run([*args, "--out", a, "--resume", older, *FAST], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert f"--resume {older} is not a checkpoint of {a / 'coat'}, which holds an earlier run's " \
+        "checkpoints and metrics: continued there, the two runs would mix; pass another --out" \
+        in err  # fmt: skip
+    assert {p: p.read_bytes() for p in a.rglob("*") if p.is_file()} == before
+    (a / "coat" / "checkpoints").rename(tmp_path / "moved")  # the metrics alone
+    code, _, err = run([*args, "--out", a, "--resume", older, *FAST], capsys)
+    assert code == 2 and "holds an earlier run's metrics: continued" in err
+    assert run([*args, "--out", c, "--resume", older, *FAST], capsys)[0] == 0
+    assert run([*args, "--out", b, "--resume", older, *FAST], capsys)[0] == 0

@@ -203,6 +203,31 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
             checkpoint.read_manifest(path)
         except CheckpointError as e:
             raise unusable_given(e, path, out, modes[0]) from None
+        _check_elsewhere(path, out / modes[0])
+
+
+def _check_elsewhere(ckpt: Path, mode_dir: Path) -> None:
+    """A checkpoint of another ``--out`` (or folder) continued into ``mode_dir``: only where
+    no earlier run left checkpoints or metrics there, which the continued run would mix
+    with its own (metrics of two runs in one file, the earlier run's checkpoints beside the
+    new one's, then replaced by them)."""
+    ckpts = mode_dir / "checkpoints"
+    if ckpt.resolve().parent == ckpts.resolve():
+        return  # this run's own (an older checkpoint: the run goes on from there)
+    held = [
+        what
+        for what, there in (
+            ("checkpoints", checkpoint.has_checkpoints(ckpts)),
+            ("metrics", (mode_dir / "metrics.jsonl").exists()),
+        )
+        if there
+    ]
+    if held:
+        raise UsageError(
+            f"--resume {ckpt} is not a checkpoint of {mode_dir}, which holds an earlier "
+            f"run's {' and '.join(held)}: continued there, the two runs would mix; pass "
+            f"another --out (or delete {mode_dir})"
+        )
 
 
 def _check_resumable(out: Path, modes: list[str]) -> None:
