@@ -966,12 +966,25 @@ def test_parser_errors_are_one_line(tmp_path, capsys, monkeypatch, argv, line):
 
 def test_parser_error_is_printed_once_under_torchrun(capsys, monkeypatch):
     """Like every other error: rank 0 prints it, the others exit 2 without a word."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     assert run(["--steps", "abc"], capsys) == (2, "", "")
     monkeypatch.setenv("RANK", "0")
     assert run(["--steps", "abc"], capsys)[2].count("coat-train: error: ") == 1
     monkeypatch.setenv("RANK", "x")  # not torchrun's: never silent
     assert run(["--steps", "abc"], capsys)[2].count("coat-train: error: ") == 1
+
+
+def test_a_rank_without_torchrun_is_not_silent(tmp_path, capsys, monkeypatch):
+    """A RANK left in the environment without torchrun's WORLD_SIZE: a lone run, which
+    prints its errors, its progress and writes its report as rank 0 (it said nothing and
+    wrote no report: only rank 0 does)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    assert run(["--steps", "abc"], capsys)[2].count("coat-train: error: ") == 1
+    code, out, err = run(["--steps", 2, "--no-export", "--out", tmp_path, *FAST], capsys)
+    assert code == 0 and "coat-train: preset tiny" in out, err
+    assert (tmp_path / "summary.json").is_file()
 
 
 def test_help_is_the_full_usage(capsys):
@@ -1259,7 +1272,7 @@ def test_resume_from_another_out_into_an_earlier_run_is_refused(tmp_path, capsys
     """``--resume DIR`` of another --out into an --out whose mode holds an earlier run's
     checkpoints or metrics is refused before anything is written (it appended the new run's
     steps to the earlier run's metrics and replaced its checkpoints, exit 0); into an empty
-    --out it continues, and an older checkpoint of the run itself is taken too."""
+    --out it continues, and a checkpoint of the run itself (inside its --out) is taken too."""
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     args = ["--mode", "coat", "--steps", 4, "--save-every", 2, "--eval-every", 2, "--no-export"]
     assert run([*args, "--seed", 1, "--out", a, *FAST], capsys)[0] == 0
@@ -1268,9 +1281,9 @@ def test_resume_from_another_out_into_an_earlier_run_is_refused(tmp_path, capsys
     older = b / "coat" / "checkpoints" / "step_0000002"
     code, _, err = run([*args, "--out", a, "--resume", older, *FAST], capsys)
     assert code == 2 and "Traceback" not in err
-    assert f"--resume {older} is not a checkpoint of {a / 'coat'}, which holds an earlier run's " \
-        "checkpoints and metrics: continued there, the two runs would mix; pass another --out" \
-        in err  # fmt: skip
+    assert f"--resume {older} is from outside --out {a}, where {a / 'coat'} holds an earlier " \
+        "run's checkpoints and metrics: continued there, the two runs would mix; pass another " \
+        "--out" in err  # fmt: skip
     assert {p: p.read_bytes() for p in a.rglob("*") if p.is_file()} == before
     (a / "coat" / "checkpoints").rename(tmp_path / "moved")  # the metrics alone
     code, _, err = run([*args, "--out", a, "--resume", older, *FAST], capsys)

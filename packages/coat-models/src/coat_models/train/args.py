@@ -36,6 +36,14 @@ class RankUsageError(UsageError):
 _SEE_HELP = ("unrecognized arguments", "the following arguments are required", "expected one")
 
 
+def env_rank() -> int:
+    """torchrun's ``RANK`` of this process, read where torchrun also set ``WORLD_SIZE``; 0
+    otherwise (a ``RANK`` left in the shell by something else made a lone run silent: only
+    rank 0 prints and writes the report)."""
+    rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE")
+    return int(rank) if world is not None and rank.isdigit() else 0
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line on stderr and exit 2: argparse's own
     print the whole usage block first (20 lines for coat-train), burying the line that says
@@ -46,8 +54,7 @@ class OneLineParser(argparse.ArgumentParser):
             message += f" (see {self.prog} --help)"
         # Under torchrun every rank parses the same command line: rank 0 alone says what is
         # wrong, as for coat-train's other errors. A RANK that is not torchrun's prints too.
-        rank = os.environ.get("RANK", "")
-        if not (rank.isdigit() and int(rank) > 0):
+        if env_rank() == 0:
             print(f"{self.prog}: error: {message}".replace("\n", " "), file=sys.stderr)
         self.exit(2)
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .. import checkpoint
 from ..checkpoint import CheckpointError
 from ..distributed import run_on_rank0
-from .args import PROG, UsageError
+from .args import PROG, UsageError, env_rank
 from .report import ReportError, metrics_until, train_steps
 from .trainer import MODES, TrainConfig, check_settings
 
@@ -37,7 +37,7 @@ MODE_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "final", "tensorbo
 
 def process_rank() -> int:
     """This process's rank (torchrun's RANK before the process group exists); 0 alone."""
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return dist.get_rank() if dist.is_initialized() else env_rank()
 
 
 def say(*args, **kwargs) -> None:
@@ -207,13 +207,14 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
 
 
 def _check_elsewhere(ckpt: Path, mode_dir: Path) -> None:
-    """A checkpoint of another ``--out`` (or folder) continued into ``mode_dir``: only where
-    no earlier run left checkpoints or metrics there, which the continued run would mix
-    with its own (metrics of two runs in one file, the earlier run's checkpoints beside the
-    new one's, then replaced by them)."""
+    """A checkpoint from outside this ``--out`` continued into ``mode_dir``: only where no
+    earlier run left checkpoints or metrics there, which the continued run would mix with
+    its own (metrics of two runs in one file, the earlier run's checkpoints beside the new
+    one's, then replaced by them). One inside it is the run's own (an older checkpoint, or
+    one kept aside): the run goes on from there."""
     ckpts = mode_dir / "checkpoints"
-    if ckpt.resolve().parent == ckpts.resolve():
-        return  # this run's own (an older checkpoint: the run goes on from there)
+    if ckpt.resolve().is_relative_to(mode_dir.parent.resolve()):
+        return
     held = [
         what
         for what, there in (
@@ -224,9 +225,9 @@ def _check_elsewhere(ckpt: Path, mode_dir: Path) -> None:
     ]
     if held:
         raise UsageError(
-            f"--resume {ckpt} is not a checkpoint of {mode_dir}, which holds an earlier "
-            f"run's {' and '.join(held)}: continued there, the two runs would mix; pass "
-            f"another --out (or delete {mode_dir})"
+            f"--resume {ckpt} is from outside --out {mode_dir.parent}, where {mode_dir} "
+            f"holds an earlier run's {' and '.join(held)}: continued there, the two runs would "
+            f"mix; pass another --out (or delete {mode_dir})"
         )
 
 
