@@ -756,6 +756,8 @@ def _inputs(tmp_path) -> dict:
     from coat_models.vila import llava_tiny_config
 
     llava_tiny_config().save_pretrained(paths["llava"])
+    paths["dangling"] = tmp_path / "dangling"
+    os.symlink(tmp_path / "nowhere" / "x", paths["dangling"])
     return {name.replace(".", "_"): path for name, path in paths.items()} | {"tmp": tmp_path}
 
 
@@ -832,6 +834,9 @@ BAD_INPUTS = [
     (["--out", "{a_file}"], "a_file is a file: pass a directory"),
     (["--out", "{a_file}/run"], "a_file is a file, not a directory: pass another --out"),
     (["--out", "/proc/coat-train-test/run"], "cannot create a directory in /proc"),
+    # "File exists" and "File name too long" after the header, exit 1
+    (["--out", "{dangling}"], "dangling is a link to {tmp}/nowhere/x, which does not exist"),
+    (["--out", "{tmp}/" + "a" * 300], "is 300 bytes long, more than a file name may be here"),
     (["--mode", "bf16", "--cuda-graphs"], "add a mode with FP8 activations"),
     (["--mode", "coat", "--cuda-graphs", "--fp8-weight-cache"], "drop --fp8-weight-cache"),
     # accepted and ignored: no mode of the run has FP8 activations

@@ -54,6 +54,21 @@ def barrier() -> None:
 def check_out(out: Path, modes: list[str]) -> None:
     """Refuse an ``--out`` this process cannot create or write, or one holding files that
     coat-train did not write where it would replace them. Leaves nothing behind."""
+    try:  # (first: asked about a longer name, the file system raises)
+        longest = os.pathconf(out.anchor or ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    long = next((p for p in out.parts if len(os.fsencode(p)) > longest), None)
+    if long is not None:
+        raise UsageError(
+            f"--out: its part {long[:40]}... is {len(os.fsencode(long))} bytes long, more than "
+            f"a file name may be here ({longest}): pass a shorter --out"
+        )
+    if out.is_symlink() and not out.exists():
+        raise UsageError(
+            f"--out {out} is a link to {os.readlink(out)}, which does not exist: create that "
+            "directory, or pass another --out"
+        )
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file: pass a directory")
     if out.is_dir():
