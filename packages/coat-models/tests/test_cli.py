@@ -715,6 +715,9 @@ def _inputs(tmp_path) -> dict:
         paths[name] = tmp_path / name
     config.save_pretrained(paths["bad_weights"])
     (paths["bad_weights"] / "model.safetensors").write_bytes(b"\x08" + b"garbage" * 9)
+    paths["bad_bin"] = tmp_path / "bad_bin"
+    config.save_pretrained(paths["bad_bin"])
+    (paths["bad_bin"] / "pytorch_model.bin").write_bytes(b"garbage" * 9)
     config.save_pretrained(paths["bad_tokenizer"])
     (paths["bad_tokenizer"] / "tokenizer.json").write_text('{"not": "a tokenizer"}')
     GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=320).save_pretrained(paths["gpt2"])
@@ -830,6 +833,8 @@ BAD_INPUTS = [
     (["--resume", "{bad_manifest}"], "manifest.json is not valid JSON"),
     (["--model-dir", "{bad_weights}", *SMALL], "model.safetensors is not a readable safetensors"),
     (["--model-dir", "{bad_tokenizer}", *SMALL], "cannot read its tokenizer"),
+    # torch's text after the header: "re-running torch.load with weights_only set to False"
+    (["--model-dir", "{bad_bin}", *SMALL], "pytorch_model.bin is not a torch.save file: replace"),
     (["--model-dir", "{gpt2}", "--mode", "coat", *SMALL], "mode coat: apply_coat supports Llama"),
     (["--out", "{a_file}"], "a_file is a file: pass a directory"),
     (["--out", "{a_file}/run"], "a_file is a file, not a directory: pass another --out"),
@@ -1295,3 +1300,22 @@ def test_resume_from_another_out_into_an_earlier_run_is_refused(tmp_path, capsys
     assert code == 2 and "holds an earlier run's metrics: continued" in err
     assert run([*args, "--out", c, "--resume", older, *FAST], capsys)[0] == 0
     assert run([*args, "--out", b, "--resume", older, *FAST], capsys)[0] == 0
+
+
+def test_a_pickle_of_other_objects_in_model_dir_is_refused_without_torch_s_advice(tmp_path, capsys):
+    """A pytorch_model.bin whose pickle holds other objects is not run, and the one line
+    names the remedy (torch's text suggested loading it with weights_only=False: running the
+    file's code)."""
+    import datetime
+    import pickle
+
+    from coat_models.train.presets import preset_config
+
+    d = tmp_path / "model"
+    preset_config("tiny", data_vocab=257).save_pretrained(d)
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps(datetime.date(2020, 1, 1), protocol=2))
+    args = ["--batch-size", 2, "--seq-len", 32, "--corpus-mib", 1, "--no-progress"]
+    code, _, err = run(["--model-dir", d, "--steps", 2, "--out", tmp_path / "o", *args], capsys)
+    assert code == 2 and "Traceback" not in err and "weights_only" not in err, err
+    assert "pytorch_model.bin holds objects other than tensors and plain containers, or is no " \
+        "torch.save file: replace it (model.safetensors) or remove it" in err  # fmt: skip

@@ -112,6 +112,7 @@ def model_dir_config(path: str):
     has_weights = any((d / f).is_file() for f in _WEIGHT_FILES)
     if has_weights:
         _check_safetensors(d)
+        _check_bin(d)
     return config, has_weights
 
 
@@ -157,6 +158,23 @@ def _check_safetensors(d: Path) -> None:
                 f"--model-dir {d}: {name} is not a readable safetensors file ({e}): replace it "
                 "or remove it to train from random weights"
             ) from None
+
+
+def _check_bin(d: Path) -> None:
+    """A ``pytorch_model.bin`` that transformers would read (no safetensors beside it) must
+    begin as torch.save files do (a zip archive, or a pickle in the old format): anything
+    else is refused before the run touches its output directory. What the pickle holds is
+    checked when it is loaded (tensors only)."""
+    path = d / "pytorch_model.bin"
+    if not path.is_file() or any((d / f).is_file() for f in _WEIGHT_FILES[:2]):
+        return
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not (head == b"PK\x03\x04" or head[:1] == b"\x80"):
+        raise ModelError(
+            f"--model-dir {d}: pytorch_model.bin is not a torch.save file: replace it "
+            "(model.safetensors) or remove it to train from random weights"
+        )
 
 
 def check_weight_shapes(d: Path, model) -> None:
@@ -219,7 +237,15 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
                 weights_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
             )
         except (ValueError, OSError, pickle.UnpicklingError) as e:  # no causal LM, bad weights
-            raise ModelError(f"cannot load the model in {weights_dir}: {first_line(e)}") from None
+            why = first_line(e)
+            if "Weights only load failed" in why or isinstance(e, pickle.UnpicklingError):
+                # Not torch's advice (weights_only=False: running the file's code).
+                why = (
+                    "its pytorch_model.bin holds objects other than tensors and plain "
+                    "containers, or is no torch.save file: replace it (model.safetensors) or "
+                    "remove it to train from random weights"
+                )
+            raise ModelError(f"cannot load the model in {weights_dir}: {why}") from None
         model = model.to(device)
     else:
         try:
