@@ -4,6 +4,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 
 import coat_models
 import numpy as np
@@ -1319,3 +1320,22 @@ def test_a_pickle_of_other_objects_in_model_dir_is_refused_without_torch_s_advic
     assert code == 2 and "Traceback" not in err and "weights_only" not in err, err
     assert "pytorch_model.bin holds objects other than tensors and plain containers, or is no " \
         "torch.save file: replace it (model.safetensors) or remove it" in err  # fmt: skip
+
+
+def test_resume_takes_the_model_dir_however_it_is_written(tmp_path, capsys, monkeypatch):
+    """A run of --model-dir D resumes with D written as D/ or as a path relative to the
+    working directory (the settings compared the strings as typed: refused)."""
+    from coat_models.train.presets import preset_config
+
+    d = tmp_path / "model"
+    preset_config("tiny", data_vocab=257).save_pretrained(d)
+    args = ["--steps", 4, "--save-every", 2, "--no-export", "--out", tmp_path / "o"]
+    args += ["--batch-size", 2, "--seq-len", 32, "--corpus-mib", 1, "--no-progress"]
+    assert run(["--model-dir", d, *args], capsys)[0] == 0
+    shutil.rmtree(tmp_path / "o" / "bf16" / "checkpoints" / "step_0000004")
+    code, _, err = run(["--model-dir", f"{d}/", *args, "--resume"], capsys)
+    assert code == 0, err
+    monkeypatch.chdir(tmp_path)
+    shutil.rmtree(tmp_path / "o" / "bf16" / "checkpoints" / "step_0000004")
+    code, _, err = run(["--model-dir", "model", *args, "--resume"], capsys)
+    assert code == 0, err

@@ -405,7 +405,8 @@ def _settings(args):
     if args.model_dir:
         if args.vocab_size:
             raise UsageError("--vocab-size applies to presets; a --model-dir has its own")
-        return MODEL_DIR_DEFAULTS, f"model dir {args.model_dir}"
+        # Resolved: a resume names the same directory however it is written.
+        return MODEL_DIR_DEFAULTS, f"model dir {Path(args.model_dir).resolve()}"
     name = args.preset or "tiny"
     # A VLPreset has the training-default field names of a Preset.
     return PRESETS.get(name) or VL_PRESETS[name], f"preset {name}"

@@ -1048,6 +1048,16 @@ def _plain(v):
     return list(v) if isinstance(v, tuple) else v
 
 
+def _resolved(describe):
+    """A run's model description with its ``--model-dir`` resolved (checkpoints written
+    before coat-train resolved it record the path as typed: a trailing slash, or a relative
+    path, made a resume of the same run differ)."""
+    model = describe.get("model") if isinstance(describe, dict) else None
+    if not (isinstance(model, str) and model.startswith("model dir ")):
+        return describe
+    return {**describe, "model": f"model dir {Path(model[len('model dir ') :]).resolve()}"}
+
+
 def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, describe) -> None:
     """Refuse (``ResumeSettingsError``, naming each difference) to resume from checkpoint
     ``path`` whose ``recorded`` settings (``config``: its numerics, ``data``: the data's
@@ -1058,7 +1068,7 @@ def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, des
     }
     if recorded["data"] != fingerprint:
         diff["data"] = (recorded["data"], fingerprint)
-    if recorded["describe"] != describe:
+    if _resolved(recorded["describe"]) != _resolved(describe):
         diff["model"] = (recorded["describe"], describe)
     if diff:
         said = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
