@@ -1339,3 +1339,17 @@ def test_resume_takes_the_model_dir_however_it_is_written(tmp_path, capsys, monk
     shutil.rmtree(tmp_path / "o" / "bf16" / "checkpoints" / "step_0000004")
     code, _, err = run(["--model-dir", "model", *args, "--resume"], capsys)
     assert code == 0, err
+
+
+def test_resuming_one_mode_of_a_comparison_says_its_report_is_replaced(tmp_path, capsys):
+    """Plain --resume of one mode where --out's report compared two: the run says that the
+    comparison report is replaced and how to rebuild it (it was replaced without a word)."""
+    args = ["--steps", 4, "--save-every", 2, "--no-export", "--out", tmp_path, *FAST]
+    assert run(["--compare", "bf16,coat", *args], capsys)[0] == 0
+    code, _, err = run(["--compare", "bf16,coat", *args, "--resume"], capsys)
+    assert code == 0 and "note:" not in err, err
+    code, _, err = run(["--mode", "coat", *args, "--resume"], capsys)
+    assert code == 0, err
+    assert f"note: {tmp_path / 'summary.json'} compares bf16, coat; resuming coat alone " \
+        "replaces it and loss.png with a report of coat: --compare bf16,coat --resume " \
+        "rebuilds the comparison" in err  # fmt: skip

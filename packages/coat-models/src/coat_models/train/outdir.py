@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import sys
@@ -181,6 +182,7 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
                 raise _earlier_run(out / mode)
     elif args.resume == "latest":
         _check_resumable(out, modes)
+        _note_narrower_report(out, modes)
     else:
         if len(modes) != 1:
             raise UsageError(
@@ -244,6 +246,26 @@ def _check_elsewhere(ckpt: Path, mode_dir: Path) -> None:
             f"holds an earlier run's {' and '.join(held)}: continued there, the two runs would "
             f"mix; pass another --out (or delete {mode_dir})"
         )
+
+
+def _note_narrower_report(out: Path, modes: list[str]) -> None:
+    """Say so when plain ``--resume`` of fewer modes than ``--out``'s report compared will
+    replace that report with theirs (the other modes' files stay), and how to rebuild it."""
+    try:
+        runs = json.loads((out / "summary.json").read_text())["runs"]
+        there = [r["mode"] for r in runs]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if set(there) <= set(modes) or not set(modes) <= set(there):
+        return
+    both = ",".join(m for m in MODES if m in there)
+    say(
+        f"{PROG}: note: {out / 'summary.json'} compares {', '.join(there)}; resuming "
+        f"{', '.join(modes)} alone replaces it and loss.png with a report of "
+        f"{', '.join(modes)}: --compare {both} --resume rebuilds the comparison (a finished "
+        "mode is evaluated again, not trained)",
+        file=sys.stderr,
+    )
 
 
 def _check_resumable(out: Path, modes: list[str]) -> None:
