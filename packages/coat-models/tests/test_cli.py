@@ -870,6 +870,8 @@ BAD_INPUTS = [
     (["--compare", "bf16,coat-act", "--master-dtype", "bf16"], "has none: add one, or drop"),
     # data options that do not apply were ignored without a word
     (["--val-fraction", "0.2"], "--val-fraction applies to a --data file only: leave it out"),
+    # it said no standard-library files were found
+    (["--corpus-mib", "1e-9"], "--corpus-mib caps the built-in corpus below one byte: raise"),
     (["--data", "{ids_npy}", "--corpus-mib", "1"], "--corpus-mib applies to the built-in"),
     (["--data", "{ids_npy}", "--data-dtype", "int32"], "--data-dtype applies to a .bin --data"),
     (["--data", "{u64_npy}"], "token id 18446744073709551615 is beyond any vocabulary"),

@@ -111,6 +111,10 @@ def _fingerprint(train: np.ndarray, val: np.ndarray) -> str:
 def load_stdlib_corpus(max_bytes: int = STDLIB_MAX_BYTES, tokenizer=None) -> TokenData:
     """The embedded default corpus (see the module docstring)."""
     files = stdlib_sources(max_bytes)
+    if not files and max_bytes < 1:
+        raise DataError(
+            "--corpus-mib caps the built-in corpus below one byte: raise it, or pass --data FILE"
+        )
     if not files:
         raise DataError("found no standard-library .py files to train on: pass --data FILE")
     encode, eos, vocab = _encoder(tokenizer)
