@@ -988,11 +988,15 @@ def test_parser_error_is_printed_once_under_torchrun(capsys, monkeypatch):
     assert run(["--steps", "abc"], capsys)[2].count("coat-train: error: ") == 1
 
 
-def test_a_rank_without_torchrun_is_not_silent(tmp_path, capsys, monkeypatch):
-    """A RANK left in the environment without torchrun's WORLD_SIZE: a lone run, which
-    prints its errors, its progress and writes its report as rank 0 (it said nothing and
-    wrote no report: only rank 0 does)."""
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+@pytest.mark.parametrize("world", [None, "1"], ids=["no-world-size", "world-size-1"])
+def test_a_rank_without_torchrun_is_not_silent(tmp_path, capsys, monkeypatch, world):
+    """A RANK left in the environment without torchrun's WORLD_SIZE, or with a WORLD_SIZE of
+    1: a lone run, which prints its errors, its progress and writes its report as rank 0 (it
+    said nothing and wrote no report: only rank 0 does)."""
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
     monkeypatch.setenv("RANK", "1")
     assert run(["--steps", "abc"], capsys)[2].count("coat-train: error: ") == 1
     code, out, err = run(["--steps", 2, "--no-export", "--out", tmp_path, *FAST], capsys)
@@ -1282,25 +1286,37 @@ def test_refused_resume_names_the_remedy_and_writes_no_mode_dir(tmp_path, capsys
 
 
 def test_resume_from_another_out_into_an_earlier_run_is_refused(tmp_path, capsys):
-    """``--resume DIR`` of another --out into an --out whose mode holds an earlier run's
-    checkpoints or metrics is refused before anything is written (it appended the new run's
-    steps to the earlier run's metrics and replaced its checkpoints, exit 0); into an empty
-    --out it continues, and a checkpoint of the run itself (inside its --out) is taken too."""
+    """``--resume DIR`` of another run (other settings: another seed) into an --out whose
+    mode holds an earlier run's checkpoints is refused before anything is written, wherever
+    DIR is (it appended the new run's steps to the earlier run's metrics and replaced its
+    checkpoints, exit 0), as is one whose metrics of the steps up to DIR's no checkpoint
+    vouches for; a checkpoint of the run itself continues wherever it was copied, as does
+    any into an --out where nothing stands in the way."""
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     args = ["--mode", "coat", "--steps", 4, "--save-every", 2, "--eval-every", 2, "--no-export"]
     assert run([*args, "--seed", 1, "--out", a, *FAST], capsys)[0] == 0
     assert run([*args, "--out", b, *FAST], capsys)[0] == 0
     before = {p: p.read_bytes() for p in a.rglob("*") if p.is_file()}
     older = b / "coat" / "checkpoints" / "step_0000002"
-    code, _, err = run([*args, "--out", a, "--resume", older, *FAST], capsys)
-    assert code == 2 and "Traceback" not in err
-    assert f"--resume {older} is from outside --out {a}, where {a / 'coat'} holds an earlier " \
-        "run's checkpoints and metrics: continued there, the two runs would mix; pass another " \
-        "--out" in err  # fmt: skip
+    nested = a / "kept" / "step_0000002"  # another run's, inside --out: the same refusal
+    shutil.copytree(older, nested)
+    for ckpt in (older, nested):
+        code, _, err = run([*args, "--out", a, "--resume", ckpt, *FAST], capsys)
+        assert code == 2 and "Traceback" not in err
+        assert (
+            f"--resume {ckpt}: {a / 'coat'} holds checkpoints of another run (the settings "
+            f"differ from those of its newest checkpoint, {a / 'coat' / 'checkpoints'}" in err
+        )
+        assert "continued there, the two runs would mix; pass another --out" in err
+    shutil.rmtree(a / "kept")
     assert {p: p.read_bytes() for p in a.rglob("*") if p.is_file()} == before
+    backup = tmp_path / "backup" / "step_0000002"  # the run's own, copied elsewhere
+    shutil.copytree(a / "coat" / "checkpoints" / "step_0000002", backup)
+    assert run([*args, "--seed", 1, "--out", a, "--resume", backup, *FAST], capsys)[0] == 0
     (a / "coat" / "checkpoints").rename(tmp_path / "moved")  # the metrics alone
     code, _, err = run([*args, "--out", a, "--resume", older, *FAST], capsys)
-    assert code == 2 and "holds an earlier run's metrics: continued" in err
+    assert code == 2 and f"{a / 'coat' / 'metrics.jsonl'} holds records of steps up to " \
+        "its step 2 and no checkpoint of their run" in err  # fmt: skip
     assert run([*args, "--out", c, "--resume", older, *FAST], capsys)[0] == 0
     assert run([*args, "--out", b, "--resume", older, *FAST], capsys)[0] == 0
 

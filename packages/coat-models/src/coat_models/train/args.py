@@ -37,11 +37,14 @@ _SEE_HELP = ("unrecognized arguments", "the following arguments are required", "
 
 
 def env_rank() -> int:
-    """torchrun's ``RANK`` of this process, read where torchrun also set ``WORLD_SIZE``; 0
-    otherwise (a ``RANK`` left in the shell by something else made a lone run silent: only
-    rank 0 prints and writes the report)."""
-    rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE")
-    return int(rank) if world is not None and rank.isdigit() else 0
+    """torchrun's ``RANK`` of this process: read where torchrun's ``WORLD_SIZE`` makes it one
+    of several processes and the rank is one of them; 0 otherwise (a ``RANK`` left in the
+    shell by something else made a lone run silent: only rank 0 prints and writes the
+    report)."""
+    rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
+    if rank.isdigit() and world.isdigit() and int(rank) < int(world):
+        return int(rank)
+    return 0
 
 
 class OneLineParser(argparse.ArgumentParser):

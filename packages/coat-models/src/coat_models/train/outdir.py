@@ -67,7 +67,8 @@ def check_out(out: Path, modes: list[str]) -> None:
         )
     if out.is_symlink() and not out.exists():
         raise UsageError(
-            f"--out {out} is a link to {os.readlink(out)}, which does not exist: create that "
+            f"--out {out} is a link to {os.path.normpath(out.parent / os.readlink(out))}, "
+            "which does not exist: create that "
             "directory, or pass another --out"
         )
     if out.exists() and not out.is_dir():
@@ -224,27 +225,38 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
 
 
 def _check_elsewhere(ckpt: Path, mode_dir: Path) -> None:
-    """A checkpoint from outside this ``--out`` continued into ``mode_dir``: only where no
-    earlier run left checkpoints or metrics there, which the continued run would mix with
-    its own (metrics of two runs in one file, the earlier run's checkpoints beside the new
-    one's, then replaced by them). One inside it is the run's own (an older checkpoint, or
-    one kept aside): the run goes on from there."""
-    ckpts = mode_dir / "checkpoints"
-    if ckpt.resolve().is_relative_to(mode_dir.parent.resolve()):
-        return
-    held = [
-        what
-        for what, there in (
-            ("checkpoints", checkpoint.has_checkpoints(ckpts)),
-            ("metrics", (mode_dir / "metrics.jsonl").exists()),
-        )
-        if there
-    ]
-    if held:
+    """A checkpoint continued into ``mode_dir`` must not mix two runs there: where the
+    mode's directory holds checkpoints, the named one must have the settings of their
+    newest (its own run's: an older checkpoint, one kept aside or backed up anywhere; a run
+    with other settings would put its steps after the earlier run's in one metrics file and
+    replace its checkpoints); where it holds metrics only (no checkpoint vouches for them),
+    none may be of the steps up to the named checkpoint's (those are kept as the run's)."""
+    ckpts, metrics = mode_dir / "checkpoints", mode_dir / "metrics.jsonl"
+    given = checkpoint.read_manifest(ckpt)
+    if checkpoint.has_checkpoints(ckpts):
+        try:
+            newest = checkpoint.newest(ckpts)
+            theirs = None if newest is None else checkpoint.read_manifest(newest).info
+        except CheckpointError:
+            newest = theirs = None
+        if theirs is not None and theirs.get("settings") == given.info.get("settings"):
+            return
+        which = f"those of its newest checkpoint, {newest}" if newest else "its checkpoints'"
         raise UsageError(
-            f"--resume {ckpt} is from outside --out {mode_dir.parent}, where {mode_dir} "
-            f"holds an earlier run's {' and '.join(held)}: continued there, the two runs would "
-            f"mix; pass another --out (or delete {mode_dir})"
+            f"--resume {ckpt}: {mode_dir} holds checkpoints of another run (the settings "
+            f"differ from {which}): continued there, the two runs would mix; pass another "
+            f"--out (or delete {mode_dir})"
+        )
+    step = given.step or 0
+    try:
+        earlier = bool(step and metrics_until(metrics, step))
+    except (OSError, ReportError, ValueError):
+        earlier = True
+    if earlier:
+        raise UsageError(
+            f"--resume {ckpt}: {metrics} holds records of steps up to its step {step} and no "
+            "checkpoint of their run: continued there, two runs' metrics could mix; pass "
+            f"another --out (or move {metrics} away)"
         )
 
 
@@ -262,8 +274,8 @@ def _note_narrower_report(out: Path, modes: list[str]) -> None:
     say(
         f"{PROG}: note: {out / 'summary.json'} compares {', '.join(there)}; resuming "
         f"{', '.join(modes)} alone replaces it and loss.png with a report of "
-        f"{', '.join(modes)}: --compare {both} --resume rebuilds the comparison (a finished "
-        "mode is evaluated again, not trained)",
+        f"{', '.join(modes)}: --compare {both} --resume rebuilds the comparison (each mode "
+        "goes on from its newest checkpoint, one at its last step is evaluated again)",
         file=sys.stderr,
     )
 
