@@ -762,6 +762,9 @@ def _inputs(tmp_path) -> dict:
     llava_tiny_config().save_pretrained(paths["llava"])
     paths["dangling"] = tmp_path / "dangling"
     os.symlink(tmp_path / "nowhere" / "x", paths["dangling"])
+    (tmp_path / "sub").mkdir()
+    paths["relative"] = tmp_path / "sub" / "relative"
+    os.symlink("../gone", paths["relative"])  # relative to the link's folder
     return {name.replace(".", "_"): path for name, path in paths.items()} | {"tmp": tmp_path}
 
 
@@ -842,6 +845,7 @@ BAD_INPUTS = [
     (["--out", "/proc/coat-train-test/run"], "cannot create a directory in /proc"),
     # "File exists" and "File name too long" after the header, exit 1
     (["--out", "{dangling}"], "dangling is a link to {tmp}/nowhere/x, which does not exist"),
+    (["--out", "{relative}"], "relative is a link to {tmp}/gone, which does not exist"),
     (["--out", "{tmp}/" + "a" * 300], "is 300 bytes long, more than a file name may be here"),
     (["--mode", "bf16", "--cuda-graphs"], "add a mode with FP8 activations"),
     (["--mode", "coat", "--cuda-graphs", "--fp8-weight-cache"], "drop --fp8-weight-cache"),
