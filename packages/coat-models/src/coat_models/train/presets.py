@@ -166,7 +166,8 @@ def _check_bin(d: Path) -> None:
     else is refused before the run touches its output directory. What the pickle holds is
     checked when it is loaded (tensors only)."""
     path = d / "pytorch_model.bin"
-    if not path.is_file() or any((d / f).is_file() for f in _WEIGHT_FILES[:2]):
+    safetensors = ("model.safetensors", "model.safetensors.index.json")  # read instead
+    if not path.is_file() or any((d / f).is_file() for f in safetensors):
         return
     with open(path, "rb") as f:
         head = f.read(4)
