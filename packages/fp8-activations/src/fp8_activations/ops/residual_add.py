@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from fp8_quant import FP8Format
 from fp8_quant.ops import hw_cast_supported, launch
+from torch.autograd.function import once_differentiable
 
 from .. import reference
 from ._common import (
@@ -112,7 +113,9 @@ def with_residual_add(base: type[torch.autograd.Function], n_inputs: int, name: 
     def backward(ctx, dy, *_):
         if dy is None:
             return (None,) * (n_inputs + 3)
-        grads = base.backward(ctx, dy)
+        # (base's body: this backward is once_differentiable itself, and dynamo inlines
+        # only the outermost such wrapper)
+        grads = getattr(base.backward, "__wrapped__", base.backward)(ctx, dy)
         d_residual = dy.reshape(ctx.residual_shape) if ctx.needs_input_grad[n_inputs] else None
         return (*grads, d_residual, None, None)
 
@@ -122,6 +125,6 @@ def with_residual_add(base: type[torch.autograd.Function], n_inputs: int, name: 
         {
             "__doc__": f"``{base.__name__}`` then ``+ residual`` (``with_residual_add``).",
             "forward": staticmethod(forward),
-            "backward": staticmethod(backward),
+            "backward": staticmethod(once_differentiable(backward)),
         },
     )

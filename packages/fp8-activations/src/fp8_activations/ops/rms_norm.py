@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 from fp8_quant import FP8Format
 from fp8_quant.ops import hw_cast_supported, launch
+from torch.autograd.function import once_differentiable
 
 from .. import reference
 from ._common import (
@@ -207,6 +208,7 @@ class RMSNormFunction(torch.autograd.Function):
         return unrows(y, ctx.x_shape), *hand
 
     @staticmethod
+    @once_differentiable  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dy, *_):
         x_q, x_s, weight = ctx.saved_tensors
         dx, dw = rms_norm_bwd(rows(dy), x_q, x_s, weight, ctx.eps, ctx.group_size, ctx.backend, [])

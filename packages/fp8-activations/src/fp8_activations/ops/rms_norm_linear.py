@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from fp8_quant import FP8Format
 from fp8_quant.ops import hw_cast_supported, launch
+from torch.autograd.function import once_differentiable
 
 from .. import reference
 from ._common import (
@@ -145,6 +146,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
         return tuple(unrows(y, ctx.x_shape) for y in outs)
 
     @staticmethod
+    @once_differentiable  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, *dys):
         n = ctx.n
         x_q, x_s, rstd, norm_weight, amax, y_s, *rest = ctx.saved_tensors

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 from fp8_quant import FP8Format
 from fp8_quant.ops import hw_cast_supported, launch
+from torch.autograd.function import once_differentiable
 
 from .. import reference
 from ._common import (
@@ -125,6 +126,7 @@ class SiLUFunction(torch.autograd.Function):
         return y, *hand
 
     @staticmethod
+    @once_differentiable  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dy, *_):
         x_q, x_s = ctx.saved_tensors
         dx = silu_bwd(dy.contiguous(), x_q, x_s, ctx.group_size, ctx.backend)

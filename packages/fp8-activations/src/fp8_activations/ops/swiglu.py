@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 from fp8_quant import FP8Format
 from fp8_quant.ops import hw_cast_supported, launch
+from torch.autograd.function import once_differentiable
 
 from .. import reference
 from ..tensor import attach
@@ -165,6 +166,7 @@ class SwiGLUFunction(torch.autograd.Function):
         return y, *hand
 
     @staticmethod
+    @once_differentiable  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dy, *_):
         d_gate, d_up, dg_a, du_a = swiglu_bwd(
             dy.contiguous(), *ctx.saved_tensors, ctx.group_size, True, ctx.backend
