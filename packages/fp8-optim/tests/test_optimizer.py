@@ -795,6 +795,8 @@ _BAD_STATES = {
     "step-negative": (_add("step", torch.tensor(-1.0)), "step"),
     "step-fraction": (_add("step", torch.tensor(2.5)), "step"),
     "step-vector": (_add("step", torch.ones(2)), "step"),
+    # it loaded as step 0: bias correction restarted with the moments kept
+    "no-step": (_drop("step"), "has no 'step'"),
     "moment-not-tensor": (_add("exp_avg", 0.0), "not a tensor"),
 }
 
@@ -897,3 +899,17 @@ def test_every_state_training_makes_loads_bit_exactly(cfg, h):
     h.run_steps(params, opt, 1, seed=4)
     h.run_steps(clones, opt2, 1, seed=4)
     h.assert_same_state(opt, params, opt2, clones)
+
+
+def test_loaded_tensor_lr_is_a_copy():
+    """A tensor lr in the loaded groups is copied, as torch's optimizers copy them: shared,
+    a scheduler stepping the optimizer that saved it moved the loading one's lr too."""
+    a = CoatAdamW([torch.nn.Parameter(torch.zeros(4))], lr=torch.tensor(1e-3))
+    b = CoatAdamW([torch.nn.Parameter(torch.zeros(4))], lr=torch.tensor(1e-3))
+    b.load_state_dict(a.state_dict())
+    a.param_groups[0]["params"][0].grad = torch.ones(4)
+    sched = torch.optim.lr_scheduler.StepLR(a, 1, gamma=0.1)
+    a.step()
+    sched.step()
+    assert b.param_groups[0]["lr"].item() == pytest.approx(1e-3)
+    assert a.param_groups[0]["lr"].item() == pytest.approx(1e-4)

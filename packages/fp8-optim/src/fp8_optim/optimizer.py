@@ -436,7 +436,13 @@ class CoatAdamW(torch.optim.Optimizer):
             if s.get("amsgrad", False):
                 raise ValueError("cannot load an amsgrad=True AdamW state dict into CoatAdamW")
             _check_group_keys(s)
-            ng = {k: v for k, v in s.items() if k not in _ADAMW_ONLY_KEYS}
+            # Tensor values (a tensor lr) copied, as torch's optimizers copy the saved
+            # groups: shared, a scheduler stepping the saving optimizer moved this one's too.
+            ng = {
+                k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in s.items()
+                if k not in _ADAMW_ONLY_KEYS
+            }
             ng.setdefault("maximize", False)
             ng["params"] = g["params"]
             if "param_names" in g:  # as torch does: saved names win, else ours stay
@@ -526,7 +532,9 @@ class CoatAdamW(torch.optim.Optimizer):
                 "materialize the model (to_empty + load the weights) before loading"
             )
         where = f"state of parameter {pid!r} (shape {tuple(p.shape)})"
-        step = torch.as_tensor(s.get("step", 0.0)).detach()
+        if "step" not in s:  # (bias correction would restart with the moments kept)
+            raise ValueError(f"{where} has no 'step': pass the state dict as it was saved")
+        step = torch.as_tensor(s["step"]).detach()
         _check_step(step, where)
         out = {"step": step.to(torch.float32).reshape(()).to(p.device).clone()}
         for name in _MOMENTS:
