@@ -170,3 +170,26 @@ def test_auto_backend_is_triton_on_cuda(cuda, monkeypatch):
     monkeypatch.setattr(fp8_quant.api, "_triton_ops", lambda: calls.append(1) or ops)
     quantize_per_group(torch.randn(4, 16, device=cuda))
     assert calls == [1]
+
+
+def test_dequantize_refuses_what_its_quantizer_did_not_return():
+    """Scales of another group size or layout, raw bytes, a vector as the per-tensor scale:
+    refused (they gave wrong values without a word); what the quantizer returned goes back
+    to the input's values."""
+    fq = fp8_quant
+    x = torch.randn(4, 32)
+    q, s = fq.quantize_per_group(x, 16)
+    with pytest.raises(ValueError, match=r"scales has shape \(4, 2\), but q of shape \(4, 32\) "
+                       r"needs \(4, 1\): pass the scales its quantizer returned"):  # fmt: skip
+        fq.dequantize_per_group(q, s, 32)
+    with pytest.raises(ValueError, match=r"needs \(4, 2\)"):
+        fq.dequantize_per_group(q, s[:, :1], 16)
+    with pytest.raises(TypeError, match="q must be FP8 codes"):
+        fq.dequantize_per_group(q.view(torch.uint8), s, 16)
+    qt, st = fq.quantize_per_tensor(x)
+    with pytest.raises(ValueError, match=r"scale has shape \(32,\), but q of shape \(4, 32\)"):
+        fq.dequantize_per_tensor(qt, torch.ones(32))
+    with pytest.raises(TypeError, match="scale must be a float32 tensor, got float"):
+        fq.dequantize_per_tensor(qt, 2.0)
+    assert (fq.dequantize_per_group(q, s, 16) - x).abs().max() < 0.1 * x.abs().max()
+    assert (fq.dequantize_per_tensor(qt, st) - x).abs().max() < 0.1 * x.abs().max()

@@ -230,10 +230,27 @@ def quantize_per_block(
     return reference.quantize_per_block(x, tuple(block), fmt)
 
 
+def _check_dequantize(q, scales, shape: tuple, names: str) -> None:
+    """``q`` FP8 codes and ``scales`` fp32 of ``shape`` (what the quantizer returned): a
+    mismatch (another group size, block or layout, raw bytes) gave wrong values."""
+    if not isinstance(q, torch.Tensor) or q.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        got = type(q).__name__ if not isinstance(q, torch.Tensor) else q.dtype
+        raise TypeError(f"q must be FP8 codes (float8_e4m3fn or float8_e5m2), got {got}")
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
+        got = type(scales).__name__ if not isinstance(scales, torch.Tensor) else scales.dtype
+        raise TypeError(f"{names} must be a float32 tensor, got {got}")
+    if tuple(scales.shape) != shape:
+        raise ValueError(
+            f"{names} has shape {tuple(scales.shape)}, but q of shape {tuple(q.shape)} needs "
+            f"{shape}: pass the {names} its quantizer returned, with the same settings"
+        )
+
+
 def dequantize_per_tensor(
     q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``q.float() * scale`` cast to ``dtype``."""
+    _check_dequantize(q, scale, (), "scale")
     return reference.dequantize_per_tensor(q, scale, dtype)
 
 
@@ -245,6 +262,9 @@ def dequantize_per_group(
 ) -> torch.Tensor:
     """Inverse of ``quantize_per_group``: each group times its scale, cast to ``dtype``."""
     check_group_size(group_size)
+    if isinstance(q, torch.Tensor) and q.dim():
+        groups = -(-q.shape[-1] // group_size)
+        _check_dequantize(q, scales, (*q.shape[:-1], groups), "scales")
     return reference.dequantize_per_group(q, scales, group_size, dtype)
 
 
