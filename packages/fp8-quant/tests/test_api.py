@@ -193,3 +193,14 @@ def test_dequantize_refuses_what_its_quantizer_did_not_return():
         fq.dequantize_per_tensor(qt, 2.0)
     assert (fq.dequantize_per_group(q, s, 16) - x).abs().max() < 0.1 * x.abs().max()
     assert (fq.dequantize_per_tensor(qt, st) - x).abs().max() < 0.1 * x.abs().max()
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16), (0, 20)])
+def test_empty_inputs_per_group_on_both_backends(shape, interpreter):
+    """An empty tensor whose last dim is not: the shapes of the Triton backend on the
+    reference one too (it raised: a reshape could not infer -1 from no elements)."""
+    x = torch.empty(shape)
+    for backend in ("reference", "triton"):
+        q, s = fp8_quant.quantize_per_group(x, 16, backend=backend)
+        assert q.shape == shape and s.shape == (*shape[:-1], -(-shape[-1] // 16))
+        assert fp8_quant.dequantize_per_group(q, s, 16).shape == shape

@@ -142,7 +142,8 @@ def quantize_per_group(
     g = _split_groups(x.float(), group_size)
     scales = scale_from_amax(g.abs().amax(dim=-1), fmt)
     q = _cast(g, scales.unsqueeze(-1), fmt)
-    q = q.reshape(*x.shape[:-1], -1)[..., :last]
+    # (the padded width spelled out: -1 cannot be inferred for an empty x)
+    q = q.reshape(*x.shape[:-1], g.shape[-2] * g.shape[-1])[..., :last]
     return q.contiguous(), scales
 
 
@@ -151,7 +152,7 @@ def dequantize_per_group(
 ) -> torch.Tensor:
     last = q.shape[-1]
     g = _split_groups(q.float(), group_size) * scales.unsqueeze(-1)
-    return g.reshape(*q.shape[:-1], -1)[..., :last].to(dtype)
+    return g.reshape(*q.shape[:-1], g.shape[-2] * g.shape[-1])[..., :last].to(dtype)
 
 
 # ----------------------------------------------------------------------------- per block
