@@ -134,8 +134,10 @@ _ATTR = "_fp8_hand_over"
 
 
 def attach(y: torch.Tensor, fp8: FP8Tensor | None = None, group_amax: torch.Tensor | None = None):
-    """Attach a producing op's FP8 form or group maxima of ``y`` to ``y`` (eager mode only)."""
-    setattr(y, _ATTR, HandOver(y._version, fp8, group_amax))
+    """Attach a producing op's FP8 form or group maxima of ``y`` to ``y`` (eager mode only;
+    nothing for an inference-mode tensor, which has no version counter to check it by)."""
+    if not y.is_inference():
+        setattr(y, _ATTR, HandOver(y._version, fp8, group_amax))
 
 
 def attach_per_tensor(x: torch.Tensor, q_qt_scale: tuple, key: tuple) -> None:
@@ -143,6 +145,8 @@ def attach_per_tensor(x: torch.Tensor, q_qt_scale: tuple, key: tuple) -> None:
     what a producer attached (kept while still valid). Eager mode only: the next linear on
     the same ``x`` (same object and ``_version``) then reuses it instead of quantizing
     again, and saves the very same ``q.T`` (one saved copy for Q/K/V or gate/up)."""
+    if x.is_inference():  # (no version counter)
+        return
     h = handed_over(x)
     if h is None:
         h = HandOver(x._version)

@@ -386,7 +386,9 @@ class WeightCast:
 def fill_weight_caches(weights: list[Tensor], fmt: FP8Format, backend: str, amaxes) -> None:
     """``weight_fp8`` for every weight of ``weights`` whose cached copy is stale, in one
     launch: both layouts of each, from its max |w| (``amaxes``, one per weight)."""
-    stale = [i for i, w in enumerate(weights) if not weight_cache_fresh(w, fmt)]
+    stale = [  # (an inference-mode weight keeps no copy: weight_fp8 casts it each time)
+        i for i, w in enumerate(weights) if not w.is_inference() and not weight_cache_fresh(w, fmt)
+    ]
     if not stale:
         return
     ws = [weights[i].detach() for i in stale]
@@ -488,6 +490,8 @@ def weight_fp8(
     storage (``.data =`` swaps, ``.to()``), so it never goes stale; micro-batches between two
     optimizer steps reuse it.
     """
+    if weight.is_inference():  # no version counter to key a copy on: cast, keep nothing
+        return quantize_t(weight.detach(), fmt.value, amax, backend)
     key = _cache_key(weight, fmt)
     hit = getattr(weight, _CACHE_ATTR, None)
     if hit is not None and hit[0] == key:
@@ -505,7 +509,7 @@ def weight_cache_fresh(weight: Tensor, fmt: FP8Format) -> bool:
     """Whether ``weight_fp8(weight, fmt, ...)`` would return its cached copy (no cast, so
     no max |w| needed)."""
     hit = getattr(weight, _CACHE_ATTR, None)
-    return hit is not None and hit[0] == _cache_key(weight, fmt)
+    return hit is not None and not weight.is_inference() and hit[0] == _cache_key(weight, fmt)
 
 
 def cached_weight_fp8(weight: Tensor) -> tuple[Tensor, ...]:
