@@ -78,6 +78,11 @@ def _swap(module: nn.Module, fqn: str, fn: Callable[[nn.Module, str], nn.Module 
     return module
 
 
+def _check_module(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
 def _check_filter(module_filter_fn) -> None:
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise TypeError(
@@ -95,19 +100,24 @@ def convert_to_fp8_activations(
     """Replace supported modules of ``model`` by FP8 modules, in place; returns the model
     (a new object only when ``model`` itself is a supported module).
 
-    ``config`` (keyword-only): ``FP8ActivationConfig``, ``None`` for its defaults.
+    ``config`` (keyword-only): ``FP8ActivationConfig``, ``None`` for its defaults; modules
+    converted before take it too (called again, it re-applies, as ``apply_coat`` does).
     ``module_filter_fn(module, fqn) -> bool``, ``fqn`` the module's name in
     ``model.named_modules()`` (``""`` for ``model`` itself): called, top down, for each
-    module not yet converted; where it returns False that module stays as it is (its
-    children are still visited), e.g. ``lambda m, fqn: "lm_head" not in fqn``.
+    module; where it returns False that module stays as it is (its children are still
+    visited), e.g. ``lambda m, fqn: "lm_head" not in fqn``.
 
     >>> model = convert_to_fp8_activations(nn.Sequential(nn.Linear(64, 64), nn.GELU()))
     """
+    _check_module(model)
     config = _config(config)
     _check_filter(module_filter_fn)
 
     def fn(m, fqn):
-        if isinstance(m, _FP8Module) or (module_filter_fn and not module_filter_fn(m, fqn)):
+        if module_filter_fn and not module_filter_fn(m, fqn):
+            return None
+        if isinstance(m, _FP8Module):  # converted before: this call's config
+            m.config = config
             return None
         return _fp8_twin(m, config)
 
@@ -120,6 +130,7 @@ def revert_fp8_activations(
     """Inverse of ``convert_to_fp8_activations``: FP8 modules back to the originals (sharing
     the current Parameters), in place; ``module_filter_fn(module, fqn) -> bool`` as there
     (called for each FP8 module)."""
+    _check_module(model)
     _check_filter(module_filter_fn)
 
     def fn(m, fqn):
