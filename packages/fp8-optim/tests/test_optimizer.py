@@ -913,3 +913,21 @@ def test_loaded_tensor_lr_is_a_copy():
     sched.step()
     assert b.param_groups[0]["lr"].item() == pytest.approx(1e-3)
     assert a.param_groups[0]["lr"].item() == pytest.approx(1e-4)
+
+
+def test_a_parameter_cast_to_fp16_after_its_state_was_made_is_refused():
+    """``model.half()`` after a step: the next step refuses the fp16 parameter as the
+    constructor does (the check ran only when a state was made: fp16 weights were updated
+    without a word), and leaves the weights as they were."""
+    m = torch.nn.Linear(16, 16)
+    opt = CoatAdamW(m.parameters())
+    m(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    m.half()
+    m(torch.randn(2, 16, dtype=torch.half)).sum().backward()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(TypeError, match="CoatAdamW updates float32 or bfloat16 parameters, got "
+                       "torch.float16"):  # fmt: skip
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters(), strict=True))

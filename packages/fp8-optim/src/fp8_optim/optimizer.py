@@ -245,6 +245,9 @@ class CoatAdamW(torch.optim.Optimizer):
                 self._init_state(t, state)
             key = (self._backend(t, resolved), t.get_device(), t.dtype, g.dtype)
             buckets.setdefault(key, []).append(p)
+        for key, ps in buckets.items():  # per bucket: a parameter cast after its state was
+            if key[2] not in _PARAM_DTYPES:  # made (model.half()) is refused at every step
+                _check_param(self._tensor(ps[0]))
         return [
             (gi, group, key, ps, scales.on(self._tensor(ps[0]).device))
             for key, ps in buckets.items()
