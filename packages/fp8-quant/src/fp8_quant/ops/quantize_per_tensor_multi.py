@@ -142,11 +142,15 @@ def _launch_slots(xs, fmt, amaxes, row, col):
     # inputs too (no input is passed twice either); eagerly the real buffers do (no
     # allocation).
     traced = launches_traced()
-    spare = traced and (
-        torch.empty(1, device=device, dtype=torch.uint8),
-        scalar_out(device),
-        torch.empty(1, device=device, dtype=xs[0].dtype),
-        scalar_out(device),
+    spare = (
+        traced
+        and len(xs) > 3
+        and (  # (the kernels of one to three slots have no spare)
+            torch.empty(1, device=device, dtype=torch.uint8),
+            scalar_out(device),
+            torch.empty(1, device=device, dtype=xs[0].dtype),
+            scalar_out(device),
+        )
     )
     for x, amax in zip(xs, amaxes, strict=True):
         m, n = x.shape
