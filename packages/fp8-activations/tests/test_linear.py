@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fp8_activations import FP8ActivationConfig
-from fp8_activations.ops.linear import _CACHE_ATTR, scaled_mm_supported
+from fp8_activations.ops.linear import cached_weight_fp8, scaled_mm_supported
 
 FLOORS = {"out": 24, 0: 20, 1: 20, 2: 45}
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
@@ -89,7 +89,7 @@ def test_saves_only_fp8_transposed_input(cache, saved):
     w.requires_grad_()
     with saved.record():
         fa.fp8_linear(x, w, b, FP8ActivationConfig(weight_cache=cache))
-    cached = getattr(w, _CACHE_ATTR, (None, (None, None, None)))[1]
+    cached = cached_weight_fp8(w) or (None, None, None)
     assert (cached[0] is not None) == cache
     assert saved.activation_bytes(w, *cached) == x.numel() + 4 + (0 if cache else 4)
     x_t = saved[0]
@@ -119,7 +119,7 @@ def test_linears_on_one_input_share_its_fp8_copy(cache, saved, monkeypatch):
         with rec.record():
             ys = [fa.fp8_linear(x_, w, None, cfg) for w in ws]
         sum(y.float().square().sum() for y in ys).backward()
-        cached = [t for w in ws for t in getattr(w, _CACHE_ATTR, (None, ()))[1]] if cache else []
+        cached = [t for w in ws for t in cached_weight_fp8(w)] if cache else []
         runs[flow] = ys, [x_.grad, *(w.grad for w in ws)], rec.activation_bytes(*ws, *cached)
     (ys, grads, shared), (ys0, grads0, separate) = runs[True], runs[False]
     for a, b in zip([*ys, *grads], [*ys0, *grads0], strict=True):
@@ -159,12 +159,12 @@ def test_weight_cache_one_cast_per_version():
     w = torch.nn.Parameter(w)
     cfg = FP8ActivationConfig()
     fa.fp8_linear(x, w, None, cfg).sum().backward()
-    first = getattr(w, _CACHE_ATTR)[1]
+    first = cached_weight_fp8(w)
     fa.fp8_linear(x, w, None, cfg).sum().backward()
-    assert getattr(w, _CACHE_ATTR)[1] is first  # no re-cast within a step
+    assert cached_weight_fp8(w)[0] is first[0]  # no re-cast within a step
     torch.optim.SGD([w], lr=0.1).step()
     y = fa.fp8_linear(x, w, None, cfg)
-    assert getattr(w, _CACHE_ATTR)[1] is not first
+    assert cached_weight_fp8(w)[0] is not first[0]
     fresh = fa.fp8_linear(x, w, None, FP8ActivationConfig(weight_cache=False))
     torch.testing.assert_close(y, fresh, rtol=0, atol=0)
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fp8_activations import FP8ActivationConfig
-from fp8_activations.ops.linear import _CACHE_ATTR
+from fp8_activations.ops.linear import cached_weight_fp8
 from fp8_activations.tensor import handed_over
 from fp8_quant import FP8Format
 from fp8_quant import reference as qref
@@ -89,7 +89,7 @@ def test_matches_unfused_and_saves_less(cache, backend, saved):
     for fn in (_fused, _unfused):
         rec = type(saved)()
         outs, grads, ts = _run(fn, inputs, cfg, rec)
-        cached = [t for w in ts[2:5] for t in getattr(w, _CACHE_ATTR, (None, ()))[1]]
+        cached = [t for w in ts[2:5] for t in cached_weight_fp8(w)]
         runs.append((outs, grads, rec.activation_bytes(*ts[1:], *cached)))
     (f_outs, f_grads, f_bytes), (u_outs, u_grads, u_bytes) = runs
     exact = zip(f_outs + f_grads[:2] + f_grads[5:], u_outs + u_grads[:2] + u_grads[5:], strict=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fp8_activations import FP8ActivationConfig
-from fp8_activations.ops.linear import _CACHE_ATTR
+from fp8_activations.ops.linear import cached_weight_fp8
 
 FLOORS = {"out": 24, 0: 18, 1: 18, 2: 20, 3: 45}
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
@@ -56,7 +56,7 @@ def test_matches_unfused_and_saves_less(cache, saved):
             y = fn(*ts, FP8ActivationConfig(weight_cache=cache))
         y.backward(dy)
         w = ts[2]
-        cached = getattr(w, _CACHE_ATTR, (None, ()))[1] if cache else ()
+        cached = cached_weight_fp8(w) if cache else ()
         runs.append(([y, ts[0].grad, ts[1].grad, ts[3].grad], rec.activation_bytes(w, *cached)))
     (fused, fused_bytes), (ref, ref_bytes) = runs
     for a, b in zip(fused, ref, strict=True):

@@ -101,3 +101,42 @@ def test_weight_cache_fresh_tracks_versions():
     with torch.no_grad():
         w.mul_(1)
     assert not fa.weight_cache_fresh([w], cfg)
+
+
+def test_weight_cache_stays_out_of_saved_and_copied_models():
+    """The weight cache lives beside the weights: ``torch.save(model)`` after a forward
+    writes the bytes it wrote before it (it wrote the FP8 copies too, 1.5x), a copy or a
+    reloaded model holds no copy and answers with the original's bits, and a weight's copy
+    goes with the weight."""
+    import copy
+    import gc
+    import io
+
+    from fp8_activations.ops import cached_weight_fp8
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = fa.convert_to_fp8_activations(nn.Sequential(nn.Linear(K, K), nn.Linear(K, K)))
+    x = torch.randn(4, K)
+
+    def saved() -> bytes:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        return buf.getvalue()
+
+    before = saved()
+    with torch.no_grad():
+        y = model(x)
+    assert all(cached_weight_fp8(m.weight) for m in model)
+    assert len(saved()) == len(before)
+    loaded = torch.load(io.BytesIO(saved()), weights_only=False)
+    for other in (loaded, copy.deepcopy(model)):
+        assert not any(cached_weight_fp8(m.weight) for m in other)
+        with torch.no_grad():
+            torch.testing.assert_close(other(x), y, rtol=0, atol=0)
+    from fp8_activations.ops.linear import _WEIGHT_CACHE
+
+    n = len(_WEIGHT_CACHE)
+    del loaded, other
+    gc.collect()
+    assert len(_WEIGHT_CACHE) == n - 4  # the two models' two weights each

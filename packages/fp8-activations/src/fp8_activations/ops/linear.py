@@ -17,6 +17,7 @@ the fly in forward and again in backward.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -394,7 +395,7 @@ def fill_weight_caches(weights: list[Tensor], fmt: FP8Format, backend: str, amax
     ws = [weights[i].detach() for i in stale]
     casts = _multi(ws[0], backend)(ws, fmt, [amaxes[i] for i in stale], True, True)
     for i, cast in zip(stale, casts, strict=True):
-        setattr(weights[i], _CACHE_ATTR, (_cache_key(weights[i], fmt), cast))
+        _cache_put(weights[i], _cache_key(weights[i], fmt), cast)
 
 
 _SCALED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -476,7 +477,34 @@ class FP8LinearFunction(torch.autograd.Function):
 
 
 # ------------------------------------------------------------ launch-time decisions
-_CACHE_ATTR = "_fp8_weight_cache"
+# The weight cache: id(weight) -> (weakref to the weight, key, (w_q, w_t, scale)). Kept
+# beside the weights, not on them: a copy on the Parameter went into ``torch.save(model)``,
+# ``pickle`` and ``copy.deepcopy`` with it (stale there: its key names the old storage). An
+# entry goes when its weight does (the weakref's callback).
+_WEIGHT_CACHE: dict[int, tuple] = {}
+
+
+def _cache_hit(weight: Tensor) -> tuple | None:
+    """``(key, cast)`` cached for ``weight`` (whatever version it was made from), or None."""
+    hit = _WEIGHT_CACHE.get(id(weight))
+    if hit is None or hit[0]() is not weight:  # (an id reused before the callback ran)
+        return None
+    return hit[1:]
+
+
+def _cache_put(weight: Tensor, key: tuple, cast) -> None:
+    i = id(weight)
+    hit = _WEIGHT_CACHE.get(i)
+    ref = hit[0] if hit is not None and hit[0]() is weight else None
+    if ref is None:
+
+        def drop(r, i=i):
+            entry = _WEIGHT_CACHE.get(i)
+            if entry is not None and entry[0] is r:
+                del _WEIGHT_CACHE[i]
+
+        ref = weakref.ref(weight, drop)
+    _WEIGHT_CACHE[i] = (ref, key, cast)
 
 
 def weight_fp8(
@@ -485,19 +513,19 @@ def weight_fp8(
     """``(w_q, w_t, scale)`` of ``weight``, cast once per weight version (from ``amax``, the
     weight's max |w|, when given).
 
-    The copy lives on the weight tensor itself and is keyed on ``weight._version`` (bumped by
-    every in-place update: optimizer steps, ``load_state_dict``, ``zero_``) and on its
-    storage (``.data =`` swaps, ``.to()``), so it never goes stale; micro-batches between two
-    optimizer steps reuse it.
+    The copy is keyed on ``weight._version`` (bumped by every in-place update: optimizer
+    steps, ``load_state_dict``, ``zero_``) and on its storage (``.data =`` swaps, ``.to()``),
+    so it never goes stale; micro-batches between two optimizer steps reuse it. It lives
+    beside the weight (freed with it), not in it: pickling or copying a model carries none.
     """
     if weight.is_inference():  # no version counter to key a copy on: cast, keep nothing
         return quantize_t(weight.detach(), fmt.value, amax, backend)
     key = _cache_key(weight, fmt)
-    hit = getattr(weight, _CACHE_ATTR, None)
+    hit = _cache_hit(weight)
     if hit is not None and hit[0] == key:
         return hit[1]
     w = quantize_t(weight.detach(), fmt.value, amax, backend)
-    setattr(weight, _CACHE_ATTR, (key, w))
+    _cache_put(weight, key, w)
     return w
 
 
@@ -508,15 +536,15 @@ def _cache_key(weight: Tensor, fmt: FP8Format) -> tuple:
 def weight_cache_fresh(weight: Tensor, fmt: FP8Format) -> bool:
     """Whether ``weight_fp8(weight, fmt, ...)`` would return its cached copy (no cast, so
     no max |w| needed)."""
-    hit = getattr(weight, _CACHE_ATTR, None)
+    hit = _cache_hit(weight)
     return hit is not None and not weight.is_inference() and hit[0] == _cache_key(weight, fmt)
 
 
 def cached_weight_fp8(weight: Tensor) -> tuple[Tensor, ...]:
-    """The FP8 copy the weight cache holds on ``weight`` (``(w_q, w_t, scale)``, whatever
+    """The FP8 copy the weight cache holds for ``weight`` (``(w_q, w_t, scale)``, whatever
     version it was cast from), or ``()``: for memory accounting, which must not count it as
     an activation."""
-    hit = getattr(weight, _CACHE_ATTR, None)
+    hit = _cache_hit(weight)
     return () if hit is None else tuple(hit[1])
 
 
