@@ -498,10 +498,10 @@ def _cache_put(weight: Tensor, key: tuple, cast) -> None:
     ref = hit[0] if hit is not None and hit[0]() is weight else None
     if ref is None:
 
-        def drop(r, i=i):
-            entry = _WEIGHT_CACHE.get(i)
+        def drop(r, i=i, cache=_WEIGHT_CACHE):  # (the dict bound: callbacks at shutdown)
+            entry = cache.get(i)
             if entry is not None and entry[0] is r:
-                del _WEIGHT_CACHE[i]
+                del cache[i]
 
         ref = weakref.ref(weight, drop)
     _WEIGHT_CACHE[i] = (ref, key, cast)
