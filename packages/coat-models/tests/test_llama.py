@@ -962,8 +962,11 @@ def test_fused_loss_matches_logits_loss():
     # num_items_in_batch (what Trainer passes with gradient accumulation) and tuples.
     n = torch.tensor(123)
     want = base(ids, labels=labels, num_items_in_batch=n).loss
-    got = fused(ids, labels=labels, num_items_in_batch=n, return_dict=False)[0]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    got = fused(ids, labels=labels, num_items_in_batch=n, return_dict=False)
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=0)
+    # A tuple keeps the plain model's places: (loss, logits, cache), logits None.
+    plain = base(ids, labels=labels, return_dict=False)
+    assert len(got) == len(plain) and got[1] is None and type(got[2]) is type(plain[2])
 
 
 @pytest.mark.parametrize("rows", [7, 64, 1000], ids=lambda r: f"rows{r}")

@@ -931,3 +931,27 @@ def test_a_parameter_cast_to_fp16_after_its_state_was_made_is_refused():
                        "torch.float16"):  # fmt: skip
         opt.step()
     assert all(torch.equal(a, p) for a, p in zip(before, m.parameters(), strict=True))
+
+
+def test_load_state_dict_runs_torchs_hooks():
+    """``register_load_state_dict_pre_hook`` / ``_post_hook`` run as in torch's optimizers
+    (they were skipped): the pre-hook sees the saved dict and may return the one to load,
+    the post-hook runs once it is loaded."""
+    m = torch.nn.Linear(16, 16)
+    opt = CoatAdamW(m.parameters(), lr=1e-3)
+    m(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    saved, calls = opt.state_dict(), []
+
+    def pre(optimizer, state_dict):
+        calls.append(("pre", optimizer is opt, state_dict["param_groups"][0]["lr"]))
+        groups = [{**g, "lr": 5e-4} for g in state_dict["param_groups"]]
+        return {**state_dict, "param_groups": groups}
+
+    opt.register_load_state_dict_pre_hook(pre)
+    opt.register_load_state_dict_post_hook(
+        lambda optimizer: calls.append(("post", optimizer.param_groups[0]["lr"]))
+    )
+    opt.load_state_dict(saved)
+    assert calls == [("pre", True, 1e-3), ("post", 5e-4)]
+    assert saved["param_groups"][0]["lr"] == 1e-3  # the caller's dict is not changed

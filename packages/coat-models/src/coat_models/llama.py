@@ -425,7 +425,10 @@ class _CoatCausalLM(_CoatMixin):
         out = {k: v for k, v in outputs.items() if k in _OUTPUT_FIELDS}
         out = CausalLMOutputWithPast(loss=loss, logits=None, **out)
         if return_dict is False:
-            return out.to_tuple()
+            # to_tuple() drops None fields: logits keep their place (None), so that out[1]
+            # is not the cache that follows them.
+            loss, *rest = out.to_tuple()
+            return (loss, None, *rest)
         return out
 
 

@@ -411,7 +411,9 @@ class CoatAdamW(torch.optim.Optimizer):
         shapes (the parameter's shape; per-group numbers one per group), and its values: FP8
         codes not NaN or inf, ``exp_avg_sq`` not negative, ``amax`` zero or a finite normal
         fp32 number, ``k`` not zero, ``step`` a whole number in ``[0, 2**24]``. The checks
-        are reductions (no per-element Python), one host read per tensor.
+        are reductions (no per-element Python), one host read per tensor. Hooks registered
+        with ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as in torch's
+        optimizers (a pre-hook may return the state dict to load instead).
         """
         if not (
             isinstance(state_dict, dict)
@@ -422,6 +424,24 @@ class CoatAdamW(torch.optim.Optimizer):
                 "load_state_dict takes an optimizer state dict (a dict with 'state' and "
                 "'param_groups', from CoatAdamW.state_dict() or torch.optim.AdamW.state_dict())"
             )
+        # torch's load-state-dict hooks, as torch's optimizers run them: pre-hooks on a shallow
+        # copy (one may return a replacement), post-hooks once loaded.
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: dict) -> None:
+        if not (
+            isinstance(state_dict, dict)
+            and isinstance(state_dict.get("state"), dict)
+            and isinstance(state_dict.get("param_groups"), list | tuple)
+        ):
+            raise TypeError("a load_state_dict pre-hook returned no optimizer state dict")
         groups, saved = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved):
             raise ValueError(
