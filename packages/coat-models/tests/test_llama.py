@@ -1172,6 +1172,73 @@ def test_gradient_checkpointing_reentrant():
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_no_grad_in_training_mode_under_checkpointing_is_the_original(reentrant):
+    """A caller's ``torch.no_grad()`` / ``inference_mode()`` on a training-mode model with
+    gradient checkpointing on (generation mid-training) runs the original forward, bit for
+    bit, as it does without checkpointing (the exemption for reentrant checkpointing's
+    grad-less first pass took the FP8 path); training still takes the COAT path."""
+    plain = tiny_llama()
+    model = apply_coat(copy.deepcopy(plain))
+    kw = {"use_reentrant": reentrant}
+    for m in (plain, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+        m.train()
+    ids = tokens()
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            assert torch.equal(model(ids).logits, plain(ids).logits)
+    coat = apply_coat(copy.deepcopy(plain)).train()
+    coat.gradient_checkpointing_disable()
+    want = coat(ids, labels=ids).loss
+    assert torch.equal(model(ids, labels=ids).loss, want)
+    assert not torch.equal(plain(ids, labels=ids).loss, want)
+
+
+def test_what_the_coat_path_would_skip_is_refused():
+    """The COAT path reads the layers' weights and never calls their sub-modules, so what
+    would silently not run there is refused, one line each: a sub-module's hooks (they fired
+    in eval only), attention weights asked for in training (an empty tuple), and forwards
+    replaced on instances by accelerate's hooks (a layer hooked before apply_coat trained
+    the plain layer: the plain model's loss, bit for bit). Hooks on the layer itself and
+    transformers' idle output recorders are fine."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    ids = tokens()
+    model = apply_coat(tiny_llama(attn_implementation="eager")).train()
+    layer = model.model.layers[0]
+    calls = []
+    handle = layer.register_forward_hook(lambda *a: calls.append(1))
+    model(ids, labels=ids).loss.backward()
+    assert calls == [1]
+    handle.remove()
+    for module in (layer.mlp.down_proj, layer.self_attn, layer.input_layernorm):
+        handle = module.register_forward_hook(lambda *a: None)
+        name = next(n for n, m in layer.named_modules() if m is module).rpartition(".")[2]
+        with pytest.raises(TypeError, match=f"layer 0 cannot train: {name} has hooks"):
+            model(ids, labels=ids)
+        handle.remove()
+    with pytest.raises(TypeError, match="output_attentions=True: the COAT path does not"):
+        model(ids, labels=ids, output_attentions=True)
+    with torch.no_grad():  # the original forward: the weights, one per layer
+        assert len(model(ids, output_attentions=True).attentions) == 2
+    model(ids, labels=ids).loss.backward()  # transformers' recorders, now installed, idle
+
+    hooked = tiny_llama()
+    for layer in hooked.model.layers:
+        add_hook_to_module(layer, ModelHook())
+    with pytest.raises(TypeError, match="layer 0 .* its forward is replaced on the instance"):
+        apply_coat(hooked)
+    hooked = tiny_llama()
+    add_hook_to_module(hooked.model.layers[1].mlp.up_proj, ModelHook())
+    with pytest.raises(TypeError, match="layer 1 .* up_proj's forward is replaced"):
+        apply_coat(hooked)
+    model = apply_coat(tiny_llama()).train()
+    add_hook_to_module(model.model.layers[1].self_attn.q_proj, ModelHook())
+    with pytest.raises(TypeError, match="layer 1 cannot train: q_proj's forward is replaced"):
+        model(ids, labels=ids)
+
+
 # --------------------------------------------------------------- other Llama-shaped models
 def _tiny(family: str):
     torch.manual_seed(0)

@@ -21,3 +21,37 @@ def test_converting_again_applies_the_new_config_and_bad_models_are_type_errors(
     for call in (convert_to_fp8_activations, revert_fp8_activations):
         with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
             call("x")
+
+
+def test_hooks_move_with_the_converted_module():
+    """Hooks registered before conversion move to the FP8 module (they stayed on the float
+    original, which an FP8 module calls in eval mode only: they fired in eval, never in
+    training), once per call in both modes; their handles still remove them; revert moves
+    them back."""
+    import torch
+    from fp8_activations import revert_fp8_activations
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    calls = []
+    fwd = model[0].register_forward_hook(lambda m, i, o: calls.append(("fwd", type(m).__name__)))
+    model[0].register_forward_pre_hook(lambda m, i: calls.append(("pre", type(m).__name__)))
+    model[2].register_full_backward_hook(lambda m, gi, go: calls.append(("bwd", type(m).__name__)))
+    convert_to_fp8_activations(model)
+    x = torch.randn(8, 64)
+    model.train()
+    model(x).sum().backward()
+    want = [("pre", "FP8Linear"), ("fwd", "FP8Linear"), ("bwd", "FP8Linear")]
+    assert calls == want
+    calls.clear()
+    model.eval()
+    model(x)
+    assert calls == want[:2]
+    calls.clear()
+    fwd.remove()
+    model.train()
+    model(x)
+    assert calls == [("pre", "FP8Linear")]
+    calls.clear()
+    revert_fp8_activations(model)
+    model(x)
+    assert calls == [("pre", "Linear")]

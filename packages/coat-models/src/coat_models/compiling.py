@@ -133,6 +133,9 @@ class CompiledForward:
     when called: ``apply_coat``, ``revert_coat`` and FSDP2 change the class.
     """
 
+    # apply_coat accepts a layer whose instance forward is this (it runs the class's).
+    coat_compiled_forward = True
+
     def __init__(self, layer: nn.Module, compile_kwargs: dict, own_forward=None):
         self.layer, self.compile_kwargs, self.own_forward = layer, compile_kwargs, own_forward
         self.cls = self.code = None

@@ -90,6 +90,13 @@ def _layer_problem(layer: nn.Module) -> str | None:
     """Why ``layer`` is not a Llama-shaped decoder layer, or ``None`` if it is (by structure)."""
     if _children(layer) != _LAYER_CHILDREN:
         return f"its sub-modules are {sorted(_children(layer))}, expected {sorted(_LAYER_CHILDREN)}"
+    own = vars(layer).get("forward")
+    if own is not None and not getattr(own, "coat_compiled_forward", False):
+        # (compile_layers' forward runs the class's: the COAT path)
+        return f"its forward is replaced on the instance ({_INSTANCE_FORWARD})"
+    problem = _bypassed_module(layer, at_apply=True)
+    if problem is not None:
+        return problem
     attn, mlp = layer.self_attn, layer.mlp
     if _children(attn) != _ATTN_CHILDREN:
         names = sorted(_children(attn))
@@ -172,13 +179,72 @@ def check_coat_layer(layer: nn.Module) -> None:
         )
     except KeyError:
         ok = False
+    problem = None
     if not ok:
-        index = getattr(getattr(layer, "self_attn", None), "layer_idx", "?")
         problem = _projection_problem(layer) or "its sub-modules changed"
+    else:
+        problem = _bypassed_module(layer)
+    if problem is not None:
+        index = getattr(getattr(layer, "self_attn", None), "layer_idx", "?")
         raise TypeError(
             f"COAT decoder layer {index} cannot train: {problem} (to train without COAT, "
             "call coat_models.revert_coat(model))"
         )
+
+
+_INSTANCE_FORWARD = (
+    "e.g. accelerate's hooks, from a device_map across devices, offloading or cpu_offload: "
+    "a COAT layer runs on one device with its weights in place; load the model onto one "
+    "device, or remove the hooks with accelerate.hooks.remove_hook_from_module(model, "
+    "recurse=True), before apply_coat"
+)
+# transformers' hook that records a module's output for output_attentions= and
+# output_hidden_states= (installed once, idle unless that output is asked for).
+_CAPTURE_HOOK = "output_capturing_hook"
+
+
+def _bypassed_module(layer: nn.Module, at_apply: bool = False) -> str | None:
+    """What the COAT path would silently skip in ``layer``, or None: it reads the weights
+    of the layer's sub-modules and never calls them, so their forward hooks and a forward
+    replaced on an instance (accelerate's hooks) would not run. Hooks on the layer itself
+    run. transformers' output-capturing hooks are idle unless attention weights are asked
+    for, which the COAT path does not compute. ``at_apply``: forwards only (hooks may be
+    added and removed between training steps). A few dict reads per sub-module."""
+    modules = layer._modules
+    for owner in (layer, modules["self_attn"], modules["mlp"]):
+        for name, m in owner._modules.items():
+            if m is None:
+                continue
+            if "forward" in m.__dict__:
+                return f"{name}'s forward is replaced on the instance ({_INSTANCE_FORWARD})"
+            if at_apply:
+                continue
+            if m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                return f"{name} has hooks, which the COAT path does not run: {_HOOKS_REMEDY}"
+            hooks = m._forward_hooks
+            if hooks:
+                capture = [getattr(h, "__name__", "") == _CAPTURE_HOOK for h in hooks.values()]
+                if not all(capture):
+                    return f"{name} has hooks, which the COAT path does not run: {_HOOKS_REMEDY}"
+                if name == "self_attn" and _attentions_asked():
+                    return (
+                        "output_attentions=True: the COAT path does not compute attention "
+                        "weights; ask for them in eval mode or under torch.no_grad()"
+                    )
+    return None
+
+
+_HOOKS_REMEDY = "register them on the decoder layer instead (its hooks run)"
+
+
+def _attentions_asked() -> bool:
+    """Whether transformers is recording attention weights in this forward."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # another transformers: no recorder of that kind to serve
+        return False
+    collected = _active_collector.get()
+    return collected is not None and "attentions" in collected
 
 
 @torch.no_grad()
@@ -280,10 +346,19 @@ class _CoatDecoderLayer(_CoatMixin):
     # imports it). On the class, so that a reverted layer loses it with its class.
     _coat_decoder_layer = True
 
+    def __call__(self, *args, **kwargs):
+        if getattr(self, "gradient_checkpointing", False):
+            # Whether the caller has grad, before a reentrant checkpoint turns it off.
+            self._coat_called_with_grad = torch.is_grad_enabled()
+        return super().__call__(*args, **kwargs)
+
     def forward(self, hidden_states, *args, **kwargs):
         # Reentrant gradient checkpointing runs its first forward without grad: take the COAT
-        # path there too, so that the recomputation in backward computes the same function.
-        checkpointing = getattr(self, "gradient_checkpointing", False)
+        # path there too, so that the recomputation in backward computes the same function;
+        # not in a caller's torch.no_grad() (generation mid-training): the original forward.
+        checkpointing = getattr(self, "gradient_checkpointing", False) and vars(self).get(
+            "_coat_called_with_grad", True
+        )
         if not (self.training and (torch.is_grad_enabled() or checkpointing)):
             return super().forward(hidden_states, *args, **kwargs)
         check_coat_layer(self)

@@ -67,9 +67,40 @@ def _fp8_twin(m: nn.Module, config: FP8ActivationConfig) -> nn.Module | None:
     return None
 
 
+# A module's hooks (torch's, per module). The dicts themselves move, so the handles that
+# registration returned (which hold weak references to them) still remove the hooks.
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def _move_hooks(old: nn.Module, new: nn.Module) -> None:
+    """``old``'s hooks onto ``new``, which replaces it (they stayed on ``old``, which an FP8
+    module calls in eval mode only: they fired in eval, never in training)."""
+    for name in _HOOK_DICTS:
+        hooks = old.__dict__.get(name)
+        if hooks:
+            new.__dict__[name] = hooks
+            old.__dict__[name] = type(hooks)()
+    if "_is_full_backward_hook" in old.__dict__:
+        new._is_full_backward_hook = old._is_full_backward_hook
+
+
 def _swap(module: nn.Module, fqn: str, fn: Callable[[nn.Module, str], nn.Module | None]):
     new = fn(module, fqn)
     if new is not None:
+        if new is not module:
+            _move_hooks(module, new)
         return new
     for name, child in list(module.named_children()):
         new_child = _swap(child, f"{fqn}.{name}" if fqn else name, fn)
