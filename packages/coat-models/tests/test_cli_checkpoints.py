@@ -275,6 +275,93 @@ def test_corrupt_newest_checkpoint_is_named_not_skipped(runs, tmp_path, name, co
         assert records(out) == records(runs / "ref")
 
 
+def _rehashed(edit):
+    """``edit(directory)`` then a manifest of the edited files (a writer who re-hashes)."""
+
+    def corrupt(d):
+        old = checkpoint.read_manifest(d)
+        (d / "manifest.json").unlink()
+        edit(d)
+        checkpoint.write_manifest(
+            d, kind=old.kind, world_size=old.world_size, step=old.step, serial=old.serial,
+            info=old.info,
+        )  # fmt: skip
+
+    return corrupt
+
+
+def _edit_torch_file(name, change):
+    def edit(d):
+        state = torch.load(d / name, weights_only=True)
+        change(state)
+        torch.save(state, d / name)
+
+    return _rehashed(edit)
+
+
+def _edit_manifest_info(d):
+    raw = json.loads((d / "manifest.json").read_text())
+    raw["info"]["settings"]["config"] = "x"  # the info is no file the manifest hashes
+    (d / "manifest.json").write_text(json.dumps(raw))
+
+
+def _first_moment(state):
+    st = state["state"][0]
+    st["exp_avg"] = st["exp_avg"][:1]
+
+
+ODD_NEWEST = [  # (the newest checkpoint's step_0000004)
+    ("step-link", lambda d: (shutil.rmtree(d), d.symlink_to("step_0000002")),
+     "step_0000004 is not a checkpoint directory (a link or a file)"),
+    ("step-file", lambda d: (shutil.rmtree(d), d.write_text("x")),
+     "step_0000004 is not a checkpoint directory (a link or a file)"),
+    ("nested-manifest", lambda d: (d / "manifest.json").write_text("[" * 100000 + "]" * 100000),
+     "is not valid JSON (nested too deeply)"),
+    ("manifest-info", _edit_manifest_info, "its manifest's recorded settings are corrupt"),
+    ("trainer-totals", _edit_torch_file("trainer.pt", lambda s: s["totals"].update(timed=5)),
+     "has no valid 'totals'"),
+    ("trainer-losses", _edit_torch_file("trainer.pt", lambda s: s.update(train_losses=["a"])),
+     "has no valid 'train_losses'"),
+    ("moment-shape", _edit_torch_file("optimizer.pt", _first_moment),
+     "optimizer state 'exp_avg' of parameter 0 has shape"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,corrupt,message", ODD_NEWEST, ids=[c[0] for c in ODD_NEWEST])
+def test_odd_checkpoint_entries_are_refused_not_skipped(runs, tmp_path, name, corrupt, message):
+    """What a probe of resume found (helper-52): a ``step_*`` entry that is a link or a file
+    was skipped (the run fell back to step 2, then failed to save over it), a manifest nested
+    past the stack or whose settings are no dict, a training state of wrong types (tracebacks,
+    exit 1), an AdamW moment of another shape (loaded, exit 0): one line, exit 2, nothing
+    written."""
+    out, ckpts = copy_base(runs, tmp_path)
+    corrupt(ckpts / "step_0000004")
+    metrics = (out / "bf16" / "metrics.jsonl").read_bytes()
+    code, _, err = train([*ARGS, "--keep-checkpoints", "2", "--resume", "--out", out])
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert message in err, err
+    assert (out / "bf16" / "metrics.jsonl").read_bytes() == metrics
+    assert names(ckpts) == ["step_0000002", "step_0000004"]
+
+
+def test_checkpoints_behind_a_dangling_link_are_not_a_fresh_start(runs, tmp_path):
+    """``checkpoints`` a link to a disk that is not mounted (or a loop, or a file): it was read
+    as no checkpoint, and --resume trained from step 0 after deleting the mode's directory
+    (metrics and link). Now one line, exit 2, nothing touched."""
+    out, ckpts = copy_base(runs, tmp_path)
+    shutil.move(ckpts, tmp_path / "disk")
+    ckpts.symlink_to(tmp_path / "offline")
+    metrics = (out / "bf16" / "metrics.jsonl").read_bytes()
+    code, _, err = train([*ARGS, "--keep-checkpoints", "2", "--resume", "--out", out])
+    assert code == 2 and err.count("\n") == 1, err
+    assert "checkpoints is not a readable directory (a dangling link" in err, err
+    assert ckpts.is_symlink() and (out / "bf16" / "metrics.jsonl").read_bytes() == metrics
+    ckpts.unlink()
+    ckpts.symlink_to(tmp_path / "disk")  # mounted again: it resumes
+    code, _, err = train([*ARGS, "--keep-checkpoints", "2", "--resume", "--out", out])
+    assert code == 0, err
+
+
 class Payload:
     """A pickle that creates ``marker`` when a plain unpickler reads it."""
 

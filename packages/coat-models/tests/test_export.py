@@ -121,6 +121,22 @@ def test_safetensors_write_error_is_an_os_error(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_export_removes_copies_that_killed_exports_left(tmp_path):
+    """A process killed while exporting left ``.final.tmp-<pid>`` (a 7B model's copy is 27
+    GB), and the next export (a --resume) kept it for good: every such copy is removed (one
+    writer: coat-train holds --out's lock); other entries stay."""
+    from coat_models.train.trainer import export_pretrained
+
+    for name in (".final.tmp-12345", ".final.tmp-999999"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / ".other.tmp-1").mkdir()
+    model = build_model(preset_config("tiny", 320, max_seq=32), device=torch.device("cpu"),
+                        master_dtype=torch.float32, seed=0)  # fmt: skip
+    export_pretrained(model, tmp_path / "final")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-1", "final"]
+
+
 def test_full_disk_at_export_keeps_the_results_and_says_what_to_do(tmp_path, capsys, monkeypatch):
     """save_pretrained failing (here: a simulated full disk after a partial write) leaves no
     partial copy, keeps the mode's metrics and summary, and ends in one line naming the

@@ -210,8 +210,11 @@ def read_manifest(directory: Path) -> Manifest:
         raise CheckpointError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes: not a manifest")
     try:
         raw = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}): the manifest is corrupt") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # (nesting past the stack)
+        why = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise CheckpointError(f"{path} is not valid JSON ({why}): the manifest is corrupt") from (
+            None
+        )
     return _parse(raw, path)
 
 
@@ -304,21 +307,41 @@ def verify(directory: Path, manifest: Manifest, names=None) -> None:
 
 
 # --------------------------------------------------------------------- directories
-def _published(parent: Path) -> list[Path]:
-    if not parent.is_dir():
+def _entries(parent: Path) -> list[Path]:
+    """``parent``'s entries, sorted; none where it does not exist. A ``parent`` that exists
+    as something else (a dangling link, say to a disk not mounted; a link loop; a file) is
+    refused: read as empty, a resume would start from step 0 over the run's directory."""
+    if not os.path.lexists(parent):
         return []
-    return sorted(p for p in parent.iterdir() if _PUBLISHED.fullmatch(p.name) and p.is_dir())
+    if not parent.is_dir():
+        raise CheckpointError(
+            f"{parent} is not a readable directory (a dangling link, a link loop or a file): "
+            "its checkpoints cannot be read; restore it (e.g. mount what the link points to), "
+            "or remove it to start afresh"
+        )
+    return sorted(parent.iterdir())
+
+
+def _published(parent: Path) -> list[Path]:
+    found = [p for p in _entries(parent) if _PUBLISHED.fullmatch(p.name)]
+    for p in found:
+        # (skipped, a resume fell back to an older checkpoint, then failed to save over it)
+        if p.is_symlink() or not p.is_dir():
+            raise CheckpointError(
+                f"{p} is not a checkpoint directory (a link or a file): delete it, or put the "
+                "checkpoint directory it stands for back in its place"
+            )
+    return found
 
 
 def _in_progress(parent: Path) -> list[tuple[Path, str]]:
     """(directory, name it will be published as) of every save not published yet."""
     found = []
-    if parent.is_dir():
-        for p in sorted(parent.iterdir()):
-            for pattern in _IN_PROGRESS:
-                m = pattern.fullmatch(p.name)
-                if m and p.is_dir():
-                    found.append((p, m.group(1)))
+    for p in _entries(parent):
+        for pattern in _IN_PROGRESS:
+            m = pattern.fullmatch(p.name)
+            if m and p.is_dir() and not p.is_symlink():
+                found.append((p, m.group(1)))
     return found
 
 

@@ -407,6 +407,16 @@ def check_resume_settings(args, cfgs: list[TrainConfig], job, out: Path) -> None
         manifest = checkpoint.read_manifest(found)
         settings = manifest.info.get("settings")
         if isinstance(settings, dict) and {"config", "data", "describe"} <= settings.keys():
+            # (the manifest's info is no file it hashes: edited, its values can be anything)
+            if not (
+                isinstance(settings["config"], dict)
+                and isinstance(settings["data"], str)
+                and isinstance(settings["describe"], dict)
+            ):
+                raise unusable_newest(
+                    CheckpointError(f"{found}: its manifest's recorded settings are corrupt"),
+                    found,
+                )
             check_settings(found, settings, cfg, task.fingerprint, job.describe)
         if i and manifest.kind == "torch":  # one process: DCP's own check is collective
             try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import glob
 import inspect
 import logging
 import math
@@ -424,6 +425,11 @@ def export_pretrained(model, path: Path, *, tokenizer=None, state_dict=None) -> 
     then renamed into place (replacing an earlier export)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # Every process's: one killed while exporting left its copy (a 7B model's is 27 GB), and
+    # only one writes here (coat-train holds --out's lock).
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp, state_dict=state_dict)
@@ -949,6 +955,7 @@ class Trainer:
             else:
                 self.model.load_state_dict(self._load_file(path / "model.pt"))
                 saved = self._load_file(path / "optimizer.pt")
+                _check_state_shapes(saved, self.optimizer, path)
                 self.optimizer.load_state_dict(_own_implementation(saved, self.optimizer))
                 rng = state["rng"]
             self.scheduler.load_state_dict(state["scheduler"])
@@ -1099,6 +1106,41 @@ _TRAINER_STATE = {  # key -> type of what trainer.pt / DCP's extra holds
 }
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _valid_window(w) -> bool:
+    """A ``_window`` as a checkpoint holds it: numbers, first and last a step or None."""
+    return (
+        isinstance(w, dict)
+        and all(_is_number(w.get(k)) for k in ("tokens", "time", "steps"))
+        and all(w.get(k) is None or _is_number(w[k]) for k in ("first", "last"))
+    )
+
+
+def _check_state_shapes(saved, optimizer, path: Path) -> None:
+    """A torch optimizer's saved state (AdamW's moments) shaped like its parameters: torch's
+    load_state_dict takes any shape, and the next step would broadcast or fail. CoatAdamW
+    checks its own."""
+    if isinstance(optimizer, CoatAdamW) or not isinstance(saved, dict):
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in saved.get("param_groups", ()) for i in g.get("params", ())]
+    by_id = dict(zip(ids, params, strict=False))
+    for pid, st in (saved.get("state") or {}).items():
+        p = by_id.get(pid)
+        if p is None or not isinstance(st, dict):
+            continue  # (load_state_dict names what does not fit)
+        for name, value in st.items():
+            if name != "step" and isinstance(value, torch.Tensor) and value.shape != p.shape:
+                raise checkpoint.CheckpointError(
+                    f"{path} does not fit this model and optimizer: optimizer state {name!r} of "
+                    f"parameter {pid} has shape {tuple(value.shape)}, the parameter "
+                    f"{tuple(p.shape)}"
+                )
+
+
 def _check_trainer_state(state, path: Path, step: int | None) -> None:
     """The training state a checkpoint must hold, with the step its manifest names."""
     if not isinstance(state, dict):
@@ -1114,9 +1156,16 @@ def _check_trainer_state(state, path: Path, step: int | None) -> None:
     # were timed apart (read as one window: _totals_of_old_checkpoint).
     totals = state["totals"]
     windows = ("timed", "counting") if "timed" in totals else ("timed_tokens", "timed_time")
-    if not all(k in totals for k in (*windows, "memory")):
+    if not all(k in totals for k in (*windows, "memory")) or not all(
+        _valid_window(totals[w]) if "timed" in totals else _is_number(totals[w]) for w in windows
+    ):
         raise checkpoint.CheckpointError(
             f"{path} is not a coat-train checkpoint (its training state has no valid 'totals')"
+        )
+    if not all(_is_number(x) for x in state["train_losses"]):
+        raise checkpoint.CheckpointError(
+            f"{path} is not a coat-train checkpoint (its training state has no valid "
+            "'train_losses')"
         )
     if "fingerprint" not in state["data"]:
         raise checkpoint.CheckpointError(f"{path}: its training state names no data")
