@@ -368,6 +368,9 @@ def test_a_signal_python_drops_prints_no_traceback(monkeypatch):
 _SIGNALLED = """
 import os, resource, signal, sys, time, torch
 from coat_models.train import interrupt
+# As in a terminal's foreground: a suite started in the background (bash's '&') passes on
+# an ignored SIGINT, which Python and coat-train then leave ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 torch.set_num_threads(1)
 a = torch.randn(6000, 6000, dtype=torch.float64)
 if sys.argv[1] == "native-high-fds":  # the watchdog's pipe beyond select's 1024 fds
