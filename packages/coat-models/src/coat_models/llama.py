@@ -179,11 +179,10 @@ def check_coat_layer(layer: nn.Module) -> None:
         )
     except KeyError:
         ok = False
-    problem = None
-    if not ok:
-        problem = _projection_problem(layer) or "its sub-modules changed"
-    else:
+    if ok:
         problem = _bypassed_module(layer)
+    else:
+        problem = _projection_problem(layer) or "its sub-modules changed"
     if problem is not None:
         index = getattr(getattr(layer, "self_attn", None), "layer_idx", "?")
         raise TypeError(
