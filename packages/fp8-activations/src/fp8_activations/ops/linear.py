@@ -17,7 +17,6 @@ the fly in forward and again in backward.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -477,34 +476,42 @@ class FP8LinearFunction(torch.autograd.Function):
 
 
 # ------------------------------------------------------------ launch-time decisions
-# The weight cache: id(weight) -> (weakref to the weight, key, (w_q, w_t, scale)). Kept
-# beside the weights, not on them: a copy on the Parameter went into ``torch.save(model)``,
-# ``pickle`` and ``copy.deepcopy`` with it (stale there: its key names the old storage). An
-# entry goes when its weight does (the weakref's callback).
-_WEIGHT_CACHE: dict[int, tuple] = {}
+# The weight cache: a ``_CacheSlot`` in the weight's ``__dict__`` holding ``(key, (w_q, w_t,
+# scale))``, freed with the weight. The slot pickles and copies as an empty one: the copy, on
+# the Parameter itself, went into ``torch.save(model)``, ``pickle`` and ``copy.deepcopy``
+# (stale there: its key names the old storage). (Not a store keyed by weak references:
+# ``torch.utils.swap_tensors`` refuses a tensor with a weak reference, and
+# ``load_state_dict`` / ``.to()`` swap under ``set_swap_module_params_on_conversion``.)
+_CACHE_ATTR = "_fp8_weight_cache"
+
+
+class _CacheSlot:
+    __slots__ = ("entry",)
+
+    def __init__(self):
+        self.entry = None
+
+    def __reduce__(self):
+        return (_CacheSlot, ())
+
+    def __copy__(self):
+        return _CacheSlot()
+
+    def __deepcopy__(self, memo):
+        return _CacheSlot()
 
 
 def _cache_hit(weight: Tensor) -> tuple | None:
     """``(key, cast)`` cached for ``weight`` (whatever version it was made from), or None."""
-    hit = _WEIGHT_CACHE.get(id(weight))
-    if hit is None or hit[0]() is not weight:  # (an id reused before the callback ran)
-        return None
-    return hit[1:]
+    slot = weight.__dict__.get(_CACHE_ATTR)
+    return None if slot is None else slot.entry
 
 
 def _cache_put(weight: Tensor, key: tuple, cast) -> None:
-    i = id(weight)
-    hit = _WEIGHT_CACHE.get(i)
-    ref = hit[0] if hit is not None and hit[0]() is weight else None
-    if ref is None:
-
-        def drop(r, i=i, cache=_WEIGHT_CACHE):  # (the dict bound: callbacks at shutdown)
-            entry = cache.get(i)
-            if entry is not None and entry[0] is r:
-                del cache[i]
-
-        ref = weakref.ref(weight, drop)
-    _WEIGHT_CACHE[i] = (ref, key, cast)
+    slot = weight.__dict__.get(_CACHE_ATTR)
+    if slot is None:
+        slot = weight.__dict__[_CACHE_ATTR] = _CacheSlot()
+    slot.entry = (key, cast)
 
 
 def weight_fp8(
@@ -515,8 +522,8 @@ def weight_fp8(
 
     The copy is keyed on ``weight._version`` (bumped by every in-place update: optimizer
     steps, ``load_state_dict``, ``zero_``) and on its storage (``.data =`` swaps, ``.to()``),
-    so it never goes stale; micro-batches between two optimizer steps reuse it. It lives
-    beside the weight (freed with it), not in it: pickling or copying a model carries none.
+    so it never goes stale; micro-batches between two optimizer steps reuse it. It lives on
+    the weight (freed with it); pickling or copying a model carries none of it.
     """
     if weight.is_inference():  # no version counter to key a copy on: cast, keep nothing
         return quantize_t(weight.detach(), fmt.value, amax, backend)
