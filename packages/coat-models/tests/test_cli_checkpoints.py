@@ -311,10 +311,10 @@ def _first_moment(state):
 
 
 ODD_NEWEST = [  # (the newest checkpoint's step_0000004)
-    ("step-link", lambda d: (shutil.rmtree(d), d.symlink_to("step_0000002")),
-     "step_0000004 is not a checkpoint directory (a link or a file)"),
+    ("step-link", lambda d: (shutil.rmtree(d), d.symlink_to("step_0000004")),
+     "step_0000004 is not a checkpoint directory (a file, a dangling link or a link loop)"),
     ("step-file", lambda d: (shutil.rmtree(d), d.write_text("x")),
-     "step_0000004 is not a checkpoint directory (a link or a file)"),
+     "step_0000004 is not a checkpoint directory (a file, a dangling link or a link loop)"),
     ("nested-manifest", lambda d: (d / "manifest.json").write_text("[" * 100000 + "]" * 100000),
      "is not valid JSON (nested too deeply)"),
     ("manifest-info", _edit_manifest_info, "its manifest's recorded settings are corrupt"),
@@ -324,16 +324,18 @@ ODD_NEWEST = [  # (the newest checkpoint's step_0000004)
      "has no valid 'train_losses'"),
     ("moment-shape", _edit_torch_file("optimizer.pt", _first_moment),
      "optimizer state 'exp_avg' of parameter 0 has shape"),
+    ("groups", _edit_torch_file("optimizer.pt", lambda s: s.update(param_groups=[1])),
+     "does not fit this model and optimizer"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("name,corrupt,message", ODD_NEWEST, ids=[c[0] for c in ODD_NEWEST])
 def test_odd_checkpoint_entries_are_refused_not_skipped(runs, tmp_path, name, corrupt, message):
-    """What a probe of resume found (helper-52): a ``step_*`` entry that is a link or a file
-    was skipped (the run fell back to step 2, then failed to save over it), a manifest nested
-    past the stack or whose settings are no dict, a training state of wrong types (tracebacks,
-    exit 1), an AdamW moment of another shape (loaded, exit 0): one line, exit 2, nothing
-    written."""
+    """What a probe of resume found (helper-52): a ``step_*`` entry that is a file or a link
+    to no directory was skipped (the run fell back to step 2, then failed to save over it),
+    a manifest nested past the stack or whose settings are no dict, a training state of wrong
+    types or optimizer groups of wrong types (tracebacks, exit 1), an AdamW moment of another
+    shape (loaded, exit 0): one line, exit 2, nothing written."""
     out, ckpts = copy_base(runs, tmp_path)
     corrupt(ckpts / "step_0000004")
     metrics = (out / "bf16" / "metrics.jsonl").read_bytes()
@@ -342,6 +344,19 @@ def test_odd_checkpoint_entries_are_refused_not_skipped(runs, tmp_path, name, co
     assert message in err, err
     assert (out / "bf16" / "metrics.jsonl").read_bytes() == metrics
     assert names(ckpts) == ["step_0000002", "step_0000004"]
+
+
+def test_a_checkpoint_moved_and_linked_back_resumes(runs, tmp_path):
+    """``step_0000004`` moved to another disk with a link left in its place is a checkpoint
+    (helper-54: the check for links that stand for none refused it too); pruned, its link
+    goes and what it points to stays."""
+    out, ckpts = copy_base(runs, tmp_path)
+    shutil.move(ckpts / "step_0000004", tmp_path / "elsewhere")
+    (ckpts / "step_0000004").symlink_to(tmp_path / "elsewhere")
+    code, _, err = train([*ARGS, "--keep-checkpoints", "1", "--resume", "--out", out])
+    assert code == 0, err
+    assert records(out) == records(runs / "ref")
+    assert names(ckpts) == ["step_0000006"] and (tmp_path / "elsewhere" / "model.pt").is_file()
 
 
 def test_checkpoints_behind_a_dangling_link_are_not_a_fresh_start(runs, tmp_path):

@@ -325,11 +325,12 @@ def _entries(parent: Path) -> list[Path]:
 def _published(parent: Path) -> list[Path]:
     found = [p for p in _entries(parent) if _PUBLISHED.fullmatch(p.name)]
     for p in found:
-        # (skipped, a resume fell back to an older checkpoint, then failed to save over it)
-        if p.is_symlink() or not p.is_dir():
+        # (skipped, a resume fell back to an older checkpoint, then failed to save over it;
+        # a link to a checkpoint directory is one)
+        if not p.is_dir():
             raise CheckpointError(
-                f"{p} is not a checkpoint directory (a link or a file): delete it, or put the "
-                "checkpoint directory it stands for back in its place"
+                f"{p} is not a checkpoint directory (a file, a dangling link or a link loop): "
+                "delete it, or put the checkpoint directory it stands for back in its place"
             )
     return found
 
@@ -340,7 +341,7 @@ def _in_progress(parent: Path) -> list[tuple[Path, str]]:
     for p in _entries(parent):
         for pattern in _IN_PROGRESS:
             m = pattern.fullmatch(p.name)
-            if m and p.is_dir() and not p.is_symlink():
+            if m and p.is_dir():
                 found.append((p, m.group(1)))
     return found
 
@@ -397,6 +398,9 @@ def _trash_path(path: Path) -> Path:
 def _delete(path: Path, stage: str) -> None:
     """Delete a directory that is already out of the way (trash or incomplete), file by
     file; a kill part-way leaves a directory nobody reads."""
+    if path.is_symlink():  # a checkpoint moved elsewhere and linked back: the link goes
+        path.unlink()
+        return
     for p in sorted(path.iterdir()):
         if p.is_dir() and not p.is_symlink():
             _delete(p, stage)

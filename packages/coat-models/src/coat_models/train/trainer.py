@@ -962,7 +962,7 @@ class Trainer:
             _set_rng_state(rng, self.device)
         except checkpoint.CheckpointError:
             raise
-        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             # Same settings and model, yet the tensors do not fit: not a file this run's code
             # wrote. The run stops here, with nothing half-loaded to go on with.
             # torch's load_state_dict error says what differs on its later lines: kept, on
