@@ -1218,7 +1218,7 @@ def test_what_the_coat_path_would_skip_is_refused():
         with pytest.raises(TypeError, match=f"layer 0 cannot train: {name} has hooks"):
             model(ids, labels=ids)
         handle.remove()
-    with pytest.raises(TypeError, match="output_attentions=True: the COAT path does not"):
+    with pytest.raises(TypeError, match="output_attentions=True .* model.config.output_attent"):
         model(ids, labels=ids, output_attentions=True)
     with torch.no_grad():  # the original forward: the weights, one per layer
         assert len(model(ids, output_attentions=True).attentions) == 2
@@ -1229,14 +1229,33 @@ def test_what_the_coat_path_would_skip_is_refused():
         add_hook_to_module(layer, ModelHook())
     with pytest.raises(TypeError, match="layer 0 .* its forward is replaced on the instance"):
         apply_coat(hooked)
+    # a layer left plain by module_filter_fn may carry them (helper-54: refused too)
+    apply_coat(hooked, module_filter_fn=lambda m, fqn: False)
     hooked = tiny_llama()
     add_hook_to_module(hooked.model.layers[1].mlp.up_proj, ModelHook())
-    with pytest.raises(TypeError, match="layer 1 .* up_proj's forward is replaced"):
+    with pytest.raises(TypeError, match="layer 1 .* up_proj carries accelerate's hooks"):
         apply_coat(hooked)
     model = apply_coat(tiny_llama()).train()
     add_hook_to_module(model.model.layers[1].self_attn.q_proj, ModelHook())
-    with pytest.raises(TypeError, match="layer 1 cannot train: q_proj's forward is replaced"):
+    with pytest.raises(TypeError, match="layer 1 cannot train: q_proj carries accelerate's"):
         model(ids, labels=ids)
+    # compile_layers of a layer whose forward was replaced compiles that one (helper-54:
+    # accepted, the layer trained plain)
+    from coat_models import compile_layers
+
+    hooked = tiny_llama()
+    add_hook_to_module(hooked.model.layers[0], ModelHook())
+    compile_layers(hooked, backend="eager")
+    with pytest.raises(TypeError, match="layer 0 .* its forward is replaced on the instance"):
+        apply_coat(hooked)
+    # another forward set on a sub-module (a Hub kernel's norm, say) is no accelerate hook:
+    # the COAT path computes the norm itself and trains as before (helper-54: refused)
+    model = tiny_llama()
+    want = apply_coat(copy.deepcopy(model)).train()(ids, labels=ids).loss
+    norm = model.model.layers[0].input_layernorm
+    norm.forward = type(norm).forward.__get__(norm)
+    got = apply_coat(model).train()(ids, labels=ids).loss
+    assert torch.equal(got, want)
 
 
 # --------------------------------------------------------------- other Llama-shaped models

@@ -55,3 +55,23 @@ def test_hooks_move_with_the_converted_module():
     revert_fp8_activations(model)
     model(x)
     assert calls == [("pre", "Linear")]
+
+
+def test_a_module_whose_forward_is_replaced_is_left_alone():
+    """A module whose forward is set on the instance (accelerate's hooks) stays as it is, as
+    a subclass overriding forward does (helper-54: converted, that forward ran in eval only)."""
+    import torch
+    from fp8_activations.modules import FP8Linear
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    calls = []
+
+    def forward(x, lin=model[0]):
+        calls.append(1)
+        return nn.Linear.forward(lin, x)
+
+    model[0].forward = forward
+    convert_to_fp8_activations(model)
+    assert type(model[0]) is nn.Linear and type(model[1]) is FP8Linear
+    model.train()(torch.randn(4, 64))
+    assert calls == [1]

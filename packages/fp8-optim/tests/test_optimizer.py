@@ -955,3 +955,18 @@ def test_load_state_dict_runs_torchs_hooks():
     opt.load_state_dict(saved)
     assert calls == [("pre", True, 1e-3), ("post", 5e-4)]
     assert saved["param_groups"][0]["lr"] == 1e-3  # the caller's dict is not changed
+
+
+def test_load_state_dict_pre_hook_may_unwrap_what_it_is_given():
+    """The pre-hooks run before the state dict is checked, as torch's optimizers run them
+    (helper-54: a hook unwrapping {"wrapped": sd} met a TypeError first)."""
+    m = torch.nn.Linear(8, 8)
+    opt = CoatAdamW(m.parameters())
+    m(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    opt.register_load_state_dict_pre_hook(lambda optimizer, sd: sd["wrapped"])
+    opt.load_state_dict({"wrapped": saved})
+    assert torch.equal(opt.state[m.weight]["exp_avg"], saved["state"][0]["exp_avg"])
+    with pytest.raises(TypeError, match="load_state_dict takes an optimizer state dict"):
+        opt.load_state_dict({"wrapped": 1})

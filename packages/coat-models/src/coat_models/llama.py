@@ -90,13 +90,6 @@ def _layer_problem(layer: nn.Module) -> str | None:
     """Why ``layer`` is not a Llama-shaped decoder layer, or ``None`` if it is (by structure)."""
     if _children(layer) != _LAYER_CHILDREN:
         return f"its sub-modules are {sorted(_children(layer))}, expected {sorted(_LAYER_CHILDREN)}"
-    own = vars(layer).get("forward")
-    if own is not None and not getattr(own, "coat_compiled_forward", False):
-        # (compile_layers' forward runs the class's: the COAT path)
-        return f"its forward is replaced on the instance ({_INSTANCE_FORWARD})"
-    problem = _bypassed_module(layer, at_apply=True)
-    if problem is not None:
-        return problem
     attn, mlp = layer.self_attn, layer.mlp
     if _children(attn) != _ATTN_CHILDREN:
         names = sorted(_children(attn))
@@ -202,20 +195,34 @@ _INSTANCE_FORWARD = (
 _CAPTURE_HOOK = "output_capturing_hook"
 
 
+def _instance_forward_problem(layer: nn.Module) -> str | None:
+    """Why ``apply_coat`` must not convert ``layer``: a forward set on the layer instance
+    (accelerate's hooks, ...) runs instead of the COAT class's, which would silently never
+    train; ``compile_layers``' own runs the class's and passes."""
+    own = vars(layer).get("forward")
+    if own is not None and not (
+        getattr(own, "coat_compiled_forward", False) and own.own_forward is None
+    ):
+        return f"its forward is replaced on the instance ({_INSTANCE_FORWARD})"
+    return _bypassed_module(layer, at_apply=True)
+
+
 def _bypassed_module(layer: nn.Module, at_apply: bool = False) -> str | None:
     """What the COAT path would silently skip in ``layer``, or None: it reads the weights
-    of the layer's sub-modules and never calls them, so their forward hooks and a forward
-    replaced on an instance (accelerate's hooks) would not run. Hooks on the layer itself
-    run. transformers' output-capturing hooks are idle unless attention weights are asked
-    for, which the COAT path does not compute. ``at_apply``: forwards only (hooks may be
-    added and removed between training steps). A few dict reads per sub-module."""
+    of the layer's sub-modules and never calls them, so their forward hooks and
+    accelerate's hooks (which place or load weights) would not run. Hooks on the layer
+    itself run; so does another forward set on a sub-module (a Hub kernel's, say: the COAT
+    path computes what the module does). transformers' output-capturing hooks are idle
+    unless attention weights are asked for, which the COAT path does not compute.
+    ``at_apply``: accelerate's hooks only (hooks may be added and removed between training
+    steps). A few dict reads per sub-module."""
     modules = layer._modules
     for owner in (layer, modules["self_attn"], modules["mlp"]):
         for name, m in owner._modules.items():
             if m is None:
                 continue
-            if "forward" in m.__dict__:
-                return f"{name}'s forward is replaced on the instance ({_INSTANCE_FORWARD})"
+            if "_hf_hook" in m.__dict__:  # (accelerate's marker)
+                return f"{name} carries accelerate's hooks ({_INSTANCE_FORWARD})"
             if at_apply:
                 continue
             if m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
@@ -227,8 +234,10 @@ def _bypassed_module(layer: nn.Module, at_apply: bool = False) -> str | None:
                     return f"{name} has hooks, which the COAT path does not run: {_HOOKS_REMEDY}"
                 if name == "self_attn" and _attentions_asked():
                     return (
-                        "output_attentions=True: the COAT path does not compute attention "
-                        "weights; ask for them in eval mode or under torch.no_grad()"
+                        "output_attentions=True (an argument, or the model config's): the COAT "
+                        "path does not compute attention weights; ask for them in eval mode or "
+                        "under torch.no_grad(), and train with "
+                        "model.config.output_attentions = False"
                     )
     return None
 
@@ -616,6 +625,12 @@ def convert_llama(
         keep = [bool(module_filter_fn(layer, fqn)) for layer, fqn in zip(layers, fqns, strict=True)]
     else:
         keep = [True] * len(layers)
+    for index, (layer, convert) in enumerate(zip(layers, keep, strict=True)):
+        problem = _instance_forward_problem(layer) if convert else None
+        if problem is not None:
+            raise TypeError(
+                f"apply_coat: layer {index} of {type(model).__name__} cannot take COAT: {problem}"
+            )
     for layer, convert in zip(layers, keep, strict=True):
         original = _original_class(layer)
         if not convert:

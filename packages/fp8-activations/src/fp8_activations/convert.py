@@ -4,7 +4,8 @@ Converted: ``nn.Linear`` (both dims multiples of 16, what FP8 GEMMs take; others
 high precision), ``nn.LayerNorm`` and ``nn.RMSNorm`` over the last dim, Hugging Face
 ``*RMSNorm`` classes that compute ``weight * x / sqrt(mean(x^2) + eps)`` (checked on a
 probe input, so Gemma's ``(1 + weight)`` variant is left alone), ``nn.SiLU`` and ``nn.GELU``.
-Subclasses that override ``forward`` (LoRA layers, say) are left alone. Parameter names do
+Subclasses that override ``forward`` (LoRA layers, say), and modules whose ``forward`` is
+replaced on the instance (accelerate's hooks), are left alone. Parameter names do
 not change, so state dicts load into either form.
 """
 
@@ -24,8 +25,9 @@ FilterFn = Callable[[nn.Module, str], bool]
 
 
 def _plain(m: nn.Module, cls: type) -> bool:
-    """``m`` is a ``cls`` whose forward is ``cls``'s own (not overridden)."""
-    return isinstance(m, cls) and type(m).forward is cls.forward
+    """``m`` is a ``cls`` whose forward is ``cls``'s own (not overridden by a subclass, nor
+    replaced on the instance, as accelerate's hooks do: such a forward ran in eval only)."""
+    return isinstance(m, cls) and type(m).forward is cls.forward and "forward" not in vars(m)
 
 
 def _hf_rms_norm_ok(m: nn.Module) -> bool:

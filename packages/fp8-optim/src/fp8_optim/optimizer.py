@@ -415,18 +415,10 @@ class CoatAdamW(torch.optim.Optimizer):
         with ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as in torch's
         optimizers (a pre-hook may return the state dict to load instead).
         """
-        if not (
-            isinstance(state_dict, dict)
-            and isinstance(state_dict.get("state"), dict)
-            and isinstance(state_dict.get("param_groups"), list | tuple)
-        ):
-            raise TypeError(
-                "load_state_dict takes an optimizer state dict (a dict with 'state' and "
-                "'param_groups', from CoatAdamW.state_dict() or torch.optim.AdamW.state_dict())"
-            )
         # torch's load-state-dict hooks, as torch's optimizers run them: pre-hooks on a shallow
-        # copy (one may return a replacement), post-hooks once loaded.
-        state_dict = state_dict.copy()
+        # copy (one may return a replacement: checked after them), post-hooks once loaded.
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
@@ -441,7 +433,10 @@ class CoatAdamW(torch.optim.Optimizer):
             and isinstance(state_dict.get("state"), dict)
             and isinstance(state_dict.get("param_groups"), list | tuple)
         ):
-            raise TypeError("a load_state_dict pre-hook returned no optimizer state dict")
+            raise TypeError(
+                "load_state_dict takes an optimizer state dict (a dict with 'state' and "
+                "'param_groups', from CoatAdamW.state_dict() or torch.optim.AdamW.state_dict())"
+            )
         groups, saved = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved):
             raise ValueError(
