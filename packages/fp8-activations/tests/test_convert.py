@@ -57,6 +57,27 @@ def test_hooks_move_with_the_converted_module():
     assert calls == [("pre", "Linear")]
 
 
+def test_a_load_state_dict_pre_hook_bound_to_its_module_gets_the_fp8_module():
+    """A load-state-dict pre-hook registered with ``with_module=True`` is called with the
+    module in the model: after conversion the FP8 one, after revert the float one (it was
+    called with the float module that conversion had taken out of the model)."""
+    import torch
+    from fp8_activations import revert_fp8_activations
+    from fp8_activations.modules import FP8Linear
+
+    model = nn.Sequential(nn.Linear(64, 64))
+    seen = []
+    model[0]._register_load_state_dict_pre_hook(lambda m, *args: seen.append(m), with_module=True)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    convert_to_fp8_activations(model)
+    model.load_state_dict(state)
+    assert type(model[0]) is FP8Linear and seen == [model[0]]
+    revert_fp8_activations(model)
+    model.load_state_dict(state)
+    assert type(model[0]) is nn.Linear and seen[1] is model[0]
+    assert torch.equal(model[0].weight, state["0.weight"])
+
+
 def test_a_module_whose_forward_is_replaced_is_left_alone():
     """A module whose forward is set on the instance (accelerate's hooks) stays as it is, as
     a subclass overriding forward does (helper-54: converted, that forward ran in eval only)."""

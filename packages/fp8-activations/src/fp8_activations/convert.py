@@ -12,6 +12,7 @@ not change, so state dicts load into either form.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -88,10 +89,18 @@ _HOOK_DICTS = (
 
 def _move_hooks(old: nn.Module, new: nn.Module) -> None:
     """``old``'s hooks onto ``new``, which replaces it (they stayed on ``old``, which an FP8
-    module calls in eval mode only: they fired in eval, never in training)."""
+    module calls in eval mode only: they fired in eval, never in training). A hook that
+    torch keeps bound to ``old`` (a load-state-dict pre-hook registered ``with_module=True``
+    holds a weak reference to its module) is bound to ``new``: it got the module no longer
+    in the model."""
     for name in _HOOK_DICTS:
         hooks = old.__dict__.get(name)
         if hooks:
+            for hook in hooks.values():
+                ref = getattr(hook, "module", None)
+                if getattr(hook, "with_module", False) and isinstance(ref, weakref.ref):
+                    if ref() is old:
+                        hook.module = weakref.ref(new)
             new.__dict__[name] = hooks
             old.__dict__[name] = type(hooks)()
     if "_is_full_backward_hook" in old.__dict__:
