@@ -60,11 +60,15 @@ def test_wrong_config_type(op):
         (lambda: FP8ActivationConfig(gemm="cublas"), ValueError, "gemm must be one of"),
         (lambda: FP8ActivationConfig(fwd_format="e3m4"), ValueError, "unknown FP8 format"),
         (lambda: FP8ActivationConfig(weight_cache="true"), TypeError, "must be a bool"),
+        (lambda: fa.gelu(X, FP8ActivationConfig()), TypeError, "pass the config as config="),
+        (lambda: fa.weight_cache_fresh(W), TypeError, "not one tensor"),
+        (lambda: fa.weight_cache_fresh([1]), TypeError, "tensors, got a int"),
     ],
     ids=[
         "linear-in", "linear-weight-1d", "linear-bias", "linear-device", "rms-weight",
         "ln-shape", "swiglu-shape", "swiglu-dtype", "residual-shape", "gelu-approx",
-        "group-size", "backend", "gemm", "format", "string-bool",
+        "group-size", "backend", "gemm", "format", "string-bool", "gelu-config",
+        "cache-fresh-tensor", "cache-fresh-int",
     ],
 )  # fmt: skip
 def test_clear_errors(call, exc, match):

@@ -269,3 +269,24 @@ def test_quantize_cols_writes_quantize_t_transposed_copy(backend):
         _, want_t, want_s = lin.quantize_t(w.contiguous(), "e4m3", amax, backend)
         assert torch.equal(q_t.view(torch.uint8), want_t.view(torch.uint8))
         assert torch.equal(scale, want_s)
+
+
+def test_a_cast_in_another_format_is_refused():
+    """A cast made under one config's forward format, given to an op whose config has
+    another, is a one-line error (it was used as it was: the op computed with E4M3 weights
+    under an E5M2 config)."""
+    e4 = fa.FP8ActivationConfig(weight_cache=False)
+    e5 = e4.replace(fwd_format="e5m2")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 64, generator=g), torch.randn(32, 64, generator=g)
+    (c,) = fa.cast_weights([w], e4)
+    with pytest.raises(ValueError, match="weight_cast was cast to e4m3 but this op's config"):
+        fa.fp8_linear(x, w, config=e5, weight_cast=c)
+    cached = fa.cached_weight_casts([w, w.flip(0)], e4.replace(weight_cache=True))
+    with pytest.raises(ValueError, match=r"weight_casts\[0\] was cast to e4m3"):
+        fa.rms_norm_linear(x, None, 1e-6, [w, w.flip(0)], config=e5, weight_casts=cached)
+    (c,) = fa.cast_weights([w], e5)
+    torch.testing.assert_close(
+        fa.fp8_linear(x, w, config=e5, weight_cast=c), fa.fp8_linear(x, w, config=e5),
+        rtol=0, atol=0,
+    )  # fmt: skip

@@ -1,6 +1,7 @@
 """convert_to_fp8_activations called again, and on what is no module."""
 
 import pytest
+import torch
 from fp8_activations import convert_to_fp8_activations
 from torch import nn
 
@@ -96,3 +97,74 @@ def test_a_module_whose_forward_is_replaced_is_left_alone():
     assert type(model[0]) is nn.Linear and type(model[1]) is FP8Linear
     model.train()(torch.randn(4, 64))
     assert calls == [1]
+
+
+class _GemmaRMSNorm(nn.Module):
+    """Gemma's norm: ``x / rms(x) * (1 + weight)``, not what an FP8RMSNorm computes."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
+
+
+class LlamaRMSNorm(nn.Module):
+    """A Llama-style norm as Hugging Face writes it: ``weight * x / rms(x)``."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_norms_on_the_meta_device_are_probed_as_on_the_cpu():
+    """A ``*RMSNorm`` built on the meta device is checked on a CPU copy: Gemma's ``(1 +
+    weight)`` norm stays as it is, with the warning it gets on the CPU (it was converted,
+    and then trained as ``weight * x / rms(x)``); a Llama-style one is converted."""
+    from fp8_activations.modules import FP8RMSNorm
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), _GemmaRMSNorm(64), LlamaRMSNorm(64))
+    with pytest.warns(UserWarning, match="_GemmaRMSNorm does not compute"):
+        convert_to_fp8_activations(model)
+    assert type(model[1]) is _GemmaRMSNorm and type(model[2]) is FP8RMSNorm
+
+
+def test_the_norm_probe_fires_no_hook_and_a_replaced_forward_is_left_alone():
+    """Checking a ``*RMSNorm`` runs its class's forward, not its hooks (they saw a made-up
+    input); one whose forward is replaced on the instance stays as it is."""
+    from fp8_activations.modules import FP8RMSNorm
+
+    model = nn.Sequential(LlamaRMSNorm(64), LlamaRMSNorm(64))
+    calls = []
+    model[0].register_forward_hook(lambda m, i, o: calls.append(tuple(i[0].shape)))
+    model[1].forward = lambda x, m=model[1]: LlamaRMSNorm.forward(m, x)
+    convert_to_fp8_activations(model)
+    assert calls == [] and type(model[0]) is FP8RMSNorm and type(model[1]) is LlamaRMSNorm
+    model(torch.randn(3, 64))
+    assert calls == [(3, 64)]
+
+
+def test_a_module_used_at_two_places_becomes_one_fp8_module():
+    """A module shared by two places of a model is replaced by one FP8 module at both (it
+    became two, and its hooks moved to one of them: they fired once per forward, not
+    twice); revert restores the one float module."""
+    from fp8_activations import revert_fp8_activations
+    from fp8_activations.modules import FP8Linear
+
+    lin = nn.Linear(32, 32)
+    model = nn.Sequential(lin, nn.GELU(), lin)
+    calls = []
+    lin.register_forward_hook(lambda *a: calls.append(1))
+    convert_to_fp8_activations(model)
+    assert type(model[0]) is FP8Linear and model[0] is model[2]
+    model.train()(torch.randn(4, 32)).sum().backward()
+    assert calls == [1, 1]
+    revert_fp8_activations(model)
+    assert model[0] is model[2] and type(model[0]) is nn.Linear

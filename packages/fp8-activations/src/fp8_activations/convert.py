@@ -11,6 +11,7 @@ not change, so state dicts load into either form.
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from collections.abc import Callable
@@ -36,12 +37,20 @@ def _hf_rms_norm_ok(m: nn.Module) -> bool:
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     if not (isinstance(w, nn.Parameter) and w.dim() == 1 and isinstance(eps, float)):
         return False
-    if w.is_meta or next(m.children(), None) is not None:
-        return w.is_meta
+    if next(m.children(), None) is not None:
+        return False
+    probe = m
+    if w.is_meta:  # probed as a copy on the CPU, with weights near 1 (a meta forward
+        probe = copy.deepcopy(m).to_empty(device="cpu")  # computes nothing to compare)
+        with torch.no_grad():
+            for t in (*probe.parameters(), *probe.buffers()):
+                if t.is_floating_point():
+                    t.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+    w = probe.weight
     gen = torch.Generator(device=w.device).manual_seed(0)
     x = torch.randn(4, w.shape[0], generator=gen, device=w.device).to(w.dtype)
     with torch.no_grad():
-        got = m(x).float()
+        got = probe.forward(x).float()  # (not its hooks: they would see the probe)
         want = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * w.float()
     if torch.allclose(got, want, rtol=2e-2, atol=2e-2):
         return True
@@ -61,7 +70,7 @@ def _fp8_twin(m: nn.Module, config: FP8ActivationConfig) -> nn.Module | None:
         return FP8LayerNorm.from_float(m, config) if len(m.normalized_shape) == 1 else None
     if _plain(m, nn.RMSNorm):
         return FP8RMSNorm.from_float(m, config) if len(m.normalized_shape) == 1 else None
-    if type(m).__name__.endswith("RMSNorm") and _hf_rms_norm_ok(m):
+    if type(m).__name__.endswith("RMSNorm") and "forward" not in vars(m) and _hf_rms_norm_ok(m):
         return FP8RMSNorm.from_float(m, config)
     if _plain(m, nn.SiLU):
         return FP8SiLU.from_float(m, config)
@@ -107,14 +116,25 @@ def _move_hooks(old: nn.Module, new: nn.Module) -> None:
         new._is_full_backward_hook = old._is_full_backward_hook
 
 
-def _swap(module: nn.Module, fqn: str, fn: Callable[[nn.Module, str], nn.Module | None]):
+def _swap(module: nn.Module, fqn: str, fn: Callable[[nn.Module, str], nn.Module | None], done=None):
+    """``fn``'s replacement of ``module`` (None: keep it and visit its children). A module
+    found at several places (shared) is decided once, at its first name, and replaced by
+    one module everywhere: ``done`` maps ``id(module)`` to what replaced it."""
+    done = {} if done is None else done
+    seen = done.get(id(module))
+    if seen is not None:
+        return seen
     new = fn(module, fqn)
     if new is not None:
         if new is not module:
             _move_hooks(module, new)
+        done[id(module)] = new
         return new
-    for name, child in list(module.named_children()):
-        new_child = _swap(child, f"{fqn}.{name}" if fqn else name, fn)
+    done[id(module)] = module
+    for name, child in list(module._modules.items()):  # (named_children() skips repeats)
+        if child is None:
+            continue
+        new_child = _swap(child, f"{fqn}.{name}" if fqn else name, fn, done)
         if new_child is not child:
             setattr(module, name, new_child)
     return module

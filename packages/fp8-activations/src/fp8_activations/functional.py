@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from fp8_quant import resolve_backend
+from fp8_quant import FP8Format, resolve_backend
 
 from .config import DEFAULT_CONFIG, FP8ActivationConfig
 from .ops import (
@@ -108,14 +108,20 @@ def _check_amax(amax: Tensor | None, weight: Tensor, name: str) -> Tensor | None
     return amax.float()
 
 
-def _check_cast(cast, weight: Tensor, name: str) -> None:
+def _check_cast(cast, weight: Tensor, name: str, fmt: FP8Format) -> None:
     """A ``cast_weights`` / ``cached_weight_casts`` item for ``weight`` (the same tensor
-    object), or None; a cached one made from the weight's current version (eager)."""
+    object) made in the op's forward format ``fmt``, or None; a cached one made from the
+    weight's current version (eager)."""
     if cast is None:
         return
     if not isinstance(cast, WeightCast) or cast.weight is not weight:
         raise TypeError(
             f"{name} must be the item of cast_weights(...) made for this weight, or None"
+        )
+    if cast.fmt is not fmt:
+        raise ValueError(
+            f"{name} was cast to {cast.fmt.value} but this op's config has fwd_format="
+            f"{fmt.value!r}: make the casts with the op's config"
         )
     # (Traced, ``version`` is not read: an int read by dynamo is a guard, one graph per step.)
     if (
@@ -236,9 +242,15 @@ def weight_cache_fresh(
     False
     """
     cfg = _config(config)
+    if isinstance(weights, torch.Tensor):  # (iterated, its rows: never fresh)
+        raise TypeError("weights must be a list or tuple of tensors, not one tensor")
     if not cfg.weight_cache or torch.compiler.is_compiling():
         return False
-    return all(_weight_cache_fresh(w, cfg.fwd_format) for w in weights)
+    try:
+        return all(_weight_cache_fresh(w, cfg.fwd_format) for w in weights)
+    except AttributeError:
+        bad = next(type(w).__name__ for w in weights if not isinstance(w, torch.Tensor))
+        raise TypeError(f"weights must be a list or tuple of tensors, got a {bad}") from None
 
 
 def cast_weights(
@@ -292,14 +304,14 @@ def cast_weights(
         out = quantize_rows_many([w.detach() for w in weights], fmt, amaxes, backend)
         n = len(weights)
         return [
-            WeightCast(None, i, w, tensors=RowsCast(out[i], out[n + i], amaxes[i]))
+            WeightCast(None, i, w, cfg.fwd_format, tensors=RowsCast(out[i], out[n + i], amaxes[i]))
             for i, w in enumerate(weights)
         ]
     if cfg.weight_cache:
         fill_weight_caches(list(weights), cfg.fwd_format, backend, amaxes)
         return None
     layer = LayerCast(list(weights), amaxes, cfg.fwd_format.value, backend)
-    return [WeightCast(layer, i, w) for i, w in enumerate(weights)]
+    return [WeightCast(layer, i, w, cfg.fwd_format) for i, w in enumerate(weights)]
 
 
 def cached_weight_casts(
@@ -332,7 +344,7 @@ def cached_weight_casts(
         if not weight_cache_fresh(weights, cfg):  # weights cast_weights declines
             return None
     return [
-        WeightCast(None, i, w, tensors=cached_weight_fp8(w), version=w._version)
+        WeightCast(None, i, w, cfg.fwd_format, tensors=cached_weight_fp8(w), version=w._version)
         for i, w in enumerate(weights)
     ]
 
@@ -379,7 +391,7 @@ def fp8_linear(
         raise ValueError(f"weight is on {weight.device} but x on {x.device}")
     _check_param(bias, x, "bias", weight.shape[0])
     weight_amax = _check_amax(weight_amax, weight, "weight_amax")
-    _check_cast(weight_cast, weight, "weight_cast")
+    _check_cast(weight_cast, weight, "weight_cast", cfg.fwd_format)
     _check_residual(residual, x, weight.shape[0], "x")
     if x.numel() == 0 or (residual is not None and residual.numel() == 0):
         b = None if bias is None else bias.to(x.dtype)
@@ -515,7 +527,7 @@ def rms_norm_linear(
     if len(casts) != len(weights):
         raise ValueError(f"got {len(weights)} weights but {len(casts)} weight_casts")
     for i, (c, w) in enumerate(zip(casts, weights, strict=True)):
-        _check_cast(c, w, f"weight_casts[{i}]")
+        _check_cast(c, w, f"weight_casts[{i}]", cfg.fwd_format)
     eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
     if x.numel() == 0 or not _needs_grad(x, norm_weight, *weights, *biases):
         normed = rms_norm(x, norm_weight, eps, cfg)
@@ -600,6 +612,8 @@ def gelu(x: Tensor, approximate: str = "none", config: FP8ActivationConfig | Non
     """
     cfg = _config(config)
     _check_float(x, "x")
+    if isinstance(approximate, FP8ActivationConfig):
+        raise TypeError("gelu's second argument is approximate: pass the config as config=")
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
     if x.numel() == 0:
@@ -667,7 +681,7 @@ def swiglu_linear(
         raise ValueError(f"weight is on {weight.device} but gate on {gate.device}")
     _check_param(bias, gate, "bias", weight.shape[0])
     weight_amax = _check_amax(weight_amax, weight, "weight_amax")
-    _check_cast(weight_cast, weight, "weight_cast")
+    _check_cast(weight_cast, weight, "weight_cast", cfg.fwd_format)
     _check_residual(residual, gate, weight.shape[0], "gate")
     if gate.numel() == 0 or not _needs_grad(gate, up, weight, bias):
         y = swiglu(gate, up, cfg)

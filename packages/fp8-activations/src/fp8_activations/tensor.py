@@ -145,8 +145,8 @@ def attach_per_tensor(x: torch.Tensor, q_qt_scale: tuple, key: tuple) -> None:
     what a producer attached (kept while still valid). Eager mode only: the next linear on
     the same ``x`` (same object and ``_version``) then reuses it instead of quantizing
     again, and saves the very same ``q.T`` (one saved copy for Q/K/V or gate/up)."""
-    if x.is_inference():  # (no version counter)
-        return
+    if x.is_inference() or torch.is_inference_mode_enabled():  # (no version counter; or
+        return  # inference tensors, which a training op on x could not save for backward)
     h = handed_over(x)
     if h is None:
         h = HandOver(x._version)

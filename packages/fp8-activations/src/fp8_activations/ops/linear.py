@@ -367,6 +367,7 @@ class WeightCast:
     layer: LayerCast | None
     index: int
     weight: Tensor  # the weight it was cast from (checked by the ops: the same object)
+    fmt: FP8Format  # the format it was cast to (checked by the ops: their forward format)
     tensors: RowsCast | tuple[Tensor, Tensor, Tensor] | None = None
     version: int | None = None  # the cache's: the weight's version its copies were made from
 
@@ -389,7 +390,7 @@ def fill_weight_caches(weights: list[Tensor], fmt: FP8Format, backend: str, amax
     stale = [  # (an inference-mode weight keeps no copy: weight_fp8 casts it each time)
         i for i, w in enumerate(weights) if not w.is_inference() and not weight_cache_fresh(w, fmt)
     ]
-    if not stale:
+    if not stale or torch.is_inference_mode_enabled():  # (weight_fp8 casts each then too)
         return
     ws = [weights[i].detach() for i in stale]
     casts = _multi(ws[0], backend)(ws, fmt, [amaxes[i] for i in stale], True, True)
@@ -511,7 +512,35 @@ def _cache_put(weight: Tensor, key: tuple, cast) -> None:
     slot = weight.__dict__.get(_CACHE_ATTR)
     if slot is None:
         slot = weight.__dict__[_CACHE_ATTR] = _CacheSlot()
+        if _STEP_HOOK is None:
+            _watch_optimizer_steps()
     slot.entry = (key, cast)
+
+
+_STEP_HOOK = None
+
+
+def _watch_optimizer_steps() -> None:
+    """From the first cached copy on: after every ``torch.optim.Optimizer`` step, bump the
+    version of each parameter it stepped that has a cached copy. torch's ``fused=True``
+    optimizers (Hugging Face Trainer's default ``adamw_torch_fused``) update parameters in
+    place without bumping their version: the cache would hand out the first step's copy
+    for the rest of training."""
+    global _STEP_HOOK
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    _STEP_HOOK = register_optimizer_step_post_hook(_after_step)
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    stepped = [
+        p
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None and _CACHE_ATTR in p.__dict__
+    ]
+    if stepped:
+        torch.autograd.graph.increment_version(stepped)
 
 
 def weight_fp8(
@@ -523,7 +552,9 @@ def weight_fp8(
     The copy is keyed on ``weight._version`` (bumped by every in-place update: optimizer
     steps, ``load_state_dict``, ``zero_``) and on its storage (``.data =`` swaps, ``.to()``),
     so it never goes stale; micro-batches between two optimizer steps reuse it. It lives on
-    the weight (freed with it); pickling or copying a model carries none of it.
+    the weight (freed with it); pickling or copying a model carries none of it. Under
+    ``torch.inference_mode()`` it is read but not filled (a copy made there is an inference
+    tensor, which a later training forward could not save for backward).
     """
     if weight.is_inference():  # no version counter to key a copy on: cast, keep nothing
         return quantize_t(weight.detach(), fmt.value, amax, backend)
@@ -532,7 +563,8 @@ def weight_fp8(
     if hit is not None and hit[0] == key:
         return hit[1]
     w = quantize_t(weight.detach(), fmt.value, amax, backend)
-    _cache_put(weight, key, w)
+    if not torch.is_inference_mode_enabled():  # (inference tensors: training cannot save them)
+        _cache_put(weight, key, w)
     return w
 
 
