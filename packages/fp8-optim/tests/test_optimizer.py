@@ -970,3 +970,68 @@ def test_load_state_dict_pre_hook_may_unwrap_what_it_is_given():
     assert torch.equal(opt.state[m.weight]["exp_avg"], saved["state"][0]["exp_avg"])
     with pytest.raises(TypeError, match="load_state_dict takes an optimizer state dict"):
         opt.load_state_dict({"wrapped": 1})
+
+
+@pytest.mark.parametrize("hp", [False, True], ids=["fp8", "high-precision"])
+def test_states_made_anew_get_a_new_plan(hp, needs_triton, h):
+    """Moments reset by ``opt.state.clear()`` between steps are stepped like a fresh
+    optimizer's, on the triton backend as on the reference (the cached launch plan, keyed
+    on the parameters' addresses alone, still held the old states' addresses: the kernel
+    wrote into freed memory and the new states of all but the first parameter stayed
+    zero)."""
+    runs = []
+    for backend in ("reference", "triton"):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(256, generator=g)) for _ in range(3)]
+        opt = CoatAdamW(
+            ps, lr=0.1, config=CoatAdamWConfig(backend=backend, high_precision_states=hp)
+        )
+        for i in range(4):
+            if i == 3:
+                opt.state.clear()
+            for p in ps:
+                p.grad = torch.randn(256, generator=g)
+            opt.step()
+        runs.append((ps, opt))
+    (ps, opt), (ps2, opt2) = runs
+    assert [opt2.state[p]["step"].item() for p in ps2] == [1.0, 1.0, 1.0]
+    h.assert_same_state(opt, ps, opt2, ps2)
+
+
+@pytest.mark.parametrize("hp", [False, True], ids=["fp8", "high-precision"])
+def test_states_loaded_from_transposed_tensors_step_in_order(hp, needs_triton, h):
+    """A loaded state whose tensors are views of another layout (here transposed) is
+    stored contiguous: the triton step reads it in order and matches the reference (it
+    was cloned with its strides, and the kernel, which reads flat memory, read the
+    moments out of order)."""
+    g = torch.Generator().manual_seed(0)
+    runs = []
+    src = CoatAdamW(
+        [torch.nn.Parameter(torch.randn(48, 32, generator=g))],
+        config=CoatAdamWConfig(backend="reference", high_precision_states=hp),
+    )
+    src.param_groups[0]["params"][0].grad = torch.randn(48, 32, generator=g)
+    src.step()
+    sd = src.state_dict()
+    s = sd["state"][0]
+    for k in ("exp_avg", "exp_avg_sq"):  # the same values, transposed storage
+        s[k] = s[k].t().contiguous().t()
+        assert not s[k].is_contiguous()
+    grad = torch.randn(48, 32, generator=g)
+    for backend in ("reference", "triton"):
+        p = torch.nn.Parameter(src.param_groups[0]["params"][0].detach().clone())
+        opt = CoatAdamW([p], config=CoatAdamWConfig(backend=backend, high_precision_states=hp))
+        opt.load_state_dict(sd)
+        p.grad = grad.clone()
+        opt.step()
+        runs.append(([p], opt))
+    h.assert_same_state(runs[0][1], runs[0][0], runs[1][1], runs[1][0])
+
+
+@pytest.mark.parametrize("bad", [{"foo": 1}, [], {"state": [], "param_groups": []}], ids=repr)
+def test_load_adamw_state_dict_of_no_state_dict_is_one_line(bad):
+    """What is no state dict gets load_state_dict's one-line TypeError (it was a KeyError or
+    an index error from inside the check for CoatAdamW's own state dicts)."""
+    opt = CoatAdamW([torch.nn.Parameter(torch.randn(4))])
+    with pytest.raises(TypeError, match="load_state_dict takes an optimizer state dict"):
+        opt.load_adamw_state_dict(bad)

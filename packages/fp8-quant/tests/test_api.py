@@ -195,6 +195,41 @@ def test_dequantize_refuses_what_its_quantizer_did_not_return():
     assert (fq.dequantize_per_tensor(qt, st) - x).abs().max() < 0.1 * x.abs().max()
 
 
+def test_dequantize_per_block_refuses_what_its_quantizer_did_not_return():
+    """Scales of another block, values that are not FP8 codes, a 1-D q, a block that is not
+    two powers of two: one-line errors (the default block's dequantization of (64, 128)
+    tiles ran without a word and was off by 99.9%; others failed deep in a broadcast)."""
+    fq = fp8_quant
+    x = torch.randn(128, 256)
+    x[64:] *= 1000
+    q, s = fq.quantize_per_block(x, (64, 128))
+    with pytest.raises(ValueError, match=r"scales has shape \(2, 2\), but q of shape "
+                       r"\(128, 256\) needs \(1, 2\)"):  # fmt: skip
+        fq.dequantize_per_block(q, s)
+    with pytest.raises(TypeError, match="q must be FP8 codes"):
+        fq.dequantize_per_block(x, s, (64, 128))
+    with pytest.raises(ValueError, match="q must be 2-D"):
+        fq.dequantize_per_block(q[0], s, (64, 128))
+    for call in (lambda b: fq.quantize_per_block(x, b), lambda b: fq.dequantize_per_block(q, s, b)):
+        with pytest.raises(ValueError, match="block must be \\(rows, cols\\), two powers of two"):
+            call(16)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        fq.dequantize_per_group(q[0, 0], s, 16)
+    with pytest.raises(TypeError, match="q must be FP8 codes"):
+        fq.dequantize_per_group([1.0], s, 16)
+    back = fq.dequantize_per_block(q, s, (64, 128))
+    assert ((back - x).abs() <= 0.07 * x.abs() + 1e-3 * s.max()).all()
+
+
+def test_triton_chosen_by_the_environment_says_so_on_cpu(monkeypatch):
+    monkeypatch.setenv("FP8_QUANT_BACKEND", "triton")
+    monkeypatch.setattr(fp8_quant.api, "triton_interpreting", lambda: False)
+    with pytest.raises(ValueError, match=r"triton backend \(FP8_QUANT_BACKEND=triton chose it\)"):
+        resolve_backend(torch.randn(2), "auto")
+    with pytest.raises(ValueError, match="the triton backend needs a CUDA tensor"):
+        resolve_backend(torch.randn(2), "triton")
+
+
 @pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16), (0, 20)])
 def test_empty_inputs_per_group_on_both_backends(shape, interpreter):
     """An empty tensor whose last dim is not: the shapes of the Triton backend on the

@@ -39,6 +39,7 @@ _TORCH_KEYS = (*_ADAMW_ONLY_KEYS, "param_names")
 _SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
 _GROUP_KEYS = frozenset(_OWN_KEYS + _TORCH_KEYS + _SCHEDULER_KEYS)
 _STATE_KEYS = ("step", *_MOMENTS, *(m + sfx for m in _MOMENTS for sfx in PER_GROUP_SUFFIXES))
+_HP_KEYS = ("step", *_MOMENTS)  # a parameter's state with high_precision_states
 _FP32_MAX = torch.finfo(torch.float32).max
 _STEP_MAX = 2**24  # fp32 counts every step exactly up to here (the kernel's powers take 25 bits)
 
@@ -338,7 +339,10 @@ class CoatAdamW(torch.optim.Optimizer):
                 raise ValueError(f"lr is a tensor on {lr.device}, parameters are on {device}")
             opts["lr"] = lr.item()  # a CPU tensor: no device sync
         # Parameters and states keep their addresses; gradients usually do not (set_to_none).
-        ptrs = tuple(t.data_ptr() for t in work)
+        # A plan holds the states' addresses too: states made anew (``opt.state.clear()``)
+        # need a new one, or the kernel would write into the old, freed ones.
+        names = _HP_KEYS if self.config.high_precision_states else _STATE_KEYS
+        ptrs = (*(t.data_ptr() for t in work), *(s[k].data_ptr() for s in states for k in names))
         grad_ptrs = tuple(g.data_ptr() for g in grads)
         cached = self._plans.get((gi, key))
         if cached is None or cached[0] != ptrs:
@@ -501,10 +505,11 @@ class CoatAdamW(torch.optim.Optimizer):
 
     def load_adamw_state_dict(self, state_dict: dict) -> None:
         """Load a ``torch.optim.AdamW`` state dict (its fp32 moments get quantized)."""
-        for pstate in state_dict["state"].values():
-            if "exp_avg_amax" in pstate:
+        state = state_dict.get("state") if isinstance(state_dict, dict) else None
+        for pstate in state.values() if isinstance(state, dict) else ():
+            if isinstance(pstate, dict) and "exp_avg_amax" in pstate:
                 raise ValueError("this is a CoatAdamW state dict: use load_state_dict")
-        self.load_state_dict(state_dict)
+        self.load_state_dict(state_dict)  # (which checks the rest, with its errors)
 
     def to_adamw_state_dict(self) -> dict:
         """This optimizer's state as a ``torch.optim.AdamW`` state dict (fp32 moments).
@@ -566,20 +571,26 @@ class CoatAdamW(torch.optim.Optimizer):
                 and x.dtype == fmt.torch_dtype
                 and s[name + "_amax"].numel() == reference.num_groups(p.numel(), cfg.group_size)
             )
-            if same:  # bit-exact copy
+            if same:  # bit-exact copy (contiguous: the update kernel reads flat memory)
                 amax, k16 = _group_numbers(s, name)
-                out[name] = x.detach().to(p.device).reshape(p.shape).clone()
-                out[name + "_amax"] = amax.detach().to(p.device).clone()
-                out[name + "_k"] = k16.detach().to(p.device).clone()
+                out[name] = _own(x.reshape(p.shape), p.device)
+                out[name + "_amax"] = _own(amax, p.device)
+                out[name + "_k"] = _own(k16, p.device)
                 continue
             val = self._moment_fp32(p, s, name).to(p.device, torch.float32)
             if cfg.high_precision_states:
-                out[name] = val.clone()
+                out[name] = _own(val, p.device)
             else:
                 dre = cfg.m_dre if name == "exp_avg" else cfg.v_dre
                 codes, amax, k16 = reference.quantize(val, fmt, cfg.group_size, dre)
                 out[name], out[name + "_amax"], out[name + "_k"] = codes, amax, k16
         return out
+
+
+def _own(t: torch.Tensor, device) -> torch.Tensor:
+    """A contiguous copy of ``t`` on ``device``, detached (the update kernel reads a state
+    tensor as flat memory: a transposed one loaded as it was would be read out of order)."""
+    return t.detach().to(device).clone(memory_format=torch.contiguous_format)
 
 
 # ----------------------------------------------------------------------- checks

@@ -68,16 +68,19 @@ def resolve_backend(x: torch.Tensor, backend: Backend | str) -> Backend:
         backend = _MEMBERS[backend]
     except (KeyError, TypeError):
         Backend.parse(backend)  # raises, naming the valid values
+    env_chose = False
     if backend is _AUTO:
         env = os.environ.get("FP8_QUANT_BACKEND")
         if env is not None:
             backend = Backend.parse(env, "FP8_QUANT_BACKEND")
+            env_chose = backend is _TRITON
         if backend is _AUTO:
             return _TRITON if x.is_cuda else _REFERENCE
     if backend is _TRITON and not x.is_cuda and not triton_interpreting():
+        why = " (FP8_QUANT_BACKEND=triton chose it)" if env_chose else ""
         raise ValueError(
-            "the triton backend needs a CUDA tensor; for CPU tensors set TRITON_INTERPRET=1 "
-            "before importing triton, or use backend='reference'"
+            f"the triton backend{why} needs a CUDA tensor; for CPU tensors set "
+            "TRITON_INTERPRET=1 before importing triton, or use backend='reference'"
         )
     return backend
 
@@ -220,26 +223,31 @@ def quantize_per_block(
     check_input(x)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (M, N), got shape {tuple(x.shape)}")
-    if len(block) != 2:
-        raise ValueError(f"block must be (rows, cols), got {block!r}")
-    for b in block:
-        check_group_size(b)
+    _check_block(block)
     fmt = FP8Format.parse(fmt)
     if resolve_backend(x, backend) == "triton":
         return _triton_ops().quantize_per_block(x, tuple(block), fmt)
     return reference.quantize_per_block(x, tuple(block), fmt)
 
 
-def _check_dequantize(q, scales, shape: tuple, names: str) -> None:
-    """``q`` FP8 codes and ``scales`` fp32 of ``shape`` (what the quantizer returned): a
-    mismatch (another group size, block or layout, raw bytes) gave wrong values."""
+def _check_block(block) -> None:
+    if not isinstance(block, tuple | list) or len(block) != 2:
+        raise ValueError(f"block must be (rows, cols), two powers of two, got {block!r}")
+    for b in block:
+        check_group_size(b)
+
+
+def _check_dequantize(q, scales, shape: tuple | None, names: str) -> None:
+    """``q`` FP8 codes and ``scales`` fp32 of ``shape`` (what the quantizer returned; None:
+    any shape): a mismatch (another group size, block or layout, raw bytes) gave wrong
+    values."""
     if not isinstance(q, torch.Tensor) or q.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         got = type(q).__name__ if not isinstance(q, torch.Tensor) else q.dtype
         raise TypeError(f"q must be FP8 codes (float8_e4m3fn or float8_e5m2), got {got}")
     if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
         got = type(scales).__name__ if not isinstance(scales, torch.Tensor) else scales.dtype
         raise TypeError(f"{names} must be a float32 tensor, got {got}")
-    if tuple(scales.shape) != shape:
+    if shape is not None and tuple(scales.shape) != shape:
         raise ValueError(
             f"{names} has shape {tuple(scales.shape)}, but q of shape {tuple(q.shape)} needs "
             f"{shape}: pass the {names} its quantizer returned, with the same settings"
@@ -262,9 +270,11 @@ def dequantize_per_group(
 ) -> torch.Tensor:
     """Inverse of ``quantize_per_group``: each group times its scale, cast to ``dtype``."""
     check_group_size(group_size)
-    if isinstance(q, torch.Tensor) and q.dim():
-        groups = -(-q.shape[-1] // group_size)
-        _check_dequantize(q, scales, (*q.shape[:-1], groups), "scales")
+    _check_dequantize(q, scales, None, "scales")
+    if q.dim() == 0:
+        raise ValueError("q must have at least one dimension (per-group codes are 1-D or more)")
+    groups = -(-q.shape[-1] // group_size)
+    _check_dequantize(q, scales, (*q.shape[:-1], groups), "scales")
     return reference.dequantize_per_group(q, scales, group_size, dtype)
 
 
@@ -274,5 +284,11 @@ def dequantize_per_block(
     block: tuple[int, int] = (128, 128),
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Inverse of ``quantize_per_block``."""
+    """Inverse of ``quantize_per_block``: each tile times its scale, cast to ``dtype``."""
+    _check_block(block)
+    _check_dequantize(q, scales, None, "scales")
+    if q.dim() != 2:
+        raise ValueError(f"q must be 2-D (M, N), got shape {tuple(q.shape)}")
+    (m, n), (bm, bn) = q.shape, block
+    _check_dequantize(q, scales, (-(-m // bm), -(-n // bn)), "scales")
     return reference.dequantize_per_block(q, scales, tuple(block), dtype)
