@@ -63,12 +63,13 @@ def test_wrong_config_type(op):
         (lambda: fa.gelu(X, FP8ActivationConfig()), TypeError, "pass the config as config="),
         (lambda: fa.weight_cache_fresh(W), TypeError, "not one tensor"),
         (lambda: fa.weight_cache_fresh([1]), TypeError, "tensors, got a int"),
+        (lambda: fa.weight_cache_fresh(w for w in (1,)), TypeError, "tensors, got a int"),
     ],
     ids=[
         "linear-in", "linear-weight-1d", "linear-bias", "linear-device", "rms-weight",
         "ln-shape", "swiglu-shape", "swiglu-dtype", "residual-shape", "gelu-approx",
         "group-size", "backend", "gemm", "format", "string-bool", "gelu-config",
-        "cache-fresh-tensor", "cache-fresh-int",
+        "cache-fresh-tensor", "cache-fresh-int", "cache-fresh-generator",
     ],
 )  # fmt: skip
 def test_clear_errors(call, exc, match):

@@ -168,3 +168,34 @@ def test_a_module_used_at_two_places_becomes_one_fp8_module():
     assert calls == [1, 1]
     revert_fp8_activations(model)
     assert model[0] is model[2] and type(model[0]) is nn.Linear
+
+
+class _LockedRMSNorm(LlamaRMSNorm):
+    """A Llama-style norm holding state that cannot be deep-copied (a lock)."""
+
+    def __init__(self, dim):
+        super().__init__(dim)
+        import threading
+
+        self.lock = threading.Lock()
+
+
+class _GpuOnlyRMSNorm(LlamaRMSNorm):
+    def forward(self, x):
+        if not x.is_cuda:
+            raise RuntimeError("this kernel runs on CUDA tensors only")
+        return super().forward(x)
+
+
+def test_meta_norms_that_cannot_be_probed_on_the_cpu_stay_and_say_why():
+    """The meta probe copies no state but the parameters (a norm holding a lock was not
+    deep-copyable: conversion raised), and a forward that fails on the CPU leaves the norm
+    in high precision with a warning that says why (conversion raised)."""
+    from fp8_activations.modules import FP8RMSNorm
+
+    with torch.device("meta"):
+        model = nn.Sequential(_LockedRMSNorm(64), _GpuOnlyRMSNorm(64))
+    with pytest.warns(UserWarning, match="_GpuOnlyRMSNorm could not be checked .RuntimeError: "):
+        convert_to_fp8_activations(model)
+    assert type(model[0]) is FP8RMSNorm and type(model[1]) is _GpuOnlyRMSNorm
+    assert model[0].weight.is_meta  # the probe's CPU tensors stayed with the probe

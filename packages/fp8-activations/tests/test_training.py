@@ -138,3 +138,20 @@ def test_weight_cache_follows_every_torch_optimizer_step(kind):
     assert not fa.weight_cache_fresh([first.weight])  # stepped since its last forward
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_weight_cache_follows_a_compiled_optimizer_step():
+    """A ``torch.compile``'d ``opt.step`` (torch's recipe for faster optimizers) runs with
+    the hook that bumps the stepped weights' versions (dynamo failed tracing into it), and
+    the next forward casts the updated weights."""
+    torch.manual_seed(0)
+    model = convert_to_fp8_activations(_mlp())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    step = torch.compile(opt.step, backend="eager")
+    x = torch.randn(16, 32)
+    model(x).square().mean().backward()
+    step()
+    assert not fa.weight_cache_fresh([model[0].weight])
+    off = FP8ActivationConfig(weight_cache=False)
+    want = fa.fp8_linear(x, model[0].weight, model[0].bias, off)
+    torch.testing.assert_close(model[0](x), want, rtol=0, atol=0)

@@ -39,26 +39,38 @@ def _hf_rms_norm_ok(m: nn.Module) -> bool:
         return False
     if next(m.children(), None) is not None:
         return False
-    probe = m
-    if w.is_meta:  # probed as a copy on the CPU, with weights near 1 (a meta forward
-        probe = copy.deepcopy(m).to_empty(device="cpu")  # computes nothing to compare)
-        with torch.no_grad():
-            for t in (*probe.parameters(), *probe.buffers()):
-                if t.is_floating_point():
-                    t.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+    probe = _cpu_probe(m) if w.is_meta else m  # (a meta forward computes nothing)
     w = probe.weight
     gen = torch.Generator(device=w.device).manual_seed(0)
     x = torch.randn(4, w.shape[0], generator=gen, device=w.device).to(w.dtype)
-    with torch.no_grad():
-        got = probe.forward(x).float()  # (not its hooks: they would see the probe)
+    try:
+        with torch.no_grad():
+            got = probe.forward(x).float()  # (not its hooks: they would see the probe)
+    except Exception as e:  # e.g. a forward that runs on GPUs only
+        why = f"could not be checked ({type(e).__name__}: {e})"
+    else:
         want = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * w.float()
-    if torch.allclose(got, want, rtol=2e-2, atol=2e-2):
-        return True
-    warnings.warn(
-        f"{type(m).__name__} does not compute weight * x / rms(x); left in high precision",
-        stacklevel=3,
-    )
+        if torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+            return True
+        why = "does not compute weight * x / rms(x)"
+    warnings.warn(f"{type(m).__name__} {why}; left in high precision", stacklevel=3)
     return False
+
+
+def _cpu_probe(m: nn.Module) -> nn.Module:
+    """A shallow copy of the meta module ``m`` whose floating parameters and buffers are
+    new CPU tensors near 1 (its other state shared, not copied)."""
+    gen = torch.Generator().manual_seed(1)
+
+    def cpu(t):
+        if t is None or not t.is_floating_point():
+            return t
+        return torch.empty(t.shape, dtype=t.dtype).uniform_(0.5, 1.5, generator=gen)
+
+    probe = copy.copy(m)
+    probe.__dict__["_parameters"] = {k: cpu(v) for k, v in m._parameters.items()}
+    probe.__dict__["_buffers"] = {k: cpu(v) for k, v in m._buffers.items()}
+    return probe
 
 
 def _fp8_twin(m: nn.Module, config: FP8ActivationConfig) -> nn.Module | None:

@@ -246,11 +246,15 @@ def weight_cache_fresh(
         raise TypeError("weights must be a list or tuple of tensors, not one tensor")
     if not cfg.weight_cache or torch.compiler.is_compiling():
         return False
+    if type(weights) is not list and type(weights) is not tuple:
+        weights = list(weights)
     try:
         return all(_weight_cache_fresh(w, cfg.fwd_format) for w in weights)
     except AttributeError:
-        bad = next(type(w).__name__ for w in weights if not isinstance(w, torch.Tensor))
-        raise TypeError(f"weights must be a list or tuple of tensors, got a {bad}") from None
+        bad = [type(w).__name__ for w in weights if not isinstance(w, torch.Tensor)]
+        if not bad:
+            raise
+        raise TypeError(f"weights must be a list or tuple of tensors, got a {bad[0]}") from None
 
 
 def cast_weights(

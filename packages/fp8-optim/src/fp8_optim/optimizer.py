@@ -91,6 +91,10 @@ class CoatAdamW(torch.optim.Optimizer):
     >>> opt.step(); opt.zero_grad()
     """
 
+    # Its step bumps the versions of the parameters it updates (fp8_activations' weight
+    # cache reads them; its hook after other optimizers' steps skips this one).
+    _bumps_param_versions = True
+
     def __init__(
         self,
         params,
@@ -123,6 +127,7 @@ class CoatAdamW(torch.optim.Optimizer):
         self._sr_offset: dict[torch.Tensor, int] = {}
         self._shards: dict[torch.Tensor, ShardedParam] = {}
         self._plans: dict = {}
+        self._state_gen = 0  # counts states made by steps: a plan is for one generation
         # The kernel's launch shape (ops.AdamWLaunch; None: the default). No shape changes a
         # bit; the launch sweep and the tests set it, then clear ``_plans``.
         self._launch = None
@@ -244,6 +249,7 @@ class CoatAdamW(torch.optim.Optimizer):
             if not state:
                 _check_param(p)  # once per parameter: it may have moved (to meta)
                 self._init_state(t, state)
+                self._state_gen += 1  # (launch plans made before hold other states)
             key = (self._backend(t, resolved), t.get_device(), t.dtype, g.dtype)
             buckets.setdefault(key, []).append(p)
         for key, ps in buckets.items():  # per bucket: a parameter cast after its state was
@@ -590,7 +596,7 @@ class CoatAdamW(torch.optim.Optimizer):
 def _own(t: torch.Tensor, device) -> torch.Tensor:
     """A contiguous copy of ``t`` on ``device``, detached (the update kernel reads a state
     tensor as flat memory: a transposed one loaded as it was would be read out of order)."""
-    return t.detach().to(device).clone(memory_format=torch.contiguous_format)
+    return t.detach().to(device, copy=True, memory_format=torch.contiguous_format)
 
 
 # ----------------------------------------------------------------------- checks

@@ -523,21 +523,26 @@ _STEP_HOOK = None
 def _watch_optimizer_steps() -> None:
     """From the first cached copy on: after every ``torch.optim.Optimizer`` step, bump the
     version of each parameter it stepped that has a cached copy. torch's ``fused=True``
-    optimizers (Hugging Face Trainer's default ``adamw_torch_fused``) update parameters in
-    place without bumping their version: the cache would hand out the first step's copy
-    for the rest of training."""
+    optimizers (Hugging Face Trainer's default ``adamw_torch_fused``) and optimizers whose
+    kernels write through raw pointers update parameters in place without bumping their
+    version: the cache would hand out the first step's copy for the rest of training. An
+    optimizer class that bumps them itself says so with ``_bumps_param_versions = True``
+    (fp8_optim's ``CoatAdamW``) and is skipped."""
     global _STEP_HOOK
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     _STEP_HOOK = register_optimizer_step_post_hook(_after_step)
 
 
+@torch.compiler.disable  # (a compiled step runs it eagerly: dynamo cannot trace __dict__)
 def _after_step(optimizer, args, kwargs) -> None:
+    if getattr(optimizer, "_bumps_param_versions", False):
+        return
     stepped = [
         p
         for group in optimizer.param_groups
         for p in group["params"]
-        if p.grad is not None and _CACHE_ATTR in p.__dict__
+        if _CACHE_ATTR in p.__dict__ and p.grad is not None
     ]
     if stepped:
         torch.autograd.graph.increment_version(stepped)
