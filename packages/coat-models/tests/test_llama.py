@@ -1621,3 +1621,30 @@ def test_gpu_compiled_layers_are_eager_bit_for_bit(setup, cache):
     differ = [i for i, (a, b) in enumerate(zip(want, got, strict=True)) if not torch.equal(a, b)]
     assert not differ, f"{len(differ)} of {len(want)} tensors differ, first at {differ[:5]}"
     torch._dynamo.reset()
+
+
+def test_a_model_trained_by_torch_fused_adamw_casts_its_updated_weights():
+    """A COAT Llama trained by ``torch.optim.AdamW(fused=True)`` (Hugging Face Trainer's
+    default optimizer), whose steps do not bump the weights' versions: with the FP8 weight
+    cache on, every step's loss and the final weights are those of the cache off, bit for
+    bit (fp8_activations' step hook bumps them; without it the layers kept casting from
+    the first step's weights)."""
+    from fp8_activations import FP8ActivationConfig
+
+    ids = torch.randint(0, TINY["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for cache in (True, False):
+        model = apply_coat(tiny_llama(seed=0), config=FP8ActivationConfig(weight_cache=cache))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        losses = []
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (l1, p1), (l2, p2) = runs
+    torch.testing.assert_close(torch.stack(l1), torch.stack(l2), rtol=0, atol=0)
+    for a, b in zip(p1, p2, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
