@@ -239,3 +239,21 @@ def test_empty_inputs_per_group_on_both_backends(shape, interpreter):
         q, s = fp8_quant.quantize_per_group(x, 16, backend=backend)
         assert q.shape == shape and s.shape == (*shape[:-1], -(-shape[-1] // 16))
         assert fp8_quant.dequantize_per_group(q, s, 16).shape == shape
+
+
+def test_outputs_carry_no_autograd_graph_on_either_backend(interpreter):
+    """Given inputs that require grad, both backends return detached codes, scales and
+    maxima (the reference returned a graph, the triton backend none: code that
+    backpropagated through them ran on CPU and failed on GPU)."""
+    fq = fp8_quant
+    x = torch.randn(32, 64, requires_grad=True)
+    amax = x.detach().abs().amax().requires_grad_()
+    for backend in ("reference", "triton"):
+        outs = [
+            *fq.quantize_per_tensor(x, amax=amax, backend=backend),
+            *fq.quantize_per_tensor_transpose(x, amax=amax, backend=backend),
+            *fq.quantize_per_group(x, 16, backend=backend),
+            *fq.quantize_per_block(x, (16, 32), backend=backend),
+            fq.group_amax(x, 16, backend=backend),
+        ]
+        assert not any(t.requires_grad for t in outs), backend

@@ -119,6 +119,11 @@ def _check_has_last_dim(x: torch.Tensor) -> None:
         )
 
 
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    # The reference backend, like the triton one, returns no autograd graph.
+    return None if t is None else t.detach()
+
+
 def _triton_ops():
     # Imported lazily so that the reference backend works where triton is not installed.
     from . import ops
@@ -139,7 +144,7 @@ def group_amax(
     _check_has_last_dim(x)
     if resolve_backend(x, backend) == "triton":
         return _triton_ops().group_amax(x, group_size)
-    return reference.group_amax(x, group_size)
+    return reference.group_amax(x.detach(), group_size)
 
 
 def quantize_per_tensor(
@@ -162,7 +167,7 @@ def quantize_per_tensor(
     check_amax(x, amax)
     if resolve_backend(x, backend) == "triton":
         return _triton_ops().quantize_per_tensor(x, fmt, amax)
-    return reference.quantize_per_tensor(x, fmt, amax)
+    return reference.quantize_per_tensor(x.detach(), fmt, _detached(amax))
 
 
 def quantize_per_tensor_transpose(
@@ -183,7 +188,7 @@ def quantize_per_tensor_transpose(
     check_amax(x, amax)
     if resolve_backend(x, backend) == "triton":
         return _triton_ops().quantize_per_tensor_transpose(x, fmt, amax)
-    return reference.quantize_per_tensor_transpose(x, fmt, amax)
+    return reference.quantize_per_tensor_transpose(x.detach(), fmt, _detached(amax))
 
 
 def quantize_per_group(
@@ -206,7 +211,7 @@ def quantize_per_group(
     _check_has_last_dim(x)
     if resolve_backend(x, backend) == "triton":
         return _triton_ops().quantize_per_group(x, group_size, fmt)
-    return reference.quantize_per_group(x, group_size, fmt)
+    return reference.quantize_per_group(x.detach(), group_size, fmt)
 
 
 def quantize_per_block(
@@ -227,7 +232,7 @@ def quantize_per_block(
     fmt = FP8Format.parse(fmt)
     if resolve_backend(x, backend) == "triton":
         return _triton_ops().quantize_per_block(x, tuple(block), fmt)
-    return reference.quantize_per_block(x, tuple(block), fmt)
+    return reference.quantize_per_block(x.detach(), tuple(block), fmt)
 
 
 def _check_block(block) -> None:
