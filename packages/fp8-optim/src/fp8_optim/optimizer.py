@@ -39,7 +39,6 @@ _TORCH_KEYS = (*_ADAMW_ONLY_KEYS, "param_names")
 _SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
 _GROUP_KEYS = frozenset(_OWN_KEYS + _TORCH_KEYS + _SCHEDULER_KEYS)
 _STATE_KEYS = ("step", *_MOMENTS, *(m + sfx for m in _MOMENTS for sfx in PER_GROUP_SUFFIXES))
-_HP_KEYS = ("step", *_MOMENTS)  # a parameter's state with high_precision_states
 _FP32_MAX = torch.finfo(torch.float32).max
 _STEP_MAX = 2**24  # fp32 counts every step exactly up to here (the kernel's powers take 25 bits)
 
@@ -347,8 +346,7 @@ class CoatAdamW(torch.optim.Optimizer):
         # Parameters and states keep their addresses; gradients usually do not (set_to_none).
         # A plan holds the states' addresses too: states made anew (``opt.state.clear()``)
         # need a new one, or the kernel would write into the old, freed ones.
-        names = _HP_KEYS if self.config.high_precision_states else _STATE_KEYS
-        ptrs = (*(t.data_ptr() for t in work), *(s[k].data_ptr() for s in states for k in names))
+        ptrs = (self._state_gen, *(t.data_ptr() for t in work))
         grad_ptrs = tuple(g.data_ptr() for g in grads)
         cached = self._plans.get((gi, key))
         if cached is None or cached[0] != ptrs:
