@@ -1648,3 +1648,15 @@ def test_a_model_trained_by_torch_fused_adamw_casts_its_updated_weights():
     torch.testing.assert_close(torch.stack(l1), torch.stack(l2), rtol=0, atol=0)
     for a, b in zip(p1, p2, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_revert_coat_frees_the_weight_cache():
+    """``revert_coat`` leaves no FP8 copy on the layers' weights (they kept the last cached
+    ones for as long as they lived)."""
+    model = apply_coat(tiny_llama(seed=0))
+    ids = torch.randint(0, TINY["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    held = [n for n, p in model.named_parameters() if cached_weight_fp8(p)]
+    assert any("q_proj" in n for n in held)
+    revert_coat(model)
+    assert not [n for n, p in model.named_parameters() if cached_weight_fp8(p)]

@@ -199,3 +199,16 @@ def test_meta_norms_that_cannot_be_probed_on_the_cpu_stay_and_say_why():
         convert_to_fp8_activations(model)
     assert type(model[0]) is FP8RMSNorm and type(model[1]) is _GpuOnlyRMSNorm
     assert model[0].weight.is_meta  # the probe's CPU tensors stayed with the probe
+
+
+def test_revert_frees_the_weight_cache():
+    """Reverted modules' parameters keep no FP8 copy (they held the last cached copies, 1
+    B/param per layout, for as long as they lived)."""
+    from fp8_activations import revert_fp8_activations
+    from fp8_activations.ops import cached_weight_fp8
+
+    model = convert_to_fp8_activations(nn.Sequential(nn.Linear(32, 32), nn.GELU()))
+    model.train()(torch.randn(4, 32))
+    assert cached_weight_fp8(model[0].weight)
+    revert_fp8_activations(model)
+    assert cached_weight_fp8(model[0].weight) == ()

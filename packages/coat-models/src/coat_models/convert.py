@@ -7,6 +7,7 @@ choice between them lives here, above both, so that neither imports the other ba
 from __future__ import annotations
 
 from fp8_activations import FP8ActivationConfig
+from fp8_activations.ops import drop_cached_weight_fp8
 from torch import nn
 
 from . import graphs, llama, vila
@@ -84,4 +85,5 @@ def revert_coat(model: nn.Module) -> nn.Module:
     graphs.disable_cuda_graphs(model)
     if _is_vlm(model):
         vila.revert_coat_vlm(model)
+    drop_cached_weight_fp8(model.parameters())  # (they would hold them while they live)
     return llama.revert_classes(model)

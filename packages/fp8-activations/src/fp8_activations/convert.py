@@ -22,6 +22,7 @@ from torch import nn
 from .config import FP8ActivationConfig
 from .functional import _config
 from .modules import FP8GELU, FP8LayerNorm, FP8Linear, FP8RMSNorm, FP8SiLU, _FP8Module
+from .ops import drop_cached_weight_fp8
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -210,6 +211,7 @@ def revert_fp8_activations(
     def fn(m, fqn):
         if not isinstance(m, _FP8Module) or (module_filter_fn and not module_filter_fn(m, fqn)):
             return None
+        drop_cached_weight_fp8(m.parameters(recurse=False))
         return m.to_float()
 
     return _swap(model, "", fn)

@@ -68,6 +68,11 @@ def _config(config: FP8ActivationConfig | None) -> FP8ActivationConfig:
 def _check_float(x, name: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.is_meta:
+        raise ValueError(
+            f"{name} is on the meta device (no data): materialize the model first "
+            "(to_empty(device=...), then load or initialize its weights)"
+        )
     if x.dtype not in _FLOATS:
         raise TypeError(
             f"{name} must be bfloat16, float16, float32 or float64, got {x.dtype}"

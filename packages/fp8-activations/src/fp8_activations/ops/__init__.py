@@ -6,7 +6,7 @@ wrap them (so ``torch.compile`` sees opaque nodes) and one ``autograd.Function``
 
 from .gelu import GELUFunction
 from .layer_norm import LayerNormFunction
-from .linear import FP8LinearFunction, cached_weight_fp8, quantize_t
+from .linear import FP8LinearFunction, cached_weight_fp8, drop_cached_weight_fp8, quantize_t
 from .residual_add import ResidualAddFunction, with_residual_add
 from .rms_norm import RMSNormFunction
 from .rms_norm_linear import RMSNormLinearFunction
@@ -32,5 +32,6 @@ __all__ = [
     "SwiGLULinearAddFunction",
     "SwiGLULinearFunction",
     "cached_weight_fp8",
+    "drop_cached_weight_fp8",
     "quantize_t",
 ]

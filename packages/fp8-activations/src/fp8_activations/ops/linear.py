@@ -592,6 +592,14 @@ def cached_weight_fp8(weight: Tensor) -> tuple[Tensor, ...]:
     return () if hit is None else tuple(hit[1])
 
 
+def drop_cached_weight_fp8(weights) -> None:
+    """Free the FP8 copies the weight cache holds for ``weights`` (an iterable of tensors):
+    for a model reverted to high precision, whose parameters would keep them (1 B/param
+    per layout) for as long as they live."""
+    for w in weights:
+        w.__dict__.pop(_CACHE_ATTR, None)
+
+
 _SCALED_MM_PROBE: dict[str, bool] = {}
 
 
