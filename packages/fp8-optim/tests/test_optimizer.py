@@ -1035,3 +1035,162 @@ def test_load_adamw_state_dict_of_no_state_dict_is_one_line(bad):
     opt = CoatAdamW([torch.nn.Parameter(torch.randn(4))])
     with pytest.raises(TypeError, match="load_state_dict takes an optimizer state dict"):
         opt.load_adamw_state_dict(bad)
+
+
+# ------------------------------------------------ states and optimizers changed from outside
+# (helper-59's probe)
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_replaced_states_are_the_ones_stepped(backend, request, h):
+    """States replaced by copies between steps (an offload: ``state[k] = v.to("cpu")`` and
+    back) are stepped as if they had stayed: the triton backend's cached launch plan held
+    the old states' addresses (the kernel read and wrote the old buffers, or freed memory;
+    steps came out [4, 2, 2])."""
+    if backend == "triton":
+        request.getfixturevalue("needs_triton")
+    runs, kept = [], []
+    for offload in (False, True):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(256, generator=g)) for _ in range(3)]
+        opt = CoatAdamW(ps, lr=1e-2, config=CoatAdamWConfig(backend=backend))
+        for i in range(4):
+            for p in ps:
+                p.grad = torch.randn(256, generator=g)
+            opt.step()
+            if offload and i == 1:
+                for st in opt.state.values():
+                    for k, v in list(st.items()):
+                        kept.append(v)  # the old buffers stay alive: no crash, wrong numbers
+                        st[k] = v.clone()
+        runs.append((ps, opt))
+    (ps, opt), (ps2, opt2) = runs
+    assert [opt2.state[p]["step"].item() for p in ps2] == [4.0, 4.0, 4.0]
+    h.assert_same_state(opt, ps, opt2, ps2)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize(
+    "spoil, match",
+    [
+        (lambda p, st: setattr(p, "data", torch.randn(4, 8)), r"exp_avg of shape \(8, 8\)"),
+        (lambda p, st: setattr(p, "data", torch.randn(32, 8)), r"exp_avg of shape \(8, 8\)"),
+        (lambda p, st: st.update(exp_avg=st["exp_avg"].float()), "exp_avg of .*and torch.float32"),
+        (lambda p, st: st.update(exp_avg_amax=1.0), "holds a float as exp_avg_amax"),
+        (lambda p, st: st.pop("exp_avg_k"), "has the keys"),
+        (lambda p, st: st.update(exp_avg=st["exp_avg"].t().contiguous().t()), "non-contiguous"),
+    ],
+    ids=["shrunk", "grown", "fp32-moment", "float", "key-gone", "transposed"],
+)
+def test_a_state_that_no_longer_fits_is_refused(backend, spoil, match, request):
+    """A state that no longer fits its parameter (data of another shape, a state replaced by
+    one of another dtype or layout) is a one-line ValueError naming the remedy: the triton
+    backend stepped a shrunk parameter with its old state (the next state_dict failed) and
+    wrote past a grown one's (heap corruption), the reference raised a broadcast error."""
+    if backend == "triton":
+        request.getfixturevalue("needs_triton")
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = CoatAdamW([p], config=CoatAdamWConfig(backend=backend))
+    p.grad = torch.randn(8, 8)
+    opt.step()
+    spoil(p, opt.state[p])
+    p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match=match) as err:
+        opt.step()
+    assert "clear optimizer.state[p]" in str(err.value) and "\n" not in str(err.value)
+    opt.state[p].clear()  # the remedy
+    opt.step()
+    assert opt.state[p]["step"].item() == 1.0
+
+
+@pytest.mark.parametrize("copy", ["deepcopy", "torch.save"])
+def test_copied_optimizer_steps_like_the_original(copy, h):
+    """``copy.deepcopy(opt)`` and ``torch.save(opt)`` give an optimizer that steps (it had
+    no config, plans or parameter indices: AttributeError at the first step), the same bits
+    as the original given the same gradients."""
+    import copy as copy_module
+
+    params, opt = _trained(dtype=torch.bfloat16)  # stochastic rounding: indices must survive
+    opt.nonfinite_groups()  # (counters exist)
+    if copy == "deepcopy":
+        twin = copy_module.deepcopy(opt)
+    else:
+        buf = io.BytesIO()
+        torch.save(opt, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)  # our own bytes, written just above
+    params2 = [p for g in twin.param_groups for p in g["params"]]
+    assert twin.config == opt.config
+    assert all(p2 is not p for p2, p in zip(params2, params, strict=True))
+    _feed(params, opt, 2, seed=5)
+    _feed(params2, twin, 2, seed=5)
+    h.assert_same_state(opt, params, twin, params2)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_eps_zero_steps_parameters_whose_last_group_is_partial(backend, request):
+    """With ``eps=0`` a parameter whose size is not a multiple of the group size trains (its
+    last group's padding gave 0 / 0 = NaN there, and the whole group was skipped as
+    non-finite: an nn.Linear(10, 3) never changed); both backends give the same bits."""
+    if backend == "triton":
+        request.getfixturevalue("needs_triton")
+    torch.manual_seed(0)
+    m = torch.nn.Linear(10, 3)
+    before = [p.detach().clone() for p in m.parameters()]
+    opt = CoatAdamW(m.parameters(), lr=1e-2, eps=0.0, config=CoatAdamWConfig(backend=backend))
+    for _ in range(3):
+        m(torch.randn(4, 10)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.nonfinite_groups() == 0
+    assert all(not torch.equal(b, p) for b, p in zip(before, m.parameters(), strict=True))
+
+
+def test_eps_zero_backends_agree(needs_triton, h):
+    runs = []
+    for backend in ("reference", "triton"):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((3, 10), (3,), (300,))]
+        opt = CoatAdamW(ps, eps=0.0, config=CoatAdamWConfig(backend=backend))
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        runs.append((ps, opt))
+    h.assert_same_state(runs[0][1], runs[0][0], runs[1][1], runs[1][0])
+
+
+def test_a_parameter_twice_in_a_group_is_refused():
+    """torch only warns about it; the state would be stepped twice a step (the triton
+    backend once per launch: it disagreed with the reference, and raced on a GPU)."""
+    p = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(ValueError, match="holds a parameter more than once"):
+        CoatAdamW([p, p])
+    opt = CoatAdamW([p])
+    with pytest.raises(ValueError, match="holds a parameter more than once"):
+        opt.add_param_group({"params": [q := torch.nn.Parameter(torch.randn(2)), q]})
+
+
+def test_state_dict_post_hooks_see_the_returned_format():
+    """A state-dict post-hook sees (and may replace) the state dict as ``state_dict()``
+    returns it (it ran before the per-group numbers were reshaped, so a hook re-keying the
+    states by name broke the reshaping: TypeError)."""
+    m = torch.nn.Linear(256, 4)
+    opt = CoatAdamW(m.parameters())
+    m(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    seen = {}
+    names = dict(enumerate(n for n, _ in m.named_parameters()))
+
+    def by_name(optimizer, sd):
+        seen.update({k: tuple(v.shape) for k, v in sd["state"][0].items()})
+        return {**sd, "state": {names[i]: s for i, s in sd["state"].items()}}
+
+    opt.register_state_dict_post_hook(by_name)
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == ["bias", "weight"]
+    assert seen["exp_avg_amax"] == tuple(sd["state"]["weight"]["exp_avg_amax"].shape) == (4, 2)
+
+
+@pytest.mark.parametrize("field", ["lr", "eps", "weight_decay"])
+def test_hyperparameters_beyond_fp32_are_one_line(field):
+    with pytest.raises(ValueError, match=rf"{field} must be .*fp32's range"):
+        CoatAdamW([torch.nn.Parameter(torch.randn(4))], **{field: 1e39})

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from itertools import chain
 
 import torch
@@ -40,6 +39,7 @@ _SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momen
 _GROUP_KEYS = frozenset(_OWN_KEYS + _TORCH_KEYS + _SCHEDULER_KEYS)
 _STATE_KEYS = ("step", *_MOMENTS, *(m + sfx for m in _MOMENTS for sfx in PER_GROUP_SUFFIXES))
 _FP32_MAX = torch.finfo(torch.float32).max
+_data_ptr = torch.Tensor.data_ptr
 _STEP_MAX = 2**24  # fp32 counts every step exactly up to here (the kernel's powers take 25 bits)
 
 
@@ -137,6 +137,37 @@ class CoatAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
 
+    def __getstate__(self) -> dict:
+        # torch's keeps defaults, state and param groups; launch plans hold raw addresses
+        # and are made again, as are the parameter indices and DTensor shards.
+        return {
+            **super().__getstate__(),
+            "config": self.config,
+            "_sr_offset": self._sr_offset,
+            "_bad": self._bad,
+            "_launch": self._launch,
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        # torch.save(optimizer), copy.deepcopy(optimizer) and multiprocessing give this.
+        super().__setstate__(state)
+        self._param_index, self._shards, self._plans, self._lr_seen = {}, {}, {}, {}
+        self._state_gen = 0
+        for gi, group in enumerate(self.param_groups):
+            if isinstance(group["lr"], torch.Tensor):
+                self._lr_seen[gi] = group["lr"]
+            self._index(group["params"])
+
+    def _index(self, params) -> None:
+        """Number ``params`` after those seen before (the stochastic-rounding streams) and
+        note the DTensors among them."""
+        for p in params:
+            self._param_index[p] = len(self._param_index)
+            if is_dtensor(p):
+                shard = ShardedParam(p, self.config.group_size)
+                self._shards[p] = shard
+                self._sr_offset[p] = shard.element_offset
+
     # ------------------------------------------------------------------ validation
     def add_param_group(self, param_group: dict) -> None:
         if not isinstance(param_group, dict):
@@ -146,18 +177,20 @@ class CoatAdamW(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         param_group["params"] = params  # a generator would be empty when torch reads it
-        for p in params:
-            _check_param(p[1] if isinstance(p, tuple) and len(p) == 2 else p)  # named
+        tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]  # named
+        for p in tensors:
+            _check_param(p)
+        if len({id(p) for p in tensors}) != len(tensors):
+            # torch only warns: the state would be stepped twice per step (the triton
+            # backend once per launch, racing on a GPU).
+            raise ValueError(
+                "a parameter group holds a parameter more than once: pass each parameter once"
+            )
         super().add_param_group(param_group)
         lr = self.param_groups[-1]["lr"]
         if isinstance(lr, torch.Tensor):
             self._lr_seen[len(self.param_groups) - 1] = lr
-        for p in self.param_groups[-1]["params"]:
-            self._param_index[p] = len(self._param_index)
-            if is_dtensor(p):
-                shard = ShardedParam(p, self.config.group_size)
-                self._shards[p] = shard
-                self._sr_offset[p] = shard.element_offset
+        self._index(self.param_groups[-1]["params"])
 
     def set_element_offset(self, param: torch.Tensor, offset: int) -> None:
         """Index of ``param``'s first element in the full tensor it is a shard of.
@@ -311,8 +344,24 @@ class CoatAdamW(torch.optim.Optimizer):
             self._bad[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return self._bad[device]
 
+    def _check_states(self, params, tensors, states) -> None:
+        """Raise ``ValueError`` for a state that is no longer what its first step made (its
+        keys, shapes, dtypes, device, contiguity): replaced by hand, or left from a
+        parameter whose data was replaced by one of another shape."""
+        cfg = self.config
+        for p, t, s in zip(params, tensors, states, strict=True):
+            problem = _state_problem(t, s, cfg)
+            if problem is not None:
+                raise ValueError(
+                    f"the state of parameter {self._param_index[p]} (shape {tuple(t.shape)}, "
+                    f"{t.dtype} on {t.device}) {problem}: a state keeps what its first step "
+                    "made; clear optimizer.state[p] to start that parameter afresh, or load a "
+                    "state dict"
+                )
+
     def _step_reference(self, group: dict, params: list[torch.Tensor], grad_scale=None) -> None:
         tensors = [self._tensor(p) for p in params]
+        self._check_states(params, tensors, [self.state[p] for p in params])
         bad = self._bad_counter(tensors[0].device)
         for p, t in zip(params, tensors, strict=True):
             n_bad = reference.adamw_step_(
@@ -344,12 +393,21 @@ class CoatAdamW(torch.optim.Optimizer):
                 raise ValueError(f"lr is a tensor on {lr.device}, parameters are on {device}")
             opts["lr"] = lr.item()  # a CPU tensor: no device sync
         # Parameters and states keep their addresses; gradients usually do not (set_to_none).
-        # A plan holds the states' addresses too: states made anew (``opt.state.clear()``)
-        # need a new one, or the kernel would write into the old, freed ones.
-        ptrs = (self._state_gen, *(t.data_ptr() for t in work))
+        # A plan holds the states' addresses too: states made anew (``opt.state.clear()``) or
+        # replaced (``state[k] = v.to("cpu")`` ... ``.to("cuda")``, an offload) need a new
+        # one, or the kernel would read and write the old, freed ones; a new plan checks them.
+        try:  # (map over the unbound method: ~25% less host time than a generator)
+            ptrs = (
+                self._state_gen,
+                *map(_data_ptr, work),
+                *map(_data_ptr, chain.from_iterable([s.values() for s in states])),
+            )
+        except TypeError:  # a state value that is no tensor: _check_states says which
+            ptrs = None
         grad_ptrs = tuple(g.data_ptr() for g in grads)
         cached = self._plans.get((gi, key))
-        if cached is None or cached[0] != ptrs:
+        if ptrs is None or cached is None or cached[0] != ptrs:
+            self._check_states(params, work, states)
             plan = ops.make_plan(
                 work,
                 grads,
@@ -388,8 +446,14 @@ class CoatAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch's optimizer format. Per-group numbers have their checkpoint shape
         (``dtensor.group_state_shape``); states of DTensor parameters are DTensors sharded
-        like their parameter (plain replicated tensors for "full" ones, see ``dtensor``)."""
-        sd = super().state_dict()
+        like their parameter (plain replicated tensors for "full" ones, see ``dtensor``).
+        Hooks of ``register_state_dict_post_hook`` see (and may replace) that format."""
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
         params = [p for g in self.param_groups for p in g["params"]]
         G = self.config.group_size
         for index, pstate in sd["state"].items():
@@ -403,6 +467,10 @@ class CoatAdamW(torch.optim.Optimizer):
                     value = value.reshape(group_state_shape(tuple(p.shape), G))
                 out[name] = value
             sd["state"][index] = out
+        for hook in post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -598,6 +666,36 @@ def _own(t: torch.Tensor, device) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------- checks
+def _state_problem(t: torch.Tensor, s: dict, cfg: CoatAdamWConfig) -> str | None:
+    """What is wrong with ``s``, the live state of the tensor ``t`` (its local shard for a
+    DTensor), or None."""
+    want = {"step": ((), torch.float32)}
+    if cfg.high_precision_states:
+        want.update({name: (t.shape, torch.float32) for name in _MOMENTS})
+    else:
+        ng = (reference.num_groups(t.numel(), cfg.group_size),)
+        for name, fmt in zip(_MOMENTS, (cfg.m_format, cfg.v_format), strict=True):
+            want[name] = (t.shape, fmt.torch_dtype)
+            want[name + "_amax"] = (ng, torch.float32)
+            want[name + "_k"] = (ng, torch.uint8)
+    if s.keys() != want.keys():
+        return f"has the keys {sorted(map(str, s))}, not {sorted(want)}"
+    for name, (shape, dtype) in want.items():
+        v = s[name]
+        if not isinstance(v, torch.Tensor):
+            return f"holds a {type(v).__name__} as {name}, not a tensor"
+        if v.shape != shape or v.dtype != dtype:
+            return (
+                f"has {name} of shape {tuple(v.shape)} and {v.dtype}, not {tuple(shape)} and "
+                f"{dtype}"
+            )
+        if v.device != t.device:
+            return f"has {name} on {v.device}"
+        if not v.is_contiguous():
+            return f"has a non-contiguous {name}"
+    return None
+
+
 def _check_param(p) -> None:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"params must be tensors, got {type(p).__name__}")
@@ -660,10 +758,16 @@ def _check_hyper(group: dict, read_lr: bool = True) -> None:
             raise ValueError("a tensor lr must hold one floating-point value (not on meta)")
         if read_lr or lr.device.type == "cpu":
             value = lr.item()
-            if not 0.0 <= value < math.inf:
-                raise ValueError(f"lr must be finite and >= 0, the lr tensor holds {value}")
-    elif isinstance(lr, bool) or not isinstance(lr, int | float) or not 0.0 <= lr < math.inf:
-        raise ValueError(f"lr must be a finite float >= 0 or a 1-element tensor, got {lr!r}")
+            if not 0.0 <= value <= _FP32_MAX:
+                raise ValueError(
+                    f"lr must be in [0, {_FP32_MAX:.4g}] (fp32's range), the lr tensor holds "
+                    f"{value}"
+                )
+    elif isinstance(lr, bool) or not isinstance(lr, int | float) or not 0.0 <= lr <= _FP32_MAX:
+        raise ValueError(
+            f"lr must be a float in [0, {_FP32_MAX:.4g}] (fp32's range) or a 1-element tensor, "
+            f"got {lr!r}"
+        )
     betas = group["betas"]
     if (
         not isinstance(betas, tuple | list)
@@ -676,8 +780,10 @@ def _check_hyper(group: dict, read_lr: bool = True) -> None:
             raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
     for name in ("eps", "weight_decay"):
         x = group[name]
-        if isinstance(x, bool) or not isinstance(x, int | float) or not (0.0 <= x < math.inf):
-            raise ValueError(f"{name} must be a finite float >= 0, got {x!r}")
+        if isinstance(x, bool) or not isinstance(x, int | float) or not (0.0 <= x <= _FP32_MAX):
+            raise ValueError(
+                f"{name} must be a float in [0, {_FP32_MAX:.4g}] (fp32's range), got {x!r}"
+            )
     if not isinstance(group["maximize"], bool):
         raise ValueError(f"maximize must be True or False, got {group['maximize']!r}")
     # Of torch's own keys only these would change the update.

@@ -511,8 +511,9 @@ def _adamw_kernel(
     # (its old p, m, v and per-group numbers stay bit for bit) and is counted. A non-finite
     # m always makes p non-finite. chk is v where p and v are finite, NaN where p is not,
     # inf where v is: its NaN-propagating group max (_group_max) is finite exactly for the
-    # groups to keep, and for v's quantization it is v's own max: one FMA an element.
-    chk = p * 0.0 + v
+    # groups to keep, and for v's quantization it is v's own max: one FMA an element. Lanes
+    # past the tensor's end are 0 (with eps = 0 their p would be 0 / 0, failing the group).
+    chk = tl.where(emask, p * 0.0 + v, 0.0)
     if HP:
         gok = _group_max(chk, PTX) < float("inf")
     else:
