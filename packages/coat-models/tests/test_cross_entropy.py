@@ -256,3 +256,20 @@ def test_no_gradient_work_without_autograd(monkeypatch):
     h.grad = w.grad = None
     (loss * 0.5).backward()
     assert torch.equal(h.grad, first[0]) and torch.equal(w.grad, first[1])
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["grads-in-forward", "grads-in-backward"])
+@pytest.mark.parametrize("num_items", [None, 0, "tensor0"])
+def test_all_targets_ignored_give_zero_gradients(early, num_items):
+    """Every target ignore_index (an SFT batch whose prompt fills the sequence): the loss is
+    NaN as transformers' is, the gradients zero as F.cross_entropy's are (they were NaN:
+    valid / 0 in every row, which made every weight NaN at the next optimizer step)."""
+    from coat_models.loss import _LinearCrossEntropy
+
+    h, w, t = _head(torch.float32)
+    t = torch.full_like(t, -100)
+    n = torch.zeros((), dtype=torch.int64) if num_items == "tensor0" else num_items
+    loss = _LinearCrossEntropy.apply(h, w, t, -100, n, 16, early, (True, True))
+    assert loss.isnan()
+    loss.backward()
+    assert torch.equal(h.grad, torch.zeros_like(h)) and torch.equal(w.grad, torch.zeros_like(w))

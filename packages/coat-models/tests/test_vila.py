@@ -504,3 +504,107 @@ def test_caption_accuracy_counts_whole_captions():
     # One wrong byte in the first caption of row 0: 3 of 4 captions right.
     first = int((task.val[0]["labels"][0] != IGNORE_INDEX).nonzero()[0]) - 1
     assert task.evaluate(Oracle([(0, first + 2)]), cpu)["val_caption_acc"] == 0.75
+
+
+# ------------------------------------------------------ helper-60's probe of the integration
+def test_training_mode_without_gradients_is_the_original_model():
+    """In training mode under torch.no_grad() (samples generated mid-training), the
+    projector's and the tower's FP8 modules run the original modules, bit for bit, as the
+    decoder layers do (they took the FP8 path: logits off by up to 0.5 with a SigLIP tower)."""
+    ref = tiny_llava()
+    model = apply_coat_vlm(copy.deepcopy(ref), vision=True)
+    batch = shapes_batch(batch=2)
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, ref(**batch).logits)
+    prompt = {"input_ids": batch["input_ids"][:, :20], "pixel_values": batch["pixel_values"]}
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(**prompt, **kw), ref.generate(**prompt, **kw))
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_new", "gelu_pytorch_tanh"])
+def test_gelu_activations_stay_themselves_in_eval_and_after_revert(act):
+    """transformers' GELU activations become FP8 GELUs that run the original activation in
+    eval mode and come back on revert (they were swapped for an nn.GELU first: gelu_new,
+    a tanh formula of its own, differed from it by up to 4e-3 in bf16 eval), and the filter
+    sees the original module."""
+    config = llava_tiny_config()
+    config.projector_hidden_act = act
+    torch.manual_seed(0)
+    ref = LlavaForConditionalGeneration(config).to(torch.bfloat16).eval()
+    original = type(ref.model.multi_modal_projector.act)
+    seen = {}
+    model = apply_coat_vlm(
+        copy.deepcopy(ref), module_filter_fn=lambda m, fqn: seen.setdefault(fqn, type(m)) or True
+    ).eval()
+    assert seen["model.multi_modal_projector.act"] is original
+    assert type(model.model.multi_modal_projector.act).__name__ == "FP8GELU"
+    batch = shapes_batch(batch=2)
+    batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
+    assert torch.equal(model(**batch).logits, ref(**batch).logits)
+    revert_coat_vlm(model)
+    assert type(model.model.multi_modal_projector.act) is original
+
+
+def test_a_bad_option_leaves_a_converted_model_converted():
+    """Converting again with a bad config is refused before the earlier conversion is undone
+    (the model was left plain, and a caller catching the error trained without COAT)."""
+    model = apply_coat_vlm(tiny_llava())
+    with pytest.raises(TypeError, match="config must be an fp8_activations.FP8ActivationConfig"):
+        apply_coat_vlm(model, config={"weight_cache": False})
+    with pytest.raises(TypeError, match="module_filter_fn must be a callable"):
+        apply_coat_vlm(model, module_filter_fn="layers.0")
+    assert is_coat_vlm(model)
+
+
+def test_a_filter_that_raises_leaves_the_model_plain():
+    """A module_filter_fn that raises on the projector's names leaves no half-converted model
+    (its decoder layers stayed COAT, the projector's activation swapped), and its own
+    exception reaches the caller as it is (it was reported as an unsupported model)."""
+    ref = tiny_llava()
+    types = module_types(ref)
+    model = copy.deepcopy(ref)
+
+    def by_index(m, fqn):
+        return int(fqn.split(".")[-1]) < 1  # ValueError on "...multi_modal_projector.*"
+
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        apply_coat_vlm(model, module_filter_fn=by_index)
+    assert not is_coat_vlm(model) and module_types(model) == types
+
+    def typed(m, fqn):
+        return fqn.startswith(1)
+
+    with pytest.raises(TypeError, match="startswith first arg must be str"):
+        apply_coat_vlm(model, module_filter_fn=typed)
+    assert module_types(model) == types
+
+
+def test_fused_loss_returns_the_models_own_output_class():
+    """The fused training loss returns what the model's forward returns (its image outputs
+    included; it was a CausalLMOutputWithPast without them), and only with labels:
+    shift_labels alone gives the logits and no loss, as the original does."""
+    ref = tiny_llava()
+    model = apply_coat_vlm(copy.deepcopy(ref))
+    batch = shapes_batch(batch=2)
+    want, got = ref(**batch), model(**batch)
+    assert type(got) is type(want) and got.logits is None
+    assert set(got.keys()) == set(want.keys()) - {"logits"}
+    labels = batch.pop("labels")
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    want, got = ref(**batch, shift_labels=shifted), model(**batch, shift_labels=shifted)
+    assert want.loss is None and got.loss is None and got.logits is not None
+    assert got.logits.shape == want.logits.shape
+
+
+def test_head_settings_in_the_text_config_keep_the_models_own_loss():
+    """A logit softcap set in a VLM's text config (or on the model) is not skipped by the
+    fused loss (the loss came out 20.2 where the model's own gave 4.9)."""
+    from coat_models.llama import _head_supported
+
+    model = tiny_llava()
+    assert _head_supported(model)
+    model.config.get_text_config().final_logit_softcapping = 30.0
+    assert not _head_supported(model)
+    model = tiny_llava()
+    model.final_logit_softcapping = 30.0
+    assert not _head_supported(model)

@@ -175,3 +175,39 @@ def test_converted_model_deepcopies_and_trains():
     model(torch.randn(5, 32)).square().mean().backward()
     assert all(p.grad is not None for p in model.parameters())
     assert isinstance(model.fc1.config, fa.FP8ActivationConfig)
+
+
+def test_training_mode_without_gradients_runs_the_original_modules():
+    """In training mode under torch.no_grad() / inference_mode() (samples generated during
+    training) a converted model answers with the original's bits (it took the FP8 path);
+    with gradients it takes the FP8 path."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.LayerNorm(64), nn.SiLU(), nn.RMSNorm(64))
+    model = fa.convert_to_fp8_activations(copy.deepcopy(ref)).train()
+    x = torch.randn(8, 64)
+    want = ref(x).detach()
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            assert torch.equal(model(x), want)
+    assert not torch.equal(model(x).detach(), want)
+
+
+def test_hugging_face_gelus_are_converted_and_come_back():
+    """transformers' GELU activations become FP8 GELUs (exact or tanh, as they compute),
+    which run the original module in eval mode and give it back on revert; QuickGELU and
+    ReLU stay as they are."""
+    from transformers.activations import ACT2FN
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    for name, approximate in [("gelu", "none"), ("gelu_new", "tanh"),
+                              ("gelu_pytorch_tanh", "tanh"), ("quick_gelu", None),
+                              ("relu", None)]:  # fmt: skip
+        act = ACT2FN[name]
+        model = fa.convert_to_fp8_activations(nn.Sequential(act)).train()
+        if approximate is None:
+            assert model[0] is act
+            continue
+        assert isinstance(model[0], fa.FP8GELU) and model[0].approximate == approximate
+        assert torch.equal(model.eval()(x), act(x))
+        assert fa.revert_fp8_activations(model)[0] is act

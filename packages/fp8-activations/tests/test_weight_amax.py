@@ -125,15 +125,13 @@ def test_weight_cache_stays_out_of_saved_and_copied_models():
         return buf.getvalue()
 
     before = saved()
-    with torch.no_grad():
-        y = model(x)
+    y = model(x).detach()  # a training forward (with gradients: under no_grad, the originals)
     assert all(cached_weight_fp8(m.weight) for m in model)
     assert len(saved()) < len(before) + 1024  # (two empty slots; the copies were 8 KiB each)
     loaded = torch.load(io.BytesIO(saved()), weights_only=False)
     for other in (loaded, copy.deepcopy(model)):
         assert not any(cached_weight_fp8(m.weight) for m in other)
-        with torch.no_grad():
-            torch.testing.assert_close(other(x), y, rtol=0, atol=0)
+        torch.testing.assert_close(other(x).detach(), y, rtol=0, atol=0)
     state = copy.deepcopy(model.state_dict())
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:

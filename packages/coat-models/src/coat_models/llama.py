@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import typing
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -486,9 +487,9 @@ class _CoatCausalLM(_CoatMixin):
         named = _bind(self._coat_original_class, args, kwargs)
         labels = named.pop("labels", None)
         shift_labels = named.pop("shift_labels", None)
-        if (labels is None and shift_labels is None) or not _is_zero(
-            named.pop("logits_to_keep", 0)
-        ):
+        # transformers' heads compute a loss only with labels (shift_labels alone: logits,
+        # no loss), and return all logits only when logits_to_keep is 0.
+        if labels is None or not _is_zero(named.pop("logits_to_keep", 0)):
             return super().forward(*args, **kwargs)
         return_dict = named.pop("return_dict", None)
         num_items = named.get("num_items_in_batch")
@@ -504,9 +505,10 @@ class _CoatCausalLM(_CoatMixin):
             ignore_index=ignore_index,
             num_items=num_items,
         )
-        # The standard fields only (a VLM's base model adds e.g. image_hidden_states).
-        out = {k: v for k, v in outputs.items() if k in _OUTPUT_FIELDS}
-        out = CausalLMOutputWithPast(loss=loss, logits=None, **out)
+        # The output class the model's own forward returns (a VLM's carries its image
+        # outputs too), with the base model's outputs of the same names.
+        cls, fields = _output_class(self._coat_original_class)
+        out = cls(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k in fields})
         if return_dict is False:
             # to_tuple() drops None fields: logits keep their place (None), so that out[1]
             # is not the cache that follows them.
@@ -515,7 +517,29 @@ class _CoatCausalLM(_CoatMixin):
         return out
 
 
-_OUTPUT_FIELDS = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} - {"loss", "logits"}
+_OUTPUT_CLASSES: dict[type, tuple[type, frozenset]] = {}
+
+
+def _output_class(original: type) -> tuple[type, frozenset]:
+    """``(output dataclass, its fields but loss and logits)`` that ``original.forward``
+    returns by its annotation (``tuple | LlavaCausalLMOutputWithPast``, ...), or
+    ``CausalLMOutputWithPast`` when it names none with loss and logits."""
+    hit = _OUTPUT_CLASSES.get(original)
+    if hit is None:
+        try:
+            ret = typing.get_type_hints(original.forward).get("return")
+        except Exception:  # an annotation that does not resolve
+            ret = None
+        found = CausalLMOutputWithPast
+        for cls in typing.get_args(ret) or (ret,):
+            if isinstance(cls, type) and dataclasses.is_dataclass(cls):
+                names = {f.name for f in dataclasses.fields(cls)}
+                if {"loss", "logits"} <= names:
+                    found = cls
+                    break
+        fields = frozenset(f.name for f in dataclasses.fields(found)) - {"loss", "logits"}
+        hit = _OUTPUT_CLASSES[original] = (found, fields)
+    return hit
 
 
 def _is_zero(logits_to_keep) -> bool:
@@ -566,13 +590,40 @@ def _head_supported(model: nn.Module) -> bool:
         # transformers logs that its loss_type=None is unrecognized.
         return False
     config = getattr(model, "config", None)
+    # A VLM's head settings may live in its text config (or be copied onto the model).
+    text_config = getattr(config, "get_text_config", lambda: None)()
     return getattr(model.loss_function, "__name__", "") == "ForCausalLMLoss" and not any(
-        getattr(config, name, None) for name in _HEAD_EXTRAS
+        _is_set(getattr(owner, name, None))
+        for owner in (config, text_config, model)
+        for name in _HEAD_EXTRAS
     )
+
+
+def _is_set(value) -> bool:
+    """A head setting in use: a tensor (a learned scale), or a value that is not 0/None."""
+    return isinstance(value, torch.Tensor) or bool(value)
 
 
 # ------------------------------------------------------------------------------ conversion
 FilterFn = Callable[[nn.Module, str], bool]
+
+
+def check_options(config, module_filter_fn) -> FP8ActivationConfig:
+    """``config`` (``None``: the defaults) once checked, with ``module_filter_fn``: a
+    ``TypeError`` naming what is expected."""
+    if config is None:
+        config = FP8ActivationConfig()
+    if not isinstance(config, FP8ActivationConfig):
+        raise TypeError(
+            "config must be an fp8_activations.FP8ActivationConfig or None, "
+            f"got {type(config).__name__}"
+        )
+    if module_filter_fn is not None and not callable(module_filter_fn):
+        raise TypeError(
+            "module_filter_fn must be a callable (module, fqn) -> bool or None, got "
+            f"{type(module_filter_fn).__name__}"
+        )
+    return config
 
 
 def convert_llama(
@@ -591,18 +642,7 @@ def convert_llama(
     name in the model the user passed when ``model`` is a part of it (a VLM's language
     model). Layers for which it returns False stay plain.
     """
-    if config is None:
-        config = FP8ActivationConfig()
-    if not isinstance(config, FP8ActivationConfig):
-        raise TypeError(
-            "config must be an fp8_activations.FP8ActivationConfig or None, "
-            f"got {type(config).__name__}"
-        )
-    if module_filter_fn is not None and not callable(module_filter_fn):
-        raise TypeError(
-            "module_filter_fn must be a callable (module, fqn) -> bool or None, got "
-            f"{type(module_filter_fn).__name__}"
-        )
+    config = check_options(config, module_filter_fn)
     base = _base_model(model)
     layers = list(base.layers)
     if not layers:

@@ -73,7 +73,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         w = weight.to(dtype)
         grad_hidden = grad_weight = None
         if early:
-            coef = valid / denom  # each row's weight in the loss (fp32), 0 where ignored
+            # Each row's weight in the loss (fp32), 0 where ignored: also when every row is
+            # (denom 0), as F.cross_entropy's gradients are (valid / 0 made them NaN).
+            coef = (valid / denom).where(valid, 0.0)
             grad_hidden = torch.empty_like(hidden) if needs[0] else None
             # fp32 accumulation over chunks: one rounding to the weight's dtype at the end.
             grad_weight = None
@@ -118,7 +120,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         gw = None
         if need_w:  # fp32 accumulation over chunks, one rounding at the end
             gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        coef = valid * (grad / ctx.denom).float()  # the upstream gradient in each row's weight
+        # The upstream gradient in each row's weight, 0 where ignored (also for denom 0).
+        coef = (valid * (grad / ctx.denom).float()).where(valid, 0.0)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], ctx.rows):
                 rs = slice(start, start + ctx.rows)

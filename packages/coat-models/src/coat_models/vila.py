@@ -23,8 +23,6 @@ tower's ``image_size``, normalized as ``(rgb / 255 - mean) / std``: SigLIP ``mea
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from fp8_activations import convert_to_fp8_activations, revert_fp8_activations
 from torch import nn
 
@@ -32,7 +30,7 @@ from . import graphs
 from .llama import (
     FilterFn,
     _adapter_problem,
-    _probing,
+    check_options,
     convert_llama,
     revert_classes,
     set_fused_loss,
@@ -62,28 +60,6 @@ def _llava_parts(model: nn.Module) -> nn.Module:
         f"apply_coat_vlm supports {SUPPORTED}; {type(model).__name__} has no "
         f"vision_tower/multi_modal_projector/language_model{hint}"
     )
-
-
-def _gelus_to_torch(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Replace transformers' GELU activation modules under ``root`` (the projector's
-    ``GELUActivation``, SigLIP's ``GELUTanh``, ...) by the ``nn.GELU`` that computes the same
-    (checked on a probe), which ``convert_to_fp8_activations`` knows; returns ``(fqn,
-    original)`` pairs for ``revert_coat_vlm`` to put back. Other activations (CLIP's
-    QuickGELU) stay as they are, in high precision."""
-    probe = torch.linspace(-8, 8, 161)
-    swapped = []
-    for fqn, m in list(root.named_modules()):
-        if type(m).__module__ != "transformers.activations":
-            continue
-        with _probing(m):  # no hooks fire, no training flag changes
-            got = m(probe)
-        for approximate in ("none", "tanh"):
-            if torch.allclose(got, F.gelu(probe, approximate=approximate), atol=1e-6):
-                parent, _, name = fqn.rpartition(".")
-                setattr(root.get_submodule(parent), name, nn.GELU(approximate).train(m.training))
-                swapped.append((fqn, m))
-                break
-    return swapped
 
 
 def apply_coat_vlm(
@@ -122,6 +98,7 @@ def apply_coat_vlm(
     >>> model(input_ids=ids, pixel_values=pixels, labels=labels).loss.backward()
     """
     parts = _llava_parts(model)
+    config = check_options(config, module_filter_fn)  # before an earlier conversion is undone
     problem = _adapter_problem(model)
     if problem is not None:
         raise TypeError(f"apply_coat_vlm cannot convert {type(model).__name__}: {problem}")
@@ -144,22 +121,28 @@ def apply_coat_vlm(
             prefix=names[id(parts.language_model)],
         )
     except TypeError as e:
+        if not str(e).startswith("apply_coat"):  # raised by module_filter_fn: the user's own
+            raise
         raise TypeError(f"apply_coat_vlm: the language model is not supported: {e}") from None
     converted = ["multi_modal_projector"] + (["vision_tower"] if vision else [])
-    gelus = []
-    for name in converted:
-        part = getattr(parts, name)
-        gelus += [(f"{name}.{fqn}", m) for fqn, m in _gelus_to_torch(part)]
-        convert_to_fp8_activations(part, config=config, module_filter_fn=part_filter(part))
-    frozen = []
+    # A plain attribute: not a buffer, so the state dict does not see it. Set before the
+    # parts are converted: a failure there (module_filter_fn raising) reverts what was done.
+    model._coat_vlm = state = {"converted": [], "frozen": []}
+    try:
+        for name in converted:
+            part = getattr(parts, name)
+            state["converted"].append(name)
+            # (transformers' GELU activations become FP8 GELUs that run them in eval mode)
+            convert_to_fp8_activations(part, config=config, module_filter_fn=part_filter(part))
+    except BaseException:
+        revert_coat_vlm(model)
+        raise
     if freeze_vision:
         for name, p in parts.vision_tower.named_parameters():
             if p.requires_grad:
                 p.requires_grad_(False)
-                frozen.append(name)
+                state["frozen"].append(name)
     set_fused_loss(model, fused_loss)
-    # A plain attribute: not a buffer, so the state dict does not see it.
-    model._coat_vlm = {"converted": converted, "gelus": gelus, "frozen": frozen}
     return model
 
 
@@ -174,7 +157,7 @@ def revert_coat_vlm(model: nn.Module) -> nn.Module:
     revert_classes(parts.language_model)
     for name in state["converted"]:
         revert_fp8_activations(getattr(parts, name))
-    for fqn, original in state["gelus"]:
+    for fqn, original in state.get("gelus", ()):  # (a model converted by an earlier version)
         parent, _, name = fqn.rpartition(".")
         setattr(parts.get_submodule(parent), name, original)
     params = dict(parts.vision_tower.named_parameters())

@@ -3,7 +3,9 @@
 Converted: ``nn.Linear`` (both dims multiples of 16, what FP8 GEMMs take; others stay in
 high precision), ``nn.LayerNorm`` and ``nn.RMSNorm`` over the last dim, Hugging Face
 ``*RMSNorm`` classes that compute ``weight * x / sqrt(mean(x^2) + eps)`` (checked on a
-probe input, so Gemma's ``(1 + weight)`` variant is left alone), ``nn.SiLU`` and ``nn.GELU``.
+probe input, so Gemma's ``(1 + weight)`` variant is left alone), ``nn.SiLU``, ``nn.GELU``
+and Hugging Face GELU activations (``GELUActivation``, ``GELUTanh``, ...: checked on a probe;
+in eval mode the original runs).
 Subclasses that override ``forward`` (LoRA layers, say), and modules whose ``forward`` is
 replaced on the instance (accelerate's hooks), are left alone. Parameter names do
 not change, so state dicts load into either form.
@@ -89,6 +91,37 @@ def _fp8_twin(m: nn.Module, config: FP8ActivationConfig) -> nn.Module | None:
         return FP8SiLU.from_float(m, config)
     if _plain(m, nn.GELU):
         return FP8GELU.from_float(m, config)
+    approximate = _hf_gelu(m)
+    if approximate is not None:
+        return FP8GELU.from_float(m, config, approximate=approximate)
+    return None
+
+
+_GELU_PROBE = None
+
+
+def _hf_gelu(m: nn.Module) -> str | None:
+    """The ``approximate`` of the GELU that ``m``, a Hugging Face activation module
+    (``transformers.activations``: ``GELUActivation``, ``GELUTanh``, ``NewGELUActivation``,
+    ...), computes to within 1e-6 on a probe, or None (QuickGELU, ReLU, ...). Its forward, not
+    its hooks, runs the probe. Its FP8 module trains with that GELU and runs ``m`` itself in
+    eval mode."""
+    global _GELU_PROBE
+    if type(m).__module__ != "transformers.activations" or "forward" in vars(m):
+        return None
+    if m._parameters or m._buffers or m._modules:
+        return None
+    if _GELU_PROBE is None:
+        _GELU_PROBE = torch.linspace(-8, 8, 161)
+    try:
+        with torch.no_grad():
+            got = m.forward(_GELU_PROBE)
+    except Exception:
+        return None
+    for approximate in ("none", "tanh"):
+        want = nn.functional.gelu(_GELU_PROBE, approximate=approximate)
+        if isinstance(got, torch.Tensor) and torch.allclose(got, want, rtol=0, atol=1e-6):
+            return approximate
     return None
 
 

@@ -1,6 +1,9 @@
 """FP8 drop-in modules. Each subclasses the torch module it replaces (same parameter names,
 so state dicts load both ways, and ``isinstance`` checks keep working), runs the FP8 op in
-training mode and the plain high-precision forward in eval mode.
+training mode with gradients enabled, and the plain high-precision forward otherwise (eval
+mode, ``torch.no_grad()``, ``inference_mode()``: sampling mid-training gives the model's
+own outputs). Under reentrant checkpointing (``use_reentrant=True``) the first forward
+runs without gradients, so plainly, and the recomputation in backward takes the FP8 op.
 
 A module made by ``from_float`` keeps the original module (sharing its Parameter objects)
 outside the module tree: eval mode runs it, and ``to_float()`` gives it back, so a Hugging
@@ -9,6 +12,7 @@ Face ``LlamaRMSNorm`` comes back as a ``LlamaRMSNorm``.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .config import DEFAULT_CONFIG, FP8ActivationConfig
@@ -75,7 +79,7 @@ class FP8Linear(_FP8Module, nn.Linear):
         return nn.Linear(self.in_features, self.out_features, self.bias is not None, "meta")
 
     def forward(self, x):
-        if not self.training:
+        if not (self.training and torch.is_grad_enabled()):
             return self._float_forward(x)
         return fp8_linear(x, self.weight, self.bias, self.config)
 
@@ -103,7 +107,7 @@ class FP8RMSNorm(_FP8Module, nn.RMSNorm):
         return nn.RMSNorm(self.normalized_shape, self.eps, self.elementwise_affine, "meta")
 
     def forward(self, x):
-        if not self.training:
+        if not (self.training and torch.is_grad_enabled()):
             return self._float_forward(x)
         return rms_norm(x, self.weight, self.eps, self.config)
 
@@ -133,7 +137,7 @@ class FP8LayerNorm(_FP8Module, nn.LayerNorm):
                             self.bias is not None, "meta")  # fmt: skip
 
     def forward(self, x):
-        if not self.training:
+        if not (self.training and torch.is_grad_enabled()):
             return self._float_forward(x)
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, self.config)
 
@@ -153,7 +157,9 @@ class FP8SiLU(_FP8Module, nn.SiLU):
         return nn.SiLU()
 
     def forward(self, x):
-        return silu(x, self.config) if self.training else self._float_forward(x)
+        if not (self.training and torch.is_grad_enabled()):
+            return self._float_forward(x)
+        return silu(x, self.config)
 
 
 class FP8GELU(_FP8Module, nn.GELU):
@@ -162,8 +168,13 @@ class FP8GELU(_FP8Module, nn.GELU):
         self._init_fp8(config)
 
     @classmethod
-    def from_float(cls, act: nn.GELU, config: FP8ActivationConfig | None = None) -> FP8GELU:
-        m = cls(act.approximate, config)
+    def from_float(
+        cls, act: nn.Module, config: FP8ActivationConfig | None = None, *, approximate=None
+    ) -> FP8GELU:
+        """From an ``nn.GELU``, or from another module computing a GELU (a Hugging Face
+        activation) with the ``approximate`` ("none" or "tanh") it is trained as; eval mode
+        and ``to_float()`` give ``act`` itself."""
+        m = cls(act.approximate if approximate is None else approximate, config)
         m._init_fp8(config, act)
         return m.train(act.training)
 
@@ -171,4 +182,6 @@ class FP8GELU(_FP8Module, nn.GELU):
         return nn.GELU(self.approximate)
 
     def forward(self, x):
-        return gelu(x, self.approximate, self.config) if self.training else self._float_forward(x)
+        if not (self.training and torch.is_grad_enabled()):
+            return self._float_forward(x)
+        return gelu(x, self.approximate, self.config)
