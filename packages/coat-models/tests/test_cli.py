@@ -1378,3 +1378,52 @@ def test_resuming_one_mode_of_a_comparison_says_its_report_is_replaced(tmp_path,
     assert f"note: {tmp_path / 'summary.json'} compares bf16, coat; resuming coat alone " \
         "replaces it and loss.png with a report of coat: --compare bf16,coat --resume " \
         "rebuilds the comparison" in err  # fmt: skip
+
+
+# ---------------------------------------------------------------- helper-58's probe of the CLI
+@pytest.mark.parametrize("modes", [["--compare", "bf16,coat"], ["--mode", "bf16"]])
+def test_a_model_dir_inside_a_mode_directory_it_replaces_is_refused(tmp_path, capsys, modes):
+    """--model-dir set to an earlier run's export inside --out/<mode> (to train on from it)
+    is refused up front, exit 2, with nothing deleted: the fresh run deleted it before
+    training that mode, so a second --compare mode silently started from the first one's
+    trained weights, and the model was lost. (Files of the user's own in a mode directory
+    are refused as foreign.)"""
+    out = tmp_path / "run"
+    code, *_ = run(["--steps", "2", *FAST, "--out", out, "--mode", "bf16"], capsys)
+    assert code == 0
+    model = out / "bf16" / "final"
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    code, _, err = run(
+        ["--steps", "2", *FAST[2:], "--out", out, *modes, "--model-dir", model], capsys
+    )
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert f"--model-dir {model} is inside {out / 'bf16'}, which this run replaces" in err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_the_interrupt_message_counts_this_runs_modes_only(tmp_path, capsys, monkeypatch):
+    """Interrupted with no checkpoint of its own modes, the run says so, even when the --out
+    holds another mode's checkpoints (it advised --resume, which then refused)."""
+    out = tmp_path / "run"
+    code, *_ = run(["--steps", "2", "--save-every", "2", *FAST, "--out", out, "--mode", "coat"],
+                   capsys)  # fmt: skip
+    assert code == 0
+    monkeypatch.setattr(Trainer, "queue_step", interrupt_before(2))
+    code, _, err = run(["--steps", "4", *FAST, "--out", out, "--mode", "bf16"], capsys)
+    assert code == 130
+    assert err.endswith(f"interrupted; no checkpoint was written to {out} (--save-every N "
+                        "writes them)\n")  # fmt: skip
+
+
+def test_a_signal_after_the_run_was_reported_changes_nothing(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C landing after the report, in the clean-up, leaves the finished run's exit 0
+    (it escaped as a KeyboardInterrupt traceback, a completed run recorded as killed)."""
+    from transformers.utils import logging as hf_logging
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf_logging, "is_progress_bar_enabled", lambda: True)  # (put back)
+    monkeypatch.setattr(hf_logging, "enable_progress_bar", interrupted)
+    code, out, err = run(["--steps", "2", *FAST, "--out", tmp_path], capsys)
+    assert code == 0 and "Traceback" not in err and "summary" in out

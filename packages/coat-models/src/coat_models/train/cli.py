@@ -37,6 +37,7 @@ from .jobs import Job, check_fits, lm_job, vl_job
 from .outdir import (
     OUT_FILES,
     barrier,
+    check_inputs_outside,
     check_out,
     check_resume,
     check_resume_settings,
@@ -595,6 +596,7 @@ def run(args) -> int:
         )
     out = Path(args.out)
     check_out(out, modes)
+    check_inputs_outside(out, modes, {"--model-dir": args.model_dir, "--data": args.data})
     if (args.preset or "tiny") in VL_PRESETS:
         job = vl_job(args, cfgs, device, label)
     else:
@@ -757,8 +759,8 @@ def _way_on(args) -> str:
     """After an interrupt: where the completed checkpoints are and how to continue from
     them, or that there are none."""
     out = Path(args.out)
-    with contextlib.suppress(OSError):
-        if any(has_checkpoints(d) for d in out.glob("*/checkpoints")):
+    with contextlib.suppress(OSError, UsageError):  # (this run's modes only)
+        if any(has_checkpoints(out / mode / "checkpoints") for mode in _modes(args)):
             return (
                 f"completed checkpoints are under {out}: run the same command with --resume "
                 "to continue from the newest"
@@ -786,8 +788,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{PROG}: a second interrupt ({{signal}}) while busy in one operation: stopped at "
         f"once; completed checkpoints (if any) are under {args.out}"
     )
-    with interrupt.handled(forced):
-        return _run_reporting(args, own_group, hf_bars)
+    code = None
+    try:
+        with interrupt.handled(forced):
+            code = _run_reporting(args, own_group, hf_bars)
+    except KeyboardInterrupt:
+        if code is None:
+            raise
+    return code  # (a signal after the run was reported, as the handlers go back: no change)
 
 
 def _run_reporting(args, own_group: bool, hf_bars) -> int:
@@ -831,12 +839,14 @@ def _run_reporting(args, own_group: bool, hf_bars) -> int:
         say(f"\n{PROG}: {what}; {_way_on(args)}", file=sys.stderr)
         return 128 + (signal.SIGTERM if isinstance(e, interrupt.Terminated) else signal.SIGINT)
     finally:
-        if hf_bars:
-            from transformers.utils import logging as hf_logging
+        # A signal landing in this clean-up (after the run was reported) changes nothing.
+        with contextlib.suppress(KeyboardInterrupt):
+            if hf_bars:
+                from transformers.utils import logging as hf_logging
 
-            hf_logging.enable_progress_bar()
-        if own_group and dist.is_initialized():
-            dist.destroy_process_group()
+                hf_logging.enable_progress_bar()
+            if own_group and dist.is_initialized():
+                dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -90,6 +90,24 @@ def check_out(out: Path, modes: list[str]) -> None:
     os.rmdir(probe)
 
 
+def check_inputs_outside(out: Path, modes: list[str], inputs: dict[str, str | None]) -> None:
+    """Refuse an input (``{"--model-dir": path, ...}``) inside a mode directory of ``out``
+    that this run replaces: a fresh run deletes it before training that mode (a second
+    ``--compare`` mode then read the first one's trained weights from it), and every run
+    replaces its ``final`` export."""
+    for option, given in inputs.items():
+        if not given:
+            continue
+        path = Path(given).resolve()
+        for mode in modes:
+            mode_dir = (out / mode).resolve()
+            if path == mode_dir or mode_dir in path.parents:
+                raise UsageError(
+                    f"{option} {given} is inside {out / mode}, which this run replaces: copy "
+                    "it elsewhere first, or pass another --out"
+                )
+
+
 def _ours(name: str) -> bool:
     """A name coat-train writes in a mode's directory, or a killed run's temporary file."""
     return name in MODE_FILES or re.fullmatch(r"\..+\.tmp-\d+", name) is not None
