@@ -1427,3 +1427,21 @@ def test_a_signal_after_the_run_was_reported_changes_nothing(tmp_path, capsys, m
     monkeypatch.setattr(hf_logging, "enable_progress_bar", interrupted)
     code, out, err = run(["--steps", "2", *FAST, "--out", tmp_path], capsys)
     assert code == 0 and "Traceback" not in err and "summary" in out
+
+
+def test_a_model_dir_linked_from_inside_a_mode_directory_is_refused(tmp_path, capsys):
+    """A --model-dir given as a link inside --out/<mode> (to a model elsewhere) is refused:
+    the fresh run deletes the link before a later --compare mode reads it (helper-61)."""
+    out = tmp_path / "run"
+    code, *_ = run(["--steps", "2", *FAST, "--out", out, "--mode", "bf16"], capsys)
+    assert code == 0
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(out / "bf16" / "final", elsewhere)
+    (out / "bf16" / "final").symlink_to(elsewhere)
+    link = out / "bf16" / "final"
+    code, _, err = run(
+        ["--steps", "2", *FAST[2:], "--out", out, "--compare", "bf16,coat", "--model-dir", link],
+        capsys,
+    )
+    assert code == 2 and f"--model-dir {link} is inside {out / 'bf16'}" in err
+    assert link.is_symlink()

@@ -1,7 +1,7 @@
 """Under ``torch.inference_mode()`` (inference tensors have no version counter, which the
-FP8 hand-over and the weight cache are keyed on) the ops run, with the bits they give
-under ``torch.no_grad()`` (they raised "Inference tensors do not track version counter");
-converted modules run their original modules there, as under ``torch.no_grad()``."""
+FP8 hand-over and the weight cache are keyed on) the ops and converted modules run, with
+the bits they give under ``torch.no_grad()`` (they raised "Inference tensors do not track
+version counter")."""
 
 import fp8_activations as fa
 import torch

@@ -177,19 +177,52 @@ def test_converted_model_deepcopies_and_trains():
     assert isinstance(model.fc1.config, fa.FP8ActivationConfig)
 
 
-def test_training_mode_without_gradients_runs_the_original_modules():
-    """In training mode under torch.no_grad() / inference_mode() (samples generated during
-    training) a converted model answers with the original's bits (it took the FP8 path);
-    with gradients it takes the FP8 path."""
+def test_follow_grad_mode_runs_the_originals_when_called_without_gradients():
+    """Under follow_grad_mode a converted model in training mode called under no_grad /
+    inference_mode (samples generated during training) answers with the original's bits;
+    with gradients, and without follow_grad_mode, it takes the FP8 path; a reentrant
+    checkpoint inside a training forward takes it in both passes (the same bits as without
+    checkpointing: helper-61 found the first pass plain when the modules read the grad mode
+    themselves)."""
+    from torch.utils.checkpoint import checkpoint
+
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.LayerNorm(64), nn.SiLU(), nn.RMSNorm(64))
     model = fa.convert_to_fp8_activations(copy.deepcopy(ref)).train()
     x = torch.randn(8, 64)
     want = ref(x).detach()
+    with torch.no_grad():
+        assert not torch.equal(model(x), want)  # (not followed: the FP8 path)
+    assert fa.follow_grad_mode(model) is model
     for mode in (torch.no_grad, torch.inference_mode):
         with mode():
             assert torch.equal(model(x), want)
     assert not torch.equal(model(x).detach(), want)
+
+    class Outer(nn.Module):
+        def __init__(self, inner, reentrant):
+            super().__init__()
+            self.inner, self.reentrant = inner, reentrant
+
+        def forward(self, x):
+            if self.reentrant is None:
+                return self.inner(x)
+            return checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+    runs = []
+    for reentrant in (None, True, False):
+        inner = fa.convert_to_fp8_activations(copy.deepcopy(ref)).train()
+        outer = fa.follow_grad_mode(Outer(inner, reentrant))
+        xi = x.clone().requires_grad_()
+        loss = outer(xi).square().mean()
+        loss.backward()
+        runs.append((loss.detach(), xi.grad, inner[0].weight.grad))
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
+    fa.follow_grad_mode(model, enabled=False)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    with torch.no_grad():
+        assert not torch.equal(model(x), want)
 
 
 def test_hugging_face_gelus_are_converted_and_come_back():
@@ -211,3 +244,22 @@ def test_hugging_face_gelus_are_converted_and_come_back():
         assert isinstance(model[0], fa.FP8GELU) and model[0].approximate == approximate
         assert torch.equal(model.eval()(x), act(x))
         assert fa.revert_fp8_activations(model)[0] is act
+
+
+def test_gelu_probe_ignores_the_default_device_and_dtype():
+    """The probe is fp32 on the CPU whatever the defaults (made under a meta device context,
+    a cached probe failed that conversion and every later one; under a bf16 default dtype a
+    NewGELU was left unconverted for good), and a GELU clipped at +-10 is not taken for one."""
+    from transformers.activations import ACT2FN
+
+    with torch.device("meta"):
+        model = fa.convert_to_fp8_activations(nn.Sequential(nn.Linear(32, 32), ACT2FN["gelu_new"]))
+    assert type(model[1]) is fa.FP8GELU
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = fa.convert_to_fp8_activations(nn.Sequential(ACT2FN["gelu_new"]))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert type(model[0]) is fa.FP8GELU
+    clipped = ACT2FN["gelu_10"]
+    assert fa.convert_to_fp8_activations(nn.Sequential(clipped))[0] is clipped

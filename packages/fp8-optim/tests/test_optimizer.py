@@ -1194,3 +1194,56 @@ def test_state_dict_post_hooks_see_the_returned_format():
 def test_hyperparameters_beyond_fp32_are_one_line(field):
     with pytest.raises(ValueError, match=rf"{field} must be .*fp32's range"):
         CoatAdamW([torch.nn.Parameter(torch.randn(4))], **{field: 1e39})
+
+
+# ---------------------------------------------------------- helper-61's review of the above
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_refused_state_leaves_the_step_unmade(backend, request):
+    """A state that no longer fits is refused before any parameter is updated, so that the
+    remedy (clear it, step again) steps every parameter once (the check ran bucket by
+    bucket: an earlier bucket had been updated, and stepped twice after the remedy)."""
+    if backend == "triton":
+        request.getfixturevalue("needs_triton")
+    a = torch.nn.Parameter(torch.randn(8))
+    b = torch.nn.Parameter(torch.randn(8, 8))
+    opt = CoatAdamW([{"params": [a]}, {"params": [b]}], config=CoatAdamWConfig(backend=backend))
+    a.grad, b.grad = torch.randn(8), torch.randn(8, 8)
+    opt.step()
+    before = a.detach().clone()
+    b.data = torch.randn(4, 8)
+    b.grad = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="clear optimizer.state"):
+        opt.step()
+    assert torch.equal(a, before) and opt.state[a]["step"].item() == 1.0
+    opt.state[b].clear()
+    opt.step()
+    assert opt.state[a]["step"].item() == 2.0 and opt.state[b]["step"].item() == 1.0
+
+
+def test_a_shape_change_at_the_same_address_is_refused(needs_triton):
+    """``p.data = p.data[:4]`` keeps the address: the triton plan (keyed on addresses) was
+    reused with the old size, stepping silently past the new gradient's end."""
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = CoatAdamW([p], config=CoatAdamWConfig(backend="triton"))
+    p.grad = torch.randn(8, 8)
+    opt.step()
+    p.data = p.data[:4]
+    p.grad = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"exp_avg of shape \(8, 8\)"):
+        opt.step()
+
+
+def test_to_adamw_state_dict_with_a_post_hook_that_rekeys():
+    """A state-dict post-hook keying the states by name (as the README allows) does not break
+    ``to_adamw_state_dict`` (it ran on the internal format there: KeyError)."""
+    m = torch.nn.Linear(32, 4)
+    opt = CoatAdamW(m.parameters())
+    m(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    names = dict(enumerate(n for n, _ in m.named_parameters()))
+    opt.register_state_dict_post_hook(
+        lambda o, sd: {**sd, "state": {names[i]: s for i, s in sd["state"].items()}}
+    )
+    adamw = torch.optim.AdamW(m.parameters())
+    adamw.load_state_dict(opt.to_adamw_state_dict())
+    assert adamw.state[m.weight]["exp_avg"].dtype == torch.float32

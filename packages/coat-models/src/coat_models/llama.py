@@ -299,11 +299,15 @@ def _layer_mismatch(base: nn.Module, layer: nn.Module) -> str | None:
     return None
 
 
+class UnsupportedModel(TypeError):
+    """A model (or layer) that ``apply_coat`` cannot convert; the message says why."""
+
+
 def _base_model(model: nn.Module) -> nn.Module:
     base = getattr(model, "base_model", model)
     for attr in ("layers", "rotary_emb"):
         if not hasattr(base, attr):
-            raise TypeError(
+            raise UnsupportedModel(
                 f"apply_coat supports {SUPPORTED}; {type(model).__name__} has no "
                 f"{'base model ' if base is not model else ''}attribute {attr!r}"
             )
@@ -646,7 +650,7 @@ def convert_llama(
     base = _base_model(model)
     layers = list(base.layers)
     if not layers:
-        raise TypeError(f"apply_coat: {type(model).__name__} has no decoder layers")
+        raise UnsupportedModel(f"apply_coat: {type(model).__name__} has no decoder layers")
     probed = set()
     for index, layer in enumerate(layers):
         problem = _layer_problem(layer)
@@ -655,7 +659,7 @@ def convert_llama(
             probed.add(_original_class(layer))
             problem = _layer_mismatch(base, layer)
         if problem is not None:
-            raise TypeError(
+            raise UnsupportedModel(
                 f"apply_coat supports {SUPPORTED}; layer {index} of {type(model).__name__} "
                 f"({type(layer).__name__}) is not supported: {problem}"
             )
@@ -668,7 +672,7 @@ def convert_llama(
     for index, (layer, convert) in enumerate(zip(layers, keep, strict=True)):
         problem = _instance_forward_problem(layer) if convert else None
         if problem is not None:
-            raise TypeError(
+            raise UnsupportedModel(
                 f"apply_coat: layer {index} of {type(model).__name__} cannot take COAT: {problem}"
             )
     for layer, convert in zip(layers, keep, strict=True):

@@ -23,12 +23,13 @@ tower's ``image_size``, normalized as ``(rgb / 255 - mean) / std``: SigLIP ``mea
 
 from __future__ import annotations
 
-from fp8_activations import convert_to_fp8_activations, revert_fp8_activations
+from fp8_activations import convert_to_fp8_activations, follow_grad_mode, revert_fp8_activations
 from torch import nn
 
 from . import graphs
 from .llama import (
     FilterFn,
+    UnsupportedModel,
     _adapter_problem,
     check_options,
     convert_llama,
@@ -120,10 +121,10 @@ def apply_coat_vlm(
             module_filter_fn=module_filter_fn,
             prefix=names[id(parts.language_model)],
         )
-    except TypeError as e:
-        if not str(e).startswith("apply_coat"):  # raised by module_filter_fn: the user's own
-            raise
-        raise TypeError(f"apply_coat_vlm: the language model is not supported: {e}") from None
+    except UnsupportedModel as e:  # (not what module_filter_fn raises: that passes as it is)
+        raise UnsupportedModel(
+            f"apply_coat_vlm: the language model is not supported: {e}"
+        ) from None
     converted = ["multi_modal_projector"] + (["vision_tower"] if vision else [])
     # A plain attribute: not a buffer, so the state dict does not see it. Set before the
     # parts are converted: a failure there (module_filter_fn raising) reverts what was done.
@@ -143,6 +144,9 @@ def apply_coat_vlm(
                 p.requires_grad_(False)
                 state["frozen"].append(name)
     set_fused_loss(model, fused_loss)
+    # Called without gradients (generate(), torch.no_grad()), the projector and tower run
+    # their original modules as the decoder layers do, also in training mode.
+    follow_grad_mode(model)
     return model
 
 
@@ -153,6 +157,7 @@ def revert_coat_vlm(model: nn.Module) -> nn.Module:
     if state is None:
         return model
     set_fused_loss(model, False)
+    follow_grad_mode(model, False)
     graphs.disable_cuda_graphs(parts.language_model)
     revert_classes(parts.language_model)
     for name in state["converted"]:

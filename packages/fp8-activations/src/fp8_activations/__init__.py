@@ -19,7 +19,7 @@ from .functional import (
     weight_amaxes,
     weight_cache_fresh,
 )
-from .modules import FP8GELU, FP8LayerNorm, FP8Linear, FP8RMSNorm, FP8SiLU
+from .modules import FP8GELU, FP8LayerNorm, FP8Linear, FP8RMSNorm, FP8SiLU, follow_grad_mode
 from .tensor import FP8Tensor, Granularity, HandOver, handed_over
 
 __version__ = "0.1.0"
@@ -37,6 +37,7 @@ __all__ = [
     "cached_weight_casts",
     "cast_weights",
     "convert_to_fp8_activations",
+    "follow_grad_mode",
     "fp8_linear",
     "gelu",
     "handed_over",

@@ -97,31 +97,28 @@ def _fp8_twin(m: nn.Module, config: FP8ActivationConfig) -> nn.Module | None:
     return None
 
 
-_GELU_PROBE = None
-
-
 def _hf_gelu(m: nn.Module) -> str | None:
     """The ``approximate`` of the GELU that ``m``, a Hugging Face activation module
     (``transformers.activations``: ``GELUActivation``, ``GELUTanh``, ``NewGELUActivation``,
-    ...), computes to within 1e-6 on a probe, or None (QuickGELU, ReLU, ...). Its forward, not
-    its hooks, runs the probe. Its FP8 module trains with that GELU and runs ``m`` itself in
-    eval mode."""
-    global _GELU_PROBE
+    ...), computes to within 1e-6 on a probe, or None (QuickGELU, ReLU, a clipped GELU, ...).
+    Its forward, not its hooks, runs the probe (fp32 on the CPU, whatever the defaults). Its
+    FP8 module trains with that GELU and runs ``m`` itself in eval mode."""
     if type(m).__module__ != "transformers.activations" or "forward" in vars(m):
         return None
     if m._parameters or m._buffers or m._modules:
         return None
-    if _GELU_PROBE is None:
-        _GELU_PROBE = torch.linspace(-8, 8, 161)
+    # [-8, 8] and far out (a GELU clipped at +-10 differs there).
+    kw = {"device": "cpu", "dtype": torch.float32}
+    probe = torch.cat([torch.linspace(-8, 8, 161, **kw), torch.tensor([-1e4, -30, 30, 1e4], **kw)])
     try:
         with torch.no_grad():
-            got = m.forward(_GELU_PROBE)
-    except Exception:
+            got = m.forward(probe)
+        for approximate in ("none", "tanh"):
+            want = nn.functional.gelu(probe, approximate=approximate)
+            if isinstance(got, torch.Tensor) and torch.allclose(got, want, rtol=0, atol=1e-6):
+                return approximate
+    except Exception:  # a forward that cannot run here
         return None
-    for approximate in ("none", "tanh"):
-        want = nn.functional.gelu(_GELU_PROBE, approximate=approximate)
-        if isinstance(got, torch.Tensor) and torch.allclose(got, want, rtol=0, atol=1e-6):
-            return approximate
     return None
 
 

@@ -1,9 +1,7 @@
 """FP8 drop-in modules. Each subclasses the torch module it replaces (same parameter names,
 so state dicts load both ways, and ``isinstance`` checks keep working), runs the FP8 op in
-training mode with gradients enabled, and the plain high-precision forward otherwise (eval
-mode, ``torch.no_grad()``, ``inference_mode()``: sampling mid-training gives the model's
-own outputs). Under reentrant checkpointing (``use_reentrant=True``) the first forward
-runs without gradients, so plainly, and the recomputation in backward takes the FP8 op.
+training mode, and the plain high-precision forward in eval mode (and, under
+``follow_grad_mode(model)``, when the model is called without gradients).
 
 A module made by ``from_float`` keeps the original module (sharing its Parameter objects)
 outside the module tree: eval mode runs it, and ``to_float()`` gives it back, so a Hugging
@@ -12,11 +10,73 @@ Face ``LlamaRMSNorm`` comes back as a ``LlamaRMSNorm``.
 
 from __future__ import annotations
 
+import contextvars
+import threading
+
 import torch
 from torch import nn
 
 from .config import DEFAULT_CONFIG, FP8ActivationConfig
 from .functional import fp8_linear, gelu, layer_norm, rms_norm, silu
+
+# Set while a model under ``follow_grad_mode`` runs its forward: whether it was called with
+# gradients. None elsewhere (the FP8 modules then follow their training flag alone).
+_GRAD_AT_ROOT: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "fp8_activations_grad_at_root", default=None
+)
+_TOKENS = threading.local()
+
+
+@torch.compiler.disable  # (dynamo cannot trace context variables: the hooks run eagerly)
+def _record_grad_mode(module, args) -> None:
+    """Forward pre-hook of ``follow_grad_mode``'s model."""
+    stack = getattr(_TOKENS, "stack", None)
+    if stack is None:
+        stack = _TOKENS.stack = []
+    stack.append(_GRAD_AT_ROOT.set(torch.is_grad_enabled()))
+
+
+@torch.compiler.disable
+def _forget_grad_mode(module, args, output) -> None:
+    """Forward hook (always called) of ``follow_grad_mode``'s model."""
+    stack = getattr(_TOKENS, "stack", None)
+    if stack:
+        _GRAD_AT_ROOT.reset(stack.pop())
+
+
+def follow_grad_mode(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Make the FP8 modules under ``model`` run their original modules, bit for bit, when
+    ``model`` is called without gradients (``torch.no_grad()``, ``generate()``: samples taken
+    mid-training), in training mode too; ``enabled=False`` undoes it. Returns ``model``.
+
+    What counts is the grad mode ``model`` was called in (hooks on it record it), not the one
+    inside: a reentrant checkpoint's first pass, which runs without gradients inside a
+    training forward, takes the FP8 path as its recomputation in backward does. So give it
+    the model that is called, not a part that a reentrant checkpoint runs. Without it,
+    converted modules take the FP8 path whenever they are in training mode.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    ours = (_record_grad_mode, _forget_grad_mode)
+    for table in (model._forward_pre_hooks, model._forward_hooks):
+        for key in [k for k, h in table.items() if h in ours]:
+            del table[key]
+            model._forward_hooks_always_called.pop(key, None)
+    if enabled:
+        model.register_forward_pre_hook(_record_grad_mode)
+        model.register_forward_hook(_forget_grad_mode, always_call=True)
+    return model
+
+
+def _fp8_path(module: nn.Module) -> bool:
+    """Whether ``module`` takes its FP8 op now: in training mode, unless a model under
+    ``follow_grad_mode`` was called without gradients."""
+    if not module.training:
+        return False
+    if torch.compiler.is_compiling():  # (traced: the FP8 path; dynamo cannot read the var)
+        return True
+    at_root = _GRAD_AT_ROOT.get()
+    return True if at_root is None else at_root
 
 
 class _FP8Module:
@@ -79,7 +139,7 @@ class FP8Linear(_FP8Module, nn.Linear):
         return nn.Linear(self.in_features, self.out_features, self.bias is not None, "meta")
 
     def forward(self, x):
-        if not (self.training and torch.is_grad_enabled()):
+        if not _fp8_path(self):
             return self._float_forward(x)
         return fp8_linear(x, self.weight, self.bias, self.config)
 
@@ -107,7 +167,7 @@ class FP8RMSNorm(_FP8Module, nn.RMSNorm):
         return nn.RMSNorm(self.normalized_shape, self.eps, self.elementwise_affine, "meta")
 
     def forward(self, x):
-        if not (self.training and torch.is_grad_enabled()):
+        if not _fp8_path(self):
             return self._float_forward(x)
         return rms_norm(x, self.weight, self.eps, self.config)
 
@@ -137,7 +197,7 @@ class FP8LayerNorm(_FP8Module, nn.LayerNorm):
                             self.bias is not None, "meta")  # fmt: skip
 
     def forward(self, x):
-        if not (self.training and torch.is_grad_enabled()):
+        if not _fp8_path(self):
             return self._float_forward(x)
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, self.config)
 
@@ -157,7 +217,7 @@ class FP8SiLU(_FP8Module, nn.SiLU):
         return nn.SiLU()
 
     def forward(self, x):
-        if not (self.training and torch.is_grad_enabled()):
+        if not _fp8_path(self):
             return self._float_forward(x)
         return silu(x, self.config)
 
@@ -182,6 +242,6 @@ class FP8GELU(_FP8Module, nn.GELU):
         return nn.GELU(self.approximate)
 
     def forward(self, x):
-        if not (self.training and torch.is_grad_enabled()):
+        if not _fp8_path(self):
             return self._float_forward(x)
         return gelu(x, self.approximate, self.config)

@@ -39,7 +39,7 @@ _SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momen
 _GROUP_KEYS = frozenset(_OWN_KEYS + _TORCH_KEYS + _SCHEDULER_KEYS)
 _STATE_KEYS = ("step", *_MOMENTS, *(m + sfx for m in _MOMENTS for sfx in PER_GROUP_SUFFIXES))
 _FP32_MAX = torch.finfo(torch.float32).max
-_data_ptr = torch.Tensor.data_ptr
+_data_ptr, _numel = torch.Tensor.data_ptr, torch.Tensor.numel
 _STEP_MAX = 2**24  # fp32 counts every step exactly up to here (the kernel's powers take 25 bits)
 
 
@@ -239,19 +239,21 @@ class CoatAdamW(torch.optim.Optimizer):
         resolved: dict[bool, str] = {}  # is_cuda -> backend, for this step
         # Every bucket is found and checked (gradients, grad_scale's device) before any is
         # updated: a bad one must not leave a half-made step.
-        runs = []
+        runs, state_keys = [], []
         try:
             for gi, group in enumerate(self.param_groups):
                 runs += self._buckets(gi, group, sharded, prepared, resolved, scales)
+            # The states too (those a triton plan holds when they changed since it was made).
+            state_keys = [self._check_bucket_states(gi, key, ps) for gi, _, key, ps, _ in runs]
         except BaseException:
             for shard in prepared:  # nothing updated: the parameters are written back as were
                 shard.finish()
             raise
-        for gi, group, key, ps, scale in runs:
+        for (gi, group, key, ps, scale), state_key in zip(runs, state_keys, strict=True):
             if key[0] == "reference":
                 self._step_reference(group, ps, scale)
             else:
-                self._step_triton(gi, group, key, ps, scale)
+                self._step_triton(gi, group, key, ps, scale, state_key)
         for shard in prepared:
             shard.finish()
         return loss
@@ -359,9 +361,33 @@ class CoatAdamW(torch.optim.Optimizer):
                     "state dict"
                 )
 
+    def _check_bucket_states(self, gi: int, key: tuple, params: list) -> tuple | None:
+        """Check the states of a bucket before any bucket is updated: every step on the
+        reference backend; on the triton backend when its plan's state key (the states'
+        addresses, the tensors' sizes) changed since the plan was made, which is returned.
+        States replaced between steps (``state[k] = v.to("cpu")`` ... ``.to("cuda")``, an
+        offload) or made anew (``opt.state.clear()``) need a new plan, or the kernel would
+        read and write the old, freed ones."""
+        tensors = [self._tensor(p) for p in params] if self._shards else params
+        states = [self.state[p] for p in params]
+        if key[0] == "reference":
+            self._check_states(params, tensors, states)
+            return None
+        try:  # (map over the unbound methods: ~25% less host time than a generator)
+            state_key = (
+                self._state_gen,
+                *map(_numel, tensors),
+                *map(_data_ptr, chain.from_iterable([s.values() for s in states])),
+            )
+        except TypeError:  # a state value that is no tensor: _check_states says which
+            state_key = None
+        cached = self._plans.get((gi, key))
+        if state_key is None or cached is None or cached[2] != state_key:
+            self._check_states(params, tensors, states)
+        return state_key
+
     def _step_reference(self, group: dict, params: list[torch.Tensor], grad_scale=None) -> None:
         tensors = [self._tensor(p) for p in params]
-        self._check_states(params, tensors, [self.state[p] for p in params])
         bad = self._bad_counter(tensors[0].device)
         for p, t in zip(params, tensors, strict=True):
             n_bad = reference.adamw_step_(
@@ -377,8 +403,9 @@ class CoatAdamW(torch.optim.Optimizer):
             bad.add_(n_bad)
 
     def _step_triton(
-        self, gi: int, group: dict, key: tuple, params: list[torch.Tensor], grad_scale=None
-    ) -> None:
+        self, gi: int, group: dict, key: tuple, params: list[torch.Tensor], grad_scale=None,
+        state_key: tuple | None = None,
+    ) -> None:  # fmt: skip
         from . import ops  # Triton is needed only here
 
         tensors = [self._tensor(p) for p in params] if self._shards else params
@@ -393,21 +420,11 @@ class CoatAdamW(torch.optim.Optimizer):
                 raise ValueError(f"lr is a tensor on {lr.device}, parameters are on {device}")
             opts["lr"] = lr.item()  # a CPU tensor: no device sync
         # Parameters and states keep their addresses; gradients usually do not (set_to_none).
-        # A plan holds the states' addresses too: states made anew (``opt.state.clear()``) or
-        # replaced (``state[k] = v.to("cpu")`` ... ``.to("cuda")``, an offload) need a new
-        # one, or the kernel would read and write the old, freed ones; a new plan checks them.
-        try:  # (map over the unbound method: ~25% less host time than a generator)
-            ptrs = (
-                self._state_gen,
-                *map(_data_ptr, work),
-                *map(_data_ptr, chain.from_iterable([s.values() for s in states])),
-            )
-        except TypeError:  # a state value that is no tensor: _check_states says which
-            ptrs = None
-        grad_ptrs = tuple(g.data_ptr() for g in grads)
+        # A plan holds the states' addresses too (``state_key``, checked before the step).
+        ptrs = tuple(map(_data_ptr, work))
+        grad_ptrs = tuple(map(_data_ptr, grads))
         cached = self._plans.get((gi, key))
-        if ptrs is None or cached is None or cached[0] != ptrs:
-            self._check_states(params, work, states)
+        if state_key is None or cached is None or cached[0] != ptrs or cached[2] != state_key:
             plan = ops.make_plan(
                 work,
                 grads,
@@ -418,12 +435,12 @@ class CoatAdamW(torch.optim.Optimizer):
                 high_precision=self.config.high_precision_states,
                 launch=self._launch,
             )
-            self._plans[(gi, key)] = (ptrs, grad_ptrs, plan)
+            self._plans[(gi, key)] = (ptrs, grad_ptrs, state_key, plan)
         else:
-            plan = cached[2]
+            plan = cached[3]
             if cached[1] != grad_ptrs:
                 ops.set_grads(plan, grads)
-                self._plans[(gi, key)] = (ptrs, grad_ptrs, plan)
+                self._plans[(gi, key)] = (ptrs, grad_ptrs, state_key, plan)
         bad = self._bad_counter(device)
         ops.fused_adamw_step_(plan, work, grads, states, bad, **opts, grad_scale=grad_scale)
         for w, t in zip(work, tensors, strict=True):
@@ -449,11 +466,7 @@ class CoatAdamW(torch.optim.Optimizer):
         like their parameter (plain replicated tensors for "full" ones, see ``dtensor``).
         Hooks of ``register_state_dict_post_hook`` see (and may replace) that format."""
         post_hooks = self._optimizer_state_dict_post_hooks
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        try:
-            sd = super().state_dict()
-        finally:
-            self._optimizer_state_dict_post_hooks = post_hooks
+        sd = self._torch_state_dict()
         params = [p for g in self.param_groups for p in g["params"]]
         G = self.config.group_size
         for index, pstate in sd["state"].items():
@@ -472,6 +485,16 @@ class CoatAdamW(torch.optim.Optimizer):
             if result is not None:
                 sd = result
         return sd
+
+    def _torch_state_dict(self) -> dict:
+        """torch's ``state_dict()`` of this optimizer (its pre-hooks run), without the
+        post-hooks: they are for the state dict returned."""
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        try:
+            return super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a ``CoatAdamW`` or a ``torch.optim.AdamW`` state dict.
@@ -589,7 +612,7 @@ class CoatAdamW(torch.optim.Optimizer):
         ``torch.optim.AdamW(params, ...).load_state_dict(opt.to_adamw_state_dict())`` then
         continues from the dequantized moments.
         """
-        sd = super().state_dict()  # this optimizer's own (local) tensors
+        sd = self._torch_state_dict()  # this optimizer's own (local) tensors
         index_of = {}
         for g_saved, g in zip(sd["param_groups"], self.param_groups, strict=True):
             index_of.update(zip(g_saved["params"], g["params"], strict=True))

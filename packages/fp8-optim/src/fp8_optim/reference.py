@@ -311,9 +311,10 @@ def adamw_step_(
     denom = _sqrt(v) * inv_sqrt_bc2 + fp32(eps)
     p = p_old * decay - (m / denom) * step_size
 
-    # The padding past the tensor's end does not count (with eps = 0 its p is 0 / 0).
-    pad = torch.arange(p.numel(), device=p.device).view_as(p) >= n
-    bad = ~(torch.isfinite(p) & torch.isfinite(v) | pad).all(dim=1)  # [ng]
+    ok = torch.isfinite(p) & torch.isfinite(v)
+    if n % G:  # the padding past the tensor's end does not count (with eps = 0 its p is 0 / 0)
+        ok[-1, n % G :] = True
+    bad = ~ok.all(dim=1)  # [ng]
     keep = bad[:, None]
 
     if param.dtype == torch.bfloat16:

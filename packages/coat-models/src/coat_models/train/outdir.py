@@ -98,10 +98,11 @@ def check_inputs_outside(out: Path, modes: list[str], inputs: dict[str, str | No
     for option, given in inputs.items():
         if not given:
             continue
-        path = Path(given).resolve()
+        # Resolved (a link to it from elsewhere) and as written (a link inside that is deleted).
+        paths = (Path(given).resolve(), Path(os.path.abspath(given)))
         for mode in modes:
-            mode_dir = (out / mode).resolve()
-            if path == mode_dir or mode_dir in path.parents:
+            mode_dirs = ((out / mode).resolve(), Path(os.path.abspath(out / mode)))
+            if any(p == d or d in p.parents for p in paths for d in mode_dirs):
                 raise UsageError(
                     f"{option} {given} is inside {out / mode}, which this run replaces: copy "
                     "it elsewhere first, or pass another --out"
