@@ -1445,3 +1445,42 @@ def test_a_model_dir_linked_from_inside_a_mode_directory_is_refused(tmp_path, ca
     )
     assert code == 2 and f"--model-dir {link} is inside {out / 'bf16'}" in err
     assert link.is_symlink()
+
+
+def test_fp8_weight_cache_under_fsdp_is_refused(tmp_path, capsys, monkeypatch):
+    """--fsdp --fp8-weight-cache is one line, exit 2, as other options that do not apply
+    (the cache was silently left off; helper-62)."""
+    monkeypatch.setattr(cli, "_strategy", lambda args: "fsdp")  # (as under torchrun)
+    monkeypatch.setattr(cli, "_rank_device", lambda name: torch.device("cpu"))
+    code, _, err = run(
+        ["--steps", "2", *FAST, "--out", tmp_path, "--mode", "coat", "--fp8-weight-cache"], capsys
+    )
+    assert code == 2 and "--fp8-weight-cache does not apply under --fsdp" in err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "differ, named",
+    [({"mode": "bf16"}, "--mode"), ({"seed": 1, "steps": 6}, "--seed, --steps"),
+     ({}, "the data read")],
+)  # fmt: skip
+def test_ranks_started_with_other_settings_are_refused(monkeypatch, differ, named):
+    """Under torchrun every rank must run rank 0's options on rank 0's data: a rank started
+    otherwise (nodes launched apart) trained other numbers silently, hung or aborted."""
+    import argparse
+    import types
+
+    args = argparse.Namespace(mode="coat", seed=0, steps=4, data="a.txt")
+    job = types.SimpleNamespace(tasks=[types.SimpleNamespace(fingerprint="f00")])
+
+    def gather(out, mine):
+        other = {"args": {**mine["args"], **differ}, "data": mine["data"] if differ else ["f01"]}
+        out[:] = [mine, other]
+
+    monkeypatch.setattr(cli.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(cli.dist, "all_gather_object", gather)
+    with pytest.raises(cli.UsageError, match=rf"rank 1 was started with other .*\({named}\)"):
+        cli.check_ranks_agree(args, job)
+    monkeypatch.setattr(cli.dist, "all_gather_object", lambda out, mine: out.__setitem__(
+        slice(None), [mine, mine]))  # fmt: skip
+    cli.check_ranks_agree(args, job)  # the same everywhere: nothing to say

@@ -438,6 +438,20 @@ def test_parameters_without_gradient_on_a_rank(runs):
         assert torch.equal(bits(loaded[key]), bits(value)), key
 
 
+def test_weights_alone_load_from_a_checkpoint_with_optimizer_state(runs):
+    """``load_checkpoint(path, model)`` without an optimizer loads the weights of a checkpoint
+    that holds optimizer state too, the same as with one (every ``optim.*`` key was reported
+    as a mismatch: a 2-rank coat-train checkpoint could not seed a new run; helper-62)."""
+    from coat_models.distributed import load_checkpoint
+
+    out, _, _ = runs
+    alone, both = tiny_llama(seed=1), tiny_llama(seed=2)  # (weights unlike the checkpoint's)
+    load_checkpoint(out / "fsdp_ckpt", alone)
+    load_checkpoint(out / "fsdp_ckpt", both, llama_optimizer(both))
+    for (name, p), q in zip(alone.named_parameters(), both.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 @pytest.mark.slow
 def test_mismatched_checkpoint_gives_a_clear_error(runs):
     from coat_models.distributed import CheckpointMismatchError, load_checkpoint

@@ -263,3 +263,39 @@ def test_gelu_probe_ignores_the_default_device_and_dtype():
     assert type(model[0]) is fa.FP8GELU
     clipped = ACT2FN["gelu_10"]
     assert fa.convert_to_fp8_activations(nn.Sequential(clipped))[0] is clipped
+
+
+class _Sink(torch.autograd.Function):
+    """Passes its inputs through; backward hands on None for an output without a gradient,
+    as DDP's output sink does (find_unused_parameters)."""
+
+    @staticmethod
+    def forward(ctx, *xs):
+        ctx.set_materialize_grads(False)
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda x: fa.layer_norm(x, 64),
+        lambda x: fa.rms_norm(x, None, 1e-6),
+        lambda x: fa.gelu(x),
+        lambda x: fa.silu(x),
+        lambda x: fa.swiglu(x, x.flip(-1)),
+        lambda x: fa.residual_add(x, x.flip(-1)),
+    ],
+    ids=["layer_norm", "rms_norm", "gelu", "silu", "swiglu", "residual_add"],
+)
+def test_an_output_without_gradient_costs_nothing(op):
+    """An op's output that reaches backward without a gradient (a LLaVA's image outputs under
+    DDP with find_unused_parameters) gives no gradient (backward read None.contiguous())."""
+    x = torch.randn(8, 64, requires_grad=True)
+    other = torch.randn(8, 64, requires_grad=True)
+    unused, used = _Sink.apply(op(x), other * 2)
+    used.sum().backward()
+    assert x.grad is None and torch.equal(other.grad, torch.full_like(other, 2.0))

@@ -767,6 +767,8 @@ def _check_against(saved: dict, state: dict, path: str, strict: bool) -> list[st
         if key.startswith(("model.", "optim.")) and key not in expected:
             if key.startswith("model.") and not strict:
                 continue
+            if key.startswith("optim.") and "optim" not in state:
+                continue  # the weights alone are loaded (no optimizer given)
             problems.append(f"{key}: in the checkpoint but not in this model/optimizer")
     if problems:
         shown = "\n  ".join(problems[:12])

@@ -594,6 +594,11 @@ def run(args) -> int:
             "--fp8-weight-cache applies to modes with FP8 activations (coat, coat-act): add "
             "one, or drop it"
         )
+    if args.fp8_weight_cache and strategy == "fsdp":
+        raise UsageError(
+            "--fp8-weight-cache does not apply under --fsdp (FSDP2 gathers each layer's weights "
+            "into reused memory, which the cache cannot tell from the weights it cast): drop it"
+        )
     out = Path(args.out)
     check_out(out, modes)
     check_inputs_outside(out, modes, {"--model-dir": args.model_dir, "--data": args.data})
@@ -601,6 +606,8 @@ def run(args) -> int:
         job = vl_job(args, cfgs, device, label)
     else:
         job = lm_job(args, cfgs, modes, device, label)
+    if strategy is not None:
+        check_ranks_agree(args, job)
     check_fits(job.n_params, modes, masters, device, label, strategy, cfgs[0], job.vocab, job.tune)
     check_resume(args, out, modes)
 
@@ -639,6 +646,25 @@ def run(args) -> int:
                     "data": job.source}  # fmt: skip
         print(write_run_report(out, run_info, summaries, curves))
         return 0
+
+
+def check_ranks_agree(args, job) -> None:
+    """Under torchrun: every rank was started with rank 0's options and read the same data
+    (nodes launched apart: another script, a stale copy of the data). Ranks that differ
+    trained other numbers silently, hung (other modes) or aborted in a collective."""
+    mine = {"args": vars(args), "data": [task.fingerprint for task in job.tasks]}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs != first:
+            names = set(first["args"]) | set(theirs["args"])
+            keys = sorted(k for k in names if first["args"].get(k) != theirs["args"].get(k))
+            what = ", ".join("--" + k.replace("_", "-") for k in keys) or "the data read"
+            raise UsageError(
+                f"rank {rank} was started with other settings than rank 0 ({what}): launch every "
+                "rank with the same command and the same data"
+            )
 
 
 def _oom_cache_note(cfg: TrainConfig, strategy: str | None) -> str:

@@ -217,7 +217,9 @@ class MemoryTracker:
                 del table[key]
 
     def _on_grad(self, p):
-        if id(p) not in self._grads_seen:
+        # (None: the hook fires for a parameter reached by no gradient, e.g. a LLaVA tower's
+        # unused last norm under DDP, whose output sink hands on None)
+        if p.grad is not None and id(p) not in self._grads_seen:
             self._grads_seen.add(id(p))
             self._param_grads += tensor_bytes([p.grad])
             self.live["gradients"] += tensor_bytes([p.grad])

@@ -140,6 +140,8 @@ class GELUFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dy, *_):
+        if dy is None:  # the output got no gradient (an unused one)
+            return (None,) * 8
         x_q, x_s = ctx.saved_tensors
         dx = gelu_bwd(dy.contiguous(), x_q, x_s, ctx.approximate, ctx.group_size, ctx.backend)
         return dx, None, None, None, None, None, None, None

@@ -197,6 +197,8 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dy, *_):
+        if dy is None:  # the output got no gradient (an unused one)
+            return (None,) * 10
         x_q, x_s, weight, bias = ctx.saved_tensors
         dx, dw, db = layer_norm_bwd(
             dy.contiguous(), x_q, x_s, weight, bias, ctx.eps, ctx.group_size, ctx.backend

@@ -87,6 +87,8 @@ class ResidualAddFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *_):
+        if dy is None:  # the output got no gradient (an unused one)
+            return (None,) * 6
         dx = dy.reshape(ctx.x_shape)
         return dx, dx, None, None, None, None
 

@@ -210,6 +210,8 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dy, *_):
+        if dy is None:  # the output got no gradient (an unused one)
+            return (None,) * 9
         x_q, x_s, weight = ctx.saved_tensors
         dx, dw = rms_norm_bwd(rows(dy), x_q, x_s, weight, ctx.eps, ctx.group_size, ctx.backend, [])
         return dx.view(ctx.x_shape), dw, None, None, None, None, None, None, None

@@ -128,6 +128,8 @@ class SiLUFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dy, *_):
+        if dy is None:  # the output got no gradient (an unused one)
+            return (None,) * 7
         x_q, x_s = ctx.saved_tensors
         dx = silu_bwd(dy.contiguous(), x_q, x_s, ctx.group_size, ctx.backend)
         return dx, None, None, None, None, None, None

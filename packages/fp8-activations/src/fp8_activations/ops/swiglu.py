@@ -168,6 +168,8 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dy, *_):
+        if dy is None:  # the output got no gradient (an unused one)
+            return (None,) * 9
         d_gate, d_up, dg_a, du_a = swiglu_bwd(
             dy.contiguous(), *ctx.saved_tensors, ctx.group_size, True, ctx.backend
         )
