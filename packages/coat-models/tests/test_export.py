@@ -82,6 +82,9 @@ def test_cli_names_the_export_in_its_output_and_summary(tmp_path, capsys):
     run = json.loads((tmp_path / "summary.json").read_text())["runs"][0]
     assert run["export"] == str(final)
     assert (final / "model.safetensors").is_file()
+    # The built-in byte-level corpus separates its files with BYTE_EOS: generate() of the
+    # export stops there (its config named no end-of-sequence id; helper-58).
+    assert json.loads((final / "config.json").read_text())["eos_token_id"] == 256
     assert "Writing model shards" not in err  # --no-progress quiets transformers' bar too
     from transformers.utils import logging as hf_logging
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .args import UsageError
-from .data import load_data
+from .data import BYTE_EOS, load_data
 from .presets import (
     ModelError,
     build_model,
@@ -156,6 +156,10 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
     )
     if not args.model_dir:
         config = preset_config(args.preset or "tiny", data.vocab_size, args.vocab_size, seq_len)
+        if data.builtin and tokenizer is None:
+            # The byte-level corpus ends each file with BYTE_EOS: the exported model's
+            # generate() stops there (its config named no end-of-sequence id).
+            config.eos_token_id = BYTE_EOS
     data.check_fits(config.vocab_size)
     tasks = [LMTask(data, cfg) for cfg in cfgs]  # refuses too short a split
     n_params = count_params(config, modes, weights_dir)
