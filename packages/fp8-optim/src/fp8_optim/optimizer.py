@@ -126,7 +126,6 @@ class CoatAdamW(torch.optim.Optimizer):
         self._sr_offset: dict[torch.Tensor, int] = {}
         self._shards: dict[torch.Tensor, ShardedParam] = {}
         self._plans: dict = {}
-        self._state_gen = 0  # counts states made by steps: a plan is for one generation
         # The kernel's launch shape (ops.AdamWLaunch; None: the default). No shape changes a
         # bit; the launch sweep and the tests set it, then clear ``_plans``.
         self._launch = None
@@ -152,7 +151,6 @@ class CoatAdamW(torch.optim.Optimizer):
         # torch.save(optimizer), copy.deepcopy(optimizer) and multiprocessing give this.
         super().__setstate__(state)
         self._param_index, self._shards, self._plans, self._lr_seen = {}, {}, {}, {}
-        self._state_gen = 0
         for gi, group in enumerate(self.param_groups):
             if isinstance(group["lr"], torch.Tensor):
                 self._lr_seen[gi] = group["lr"]
@@ -283,7 +281,6 @@ class CoatAdamW(torch.optim.Optimizer):
             if not state:
                 _check_param(p)  # once per parameter: it may have moved (to meta)
                 self._init_state(t, state)
-                self._state_gen += 1  # (launch plans made before hold other states)
             key = (self._backend(t, resolved), t.get_device(), t.dtype, g.dtype)
             buckets.setdefault(key, []).append(p)
         for key, ps in buckets.items():  # per bucket: a parameter cast after its state was
@@ -375,7 +372,6 @@ class CoatAdamW(torch.optim.Optimizer):
             return None
         try:  # (map over the unbound methods: ~25% less host time than a generator)
             state_key = (
-                self._state_gen,
                 *map(_numel, tensors),
                 *map(_data_ptr, chain.from_iterable([s.values() for s in states])),
             )
