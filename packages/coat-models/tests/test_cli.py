@@ -1423,7 +1423,10 @@ def test_a_signal_after_the_run_was_reported_changes_nothing(tmp_path, capsys, m
     def interrupted():
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(hf_logging, "is_progress_bar_enabled", lambda: True)  # (put back)
+    # (all put back; transformers' real switch is never touched, so later tests see it as
+    # they would have: an earlier version left the bars off for the rest of the worker)
+    monkeypatch.setattr(hf_logging, "is_progress_bar_enabled", lambda: True)
+    monkeypatch.setattr(hf_logging, "disable_progress_bar", lambda: None)
     monkeypatch.setattr(hf_logging, "enable_progress_bar", interrupted)
     code, out, err = run(["--steps", "2", *FAST, "--out", tmp_path], capsys)
     assert code == 0 and "Traceback" not in err and "summary" in out

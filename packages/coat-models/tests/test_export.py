@@ -72,6 +72,9 @@ def test_export_loads_back_with_the_trained_weights(tmp_path, data, mode, master
 
 
 def test_cli_names_the_export_in_its_output_and_summary(tmp_path, capsys):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()  # transformers' default, whatever ran before in this worker
     argv = "--preset tiny --steps 2 --eval-every 2 --batch-size 2 --seq-len 32 --eval-batches 1"
     code = cli.main([*argv.split(), "--corpus-mib", "1", "--no-progress", "--out", str(tmp_path)])
     out, err = capsys.readouterr()
@@ -86,8 +89,6 @@ def test_cli_names_the_export_in_its_output_and_summary(tmp_path, capsys):
     # export stops there (its config named no end-of-sequence id; helper-58).
     assert json.loads((final / "config.json").read_text())["eos_token_id"] == 256
     assert "Writing model shards" not in err  # --no-progress quiets transformers' bar too
-    from transformers.utils import logging as hf_logging
-
     assert hf_logging.is_progress_bar_enabled()  # and leaves it as it found it
 
 
