@@ -1660,3 +1660,24 @@ def test_revert_coat_frees_the_weight_cache():
     assert any("q_proj" in n for n in held)
     revert_coat(model)
     assert not [n for n, p in model.named_parameters() if cached_weight_fp8(p)]
+
+
+def test_a_model_built_from_a_converted_class_is_built_plain(tmp_path):
+    """``type(converted).from_pretrained`` (and ``_from_config``, or a layer's class called)
+    builds the original class, plain: it had built the COAT class with plain layers, which
+    ``is_coat`` called converted (the fused loss on, the layers unconverted)."""
+    ref = tiny_llama()
+    ref.save_pretrained(tmp_path)
+    model = apply_coat(copy.deepcopy(ref))
+    for built in (
+        type(model).from_pretrained(tmp_path),
+        type(model)._from_config(ref.config),
+        type(model)(ref.config),
+    ):
+        assert type(built) is LlamaForCausalLM and not is_coat(built)
+    layer = type(model.model.layers[0])(ref.config, 0)
+    assert type(layer) is type(ref.model.layers[0]) and not is_coat(layer)
+    loaded = type(model).from_pretrained(tmp_path)
+    ids = tokens(2, 16)
+    torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, rtol=0, atol=0)
+    assert is_coat(apply_coat(loaded))  # and converts as any plain model does

@@ -335,6 +335,17 @@ def _unpickle(original: type, mixin: type, state: dict | None = None) -> nn.Modu
 
 
 class _CoatMixin:
+    def __new__(cls, *args, **kwargs):
+        # COAT is what apply_coat does to a model, not a class to build: a model built from a
+        # converted one's class (type(model).from_pretrained(...), _from_config, a layer's
+        # type(layer)(config, i)) is built as the original class, plain. It had been the
+        # COAT class with plain layers, which is_coat called converted. (FSDP2's classes
+        # build their originals the same way.)
+        original = cls._coat_original_class
+        module = original.__new__(original)
+        module.__init__(*args, **kwargs)  # (not an instance of cls: Python does not init it)
+        return module
+
     def __reduce_ex__(self, protocol):
         # Pickle finds classes by name, and the COAT subclass carries the original's name:
         # rebuild the original class, then convert again (torch.save(model), deepcopy).
