@@ -762,6 +762,16 @@ def test_non_finite_weights_after_the_last_step_end_the_run(tmp_path):
         tr.fit()
     tr.close()
 
+    # The metrics file stays strict JSON: the NaN is null (it was a bare NaN, which JSON
+    # readers other than Python's refuse).
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert records[-1]["type"] == "eval" and records[-1]["step"] == 3
+    assert records[-1]["val_loss"] is None
+
 
 @pytest.mark.parametrize("mode", ["bf16", "coat-act"])
 def test_breakdown_of_the_counted_steps_equals_counting_every_step(tmp_path, mode):

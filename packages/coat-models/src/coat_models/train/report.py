@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import sys
 import time
@@ -146,7 +147,9 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({"mode": self.mode, **record}) + "\n")
+            self._file.write(
+                json.dumps({"mode": self.mode, **strict(record)}, allow_nan=False) + "\n"
+            )
             self._file.flush()
         if self._board is not None:
             self._scalars(record)
@@ -168,6 +171,15 @@ class MetricsLog:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def strict(record: dict) -> dict:
+    """``record`` with each number that is not finite (a diverged run's last loss or
+    gradient norm) as ``None``: strict JSON has no NaN or Infinity, and JSON readers other
+    than Python's refuse the bare ``NaN`` that ``json.dumps`` writes by default."""
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
 
 
 def _eval_at(line: str, step: int) -> bool:
