@@ -95,3 +95,18 @@ def test_gpu_layer_weights_same_bits(assert_same_bits):
     got = tensor_amax_multi(xs)
     for x, a in zip(xs, got, strict=True):
         assert_same_bits(a.cpu(), x.abs().amax().cpu())
+
+
+def test_non_contiguous_inputs_are_refused(interpreter):
+    """The launchers read memory row-major: a sliced or transposed input gave the maxima
+    (or codes) of other elements without a word (helper-63)."""
+    from fp8_quant import E4M3, ops
+
+    x = torch.randn(64, 64)
+    x[:, 0] = 100.0
+    for bad in (x[:, 1:], x.t()):
+        with pytest.raises(ValueError, match="takes contiguous tensors.*x.contiguous()"):
+            ops.tensor_amax_multi([x, bad])
+        amax = bad.abs().amax()
+        with pytest.raises(ValueError, match="takes contiguous tensors.*x.contiguous()"):
+            ops.quantize_per_tensor_multi([bad], E4M3, [amax], True, True)

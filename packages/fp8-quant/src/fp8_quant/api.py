@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import os
+import sys
 
 import torch
 
@@ -76,20 +77,47 @@ def resolve_backend(x: torch.Tensor, backend: Backend | str) -> Backend:
             env_chose = backend is _TRITON
         if backend is _AUTO:
             return _TRITON if x.is_cuda else _REFERENCE
-    if backend is _TRITON and not x.is_cuda and not triton_interpreting():
-        why = " (FP8_QUANT_BACKEND=triton chose it)" if env_chose else ""
-        raise ValueError(
-            f"the triton backend{why} needs a CUDA tensor; for CPU tensors set "
-            "TRITON_INTERPRET=1 before importing triton, or use backend='reference'"
-        )
+    if backend is _TRITON and not x.is_cuda:
+        if not triton_interpreting():
+            why = " (FP8_QUANT_BACKEND=triton chose it)" if env_chose else ""
+            raise ValueError(
+                f"the triton backend{why} needs a CUDA tensor; for CPU tensors set "
+                "TRITON_INTERPRET=1 before importing triton, or use backend='reference'"
+            )
+        _check_kernels_interpreted()
     return backend
+
+
+def _check_kernels_interpreted() -> None:
+    # Triton makes each kernel for the interpreter or the GPU as it is defined: a
+    # TRITON_INTERPRET set after fp8_quant's kernels were (their import) does not reach them,
+    # and the CPU launch crashed inside Triton.
+    launcher = sys.modules.get("fp8_quant.ops._launch")
+    if launcher is not None and not launcher._INTERPRETING:
+        raise ValueError(
+            "TRITON_INTERPRET=1 was set after fp8_quant's Triton kernels were defined (on "
+            "import), so they cannot run on the CPU: set it before importing triton or any "
+            "package built on it, or use backend='reference'"
+        )
 
 
 def check_input(x: torch.Tensor, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if x.dtype not in _FLOATS:  # (the other float8 types too: the backends disagreed on them)
         raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}")
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_out_dtype(dtype) -> None:
+    """A dequantizer's ``dtype``: integer and bool ones had truncated without a word."""
+    if dtype not in _FLOATS:
+        raise TypeError(
+            f"dtype must be torch.float32, torch.bfloat16, torch.float16 or torch.float64, "
+            f"got {dtype!r}"
+        )
 
 
 def check_group_size(group_size: int) -> None:
@@ -110,6 +138,14 @@ def check_amax(x: torch.Tensor, amax: torch.Tensor | None) -> None:
     check_input(amax, "amax")
     if amax.numel() != 1:
         raise ValueError(f"amax must hold one value, got shape {tuple(amax.shape)}")
+
+
+def _fit(size: int, length: int) -> int:
+    """A group (or block side) of ``size`` along ``length`` elements, as the smallest power
+    of two that gives the same groups: longer than ``length``, one group either way. (The
+    reference had padded to the full size: ``2**40`` asked for terabytes; a Triton kernel
+    would compile for the full size.)"""
+    return size if size <= length else 1 << max(length - 1, 0).bit_length()
 
 
 def _check_has_last_dim(x: torch.Tensor) -> None:
@@ -142,6 +178,7 @@ def group_amax(
     check_input(x)
     check_group_size(group_size)
     _check_has_last_dim(x)
+    group_size = _fit(group_size, x.shape[-1])
     if resolve_backend(x, backend) == "triton":
         return _triton_ops().group_amax(x, group_size)
     return reference.group_amax(x.detach(), group_size)
@@ -209,6 +246,7 @@ def quantize_per_group(
     check_group_size(group_size)
     fmt = FP8Format.parse(fmt)
     _check_has_last_dim(x)
+    group_size = _fit(group_size, x.shape[-1])
     if resolve_backend(x, backend) == "triton":
         return _triton_ops().quantize_per_group(x, group_size, fmt)
     return reference.quantize_per_group(x.detach(), group_size, fmt)
@@ -230,16 +268,20 @@ def quantize_per_block(
         raise ValueError(f"x must be 2-D (M, N), got shape {tuple(x.shape)}")
     _check_block(block)
     fmt = FP8Format.parse(fmt)
+    block = (_fit(block[0], x.shape[0]), _fit(block[1], x.shape[1]))
     if resolve_backend(x, backend) == "triton":
         return _triton_ops().quantize_per_block(x, tuple(block), fmt)
     return reference.quantize_per_block(x.detach(), tuple(block), fmt)
 
 
 def _check_block(block) -> None:
-    if not isinstance(block, tuple | list) or len(block) != 2:
-        raise ValueError(f"block must be (rows, cols), two powers of two, got {block!r}")
-    for b in block:
-        check_group_size(b)
+    try:
+        if not isinstance(block, tuple | list) or len(block) != 2:
+            raise ValueError
+        for b in block:
+            check_group_size(b)
+    except ValueError:
+        raise ValueError(f"block must be (rows, cols), two powers of two, got {block!r}") from None
 
 
 def _check_dequantize(q, scales, shape: tuple | None, names: str) -> None:
@@ -263,6 +305,7 @@ def dequantize_per_tensor(
     q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``q.float() * scale`` cast to ``dtype``."""
+    _check_out_dtype(dtype)
     _check_dequantize(q, scale, (), "scale")
     return reference.dequantize_per_tensor(q, scale, dtype)
 
@@ -275,12 +318,13 @@ def dequantize_per_group(
 ) -> torch.Tensor:
     """Inverse of ``quantize_per_group``: each group times its scale, cast to ``dtype``."""
     check_group_size(group_size)
+    _check_out_dtype(dtype)
     _check_dequantize(q, scales, None, "scales")
     if q.dim() == 0:
         raise ValueError("q must have at least one dimension (per-group codes are 1-D or more)")
     groups = -(-q.shape[-1] // group_size)
     _check_dequantize(q, scales, (*q.shape[:-1], groups), "scales")
-    return reference.dequantize_per_group(q, scales, group_size, dtype)
+    return reference.dequantize_per_group(q, scales, _fit(group_size, q.shape[-1]), dtype)
 
 
 def dequantize_per_block(
@@ -291,9 +335,10 @@ def dequantize_per_block(
 ) -> torch.Tensor:
     """Inverse of ``quantize_per_block``: each tile times its scale, cast to ``dtype``."""
     _check_block(block)
+    _check_out_dtype(dtype)
     _check_dequantize(q, scales, None, "scales")
     if q.dim() != 2:
         raise ValueError(f"q must be 2-D (M, N), got shape {tuple(q.shape)}")
     (m, n), (bm, bn) = q.shape, block
     _check_dequantize(q, scales, (-(-m // bm), -(-n // bn)), "scales")
-    return reference.dequantize_per_block(q, scales, tuple(block), dtype)
+    return reference.dequantize_per_block(q, scales, (_fit(bm, m), _fit(bn, n)), dtype)

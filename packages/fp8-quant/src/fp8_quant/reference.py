@@ -36,13 +36,16 @@ _FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126
 
 
 def scale_from_amax(amax: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    """fp32 scale(s) for the given amax(es): ``amax / fmt.max``, 1 where that is below 2^-126."""
+    """fp32 scale(s) for the given amax(es): ``amax / fmt.max``, 1 where that is below 2^-126
+    (0 included), NaN where it is negative (an amax is a max of ``|x|``: a negative one is a
+    caller's mistake, which had quietly become scale 1 and saturated the tensor)."""
     # Divide by a tensor, not a Python float: on CUDA, torch turns ``t / 448.0`` into
     # ``t * (1 / 448.0)``, which is not always the correctly rounded quotient.
     fmt_max = torch.full((), fmt.max, dtype=torch.float32, device=amax.device)
     scale = amax.float() / fmt_max
     # NaN < tiny and inf < tiny are False, so non-finite amaxes flow through unchanged.
-    return torch.where(scale < _FP32_TINY, torch.ones_like(scale), scale)
+    small = torch.where(scale < 0, torch.full_like(scale, float("nan")), torch.ones_like(scale))
+    return torch.where(scale < _FP32_TINY, small, scale)
 
 
 def _cast(y: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:

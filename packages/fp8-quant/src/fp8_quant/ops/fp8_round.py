@@ -96,14 +96,14 @@ def fp8_scale(amax, FMT: tl.constexpr):
     zero group: it quantizes to 0 and dequantizes to 0; an underflowing one: its reciprocal
     could overflow). ``inv_scale = 1 / scale`` correctly rounded; quantize with
     ``fp8_encode(x * inv_scale, FMT)``. NaN and inf amaxes pass through (the whole group then
-    dequantizes to NaN).
+    dequantizes to NaN); a negative amax (-inf too; -0.0 is zero) gives a NaN scale.
     """
     if FMT == "e4m3":
         MAX: tl.constexpr = 448.0
     else:
         MAX: tl.constexpr = 57344.0
     scale = tl.math.div_rn(amax, tl.full(amax.shape, MAX, tl.float32))
-    scale = tl.where(scale < 2.0**-126, 1.0, scale)
+    scale = tl.where(scale < 2.0**-126, tl.where(scale < 0.0, float("nan"), 1.0), scale)
     return scale, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
 
 

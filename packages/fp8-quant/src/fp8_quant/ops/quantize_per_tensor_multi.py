@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8Format
-from ._host import cdiv
+from ._host import cdiv, check_contiguous
 from ._launch import launch, launches_traced, scalar_out
 from .fp8_round import fp8_encode, fp8_scale, hw_cast_supported
 
@@ -153,6 +153,7 @@ def _launch_slots(xs, fmt, amaxes, row, col):
         )
     )
     for x, amax in zip(xs, amaxes, strict=True):
+        check_contiguous(x, "quantize_per_tensor_multi")
         m, n = x.shape
         q = torch.empty((m, n), device=device, dtype=fmt.torch_dtype) if row else None
         q_t = torch.empty((n, m), device=device, dtype=fmt.torch_dtype) if col else None

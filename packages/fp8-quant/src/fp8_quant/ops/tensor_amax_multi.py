@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv
+from ._host import cdiv, check_contiguous
 from ._launch import launch
 
 SLOTS = 8  # tensors per launch (a Llama layer has 7 weights); more take more launches
@@ -98,6 +98,7 @@ def tensor_amax_multi(xs: list[torch.Tensor], *, stacked: bool = False):
         chunk = xs[i : i + SLOTS]
         args, end = [], 0
         for x in chunk:
+            check_contiguous(x, "tensor_amax_multi")
             n = x.numel()
             end += max(1, cdiv(n, _BLOCK * _ITERS))  # >= 1: an empty tensor owns a program
             args += [x, n, end]
