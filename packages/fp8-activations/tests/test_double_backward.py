@@ -1,6 +1,6 @@
-"""The ops' backward runs on their saved FP8 copies and kernels, outside autograd: a second
-backward through it (``create_graph=True``) raises instead of giving second-order
-gradients without the input's terms (they came out 16-117% off, silently)."""
+"""The ops' backward runs on their saved FP8 copies and kernels, outside autograd: a backward
+with ``create_graph=True`` raises instead of giving second-order gradients without the
+input's terms (they came out 16-117% off, silently)."""
 
 import fp8_activations as fa
 import pytest
@@ -26,9 +26,23 @@ def test_second_backward_raises(name):
     x = torch.randn(4, K, generator=g).requires_grad_()
     w = (torch.randn(K, K, generator=g) / K**0.5).requires_grad_()
     y = OPS[name](x, w)
-    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
-        gx.sum().backward()
-    # One backward, as training runs it, is unchanged.
-    (again,) = torch.autograd.grad(OPS[name](x, w).square().sum(), x)
-    torch.testing.assert_close(again, gx.detach(), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="differentiable once.*create_graph=True"):
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    # One backward, as training runs it, works (and with retain_graph, again the same).
+    y = OPS[name](x, w)
+    (gx,) = torch.autograd.grad(y.square().sum(), x, retain_graph=True)
+    (again,) = torch.autograd.grad(y.square().sum(), x)
+    torch.testing.assert_close(again, gx, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_create_graph_with_a_constant_output_gradient_raises(name):
+    """A gradient penalty, ``grad(y.sum(), x, create_graph=True)``: the output gradient needs
+    no grad, so once_differentiable returned gradients without a graph, and the penalty
+    added nothing to the weights' gradients, in silence (helper-64: 100% off for fp8_linear's
+    weight). It raises now, naming the way out."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, K, generator=g).requires_grad_()
+    w = (torch.randn(K, K, generator=g) / K**0.5).requires_grad_()
+    with pytest.raises(RuntimeError, match="differentiable once.*create_graph=True"):
+        torch.autograd.grad(OPS[name](x, w).sum(), x, create_graph=True)

@@ -235,13 +235,19 @@ def test_hugging_face_gelus_are_converted_and_come_back():
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     for name, approximate in [("gelu", "none"), ("gelu_new", "tanh"),
                               ("gelu_pytorch_tanh", "tanh"), ("quick_gelu", None),
-                              ("relu", None)]:  # fmt: skip
+                              ("relu", None), ("silu", "silu"), ("swish", "silu")]:  # fmt: skip
         act = ACT2FN[name]
         model = fa.convert_to_fp8_activations(nn.Sequential(act)).train()
         if approximate is None:
             assert model[0] is act
             continue
-        assert isinstance(model[0], fa.FP8GELU) and model[0].approximate == approximate
+        if approximate == "silu":
+            # ACT2FN["silu"] (Llama's, Mistral's, Qwen's) is transformers' SiLUActivation in
+            # transformers 5.2x, not an nn.SiLU: it had stayed in high precision (helper-64).
+            assert isinstance(model[0], fa.FP8SiLU)
+            torch.testing.assert_close(model(x), fa.silu(x), rtol=0, atol=0)
+        else:
+            assert isinstance(model[0], fa.FP8GELU) and model[0].approximate == approximate
         assert torch.equal(model.eval()(x), act(x))
         assert fa.revert_fp8_activations(model)[0] is act
 
@@ -299,3 +305,90 @@ def test_an_output_without_gradient_costs_nothing(op):
     unused, used = _Sink.apply(op(x), other * 2)
     used.sum().backward()
     assert x.grad is None and torch.equal(other.grad, torch.full_like(other, 2.0))
+
+
+def test_follow_grad_mode_under_torch_compile_fullgraph():
+    """A compiled model under follow_grad_mode called without gradients runs the originals
+    (compiled, it took the FP8 path; with fullgraph=True its disabled hooks failed to
+    trace; helper-64); with gradients it takes the FP8 path, as eagerly."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU())
+    model = fa.follow_grad_mode(convert_to_fp8_activations(copy.deepcopy(ref))).train()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), ref(x))
+    assert torch.equal(compiled(x), model(x)) and not torch.equal(model(x), ref(x))
+    # Without follow_grad_mode the compiled FP8 modules take the FP8 path in training mode.
+    fa.follow_grad_mode(model, enabled=False)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(model, backend="eager", fullgraph=True)(x), model(x))
+
+
+def test_eval_runs_with_functional_call_parameters():
+    """torch.func.functional_call in eval mode: the twin took its plain tensors through
+    setattr, which refused them (TypeError; helper-64)."""
+    torch.manual_seed(0)
+    model = convert_to_fp8_activations(nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)))
+    params = {k: v.detach() * 2 for k, v in model.named_parameters()}
+    plain = revert_fp8_activations(copy.deepcopy(model)).eval()
+    x = torch.randn(4, 64)
+    got = torch.func.functional_call(model.eval(), params, (x,))
+    assert torch.equal(got, torch.func.functional_call(plain, params, (x,)))
+    assert torch.equal(model(x), plain(x))  # and the module's own parameters after it
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+def test_parametrized_modules_stay_plain_and_later_ones_are_read():
+    """A parametrized or weight-normed Linear is left alone (its conversion raised
+    TypeError); a parametrization registered after conversion is what eval mode computes
+    with, as training does (eval ran the raw weight: 50% off; helper-64)."""
+    import torch.nn.utils.parametrize as P
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    for make in (parametrizations.weight_norm, torch.nn.utils.weight_norm):
+        lin = make(nn.Linear(64, 64))
+        assert convert_to_fp8_activations(nn.Sequential(lin))[0] is lin
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    model = convert_to_fp8_activations(nn.Sequential(nn.Linear(64, 64, bias=False)))
+    P.register_parametrization(model[0], "weight", Double())
+    x = torch.randn(4, 64)
+    want = x @ model[0].weight.T
+    assert torch.equal(model.eval()(x), want)
+
+
+def test_edits_after_conversion_reach_eval_and_revert():
+    """A bias dropped or an eps changed on a converted module: eval mode and revert had
+    kept the values of conversion time (helper-64)."""
+    torch.manual_seed(0)
+    model = convert_to_fp8_activations(
+        nn.Sequential(
+            nn.Linear(64, 64),
+            nn.RMSNorm(64, eps=1e-6),
+            LlamaLikeRMSNorm(64),
+            nn.LayerNorm(64),
+            nn.GELU(),
+        )  # fmt: skip
+    )
+    model[0].bias = None
+    model[1].eps = model[2].eps = model[3].eps = 0.5
+    model[4].approximate = "tanh"
+    x = torch.randn(4, 64) * 0.1
+    plain = nn.Sequential(
+        nn.Linear(64, 64, bias=False), nn.RMSNorm(64, eps=0.5), LlamaLikeRMSNorm(64, eps=0.5),
+        nn.LayerNorm(64, eps=0.5), nn.GELU("tanh"),
+    )  # fmt: skip
+    plain[0].weight = model[0].weight
+    for i in (1, 2, 3):
+        plain[i].load_state_dict(model[i].state_dict())
+    assert torch.equal(model.eval()(x), plain(x))
+    back = revert_fp8_activations(model)
+    assert back[0].bias is None and back[1].eps == back[2].variance_epsilon == 0.5
+    assert back[3].eps == 0.5 and back[4].approximate == "tanh"
+    assert torch.equal(back(x), plain(x))

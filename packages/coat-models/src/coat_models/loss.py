@@ -20,7 +20,7 @@ import numbers
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
+from fp8_activations.ops.kernel_utils import first_order_only
 
 from .ops.cross_entropy import cross_entropy_grad_, lse_rows
 
@@ -102,7 +102,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (diff * valid).sum() / denom
 
     @staticmethod
-    @once_differentiable  # saved FP8 / kernel math: no graph of its own
+    @first_order_only  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, grad):
         need_h, need_w = ctx.needs_input_grad[:2]
         if ctx.early:  # made in forward for an upstream gradient of 1: scaled in fp32 here

@@ -6,8 +6,9 @@ high precision), ``nn.LayerNorm`` and ``nn.RMSNorm`` over the last dim, Hugging 
 probe input, so Gemma's ``(1 + weight)`` variant is left alone), ``nn.SiLU``, ``nn.GELU``
 and Hugging Face GELU activations (``GELUActivation``, ``GELUTanh``, ...: checked on a probe;
 in eval mode the original runs).
-Subclasses that override ``forward`` (LoRA layers, say), and modules whose ``forward`` is
-replaced on the instance (accelerate's hooks), are left alone. Parameter names do
+Subclasses that override ``forward`` (LoRA layers, say), modules whose ``forward`` is
+replaced on the instance (accelerate's hooks), and modules whose weight is computed
+(``torch.nn.utils.parametrize``, ``weight_norm``) are left alone. Parameter names do
 not change, so state dicts load into either form.
 """
 
@@ -31,8 +32,19 @@ FilterFn = Callable[[nn.Module, str], bool]
 
 def _plain(m: nn.Module, cls: type) -> bool:
     """``m`` is a ``cls`` whose forward is ``cls``'s own (not overridden by a subclass, nor
-    replaced on the instance, as accelerate's hooks do: such a forward ran in eval only)."""
-    return isinstance(m, cls) and type(m).forward is cls.forward and "forward" not in vars(m)
+    replaced on the instance, as accelerate's hooks do: such a forward ran in eval only),
+    and whose weight and bias are Parameters (or None): not computed from others, as
+    ``torch.nn.utils.parametrize`` and the old ``weight_norm`` compute them (their
+    conversion had failed with a TypeError)."""
+    return (
+        isinstance(m, cls)
+        and type(m).forward is cls.forward
+        and "forward" not in vars(m)
+        and all(
+            getattr(m, name, None) is None or isinstance(getattr(m, name), nn.Parameter)
+            for name in ("weight", "bias")
+        )
+    )
 
 
 def _hf_rms_norm_ok(m: nn.Module) -> bool:
@@ -91,18 +103,21 @@ def _fp8_twin(m: nn.Module, config: FP8ActivationConfig) -> nn.Module | None:
         return FP8SiLU.from_float(m, config)
     if _plain(m, nn.GELU):
         return FP8GELU.from_float(m, config)
-    approximate = _hf_gelu(m)
-    if approximate is not None:
-        return FP8GELU.from_float(m, config, approximate=approximate)
+    kind = _hf_activation(m)
+    if kind == "silu":
+        return FP8SiLU.from_float(m, config)
+    if kind is not None:
+        return FP8GELU.from_float(m, config, approximate=kind)
     return None
 
 
-def _hf_gelu(m: nn.Module) -> str | None:
-    """The ``approximate`` of the GELU that ``m``, a Hugging Face activation module
-    (``transformers.activations``: ``GELUActivation``, ``GELUTanh``, ``NewGELUActivation``,
-    ...), computes to within 1e-6 on a probe, or None (QuickGELU, ReLU, a clipped GELU, ...).
-    Its forward, not its hooks, runs the probe (fp32 on the CPU, whatever the defaults). Its
-    FP8 module trains with that GELU and runs ``m`` itself in eval mode."""
+def _hf_activation(m: nn.Module) -> str | None:
+    """What ``m``, a Hugging Face activation module (``transformers.activations``:
+    ``SiLUActivation``, which ``ACT2FN["silu"]`` is, ``GELUActivation``, ``GELUTanh``,
+    ``NewGELUActivation``, ...), computes to within 1e-6 on a probe: ``"silu"``, the
+    ``approximate`` of its GELU (``"none"``, ``"tanh"``), or None (QuickGELU, ReLU, a clipped
+    GELU, ...). Its forward, not its hooks, runs the probe (fp32 on the CPU, whatever the
+    defaults). Its FP8 module trains with that function and runs ``m`` itself in eval mode."""
     if type(m).__module__ != "transformers.activations" or "forward" in vars(m):
         return None
     if m._parameters or m._buffers or m._modules:
@@ -113,10 +128,13 @@ def _hf_gelu(m: nn.Module) -> str | None:
     try:
         with torch.no_grad():
             got = m.forward(probe)
-        for approximate in ("none", "tanh"):
-            want = nn.functional.gelu(probe, approximate=approximate)
+        for kind in ("silu", "none", "tanh"):
+            if kind == "silu":
+                want = nn.functional.silu(probe)
+            else:
+                want = nn.functional.gelu(probe, approximate=kind)
             if isinstance(got, torch.Tensor) and torch.allclose(got, want, rtol=0, atol=1e-6):
-                return approximate
+                return kind
     except Exception:  # a forward that cannot run here
         return None
     return None

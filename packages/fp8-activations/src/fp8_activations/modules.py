@@ -27,18 +27,22 @@ _GRAD_AT_ROOT: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
 _TOKENS = threading.local()
 
 
-@torch.compiler.disable  # (dynamo cannot trace context variables: the hooks run eagerly)
 def _record_grad_mode(module, args) -> None:
     """Forward pre-hook of ``follow_grad_mode``'s model."""
+    if torch.compiler.is_compiling():
+        # Traced: dynamo cannot trace context variables (and a disabled hook broke
+        # fullgraph=True); the modules follow the grad mode the graph runs in instead.
+        return
     stack = getattr(_TOKENS, "stack", None)
     if stack is None:
         stack = _TOKENS.stack = []
     stack.append(_GRAD_AT_ROOT.set(torch.is_grad_enabled()))
 
 
-@torch.compiler.disable
 def _forget_grad_mode(module, args, output) -> None:
     """Forward hook (always called) of ``follow_grad_mode``'s model."""
+    if torch.compiler.is_compiling():
+        return
     stack = getattr(_TOKENS, "stack", None)
     if stack:
         _GRAD_AT_ROOT.reset(stack.pop())
@@ -65,6 +69,9 @@ def follow_grad_mode(model: nn.Module, enabled: bool = True) -> nn.Module:
     if enabled:
         model.register_forward_pre_hook(_record_grad_mode)
         model.register_forward_hook(_forget_grad_mode, always_call=True)
+    for m in model.modules():  # what a compiled model reads (it cannot read the hooks' var)
+        if isinstance(m, _FP8Module):
+            m._follows_grad_mode = enabled
     return model
 
 
@@ -73,8 +80,11 @@ def _fp8_path(module: nn.Module) -> bool:
     ``follow_grad_mode`` was called without gradients."""
     if not module.training:
         return False
-    if torch.compiler.is_compiling():  # (traced: the FP8 path; dynamo cannot read the var)
-        return True
+    if torch.compiler.is_compiling():
+        # Traced, dynamo cannot read the variable: a module under follow_grad_mode follows
+        # the grad mode of the compiled call (which dynamo guards on; a reentrant
+        # checkpoint's no-grad first pass would read as no-grad here, eager reads it right).
+        return torch.is_grad_enabled() if module._follows_grad_mode else True
     at_root = _GRAD_AT_ROOT.get()
     return True if at_root is None else at_root
 
@@ -83,6 +93,7 @@ class _FP8Module:
     """Mixin: ``config``, the float twin, eval-mode forward and ``to_float``."""
 
     config: FP8ActivationConfig
+    _follows_grad_mode = False  # set by follow_grad_mode(model), read when compiled
 
     def _init_fp8(self, config: FP8ActivationConfig | None, original: nn.Module | None = None):
         if config is not None and not isinstance(config, FP8ActivationConfig):
@@ -93,16 +104,28 @@ class _FP8Module:
         self.__dict__["_float_original"] = original  # not a submodule: not in state_dict
 
     def _twin(self) -> nn.Module | None:
-        """The original float module with this module's current Parameters, or None."""
+        """The original float module with this module's current parameters and settings
+        (``_settings``), or None."""
         twin = self.__dict__.get("_float_original")
         if twin is not None:
             for name, p in self._parameters.items():
-                if p is not None and twin._parameters.get(name) is not p:
-                    setattr(twin, name, p)
+                # Into the dict, as torch.func.functional_call swaps them (plain tensors
+                # there, which setattr refused); None too (a bias dropped since).
+                if twin._parameters.get(name) is not p:
+                    twin._parameters[name] = p
+            for name, value in self._settings(twin).items():
+                if getattr(twin, name) != value:
+                    setattr(twin, name, value)
         return twin
 
+    def _settings(self, twin: nn.Module) -> dict:
+        """The twin's attributes that follow this module's (an eps changed since)."""
+        return {}
+
     def _float_forward(self, *args):
-        twin = self._twin()
+        # A parametrization registered since conversion computes the weight: the module's
+        # own float forward reads it (the twin holds the raw tensor it was given).
+        twin = None if torch.nn.utils.parametrize.is_parametrized(self) else self._twin()
         return twin(*args) if twin is not None else super().forward(*args)
 
     def _make_float(self) -> nn.Module:
@@ -166,6 +189,10 @@ class FP8RMSNorm(_FP8Module, nn.RMSNorm):
     def _make_float(self):
         return nn.RMSNorm(self.normalized_shape, self.eps, self.elementwise_affine, "meta")
 
+    def _settings(self, twin):
+        # (a Hugging Face RMSNorm names it variance_epsilon)
+        return {"variance_epsilon" if hasattr(twin, "variance_epsilon") else "eps": self.eps}
+
     def forward(self, x):
         if not _fp8_path(self):
             return self._float_forward(x)
@@ -195,6 +222,9 @@ class FP8LayerNorm(_FP8Module, nn.LayerNorm):
     def _make_float(self):
         return nn.LayerNorm(self.normalized_shape, self.eps, self.elementwise_affine,
                             self.bias is not None, "meta")  # fmt: skip
+
+    def _settings(self, twin):
+        return {"eps": self.eps}
 
     def forward(self, x):
         if not _fp8_path(self):
@@ -240,6 +270,10 @@ class FP8GELU(_FP8Module, nn.GELU):
 
     def _make_float(self):
         return nn.GELU(self.approximate)
+
+    def _settings(self, twin):
+        # (a Hugging Face GELU's function is its class: it has no such setting)
+        return {"approximate": self.approximate} if isinstance(twin, nn.GELU) else {}
 
     def forward(self, x):
         if not _fp8_path(self):

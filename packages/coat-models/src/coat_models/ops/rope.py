@@ -38,9 +38,8 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-from fp8_activations.ops.kernel_utils import cast_out, custom_op, use_triton
+from fp8_activations.ops.kernel_utils import cast_out, custom_op, first_order_only, use_triton
 from fp8_quant.ops import cdiv, launch, next_pow2
-from torch.autograd.function import once_differentiable
 
 Tensor = torch.Tensor
 
@@ -210,7 +209,7 @@ class RoPEFunction(torch.autograd.Function):
         return rope(q, k, cos, sin, False, backend)
 
     @staticmethod
-    @once_differentiable  # saved FP8 / kernel math: no graph of its own
+    @first_order_only  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
         dq, dk = rope(dq, dk, cos, sin, True, ctx.backend)
@@ -237,7 +236,7 @@ class ProjectionsRoPEFunction(torch.autograd.Function):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     @staticmethod
-    @once_differentiable  # saved FP8 / kernel math: no graph of its own
+    @first_order_only  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
         q_shape, k_shape, v_shape = ctx.shapes

@@ -7,7 +7,6 @@ import triton
 import triton.language as tl
 from fp8_quant import FP8Format
 from fp8_quant.ops import hw_cast_supported, launch
-from torch.autograd.function import once_differentiable
 
 from .. import reference
 from ._common import (
@@ -24,6 +23,7 @@ from ._common import (
     store_groups,
     use_triton,
 )
+from .kernel_utils import first_order_only
 
 Tensor = torch.Tensor
 _APPROX = {"none": 0, "tanh": 1}
@@ -138,7 +138,7 @@ class GELUFunction(torch.autograd.Function):
         return y, *hand
 
     @staticmethod
-    @once_differentiable  # saved FP8 / kernel math: no graph of its own
+    @first_order_only  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dy, *_):
         if dy is None:  # the output got no gradient (an unused one)
             return (None,) * 8

@@ -16,12 +16,36 @@ import triton
 import triton.language as tl
 from fp8_quant import resolve_backend
 from fp8_quant.ops import abs_max, traced_launches
+from torch.autograd.function import once_differentiable
 
-__all__ = ["cast_out", "custom_op", "use_triton"]
+__all__ = ["cast_out", "custom_op", "first_order_only", "use_triton"]
 
 # Triton decides when a @jit function is defined whether it runs in the interpreter;
 # ``cast_out`` needs to know (the interpreter truncates fp32 -> bf16, GPUs round).
 _INTERPRETED = tl.constexpr(type(abs_max).__name__ == "InterpretedFunction")
+
+
+def first_order_only(backward):
+    """``torch.autograd.function.once_differentiable`` for a backward computed outside
+    autograd (saved FP8 copies, kernels), which also raises when it runs with grad mode on
+    (``create_graph=True``) and its incoming gradients need none: ``once_differentiable``
+    then returns gradients without a graph, and a gradient penalty built on them
+    (``grad(y.sum(), x, create_graph=True)``) added nothing to the weights' gradients, in
+    silence. ``__wrapped__`` is ``backward`` itself."""
+    inner = once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def checked(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "FP8 activations are differentiable once: their backward runs on saved FP8 "
+                "copies outside autograd, so create_graph=True (double backward, "
+                "torch.func.grad) cannot give second-order gradients; run the plain model "
+                "(or revert the conversion) for those"
+            )
+        return inner(ctx, *grads)
+
+    return checked
 
 
 def use_triton(x: torch.Tensor, backend: str) -> bool:

@@ -10,7 +10,6 @@ import triton
 import triton.language as tl
 from fp8_quant import FP8Format
 from fp8_quant.ops import hw_cast_supported, launch
-from torch.autograd.function import once_differentiable
 
 from .. import reference
 from ._common import (
@@ -30,6 +29,7 @@ from ._common import (
     sum_rows,
     use_triton,
 )
+from .kernel_utils import first_order_only
 from .rms_norm import _load_saved
 
 Tensor = torch.Tensor
@@ -195,7 +195,7 @@ class LayerNormFunction(torch.autograd.Function):
         return y, *hand
 
     @staticmethod
-    @once_differentiable  # saved FP8 / kernel math: no graph of its own
+    @first_order_only  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dy, *_):
         if dy is None:  # the output got no gradient (an unused one)
             return (None,) * 10

@@ -23,11 +23,11 @@ import torch
 from fp8_quant import FP8Format, quantize_per_tensor, quantize_per_tensor_transpose
 from fp8_quant import ops as fp8_ops
 from fp8_quant import reference as fp8_reference
-from torch.autograd.function import once_differentiable
 
 from .. import reference
 from ..tensor import take_group_amax
 from ._common import custom_op, rows, unrows, use_triton
+from .kernel_utils import first_order_only
 
 Tensor = torch.Tensor
 
@@ -456,7 +456,7 @@ class FP8LinearFunction(torch.autograd.Function):
         return unrows(y, ctx.x_shape)
 
     @staticmethod
-    @once_differentiable  # saved FP8 / kernel math: no graph of its own
+    @first_order_only  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dy):
         x_t, x_s, weight, w_t, w_s = ctx.saved_tensors
         fwd_fmt, grad_fmt = ctx.fmts

@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 from fp8_quant import FP8Format
 from fp8_quant.ops import hw_cast_supported, launch
-from torch.autograd.function import once_differentiable
 
 from .. import reference
 from ._common import (
@@ -28,6 +27,7 @@ from ._common import (
     unrows,
     use_triton,
 )
+from .kernel_utils import first_order_only
 
 Tensor = torch.Tensor
 
@@ -127,6 +127,6 @@ def with_residual_add(base: type[torch.autograd.Function], n_inputs: int, name: 
         {
             "__doc__": f"``{base.__name__}`` then ``+ residual`` (``with_residual_add``).",
             "forward": staticmethod(forward),
-            "backward": staticmethod(once_differentiable(backward)),
+            "backward": staticmethod(first_order_only(backward)),
         },
     )

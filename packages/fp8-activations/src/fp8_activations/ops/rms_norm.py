@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 from fp8_quant import FP8Format
 from fp8_quant.ops import hw_cast_supported, launch
-from torch.autograd.function import once_differentiable
 
 from .. import reference
 from ._common import (
@@ -33,6 +32,7 @@ from ._common import (
     unrows,
     use_triton,
 )
+from .kernel_utils import first_order_only
 
 Tensor = torch.Tensor
 
@@ -208,7 +208,7 @@ class RMSNormFunction(torch.autograd.Function):
         return unrows(y, ctx.x_shape), *hand
 
     @staticmethod
-    @once_differentiable  # saved FP8 / kernel math: no graph of its own
+    @first_order_only  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dy, *_):
         if dy is None:  # the output got no gradient (an unused one)
             return (None,) * 9

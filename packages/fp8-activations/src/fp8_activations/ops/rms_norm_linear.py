@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 from fp8_quant import FP8Format
 from fp8_quant.ops import hw_cast_supported, launch
-from torch.autograd.function import once_differentiable
 
 from .. import reference
 from ._common import (
@@ -39,6 +38,7 @@ from ._common import (
     unrows,
     use_triton,
 )
+from .kernel_utils import first_order_only
 from .linear import (
     WeightCast,
     _mm,
@@ -146,7 +146,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
         return tuple(unrows(y, ctx.x_shape) for y in outs)
 
     @staticmethod
-    @once_differentiable  # saved FP8 / kernel math: no graph of its own
+    @first_order_only  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, *dys):
         n = ctx.n
         x_q, x_s, rstd, norm_weight, amax, y_s, *rest = ctx.saved_tensors

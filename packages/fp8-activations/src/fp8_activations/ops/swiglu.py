@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 from fp8_quant import FP8Format
 from fp8_quant.ops import hw_cast_supported, launch
-from torch.autograd.function import once_differentiable
 
 from .. import reference
 from ..tensor import attach
@@ -31,6 +30,7 @@ from ._common import (
     store_groups,
     use_triton,
 )
+from .kernel_utils import first_order_only
 
 Tensor = torch.Tensor
 
@@ -166,7 +166,7 @@ class SwiGLUFunction(torch.autograd.Function):
         return y, *hand
 
     @staticmethod
-    @once_differentiable  # saved FP8 / kernel math: no graph of its own
+    @first_order_only  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dy, *_):
         if dy is None:  # the output got no gradient (an unused one)
             return (None,) * 9

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 from fp8_quant import FP8Format
 from fp8_quant.ops import hw_cast_supported, launch
-from torch.autograd.function import once_differentiable
 
 from .. import reference
 from ._common import (
@@ -34,6 +33,7 @@ from ._common import (
     unrows,
     use_triton,
 )
+from .kernel_utils import first_order_only
 from .linear import (
     WeightCast,
     _mm,
@@ -127,7 +127,7 @@ class SwiGLULinearFunction(torch.autograd.Function):
         return unrows(y, ctx.x_shape)
 
     @staticmethod
-    @once_differentiable  # saved FP8 / kernel math: no graph of its own
+    @first_order_only  # saved FP8 / kernel math: no graph of its own
     def backward(ctx, dy):
         g_q, g_s, u_q, u_s, s_s, amax, weight, w_t, w_s = ctx.saved_tensors
         fwd_fmt, grad_fmt = ctx.fmts
