@@ -1487,3 +1487,123 @@ def test_ranks_started_with_other_settings_are_refused(monkeypatch, differ, name
     monkeypatch.setattr(cli.dist, "all_gather_object", lambda out, mine: out.__setitem__(
         slice(None), [mine, mine]))  # fmt: skip
     cli.check_ranks_agree(args, job)  # the same everywhere: nothing to say
+
+
+# ---------------------------------------------------------------- helper-66's probe of the CLI
+def test_resume_compares_the_model_dir_s_config_not_its_path(tmp_path, capsys):
+    """A resume took a config.json edited in place (another model trained on from the
+    checkpoint, exit 0) and refused a byte-identical copy of the model dir elsewhere."""
+    d = tmp_path / "model"
+    preset_config("tiny", data_vocab=257).save_pretrained(d)
+    args = ["--steps", 4, "--save-every", 2, "--no-export", "--out", tmp_path / "o"]
+    args += ["--batch-size", 2, "--seq-len", 32, "--corpus-mib", 1, "--no-progress"]
+    assert run(["--model-dir", d, *args], capsys)[0] == 0
+    last = tmp_path / "o" / "bf16" / "checkpoints" / "step_0000004"
+    shutil.rmtree(last)
+    moved = tmp_path / "moved"
+    shutil.copytree(d, moved)
+    code, _, err = run(["--model-dir", moved, *args, "--resume"], capsys)
+    assert code == 0, err
+    shutil.rmtree(last)
+    config = json.loads((moved / "config.json").read_text())
+    config["rms_norm_eps"] = 0.1
+    (moved / "config.json").write_text(json.dumps(config))
+    code, _, err = run(["--model-dir", moved, *args, "--resume"], capsys)
+    assert code == 2 and "--model-dir's config.json: checkpoint 'fingerprint " in err, err
+    assert "(it changed)" in err and err.count("\n") == 1
+    assert not last.exists()
+
+
+def _saved_llama(path):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(preset_config("tiny", data_vocab=257))
+    model.save_pretrained(path)
+    return model
+
+
+def test_model_dir_weights_missing_or_not_finite_are_refused(tmp_path, capsys):
+    """Weights without some of the model's tensors (a base model's or a classifier's
+    checkpoint) trained with those random, exit 0; weights with NaNs stopped at step 1
+    blaming --lr. Both are one line, exit 2, naming the tensors."""
+    from safetensors.torch import load_file, save_file
+
+    argv = ["--steps", 2, "--batch-size", 2, "--seq-len", 32, "--corpus-mib", 1, "--no-progress"]
+    missing, nan = tmp_path / "missing", tmp_path / "nan"
+    for d in (missing, nan):
+        _saved_llama(d)
+    weights = load_file(missing / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "lm_head.weight" and "layers.1.mlp"
+               not in k}, missing / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(weights, nan / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()  # (save_pretrained's bar)
+    code, _, err = run(["--model-dir", missing, *argv, "--out", tmp_path / "o1"], capsys)
+    assert code == 2 and "its weights lack lm_head.weight, model.layers.1.mlp." in err, err
+    assert "and 1 more, which would start random" in err and err.count("\n") == 1
+    code, _, err = run(["--model-dir", nan, *argv, "--out", tmp_path / "o2"], capsys)
+    assert code == 2 and "values that are not finite (in model.layers.1.mlp.down_proj" in err
+    assert err.count("\n") == 1 and "LOAD REPORT" not in err
+
+
+def _tokenizer_dir(path, **special):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *"abcdefghijklmnopqrstuvwxyz"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", **special)
+    fast.save_pretrained(path)
+    LlamaForCausalLM(preset_config("tiny", data_vocab=257)).save_pretrained(path)
+
+
+def test_text_data_a_tokenizer_cannot_read_is_refused(tmp_path, capsys):
+    """With --model-dir's tokenizer: Latin-1 text trained as U+FFFD tokens, JSON records
+    trained as text with their braces and keys, and the "longer than the specified maximum
+    sequence length" warning was printed for the whole file; each is a one-line refusal
+    now (exit 2), or silent."""
+    d = tmp_path / "model"
+    _tokenizer_dir(d, eos_token="</s>", model_max_length=16)
+    capsys.readouterr()  # (save_pretrained's bar)
+    argv = ["--model-dir", d, "--steps", 2, "--batch-size", 2, "--seq-len", 32, "--no-progress"]
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes(("caf\u00e9 na\u00efve " * 400).encode("latin-1"))
+    code, _, err = run([*argv, "--data", latin, "--out", tmp_path / "o1"], capsys)
+    assert code == 2 and f"--data {latin} is not UTF-8 text (byte 0xe9 at offset 3)" in err
+    records = tmp_path / "data.jsonl"
+    records.write_text('{"text": "abc"}\n' * 400)
+    code, _, err = run([*argv, "--data", records, "--out", tmp_path / "o2"], capsys)
+    assert code == 2 and "coat-train reads plain text, not JSON records" in err
+    text = tmp_path / "ok.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    code, _, err = run([*argv, "--data", text, "--out", tmp_path / "o3"], capsys)
+    assert code == 0 and "longer than the specified maximum sequence length" not in err, err
+
+
+def test_a_default_seq_len_too_long_for_the_model_says_it_is_the_default(tmp_path, capsys):
+    """The error named --seq-len 1024, which the user never passed."""
+    d = tmp_path / "model"
+    config = preset_config("tiny", data_vocab=257)
+    config.max_position_embeddings = 128
+    config.save_pretrained(d)
+    code, _, err = run(["--model-dir", d, "--out", tmp_path / "o", *SMALL], capsys)
+    assert code == 2 and "--seq-len 1024 (the default) is longer than" in err, err
+
+
+def test_compare_refuses_a_layer_that_only_the_probe_tells_apart_before_any_mode(tmp_path, capsys):
+    """Granite's layers have Llama's modules but scale the residual: --compare bf16,coat
+    trained and exported bf16 before coat's conversion probed a layer and refused it."""
+    import transformers
+
+    one = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=4, vocab_size=320)  # fmt: skip
+    d = tmp_path / "granite"
+    transformers.GraniteConfig(**one, residual_multiplier=0.5).save_pretrained(d)
+    out = tmp_path / "o"
+    code, _, err = run(["--model-dir", d, "--compare", "bf16,coat", "--out", out, *FAST[2:]],
+                       capsys)  # fmt: skip
+    assert code == 2 and "mode coat: apply_coat cannot convert GraniteForCausalLM" in err, err
+    assert "computes something else" in err and err.count("\n") == 1
+    assert not out.exists()

@@ -131,8 +131,11 @@ def _encoder(tokenizer):
     if tokenizer is None:
         return byte_encode, BYTE_EOS, BYTE_VOCAB
 
-    def encode(blob: bytes) -> np.ndarray:
-        ids = tokenizer(blob.decode("utf-8", errors="replace"), add_special_tokens=False)
+    def encode(blob: bytes, errors: str = "replace") -> np.ndarray:
+        # verbose=False: the whole text is one call, cut into --seq-len windows afterwards;
+        # transformers' "longer than the specified maximum sequence length" is not true here.
+        text = blob.decode("utf-8", errors=errors)
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)
         return np.asarray(ids["input_ids"], dtype=np.int32)
 
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
@@ -213,8 +216,30 @@ def load_data(
                 f"--data {path} is not text (it holds NUL bytes): pass a UTF-8 text file, or "
                 "token ids as .npy (one array, np.save) or raw .bin (--data-dtype)"
             )
+        if path.suffix.lower() in (".json", ".jsonl"):  # trained as text, braces and keys too
+            raise DataError(
+                f"--data {path}: coat-train reads plain text, not JSON records: write the texts "
+                f"to a .txt file (e.g. jq -r .text {path} > data.txt), or pass token ids (.npy, "
+                ".bin)"
+            )
         encode, _, vocab = _encoder(tokenizer)
-        ids = encode(blob)
+        if tokenizer is None:
+            ids = encode(blob)  # byte-level: any bytes
+        else:
+            try:
+                ids = encode(blob, errors="strict")
+            except UnicodeDecodeError as e:  # (it had trained on U+FFFD's tokens, silently)
+                raise DataError(
+                    f"--data {path} is not UTF-8 text (byte 0x{blob[e.start]:02x} at offset "
+                    f"{e.start}), which --model-dir's tokenizer reads: convert it (e.g. iconv "
+                    "-f latin1 -t utf-8), or pass token ids (.npy, .bin)"
+                ) from None
+            if len(ids) == 0 and blob.strip():
+                raise DataError(
+                    f"--model-dir's tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} "
+                    f"entries) made no tokens of --data {path}'s {len(blob):,} bytes: replace "
+                    "or remove the tokenizer files (without them the data is byte-level)"
+                )
         kind = f"text, {path.stat().st_size / 2**20:.2f} MiB"
     if len(ids) == 0:
         raise DataError(f"--data {path} holds no tokens: pass a non-empty file")

@@ -5,6 +5,8 @@ architecture, the sequence length, the memory the model and its logits need), al
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,11 +103,12 @@ class Job:
     tune: str = " or --seq-len"  # what else to lower when memory runs out
 
 
-def count_params(config, modes, weights_dir=None) -> int:
+def count_params(config, modes, weights_dir=None, probe: bool = False) -> int:
     """Parameters of the model ``config`` describes, built on the meta device (no memory).
     For modes with FP8 activations, ``apply_coat``'s structural check runs on it too, so an
     architecture it does not support is refused before anything is written; so are
-    ``weights_dir``'s safetensors weights whose shapes are not the config's."""
+    ``weights_dir``'s safetensors weights whose shapes are not the config's. ``probe``
+    (a --model-dir): its numeric check of a decoder layer too (``probe_layer``)."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -127,7 +130,34 @@ def count_params(config, modes, weights_dir=None) -> int:
             apply_coat(model)  # on meta weights: the structure alone (no probe run)
         except TypeError as e:
             raise ModelError(f"mode {fp8[0]}: {e}") from None
+        problem = probe_layer(model, config) if probe else None
+        if problem is not None:
+            raise ModelError(
+                f"mode {fp8[0]}: apply_coat cannot convert {type(model).__name__}: its decoder "
+                f"layer {problem}; train it in bf16 or coat-optim, or pass a Llama-shaped model"
+            )
     return sum(p.numel() for p in model.parameters())
+
+
+def probe_layer(model, config) -> str | None:
+    """``apply_coat``'s numeric check of a decoder layer (it runs on real weights, when a
+    mode starts: under --compare bf16,coat after bf16 had trained) ahead of every mode, on
+    one layer of ``config`` with random weights on the CPU: why the layer computes something
+    else than COAT's blocks (Granite's residual multiplier), or None. Skipped (None) where
+    the layer cannot be built so."""
+    from types import SimpleNamespace
+
+    from coat_models.llama import _base_model, _layer_mismatch
+
+    base = _base_model(model)
+    try:
+        with torch.device("cpu"), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            layer = type(base.layers[0])(config, 0)  # (built as its original class)
+            rotary = type(base.rotary_emb)(config=config)
+        return _layer_mismatch(SimpleNamespace(rotary_emb=rotary), layer)
+    except Exception:  # an unusual family: the check at the mode's start still runs
+        return None
 
 
 def lm_job(args, cfgs, modes, device, label) -> Job:
@@ -141,8 +171,9 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
         # positions the model was not made for. Presets size theirs to the run.
         positions = getattr(config, "max_position_embeddings", None)
         if isinstance(positions, int) and seq_len > positions:
+            default = " (the default)" if args.seq_len is None else ""
             raise UsageError(
-                f"--seq-len {seq_len} is longer than --model-dir {args.model_dir}'s "
+                f"--seq-len {seq_len}{default} is longer than --model-dir {args.model_dir}'s "
                 f"max_position_embeddings {positions}: pass --seq-len <= {positions}"
             )
         weights_dir = args.model_dir if has_weights else None
@@ -162,7 +193,7 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
             config.eos_token_id = BYTE_EOS
     data.check_fits(config.vocab_size)
     tasks = [LMTask(data, cfg) for cfg in cfgs]  # refuses too short a split
-    n_params = count_params(config, modes, weights_dir)
+    n_params = count_params(config, modes, weights_dir, probe=bool(args.model_dir))
 
     def build(cfg):
         master = MASTER_DTYPES[cfg.master_dtype]
@@ -174,7 +205,12 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
         tasks=tasks,
         build=build,
         n_params=n_params,
-        describe={"model": label, "params": n_params, "vocab_size": config.vocab_size},
+        describe={
+            "model": label,
+            "params": n_params,
+            "vocab_size": config.vocab_size,
+            **({"config": config_fingerprint(config)} if args.model_dir else {}),
+        },
         shape=f"{n_params / 1e6:.2f} M params, vocab {config.vocab_size}",
         data=f"{data.source}, {len(data.train):,} train / {len(data.val):,} val tokens",
         source=data.source,
@@ -209,3 +245,17 @@ def vl_job(args, cfgs, device, label) -> Job:
         vocab=tasks[0].config.text_config.vocab_size,
         tune="",
     )
+
+
+# Keys of a config.json that do not change what is trained: where it was read from, the
+# transformers that wrote it, the dtype it was saved in (runs build in --master-dtype).
+_UNTRAINED_KEYS = ("_name_or_path", "transformers_version", "dtype", "torch_dtype",
+                   "_commit_hash", "_attn_implementation_autoset")  # fmt: skip
+
+
+def config_fingerprint(config) -> str:
+    """A short SHA-256 of a model config's settings (``_UNTRAINED_KEYS`` aside): what a
+    resume compares, so that a moved copy of a model dir resumes and an edited one does not."""
+    settings = {k: v for k, v in config.to_dict().items() if k not in _UNTRAINED_KEYS}
+    blob = json.dumps(settings, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -201,6 +201,28 @@ def check_weight_shapes(d: Path, model) -> None:
                     )
 
 
+def _check_loaded(weights_dir, model, info: dict) -> None:
+    """Refuse weights that leave part of the model random (missing names: a base model's or
+    a classifier's checkpoint, a file cut short) or that are not finite (the run's first
+    loss was NaN, blamed on the learning rate): both trained on, exit 0 or a wrong remedy."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (
+            f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        )
+        raise ModelError(
+            f"--model-dir {weights_dir}: its weights lack {shown}, which would start random: "
+            "pass the causal LM's complete checkpoint, or remove the weights to train from "
+            "random ones"
+        )
+    for name, p in model.named_parameters():
+        if not torch.isfinite(p).all():
+            raise ModelError(
+                f"--model-dir {weights_dir}: its weights hold values that are not finite (in "
+                f"{name}): replace them, or remove them to train from random ones"
+            )
+
+
 def model_dir_tokenizer(path: str):
     """The tokenizer shipped in a model directory, or None (then data is byte-level)."""
     if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
@@ -233,9 +255,17 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
 
     torch.manual_seed(seed)
     if weights_dir is not None:
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # (its load report: missing weights are refused below)
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                weights_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+            model, info = AutoModelForCausalLM.from_pretrained(
+                weights_dir,
+                dtype=torch.float32,
+                attn_implementation="sdpa",
+                local_files_only=True,
+                output_loading_info=True,
             )
         except (ValueError, OSError, pickle.UnpicklingError) as e:  # no causal LM, bad weights
             why = first_line(e)
@@ -247,6 +277,9 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
                     "remove it to train from random weights"
                 )
             raise ModelError(f"cannot load the model in {weights_dir}: {why}") from None
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        _check_loaded(weights_dir, model, info)
         model = model.to(device)
     else:
         try:

@@ -1065,6 +1065,16 @@ def _resolved(describe):
     return {**describe, "model": f"model dir {Path(model[len('model dir ') :]).resolve()}"}
 
 
+def _model_key(describe):
+    """What a resume compares of a run's model description: with its config.json's
+    fingerprint recorded, the --model-dir's contents, not its path (a copy elsewhere was
+    refused; a config.json edited in place went through)."""
+    d = _resolved(describe)
+    if isinstance(d, dict) and "config" in d:
+        d = {**d, "model": "model dir"}
+    return d
+
+
 def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, describe) -> None:
     """Refuse (``ResumeSettingsError``, naming each difference) to resume from checkpoint
     ``path`` whose ``recorded`` settings (``config``: its numerics, ``data``: the data's
@@ -1075,8 +1085,22 @@ def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, des
     }
     if recorded["data"] != fingerprint:
         diff["data"] = (recorded["data"], fingerprint)
-    if _resolved(recorded["describe"]) != _resolved(describe):
-        diff["model"] = (recorded["describe"], describe)
+    was, now = _model_key(recorded["describe"]), _model_key(describe)
+    if isinstance(was, dict) and isinstance(now, dict) and "config" not in was:
+        now = {k: v for k, v in _resolved(describe).items() if k != "config"}  # (older runs)
+    if was != now:
+        if (
+            isinstance(was, dict)
+            and isinstance(now, dict)
+            and was.get("config") != now.get("config")
+            and {**was, "config": None} == {**now, "config": None}
+        ):
+            diff["--model-dir's config.json"] = (
+                f"fingerprint {was['config']}",
+                f"fingerprint {now['config']} (it changed)",
+            )
+        else:
+            diff["model"] = (recorded["describe"], describe)
     if diff:
         said = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
         # A run's schedule is fixed by its --steps: going on past them is a new run from the
