@@ -156,5 +156,49 @@ def test_val_batches_of_a_memory_mapped_int64_file_are_copies(tmp_path):
 def test_data_beyond_the_model_vocabulary_names_the_size_needed():
     data = load_data(None, max_bytes=200_000)  # byte-level: ids up to 256 (the EOS)
     data.check_fits(data.vocab_size)
-    with pytest.raises(DataError, match=f"--vocab-size {data.vocab_size} or more with a preset"):
+    with pytest.raises(DataError, match=f"pass --vocab-size {data.vocab_size} or more$"):
         data.check_fits(100)
+    # A --model-dir: no --vocab-size there (it is refused with one); what sets the ids is
+    # named (it said "the data has token id 256" of ASCII text; helper-66).
+    want = "byte-level text takes ids up to 256 .* has 100 entries: pass a model with "
+    with pytest.raises(DataError, match=want + "vocab_size >= 257, or one with its tokenizer$"):
+        data.check_fits(100, model_dir=True)
+
+
+def test_a_tokenizer_larger_than_the_model_is_named(tmp_path):
+    class Tokenizer:  # len() and a call, as transformers' tokenizers have
+        eos_token_id = 1
+
+        def __len__(self):
+            return 332
+
+        def __call__(self, text, **kw):
+            return {"input_ids": [ord(c) % 300 for c in text]}
+
+    path = tmp_path / "t.txt"
+    path.write_text("abc " * 100)
+    data = load_data(path, tokenizer=Tokenizer())
+    want = "--model-dir's tokenizer has 332 entries but the model's vocabulary has 300 entries"
+    with pytest.raises(DataError, match=want + r": pass a model with vocab_size >= 332 \(or"):
+        data.check_fits(300, model_dir=True)
+
+
+def test_the_built_in_corpus_with_a_tokenizer_without_eos_has_no_separator():
+    """Id 0 stood in for a missing end-of-sequence token between the files: <unk>, or
+    whatever the tokenizer's id 0 is (helper-66). Without one the files are joined as they
+    are; with one, each file ends with it."""
+
+    class Tokenizer:
+        eos_token_id = None
+
+        def __len__(self):
+            return 300
+
+        def __call__(self, text, **kw):
+            return {"input_ids": [1 + ord(c) % 250 for c in text]}
+
+    data = load_data(None, max_bytes=50_000, tokenizer=Tokenizer())
+    assert 0 not in np.concatenate([data.train, data.val])
+    Tokenizer.eos_token_id = 299
+    data = load_data(None, max_bytes=50_000, tokenizer=Tokenizer())
+    assert data.train[-1] == 299 and data.val[-1] == 299

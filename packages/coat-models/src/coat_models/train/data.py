@@ -51,6 +51,7 @@ class TokenData:
     source: str  # one line for the run header
     fingerprint: str  # sha256 prefix over both splits: resume refuses other data
     builtin: bool = False  # the stdlib corpus (--corpus-mib), not a --data file
+    vocab_from: str = "ids"  # what sets vocab_size: "ids" (a token file), "bytes", "tokenizer"
 
     def more(self, split: str) -> str:
         """What gives the ``"training"`` or ``"validation"`` split more tokens (the options
@@ -61,13 +62,25 @@ class TokenData:
         fraction = "smaller" if split == "training" else "larger"
         return f"a longer --data file, or a {fraction} --val-fraction"
 
-    def check_fits(self, model_vocab: int) -> None:
-        if self.vocab_size > model_vocab:
-            raise DataError(
-                f"the data has token id {self.vocab_size - 1} but the model's vocabulary has "
-                f"{model_vocab} entries: use a model with a larger vocab_size "
-                f"(or --vocab-size {self.vocab_size} or more with a preset)"
-            )
+    def check_fits(self, model_vocab: int, model_dir: bool = False) -> None:
+        """Refuse ids the model's embedding cannot take, saying what sets them (the file's
+        ids, byte-level text, --model-dir's tokenizer) and a remedy that applies (--vocab-size
+        is a preset's)."""
+        if self.vocab_size <= model_vocab:
+            return
+        need = self.vocab_size
+        what = {
+            "ids": f"the data has token id {need - 1}",
+            "bytes": f"byte-level text takes ids up to {need - 1} (its bytes and end-of-text)",
+            "tokenizer": f"--model-dir's tokenizer has {need} entries",
+        }[self.vocab_from]
+        if not model_dir:
+            fix = f"pass --vocab-size {need} or more"
+        elif self.vocab_from == "bytes":
+            fix = f"pass a model with vocab_size >= {need}, or one with its tokenizer"
+        else:
+            fix = f"pass a model with vocab_size >= {need} (or its own tokenizer)"
+        raise DataError(f"{what} but the model's vocabulary has {model_vocab} entries: {fix}")
 
 
 def byte_encode(text: bytes) -> np.ndarray:
@@ -93,9 +106,12 @@ def stdlib_sources(max_bytes: int = STDLIB_MAX_BYTES) -> list[tuple[str, bytes]]
     return out
 
 
-def _join_docs(docs: list[np.ndarray], eos: int) -> np.ndarray:
+def _join_docs(docs: list[np.ndarray], eos: int | None) -> np.ndarray:
+    """The documents one after another, each followed by ``eos`` (none without one)."""
     if not docs:
         return np.zeros(0, dtype=np.uint16)
+    if eos is None:
+        return np.concatenate(docs)
     sep = np.array([eos], dtype=docs[0].dtype)
     return np.concatenate([part for d in docs for part in (d, sep)])
 
@@ -123,11 +139,15 @@ def load_stdlib_corpus(max_bytes: int = STDLIB_MAX_BYTES, tokenizer=None) -> Tok
     nbytes = sum(len(b) for _, b in files)
     py = f"python{sys.version_info.major}.{sys.version_info.minor}"
     source = f"{py} stdlib source ({len(files)} files, {nbytes / 2**20:.1f} MiB)"
-    return TokenData(train, val, vocab, source, _fingerprint(train, val), builtin=True)
+    kind = "bytes" if tokenizer is None else "tokenizer"
+    return TokenData(
+        train, val, vocab, source, _fingerprint(train, val), builtin=True, vocab_from=kind
+    )
 
 
 def _encoder(tokenizer):
-    """(encode: bytes -> ids, eos id, vocab size) for byte-level or a Hugging Face tokenizer."""
+    """(encode: bytes -> ids, eos id or None, vocab size) for byte-level or a Hugging Face
+    tokenizer."""
     if tokenizer is None:
         return byte_encode, BYTE_EOS, BYTE_VOCAB
 
@@ -138,8 +158,9 @@ def _encoder(tokenizer):
         ids = tokenizer(text, add_special_tokens=False, verbose=False)
         return np.asarray(ids["input_ids"], dtype=np.int32)
 
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    return encode, eos, len(tokenizer)
+    # A tokenizer without an end-of-sequence token joins the files without a separator (id 0
+    # had stood in, which such a tokenizer may use for anything: <unk>, a letter).
+    return encode, tokenizer.eos_token_id, len(tokenizer)
 
 
 def token_file_suffix(path: str | os.PathLike) -> str | None:
@@ -208,7 +229,7 @@ def load_data(
     if token_file_suffix(path):
         ids = load_token_file(path, bin_dtype)
         vocab = int(ids.max()) + 1 if ids.size else 0
-        kind = f"{ids.size:,} token ids ({ids.dtype})"
+        kind, vocab_from = f"{ids.size:,} token ids ({ids.dtype})", "ids"
     else:
         blob = path.read_bytes()
         if b"\0" in blob:  # text has none; .npz, .pt, zip, UTF-16 ... do
@@ -241,11 +262,14 @@ def load_data(
                     "or remove the tokenizer files (without them the data is byte-level)"
                 )
         kind = f"text, {path.stat().st_size / 2**20:.2f} MiB"
+        vocab_from = "bytes" if tokenizer is None else "tokenizer"
     if len(ids) == 0:
         raise DataError(f"--data {path} holds no tokens: pass a non-empty file")
     n_val = int(len(ids) * val_fraction)
     train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
-    return TokenData(train, val, vocab, f"{path} ({kind})", _fingerprint(train, val))
+    return TokenData(
+        train, val, vocab, f"{path} ({kind})", _fingerprint(train, val), vocab_from=vocab_from
+    )
 
 
 class BatchSampler:

@@ -191,7 +191,7 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
             # The byte-level corpus ends each file with BYTE_EOS: the exported model's
             # generate() stops there (its config named no end-of-sequence id).
             config.eos_token_id = BYTE_EOS
-    data.check_fits(config.vocab_size)
+    data.check_fits(config.vocab_size, model_dir=bool(args.model_dir))
     tasks = [LMTask(data, cfg) for cfg in cfgs]  # refuses too short a split
     n_params = count_params(config, modes, weights_dir, probe=bool(args.model_dir))
 
