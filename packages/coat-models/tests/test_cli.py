@@ -1070,6 +1070,9 @@ def test_checkpoints_of_an_earlier_run_are_not_overwritten(tmp_path, capsys):
     assert "summary.json" in report
     code, _, err = run([*args, "--lr", "1e-2", "--resume"], capsys)
     assert code == 2 and "settings differ (lr: checkpoint 0.003, now 0.01)" in err
+    code, _, err = run([*args, "--corpus-mib", "0.5", "--resume"], capsys)
+    assert code == 2 and "settings differ (data: checkpoint 'tokens " in err, err
+    assert "(the --data file, --val-fraction, --corpus-mib or the tokenizer changed)" in err
     # Refused before anything of the run is written: the earlier run's report stays whole.
     assert {n: (tmp_path / n).read_bytes() for n in report} == report
 

@@ -1084,7 +1084,12 @@ def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, des
         k: (v, now.get(k)) for k, v in recorded["config"].items() if _plain(now.get(k)) != _plain(v)
     }
     if recorded["data"] != fingerprint:
-        diff["data"] = (recorded["data"], fingerprint)
+        # The fingerprints alone did not say what changed.
+        diff["data"] = (
+            f"tokens {recorded['data']}",
+            f"{fingerprint} (the --data file, --val-fraction, --corpus-mib or the tokenizer "
+            "changed)",
+        )
     was, now = _model_key(recorded["describe"]), _model_key(describe)
     if isinstance(was, dict) and isinstance(now, dict) and "config" not in was:
         now = {k: v for k, v in _resolved(describe).items() if k != "config"}  # (older runs)
