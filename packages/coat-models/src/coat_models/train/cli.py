@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a Llama-family causal LM with BF16 and/or COAT FP8 (activations and "
         "optimizer states) on the same data, seed and schedule, and compare loss, speed and "
         "memory. Defaults: --preset tiny on the Python standard library's own source.",
+        epilog="example: coat-train --preset tiny --compare bf16,coat --out runs/demo",
     )
     m = p.add_argument_group("model")
     m.add_argument(
@@ -187,8 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="FP8 activations: keep each weight's FP8 copies (2 bytes/param) between "
         "micro-batches until the optimizer step; saves casts with --grad-accum, costs memory "
-        "(default: on with --grad-accum > 1, also under --compile, unless CUDA graphs are on, "
-        "the default on one CUDA GPU, or under --fsdp)",
+        "(default: on with --grad-accum > 1, also under --compile; off under --fsdp and "
+        "where CUDA graphs run, which they do by default on one CUDA GPU)",
     )
     r.add_argument(
         "--cuda-graphs",
@@ -274,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--out",
         default="runs/coat-train",
-        help="output directory: new, empty, or one coat-train wrote (default %(default)s)",
+        help="output directory: new (made with any missing parents), empty, or one coat-train "
+        "wrote (default %(default)s)",
     )
     _add_fields(o, OUTPUT_OPTIONS)
     o.add_argument(
@@ -290,19 +292,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from each mode's newest checkpoint under --out, or from the given "
         "checkpoint directory (single mode)",
     )
-    o.add_argument(
-        "--device",
-        default="auto",
-        choices=["auto", "cpu", "cuda"],
-        help="auto: cuda where available, else cpu (default auto)",
-    )
-    # Far more threads than cores only slows torch down; tens of thousands crash it.
-    o.add_argument(
-        "--threads",
-        type=int_in(1, os.cpu_count() or 1, why=" (this machine's CPUs)"),
-        help="CPU threads of torch (default: its own choice); 1 avoids OpenMP's spin-waits "
-        "slowing a small model down many times on a machine busy with other work",
-    )
     o.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     o.add_argument(
         "--no-export",
@@ -316,6 +305,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="metrics besides --out/MODE/metrics.jsonl: tensorboard writes event files to "
         "--out/MODE/tensorboard (needs the tensorboard package; default: none)",
+    )
+    h = p.add_argument_group("machine")
+    h.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cuda where available, else cpu (default auto)",
+    )
+    # Far more threads than cores only slows torch down; tens of thousands crash it.
+    h.add_argument(
+        "--threads",
+        type=int_in(1, os.cpu_count() or 1, why=" (this machine's CPUs)"),
+        help="CPU threads of torch (default: its own choice); 1 avoids OpenMP's spin-waits "
+        "slowing a small model down many times on a machine busy with other work",
     )
     p.add_argument(
         "--version",
