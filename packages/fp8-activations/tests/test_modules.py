@@ -392,3 +392,18 @@ def test_edits_after_conversion_reach_eval_and_revert():
     assert back[0].bias is None and back[1].eps == back[2].variance_epsilon == 0.5
     assert back[3].eps == 0.5 and back[4].approximate == "tanh"
     assert torch.equal(back(x), plain(x))
+
+
+def test_global_hooks_fire_once_per_call_in_eval_too():
+    """In eval mode the original module ran through its own call: hooks registered for every
+    module (register_module_forward_hook: profilers, trackers) fired twice (helper-64)."""
+    model = convert_to_fp8_activations(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32)))
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: seen.append(type(m).__name__)
+    )
+    try:
+        model.eval()(torch.randn(2, 32))
+    finally:
+        handle.remove()
+    assert seen == ["FP8Linear", "FP8LayerNorm", "Sequential"]

@@ -126,7 +126,9 @@ class _FP8Module:
         # A parametrization registered since conversion computes the weight: the module's
         # own float forward reads it (the twin holds the raw tensor it was given).
         twin = None if torch.nn.utils.parametrize.is_parametrized(self) else self._twin()
-        return twin(*args) if twin is not None else super().forward(*args)
+        # Its forward, not its call: this module's call has run the hooks (global ones fired
+        # twice in eval, once for each).
+        return twin.forward(*args) if twin is not None else super().forward(*args)
 
     def _make_float(self) -> nn.Module:
         raise NotImplementedError
