@@ -298,6 +298,22 @@ def test_a_negative_amax_gives_a_nan_scale(backend, amax, request):
     assert s.item() == 1.0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("amax", [-1.0, -float("inf"), -1e-30, -0.0, 0.0, 1e-37, 3.0], ids=repr)
+def test_amax_edge_values_on_cuda_match_the_reference(cuda, amax):
+    """The compiled kernels' scale for a given amax (negative ones NaN, -0.0 and 0 one, tiny
+    ones one) is the reference's: NaN where it is NaN, the same bits elsewhere."""
+    x = torch.tensor([[100.0, 1000.0, -3.0, 0.5]])
+    for call in (quantize_per_tensor, quantize_per_tensor_transpose):
+        want = call(x, amax=torch.tensor(amax), backend="reference")
+        got = call(x.to(cuda), amax=torch.tensor(amax, device=cuda), backend="triton")
+        if want[-1].isnan():
+            assert got[-1].isnan()
+        else:
+            assert torch.equal(got[-1].cpu(), want[-1])
+            assert torch.equal(got[0].cpu().view(torch.uint8), want[0].view(torch.uint8))
+
+
 def test_a_group_or_block_longer_than_the_tensor_is_one_group(interpreter):
     """group_size 2**40 asked the reference for terabytes of padding (helper-63): a group
     longer than the row is the row, on both backends, with the same bits as the smallest
