@@ -1681,3 +1681,9 @@ def test_a_model_built_from_a_converted_class_is_built_plain(tmp_path):
     ids = tokens(2, 16)
     torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, rtol=0, atol=0)
     assert is_coat(apply_coat(loaded))  # and converts as any plain model does
+    # A raw allocation (cls.__new__(cls), no arguments) keeps the COAT class: nn.DataParallel's
+    # replicas are made so (they failed with a TypeError for the missing config; helper-67).
+    replica = model._replicate_for_data_parallel()
+    assert type(replica) is type(model) and is_coat(replica)
+    layer = model.model.layers[0]._replicate_for_data_parallel()
+    assert type(layer) is type(model.model.layers[0]) and is_coat(layer)

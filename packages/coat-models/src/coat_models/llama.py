@@ -340,7 +340,10 @@ class _CoatMixin:
         # converted one's class (type(model).from_pretrained(...), _from_config, a layer's
         # type(layer)(config, i)) is built as the original class, plain. It had been the
         # COAT class with plain layers, which is_coat called converted. (FSDP2's classes
-        # build their originals the same way.)
+        # build their originals the same way.) A raw allocation, cls.__new__(cls) without
+        # arguments (nn.DataParallel's replicas, copies), gets the COAT class, uninitialized.
+        if not args and not kwargs:
+            return super().__new__(cls)
         original = cls._coat_original_class
         module = original.__new__(original)
         module.__init__(*args, **kwargs)  # (not an instance of cls: Python does not init it)
