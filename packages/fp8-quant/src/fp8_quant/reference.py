@@ -44,8 +44,9 @@ def scale_from_amax(amax: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     fmt_max = torch.full((), fmt.max, dtype=torch.float32, device=amax.device)
     scale = amax.float() / fmt_max
     # NaN < tiny and inf < tiny are False, so non-finite amaxes flow through unchanged.
-    small = torch.where(scale < 0, torch.full_like(scale, float("nan")), torch.ones_like(scale))
-    return torch.where(scale < _FP32_TINY, small, scale)
+    scale = torch.where(scale < _FP32_TINY, torch.ones_like(scale), scale)
+    # (amax < 0, not scale < 0: a tiny negative amax's quotient rounds to -0.0)
+    return torch.where(amax.float() < 0, torch.full_like(scale, float("nan")), scale)
 
 
 def _cast(y: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:

@@ -103,7 +103,8 @@ def fp8_scale(amax, FMT: tl.constexpr):
     else:
         MAX: tl.constexpr = 57344.0
     scale = tl.math.div_rn(amax, tl.full(amax.shape, MAX, tl.float32))
-    scale = tl.where(scale < 2.0**-126, tl.where(scale < 0.0, float("nan"), 1.0), scale)
+    # (amax < 0, not scale < 0: a tiny negative amax's quotient rounds to -0.0)
+    scale = tl.where(amax < 0.0, float("nan"), tl.where(scale < 2.0**-126, 1.0, scale))
     return scale, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
 
 
