@@ -407,3 +407,34 @@ def test_global_hooks_fire_once_per_call_in_eval_too():
     finally:
         handle.remove()
     assert seen == ["FP8Linear", "FP8LayerNorm", "Sequential"]
+
+
+def test_follow_grad_mode_compiled_part_in_a_reentrant_checkpoint_keeps_the_fp8_path():
+    """A compiled part of a model under follow_grad_mode, run by a reentrant checkpoint: its
+    no-grad first pass must take the FP8 path its recomputation in backward takes (it took
+    the float path, so the loss and the gradients came from different functions;
+    helper-67). Eagerly this held already."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    inner = convert_to_fp8_activations(nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)))
+    compiled = torch.compile(inner, backend="aot_eager")
+
+    class Outer(nn.Module):
+        def __init__(self, part):
+            super().__init__()
+            self.part = part
+
+        def forward(self, x):
+            return checkpoint(self.part, x, use_reentrant=True)
+
+    x = torch.randn(4, 64, requires_grad=True)
+    want = Outer(inner).train()(x)  # eager: the FP8 path
+    torch._dynamo.reset()
+    outer = fa.follow_grad_mode(Outer(compiled)).train()
+    got = outer(x)
+    assert torch.equal(got, want) and not torch.equal(got, revert_fp8_activations(
+        copy.deepcopy(inner)).train()(x))  # fmt: skip
+    got.sum().backward()  # the recomputation agrees with the first pass
+    with torch.no_grad():  # and called without gradients, the originals
+        assert torch.equal(outer(x), revert_fp8_activations(copy.deepcopy(inner))(x))

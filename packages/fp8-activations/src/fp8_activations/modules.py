@@ -25,6 +25,9 @@ _GRAD_AT_ROOT: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "fp8_activations_grad_at_root", default=None
 )
 _TOKENS = threading.local()
+# The same as a plain global, which compiled code reads (dynamo cannot read a context
+# variable; it guards on a global's value): set while an eagerly called root runs.
+_ROOT_GRAD: bool | None = None
 
 
 def _record_grad_mode(module, args) -> None:
@@ -33,19 +36,24 @@ def _record_grad_mode(module, args) -> None:
         # Traced: dynamo cannot trace context variables (and a disabled hook broke
         # fullgraph=True); the modules follow the grad mode the graph runs in instead.
         return
+    global _ROOT_GRAD
     stack = getattr(_TOKENS, "stack", None)
     if stack is None:
         stack = _TOKENS.stack = []
-    stack.append(_GRAD_AT_ROOT.set(torch.is_grad_enabled()))
+    grad = torch.is_grad_enabled()
+    stack.append((_GRAD_AT_ROOT.set(grad), _ROOT_GRAD))
+    _ROOT_GRAD = grad
 
 
 def _forget_grad_mode(module, args, output) -> None:
     """Forward hook (always called) of ``follow_grad_mode``'s model."""
     if torch.compiler.is_compiling():
         return
+    global _ROOT_GRAD
     stack = getattr(_TOKENS, "stack", None)
     if stack:
-        _GRAD_AT_ROOT.reset(stack.pop())
+        token, _ROOT_GRAD = stack.pop()
+        _GRAD_AT_ROOT.reset(token)
 
 
 def follow_grad_mode(model: nn.Module, enabled: bool = True) -> nn.Module:
@@ -81,9 +89,13 @@ def _fp8_path(module: nn.Module) -> bool:
     if not module.training:
         return False
     if torch.compiler.is_compiling():
-        # Traced, dynamo cannot read the variable: a module under follow_grad_mode follows
-        # the grad mode of the compiled call (which dynamo guards on; a reentrant
-        # checkpoint's no-grad first pass would read as no-grad here, eager reads it right).
+        # Traced, dynamo cannot read the variable. A compiled part of an eagerly called root
+        # (a checkpointed layer) reads its global twin, so that a reentrant checkpoint's
+        # no-grad first pass keeps the FP8 path its recomputation takes; a compiled root
+        # (its hooks traced, the global unset) follows the grad mode of the compiled call.
+        # Dynamo guards on both.
+        if _ROOT_GRAD is not None:
+            return _ROOT_GRAD
         return torch.is_grad_enabled() if module._follows_grad_mode else True
     at_root = _GRAD_AT_ROOT.get()
     return True if at_root is None else at_root
@@ -113,19 +125,18 @@ class _FP8Module:
                 # there, which setattr refused); None too (a bias dropped since).
                 if twin._parameters.get(name) is not p:
                     twin._parameters[name] = p
-            for name, value in self._settings(twin).items():
-                if getattr(twin, name) != value:
-                    setattr(twin, name, value)
+            self._sync_settings(twin)
         return twin
 
-    def _settings(self, twin: nn.Module) -> dict:
-        """The twin's attributes that follow this module's (an eps changed since)."""
-        return {}
+    def _sync_settings(self, twin: nn.Module) -> None:
+        """Give the twin this module's settings that may have changed since (an eps)."""
 
     def _float_forward(self, *args):
         # A parametrization registered since conversion computes the weight: the module's
         # own float forward reads it (the twin holds the raw tensor it was given).
-        twin = None if torch.nn.utils.parametrize.is_parametrized(self) else self._twin()
+        # ("parametrizations" read from the dict: is_parametrized's getattr misses through
+        # Module.__getattr__, a raise per call)
+        twin = None if "parametrizations" in self._modules else self._twin()
         # Its forward, not its call: this module's call has run the hooks (global ones fired
         # twice in eval, once for each).
         return twin.forward(*args) if twin is not None else super().forward(*args)
@@ -191,9 +202,11 @@ class FP8RMSNorm(_FP8Module, nn.RMSNorm):
     def _make_float(self):
         return nn.RMSNorm(self.normalized_shape, self.eps, self.elementwise_affine, "meta")
 
-    def _settings(self, twin):
+    def _sync_settings(self, twin):
         # (a Hugging Face RMSNorm names it variance_epsilon)
-        return {"variance_epsilon" if hasattr(twin, "variance_epsilon") else "eps": self.eps}
+        name = "variance_epsilon" if "variance_epsilon" in twin.__dict__ else "eps"
+        if getattr(twin, name, None) != self.eps:
+            setattr(twin, name, self.eps)
 
     def forward(self, x):
         if not _fp8_path(self):
@@ -225,8 +238,9 @@ class FP8LayerNorm(_FP8Module, nn.LayerNorm):
         return nn.LayerNorm(self.normalized_shape, self.eps, self.elementwise_affine,
                             self.bias is not None, "meta")  # fmt: skip
 
-    def _settings(self, twin):
-        return {"eps": self.eps}
+    def _sync_settings(self, twin):
+        if twin.eps != self.eps:
+            twin.eps = self.eps
 
     def forward(self, x):
         if not _fp8_path(self):
@@ -273,9 +287,10 @@ class FP8GELU(_FP8Module, nn.GELU):
     def _make_float(self):
         return nn.GELU(self.approximate)
 
-    def _settings(self, twin):
+    def _sync_settings(self, twin):
         # (a Hugging Face GELU's function is its class: it has no such setting)
-        return {"approximate": self.approximate} if isinstance(twin, nn.GELU) else {}
+        if isinstance(twin, nn.GELU) and twin.approximate != self.approximate:
+            twin.approximate = self.approximate
 
     def forward(self, x):
         if not _fp8_path(self):
