@@ -1548,6 +1548,14 @@ def test_model_dir_weights_missing_or_not_finite_are_refused(tmp_path, capsys):
     code, _, err = run(["--model-dir", nan, *argv, "--out", tmp_path / "o2"], capsys)
     assert code == 2 and "values that are not finite (in model.layers.1.mlp.down_proj" in err
     assert err.count("\n") == 1 and "LOAD REPORT" not in err
+    # Tensors the model does not use train on, with a one-line note (transformers' report of
+    # them is quieted with the rest).
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = 0.0
+    weights["model.extra.weight"] = torch.ones(3)
+    save_file(weights, nan / "model.safetensors", metadata={"format": "pt"})
+    code, _, err = run(["--model-dir", nan, *argv, "--out", tmp_path / "o3"], capsys)
+    assert code == 0, err
+    assert "weights hold tensors the model does not use: model.extra.weight\n" in err
 
 
 def _tokenizer_dir(path, **special):
@@ -1575,6 +1583,10 @@ def test_text_data_a_tokenizer_cannot_read_is_refused(tmp_path, capsys):
     latin.write_bytes(("caf\u00e9 na\u00efve " * 400).encode("latin-1"))
     code, _, err = run([*argv, "--data", latin, "--out", tmp_path / "o1"], capsys)
     assert code == 2 and f"--data {latin} is not UTF-8 text (byte 0xe9 at offset 3)" in err
+    cut = tmp_path / "cut.txt"  # cut inside its last character (head -c N): text all the same
+    cut.write_bytes(("the caf\u00e9 " * 400).encode()[:-2])
+    code, _, err = run([*argv, "--data", cut, "--out", tmp_path / "o0"], capsys)
+    assert code == 0, err
     records = tmp_path / "data.jsonl"
     records.write_text('{"text": "abc"}\n' * 400)
     code, _, err = run([*argv, "--data", records, "--out", tmp_path / "o2"], capsys)

@@ -250,11 +250,15 @@ def load_data(
             try:
                 ids = encode(blob, errors="strict")
             except UnicodeDecodeError as e:  # (it had trained on U+FFFD's tokens, silently)
-                raise DataError(
-                    f"--data {path} is not UTF-8 text (byte 0x{blob[e.start]:02x} at offset "
-                    f"{e.start}), which --model-dir's tokenizer reads: convert it (e.g. iconv "
-                    "-f latin1 -t utf-8), or pass token ids (.npy, .bin)"
-                ) from None
+                if e.end != len(blob) or "end of data" not in e.reason:
+                    raise DataError(
+                        f"--data {path} is not UTF-8 text (byte 0x{blob[e.start]:02x} at "
+                        f"offset {e.start}), which --model-dir's tokenizer reads: convert it "
+                        "from its encoding to UTF-8 (iconv -f ENCODING -t UTF-8), or pass token "
+                        "ids (.npy, .bin)"
+                    ) from None
+                # A file cut inside its last character (head -c N): the rest is text.
+                ids = encode(blob[: e.start], errors="strict")
             if len(ids) == 0 and blob.strip():
                 raise DataError(
                     f"--model-dir's tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} "

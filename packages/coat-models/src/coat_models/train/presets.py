@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,7 +206,17 @@ def _check_loaded(weights_dir, model, info: dict) -> None:
     """Refuse weights that leave part of the model random (missing names: a base model's or
     a classifier's checkpoint, a file cut short) or that are not finite (the run's first
     loss was NaN, blamed on the learning rate): both trained on, exit 0 or a wrong remedy."""
-    missing = sorted(info.get("missing_keys") or ())
+    # Parameters only: a persistent buffer that the model computes is not trained.
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    missing = sorted(k for k in info.get("missing_keys") or () if k in params)
+    unused = sorted(info.get("unexpected_keys") or ())
+    if unused:  # (transformers' report of them is quieted with its others)
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        print(
+            f"coat-train: note: --model-dir {weights_dir}'s weights hold tensors the model does "
+            f"not use: {', '.join(unused[:3])}{more}",
+            file=sys.stderr,
+        )
     if missing:
         shown = ", ".join(missing[:3]) + (
             f" and {len(missing) - 3} more" if len(missing) > 3 else ""

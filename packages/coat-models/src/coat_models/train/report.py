@@ -177,9 +177,17 @@ def strict(record: dict) -> dict:
     """``record`` with each number that is not finite (a diverged run's last loss or
     gradient norm) as ``None``: strict JSON has no NaN or Infinity, and JSON readers other
     than Python's refuse the bare ``NaN`` that ``json.dumps`` writes by default."""
-    return {
-        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
-    }
+    return {k: _strict_value(v) for k, v in record.items()}
+
+
+def _strict_value(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return strict(v)
+    if isinstance(v, list | tuple):
+        return [_strict_value(x) for x in v]
+    return v
 
 
 def _eval_at(line: str, step: int) -> bool:
