@@ -438,3 +438,84 @@ def test_follow_grad_mode_compiled_part_in_a_reentrant_checkpoint_keeps_the_fp8_
     got.sum().backward()  # the recomputation agrees with the first pass
     with torch.no_grad():  # and called without gradients, the originals
         assert torch.equal(outer(x), revert_fp8_activations(copy.deepcopy(inner))(x))
+
+
+def test_follow_grad_mode_state_survives_threads_and_interrupts():
+    """The grad mode compiled code reads is the running roots' common one across threads
+    (None when they differ), and comes back to None when they end in any order (it was one
+    global restored per exit: another thread's value leaked, for good; helper-69); a root
+    whose earlier call was interrupted (a KeyboardInterrupt skips the forward hook) drops
+    what that call left when it is called again."""
+    import threading
+
+    from fp8_activations import modules as fm
+
+    class Interrupted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+            self.stop = False
+
+        def forward(self, x):
+            if self.stop:
+                raise KeyboardInterrupt
+            return self.lin(x)
+
+    model = fa.follow_grad_mode(convert_to_fp8_activations(Interrupted())).train()
+    x = torch.randn(2, 32)
+    model.stop = True
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        model(x)
+    assert fm._ROOT_GRAD is False  # left by the interrupted call
+    model.stop = False
+    y = model(x)  # with gradients: the FP8 path again, and nothing left after it
+    assert torch.equal(y, fa.fp8_linear(x, model.lin.weight, model.lin.bias))
+    assert fm._ROOT_GRAD is None and fm._GRAD_AT_ROOT.get() is None
+
+    entered, recorded = threading.Barrier(3), threading.Barrier(2)  # (roots, this thread)
+    seen = {}
+
+    class Waits(nn.Module):
+        def forward(self, x):
+            entered.wait()
+            seen[torch.is_grad_enabled()] = fm._ROOT_GRAD
+            recorded.wait()  # neither root ends before both have read it
+            return x
+
+    roots = [fa.follow_grad_mode(Waits()), fa.follow_grad_mode(Waits())]
+
+    def run(root, grad):
+        with torch.set_grad_enabled(grad):
+            root(x)
+
+    threads = [
+        threading.Thread(target=run, args=(r, g)) for r, g in zip(roots, (True, False), strict=True)
+    ]
+    for t in threads:
+        t.start()
+    entered.wait()  # both roots are inside their forwards now
+    for t in threads:
+        t.join()
+    assert seen == {True: None, False: None}  # the threads' roots differ: no common mode
+    assert fm._ROOT_GRAD is None and not fm._STACKS
+
+
+def test_eval_lends_the_parameters_for_the_call_only():
+    """The twin (the original module) gives back what it held after an eval call, keeping
+    no reference to parameters swapped in since (accelerate's offload moves the weights to
+    meta after a forward; the twin kept them on the device); nn.DataParallel's replicas
+    each get their own twin (a shared one lent one replica's weights to another's call)."""
+    import gc
+    import weakref
+
+    model = convert_to_fp8_activations(nn.Sequential(nn.Linear(32, 32))).eval()
+    original = model[0].__dict__["_float_original"]
+    model[0].weight = nn.Parameter(torch.randn(32, 32))  # swapped in, as offloading does
+    swapped = weakref.ref(model[0].weight)
+    x = torch.randn(2, 32)
+    assert torch.equal(model(x), nn.functional.linear(x, model[0].weight, model[0].bias))
+    model[0].weight = nn.Parameter(torch.randn(32, 32))
+    gc.collect()
+    assert swapped() is None and original.weight is not model[0].weight
+    replica = model[0]._replicate_for_data_parallel()
+    assert replica.__dict__["_float_original"] is not original

@@ -10,6 +10,7 @@ Face ``LlamaRMSNorm`` comes back as a ``LlamaRMSNorm``.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
 
@@ -24,10 +25,20 @@ from .functional import fp8_linear, gelu, layer_norm, rms_norm, silu
 _GRAD_AT_ROOT: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "fp8_activations_grad_at_root", default=None
 )
-_TOKENS = threading.local()
-# The same as a plain global, which compiled code reads (dynamo cannot read a context
-# variable; it guards on a global's value): set while an eagerly called root runs.
+# Each thread's roots being run: [(context variable token, root's id, grad mode)].
+_STACKS: dict[int, list] = {}
+_LOCK = threading.Lock()
+# The grad mode the running roots were called in, as a plain global, which compiled code
+# reads (dynamo cannot read a context variable; it guards on a global's value): the
+# innermost roots' common value across threads, None when none runs or threads differ
+# (nn.DataParallel runs replicas' forwards in threads).
 _ROOT_GRAD: bool | None = None
+
+
+def _update_root_grad() -> None:
+    global _ROOT_GRAD
+    tops = {stack[-1][2] for stack in _STACKS.values() if stack}
+    _ROOT_GRAD = tops.pop() if len(tops) == 1 else None
 
 
 def _record_grad_mode(module, args) -> None:
@@ -36,24 +47,32 @@ def _record_grad_mode(module, args) -> None:
         # Traced: dynamo cannot trace context variables (and a disabled hook broke
         # fullgraph=True); the modules follow the grad mode the graph runs in instead.
         return
-    global _ROOT_GRAD
-    stack = getattr(_TOKENS, "stack", None)
-    if stack is None:
-        stack = _TOKENS.stack = []
-    grad = torch.is_grad_enabled()
-    stack.append((_GRAD_AT_ROOT.set(grad), _ROOT_GRAD))
-    _ROOT_GRAD = grad
+    with _LOCK:
+        stack = _STACKS.setdefault(threading.get_ident(), [])
+        # This root already on the stack: an earlier call of it ended without its forward
+        # hook (a KeyboardInterrupt skips it), leaving its grad mode set; drop what it left.
+        stale = next((i for i, e in enumerate(stack) if e[1] == id(module)), None)
+        if stale is not None:
+            while len(stack) > stale:
+                token = stack.pop()[0]
+                with contextlib.suppress(ValueError):  # (made in another context)
+                    _GRAD_AT_ROOT.reset(token)
+        grad = torch.is_grad_enabled()
+        stack.append((_GRAD_AT_ROOT.set(grad), id(module), grad))
+        _update_root_grad()
 
 
 def _forget_grad_mode(module, args, output) -> None:
     """Forward hook (always called) of ``follow_grad_mode``'s model."""
     if torch.compiler.is_compiling():
         return
-    global _ROOT_GRAD
-    stack = getattr(_TOKENS, "stack", None)
-    if stack:
-        token, _ROOT_GRAD = stack.pop()
-        _GRAD_AT_ROOT.reset(token)
+    with _LOCK:
+        stack = _STACKS.get(threading.get_ident())
+        if stack:
+            _GRAD_AT_ROOT.reset(stack.pop()[0])
+            if not stack:
+                del _STACKS[threading.get_ident()]
+        _update_root_grad()
 
 
 def follow_grad_mode(model: nn.Module, enabled: bool = True) -> nn.Module:
@@ -136,10 +155,37 @@ class _FP8Module:
         # own float forward reads it (the twin holds the raw tensor it was given).
         # ("parametrizations" read from the dict: is_parametrized's getattr misses through
         # Module.__getattr__, a raise per call)
-        twin = None if "parametrizations" in self._modules else self._twin()
-        # Its forward, not its call: this module's call has run the hooks (global ones fired
-        # twice in eval, once for each).
-        return twin.forward(*args) if twin is not None else super().forward(*args)
+        twin = self.__dict__.get("_float_original")
+        if "parametrizations" in self._modules:
+            twin = None
+        if twin is None:
+            return super().forward(*args)
+        # This module's parameters for this call only: the twin gives back what it held, so
+        # that it keeps no reference to tensors swapped in since (accelerate's offload puts
+        # the weights back on meta after a forward; the twin had kept them on the device).
+        lent = []
+        for name, p in self._parameters.items():
+            held = twin._parameters.get(name)
+            if held is not p:
+                lent.append((name, held))
+                twin._parameters[name] = p
+        self._sync_settings(twin)
+        try:
+            # Its forward, not its call: this module's call has run the hooks (global ones
+            # fired twice in eval, once for each).
+            return twin.forward(*args)
+        finally:
+            for name, held in lent:
+                twin._parameters[name] = held
+
+    def _replicate_for_data_parallel(self):
+        # Each replica its own twin (nn.DataParallel runs replicas' forwards in threads: a
+        # shared twin took one replica's weights for another's call).
+        replica = super()._replicate_for_data_parallel()
+        twin = self.__dict__.get("_float_original")
+        if twin is not None:
+            replica.__dict__["_float_original"] = twin._replicate_for_data_parallel()
+        return replica
 
     def _make_float(self) -> nn.Module:
         raise NotImplementedError
