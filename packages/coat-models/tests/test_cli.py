@@ -1072,7 +1072,8 @@ def test_checkpoints_of_an_earlier_run_are_not_overwritten(tmp_path, capsys):
     assert code == 2 and "settings differ (lr: checkpoint 0.003, now 0.01)" in err
     code, _, err = run([*args, "--corpus-mib", "0.5", "--resume"], capsys)
     assert code == 2 and "settings differ (data: checkpoint 'tokens " in err, err
-    assert "(the --data file, --val-fraction, --corpus-mib or the tokenizer changed)" in err
+    assert "(the --data file, --data-dtype, --val-fraction, --corpus-mib, the tokenizer or " \
+        "coat-train's tokenization changed)" in err  # fmt: skip
     # Refused before anything of the run is written: the earlier run's report stays whole.
     assert {n: (tmp_path / n).read_bytes() for n in report} == report
 

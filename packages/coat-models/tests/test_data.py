@@ -63,6 +63,8 @@ def test_token_files(tmp_path, suffix, dtype):
     d.check_fits(1000)
     with pytest.raises(DataError, match="token id 999 but the model's vocabulary has 512"):
         d.check_fits(512)
+    with pytest.raises(DataError, match="512 entries: pass a model with vocab_size >= 1000$"):
+        d.check_fits(512, model_dir=True)  # (ids made already: no tokenizer to suggest)
 
 
 @pytest.mark.parametrize(

@@ -78,8 +78,10 @@ class TokenData:
             fix = f"pass --vocab-size {need} or more"
         elif self.vocab_from == "bytes":
             fix = f"pass a model with vocab_size >= {need}, or one with its tokenizer"
-        else:
+        elif self.vocab_from == "tokenizer":
             fix = f"pass a model with vocab_size >= {need} (or its own tokenizer)"
+        else:  # (ids made already: a tokenizer does not apply)
+            fix = f"pass a model with vocab_size >= {need}"
         raise DataError(f"{what} but the model's vocabulary has {model_vocab} entries: {fix}")
 
 
@@ -258,7 +260,8 @@ def load_data(
                         "ids (.npy, .bin)"
                     ) from None
                 # A file cut inside its last character (head -c N): the rest is text.
-                ids = encode(blob[: e.start], errors="strict")
+                blob = blob[: e.start]
+                ids = encode(blob, errors="strict")
             if len(ids) == 0 and blob.strip():
                 raise DataError(
                     f"--model-dir's tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} "

@@ -202,6 +202,9 @@ def check_weight_shapes(d: Path, model) -> None:
                     )
 
 
+_NOTED: set[str] = set()  # model dirs whose unused tensors were noted in this process
+
+
 def _check_loaded(weights_dir, model, info: dict) -> None:
     """Refuse weights that leave part of the model random (missing names: a base model's or
     a classifier's checkpoint, a file cut short) or that are not finite (the run's first
@@ -210,7 +213,10 @@ def _check_loaded(weights_dir, model, info: dict) -> None:
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     missing = sorted(k for k in info.get("missing_keys") or () if k in params)
     unused = sorted(info.get("unexpected_keys") or ())
-    if unused:  # (transformers' report of them is quieted with its others)
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if unused and rank0 and str(weights_dir) not in _NOTED:  # once, not once per mode
+        _NOTED.add(str(weights_dir))
+        # (transformers' report of them is quieted with its others)
         more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
         print(
             f"coat-train: note: --model-dir {weights_dir}'s weights hold tensors the model does "

@@ -1087,8 +1087,8 @@ def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, des
         # The fingerprints alone did not say what changed.
         diff["data"] = (
             f"tokens {recorded['data']}",
-            f"{fingerprint} (the --data file, --val-fraction, --corpus-mib or the tokenizer "
-            "changed)",
+            f"{fingerprint} (the --data file, --data-dtype, --val-fraction, --corpus-mib, the "
+            "tokenizer or coat-train's tokenization changed)",
         )
     was, now = _model_key(recorded["describe"]), _model_key(describe)
     if isinstance(was, dict) and isinstance(now, dict) and "config" not in was:
