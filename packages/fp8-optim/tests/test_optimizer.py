@@ -1247,3 +1247,65 @@ def test_to_adamw_state_dict_with_a_post_hook_that_rekeys():
     adamw = torch.optim.AdamW(m.parameters())
     adamw.load_state_dict(opt.to_adamw_state_dict())
     assert adamw.state[m.weight]["exp_avg"].dtype == torch.float32
+
+
+# ------------------------------------------------------------ helper-68's probe as a user
+@pytest.mark.parametrize("how", ["extend", "append"])
+def test_parameters_put_into_groups_directly_step_as_added_ones(how):
+    """Parameters put into param_groups without add_param_group (a group's list extended, a
+    group appended), which torch's AdamW takes: the step failed with a KeyError after part
+    of it had run. They are numbered as add_param_group numbers them: the same bits."""
+    torch.manual_seed(0)
+    a, b = _p(8, 4), _p(5)
+    runs = []
+    for direct in (True, False):
+        pa, pb = torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(b.detach().clone())
+        opt = CoatAdamW([pa], lr=1e-2, config=CoatAdamWConfig(backend="reference"))
+        if not direct:
+            opt.add_param_group({"params": [pb]} if how == "append" else {"params": [pb]})
+        elif how == "extend":
+            opt.param_groups[0]["params"].append(pb)
+        else:
+            opt.param_groups.append({**opt.defaults, "params": [pb]})
+        for step in range(3):
+            pa.grad, pb.grad = torch.full_like(pa, 0.1 * step + 0.1), torch.full_like(pb, -0.2)
+            opt.step()
+        runs.append((pa.detach().clone(), pb.detach().clone()))
+    for got, want in zip(runs[0], runs[1], strict=True):
+        assert torch.equal(got, want)
+    opt = CoatAdamW([a], lr=1e-2)
+    opt.param_groups[0]["params"] += [b, b]  # twice: refused before anything is updated
+    a.grad, b.grad, before = torch.ones_like(a), torch.ones_like(b), a.detach().clone()
+    with pytest.raises(ValueError, match="more than once"):
+        opt.step()
+    assert torch.equal(a, before)
+
+
+def test_a_set_of_parameters_is_refused():
+    """torch refuses a set (its order changes between runs); CoatAdamW's list() hid it,
+    and the stochastic-rounding streams and the state dict follow that order (helper-68)."""
+    ps = {_p(3), _p(3)}
+    with pytest.raises(TypeError, match="ordered collection .a list., not a set"):
+        CoatAdamW([{"params": ps}])
+    with pytest.raises(TypeError, match="not a set"):
+        CoatAdamW([_p(2)]).add_param_group({"params": ps})
+
+
+def test_numpy_and_tensor_scalars_are_taken_as_torch_takes_them():
+    """np.float32 lr and 0-dim CPU tensor betas, which torch.optim.AdamW takes (a schedule
+    may write them between steps), were refused; they are read as floats, the same bits."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    p = _p(16)
+    runs = []
+    tensor_betas = (torch.tensor(0.9), torch.tensor(0.99))  # fp32: 0.8999999761581421, ...
+    as_floats = tuple(b.item() for b in tensor_betas)
+    for lr, betas in ((np.float32(1e-2), tensor_betas), (float(np.float32(1e-2)), as_floats)):
+        q = torch.nn.Parameter(p.detach().clone())
+        opt = CoatAdamW([q], lr=lr, betas=betas)
+        for _ in range(2):
+            q.grad = torch.linspace(-1, 1, 16)
+            opt.step()
+            opt.param_groups[0]["weight_decay"] = np.float64(0.05)
+        runs.append(q.detach().clone())
+    assert torch.equal(runs[0], runs[1])

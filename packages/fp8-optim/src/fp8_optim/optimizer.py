@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict, defaultdict
 from itertools import chain
 
@@ -156,6 +157,18 @@ class CoatAdamW(torch.optim.Optimizer):
                 self._lr_seen[gi] = group["lr"]
             self._index(group["params"])
 
+    def _adopt(self, p) -> None:
+        """Number a parameter put into ``param_groups`` without ``add_param_group`` (a group's
+        list extended, a group appended: torch's AdamW takes them; the index lookup failed
+        after part of the step had run), as ``add_param_group`` would have; refuse one that
+        is in a group twice or in two groups."""
+        count = sum(q is p for group in self.param_groups for q in group["params"])
+        if count != 1:
+            raise ValueError(
+                "a parameter is in the optimizer's groups more than once: pass each once"
+            )
+        self._index([p])
+
     def _index(self, params) -> None:
         """Number ``params`` after those seen before (the stochastic-rounding streams) and
         note the DTensors among them."""
@@ -173,6 +186,12 @@ class CoatAdamW(torch.optim.Optimizer):
         _check_group_keys(param_group)
         _check_hyper({**self.defaults, **param_group})
         params = param_group["params"]
+        if isinstance(params, set | frozenset):  # (list() below hid it from torch's check)
+            raise TypeError(
+                "a param group's params must be an ordered collection (a list), not a set: "
+                "the stochastic-rounding streams and the state dict follow their order, which "
+                "a set changes from run to run"
+            )
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         param_group["params"] = params  # a generator would be empty when torch reads it
         tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]  # named
@@ -280,6 +299,8 @@ class CoatAdamW(torch.optim.Optimizer):
             state = self.state[p]
             if not state:
                 _check_param(p)  # once per parameter: it may have moved (to meta)
+                if p not in self._param_index:  # put into a group's list directly
+                    self._adopt(p)
                 self._init_state(t, state)
             key = (self._backend(t, resolved), t.get_device(), t.dtype, g.dtype)
             buckets.setdefault(key, []).append(p)
@@ -765,12 +786,28 @@ def _check_group_keys(group: dict) -> None:
         )
 
 
+def _as_float(x):
+    """A real scalar that torch.optim.AdamW takes (a numpy float, a one-element CPU tensor:
+    betas) as a float; anything else as it is, for the checks to refuse."""
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        return float(x)
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and x.device.type == "cpu":
+        return x.item() if x.is_floating_point() else x
+    return x
+
+
 def _check_hyper(group: dict, read_lr: bool = True) -> None:
     """Hyperparameters of one param group. Runs at every step: a few type checks and
     comparisons. A tensor lr's value is read when it is on the CPU (free) or ``read_lr``."""
     for key in _OWN_KEYS[1:]:
         if key not in group:
             raise ValueError(f"a parameter group lacks {key!r}")
+    for key in ("lr", "eps", "weight_decay"):  # (a schedule may write numpy scalars)
+        if not isinstance(group[key], int | float | torch.Tensor):
+            group[key] = _as_float(group[key])
+    betas = group["betas"]
+    if isinstance(betas, tuple | list) and not all(isinstance(b, int | float) for b in betas):
+        group["betas"] = tuple(_as_float(b) for b in betas)
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1 or not lr.is_floating_point() or lr.is_meta:
