@@ -136,7 +136,7 @@ class _FP8Module:
 
     def _twin(self) -> nn.Module | None:
         """The original float module with this module's current parameters and settings
-        (``_settings``), or None."""
+        (``_sync_settings``), or None."""
         twin = self.__dict__.get("_float_original")
         if twin is not None:
             for name, p in self._parameters.items():
