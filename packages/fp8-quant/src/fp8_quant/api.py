@@ -144,7 +144,8 @@ def _fit(size: int, length: int) -> int:
     """A group (or block side) of ``size`` along ``length`` elements, as the smallest power
     of two that gives the same groups: longer than ``length``, one group either way. (The
     reference had padded to the full size: ``2**40`` asked for terabytes; a Triton kernel
-    would compile for the full size.)"""
+    would compile for the full size.) ``ops.next_pow2``'s rule, written out: importing
+    ``fp8_quant.ops`` imports triton, which the reference backend does without."""
     return size if size <= length else 1 << max(length - 1, 0).bit_length()
 
 
