@@ -1458,7 +1458,8 @@ def test_fp8_weight_cache_under_fsdp_is_refused(tmp_path, capsys, monkeypatch):
     """--fsdp --fp8-weight-cache is one line, exit 2, as other options that do not apply
     (the cache was silently left off; helper-62)."""
     monkeypatch.setattr(cli, "_strategy", lambda args: "fsdp")  # (as under torchrun)
-    monkeypatch.setattr(cli, "_rank_device", lambda name: torch.device("cpu"))
+    monkeypatch.setattr(cli, "_rank_device", lambda: torch.device("cpu"))
+    _two_ranks(monkeypatch)
     code, _, err = run(
         ["--steps", "2", *FAST, "--out", tmp_path, "--mode", "coat", "--fp8-weight-cache"], capsys
     )
@@ -1473,24 +1474,96 @@ def test_fp8_weight_cache_under_fsdp_is_refused(tmp_path, capsys, monkeypatch):
 )  # fmt: skip
 def test_ranks_started_with_other_settings_are_refused(monkeypatch, differ, named):
     """Under torchrun every rank must run rank 0's options on rank 0's data: a rank started
-    otherwise (nodes launched apart) trained other numbers silently, hung or aborted."""
+    otherwise (nodes launched apart) trained other numbers silently, hung or aborted. Each
+    rank's options are compared as given, before its checks fill in defaults."""
     import argparse
     import types
 
-    args = argparse.Namespace(mode="coat", seed=0, steps=4, data="a.txt")
+    args = argparse.Namespace(mode="coat", seed=0, steps=4, data="a.txt", keep=None)
     job = types.SimpleNamespace(tasks=[types.SimpleNamespace(fingerprint="f00")])
 
+    def plan():
+        args.keep = 3  # a default filled in
+        return None, None, job
+
     def gather(out, mine):
-        other = {"args": {**mine["args"], **differ}, "data": mine["data"] if differ else ["f01"]}
+        other = {**mine, "args": {**mine["args"], **differ}}
+        if not differ:
+            other["data"] = ["f01"]
         out[:] = [mine, other]
 
     monkeypatch.setattr(cli.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(cli.dist, "all_gather_object", gather)
     with pytest.raises(cli.UsageError, match=rf"rank 1 was started with other .*\({named}\)"):
-        cli.check_ranks_agree(args, job)
+        cli._agreed(args, plan)
     monkeypatch.setattr(cli.dist, "all_gather_object", lambda out, mine: out.__setitem__(
         slice(None), [mine, mine]))  # fmt: skip
-    cli.check_ranks_agree(args, job)  # the same everywhere: nothing to say
+    assert cli._agreed(args, plan)[2] is job  # the same everywhere: nothing to say
+
+
+def _two_ranks(monkeypatch, other_error: str | None = None):
+    """One rank of two under a stand-in process group: the other rank's checks end with
+    ``other_error`` ("": they pass; None: as this rank's)."""
+
+    def gather(out, mine):
+        if other_error is None:
+            out[:] = [mine, mine]
+        else:
+            other = {**mine, "data": None if other_error else mine["data"], "error": other_error}
+            out[:] = [mine, other]
+
+    monkeypatch.setattr(cli.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(cli.dist, "all_gather_object", gather)
+
+
+def test_an_error_some_ranks_find_is_said_by_them(monkeypatch):
+    """helper-71: a check failing on one rank only (a file missing on one node) was said by
+    nobody: rank 0 alone printed errors, and it had passed. The failing rank now says it,
+    naming its rank; a rank whose checks passed stops without a word; an error every rank
+    found is raised as it is (rank 0 says it once)."""
+    import argparse
+    import types
+
+    args = argparse.Namespace(data="a.txt")
+    job = types.SimpleNamespace(tasks=[types.SimpleNamespace(fingerprint="f00")])
+
+    def passes():
+        return None, None, job
+
+    def fails():
+        raise cli.DataError("--data a.txt: no such file")
+
+    _two_ranks(monkeypatch, other_error="--data a.txt: no such file")
+    with pytest.raises(cli.OtherRankFailed):
+        cli._agreed(args, passes)
+    with pytest.raises(cli.DataError) as raised:
+        cli._agreed(args, fails)
+    assert not isinstance(raised.value, cli.RankUsageError)
+    _two_ranks(monkeypatch, other_error="")
+    with pytest.raises(cli.RankUsageError, match="^--data a.txt: no such file$"):
+        cli._agreed(args, fails)
+    _two_ranks(monkeypatch, other_error="another message")
+    with pytest.raises(cli.RankUsageError, match="^--data a.txt: no such file$"):
+        cli._agreed(args, fails)
+
+
+def test_an_error_of_one_rank_is_reported_with_its_rank(monkeypatch, capsys, tmp_path):
+    """Through main(): the rank that failed alone prints one line naming its rank (exit 2);
+    the rank whose checks passed prints nothing (exit 2)."""
+    monkeypatch.setattr(cli, "_strategy", lambda args: "ddp")  # (as under torchrun)
+    monkeypatch.setattr(cli, "_rank_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(cli, "process_rank", lambda: 1)
+    _two_ranks(monkeypatch, other_error="")
+    argv = ["--steps", "2", *FAST, "--out", str(tmp_path / "o"), "--mode", "bf16"]
+    own_data = [a for a in argv if a not in ("--corpus-mib", "1")]
+    code = cli.main([*own_data, "--data", str(tmp_path / "missing.txt")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("coat-train: error: rank 1: --data ") and err.count(
+        "\n") == 1, err  # fmt: skip
+    _two_ranks(monkeypatch, other_error="--data x: no such file")
+    code = cli.main(argv)  # (the built-in corpus: this rank's checks pass)
+    assert code == 2 and capsys.readouterr() == ("", "")
+    assert not (tmp_path / "o").exists()
 
 
 # ---------------------------------------------------------------- helper-66's probe of the CLI

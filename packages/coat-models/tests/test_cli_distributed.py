@@ -240,6 +240,29 @@ def test_full_disk_at_export_ends_every_rank_in_one_line(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, code, says",
+    [("one_rank_fails", 2, {1: "rank 1: --out "}),
+     ("other_options", 2, {0: "rank 1 was started with other settings than rank 0 (--seed)"}),
+     ("every_rank_fails", 2, {0: "--weight-decay 0.1 with --lr 1e+06"}),
+     ("not_finite", 1, {0: "mode coat: the gradient norm became nan at step 2"})],
+)  # fmt: skip
+def test_an_error_is_said_once_by_a_rank_that_found_it(runs, name, code, says):
+    """Every rank ends with the same status; one line in all, by rank 0 where it found the
+    error (or every rank did), else by the rank that did, naming itself; nothing written."""
+    for rank in range(WORLD):
+        assert codes(runs, rank)[name] == code
+        err = output(runs, name, rank, "err")
+        if rank in says:
+            assert err.startswith("coat-train: error: ") and says[rank] in err, err
+            assert err.count("\n") == 1, err
+        else:
+            assert err == "", err
+    if code == 2:
+        assert not (runs / name).exists()
+
+
+@pytest.mark.slow
 def test_resume_under_torchrun_reproduces_losses_bit_for_bit(runs):
     assert codes(runs, 0)["killed"] == 130
     assert "interrupted" in output(runs, "killed", 0, "err")
@@ -480,6 +503,21 @@ def _worker(out: Path) -> None:
     two_modes = [a for a in FAST if a not in ("--mode", "coat")] + ["--compare", "bf16,coat"]
     coat_train("full_disk", [*two_modes, "--steps", 2, "--eval-every", 2, "--ddp"])
     PreTrainedModel.save_pretrained = save_pretrained
+    # helper-71: a check failing on one rank only (a file missing on one node) was said by
+    # nobody; ranks started with other options; an error every rank finds; a non-finite norm
+    check_out = cli.check_out
+
+    def unwritable_here(out_dir, modes):
+        raise cli.UsageError(f"--out {out_dir}: not writable on this node")
+
+    if rank == 1:
+        cli.check_out = unwritable_here
+    coat_train("one_rank_fails", [*FAST, "--ddp"])
+    cli.check_out = check_out
+    coat_train("other_options", [*FAST, "--ddp", *(["--seed", "7"] if rank == 1 else [])])
+    coat_train("every_rank_fails", [*FAST, "--ddp", "--lr", "1e6"])
+    not_finite = ["--lr", "1e6", "--weight-decay", "0", "--warmup", "0", "--grad-clip", "0"]
+    coat_train("not_finite", [*FAST, "--ddp", *not_finite, "--steps", "3", "--no-export"])
     (out / f"codes.rank{rank}.json").write_text(json.dumps(done))
     (out / f"writes.rank{rank}.json").write_text(json.dumps(writes))
     (out / f"resharding.rank{rank}.json").write_text(json.dumps(resharding))

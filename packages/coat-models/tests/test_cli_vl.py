@@ -70,6 +70,16 @@ VL_BAD = [
         "--seq-len 20 is too short for --preset llava-tiny: its images "
         "and their captions need 55 tokens: pass --seq-len >= 55",
     ),
+    # more micro-batches a step than the generated data keeps apart (they repeated the next
+    # step's samples; helper-70)
+    (["--grad-accum", "65537"], 2, "--grad-accum 65537 x 1 rank(s) is past the 65536"),
+    # past the language model's position table (trained, exported as 512; helper-70)
+    (
+        ["--seq-len", "513"],
+        2,
+        "--seq-len 513 is longer than --preset llava-tiny's position "
+        "table (512): pass --seq-len <= 512",
+    ),
 ]
 
 
@@ -158,3 +168,18 @@ def test_llava_tiny_resumes_bit_for_bit(tmp_path, capsys):
     assert all(torch.equal(got[k], want[k]) for k in want)
     summary = json.loads((out / "coat/summary.json").read_text())
     assert summary["steps"] == 6 and summary["preset"] == "llava-tiny"
+    # helper-70: no message offers --model-dir for this run's model (a LLaVA export, which
+    # --model-dir refuses: it takes causal LMs)
+    final, ckpt = out / "coat" / "final", out / "coat" / "checkpoints" / "step_0000004"
+    longer = [a if a != "6" else "8" for a in RESUME]
+    plain = [a for a in FAST if a not in ("--preset", "llava-tiny")]
+    cases = [
+        ([*longer, "--out", out, "--resume"], f"cannot resume from {out / 'coat'}"),
+        ([*plain, "--model-dir", out, "--out", tmp_path / "o"], f"--model-dir {out}: no config"),
+        ([*plain, "--model-dir", ckpt, "--out", tmp_path / "o"], f"--model-dir {ckpt}: a coat-"),
+        ([*RESUME, "--resume", final, "--out", tmp_path / "o"], f"--resume {final} is a model"),
+    ]
+    for argv, message in cases:
+        code, _, err = run(argv, capsys)
+        assert code == 2 and message in err and err.count("\n") == 1, err
+        assert "--model-dir " + str(final) not in err and "fine-tune" not in err, err

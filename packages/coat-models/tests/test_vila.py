@@ -59,6 +59,9 @@ def test_tiny_config_vocabulary_is_the_task_s():
 
     config = llava_tiny_config()
     assert config.image_token_id == vl_data.IMAGE_TOKEN_ID
+    # generate() stops at a caption's end (it ran on to max_new_tokens; helper-70)
+    assert config.text_config.eos_token_id == vl_data.BYTE_EOS
+    assert LlavaForConditionalGeneration(config).generation_config.eos_token_id == 256
     vocab = config.text_config.vocab_size
     assert vl_data.VL_VOCAB <= vocab < vl_data.VL_VOCAB + 64 and vocab % 64 == 0
     assert config.text_config.intermediate_size == 176  # 64 * 11 / 4, a multiple of 16
@@ -247,6 +250,19 @@ def test_50_steps_track_bf16_at_every_step(bf16_run, mode, tmp_path):
     assert len(got) == len(want) == STEPS
     for step, (w, g) in enumerate(zip(want, got, strict=True), 1):
         assert abs(g - w) <= TOL_ABS + TOL_REL * w, f"step {step}: {mode} {g:.4f} vs bf16 {w:.4f}"
+
+
+def test_bf16_master_keeps_the_buffers_from_pretrained_rebuilds():
+    """build_vlm with bf16 master weights cast RoPE's inv_freq to bf16 too (other angles than
+    the export's, which from_pretrained rebuilds in fp32; helper-70): parameters only."""
+    cpu = torch.device("cpu")
+    plain = build_vlm(llava_tiny_config(), device=cpu)
+    bf16 = build_vlm(llava_tiny_config(), device=cpu, master_dtype=torch.bfloat16)
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    buffers = dict(plain.named_buffers())
+    assert any("inv_freq" in name for name in buffers)
+    for name, b in bf16.named_buffers():
+        assert b.dtype == buffers[name].dtype and torch.equal(b, buffers[name]), name
 
 
 def test_trainer_learns_llava_and_writes_the_cli_records(bf16_run):
@@ -442,6 +458,17 @@ def test_task_is_deterministic_and_split():
     val = a.val_batches(batch_size=100)
     assert [len(v["input_ids"]) for v in val] == [100, 100, 56]
     assert torch.equal(val[0]["input_ids"], a.val_batches(batch_size=100)[0]["input_ids"])
+
+
+def test_micro_batches_of_a_step_never_repeat_the_next_step_s():
+    """micro 2**16 drew step + 1's micro 0 (helper-70): refused."""
+    task = ShapesCaptions(32, 16)
+    last = task.batch(0, 2, micro=2**16 - 1)["input_ids"]
+    assert not torch.equal(last, task.batch(1, 2, micro=0)["input_ids"])
+    with pytest.raises(ValueError, match=r"micro must be in \[0, 65536\), got 65536"):
+        task.batch(0, 2, micro=2**16)
+    with pytest.raises(ValueError, match="got -1"):
+        task.batch(1, 2, micro=-1)
 
 
 def test_sequence_layout_and_labels():

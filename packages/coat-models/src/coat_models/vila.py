@@ -192,7 +192,8 @@ def llava_tiny_config(
     32x32 images in 8x8 patches: 16 image tokens), GELU projector, Llama LM (``hidden`` wide,
     4 heads with 2 KV heads, SwiGLU MLP 2.75x rounded to a multiple of 16, untied head).
     Vocabulary: 320, the shapes-caption task's byte-level ids (256 bytes, EOS 256, image
-    token 257: ``coat_models.train.vl_data``) rounded up to a multiple of 64; image token 257.
+    token 257: ``coat_models.train.vl_data``) rounded up to a multiple of 64; image token 257;
+    ``eos_token_id`` 256 (generation stops at a caption's end).
     """
     from transformers import LlamaConfig, SiglipVisionConfig
 
@@ -209,7 +210,7 @@ def llava_tiny_config(
         intermediate_size=-(-(hidden * 11 // 4) // 16) * 16, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        bos_token_id=None, eos_token_id=_TINY_EOS, pad_token_id=None,
     )  # fmt: skip
     return _llava_config(vision, text, _TINY_IMAGE_TOKEN, vision_feature_layer=-1)
 
@@ -254,7 +255,8 @@ def num_image_tokens(config) -> int:
 
 # llava_tiny_config's vocabulary: the byte-level ids of the shapes-caption task (256 bytes,
 # EOS 256, image 257) rounded up to 64; tests check them against coat_models.train.vl_data.
-_TINY_VOCAB, _TINY_IMAGE_TOKEN = 320, 257
+# The EOS ends each caption: generate() of a trained model stops there.
+_TINY_VOCAB, _TINY_EOS, _TINY_IMAGE_TOKEN = 320, 256, 257
 
 
 def _llava_config(vision, text, image_token_id: int, *, vision_feature_layer: int):

@@ -18,6 +18,9 @@ def main() -> int:
     try:
         from .cli import main as cli_main
     except KeyboardInterrupt:
-        print("\ncoat-train: interrupted while starting", file=sys.stderr)
+        from .args import env_rank  # (the standard library only)
+
+        if env_rank() == 0:  # under torchrun every rank gets the Ctrl-C: rank 0 says it
+            print("\ncoat-train: interrupted while starting", file=sys.stderr)
         return 128 + signal.SIGINT
     return cli_main()

@@ -142,3 +142,40 @@ def int_list(low: int = 1) -> Callable[[str], list[int]]:
         return values
 
     return parse
+
+
+def name_list(choices) -> Callable[[str], list[str]]:
+    """An argparse ``type``: comma-separated names, each one of ``choices``, none twice (e.g.
+    ``bf16,coat``): a misspelt one is refused, not run as something else."""
+    choices = tuple(choices)
+
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in choices]
+        if not names or bad or len(set(names)) != len(names):
+            what = f"unknown {', '.join(bad)}" if bad else f"got {text!r}"
+            raise argparse.ArgumentTypeError(
+                f"{what}: must be comma-separated names of {', '.join(choices)}, each once"
+            )
+        return names
+
+    return parse
+
+
+def writable_file(path: str | None, what: str) -> str | None:
+    """``path`` (None passes) when a file can be written there, checked before a long run
+    that would only then write its results; else a ``UsageError`` naming ``what`` (the option
+    or variable that gave it). Creates nothing."""
+    if path is None:
+        return None
+    p = os.path.abspath(path)
+    folder = os.path.dirname(p)
+    if os.path.isdir(p):
+        raise UsageError(f"{what} {path} is a directory: pass a file name")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{what} {path}: no folder {folder}: create it or pass another path")
+    if not os.access(folder, os.W_OK | os.X_OK) or (
+        os.path.exists(p) and not os.access(p, os.W_OK)
+    ):
+        raise UsageError(f"{what} {path}: not writable here: pass another path")
+    return path

@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -383,7 +384,7 @@ def _strategy(args) -> str | None:
     return strategy
 
 
-def _rank_device(name: str) -> torch.device:
+def _rank_device() -> torch.device:
     """Join torchrun's process group; this rank's device (cuda:LOCAL_RANK, else cpu)."""
     from ..distributed import LaunchError, init_distributed
 
@@ -394,12 +395,15 @@ def _rank_device(name: str) -> torch.device:
     # COAT's decoder layer returns a view; the Llama loop does no in-place op on it, so
     # FSDP2's warning about one does not apply (coat-models README, multi-GPU limits)
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    return device
+
+
+def _check_rank_device(name: str, device: torch.device) -> None:
     if name not in ("auto", device.type):
         raise UsageError(
             f"--device {name}: under torchrun each rank takes {device} (cuda:LOCAL_RANK where "
             "CUDA is available, else cpu): leave out --device"
         )
-    return device
 
 
 def _settings(args):
@@ -543,11 +547,58 @@ def run(args) -> int:
     """Validate everything, then train. Nothing is written before every check that can be
     made up front has passed; then the output directory is locked, and each mode's earlier
     results are replaced only once its model and trainer are built."""
-    modes = _modes(args)
     strategy = _strategy(args)
+    if strategy is None:
+        plan = _plan(args, strategy, _device(args.device))
+    else:
+        device = _rank_device()
+        plan = _agreed(args, lambda: _plan(args, strategy, device))
+    modes, cfgs, job, out, device, label = plan
+    c0 = cfgs[0]
+    whose = "--model-dir's default" if args.model_dir else "the preset's"
+    say(
+        f"{PROG}: {label} ({job.shape}) on {device.type}"
+        + (f" ({strategy})" if strategy else "")
+        + f"; data: {job.data}; {c0.steps} steps x {c0.batch_size} x {c0.seq_len} tokens"
+        + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
+        + (f" x {dist.get_world_size()} ranks" if strategy else "")
+        + f"; modes: {', '.join(modes)}"
+        + _cache_note(cfgs, strategy)
+        + _graphs_note(cfgs)
+        + ("; torch.compile on (each decoder layer)" if args.compile else "")
+        + ("; layers stay gathered until backward" if args.reshard_after_forward is False else "")
+        + (
+            f"; {whose} LR warmup ({c0.warmup} steps) spans the run: the LR stays below --lr "
+            "(set --warmup)"
+            if c0.warmup >= c0.steps
+            else ""
+        ),
+        flush=True,
+    )
+    summaries, curves = [], {}
+    with output_lock(out):
+        check_resume_settings(args, cfgs, job, out)
+        for cfg, task in zip(cfgs, job.tasks, strict=True):
+            summary = _train_mode(args, job, cfg, task, out / cfg.mode, device, strategy)
+            summaries.append(summary)
+            if process_rank() == 0:
+                curves[cfg.mode] = read_curves(out / cfg.mode / "metrics.jsonl")
+        if process_rank() != 0:
+            return 0
+        run_info = {"args": vars(args), "device": device.type, "model": job.describe,
+                    "data": job.source}  # fmt: skip
+        print(write_run_report(out, run_info, summaries, curves))
+        return 0
+
+
+def _plan(args, strategy: str | None, device: torch.device):
+    """Every check that can be made before anything is written, on this process: ``(modes,
+    cfgs, job, out, device, label)``; raises the first error found."""
+    modes = _modes(args)
+    if strategy is not None:
+        _check_rank_device(args.device, device)
     if args.reshard_after_forward is False and strategy != "fsdp":
         raise UsageError(NO_RESHARD_WITHOUT_FSDP)
-    device = _device(args.device) if strategy is None else _rank_device(args.device)
     compare = args.compare is not None
     # bf16 master weights only where CoatAdamW's stochastic rounding is used; TrainConfig
     # refuses the other combinations for a single --mode.
@@ -609,65 +660,74 @@ def run(args) -> int:
         job = vl_job(args, cfgs, device, label)
     else:
         job = lm_job(args, cfgs, modes, device, label)
-    if strategy is not None:
-        check_ranks_agree(args, job)
     check_fits(job.n_params, modes, masters, device, label, strategy, cfgs[0], job.vocab, job.tune)
     check_resume(args, out, modes)
-
-    c0 = cfgs[0]
-    whose = "--model-dir's default" if args.model_dir else "the preset's"
-    say(
-        f"{PROG}: {label} ({job.shape}) on {device.type}"
-        + (f" ({strategy})" if strategy else "")
-        + f"; data: {job.data}; {c0.steps} steps x {c0.batch_size} x {c0.seq_len} tokens"
-        + (f" x {c0.grad_accum} accum" if c0.grad_accum > 1 else "")
-        + (f" x {dist.get_world_size()} ranks" if strategy else "")
-        + f"; modes: {', '.join(modes)}"
-        + _cache_note(cfgs, strategy)
-        + _graphs_note(cfgs)
-        + ("; torch.compile on (each decoder layer)" if args.compile else "")
-        + ("; layers stay gathered until backward" if args.reshard_after_forward is False else "")
-        + (
-            f"; {whose} LR warmup ({c0.warmup} steps) spans the run: the LR stays below --lr "
-            "(set --warmup)"
-            if c0.warmup >= c0.steps
-            else ""
-        ),
-        flush=True,
-    )
-    summaries, curves = [], {}
-    with output_lock(out):
-        check_resume_settings(args, cfgs, job, out)
-        for cfg, task in zip(cfgs, job.tasks, strict=True):
-            summary = _train_mode(args, job, cfg, task, out / cfg.mode, device, strategy)
-            summaries.append(summary)
-            if process_rank() == 0:
-                curves[cfg.mode] = read_curves(out / cfg.mode / "metrics.jsonl")
-        if process_rank() != 0:
-            return 0
-        run_info = {"args": vars(args), "device": device.type, "model": job.describe,
-                    "data": job.source}  # fmt: skip
-        print(write_run_report(out, run_info, summaries, curves))
-        return 0
+    return modes, cfgs, job, out, device, label
 
 
-def check_ranks_agree(args, job) -> None:
-    """Under torchrun: every rank was started with rank 0's options and read the same data
-    (nodes launched apart: another script, a stale copy of the data). Ranks that differ
-    trained other numbers silently, hung (other modes) or aborted in a collective."""
-    mine = {"args": vars(args), "data": [task.fingerprint for task in job.tasks]}
+class OtherRankFailed(Exception):
+    """Under torchrun: this rank's checks passed, another rank's did not (that rank said
+    why): exit 2 without a word."""
+
+
+# The errors of bad input, said in one line (exit 2).
+INPUT_ERRORS = (
+    UsageError,
+    DataError,
+    ModelError,
+    CheckpointError,
+    ResumeSettingsError,
+    MetricsFileError,
+)
+
+
+def _agreed(args, plan: Callable[[], tuple]) -> tuple:
+    """``plan()`` on every torchrun rank, then one exchange of the outcomes, so that every
+    rank leaves together: all passed (and were started alike, on the same data), or each
+    raises. An error every rank found is said once, by rank 0; one found by some ranks only
+    (a file missing on one node) by each of them, naming its rank (rank 0 did not see it);
+    ranks started with other settings than rank 0's are named by rank 0. No rank leaves
+    before the others have joined the process group (one leaving early broke their join)."""
+    given = dict(vars(args))  # before plan() fills in defaults
+    result = error = None
+    try:
+        result = plan()
+    except INPUT_ERRORS as e:
+        error = e
+    data = None if result is None else [task.fingerprint for task in result[2].tasks]
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    first = everyone[0]
+    dist.all_gather_object(everyone, {"args": given, "data": data, "error": str(error or "")})
+    check_ranks_agree(everyone)
+    said = [theirs["error"] for theirs in everyone]
+    if error is not None:
+        if len(set(said)) == 1:
+            raise error  # the same on every rank
+        raise RankUsageError(str(error)) from error
+    if any(said):
+        raise OtherRankFailed
+    if any(theirs["data"] != data for theirs in everyone):
+        rank = next(r for r, theirs in enumerate(everyone) if theirs["data"] != everyone[0]["data"])
+        raise UsageError(_differs(rank, "the data read"))
+    return result
+
+
+def _differs(rank: int, what: str) -> str:
+    return (
+        f"rank {rank} was started with other settings than rank 0 ({what}): launch every "
+        "rank with the same command and the same data"
+    )
+
+
+def check_ranks_agree(everyone: list[dict]) -> None:
+    """Under torchrun, ``everyone``: each rank's ``{"args": vars(args), ...}``. Every rank must
+    be started with rank 0's options (nodes launched apart: another script); ranks that
+    differ trained other numbers silently, hung (other modes) or aborted in a collective."""
+    first = everyone[0]["args"]
     for rank, theirs in enumerate(everyone[1:], start=1):
+        theirs = theirs["args"]
         if theirs != first:
-            names = set(first["args"]) | set(theirs["args"])
-            keys = sorted(k for k in names if first["args"].get(k) != theirs["args"].get(k))
-            what = ", ".join("--" + k.replace("_", "-") for k in keys) or "the data read"
-            raise UsageError(
-                f"rank {rank} was started with other settings than rank 0 ({what}): launch every "
-                "rank with the same command and the same data"
-            )
+            keys = sorted(k for k in set(first) | set(theirs) if first.get(k) != theirs.get(k))
+            raise UsageError(_differs(rank, ", ".join("--" + k.replace("_", "-") for k in keys)))
 
 
 def _oom_cache_note(cfg: TrainConfig, strategy: str | None) -> str:
@@ -839,17 +899,15 @@ def _run_reporting(args, own_group: bool, hf_bars) -> int:
     except RankUsageError as e:
         print(f"{PROG}: error: rank {process_rank()}: {e}", file=sys.stderr)
         return 2
-    except (
-        UsageError,
-        DataError,
-        ModelError,
-        CheckpointError,
-        ResumeSettingsError,
-        MetricsFileError,
-    ) as e:
+    except OtherRankFailed:
+        return 2
+    except INPUT_ERRORS as e:
         say(f"{PROG}: error: {e}", file=sys.stderr)  # the same on every rank
         return 2
     except (TrainError, ReportError) as e:
+        if getattr(e, "every_rank", False):
+            say(f"{PROG}: error: {e}", file=sys.stderr)
+            return 1
         rank = (
             f"rank {process_rank()}: "
             if dist.is_initialized() and dist.get_world_size() > 1

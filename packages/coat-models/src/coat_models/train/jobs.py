@@ -32,6 +32,7 @@ from .presets import (
 from .report import fmt_bytes
 from .tasks import LMTask, VLTask
 from .trainer import MASTER_DTYPES, MODES, TrainConfig
+from .vl_data import MICRO_BATCHES
 
 
 def check_fits(n_params, modes, masters, device, label, strategy, cfg, vocab, tune) -> None:
@@ -232,6 +233,18 @@ def vl_job(args, cfgs, device, label) -> Job:
             f"their captions need {need} tokens: pass --seq-len >= {need} or leave it out"
         )
     tasks = [VLTask(name, cfg) for cfg in cfgs]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if cfgs[0].grad_accum * world > MICRO_BATCHES:
+        raise UsageError(
+            f"--grad-accum {cfgs[0].grad_accum} x {world} rank(s) is past the {MICRO_BATCHES} "
+            f"micro-batches a step of --preset {name}'s generated data holds: lower --grad-accum"
+        )
+    longest = tasks[0].config.text_config.max_position_embeddings
+    if cfgs[0].seq_len > longest:  # (positions past the table: a model unlike its export)
+        raise UsageError(
+            f"--seq-len {cfgs[0].seq_len} is longer than --preset {name}'s position table "
+            f"({longest}): pass --seq-len <= {longest} or leave it out"
+        )
     n_params = vl_param_count(name)
 
     def build(cfg):

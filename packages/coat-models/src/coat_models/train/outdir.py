@@ -26,6 +26,7 @@ from .. import checkpoint
 from ..checkpoint import CheckpointError
 from ..distributed import run_on_rank0
 from .args import PROG, UsageError, env_rank
+from .presets import fine_tunable
 from .report import ReportError, metrics_until, train_steps
 from .trainer import MODES, TrainConfig, check_settings
 
@@ -231,10 +232,14 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
                 f"--resume {newest} (the newest), or {plain}--resume alone for the newest"
             )
         if not (path / checkpoint.MANIFEST).exists() and (path / "config.json").is_file():
+            tune = (
+                f"fine-tune it with --model-dir {path} (a new optimizer and LR schedule), or "
+                if fine_tunable(path)
+                else ""  # a LLaVA-style model's: --model-dir takes causal LMs only
+            )
             raise UsageError(
-                f"--resume {path} is a model (config.json), not a checkpoint: fine-tune it with "
-                f"--model-dir {path} (a new optimizer and LR schedule), or resume from a "
-                "checkpoint of its run (written with --save-every)"
+                f"--resume {path} is a model (config.json), not a checkpoint: {tune}resume "
+                "from a checkpoint of its run (written with --save-every)"
             )
         try:
             checkpoint.read_manifest(path)

@@ -117,6 +117,15 @@ def model_dir_config(path: str):
     return config, has_weights
 
 
+def fine_tunable(d: Path) -> bool:
+    """Whether ``d`` (e.g. a run's export) holds a config that --model-dir trains on: a causal
+    LM's, with a ``vocab_size`` (a LLaVA-style model's has none: it trains with its preset)."""
+    try:
+        return isinstance(json.loads((d / "config.json").read_text()).get("vocab_size"), int)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _not_a_model_dir(d: Path) -> str:
     """Why ``d`` (without config.json) is no model directory, naming the one meant where
     ``d`` is what coat-train wrote: its --out, a mode's directory, or a checkpoint (whose
@@ -126,7 +135,8 @@ def _not_a_model_dir(d: Path) -> str:
     is_checkpoint = (d / MANIFEST).is_file()
     above = d.parent.parent if is_checkpoint else d
     exports = [p.parent for p in (*above.glob("final/config.json"),
-                                  *sorted(above.glob("*/final/config.json")))]  # fmt: skip
+                                  *sorted(above.glob("*/final/config.json")))
+               if fine_tunable(p.parent)]  # fmt: skip
     models = " or ".join(f"--model-dir {e}" for e in exports)
     if is_checkpoint:
         return (
@@ -306,15 +316,20 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
                 )
         except ValueError as e:  # e.g. a config transformers has no causal LM for
             raise ModelError(f"cannot build a causal LM from this config: {e}") from None
-    # Init in fp32 then cast, so fp32- and bf16-master runs start from the same weights. The
-    # parameters only: floating buffers (RoPE's inv_freq) stay fp32, as from_pretrained
-    # rebuilds them, so that the exported model computes what was trained.
+    # Init in fp32 then cast, so fp32- and bf16-master runs start from the same weights.
+    return _parameters_to(model, master_dtype).train()
+
+
+def _parameters_to(model, dtype: torch.dtype):
+    """``model`` with its parameters cast to ``dtype``. Floating buffers (RoPE's inv_freq)
+    stay fp32, as from_pretrained rebuilds them, so that the exported model computes what
+    was trained (bf16 inv_freq moves RoPE's angles by radians at long positions)."""
     buffers = [(m, name, b) for m in model.modules() for name, b in m.named_buffers(recurse=False)
                if b is not None and b.is_floating_point()]  # fmt: skip
-    model.to(master_dtype)
+    model.to(dtype)
     for module, name, b in buffers:
         setattr(module, name, b)
-    return model.train()
+    return model
 
 
 @dataclass(frozen=True)
@@ -367,10 +382,11 @@ def vl_param_count(name: str) -> int:
 
 def build_vlm(config, *, device, master_dtype: torch.dtype = torch.float32, seed: int = 0):
     """``LlavaForConditionalGeneration(config)``, random init seeded with ``seed`` in fp32 on
-    ``device`` (the same weights for every mode), then cast to ``master_dtype``."""
+    ``device`` (the same weights for every mode), then its parameters cast to
+    ``master_dtype``."""
     from transformers import LlavaForConditionalGeneration
 
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlavaForConditionalGeneration(config)
-    return model.to(master_dtype).train()
+    return _parameters_to(model, master_dtype).train()

@@ -51,7 +51,7 @@ from . import interrupt
 from .args import Range
 from .data import TokenData
 from .memory import MemoryTracker, PeakMeter, memory_report
-from .presets import PRESETS, VL_PRESETS, ModelError, first_line, one_line
+from .presets import PRESETS, VL_PRESETS, ModelError, fine_tunable, first_line, one_line
 from .report import MetricsLog, Progress, fmt_bytes
 from .tasks import LMTask
 
@@ -70,7 +70,13 @@ PRESET_FIELDS = ("batch_size", "seq_len", "steps", "lr", "warmup", "eval_every",
 
 
 class TrainError(RuntimeError):
-    """A run that cannot go on; the message says why and what to change."""
+    """A run that cannot go on; the message says why and what to change. ``every_rank``:
+    under torchrun every rank raises it with the same message (a loss or norm reduced over
+    the ranks), so rank 0 alone says it."""
+
+    def __init__(self, message: str, *, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 class ResumeSettingsError(TrainError):
@@ -315,7 +321,8 @@ def loss_error(mode: str, lr: float, rec: dict, read_at: int) -> TrainError:
         ("gradient norm", rec["grad_norm"])  # fmt: skip
     return TrainError(
         f"mode {mode}: the {what} became {value} at step {rec['step']}{late}: lower --lr "
-        f"(now {lr:g}) or raise --warmup"
+        f"(now {lr:g}) or raise --warmup",
+        every_rank=True,
     )
 
 
@@ -739,7 +746,8 @@ class Trainer:
             raise TrainError(
                 f"mode {cfg.mode}: the validation loss became {val} after step {self.step}: "
                 f"the weights are no longer finite; lower --lr (now {cfg.lr:g}) or raise "
-                "--warmup"
+                "--warmup",
+                every_rank=True,
             )
         return self.summary()
 
@@ -1114,7 +1122,7 @@ def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, des
         further = (
             f" (to train its model further: --model-dir {final}, its export, starts a new "
             "run from its weights)"
-            if "steps" in diff and final.is_dir()
+            if "steps" in diff and fine_tunable(final)
             else ""
         )
         raise ResumeSettingsError(

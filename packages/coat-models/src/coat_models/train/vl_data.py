@@ -29,6 +29,9 @@ from ..vila import num_image_tokens  # noqa: F401 (re-exported for the trainer's
 from .data import BYTE_EOS, BYTE_VOCAB
 
 IMAGE_TOKEN_ID = BYTE_VOCAB  # 257: the id after the byte-level tokenizer's ids
+# Micro-batches per optimizer step that draw disjoint samples (more would repeat the next
+# step's): --grad-accum times the ranks
+MICRO_BATCHES = 2**16
 VL_VOCAB = BYTE_VOCAB + 1  # ids the task uses: 256 bytes, EOS, IMG
 IGNORE_INDEX = -100
 
@@ -173,8 +176,10 @@ class ShapesCaptions:
     def batch(self, step: int, batch_size: int, micro: int = 0) -> dict[str, torch.Tensor]:
         """Training batch of optimizer step ``step``, micro-batch ``micro``: a function of
         ``(seed, step, micro)`` only, so every mode of a comparison sees the same data."""
+        if not 0 <= micro < MICRO_BATCHES:
+            raise ValueError(f"micro must be in [0, {MICRO_BATCHES}), got {micro}")
         n = batch_size * self.images_per_sample
-        first = (step * 2**16 + micro) * n  # disjoint index ranges per (step, micro)
+        first = (step * MICRO_BATCHES + micro) * n  # disjoint index ranges per (step, micro)
         size = self.image_size
         return self.collate([sample(self.seed, "train", first + i, size) for i in range(n)])
 
