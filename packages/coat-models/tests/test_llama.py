@@ -1352,6 +1352,21 @@ def train_losses(model, optimizer, stream, autocast: bool = False) -> torch.Tens
 TRAIN_TOLERANCE = 0.05
 
 
+def test_a_float64_model_trains_as_a_float32_one():
+    """apply_coat takes any float dtype: a float64 model's first training forward failed in
+    the weight maxima (helper-73). FP8 rounds both alike: the fp32 model's loss, bits."""
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses, grads = [], []
+    for dtype in (torch.float32, torch.float64):
+        model = apply_coat(tiny_llama().to(dtype)).train()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+        grads.append(model.model.layers[0].mlp.down_proj.weight.grad)
+    assert torch.equal(losses[1], losses[0])
+    assert grads[1].dtype == torch.float64 and sqnr(grads[1], grads[0]) > 60
+
+
 def test_50_steps_track_fp32_adamw():
     stream = token_stream(50)
     ref = tiny_llama()

@@ -119,3 +119,21 @@ def test_bf16_output_is_freed_after_its_consumers():
     assert all(ref() is None for ref in refs)
     y.sum().backward()  # the graph still works from the FP8 copies alone
     assert x.grad is not None and w.grad is not None and w_lin.grad is not None
+
+
+def test_a_saved_output_carries_no_hand_over():
+    """torch.save of an op's output (a hidden state) carried its FP8 hand-over: the copies
+    (more bytes) and a class that torch.load's default (weights_only) refused (helper-73).
+    It now loads as a plain tensor's would, and the loaded one hands nothing over."""
+    import io
+
+    x, r = _leaves((4, N), (4, N))
+    y = fa.residual_add(x, r)
+    assert handed_over(y) is not None
+    buf, plain = io.BytesIO(), io.BytesIO()
+    torch.save(y, buf)
+    torch.save(y.detach().clone(), plain)
+    assert b"fp8_activations" not in buf.getvalue()
+    assert len(buf.getvalue()) < len(plain.getvalue()) + 256  # (an empty set, no copies)
+    loaded = torch.load(io.BytesIO(buf.getvalue()))
+    assert torch.equal(loaded, y) and handed_over(loaded) is None

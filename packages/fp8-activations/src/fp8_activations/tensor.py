@@ -129,6 +129,12 @@ class HandOver:
     per_tensor: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     per_tensor_key: tuple | None = None
 
+    def __reduce__(self):
+        # A pickled tensor (torch.save of a hidden state) carries an empty set instead, which
+        # handed_over ignores: not the FP8 copies, nor a class that torch.load's default
+        # (weights_only) refuses and that needs this package to load.
+        return (set, ())
+
 
 _ATTR = "_fp8_hand_over"
 
@@ -170,7 +176,7 @@ def handed_over(x: torch.Tensor) -> HandOver | None:
     if torch.compiler.is_compiling():
         return None
     h = getattr(x, _ATTR, None)
-    if h is None or h.version != x._version:
+    if type(h) is not HandOver or h.version != x._version:
         return None
     return h
 

@@ -154,6 +154,8 @@ def weight_amaxes(weights, backend: str = "auto") -> list[Tensor]:
         if torch.compiler.is_compiling():  # traced: the launch inside an operator
             return list(_amaxes(weights).unbind())
         return fp8_ops.tensor_amax_multi(weights)
+    if any(w.dtype == torch.float64 for w in weights):  # (dtype= may not narrow)
+        return [m.float() for m in torch._foreach_norm(weights, float("inf"))]
     return list(torch._foreach_norm(weights, float("inf"), dtype=torch.float32))
 
 
@@ -478,9 +480,11 @@ class FP8LinearFunction(torch.autograd.Function):
 
 # ------------------------------------------------------------ launch-time decisions
 # The weight cache: a ``_CacheSlot`` in the weight's ``__dict__`` holding ``(key, (w_q, w_t,
-# scale))``, freed with the weight. The slot pickles and copies as an empty one: the copy, on
-# the Parameter itself, went into ``torch.save(model)``, ``pickle`` and ``copy.deepcopy``
-# (stale there: its key names the old storage). (Not a store keyed by weak references:
+# scale))``, freed with the weight. The slot copies as an empty one and pickles as an empty
+# ``set`` (which the cache ignores): the copy, on the Parameter itself, went into
+# ``torch.save(model)``, ``pickle`` and ``copy.deepcopy`` (stale there: its key names the old
+# storage), and a pickled slot class made ``torch.load``'s default (``weights_only``) refuse
+# a saved Parameter, and needed this package to load. (Not a store keyed by weak references:
 # ``torch.utils.swap_tensors`` refuses a tensor with a weak reference, and
 # ``load_state_dict`` / ``.to()`` swap under ``set_swap_module_params_on_conversion``.)
 _CACHE_ATTR = "_fp8_weight_cache"
@@ -493,7 +497,7 @@ class _CacheSlot:
         self.entry = None
 
     def __reduce__(self):
-        return (_CacheSlot, ())
+        return (set, ())  # (one of torch.load's weights_only globals)
 
     def __copy__(self):
         return _CacheSlot()
@@ -505,12 +509,12 @@ class _CacheSlot:
 def _cache_hit(weight: Tensor) -> tuple | None:
     """``(key, cast)`` cached for ``weight`` (whatever version it was made from), or None."""
     slot = weight.__dict__.get(_CACHE_ATTR)
-    return None if slot is None else slot.entry
+    return slot.entry if type(slot) is _CacheSlot else None  # (a loaded one: an empty set)
 
 
 def _cache_put(weight: Tensor, key: tuple, cast) -> None:
     slot = weight.__dict__.get(_CACHE_ATTR)
-    if slot is None:
+    if type(slot) is not _CacheSlot:
         slot = weight.__dict__[_CACHE_ATTR] = _CacheSlot()
         if _STEP_HOOK is None:
             _watch_optimizer_steps()
@@ -542,7 +546,7 @@ def _after_step(optimizer, args, kwargs) -> None:
         p
         for group in optimizer.param_groups
         for p in group["params"]
-        if _CACHE_ATTR in p.__dict__ and p.grad is not None
+        if type(p.__dict__.get(_CACHE_ATTR)) is _CacheSlot and p.grad is not None
     ]
     if stepped:
         torch.autograd.graph.increment_version(stepped)
