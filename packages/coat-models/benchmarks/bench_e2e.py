@@ -63,7 +63,14 @@ from pathlib import Path
 
 import torch
 from coat_models import compile_layers, param_groups
-from coat_models.train.args import OneLineParser, int_in, int_list
+from coat_models.train.args import (
+    OneLineParser,
+    UsageError,
+    float_in,
+    int_in,
+    int_list,
+    writable_file,
+)
 from coat_models.train.cli import is_oom
 from coat_models.train.data import BatchSampler, load_data
 from coat_models.train.memory import (
@@ -72,7 +79,7 @@ from coat_models.train.memory import (
     optimizer_state_bytes,
     tensor_bytes,
 )
-from coat_models.train.presets import build_model, preset_config
+from coat_models.train.presets import PRESETS, build_model, preset_config
 from coat_models.train.report import fmt_bytes, format_table
 from coat_models.train.trainer import (
     MASTER_DTYPES,
@@ -105,8 +112,8 @@ TARGETS = {"coat": {"memory": 1.6, "speed": 1.6}, "coat-bf16master": {"memory": 
 
 def parse_args(argv=None):
     p = OneLineParser(prog="bench_e2e.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="llama2-7b")
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--preset", default="llama2-7b", choices=PRESETS)
+    p.add_argument("--seq-len", type=int_in(1), default=2048)
     p.add_argument(
         "--steps",
         type=int_in(1),
@@ -114,7 +121,7 @@ def parse_args(argv=None):
         help="timed steps per trial (after a warm-up step and a memory-counting step, or two "
         "warm-up steps for torchao)",
     )
-    p.add_argument("--max-micro-batch", type=int, default=32)
+    p.add_argument("--max-micro-batch", type=int_in(1), default=32)
     p.add_argument(
         "--lr",
         type=float,
@@ -129,13 +136,21 @@ def parse_args(argv=None):
         help="comma-separated micro-batches to try in order (default: 1, 2, 4, ... up to "
         "--max-micro-batch); each variant stops at its first out-of-memory one",
     )
-    p.add_argument("--budget-s", type=float, default=480, help="stop searching after this")
+    p.add_argument(
+        "--budget-s", type=float_in(0, exclusive=True), default=480,
+        help="stop searching after this",
+    )  # fmt: skip
     p.add_argument(
         "--device",
         default="cuda",
+        choices=("cuda", "cpu"),
         help="cpu: a smoke test of this script only (torchao then emulates float8)",
     )
     args = p.parse_args(argv)
+    try:
+        writable_file(os.environ.get("BENCH_OUT"), "BENCH_OUT")
+    except UsageError as e:
+        p.error(str(e))
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or not names:
@@ -544,17 +559,24 @@ def profile_main(argv) -> int:
     p = OneLineParser(
         prog="bench_e2e.py profile", description="Where the time of one training step goes."
     )
-    p.add_argument("--preset", default="llama2-7b")
+    p.add_argument("--preset", default="llama2-7b", choices=PRESETS)
     p.add_argument("--variants", default="bf16,coat", help=f"from {', '.join(VARIANTS)}")
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches a step (run_step)")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--micro-batch", type=int_in(1), default=1)
+    p.add_argument("--grad-accum", type=int_in(1), default=1, help="micro-batches a step")
+    p.add_argument("--seq-len", type=int_in(1), default=2048)
+    p.add_argument("--rounds", type=int_in(1), default=3)
+    p.add_argument("--top", type=int_in(1), default=30)
     p.add_argument("--out", help="also write the report here")
-    p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script only")
+    p.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"),
+        help="cpu: a smoke test of this script only",
+    )  # fmt: skip
     p.add_argument("--compile", action="store_true", help="compile every variant's decoder layers")
     args = p.parse_args(argv)
+    try:
+        writable_file(args.out, "--out")
+    except UsageError as e:
+        p.error(str(e))
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     known = [n for n, v in VARIANTS.items() if v[0] != "torchao"]  # coat-train's modes only
     unknown = [n for n in names if n not in known]
@@ -562,7 +584,7 @@ def profile_main(argv) -> int:
         p.error(f"unknown variant {', '.join(unknown)}: choose from {', '.join(known)}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_e2e: needs a CUDA GPU", file=sys.stderr)
+        print("bench_e2e: needs a CUDA GPU (--device cpu: a smoke test)", file=sys.stderr)
         return 2
     data = load_data()
     config = preset_config(args.preset, data.vocab_size, max_seq=args.seq_len)
@@ -616,7 +638,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_e2e: needs a CUDA GPU", file=sys.stderr)
+        print("bench_e2e: needs a CUDA GPU (--device cpu: a smoke test)", file=sys.stderr)
         return 2
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     data = load_data()

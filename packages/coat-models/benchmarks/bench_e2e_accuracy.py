@@ -188,8 +188,14 @@ def _pct(rel: float | None) -> str:
     return "missing" if rel is None else f"{rel * 100:+.2f}%"
 
 
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main(argv: list[str] | None = None) -> int:
-    from coat_models.train.args import OneLineParser
+    from coat_models.train.args import OneLineParser, UsageError, writable_file
 
     # No abbreviations: --seed (a coat-train argument) must not be read as --seeds.
     p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
@@ -209,6 +215,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--check-only needs the run's directory")
     if args.check_only and extra:  # nothing trains, so nothing would read them
         p.error(f"unrecognized arguments with --check-only: {' '.join(extra)}")
+    if not args.check_only and "--device" not in extra and not _has_gpu():
+        # (coat-train would train on the CPU: hours)
+        p.error(
+            f"trains the 125m preset for {STEPS} steps a mode: needs a CUDA GPU (or "
+            "--check-only RUN_DIR to compare a run made elsewhere)"
+        )
+    try:
+        writable_file(os.environ.get("BENCH_OUT"), "BENCH_OUT")
+    except UsageError as e:
+        p.error(str(e))
     run_dir = Path(args.check_only or args.out)
     if not args.check_only:
         from coat_models.train import cli

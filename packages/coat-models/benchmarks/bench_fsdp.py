@@ -50,20 +50,39 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 GIB = 2**30
 
 
-def parse_args(argv=None):
-    from coat_models.train.args import OneLineParser, int_in, int_list
+MODES = ("bf16", "coat")
 
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="llama2-7b")
-    p.add_argument("--seq-len", type=int, default=2048)
+
+def parse_args(argv=None):
+    from coat_models.train.args import (
+        OneLineParser,
+        UsageError,
+        float_in,
+        int_in,
+        int_list,
+        name_list,
+        writable_file,
+    )
+    from coat_models.train.presets import PRESETS
+
+    p = OneLineParser(prog="bench_fsdp.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="llama2-7b", choices=PRESETS)
+    p.add_argument("--seq-len", type=int_in(1), default=2048)
     p.add_argument("--micro-batches", type=int_list(1), default=[1, 2, 4, 8])
-    p.add_argument("--modes", default="bf16,coat")
+    p.add_argument("--modes", type=name_list(MODES), default=list(MODES))
     p.add_argument("--steps", type=int_in(1), default=3, help="timed steps per micro-batch")
     p.add_argument("--warmup", type=int_in(0), default=2, help="untimed steps per micro-batch")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-reshard-after-forward", dest="reshard", action="store_false")
-    p.add_argument("--budget-s", type=float, default=420.0)
-    return p.parse_args(argv)
+    p.add_argument("--budget-s", type=float_in(0, exclusive=True), default=420.0)
+    args = p.parse_args(argv)
+    if "WORLD_SIZE" not in os.environ:
+        p.error("runs under torchrun: torchrun --standalone --nproc-per-node N bench_fsdp.py")
+    try:
+        writable_file(os.environ.get("BENCH_OUT"), "BENCH_OUT")
+    except UsageError as e:
+        p.error(str(e))
+    return args
 
 
 def build(mode: str, args, device: torch.device):
@@ -196,7 +215,7 @@ def main(argv=None) -> None:
     # collective: fail after 3 minutes instead of torch's 10.
     device = init_distributed(timeout=timedelta(minutes=3))
     rank, world = dist.get_rank(), dist.get_world_size()
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = args.modes
     micro_batches = args.micro_batches
     meta = {
         "preset": args.preset, "seq_len": args.seq_len, "world_size": world,

@@ -57,14 +57,37 @@ def _variants() -> dict:
     # BENCH_VILA_VARIANTS=bf16,coat-graphs picks some (bf16 is always measured: the baseline).
     picked = os.environ.get("BENCH_VILA_VARIANTS")
     if picked:
-        names = {"bf16", *picked.split(",")}
-        variants = {k: v for k, v in variants.items() if k in names}
+        names = {n.strip() for n in picked.split(",") if n.strip()}
+        unknown = sorted(names - set(variants))
+        if unknown:  # (a misspelt one was dropped: bf16 alone ran)
+            raise ValueError(
+                f"BENCH_VILA_VARIANTS: unknown {', '.join(unknown)}: pick from "
+                f"{', '.join(variants)}"
+            )
+        variants = {k: v for k, v in variants.items() if k in names | {"bf16"}}
     return variants
 
 
 def _cases() -> list[tuple[int, int]]:
+    """``BENCH_VILA_CASES``: (sequences, images per sequence) pairs, ``BxI`` comma-separated."""
     spec = os.environ.get("BENCH_VILA_CASES", "1x1,1x2,2x2")
-    return [tuple(int(n) for n in case.split("x")) for case in spec.split(",")]
+    try:
+        cases = [tuple(int(n) for n in case.split("x")) for case in spec.split(",")]
+    except ValueError:
+        cases = []
+    if not cases or any(len(c) != 2 or min(c) < 1 for c in cases):
+        raise ValueError(
+            f"BENCH_VILA_CASES={spec!r}: pass sequences x images per sequence, each >= 1, "
+            "e.g. 1x1,1x2,2x2"
+        )
+    return cases
+
+
+def _steps() -> int:
+    spec = os.environ.get("BENCH_VILA_STEPS", "3")
+    if not spec.isdigit() or int(spec) < 1:
+        raise ValueError(f"BENCH_VILA_STEPS={spec!r}: pass an integer >= 1")
+    return int(spec)
 
 
 def _prepare(model, mode: str, fp8_config):
@@ -114,7 +137,7 @@ def run(config=None, cases=None, steps: int | None = None, device="cuda") -> dic
     """Measure every case with every variant; returns ``{"rows": [...], ...}``."""
     config = config or vila7b_config()
     cases = cases or _cases()
-    steps = steps or int(os.environ.get("BENCH_VILA_STEPS", "3"))
+    steps = steps or _steps()
     device = torch.device(device)
     image_tokens = num_image_tokens(config)
     rows, params = [], {}
@@ -212,6 +235,19 @@ def test_vila7b_sft_step_bf16_vs_coat(benchmark):
 
 
 if __name__ == "__main__":
+    from coat_models.train.args import OneLineParser, UsageError, writable_file
+
+    parser = OneLineParser(
+        prog="bench_vila.py",
+        description="VILA1.5-7B stage-3 SFT step, bf16 against COAT (settings: the "
+        "BENCH_VILA_* and BENCH_OUT variables of this file's docstring)",
+    )
+    parser.parse_args()
+    try:
+        _variants(), _cases(), _steps()
+        writable_file(os.environ.get("BENCH_OUT"), "BENCH_OUT")
+    except (ValueError, UsageError) as e:
+        parser.error(str(e))
     if not torch.cuda.is_available():
-        raise SystemExit("bench_vila needs a CUDA GPU")
+        parser.error("needs a CUDA GPU")
     report(run())

@@ -193,3 +193,26 @@ def test_check_only_never_trains(bench, tmp_path, capsys, monkeypatch, argv, mes
     assert e.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "accuracy-125m-run").exists()
+
+
+def test_training_without_a_gpu_is_refused(bench, tmp_path, capsys, monkeypatch):
+    """Without --check-only the script trains the 125m preset twice for 2000 steps: on a
+    host without a GPU that started hours of CPU training (helper-72). One line, exit 2;
+    an explicit --device (coat-train's) still runs; BENCH_OUT is checked before training."""
+    from coat_models.train import cli
+
+    trained = []
+    monkeypatch.setattr(cli, "main", lambda argv: trained.append(argv) or 1)
+    monkeypatch.setattr(bench, "_has_gpu", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        bench.main([])
+    assert e.value.code == 2 and not trained
+    assert "needs a CUDA GPU (or --check-only RUN_DIR" in capsys.readouterr().err
+    assert bench.main(["--device", "cpu"]) == 1 and trained  # (the stand-in's exit code)
+    monkeypatch.setattr(bench, "_has_gpu", lambda: True)
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path / "no" / "such.json"))
+    with pytest.raises(SystemExit) as e:
+        bench.main([])
+    assert e.value.code == 2 and len(trained) == 1
+    assert "BENCH_OUT" in capsys.readouterr().err

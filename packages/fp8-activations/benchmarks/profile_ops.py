@@ -487,6 +487,13 @@ def main():
     args = p.parse_args()
     deadline = args.deadline or time.time() + 200  # default: 200 s from now
     dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (or --dry-run: CPU under TRITON_INTERPRET=1, tiny shapes)")
+    unknown = [n for n in args.ops.split(",") if n and n not in BYTES]
+    if unknown:
+        p.error(f"--ops: unknown {', '.join(unknown)}: choose from {', '.join(BYTES)}")
+    if args.baseline and not os.path.isdir(args.baseline):
+        p.error(f"--baseline {args.baseline}: no such folder")
     shape = (32, 64, 96, "cpu") if dry else (TOKENS, HIDDEN, MLP, "cuda")
 
     if not args.no_pytest and not dry and not args.precompile_only:

@@ -16,6 +16,7 @@ scale.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -39,6 +40,8 @@ def main() -> int:
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        ap.error(f"--out {args.out}: its folder does not exist")  # (before the sweep, not after)
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
         print("needs a CUDA GPU (or --smoke)", file=sys.stderr)

@@ -33,7 +33,7 @@ import torch
 import triton
 from fp8_optim import CoatAdamW
 from fp8_optim.ops import AdamWLaunch
-from fp8_quant.timing import cuda_ms_per_call, gpu_state
+from fp8_quant.timing import check_sweep_options, cuda_ms_per_call, gpu_state
 
 L = AdamWLaunch
 # (name, launch): the default first, then by expected value; names are
@@ -115,6 +115,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated config names (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny tensors, CPU interpreter is fine")
     args = ap.parse_args()
+    check_sweep_options(ap, args, [c[0] for c in CONFIGS])
 
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     cuda = torch.cuda.is_available() and not interpret

@@ -44,7 +44,7 @@ import triton
 from fp8_quant import FP8Format, reference
 from fp8_quant.ops import hw_cast_supported
 from fp8_quant.ops.fp8_round import HW_CAST_ENV
-from fp8_quant.timing import cuda_ms_per_call, gpu_state
+from fp8_quant.timing import check_sweep_options, cuda_ms_per_call, gpu_state
 
 qpg = importlib.import_module("fp8_quant.ops.quantize_per_group")  # the module, not the op
 GroupLaunch = qpg.GroupLaunch
@@ -168,6 +168,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated config names (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, CPU interpreter is fine")
     args = ap.parse_args()
+    check_sweep_options(ap, args, [c[0] for c in CONFIGS])
 
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if args.smoke:

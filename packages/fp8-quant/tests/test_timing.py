@@ -40,3 +40,21 @@ def test_host_ms_per_call_waits_before_each_call_and_times_the_call():
     assert math.isfinite(ms) and ms >= 0
     with pytest.raises(ValueError, match="calls must be >= 1"):
         host_ms_per_call(lambda: None, 0)
+
+
+def test_sweep_options_are_checked_before_a_sweep(tmp_path):
+    """An unknown --only name (one ran nothing, another everything) and an --out whose folder
+    cannot be made (the results were lost at the sweep's end) stop at once, exit 2."""
+    import argparse
+
+    from fp8_quant.timing import check_sweep_options
+
+    parser = argparse.ArgumentParser(prog="sweep")
+    out = tmp_path / "made" / "r.json"
+    check_sweep_options(parser, argparse.Namespace(only="a", out=str(out)), ["a", "b"])
+    assert out.parent.is_dir() and not out.exists()
+    (tmp_path / "file").write_text("")
+    for only, where in [("a,c", tmp_path), ("", tmp_path / "file" / "r.json")]:
+        with pytest.raises(SystemExit) as e:
+            check_sweep_options(parser, argparse.Namespace(only=only, out=str(where)), ["a", "b"])
+        assert e.value.code == 2

@@ -8,14 +8,16 @@ training step runs its kernels back to back from a warm L2 with the host queuein
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["cuda_ms_per_call", "gpu_state", "host_ms_per_call"]
+__all__ = ["cuda_ms_per_call", "gpu_state", "host_ms_per_call", "check_sweep_options"]
 
 
 def cuda_ms_per_call(
@@ -97,3 +99,20 @@ def gpu_state() -> str:
         if r.returncode == 0:
             return f"{fields}: {r.stdout.strip()}"
     return f"nvidia-smi failed: {r.stderr.strip()[:200]}"
+
+
+def check_sweep_options(parser, args, names) -> None:
+    """For a sweep script: its ``--only`` (comma-separated) names only configs of ``names``,
+    and its ``--out`` (a folder, or a ``.json`` file in one) can be written (the folder is
+    made): checked before the sweep, which otherwise ran everything (an unknown name: none)
+    and lost its results to a bad path at its end. Else ``parser.error`` (exit 2)."""
+    unknown = set(filter(None, args.only.split(","))) - set(names)
+    if unknown:
+        bad, known = ", ".join(sorted(unknown)), ", ".join(names)
+        parser.error(f"--only: unknown {bad}: choose from {known}")
+    folder = os.path.dirname(os.path.abspath(args.out)) if args.out.endswith(".json") else args.out
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        parser.error(f"--out {args.out}: {e.strerror or e}")
