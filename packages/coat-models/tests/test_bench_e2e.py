@@ -84,6 +84,14 @@ BAD_ARGS = [
     (["profile", "--rounds", "x"], "bench_e2e.py profile: error: argument --rounds: invalid int"),
     (["--micro-batches", "1,x"], "bench_e2e.py: error: argument --micro-batches: must be comma"),
     (["--micro-batches", "0"], "bench_e2e.py: error: argument --micro-batches: must be comma"),
+    # tracebacks (or an empty table) before helper-72's probe
+    (["--preset", "nope"], "bench_e2e.py: error: argument --preset: invalid choice: 'nope'"),
+    (["--device", "foo"], "bench_e2e.py: error: argument --device: invalid choice: 'foo'"),
+    (["--seq-len", "0"], "bench_e2e.py: error: argument --seq-len: must be an integer >= 1"),
+    (["--max-micro-batch", "0"], "bench_e2e.py: error: argument --max-micro-batch: must be"),
+    (["profile", "--micro-batch", "0"], "bench_e2e.py profile: error: argument --micro-batch"),
+    (["profile", "--rounds", "0"], "bench_e2e.py profile: error: argument --rounds: must be"),
+    (["profile", "--out", "/no/such/dir/r.txt"], "bench_e2e.py profile: error: --out /no/such"),
 ]
 
 
@@ -97,3 +105,48 @@ def test_bad_arguments_are_one_line(bench, capsys, monkeypatch, argv, line):
     out, err = capsys.readouterr()
     assert e.value.code == 2 and out == ""
     assert err.startswith(line) and err.count("\n") == 1, err
+
+
+def test_a_bad_bench_out_is_refused_before_the_run(bench, capsys, monkeypatch, tmp_path):
+    """BENCH_OUT was opened after the whole run (minutes on a GPU), its results lost to a
+    traceback (helper-72): checked first now."""
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path / "no" / "such.json"))
+    monkeypatch.setattr(bench, "load_data", lambda: pytest.fail("ran"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--device", "cpu", "--preset", "tiny"])
+    assert e.value.code == 2
+    assert "BENCH_OUT " in capsys.readouterr().err
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("modes", ["nope", "Coat", "coat,coat", "bf16,coat-act"])
+def test_bench_fsdp_refuses_unknown_modes(capsys, monkeypatch, modes):
+    """A mode other than bf16 and coat trained as bf16 under its own label (helper-72)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        _script("bench_fsdp").parse_args(["--modes", modes])
+    assert e.value.code == 2
+    assert "argument --modes: " in capsys.readouterr().err
+    assert _script("bench_fsdp").parse_args(["--modes", "coat"]).modes == ["coat"]
+
+
+def test_bench_vila_refuses_unknown_variants_and_cases(monkeypatch):
+    """A misspelt BENCH_VILA_VARIANTS name was dropped (bf16 alone ran; helper-72)."""
+    vila = _script("bench_vila")
+    monkeypatch.setenv("BENCH_VILA_VARIANTS", "coat-graph")
+    with pytest.raises(ValueError, match="unknown coat-graph"):
+        vila._variants()
+    monkeypatch.setenv("BENCH_VILA_VARIANTS", "coat-graphs")
+    assert list(vila._variants()) == ["bf16", "coat-graphs"]
+    for bad in ("nope", "0x1", "1x1,", "1x2x3"):
+        monkeypatch.setenv("BENCH_VILA_CASES", bad)
+        with pytest.raises(ValueError, match="BENCH_VILA_CASES"):
+            vila._cases()
+    monkeypatch.setenv("BENCH_VILA_CASES", "1x1,2x2")
+    assert vila._cases() == [(1, 1), (2, 2)]
