@@ -260,6 +260,54 @@ def test_dcp_planted_metadata_runs_no_code(dcp_checkpoint, tmp_path, forged_mani
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("where", ["extra", "param_groups"])
+def test_dcp_data_whose_manifest_matches_runs_no_code(tmp_path, where):
+    """helper-75: DCP's own planner unpickled a checkpoint's non-tensor items (``extra``, the
+    optimizer's hyperparameters) with ``weights_only=False``: a data file written with a
+    matching manifest ran its code on load. Now they load as data or are refused."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    marker = tmp_path / "code-ran"
+    state = distributed._dcp_state(model, opt)
+    if where == "extra":
+        state["extra"] = Payload(marker)
+    else:
+        key = next(k for k in state["optim"] if k.startswith("param_groups.") and k.endswith(".lr"))
+        state["optim"][key] = Payload(marker)
+    path = tmp_path / "evil"
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    checkpoint.write_manifest(path, kind="dcp", world_size=1, step=1, serial=1)
+    with pytest.raises(CheckpointError, match="holds more than data .*: refused"):
+        distributed.load_checkpoint(path, model, opt)
+    if where == "extra":
+        with pytest.raises(CheckpointError, match="holds more than data"):
+            distributed.read_checkpoint_extra(path)
+    assert not marker.exists()
+
+
+def test_dcp_metadata_pointing_outside_the_checkpoint_is_refused(dcp_checkpoint, tmp_path):
+    """helper-75: a ``.metadata`` (with a manifest to match) placing an item in
+    ``../outside.bin`` read a file the manifest never hashed."""
+    import dataclasses
+
+    path, model, opt = dcp_checkpoint
+    metadata = distributed._read_metadata(str(path))
+    index = next(iter(metadata.storage_data))
+    info = metadata.storage_data[index]
+    metadata.storage_data[index] = dataclasses.replace(info, relative_path="../outside.bin")
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    checkpoint.write_manifest(path, kind="dcp", world_size=1, step=1, serial=1)
+    with pytest.raises(CheckpointError, match="places data in '../outside.bin', not a file"):
+        distributed.load_checkpoint(path, model, opt)
+    with pytest.raises(CheckpointError, match="not a file of the checkpoint"):
+        distributed.read_checkpoint_extra(path)
+
+
 def test_dcp_extra_written_on_a_gpu_comes_back_on_the_cpu(tmp_path, monkeypatch):
     """DCP keeps one rank's copy of ``extra``: a GPU tensor in it (e.g. an LR scheduler's
     state with a tensor lr) must not come back on that rank's GPU on every rank, nor fail

@@ -566,7 +566,6 @@ def load_checkpoint(
     the model keys the checkpoint lacks. A torch optimizer keeps its own implementation
     switches (``IMPLEMENTATION_KEYS``), not the checkpoint's.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     if verify:
@@ -586,8 +585,7 @@ def load_checkpoint(
         for k, v in state.get("optim", {}).items()
         if k.startswith("param_groups.") and k.rpartition(".")[2] in IMPLEMENTATION_KEYS
     }
-    with _single_process_quiet():
-        dcp.load(state, storage_reader=_reader(path))
+    _dcp_load(state, path)
     if switches:
         state["optim"].update(switches)
     options = StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
@@ -614,7 +612,6 @@ def read_checkpoint_extra(path, *, verify: bool = True) -> dict | None:
     >>> read_checkpoint_extra("ckpt/step100")["step"]
     100
     """
-    import torch.distributed.checkpoint as dcp
 
     if verify:
         verify_checkpoint(path)
@@ -622,8 +619,7 @@ def read_checkpoint_extra(path, *, verify: bool = True) -> dict | None:
     if "extra" not in _saved_metadata(path):
         return None
     state = {"extra": io.BytesIO()}
-    with _single_process_quiet():
-        dcp.load(state, storage_reader=_reader(path))
+    _dcp_load(state, path)
     return _extra(state)
 
 
@@ -661,15 +657,25 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _read_metadata(path: str):
-    """DCP's ``Metadata`` of ``path``, unpickled with ``_MetadataUnpickler``."""
+    """DCP's ``Metadata`` of ``path``, unpickled with ``_MetadataUnpickler``; every item it
+    places must lie in a file of the checkpoint directory itself (a ``relative_path`` such as
+    ``../x`` read a file outside, which the manifest had not hashed)."""
     metadata_path = os.path.join(path, ".metadata")
     with open(metadata_path, "rb") as f:
         try:
-            return _MetadataUnpickler(f).load()
+            metadata = _MetadataUnpickler(f).load()
         except Exception as e:  # any garbage: truncated, another pickle, refused class
             raise checkpoint.CheckpointError(
                 f"{metadata_path} is not the metadata of a DCP checkpoint ({e})"
             ) from None
+    storage = getattr(metadata, "storage_data", None) or {}
+    for info in storage.values() if isinstance(storage, dict) else [None]:
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name:
+            raise checkpoint.CheckpointError(
+                f"{metadata_path} places data in {name!r}, not a file of the checkpoint: refused"
+            )
+    return metadata
 
 
 @functools.cache
@@ -694,6 +700,57 @@ def _reader_class():
 
 def _reader(path: str):
     return _reader_class()(path)
+
+
+def _dcp_load(state: dict, path: str) -> None:
+    """``dcp.load`` of ``state`` from ``path`` through the checked reader and planner; the
+    ``CheckpointError`` one of them raised comes out as itself (DCP wraps what a read
+    raises in its ``CheckpointException``, every rank's traceback in its text)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=_reader(path), planner=_planner_class()())
+    except CheckpointException as e:
+        ours = [
+            exc for exc, _ in e.failures.values() if isinstance(exc, checkpoint.CheckpointError)
+        ]
+        if ours:
+            raise ours[0] from None
+        raise
+
+
+@functools.cache
+def _planner_class():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element  # (as torch's planner)
+
+    class Planner(dcp.DefaultLoadPlanner):
+        """``DefaultLoadPlanner`` whose non-tensor items (``extra``'s bytes, the optimizer's
+        hyperparameters) load with ``weights_only=True``: torch's unpickles them with
+        ``weights_only=False``, running whatever code a checkpoint's data file names, after
+        the manifest passed (anyone who can write the files can write a manifest)."""
+
+        def load_bytes(self, read_item, value) -> None:
+            with torch.serialization.safe_globals([io.BytesIO]):  # (``extra``'s container)
+                try:
+                    loaded = torch.load(value, weights_only=True)
+                except pickle.UnpicklingError as e:
+                    # (torch's own text suggests weights_only=False: running the file's code)
+                    why = next((ln.strip() for ln in str(e).splitlines()
+                                if "Unsupported" in ln), "not plain data")  # fmt: skip
+                    raise checkpoint.CheckpointError(
+                        f"{read_item.dest_index.fqn} of the checkpoint holds more than data "
+                        f"({why}): refused"
+                    ) from None
+            if self.flatten_state_dict:
+                fqn = self.mappings[read_item.dest_index.fqn]
+                set_element(self.original_state_dict, fqn, loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return Planner
 
 
 def _saved_metadata(path: str) -> dict:
