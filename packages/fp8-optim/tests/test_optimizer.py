@@ -1125,6 +1125,45 @@ def test_copied_optimizer_steps_like_the_original(copy, h):
     h.assert_same_state(opt, params, twin, params2)
 
 
+@pytest.mark.parametrize("copy", ["deepcopy", "torch.save"])
+def test_a_copy_keeps_the_numbers_of_parameters_added_to_a_group_s_list(copy, h):
+    """A parameter appended to a group's list is numbered when first stepped (after the
+    later groups' ones); a copy numbered by group order gave it another rounding stream and
+    the copy stepped elsewhere (helper-75)."""
+    import copy as copy_module
+
+    gen = torch.Generator().manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(256, generator=gen).bfloat16()) for _ in "abc")
+    opt = CoatAdamW([{"params": [a]}, {"params": [b]}], lr=1e-2)
+    opt.param_groups[0]["params"].append(c)
+    params = [a, b, c]
+    _feed(params, opt, 1, seed=1)
+    if copy == "deepcopy":
+        twin = copy_module.deepcopy(opt)
+    else:
+        buf = io.BytesIO()
+        torch.save(opt, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)  # our own bytes, written just above
+    twin_params = [twin.param_groups[0]["params"][0], twin.param_groups[1]["params"][0],
+                   twin.param_groups[0]["params"][1]]  # fmt: skip
+    assert [twin._param_index[p] for p in twin_params] == [opt._param_index[p] for p in params]
+    _feed(params, opt, 2, seed=5)
+    _feed(twin_params, twin, 2, seed=5)
+    h.assert_same_state(opt, params, twin, twin_params)
+
+
+@pytest.mark.parametrize("state", [None, [1.0], 3])
+def test_a_parameter_state_that_is_no_dict_is_a_type_error(state):
+    """It raised AttributeError ('NoneType' has no 'items') before the check meant for it."""
+    params, opt = _trained()
+    sd = _save_load(opt.state_dict())
+    sd["state"][0] = state
+    clones, opt2 = _clone_setup(params)
+    with pytest.raises(TypeError, match="the state of parameter 0 is not a dict"):
+        opt2.load_state_dict(sd)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_eps_zero_steps_parameters_whose_last_group_is_partial(backend, request):
     """With ``eps=0`` a parameter whose size is not a multiple of the group size trains (its

@@ -140,22 +140,32 @@ class CoatAdamW(torch.optim.Optimizer):
     def __getstate__(self) -> dict:
         # torch's keeps defaults, state and param groups; launch plans hold raw addresses
         # and are made again, as are the parameter indices and DTensor shards.
+        # The indices by position in the groups: a parameter put into a group's list directly
+        # was numbered when first stepped, not in group order (helper-75: a copy renumbered
+        # it, and its rounding streams went elsewhere).
+        order = [self._param_index.get(p) for g in self.param_groups for p in g["params"]]
         return {
             **super().__getstate__(),
             "config": self.config,
             "_sr_offset": self._sr_offset,
             "_bad": self._bad,
             "_launch": self._launch,
+            "_param_order": order,
         }
 
     def __setstate__(self, state: dict) -> None:
         # torch.save(optimizer), copy.deepcopy(optimizer) and multiprocessing give this.
+        order = state.pop("_param_order", None)
         super().__setstate__(state)
         self._param_index, self._shards, self._plans, self._lr_seen = {}, {}, {}, {}
+        flat = [p for group in self.param_groups for p in group["params"]]
+        if order is None or len(order) != len(flat):  # (pickled before the order was kept)
+            order = list(range(len(flat)))
+        numbered = sorted((i, n) for n, i in enumerate(order) if i is not None)
+        self._index([flat[n] for _, n in numbered])  # numbered 0, 1, ... in their old order
         for gi, group in enumerate(self.param_groups):
             if isinstance(group["lr"], torch.Tensor):
                 self._lr_seen[gi] = group["lr"]
-            self._index(group["params"])
 
     def _adopt(self, p) -> None:
         """Number a parameter put into ``param_groups`` without ``add_param_group`` (a group's
@@ -594,13 +604,13 @@ class CoatAdamW(torch.optim.Optimizer):
         for pid, pstate in state_dict["state"].items():
             if pid not in id_map:
                 raise ValueError(f"state dict has state for unknown parameter id {pid!r}")
+            if not isinstance(pstate, dict):  # (before .items(): an AttributeError)
+                raise TypeError(f"the state of parameter {pid!r} is not a dict")
             # torch.distributed.checkpoint unflattens a state a parameter lacked to {}.
             pstate = {k: v for k, v in pstate.items() if not (isinstance(v, dict) and not v)}
             if not pstate:
                 continue
             p = id_map[pid]
-            if not isinstance(pstate, dict):
-                raise TypeError(f"the state of parameter {pid!r} is not a dict")
             _check_saved_state(p, pid, pstate, self.config.group_size)
             shard = self._shards.get(p)
             if shard is not None:
