@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--check-only needs the run's directory")
     if args.check_only and extra:  # nothing trains, so nothing would read them
         p.error(f"unrecognized arguments with --check-only: {' '.join(extra)}")
-    if not args.check_only and "--device" not in extra and not _has_gpu():
+    device = any(a == "--device" or a.startswith("--device=") for a in extra)
+    if not args.check_only and not device and not _has_gpu():
         # (coat-train would train on the CPU: hours)
         p.error(
             f"trains the 125m preset for {STEPS} steps a mode: needs a CUDA GPU (or "

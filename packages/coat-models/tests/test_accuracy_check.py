@@ -210,6 +210,10 @@ def test_training_without_a_gpu_is_refused(bench, tmp_path, capsys, monkeypatch)
     assert e.value.code == 2 and not trained
     assert "needs a CUDA GPU (or --check-only RUN_DIR" in capsys.readouterr().err
     assert bench.main(["--device", "cpu"]) == 1 and trained  # (the stand-in's exit code)
+    assert bench.main(["--device=cpu"]) == 1 and len(trained) == 2
+    trained.clear()
+    monkeypatch.setenv("BENCH_OUT", "")  # (empty: no file, as the writing code reads it)
+    assert bench.main(["--device=cpu"]) == 1 and len(trained) == 1
     monkeypatch.setattr(bench, "_has_gpu", lambda: True)
     monkeypatch.setenv("BENCH_OUT", str(tmp_path / "no" / "such.json"))
     with pytest.raises(SystemExit) as e:

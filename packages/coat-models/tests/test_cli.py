@@ -1533,7 +1533,7 @@ def test_an_error_some_ranks_find_is_said_by_them(monkeypatch):
     def fails():
         raise cli.DataError("--data a.txt: no such file")
 
-    _two_ranks(monkeypatch, other_error="--data a.txt: no such file")
+    _two_ranks(monkeypatch, other_error="DataError: --data a.txt: no such file")
     with pytest.raises(cli.OtherRankFailed):
         cli._agreed(args, passes)
     with pytest.raises(cli.DataError) as raised:
@@ -1564,6 +1564,33 @@ def test_an_error_of_one_rank_is_reported_with_its_rank(monkeypatch, capsys, tmp
     code = cli.main(argv)  # (the built-in corpus: this rank's checks pass)
     assert code == 2 and capsys.readouterr() == ("", "")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("other", ["same", "passes"])
+def test_an_os_error_in_the_checks_is_exchanged_too(monkeypatch, capsys, tmp_path, rank, other):
+    """helper-74: an error outside the input errors (an unreadable --data: OSError) skipped the
+    exchange: that rank left alone (the others' collective broke into a traceback) and an
+    error every rank found was printed by each. Now: once by rank 0 when every rank found
+    it, else by each rank that did, naming itself; exit 1 either way."""
+
+    def unreadable(*args):
+        raise PermissionError(13, "Permission denied", "data.txt")
+
+    monkeypatch.setattr(cli, "_strategy", lambda args: "ddp")  # (as under torchrun)
+    monkeypatch.setattr(cli, "_rank_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(cli, "process_rank", lambda: rank)
+    monkeypatch.setattr("coat_models.train.outdir.process_rank", lambda: rank)  # (say)
+    monkeypatch.setattr(cli, "lm_job", unreadable)
+    _two_ranks(monkeypatch, None if other == "same" else "")
+    code = cli.main(["--steps", "2", *FAST, "--out", str(tmp_path / "o"), "--mode", "bf16"])
+    err = capsys.readouterr().err
+    assert code == 1
+    if other == "same":
+        want = "coat-train: error: data.txt: Permission denied\n" if rank == 0 else ""
+    else:
+        want = f"coat-train: error: rank {rank}: data.txt: Permission denied\n"
+    assert err == want
 
 
 # ---------------------------------------------------------------- helper-66's probe of the CLI

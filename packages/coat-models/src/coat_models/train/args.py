@@ -166,7 +166,7 @@ def writable_file(path: str | None, what: str) -> str | None:
     """``path`` (None passes) when a file can be written there, checked before a long run
     that would only then write its results; else a ``UsageError`` naming ``what`` (the option
     or variable that gave it). Creates nothing."""
-    if path is None:
+    if not path:  # (unset or empty: no file is written)
         return None
     p = os.path.abspath(path)
     folder = os.path.dirname(p)

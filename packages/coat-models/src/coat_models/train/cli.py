@@ -687,23 +687,28 @@ def _agreed(args, plan: Callable[[], tuple]) -> tuple:
     raises. An error every rank found is said once, by rank 0; one found by some ranks only
     (a file missing on one node) by each of them, naming its rank (rank 0 did not see it);
     ranks started with other settings than rank 0's are named by rank 0. No rank leaves
-    before the others have joined the process group (one leaving early broke their join)."""
+    before the others have joined the process group (one leaving early broke their join).
+    Other errors (an unreadable --data: OSError; a bug) are exchanged too, then raised as
+    they are, ``every_rank`` set on them when every rank raised the same."""
     given = dict(vars(args))  # before plan() fills in defaults
     result = error = None
     try:
         result = plan()
-    except INPUT_ERRORS as e:
+    except Exception as e:
         error = e
     data = None if result is None else [task.fingerprint for task in result[2].tasks]
+    said = "" if error is None else f"{type(error).__name__}: {error}"
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {"args": given, "data": data, "error": str(error or "")})
+    dist.all_gather_object(everyone, {"args": given, "data": data, "error": said})
     check_ranks_agree(everyone)
-    said = [theirs["error"] for theirs in everyone]
+    same = len({theirs["error"] for theirs in everyone}) == 1
     if error is not None:
-        if len(set(said)) == 1:
-            raise error  # the same on every rank
-        raise RankUsageError(str(error)) from error
-    if any(said):
+        if isinstance(error, INPUT_ERRORS) and not same:
+            raise RankUsageError(str(error)) from error
+        with contextlib.suppress(AttributeError):  # (an exception without a __dict__)
+            error.every_rank = same
+        raise error
+    if any(theirs["error"] for theirs in everyone):
         raise OtherRankFailed
     if any(theirs["data"] != data for theirs in everyone):
         rank = next(r for r, theirs in enumerate(everyone) if theirs["data"] != everyone[0]["data"])
@@ -919,7 +924,11 @@ def _run_reporting(args, own_group: bool, hf_bars) -> int:
         where = f"{e.filename}: " if e.filename else ""
         full = e.errno in (errno.ENOSPC, errno.EDQUOT) or "bytes free there" in str(e)
         hint = f"; free space there or pass another --out (now {args.out})" if full else ""
-        print(f"{PROG}: error: {where}{e.strerror or e}{hint}", file=sys.stderr)
+        # _agreed's: found by every rank (said once, by rank 0) or by some (each says it)
+        every = getattr(e, "every_rank", None)
+        rank = f"rank {process_rank()}: " if every is False else ""
+        (say if every else print)(f"{PROG}: error: {rank}{where}{e.strerror or e}{hint}",
+                                  file=sys.stderr)  # fmt: skip
         return 1
     except KeyboardInterrupt as e:
         what = "terminated" if isinstance(e, interrupt.Terminated) else "interrupted"
