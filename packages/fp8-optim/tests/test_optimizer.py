@@ -2,6 +2,7 @@
 bad input. These run the reference backend (CPU); test_adamw.py checks the kernel against it.
 """
 
+import copy as copy_module
 import dataclasses
 import io
 import math
@@ -1101,22 +1102,24 @@ def test_a_state_that_no_longer_fits_is_refused(backend, spoil, match, request):
     assert opt.state[p]["step"].item() == 1.0
 
 
+def _copied(opt, how: str):
+    """``opt`` through ``copy.deepcopy`` or ``torch.save`` + ``torch.load``."""
+    if how == "deepcopy":
+        return copy_module.deepcopy(opt)
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)  # our own bytes, written just above
+
+
 @pytest.mark.parametrize("copy", ["deepcopy", "torch.save"])
 def test_copied_optimizer_steps_like_the_original(copy, h):
     """``copy.deepcopy(opt)`` and ``torch.save(opt)`` give an optimizer that steps (it had
     no config, plans or parameter indices: AttributeError at the first step), the same bits
     as the original given the same gradients."""
-    import copy as copy_module
-
     params, opt = _trained(dtype=torch.bfloat16)  # stochastic rounding: indices must survive
     opt.nonfinite_groups()  # (counters exist)
-    if copy == "deepcopy":
-        twin = copy_module.deepcopy(opt)
-    else:
-        buf = io.BytesIO()
-        torch.save(opt, buf)
-        buf.seek(0)
-        twin = torch.load(buf, weights_only=False)  # our own bytes, written just above
+    twin = _copied(opt, copy)
     params2 = [p for g in twin.param_groups for p in g["params"]]
     assert twin.config == opt.config
     assert all(p2 is not p for p2, p in zip(params2, params, strict=True))
@@ -1130,21 +1133,13 @@ def test_a_copy_keeps_the_numbers_of_parameters_added_to_a_group_s_list(copy, h)
     """A parameter appended to a group's list is numbered when first stepped (after the
     later groups' ones); a copy numbered by group order gave it another rounding stream and
     the copy stepped elsewhere (helper-75)."""
-    import copy as copy_module
-
     gen = torch.Generator().manual_seed(0)
     a, b, c = (torch.nn.Parameter(torch.randn(256, generator=gen).bfloat16()) for _ in "abc")
     opt = CoatAdamW([{"params": [a]}, {"params": [b]}], lr=1e-2)
     opt.param_groups[0]["params"].append(c)
     params = [a, b, c]
     _feed(params, opt, 1, seed=1)
-    if copy == "deepcopy":
-        twin = copy_module.deepcopy(opt)
-    else:
-        buf = io.BytesIO()
-        torch.save(opt, buf)
-        buf.seek(0)
-        twin = torch.load(buf, weights_only=False)  # our own bytes, written just above
+    twin = _copied(opt, copy)
     twin_params = [twin.param_groups[0]["params"][0], twin.param_groups[1]["params"][0],
                    twin.param_groups[0]["params"][1]]  # fmt: skip
     assert [twin._param_index[p] for p in twin_params] == [opt._param_index[p] for p in params]
