@@ -500,6 +500,27 @@ def test_follow_grad_mode_state_survives_threads_and_interrupts():
     assert fm._ROOT_GRAD is None and not fm._STACKS
 
 
+def test_eval_of_a_replica_and_of_a_pruned_module_uses_their_weights():
+    """helper-77: eval lent the twin the module's _parameters only. nn.DataParallel's replicas
+    hold their weights as plain attributes (their _parameters emptied): eval raised
+    AttributeError; torch's prune keeps the pruned weight as one too: eval computed with the
+    unpruned weight, silently."""
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 32)
+    model = convert_to_fp8_activations(nn.Sequential(nn.Linear(32, 16))).eval()
+    replica = model[0]._replicate_for_data_parallel()  # what torch's replicate() then does:
+    replica._former_parameters = OrderedDict()
+    w, b = model[0].weight * 2, model[0].bias + 1  # (broadcast copies: not leaves)
+    replica.weight, replica.bias = w, b
+    assert torch.equal(replica(x), nn.functional.linear(x, w, b))
+    pruned = convert_to_fp8_activations(nn.Sequential(nn.Linear(32, 16))).eval()
+    prune.l1_unstructured(pruned[0], "weight", amount=0.5)
+    want = nn.functional.linear(x, pruned[0].weight_orig * pruned[0].weight_mask, pruned[0].bias)
+    assert torch.equal(pruned(x), want)
+
+
 def test_eval_lends_the_parameters_for_the_call_only():
     """The twin (the original module) gives back what it held after an eval call, keeping
     no reference to parameters swapped in since (accelerate's offload moves the weights to

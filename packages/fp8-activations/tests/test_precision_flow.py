@@ -137,3 +137,20 @@ def test_a_saved_output_carries_no_hand_over():
     assert len(buf.getvalue()) < len(plain.getvalue()) + 256  # (an empty set, no copies)
     loaded = torch.load(io.BytesIO(buf.getvalue()))
     assert torch.equal(loaded, y) and handed_over(loaded) is None
+
+
+def test_a_parameter_input_is_read_afresh_after_a_fused_optimizer_step():
+    """helper-77: a linear's per-tensor FP8 copy of its input was kept on a Parameter fed to
+    it (a learned query); a fused optimizer updates parameters in place without bumping
+    their version, so the next forward reused the copy of the old value."""
+    torch.manual_seed(0)
+    query = torch.nn.Parameter(torch.randn(4, N))
+    w = torch.nn.Parameter(torch.randn(N, N) / 8)
+    opt = torch.optim.AdamW([query, w], lr=0.1, fused=True)
+    for _ in range(3):
+        y = fa.fp8_linear(query, w, None)
+        y.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    fresh = fa.fp8_linear(query.detach().clone(), w.detach(), None)
+    assert torch.equal(fa.fp8_linear(query, w, None).detach(), fresh)

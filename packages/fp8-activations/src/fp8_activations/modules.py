@@ -133,6 +133,9 @@ class _FP8Module:
             )
         self.config = config or DEFAULT_CONFIG
         self.__dict__["_float_original"] = original  # not a submodule: not in state_dict
+        # The parameter names its float forward reads (kept in replicas, whose _parameters
+        # nn.DataParallel empties)
+        self.__dict__["_float_names"] = tuple(self._parameters)
 
     def _twin(self) -> nn.Module | None:
         """The original float module with this module's current parameters and settings
@@ -163,8 +166,12 @@ class _FP8Module:
         # This module's parameters for this call only: the twin gives back what it held, so
         # that it keeps no reference to tensors swapped in since (accelerate's offload puts
         # the weights back on meta after a forward; the twin had kept them on the device).
+        # By attribute, not from _parameters: torch's prune and nn.DataParallel's replicas
+        # hold the weight as a plain attribute (the twin computed with the unpruned weight;
+        # a replica's twin had no weight at all; helper-77).
         lent = []
-        for name, p in self._parameters.items():
+        for name in self.__dict__.get("_float_names") or self._parameters:
+            p = getattr(self, name, None)
             held = twin._parameters.get(name)
             if held is not p:
                 lent.append((name, held))
