@@ -625,6 +625,50 @@ def test_second_process_on_one_out_is_refused(tmp_path):
     assert code == 0, err
 
 
+def test_a_running_run_s_checkpoints_are_not_called_an_earlier_run_s(tmp_path):
+    """A second coat-train on the --out of one still running was told that its checkpoints
+    were an earlier run's, to delete them or pass --resume (helper-76): the lock is probed
+    first, as the run holding it would answer."""
+    import fcntl
+
+    out = tmp_path / "run"
+    argv = [*ARGS, "--steps", "2", "--save-every", "2", "--out", out]
+    assert train(argv)[0] == 0
+    fd = os.open(out / ".lock", os.O_RDWR)  # a running coat-train's lock, PID 4242
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, b"4242\n", 0)
+        before = _snapshot(out)
+        code, _, err = train(argv)
+        assert code == 2 and err.count("\n") == 1, err
+        assert "is in use by another coat-train (PID 4242): wait for it" in err
+        assert _snapshot(out) == before
+    finally:
+        os.close(fd)
+
+
+def test_a_second_signal_while_the_interrupt_is_reported_is_one_line(tmp_path, monkeypatch):
+    """A second Ctrl-C / SIGTERM while the interrupt's line was being made (a walk of --out)
+    ended in a traceback, exit 1 (helper-76): still the one line, exit 130."""
+    from coat_models.train import cli
+    from coat_models.train.trainer import Trainer
+
+    def interrupted(trainer, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    def second_signal(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "queue_step", interrupted)
+    monkeypatch.setattr(cli, "_way_on", second_signal)
+    code, _, err = train([*ARGS, "--steps", "2", "--out", tmp_path / "run"])
+    assert code == 130 and "Traceback" not in err
+    assert err.strip().splitlines() == [
+        f"coat-train: interrupted; completed checkpoints (if any) are under {tmp_path / 'run'}"
+    ]
+
+
 def _snapshot(root) -> dict:
     return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 

@@ -39,6 +39,7 @@ from .outdir import (
     OUT_FILES,
     barrier,
     check_inputs_outside,
+    check_not_in_use,
     check_out,
     check_resume,
     check_resume_settings,
@@ -661,6 +662,7 @@ def _plan(args, strategy: str | None, device: torch.device):
     else:
         job = lm_job(args, cfgs, modes, device, label)
     check_fits(job.n_params, modes, masters, device, label, strategy, cfgs[0], job.vocab, job.tune)
+    check_not_in_use(out)
     check_resume(args, out, modes)
     return modes, cfgs, job, out, device, label
 
@@ -932,7 +934,12 @@ def _run_reporting(args, own_group: bool, hf_bars) -> int:
         return 1
     except KeyboardInterrupt as e:
         what = "terminated" if isinstance(e, interrupt.Terminated) else "interrupted"
-        say(f"\n{PROG}: {what}; {_way_on(args)}", file=sys.stderr)
+        try:
+            way = _way_on(args)  # (a walk of --out)
+        except KeyboardInterrupt:  # a second signal meanwhile: the line without it
+            way = f"completed checkpoints (if any) are under {args.out}"
+        with contextlib.suppress(KeyboardInterrupt):
+            say(f"\n{PROG}: {what}; {way}", file=sys.stderr)
         return 128 + (signal.SIGTERM if isinstance(e, interrupt.Terminated) else signal.SIGINT)
     finally:
         # A signal landing in this clean-up (after the run was reported) changes nothing.

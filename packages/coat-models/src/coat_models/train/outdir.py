@@ -140,6 +140,34 @@ def _check_foreign(out: Path, modes: list[str]) -> None:
             )
 
 
+def _in_use(out: Path, holder: str) -> str:
+    return (
+        f"--out {out} is in use by another coat-train (PID {holder}): wait for it to "
+        "finish, or pass another --out"
+    )
+
+
+def check_not_in_use(out: Path) -> None:
+    """Refuse an ``--out`` whose lock another coat-train holds, before the checks of what is
+    in it: those named a running run's checkpoints "an earlier run's", the remedy deleting
+    them (helper-76). A shared probe (the holder's lock is exclusive; ranks probing at once
+    do not refuse each other); creates nothing."""
+    try:
+        fd = os.open(out / LOCK_FILE, os.O_RDONLY)
+    except OSError:  # no lock file (or unreadable: output_lock says so later)
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(
+                _in_use(out, os.read(fd, 32).decode(errors="replace").strip() or "unknown")
+            ) from None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def output_lock(out: Path):
     """Hold an exclusive ``flock`` on ``out/.lock`` for the run (rank 0): two coat-train
@@ -159,10 +187,7 @@ def output_lock(out: Path):
             holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             fd = None
-            error = (
-                f"--out {out} is in use by another coat-train (PID {holder}): wait for it to "
-                "finish, or pass another --out"
-            )
+            error = _in_use(out, holder)
         else:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
