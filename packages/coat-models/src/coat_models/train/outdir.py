@@ -150,8 +150,11 @@ def _in_use(out: Path, holder: str) -> str:
 def check_not_in_use(out: Path) -> None:
     """Refuse an ``--out`` whose lock another coat-train holds, before the checks of what is
     in it: those named a running run's checkpoints "an earlier run's", the remedy deleting
-    them (helper-76). A shared probe (the holder's lock is exclusive; ranks probing at once
-    do not refuse each other); creates nothing."""
+    them (helper-76). Rank 0's, which takes the lock (another rank could find rank 0 still
+    holding it for the run before, in one process calling coat-train again); a shared probe
+    (the holder's lock is exclusive); creates nothing."""
+    if process_rank() != 0:
+        return
     try:
         fd = os.open(out / LOCK_FILE, os.O_RDONLY)
     except OSError:  # no lock file (or unreadable: output_lock says so later)
