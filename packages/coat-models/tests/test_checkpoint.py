@@ -126,6 +126,25 @@ def test_newest_is_by_serial_and_prune_keeps_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000004"]
 
 
+def test_make_newest_rewrites_the_serial_only(tmp_path):
+    for step in (2, 4, 6):
+        make_checkpoint(tmp_path / f"step_000000{step}", step=step)
+    old = tmp_path / "step_0000002"
+    before = checkpoint.read_manifest(old)
+    checkpoint.make_newest(old)
+    after = checkpoint.read_manifest(old)
+    assert checkpoint.newest(tmp_path) == old and after.serial == 4
+    assert after == checkpoint.Manifest(**{**vars(before), "serial": 4})
+    checkpoint.verify(old, after)  # its files are the ones it lists
+    checkpoint.make_newest(old)  # the newest already: unchanged
+    assert checkpoint.read_manifest(old).serial == 4
+    assert [p.name for p in checkpoint.ordered(tmp_path)] == [
+        "step_0000004", "step_0000006", "step_0000002"]  # fmt: skip
+    assert checkpoint.unpublished(tmp_path / ".tmp-step_0000008-12")
+    assert checkpoint.unpublished(tmp_path / "step_0000008.partial")
+    assert not checkpoint.unpublished(old)
+
+
 def test_newest_refuses_a_checkpoint_it_cannot_read(tmp_path):
     make_checkpoint(tmp_path / "step_0000002", step=2)
     (tmp_path / "step_0000009").mkdir()  # no manifest: it might be the newest

@@ -224,6 +224,40 @@ def test_resume_from_an_older_checkpoint_supersedes_later_ones(runs, tmp_path):
     assert records(out) == records(runs / "ref")
 
 
+def test_plain_resume_after_an_interrupted_resume_of_an_older_checkpoint_returns_to_it(
+    runs, tmp_path
+):
+    """Resumed from step 2, interrupted before writing a checkpoint of its own: plain
+    --resume continues from step 2 again, not from the replaced run's step 6, whose
+    records the first resume cut from the metrics (they were lost)."""
+    out = tmp_path / "run"
+    ckpts = out / "bf16" / "checkpoints"
+    assert train([*ARGS, "--keep-checkpoints", "3", "--out", out])[0] == 0
+    with interrupted_before(3):
+        code, *_ = train([*ARGS, "--resume", ckpts / "step_0000002", "--out", out])
+    assert code == 130
+    code, said, err = train([*ARGS, "--keep-checkpoints", "1", "--resume", "--out", out])
+    assert code == 0, err
+    assert f"resuming from {ckpts / 'step_0000002'}" in said, said
+    assert records(out) == records(runs / "ref")
+    assert names(ckpts) == ["step_0000006"]
+
+
+@pytest.mark.parametrize("name", [".tmp-step_0000004-123", "step_0000004.partial",
+                                  ".trash-step_0000004-1a2b3c4d"])  # fmt: skip
+def test_resume_of_an_unpublished_checkpoint_is_refused(runs, tmp_path, name):
+    """--resume of a directory a save is writing (or a killed one left, or one being
+    deleted): refused on one line naming the way on; it was accepted, then the checks
+    before training published it under its step_N name and the run failed to find it."""
+    out, ckpts = copy_base(runs, tmp_path)
+    shutil.copytree(ckpts / "step_0000004", ckpts / name)
+    before = names(ckpts)
+    code, _, err = train([*ARGS, "--resume", ckpts / name, "--out", out])
+    assert code == 2 and err.count("\n") == 1, err
+    assert "not a published one: pass a step_N directory beside it, or plain --resume" in err
+    assert names(ckpts) == before
+
+
 # ------------------------------------------------------------------- corrupt or planted
 def _flip_byte(path):
     data = bytearray(path.read_bytes())

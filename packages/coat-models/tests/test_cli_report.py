@@ -1,11 +1,14 @@
-"""coat-train --report-to tensorboard and --version."""
+"""coat-train --report-to tensorboard, --version, and a disk that fills while it writes."""
 
+import builtins
+import errno
 import importlib.metadata
 import json
+import pathlib
 import sys
 
 import pytest
-from coat_models.train import cli
+from coat_models.train import cli, report
 
 ARGV = (
     "--preset tiny --steps 4 --eval-every 2 --batch-size 2 --seq-len 32 --eval-batches 1 "
@@ -102,3 +105,40 @@ def test_version_names_every_package(capsys):
     names = ["fp8-quant", "fp8-optim", "fp8-activations", "coat-models"]
     names += ["torch", "triton", "transformers"]
     assert lines == [f"{n} {importlib.metadata.version(n)}" for n in names]
+
+
+def test_full_disk_on_the_metrics_names_the_file(tmp_path, capsys, monkeypatch):
+    """A write of a metrics record that fails (here: into /dev/full, always ENOSPC) is one
+    line naming metrics.jsonl and the remedy, exit 1 (it named no file)."""
+    if not pathlib.Path("/dev/full").exists():
+        pytest.skip("needs /dev/full (Linux)")
+
+    def full(path, mode="r", *args, **kwargs):
+        return builtins.open("/dev/full", mode, *args, **kwargs)
+
+    monkeypatch.setattr(report, "open", full, raising=False)  # MetricsLog's appends
+    code = cli.main([*ARGV, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    metrics = tmp_path / "bf16" / "metrics.jsonl"
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"coat-train: error: {metrics}: No space left on device; free space"), err
+
+
+def test_full_disk_on_the_summary_names_it_and_leaves_no_temporary(tmp_path, capsys, monkeypatch):
+    """summary.json's write fails half-way: the error names summary.json (not the temporary
+    it was written to) and the half-written temporary is gone."""
+    write_bytes = pathlib.Path.write_bytes
+
+    def half_then_full(self, data):
+        if "summary.json" not in self.name:
+            return write_bytes(self, data)
+        write_bytes(self, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", half_then_full)
+    code = cli.main([*ARGV, "--steps", "2", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    summary = tmp_path / "bf16" / "summary.json"
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"coat-train: error: {summary}: No space left on device; free space"), err
+    assert not [p.name for p in summary.parent.iterdir() if "tmp" in p.name]

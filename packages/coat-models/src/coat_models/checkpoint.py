@@ -5,7 +5,8 @@ kind (``"torch"``: ``torch.save`` files of one process; ``"dcp"``:
 ``torch.distributed.checkpoint`` shards of every rank and its ``.metadata``), the number of
 ranks, the step, a serial number (the order in which checkpoints were written into their
 parent directory: "newest" means the highest serial, not the highest step, so that a run
-resumed from an older checkpoint supersedes the later ones of the run it replaces), and the
+resumed from an older checkpoint supersedes the later ones of the run it replaces: from its
+start, by ``make_newest``, then by writing its own), and the
 size and SHA-256 of every file. Readers parse the manifest (JSON: it runs no code), check
 that the directory holds exactly the files it lists, and hash every file before they open
 any of them.
@@ -42,7 +43,7 @@ import os
 import re
 import shutil
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -53,6 +54,7 @@ __all__ = [
     "Manifest",
     "checkpoint_name",
     "has_checkpoints",
+    "make_newest",
     "newest",
     "next_serial",
     "ordered",
@@ -61,6 +63,7 @@ __all__ = [
     "read_manifest",
     "recover",
     "remove",
+    "unpublished",
     "verify",
     "write_manifest",
     "write_torch_files",
@@ -155,6 +158,16 @@ def write_torch_files(directory: Path, objects: dict[str, object]) -> None:
         _reached(f"write:{name}")
 
 
+def _write_manifest_file(directory: Path, manifest: Manifest) -> None:
+    tmp = directory / f".manifest-{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST)
+    _fsync_dir(directory)
+
+
 def write_manifest(
     directory: Path,
     *,
@@ -177,13 +190,7 @@ def write_manifest(
             raise ValueError(f"{path}: a checkpoint holds plain files only")
         files[path.name] = _sha256(path)
     manifest = Manifest(kind, world_size, step, serial, files, dict(info or {}))
-    tmp = directory / f".manifest-{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
-    _fsync_dir(directory)
+    _write_manifest_file(directory, manifest)
     _reached("manifest")
     return manifest
 
@@ -363,6 +370,27 @@ def next_serial(parent: Path) -> int:
     """The serial of the next checkpoint written into ``parent``."""
     dirs = _published(parent) + [p for p, _ in _in_progress(parent)]
     return 1 + max((s for p in dirs if (s := _serial(p)) is not None), default=0)
+
+
+def make_newest(directory: Path) -> None:
+    """Give published checkpoint ``directory`` the next serial of its parent, so that it is
+    the newest (a run resumed from an older checkpoint replaces the later ones of the run
+    it continues; until it writes its own, a plain resume must come back to where it
+    started, not to them). Only the manifest is rewritten (atomically); no-op where it is
+    the newest already."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    done = ordered(directory.parent)
+    if done and done[-1].name == directory.name:
+        return
+    _write_manifest_file(directory, replace(manifest, serial=next_serial(directory.parent)))
+
+
+def unpublished(path: Path) -> bool:
+    """Whether ``path`` is named as a checkpoint being written (or left so by a killed save)
+    or being deleted, not a published one: ``recover`` renames or deletes those."""
+    name = Path(path).name
+    return name.startswith(_TRASH) or any(p.fullmatch(name) for p in _IN_PROGRESS)
 
 
 def has_checkpoints(parent: Path) -> bool:

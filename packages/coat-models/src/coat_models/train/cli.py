@@ -48,6 +48,7 @@ from .outdir import (
     process_rank,
     resume_point,
     say,
+    supersede,
     unusable_given,
     unusable_newest,
 )
@@ -795,6 +796,7 @@ def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, 
             run_on_rank0(lambda: [(mode_dir.parent / n).unlink(missing_ok=True) for n in OUT_FILES])
             if resume is not None:
                 note_lost_records(mode_dir, resume)
+                run_on_rank0(lambda: supersede(mode_dir, resume))
 
         summary = trainer.fit(resume, on_start=drop_report)
         summary["export"] = None

@@ -239,6 +239,13 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
                 "plain --resume (each mode's newest checkpoint)"
             )
         path = Path(args.resume)
+        if checkpoint.unpublished(path):
+            raise UsageError(
+                f"--resume {path}: a checkpoint being written or deleted (or left so by a "
+                f"killed run), not a published one: pass a step_N directory beside it, or "
+                "plain --resume (it finishes a complete one left by a killed run and takes "
+                "the newest)"
+            )
         if not path.is_dir():
             raise UsageError(
                 f"--resume {path}: no such checkpoint directory (checkpoints are "
@@ -420,6 +427,16 @@ def note_lost_records(mode_dir: Path, ckpt: Path) -> None:
                 "loss curve lack them; the summary's numbers come from the checkpoint",
                 file=sys.stderr,
             )
+
+
+def supersede(mode_dir: Path, ckpt: Path) -> None:
+    """A run resumed from an older checkpoint of its own ``mode_dir`` rewrites what came
+    after it (the metrics are cut back to its step): ``ckpt`` becomes the newest, so that a
+    plain --resume after an interrupt comes back to it, not to a later checkpoint of the
+    run it replaces (whose records are gone). The later ones stay until pruned or
+    rewritten."""
+    if ckpt.resolve().parent == (mode_dir / "checkpoints").resolve():
+        checkpoint.make_newest(ckpt)
 
 
 def _newest(ckpts: Path) -> Path | None:

@@ -4,6 +4,7 @@ it a run still writes its metrics and summaries) and the run's ``summary.json``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -92,8 +93,18 @@ class Progress:
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write to a temporary name, then rename: readers never see half a file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
+        os.replace(tmp, path)
+    except OSError as e:  # e.g. a full disk: no half-written temporary left behind
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise _naming(e, path) from None
+
+
+def _naming(e: OSError, path: Path) -> OSError:
+    """``e`` naming ``path`` (the file being written), for the one-line error."""
+    return OSError(e.errno, e.strerror or str(e), str(path)) if e.errno else e
 
 
 TENSORBOARD_HINT = (
@@ -123,7 +134,7 @@ class MetricsLog:
         self.mode, self._file, self._board = mode, None, None
         if not enabled:
             return
-        path = Path(directory) / "metrics.jsonl"
+        path = self._path = Path(directory) / "metrics.jsonl"
         kept = [] if resume_step is None else metrics_until(path, resume_step)
         if reevaluated:
             kept = [line for line in kept if not _eval_at(line, resume_step)]
@@ -147,10 +158,13 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self._file is not None:
-            self._file.write(
-                json.dumps({"mode": self.mode, **strict(record)}, allow_nan=False) + "\n"
-            )
-            self._file.flush()
+            try:
+                self._file.write(
+                    json.dumps({"mode": self.mode, **strict(record)}, allow_nan=False) + "\n"
+                )
+                self._file.flush()
+            except OSError as e:  # e.g. a full disk
+                raise _naming(e, self._path) from None
         if self._board is not None:
             self._scalars(record)
 
@@ -161,16 +175,26 @@ class MetricsLog:
                 self._board.add_scalar(f"{record['type']}/{name}", value, record["step"])
 
     def close(self) -> None:
-        for handle in (self._file, self._board):
-            if handle is not None:
-                handle.close()
-        self._file = self._board = None
+        file, board, self._file, self._board = self._file, self._board, None, None
+        try:
+            if board is not None:
+                board.close()
+        finally:
+            if file is not None:
+                try:
+                    file.close()
+                except OSError as e:
+                    raise _naming(e, self._path) from None
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, kind, *_):
+        if kind is None:
+            self.close()
+        else:  # the error on the way out is the one to report
+            with contextlib.suppress(OSError):
+                self.close()
 
 
 def strict(record: dict) -> dict:
