@@ -500,6 +500,46 @@ def test_follow_grad_mode_state_survives_threads_and_interrupts():
     assert fm._ROOT_GRAD is None and not fm._STACKS
 
 
+def test_follow_grad_mode_reaches_threads_the_root_starts():
+    """helper-77: a root under follow_grad_mode whose forward runs its parts in threads
+    (nn.DataParallel's parallel_apply: new threads start with an empty context, so the
+    context variable is unset there) took the FP8 path in them when called without
+    gradients; with gradients they still take it."""
+    import threading
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(32, 32), nn.GELU())
+    parts = [fa.convert_to_fp8_activations(copy.deepcopy(ref)).train() for _ in range(2)]
+
+    class Parallel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.parts = nn.ModuleList(parts)
+
+        def forward(self, xs):  # what parallel_apply does (it needs an accelerator)
+            grad, out = torch.is_grad_enabled(), [None] * len(xs)
+
+            def work(i):
+                with torch.set_grad_enabled(grad):
+                    out[i] = self.parts[i](xs[i])
+
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return out
+
+    root = fa.follow_grad_mode(Parallel())
+    xs = [torch.randn(4, 32), torch.randn(4, 32)]
+    with torch.no_grad():
+        got = root(xs)
+    assert all(torch.equal(y, ref(x)) for y, x in zip(got, xs, strict=True))
+    got = root(xs)
+    assert all(torch.equal(y, p(x)) for y, p, x in zip(got, parts, xs, strict=True))
+    assert not any(torch.equal(y.detach(), ref(x)) for y, x in zip(got, xs, strict=True))
+
+
 def test_eval_of_a_replica_and_of_a_pruned_module_uses_their_weights():
     """helper-77: eval lent the twin the module's _parameters only. nn.DataParallel's replicas
     hold their weights as plain attributes (their _parameters emptied): eval raised

@@ -83,7 +83,8 @@ def follow_grad_mode(model: nn.Module, enabled: bool = True) -> nn.Module:
     What counts is the grad mode ``model`` was called in (hooks on it record it), not the one
     inside: a reentrant checkpoint's first pass, which runs without gradients inside a
     training forward, takes the FP8 path as its recomputation in backward does. So give it
-    the model that is called, not a part that a reentrant checkpoint runs. Without it,
+    the model that is called, not a part that a reentrant checkpoint runs. Parts that its
+    forward runs in threads (``nn.DataParallel``'s replicas) follow it too. Without it,
     converted modules take the FP8 path whenever they are in training mode.
     """
     if not isinstance(model, nn.Module):
@@ -117,7 +118,13 @@ def _fp8_path(module: nn.Module) -> bool:
             return _ROOT_GRAD
         return torch.is_grad_enabled() if module._follows_grad_mode else True
     at_root = _GRAD_AT_ROOT.get()
-    return True if at_root is None else at_root
+    if at_root is not None:
+        return at_root
+    # A thread a root's forward started (nn.DataParallel's workers, parallel_apply) starts
+    # with an empty context: the running roots' common grad mode, for modules under one.
+    if module._follows_grad_mode and _ROOT_GRAD is not None:
+        return _ROOT_GRAD
+    return True
 
 
 class _FP8Module:
