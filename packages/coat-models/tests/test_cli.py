@@ -1484,7 +1484,7 @@ def test_ranks_started_with_other_settings_are_refused(monkeypatch, differ, name
 
     def plan():
         args.keep = 3  # a default filled in
-        return None, None, job
+        return cli.Plan(None, None, job, None, None, None)
 
     def gather(out, mine):
         other = {**mine, "args": {**mine["args"], **differ}}
@@ -1498,7 +1498,7 @@ def test_ranks_started_with_other_settings_are_refused(monkeypatch, differ, name
         cli._agreed(args, plan)
     monkeypatch.setattr(cli.dist, "all_gather_object", lambda out, mine: out.__setitem__(
         slice(None), [mine, mine]))  # fmt: skip
-    assert cli._agreed(args, plan)[2] is job  # the same everywhere: nothing to say
+    assert cli._agreed(args, plan).job is job  # the same everywhere: nothing to say
 
 
 def _two_ranks(monkeypatch, other_error: str | None = None):
@@ -1528,7 +1528,7 @@ def test_an_error_some_ranks_find_is_said_by_them(monkeypatch):
     job = types.SimpleNamespace(tasks=[types.SimpleNamespace(fingerprint="f00")])
 
     def passes():
-        return None, None, job
+        return cli.Plan(None, None, job, None, None, None)
 
     def fails():
         raise cli.DataError("--data a.txt: no such file")

@@ -330,7 +330,8 @@ def prepare_data_parallel(
     betas: tuple[float, float] = (0.9, 0.95),
     activation_checkpointing: bool = False,
 ):
-    """``coat-train``'s ``prepare`` for one rank of a ``torchrun`` job: returns
+    """A model and its optimizer for one rank of a ``torchrun`` job, in a training loop of
+    your own (coat-train's ``Trainer`` does the same steps, with its own options): returns
     ``(model, optimizer)``.
 
     ``apply_coat`` (if ``fp8_activations``), then ``strategy``: ``"fsdp"`` (``shard_model``
@@ -345,7 +346,7 @@ def prepare_data_parallel(
     ...                                          fp8_optimizer=True, lr=3e-4)
     """
     from .convert import apply_coat
-    from .optim import create_optimizer, param_groups
+    from .optim import training_optimizer
 
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -357,13 +358,9 @@ def prepare_data_parallel(
     else:
         model = wrap_ddp(model, activation_checkpointing=activation_checkpointing)
         target = model.module
-    if fp8_optimizer:
-        optimizer = create_optimizer(target, lr=lr, weight_decay=weight_decay, betas=betas)
-    else:
-        fused = next(target.parameters()).is_cuda
-        optimizer = torch.optim.AdamW(
-            param_groups(target, weight_decay), lr=lr, betas=betas, fused=fused
-        )
+    optimizer = training_optimizer(
+        target, fp8=fp8_optimizer, lr=lr, weight_decay=weight_decay, betas=betas
+    )
     return model, optimizer
 
 

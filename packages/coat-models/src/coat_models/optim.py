@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 
+import torch
 from fp8_optim import CoatAdamW, CoatAdamWConfig
 from torch import nn
 
@@ -51,3 +52,14 @@ def create_optimizer(
     >>> optimizer = create_optimizer(model, lr=1e-4)
     """
     return CoatAdamW(param_groups(model, weight_decay), lr=lr, betas=betas, config=config, **kw)
+
+
+def training_optimizer(
+    model: nn.Module, *, fp8: bool, lr: float, weight_decay: float, betas: tuple[float, float]
+) -> torch.optim.Optimizer:
+    """The optimizer of a training mode: ``create_optimizer`` (CoatAdamW) if ``fp8``, else
+    torch's AdamW (fused on CUDA) over the same ``param_groups``."""
+    if fp8:
+        return create_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas)
+    fused = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, fused=fused)

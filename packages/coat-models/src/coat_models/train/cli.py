@@ -25,6 +25,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -593,9 +594,21 @@ def run(args) -> int:
         return 0
 
 
-def _plan(args, strategy: str | None, device: torch.device):
-    """Every check that can be made before anything is written, on this process: ``(modes,
-    cfgs, job, out, device, label)``; raises the first error found."""
+class Plan(NamedTuple):
+    """What the checks before anything is written settle: the modes and one TrainConfig
+    each, the job (model and data), ``--out``, the device and the model's label."""
+
+    modes: list[str]
+    cfgs: list[TrainConfig]
+    job: Job
+    out: Path
+    device: torch.device
+    label: str
+
+
+def _plan(args, strategy: str | None, device: torch.device) -> Plan:
+    """Every check that can be made before anything is written, on this process; raises the
+    first error found."""
     modes = _modes(args)
     if strategy is not None:
         _check_rank_device(args.device, device)
@@ -665,7 +678,7 @@ def _plan(args, strategy: str | None, device: torch.device):
     check_fits(job.n_params, modes, masters, device, label, strategy, cfgs[0], job.vocab, job.tune)
     check_not_in_use(out)
     check_resume(args, out, modes)
-    return modes, cfgs, job, out, device, label
+    return Plan(modes, cfgs, job, out, device, label)
 
 
 class OtherRankFailed(Exception):
@@ -699,7 +712,7 @@ def _agreed(args, plan: Callable[[], tuple]) -> tuple:
         result = plan()
     except Exception as e:
         error = e
-    data = None if result is None else [task.fingerprint for task in result[2].tasks]
+    data = None if result is None else [task.fingerprint for task in result.job.tasks]
     said = "" if error is None else f"{type(error).__name__}: {error}"
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"args": given, "data": data, "error": said})

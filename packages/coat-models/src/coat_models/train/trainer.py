@@ -46,7 +46,7 @@ from transformers import DynamicCache
 from .. import checkpoint, distributed
 from ..compiling import compile_layers
 from ..graphs import cuda_graph_replays, enable_cuda_graphs
-from ..optim import create_optimizer, param_groups
+from ..optim import training_optimizer
 from . import interrupt
 from .args import Range
 from .data import TokenData
@@ -67,6 +67,15 @@ REPORT_TO = ("none", "tensorboard")
 CHECKPOINT_FILES = ("model.pt", "optimizer.pt", "trainer.pt")  # one process; under torchrun: DCP
 # The TrainConfig fields a preset gives defaults for.
 PRESET_FIELDS = ("batch_size", "seq_len", "steps", "lr", "warmup", "eval_every", "eval_batches")
+# Refusals that the command line and Trainer both make.
+CUDA_GRAPHS_ALONE = (
+    "--cuda-graphs runs in one process without --activation-checkpointing (sharded "
+    "parameters move; checkpointed layers run eagerly): drop one of them"
+)
+NO_RESHARD_WITHOUT_FSDP = (
+    "--no-reshard-after-forward is FSDP2's (sharded weights gathered per layer): add --fsdp "
+    "under torchrun, or drop it"
+)
 
 
 class TrainError(RuntimeError):
@@ -283,11 +292,9 @@ def prepare(
         if activation_checkpointing:
             distributed.enable_activation_checkpointing(model)
         target = model
-    if fp8_optim:
-        opt = create_optimizer(target, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
-    else:
-        groups = param_groups(target, cfg.weight_decay)
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=device.type == "cuda")
+    opt = training_optimizer(
+        target, fp8=fp8_optim, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas
+    )
     return model, opt
 
 
@@ -1047,16 +1054,6 @@ class Trainer:
     def close(self):
         self.tracker.close()
         self.progress.close()
-
-
-CUDA_GRAPHS_ALONE = (
-    "--cuda-graphs runs in one process without --activation-checkpointing (sharded "
-    "parameters move; checkpointed layers run eagerly): drop one of them"
-)
-NO_RESHARD_WITHOUT_FSDP = (
-    "--no-reshard-after-forward is FSDP2's (sharded weights gathered per layer): add --fsdp "
-    "under torchrun, or drop it"
-)
 
 
 def _plain(v):
