@@ -3,6 +3,7 @@
 import sys
 
 import fp8_quant
+import numpy as np
 import pytest
 import torch
 from fp8_quant import (
@@ -361,5 +362,105 @@ def test_triton_interpret_set_after_the_kernels_were_made_says_so(monkeypatch, i
     from fp8_quant.ops import _launch
 
     monkeypatch.setattr(_launch, "_INTERPRETING", False)  # the kernels made for a GPU
-    with pytest.raises(ValueError, match="TRITON_INTERPRET=1 was set after fp8_quant's"):
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1 was set after triton .or fp8_q"):
         quantize_per_group(torch.randn(4, 32), 16, backend="triton")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: torch.randn(12, 8).t(), lambda: torch.randn(1, 8).t(), lambda: torch.randn(1, 8),
+     lambda: torch.randn(2, 3, 4).permute(2, 0, 1)],
+    ids=["transposed", "one-column", "one-row", "permuted-3d"],
+)  # fmt: skip
+def test_per_tensor_outputs_are_row_major_buffers_of_their_own_on_both_backends(make, interpreter):
+    """helper-78: for a permuted x the reference kept x's layout in q (Triton's is row-major:
+    q.view(-1) failed on one backend only), and its q_t was a view of q (q.t().contiguous()
+    of a transposed x is a no-op): writing one changed the other."""
+    x = make()
+    got = {b: quantize_per_tensor(x, backend=b)[0] for b in ("triton", "reference")}
+    for q in got.values():
+        assert q.is_contiguous()
+    assert torch.equal(got["triton"].view(torch.uint8), got["reference"].view(torch.uint8))
+    if x.dim() != 2:
+        return
+    for backend in ("triton", "reference"):
+        q, q_t, _ = quantize_per_tensor_transpose(x, backend=backend)
+        assert q.is_contiguous() and q_t.is_contiguous() and q_t.shape == q.t().shape
+        assert q.untyped_storage().data_ptr() != q_t.untyped_storage().data_ptr(), backend
+        assert torch.equal(q_t.view(torch.uint8), q.t().view(torch.uint8))
+
+
+def test_the_triton_backend_refuses_meta_tensors():
+    """It crashed inside Triton (interpreter: "Cannot copy out of meta tensor") or named
+    TRITON_INTERPRET as the remedy; the reference gives the shapes."""
+    x = torch.randn(5, 33, device="meta")
+    with pytest.raises(ValueError, match="cannot run meta tensors.*backend='reference'"):
+        quantize_per_group(x, 16, backend="triton")
+    q, s = quantize_per_group(x, 16, backend="reference")
+    assert q.shape == (5, 33) and s.shape == (5, 3) and q.is_meta
+
+
+def test_amax_and_scales_on_another_device_are_named():
+    x = torch.randn(5, 33)
+    with pytest.raises(ValueError, match="amax is on meta, x on cpu: pass amax on x's device"):
+        quantize_per_tensor(x, amax=torch.tensor(3.0, device="meta"))
+    q, s = quantize_per_group(x, 16)
+    with pytest.raises(ValueError, match="scales is on meta, q on cpu: pass the scales on q's"):
+        fp8_quant.dequantize_per_group(q, s.to("meta"), 16)
+
+
+@pytest.mark.parametrize(
+    "size, kind",
+    [(16.0, "builtins.float"), (torch.tensor(16), "torch.Tensor"), (np.int64(16), "numpy.int64")],
+    ids=["float", "tensor", "numpy"],
+)
+def test_a_group_size_of_another_type_names_the_type(size, kind):
+    """helper-78: np.int64(16) was told to be "a positive power of two"."""
+    said = rf"a Python int, got .*\({kind}\): pass int\(group_size\)"
+    with pytest.raises(ValueError, match=said):
+        quantize_per_group(torch.randn(4, 32), size)
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_sparse_input_is_one_type_error(layout):
+    x = torch.randn(4, 16)
+    x = x.to_sparse() if layout == "coo" else x.to_sparse_csr()
+    for call in (quantize_per_tensor, quantize_per_group, group_amax):
+        with pytest.raises(TypeError, match=r"must be a dense tensor, got layout .*\.to_dense\(\)"):
+            call(x)
+
+
+def _triton_on_cpu(env_value: str | None, set_after_import: bool = False) -> str:
+    """A fresh process's answer to a Triton quantize of a CPU tensor (stdout)."""
+    import os
+    import subprocess
+    import textwrap
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if env_value is not None and not set_after_import:
+        env["TRITON_INTERPRET"] = env_value
+    code = textwrap.dedent(f"""
+        import os, torch, triton
+        if {set_after_import!r}:
+            os.environ["TRITON_INTERPRET"] = {env_value!r}
+        import fp8_quant
+        try:
+            q, s = fp8_quant.quantize_per_group(torch.randn(2, 16), 16, backend="triton")
+            print("ran", tuple(s.shape))
+        except ValueError as e:
+            print("ValueError:", e)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_triton_interpret_is_read_as_triton_reads_it():
+    """helper-78: fp8_quant read " 1" as on (Triton: off; the launch crashed in Triton) and
+    "y" as off (Triton: on; on a GPU host that chose the interpreter's wrong FP8 cast), and a
+    TRITON_INTERPRET set after `import triton` crashed inside Triton: it asks Triton."""
+    assert _triton_on_cpu("y") == "ran (2, 1)\n"
+    refused = "ValueError: the triton backend needs a CUDA tensor; for CPU tensors set"
+    assert _triton_on_cpu(" 1").startswith(refused)
+    late = "ValueError: TRITON_INTERPRET=1 was set after triton (or fp8_quant's Triton kernels)"
+    assert _triton_on_cpu("1", set_after_import=True).startswith(late)

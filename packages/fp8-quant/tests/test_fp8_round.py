@@ -201,8 +201,8 @@ def test_scale_matches_reference_gpu(cuda, fmt, assert_same_bits):
 
 @pytest.mark.parametrize(
     "value,expected",
-    [("1", True), ("true", True), ("TRUE", True), ("yes", True), ("on", True), ("0", False),
-     ("", False), ("false", False)],
+    [("1", True), ("true", True), ("TRUE", True), ("yes", True), ("on", True), ("y", True),
+     ("Y", True), ("0", False), ("", False), ("false", False), (" 1", False), ("t", False)],
 )  # fmt: skip
 def test_triton_interpreting_reads_the_variable_as_triton_does(monkeypatch, value, expected):
     from fp8_quant.ops import triton_interpreting

@@ -3,8 +3,11 @@ Triton: ``import fp8_quant`` stays light until a kernel is needed."""
 
 import os
 
+# What Triton takes as true (its getenv_bool, 3.9: any case, nothing stripped).
+_TRUE = ("1", "true", "yes", "on", "y")
+
 
 def triton_interpreting() -> bool:
     """Whether Triton runs kernels through its interpreter: ``TRITON_INTERPRET`` read as
-    Triton reads it (1, true, yes or on, any case)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    Triton reads it (1, true, yes, on or y, any case; " 1" is off)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE

@@ -78,6 +78,11 @@ def resolve_backend(x: torch.Tensor, backend: Backend | str) -> Backend:
         if backend is _AUTO:
             return _TRITON if x.is_cuda else _REFERENCE
     if backend is _TRITON and not x.is_cuda:
+        if x.is_meta:
+            raise ValueError(
+                "the triton backend cannot run meta tensors (they hold no data): use "
+                "backend='reference' to get the output shapes"
+            )
         if not triton_interpreting():
             why = " (FP8_QUANT_BACKEND=triton chose it)" if env_chose else ""
             raise ValueError(
@@ -89,15 +94,18 @@ def resolve_backend(x: torch.Tensor, backend: Backend | str) -> Backend:
 
 
 def _check_kernels_interpreted() -> None:
-    # Triton makes each kernel for the interpreter or the GPU as it is defined: a
-    # TRITON_INTERPRET set after fp8_quant's kernels were (their import) does not reach them,
-    # and the CPU launch crashed inside Triton.
+    # Triton makes each kernel for the interpreter or the GPU as it is defined, its own
+    # helpers as it is imported: a TRITON_INTERPRET set after that does not reach them, and
+    # the CPU launch crashed inside Triton.
     launcher = sys.modules.get("fp8_quant.ops._launch")
-    if launcher is not None and not launcher._INTERPRETING:
+    standard = getattr(sys.modules.get("triton.language.standard"), "sum", None)
+    if (launcher is not None and not launcher._INTERPRETING) or (
+        standard is not None and type(standard).__name__ != "InterpretedFunction"
+    ):
         raise ValueError(
-            "TRITON_INTERPRET=1 was set after fp8_quant's Triton kernels were defined (on "
-            "import), so they cannot run on the CPU: set it before importing triton or any "
-            "package built on it, or use backend='reference'"
+            "TRITON_INTERPRET=1 was set after triton (or fp8_quant's Triton kernels) was "
+            "imported, so the kernels cannot run on the CPU: set it before importing triton "
+            "or any package built on it, or use backend='reference'"
         )
 
 
@@ -106,6 +114,8 @@ def check_input(x: torch.Tensor, name: str = "x") -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOATS:  # (the other float8 types too: the backends disagreed on them)
         raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}")
+    if x.layout is not torch.strided:  # (it failed deep in torch or Triton, on many lines)
+        raise TypeError(f"{name} must be a dense tensor, got layout {x.layout}: pass .to_dense()")
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -121,12 +131,14 @@ def _check_out_dtype(dtype) -> None:
 
 
 def check_group_size(group_size: int) -> None:
-    if (
-        isinstance(group_size, bool)
-        or not isinstance(group_size, int)
-        or group_size <= 0
-        or group_size & (group_size - 1)
-    ):
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        kind = type(group_size)
+        raise ValueError(
+            f"group_size must be a positive power of two, a Python int, got {group_size!r} "
+            f"({kind.__module__}.{kind.__qualname__})"
+            + ("" if isinstance(group_size, bool) else ": pass int(group_size)")
+        )
+    if group_size <= 0 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a positive power of two, got {group_size!r}")
 
 
@@ -138,6 +150,8 @@ def check_amax(x: torch.Tensor, amax: torch.Tensor | None) -> None:
     check_input(amax, "amax")
     if amax.numel() != 1:
         raise ValueError(f"amax must hold one value, got shape {tuple(amax.shape)}")
+    if amax.device != x.device:
+        raise ValueError(f"amax is on {amax.device}, x on {x.device}: pass amax on x's device")
 
 
 def _fit(size: int, length: int) -> int:
@@ -295,6 +309,10 @@ def _check_dequantize(q, scales, shape: tuple | None, names: str) -> None:
     if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
         got = type(scales).__name__ if not isinstance(scales, torch.Tensor) else scales.dtype
         raise TypeError(f"{names} must be a float32 tensor, got {got}")
+    if scales.device != q.device:
+        raise ValueError(
+            f"{names} is on {scales.device}, q on {q.device}: pass the {names} on q's device"
+        )
     if shape is not None and tuple(scales.shape) != shape:
         raise ValueError(
             f"{names} has shape {tuple(scales.shape)}, but q of shape {tuple(q.shape)} needs "

@@ -2,6 +2,8 @@
 
 This module is the CPU backend, the oracle the Triton kernels are tested against bit for bit,
 and the baseline of the benchmarks. It works on any device and favours clarity over speed.
+It checks nothing: its callers pass an ``FP8Format``, power-of-two groups and dense float
+tensors. Users call it through the public functions, ``backend="reference"``, which check.
 
 Semantics shared by every quantizer (the Triton kernels compute exactly the same bits):
 
@@ -100,7 +102,8 @@ def quantize_per_tensor(
         amax = tensor_amax(x)
     # On x's device: a 0-dim CPU scale would make CUDA divide by its reciprocal instead.
     scale = scale_from_amax(amax.reshape(()).to(x.device), fmt)
-    return _cast(x, scale, fmt), scale
+    # Row-major whatever x's layout, as the Triton kernel's (a permuted x gave permuted q).
+    return _cast(x, scale, fmt).contiguous(), scale
 
 
 def quantize_per_tensor_transpose(
@@ -112,7 +115,9 @@ def quantize_per_tensor_transpose(
     GEMM wants.
     """
     q, scale = quantize_per_tensor(x, fmt, amax)
-    return q, q.t().contiguous(), scale
+    # A buffer of its own, as the Triton kernel's (q.t().contiguous() is q itself where q
+    # has one row or column).
+    return q, q.t().clone(memory_format=torch.contiguous_format), scale
 
 
 def quantize_per_tensor_multi(
