@@ -212,3 +212,38 @@ def test_revert_frees_the_weight_cache():
     assert cached_weight_fp8(model[0].weight)
     revert_fp8_activations(model)
     assert cached_weight_fp8(model[0].weight) == ()
+
+
+def test_multihead_attention_stays_whole():
+    """helper-77: its out_proj became an FP8Linear that never ran FP8 (the attention's
+    forward reads out_proj.weight itself): a model that looked converted trained in high
+    precision there. It stays an nn.Linear now; the linears beside it convert."""
+    layer = nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, batch_first=True)
+    convert_to_fp8_activations(layer)
+    assert type(layer.self_attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+    assert type(layer.linear1).__name__ == "FP8Linear"
+    layer(torch.randn(2, 5, 32)).sum().backward()
+    assert layer.self_attn.out_proj.weight.grad is not None
+
+
+def test_revert_of_a_module_pruned_since_conversion_keeps_the_pruning():
+    """helper-77: reverted, a module pruned with torch's prune failed at its next call (the
+    mask buffer stayed behind on the FP8 module, the pruning hook moved): the reverted
+    Linear holds weight_orig, weight_mask and the masked weight, and computes with them."""
+    from fp8_activations import revert_fp8_activations
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    model = convert_to_fp8_activations(nn.Sequential(nn.Linear(32, 16)))
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    x = torch.randn(4, 32)
+    model(x)
+    revert_fp8_activations(model)
+    lin = model[0]
+    assert type(lin) is nn.Linear
+    assert {n for n, _ in lin.named_parameters()} == {"weight_orig", "bias"}
+    assert {n for n, _ in lin.named_buffers()} == {"weight_mask"}
+    want = nn.functional.linear(x, lin.weight_orig * lin.weight_mask, lin.bias)
+    assert torch.equal(lin(x), want)
+    prune.remove(lin, "weight")  # torch's own clean-up works on it
+    assert torch.equal(lin(x), want) and isinstance(lin.weight, nn.Parameter)

@@ -6,10 +6,11 @@ high precision), ``nn.LayerNorm`` and ``nn.RMSNorm`` over the last dim, Hugging 
 probe input, so Gemma's ``(1 + weight)`` variant is left alone), ``nn.SiLU``, ``nn.GELU``
 and Hugging Face GELU activations (``GELUActivation``, ``GELUTanh``, ...: checked on a probe;
 in eval mode the original runs).
-Subclasses that override ``forward`` (LoRA layers, say), modules whose ``forward`` is
-replaced on the instance (accelerate's hooks), and modules whose weight is computed
-(``torch.nn.utils.parametrize``, ``weight_norm``) are left alone. Parameter names do
-not change, so state dicts load into either form.
+``nn.MultiheadAttention`` stays whole (its forward reads ``out_proj``'s weight itself, so an
+FP8 ``out_proj`` would never run). Subclasses that override ``forward`` (LoRA layers, say),
+modules whose ``forward`` is replaced on the instance (accelerate's hooks), and modules
+whose weight is computed (``torch.nn.utils.parametrize``, ``weight_norm``) are left alone.
+Parameter names do not change, so state dicts load into either form.
 """
 
 from __future__ import annotations
@@ -242,6 +243,8 @@ def convert_to_fp8_activations(
         if isinstance(m, _FP8Module):  # converted before: this call's config
             m.config = config
             return None
+        if isinstance(m, nn.MultiheadAttention):
+            return m  # whole: it reads out_proj's weight itself (an FP8 out_proj never ran)
         return _fp8_twin(m, config)
 
     return _swap(model, "", fn)

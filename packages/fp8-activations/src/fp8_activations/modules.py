@@ -205,12 +205,20 @@ class _FP8Module:
         raise NotImplementedError
 
     def to_float(self) -> nn.Module:
-        """The high-precision module, holding this module's Parameters (no copy)."""
+        """The high-precision module, holding this module's Parameters and buffers (no
+        copy), as they are now: what was added since conversion too (torch's prune turns
+        ``weight`` into ``weight_orig``, a ``weight_mask`` buffer and a computed ``weight``)."""
         twin = self._twin()
         if twin is None:
             twin = self._make_float()
             for name, p in self._parameters.items():
                 setattr(twin, name, p)
+        for name in [n for n in twin._parameters if n not in self._parameters]:
+            del twin._parameters[name]  # (e.g. pruned: now weight_orig)
+        twin._buffers.update(self._buffers)
+        for name in self.__dict__.get("_float_names") or ():
+            if name not in self._parameters and isinstance(self.__dict__.get(name), torch.Tensor):
+                twin.__dict__[name] = self.__dict__[name]  # computed (prune's masked weight)
         return twin.train(self.training)
 
 
