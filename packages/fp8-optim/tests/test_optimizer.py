@@ -1343,3 +1343,22 @@ def test_numpy_and_tensor_scalars_are_taken_as_torch_takes_them():
             opt.param_groups[0]["weight_decay"] = np.float64(0.05)
         runs.append(q.detach().clone())
     assert torch.equal(runs[0], runs[1])
+
+
+def test_a_compiled_step_gives_the_eager_bits():
+    """README: a compiled opt.step runs with graph breaks and the eager bits (dynamo's
+    tracing, backend "eager": no C++ compiler needed); fullgraph=True refuses it."""
+    torch.manual_seed(0)
+    p, q = (torch.nn.Parameter(torch.randn(64, 64)) for _ in range(2))
+    q.data.copy_(p.data)
+    a, b = (CoatAdamW([t], lr=1e-3, config=CoatAdamWConfig(backend="reference")) for t in (p, q))
+    step = torch.compile(b.step, backend="eager")
+    for _ in range(3):
+        g = torch.randn(64, 64)
+        p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        step()
+    assert torch.equal(p, q)
+    for key, value in a.state[p].items():
+        assert torch.equal(value, b.state[q][key]), key
+    torch._dynamo.reset()
