@@ -210,6 +210,50 @@ sys.exit(coat_models.train.main())
 """
 
 
+_WRAPPED_INTERRUPT = """
+import os, signal, sys
+
+class Wraps:  # a Ctrl-C while torch is being imported, turned into its own error by a library
+    @staticmethod
+    def find_spec(name, *args):
+        if name == "torch":
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+            except KeyboardInterrupt as e:
+                raise RuntimeError("Failed to import a module: KeyboardInterrupt") from e
+        return None
+
+import coat_models.train
+sys.meta_path.insert(0, Wraps)
+sys.exit(coat_models.train.main())
+"""
+
+_SIGNAL_AFTER_THE_RUN = """
+import os, signal, sys, time
+import coat_models.train
+from coat_models.train import cli
+
+cli.main = lambda: 0  # a run that finished and was reported
+code = coat_models.train.main()
+os.kill(os.getpid(), signal.SIGINT)  # (in the interpreter's teardown, as it were)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+sys.exit(code)
+"""
+
+
+def test_console_script_status_is_the_runs_whatever_signal_comes_around_it():
+    """helper-76: a Ctrl-C during the imports that a library wrapped in its own error came
+    out as that error's traceback; a signal after the run was reported (the second of
+    interpreter teardown) made a finished run's status 130 or 143, with no word."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    said = "\ncoat-train: interrupted while starting\n"
+    for code, status, err in ((_WRAPPED_INTERRUPT, 130, said), (_SIGNAL_AFTER_THE_RUN, 0, "")):
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        assert (run.returncode, run.stderr) == (status, err), run.stderr[-2000:]
+
+
 def test_console_script_answers_a_ctrl_c_during_its_imports():
     """``coat-train`` (``coat_models.train.main``) starts without importing torch or
     transformers, so a Ctrl-C while they load ends it with one line and status 130, not a
