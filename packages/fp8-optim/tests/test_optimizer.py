@@ -1323,6 +1323,9 @@ def test_a_set_of_parameters_is_refused():
         CoatAdamW([{"params": ps}])
     with pytest.raises(TypeError, match="not a set"):
         CoatAdamW([_p(2)]).add_param_group({"params": ps})
+    # at the top level too (helper-80: torch's list() took it)
+    with pytest.raises(TypeError, match="params must be an ordered collection .a list., not a"):
+        CoatAdamW(ps)
 
 
 def test_numpy_and_tensor_scalars_are_taken_as_torch_takes_them():
@@ -1362,3 +1365,98 @@ def test_a_compiled_step_gives_the_eager_bits():
     for key, value in a.state[p].items():
         assert torch.equal(value, b.state[q][key]), key
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_parameter_put_into_the_groups_again_is_refused_at_the_step(backend, request):
+    """helper-80: appended to a group's list (or another group) after construction, it
+    passed: the reference stepped it twice a step, the triton backend once, with other bits."""
+    if backend == "triton":
+        request.getfixturevalue("needs_triton")
+    p, q = _p(64), _p(64)
+    opt = CoatAdamW([p, q], config=CoatAdamWConfig(backend=backend))
+    for again in ([p], [q]):
+        opt.param_groups[0]["params"].extend(again)
+        p.grad, q.grad = torch.ones(64), torch.ones(64)
+        with pytest.raises(ValueError, match="in the optimizer's groups more than once"):
+            opt.step()
+        assert not opt.state[p] and not opt.state[q]  # refused before any update
+        opt.param_groups[0]["params"].pop()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_parameter_reshaped_in_place_is_refused_at_the_step(backend, request):
+    """helper-80: the triton plan keyed the states by element counts and addresses, so a
+    parameter reshaped to as many elements stepped on with the old-shaped state, and the
+    state dict it wrote was refused on load."""
+    if backend == "triton":
+        request.getfixturevalue("needs_triton")
+    p = _p(16, 16)
+    opt = CoatAdamW([p], config=CoatAdamWConfig(backend=backend))
+    p.grad = torch.randn(16, 16)
+    opt.step()
+    p.data = p.data.reshape(8, 32)
+    p.grad = torch.randn(8, 32)
+    with pytest.raises(ValueError, match=r"state of parameter 0 \(shape \(8, 32\)"):
+        opt.step()
+
+
+def test_plain_pickle_of_the_optimizer_loads_and_steps_on():
+    """helper-80: pickle.dumps wrote it, pickle.loads failed (torch cannot unpickle an FP8
+    tensor from plain pickle): the FP8 codes go as bytes."""
+    import pickle
+
+    torch.manual_seed(0)
+    p = _p(40, dtype=torch.bfloat16)
+    opt = CoatAdamW([p], lr=1e-2)
+    p.grad = torch.randn(40).bfloat16()
+    opt.step()
+    copy_ = pickle.loads(pickle.dumps((p, opt)))
+    q, opt2 = copy_
+    assert opt2.state[q]["exp_avg"].dtype == torch.float8_e4m3fn
+    for a, b in zip(opt.state[p].values(), opt2.state[q].values(), strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b)  # fmt: skip
+    g = torch.randn(40).bfloat16()
+    p.grad, q.grad = g.clone(), g.clone()
+    opt.step()
+    opt2.step()
+    assert torch.equal(p, q)
+
+
+def test_a_copy_keeps_the_streams_of_a_group_with_a_parameter_removed():
+    """helper-80: a deepcopy renumbered the parameters left after one was removed from its
+    group (0, 1, ...), so their bf16 stochastic rounding drew other bits than the original."""
+    torch.manual_seed(0)
+    a, b = (_p(64, dtype=torch.bfloat16) for _ in range(2))
+    opt = CoatAdamW([a, b], lr=0.01)
+    opt.param_groups[0]["params"].remove(a)
+    opt2 = copy_module.deepcopy(opt)
+    b2 = opt2.param_groups[0]["params"][0]
+    g = torch.randn(64).bfloat16()
+    b.grad, b2.grad = g.clone(), g.clone()
+    opt.step()
+    opt2.step()
+    assert torch.equal(b, b2)
+    c = _p(8)  # a parameter added to the copy takes a new number, not a's or b's
+    opt2.add_param_group({"params": [c]})
+    assert opt2._param_index[c] == 2
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_eps_zero_moves_nothing_where_the_second_moment_is_zero(backend, request):
+    """helper-80: with eps=0 an element whose v is 0 (flushed below its group's FP8 range)
+    divided by zero, and its whole group of 128 was skipped from then on; it moves no
+    further, the rest of its group trains, and no group is counted non-finite."""
+    if backend == "triton":
+        request.getfixturevalue("needs_triton")
+    p = torch.nn.Parameter(torch.ones(128))
+    opt = CoatAdamW([p], eps=0.0, weight_decay=0.0, lr=0.1, config=CoatAdamWConfig(backend=backend))
+    for g0 in (1e-19, 0.0, 0.0):
+        g = torch.full((128,), 0.5)
+        g[0] = g0
+        p.grad = g
+        before = p.detach().clone()
+        opt.step()
+        assert (p[1:] != before[1:]).all()
+    assert opt.nonfinite_groups() == 0 and torch.isfinite(p).all()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 from collections import OrderedDict, defaultdict
 from itertools import chain
+from typing import NamedTuple
 
 import torch
 from fp8_quant import FP8Format, resolve_backend
@@ -40,8 +41,32 @@ _SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momen
 _GROUP_KEYS = frozenset(_OWN_KEYS + _TORCH_KEYS + _SCHEDULER_KEYS)
 _STATE_KEYS = ("step", *_MOMENTS, *(m + sfx for m in _MOMENTS for sfx in PER_GROUP_SUFFIXES))
 _FP32_MAX = torch.finfo(torch.float32).max
-_data_ptr, _numel = torch.Tensor.data_ptr, torch.Tensor.numel
+_data_ptr, _size = torch.Tensor.data_ptr, torch.Tensor.size
+_SET_PARAMS = (
+    "a param group's params must be an ordered collection (a list), not a set: the "
+    "stochastic-rounding streams and the state dict follow their order, which a set changes "
+    "from run to run"
+)
 _STEP_MAX = 2**24  # fp32 counts every step exactly up to here (the kernel's powers take 25 bits)
+
+
+class _Codes(NamedTuple):
+    """An FP8 state tensor in a pickle: its bytes and dtype's name."""
+
+    codes: torch.Tensor
+    dtype: str
+
+    @staticmethod
+    def of(value):
+        if type(value) is torch.Tensor and value.dtype in _FP8_DTYPES:
+            return _Codes(value.view(torch.uint8), str(value.dtype).removeprefix("torch."))
+        return value
+
+    def tensor(self) -> torch.Tensor:
+        return self.codes.view(getattr(torch, self.dtype))
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class CoatAdamW(torch.optim.Optimizer):
@@ -124,6 +149,7 @@ class CoatAdamW(torch.optim.Optimizer):
             raise TypeError(f"config must be a CoatAdamWConfig, got {type(config).__name__}")
         self.config = config
         self._param_index: dict[torch.Tensor, int] = {}
+        self._next_index = 0  # the index of the next parameter numbered
         self._sr_offset: dict[torch.Tensor, int] = {}
         self._shards: dict[torch.Tensor, ShardedParam] = {}
         self._plans: dict = {}
@@ -135,6 +161,8 @@ class CoatAdamW(torch.optim.Optimizer):
         # when a new tensor appears (see the class docstring).
         self._lr_seen: dict[int, torch.Tensor] = {}
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        if isinstance(params, set | frozenset):  # (torch's list() would hide it)
+            raise TypeError(_SET_PARAMS.replace("a param group's params", "params"))
         super().__init__(params, defaults)
 
     def __getstate__(self) -> dict:
@@ -143,26 +171,47 @@ class CoatAdamW(torch.optim.Optimizer):
         # The indices by position in the groups: a parameter put into a group's list directly
         # was numbered when first stepped, not in group order (helper-75: a copy renumbered
         # it, and its rounding streams went elsewhere).
+        # The index values, not only their order: a parameter removed from its group leaves
+        # a gap, which a renumbering closed (the streams of those after it moved; helper-80).
         order = [self._param_index.get(p) for g in self.param_groups for p in g["params"]]
+        base = super().__getstate__()
+        # FP8 codes as bytes: torch 2.13 cannot unpickle an FP8 tensor from plain pickle
+        # (deepcopy and torch.save can), so pickle.loads failed on what pickle.dumps wrote.
+        base["state"] = {
+            p: {k: _Codes.of(v) for k, v in s.items()} for p, s in base["state"].items()
+        }
         return {
-            **super().__getstate__(),
+            **base,
             "config": self.config,
             "_sr_offset": self._sr_offset,
             "_bad": self._bad,
             "_launch": self._launch,
             "_param_order": order,
+            "_next_index": self._next_index,
         }
 
     def __setstate__(self, state: dict) -> None:
         # torch.save(optimizer), copy.deepcopy(optimizer) and multiprocessing give this.
         order = state.pop("_param_order", None)
+        next_index = state.pop("_next_index", None)
+        if "state" in state:
+            state["state"] = defaultdict(dict, {
+                p: {k: v.tensor() if isinstance(v, _Codes) else v for k, v in s.items()}
+                for p, s in state["state"].items()
+            })  # fmt: skip
         super().__setstate__(state)
         self._param_index, self._shards, self._plans, self._lr_seen = {}, {}, {}, {}
+        self._next_index = 0
         flat = [p for group in self.param_groups for p in group["params"]]
         if order is None or len(order) != len(flat):  # (pickled before the order was kept)
             order = list(range(len(flat)))
         numbered = sorted((i, n) for n, i in enumerate(order) if i is not None)
-        self._index([flat[n] for _, n in numbered])  # numbered 0, 1, ... in their old order
+        for i, n in numbered:
+            p = flat[n]
+            self._next_index = i
+            self._index([p])
+        if next_index is not None:
+            self._next_index = max(self._next_index, next_index)
         for gi, group in enumerate(self.param_groups):
             if isinstance(group["lr"], torch.Tensor):
                 self._lr_seen[gi] = group["lr"]
@@ -183,7 +232,8 @@ class CoatAdamW(torch.optim.Optimizer):
         """Number ``params`` after those seen before (the stochastic-rounding streams) and
         note the DTensors among them."""
         for p in params:
-            self._param_index[p] = len(self._param_index)
+            self._param_index[p] = self._next_index
+            self._next_index += 1
             if is_dtensor(p):
                 shard = ShardedParam(p, self.config.group_size)
                 self._shards[p] = shard
@@ -197,11 +247,7 @@ class CoatAdamW(torch.optim.Optimizer):
         _check_hyper({**self.defaults, **param_group})
         params = param_group["params"]
         if isinstance(params, set | frozenset):  # (list() below hid it from torch's check)
-            raise TypeError(
-                "a param group's params must be an ordered collection (a list), not a set: "
-                "the stochastic-rounding streams and the state dict follow their order, which "
-                "a set changes from run to run"
-            )
+            raise TypeError(_SET_PARAMS)
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         param_group["params"] = params  # a generator would be empty when torch reads it
         tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]  # named
@@ -263,6 +309,12 @@ class CoatAdamW(torch.optim.Optimizer):
                 self._lr_seen[gi] = lr
             else:
                 _check_hyper(group)
+        flat = [p for group in self.param_groups for p in group["params"]]
+        if len(set(flat)) != len(flat):  # (one put into a group's list again since)
+            raise ValueError(
+                "a parameter is in the optimizer's groups more than once: pass each once "
+                "(the backends would step it twice, or once, per step)"
+            )
         resolved: dict[bool, str] = {}  # is_cuda -> backend, for this step
         # Every bucket is found and checked (gradients, grad_scale's device) before any is
         # updated: a bad one must not leave a half-made step.
@@ -392,7 +444,7 @@ class CoatAdamW(torch.optim.Optimizer):
     def _check_bucket_states(self, gi: int, key: tuple, params: list) -> tuple | None:
         """Check the states of a bucket before any bucket is updated: every step on the
         reference backend; on the triton backend when its plan's state key (the states'
-        addresses, the tensors' sizes) changed since the plan was made, which is returned.
+        addresses, the tensors' shapes) changed since the plan was made, which is returned.
         States replaced between steps (``state[k] = v.to("cpu")`` ... ``.to("cuda")``, an
         offload) or made anew (``opt.state.clear()``) need a new plan, or the kernel would
         read and write the old, freed ones."""
@@ -402,8 +454,8 @@ class CoatAdamW(torch.optim.Optimizer):
             self._check_states(params, tensors, states)
             return None
         try:  # (map over the unbound methods: ~25% less host time than a generator)
-            state_key = (
-                *map(_numel, tensors),
+            state_key = (  # (shapes: a parameter reshaped in place keeps its addresses)
+                *map(_size, tensors),
                 *map(_data_ptr, chain.from_iterable([s.values() for s in states])),
             )
         except TypeError:  # a state value that is no tensor: _check_states says which

@@ -309,10 +309,12 @@ def adamw_step_(
     m = m_old + (g - m_old) * fp32(1.0 - beta1)
     v = v_old * fp32(beta2) + (g * g) * fp32(1.0 - beta2)
     denom = _sqrt(v) * inv_sqrt_bc2 + fp32(eps)
-    p = p_old * decay - (m / denom) * step_size
+    # A zero denominator (eps = 0 and v = 0: a gradient always 0, or v below its group's FP8
+    # range) moves nothing: its 0 / 0 or m / 0 had skipped the whole group as non-finite.
+    p = p_old * decay - (m / denom).masked_fill(denom == 0, 0.0) * step_size
 
     ok = torch.isfinite(p) & torch.isfinite(v)
-    if n % G:  # the padding past the tensor's end does not count (with eps = 0 its p is 0 / 0)
+    if n % G:  # the padding past the tensor's end does not count
         ok[-1, n % G :] = True
     bad = ~ok.all(dim=1)  # [ng]
     keep = bad[:, None]

@@ -505,14 +505,15 @@ def _adamw_kernel(
     m = m + (g - m) * omb1
     v = v * b2 + (g * g) * omb2
     denom = tl.sqrt(v) * inv_sqrt_bc2 + eps
-    p = p * decay - _div(m, denom, PTX) * step_size
+    # A zero denominator (eps = 0, v = 0) moves nothing, as in the reference.
+    p = p * decay - tl.where(denom == 0.0, 0.0, _div(m, denom, PTX)) * step_size
 
     # Non-finite policy: a group with a NaN or inf in its new p or v is not written at all
     # (its old p, m, v and per-group numbers stay bit for bit) and is counted. A non-finite
     # m always makes p non-finite. chk is v where p and v are finite, NaN where p is not,
     # inf where v is: its NaN-propagating group max (_group_max) is finite exactly for the
     # groups to keep, and for v's quantization it is v's own max: one FMA an element. Lanes
-    # past the tensor's end are 0 (with eps = 0 their p would be 0 / 0, failing the group).
+    # past the tensor's end are 0.
     chk = tl.where(emask, p * 0.0 + v, 0.0)
     if HP:
         gok = _group_max(chk, PTX) < float("inf")
