@@ -217,3 +217,59 @@ def test_peft_lora():
     model.train()(ids, labels=ids).loss.backward()
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert len(lora_b) == 4 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora_b)
+
+
+# ------------------------------------------------------------------ probes per layer, on meta
+def _smollm3(**kw):
+    config = transformers.SmolLM3Config(**{**TINY, "num_hidden_layers": 4, "pad_token_id": 0,
+                                           "bos_token_id": 1, "eos_token_id": 2, **kw})  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.SmolLM3ForCausalLM(config)
+
+
+def test_layers_of_one_class_with_other_settings_are_probed_each():
+    """helper-82: one probe per layer class passed SmolLM3's layers without RoPE (layer 0
+    has it), and they got RoPE silently. The first such layer is refused, naming
+    module_filter_fn, which leaves them out; the rest convert and compute the model's bits
+    with the exact ops."""
+    from coat_models import reference
+
+    plain = _smollm3().train()
+    assert not plain.model.layers[3].self_attn.use_rope
+    with pytest.raises(TypeError, match="layer 3 .*computes something else.*module_filter_fn"):
+        apply_coat(copy.deepcopy(plain))
+    model = apply_coat(copy.deepcopy(plain), fused_loss=False,
+                       module_filter_fn=lambda m, fqn: m.self_attn.use_rope)  # fmt: skip
+    assert [is_coat(layer) for layer in model.model.layers] == [True, True, True, False]
+    for layer in model.model.layers[:3]:
+        layer.coat_ops = reference  # exact arithmetic: the COAT path's math, no FP8
+    x = tokens()
+    got = model(x, output_hidden_states=True).hidden_states
+    want = plain(x, output_hidden_states=True).hidden_states
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_a_meta_model_is_probed_on_a_cpu_copy():
+    """helper-82: on the meta device the probe was skipped, so Granite's residual
+    multiplier converted there and trained silently wrong once materialized; apply_coat
+    inside a meta device context failed in the SiLU probe."""
+    granite = transformers.GraniteConfig(**TINY, residual_multiplier=0.5)
+    llama = transformers.LlamaConfig(**TINY)
+    with torch.device("meta"):
+        with pytest.raises(TypeError, match="computes something else"):
+            apply_coat(transformers.GraniteForCausalLM(granite))
+        model = apply_coat(transformers.LlamaForCausalLM(llama))
+    assert is_coat(model) and all(p.is_meta for p in model.parameters())
+
+
+def test_a_compiled_wrapper_is_refused_and_a_neutral_logit_scale_keeps_the_fused_loss():
+    """helper-82: apply_coat(torch.compile(model)) changed the wrapper's class, whose
+    compiled forward then skipped the fused loss silently; Granite's logits_scaling=1.0
+    (its default, a no-op) had turned the fused loss off."""
+    with pytest.raises(TypeError, match=r"not torch.compile's wrapper .*apply_coat\(model\) first"):
+        apply_coat(torch.compile(tiny_llama()))
+    granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(**TINY))
+    assert granite.config.logits_scaling == 1.0
+    apply_coat(granite).train()
+    x = tokens()
+    assert granite(x, labels=x).logits is None  # the fused loss: no logits built

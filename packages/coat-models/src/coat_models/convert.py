@@ -67,6 +67,12 @@ def apply_coat(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_coat takes a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
+        raise TypeError(
+            "apply_coat takes the model, not torch.compile's wrapper of it (the wrapper's "
+            "compiled forward would bypass the fused loss): call apply_coat(model) first, "
+            "then torch.compile, or coat_models.compile_layers(model)"
+        )
     problem = llama._adapter_problem(model)
     if problem is not None:
         raise TypeError(f"apply_coat cannot convert {type(model).__name__}: {problem}")

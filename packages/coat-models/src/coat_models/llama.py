@@ -10,6 +10,7 @@ hooks, ``isinstance`` checks and gradient checkpointing behave as before;
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import typing
@@ -106,7 +107,7 @@ def _layer_problem(layer: nn.Module) -> str | None:
     for fn in ("apply_rotary_pos_emb", "eager_attention_forward"):
         if blocks.model_function(attn, fn) is None:
             return f"the modeling file of {type(attn).__name__} defines no {fn}"
-    probe = torch.linspace(-6, 6, 97)
+    probe = torch.linspace(-6, 6, 97, device="cpu")  # (whatever the default device: meta)
     act = getattr(mlp, "act_fn", None)
     if not callable(act):
         return "the MLP activation is not SiLU (SwiGLU needed)"
@@ -261,10 +262,17 @@ def _layer_mismatch(base: nn.Module, layer: nn.Module) -> str | None:
     """Run ``layer`` and ``blocks.decoder_layer`` with the exact ops on one short random
     sequence; a Llama-shaped layer gives the same output. Catches layers that match by
     structure but compute something else (Gemma's ``1 + weight`` norm, Granite's residual
-    multiplier, ...). Skipped when the weights are not materialized (meta, sharded)."""
+    multiplier, ...). A layer on the meta device is probed as a CPU copy with random
+    weights (skipped, it passed Granite's multiplier); skipped when sharded (DTensors)."""
     params = list(layer.parameters())
-    if any(type(p.data) is not torch.Tensor or p.is_meta for p in params):
+    if any(type(p.data) is not torch.Tensor for p in params):
         return None
+    if any(p.is_meta for p in params):
+        cpu = _cpu_probe(base, layer)
+        if cpu is None:
+            return None
+        base, layer = cpu
+        params = list(layer.parameters())
     weight = layer.input_layernorm.weight
     x = torch.randn(
         1,
@@ -297,6 +305,50 @@ def _layer_mismatch(base: nn.Module, layer: nn.Module) -> str | None:
     if not err <= tol * want.float().abs().max().item():
         return f"its forward computes something else (max |difference| {err:.3g} on a probe input)"
     return None
+
+
+def _probe_key(layer: nn.Module) -> tuple:
+    """What one probe answers for: the layer's class and the plain settings (numbers,
+    flags, strings) of it and its attention and MLP, but their index. Layers of one class
+    may differ by settings (SmolLM3's without RoPE: one probe per class passed them all,
+    and they got RoPE)."""
+
+    def settings(m):
+        return tuple(sorted(
+            (k, v) for k, v in vars(m).items()
+            if not k.startswith("_") and k not in ("training", "layer_idx")
+            and isinstance(v, bool | int | float | str | type(None))
+        ))  # fmt: skip
+
+    return (_original_class(layer), settings(layer), settings(layer.self_attn),
+            settings(layer.mlp))  # fmt: skip
+
+
+def _cpu_probe(base: nn.Module, layer: nn.Module):
+    """``(base, layer)`` stand-ins on the CPU for probing a meta ``layer``: a copy of it with
+    random weights (matrices small, vectors near 1, as trained ones are), and the base with
+    its rotary embedding made anew on the CPU from its config; None if that cannot be made."""
+    rotary = base.rotary_emb
+    try:
+        copy_ = copy.deepcopy(layer).to_empty(device="cpu")
+        if any(b.is_meta for b in rotary.buffers()):
+            with torch.device("cpu"):  # (apply_coat may run under a meta default device)
+                rotary = type(rotary)(rotary.config)
+    except Exception:  # e.g. a rotary embedding that is not built from its config
+        return None
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in copy_.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.05, generator=gen)
+            else:
+                p.uniform_(0.5, 1.5, generator=gen)
+        for b in copy_.buffers():
+            if b.is_floating_point():
+                b.uniform_(0.5, 1.5, generator=gen)
+    stand_in = nn.Module()
+    stand_in.rotary_emb = rotary
+    return stand_in, copy_
 
 
 class UnsupportedModel(TypeError):
@@ -611,15 +663,21 @@ def _head_supported(model: nn.Module) -> bool:
     # A VLM's head settings may live in its text config (or be copied onto the model).
     text_config = getattr(config, "get_text_config", lambda: None)()
     return getattr(model.loss_function, "__name__", "") == "ForCausalLMLoss" and not any(
-        _is_set(getattr(owner, name, None))
+        _is_set(name, getattr(owner, name, None))
         for owner in (config, text_config, model)
         for name in _HEAD_EXTRAS
     )
 
 
-def _is_set(value) -> bool:
-    """A head setting in use: a tensor (a learned scale), or a value that is not 0/None."""
-    return isinstance(value, torch.Tensor) or bool(value)
+def _is_set(name: str, value) -> bool:
+    """A head setting in use: a tensor (a learned scale), a scale other than 1 (Granite's
+    default ``logits_scaling=1.0`` had turned the fused loss off), a softcap other than
+    0/None."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if name in ("logit_scale", "logits_scaling"):
+        return value is not None and value != 1
+    return bool(value)
 
 
 # ------------------------------------------------------------------------------ conversion
@@ -665,24 +723,27 @@ def convert_llama(
     layers = list(base.layers)
     if not layers:
         raise UnsupportedModel(f"apply_coat: {type(model).__name__} has no decoder layers")
-    probed = set()
-    for index, layer in enumerate(layers):
-        problem = _layer_problem(layer)
-        if problem is None and _original_class(layer) not in probed:
-            # One probe per layer class: its layers run the same forward code.
-            probed.add(_original_class(layer))
-            problem = _layer_mismatch(base, layer)
-        if problem is not None:
-            raise UnsupportedModel(
-                f"apply_coat supports {SUPPORTED}; layer {index} of {type(model).__name__} "
-                f"({type(layer).__name__}) is not supported: {problem}"
-            )
     if module_filter_fn is not None:
         names = {id(m): name for name, m in model.named_modules()}
         fqns = [".".join(filter(None, (prefix, names[id(layer)]))) for layer in layers]
         keep = [bool(module_filter_fn(layer, fqn)) for layer, fqn in zip(layers, fqns, strict=True)]
     else:
         keep = [True] * len(layers)
+    passed, probed = False, set()
+    for index, (layer, convert) in enumerate(zip(layers, keep, strict=True)):
+        if not convert:  # left plain: whatever it computes
+            continue
+        problem = _layer_problem(layer)
+        if problem is None and _probe_key(layer) not in probed:
+            probed.add(_probe_key(layer))
+            problem = _layer_mismatch(base, layer)
+        if problem is not None:
+            hint = "; module_filter_fn can leave such layers out" if passed else ""
+            raise UnsupportedModel(
+                f"apply_coat supports {SUPPORTED}; layer {index} of {type(model).__name__} "
+                f"({type(layer).__name__}) is not supported: {problem}{hint}"
+            )
+        passed = True
     for index, (layer, convert) in enumerate(zip(layers, keep, strict=True)):
         problem = _instance_forward_problem(layer) if convert else None
         if problem is not None:
