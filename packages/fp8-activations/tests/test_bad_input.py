@@ -124,3 +124,57 @@ def test_fp8_tensor_validation_and_roundtrip():
         FP8Tensor(t.data, t.scale, Granularity.PER_GROUP, 16, fa.FP8ActivationConfig().grad_format)
     with pytest.raises(ValueError, match="0-dim"):
         FP8Tensor(t.data, t.scale, Granularity.PER_TENSOR, None, t.fmt)
+
+
+def test_a_weight_with_no_output_features_gives_an_empty_output(backend):
+    """helper-81: a (0, K) weight crashed in the amax reduction (or named x as the empty
+    tensor and suggested amax=, which the op does not take); torch gives (..., 0)."""
+    cfg = FP8ActivationConfig(backend=backend)
+    x = torch.randn(8, 64, requires_grad=True)
+    empty = torch.randn(0, 64, requires_grad=True)
+    assert fa.fp8_linear(x, empty, config=cfg).shape == (8, 0)
+    assert fa.swiglu_linear(x, x, empty, config=cfg).shape == (8, 0)
+    outs = fa.rms_norm_linear(x, None, None, [empty, torch.randn(16, 64)], config=cfg)
+    assert [tuple(o.shape) for o in outs] == [(8, 0), (8, 16)]
+    amaxes = fa.weight_amaxes([torch.zeros(0, 64), torch.full((16, 64), -2.0)], cfg)
+    assert [a.item() for a in amaxes] == [0.0, 2.0]
+
+
+def test_argument_mistakes_are_named():
+    """helper-81: these failed deep inside (or, eps < 0, returned NaN), or named the wrong
+    dimension (a linear's bias was said to match x's last dim)."""
+    x, w = torch.randn(4, 64), torch.ones(64)
+    cfg = FP8ActivationConfig()
+    with pytest.raises(ValueError, match=r"bias must have shape \(32,\) to match weight.shape"):
+        fa.fp8_linear(x, torch.randn(32, 64), torch.randn(5))
+    with pytest.raises(ValueError, match=r"biases\[0\] must have shape \(32,\) to match weights"):
+        fa.rms_norm_linear(x, None, None, [torch.randn(32, 64)], biases=[torch.randn(5)])
+    with pytest.raises(ValueError, match="x must have at least one dimension"):
+        fa.rms_norm_linear(torch.tensor(1.0), None, None, [torch.randn(32, 1)])
+    with pytest.raises(
+        TypeError, match="eps got an FP8ActivationConfig: pass the config as config="
+    ):
+        fa.rms_norm(x, w, cfg)
+    with pytest.raises(TypeError, match="eps got an FP8ActivationConfig"):
+        fa.layer_norm(x, 64, w, w, cfg)
+    with pytest.raises(TypeError, match="eps must be a number >= 0, got str"):
+        fa.rms_norm(x, w, "a")
+    with pytest.raises(ValueError, match="eps must be >= 0, got -1.0"):
+        fa.rms_norm(x, w, -1.0)
+    for shape in (torch.tensor(64), 64.0):
+        with pytest.raises(TypeError, match="normalized_shape must be an int or a tuple of ints"):
+            fa.layer_norm(x, shape)
+    with pytest.raises(ValueError, match="group_size must be at most 65536"):
+        FP8ActivationConfig(group_size=2**40)
+
+
+def test_fp8_tensor_takes_what_quantize_takes():
+    """helper-81: a format string failed on .torch_dtype, any granularity but the enum was
+    taken for per-group, and a group size of 3 was accepted."""
+    q = torch.zeros(4, 32, dtype=torch.float8_e4m3fn)
+    t = FP8Tensor(q, torch.tensor(1.0), "per_tensor", None, "e4m3")
+    assert t.granularity is Granularity.PER_TENSOR and t.fmt.value == "e4m3"
+    with pytest.raises(ValueError, match="granularity must be a Granularity or one of"):
+        FP8Tensor(q, torch.tensor(1.0), "tensor", None, "e4m3")
+    with pytest.raises(ValueError, match="group_size must be a positive power of two, got 3"):
+        FP8Tensor(q, torch.ones(4, 11), Granularity.PER_GROUP, 3, "e4m3")

@@ -155,3 +155,25 @@ def test_weight_cache_follows_a_compiled_optimizer_step():
     off = FP8ActivationConfig(weight_cache=False)
     want = fa.fp8_linear(x, model[0].weight, model[0].bias, off)
     torch.testing.assert_close(model[0](x), want, rtol=0, atol=0)
+
+
+def test_weight_cache_follows_data_swaps_and_fused_steps_of_a_parameter_a_view_holds():
+    """helper-81: the cache key (version, address, dtype) missed ``.data =`` a view starting
+    at the same address (a slice: the old shape came back; a transpose: the old values),
+    and a weight kept as a view of a parameter (a slice of a fused projection) kept its
+    copy after a fused optimizer step (the hook bumped parameters holding a copy only)."""
+    off = FP8ActivationConfig(weight_cache=False)
+    x = torch.randn(8, 64)
+    for change in (lambda d: d[:16], lambda d: d.t()):
+        w = torch.nn.Parameter(torch.randn(64, 64))
+        fa.fp8_linear(x, w)  # fills the cache
+        w.data = change(w.data)
+        torch.testing.assert_close(fa.fp8_linear(x, w), fa.fp8_linear(x, w, config=off),
+                                   rtol=0, atol=0)  # fmt: skip
+    p = torch.nn.Parameter(torch.randn(48, 64))
+    wq = p[:32]
+    opt = torch.optim.AdamW([p], lr=0.5, fused=True)
+    fa.fp8_linear(x, wq).sum().backward()
+    opt.step()
+    want = fa.fp8_linear(x, p.detach()[:32], config=off)
+    torch.testing.assert_close(fa.fp8_linear(x, wq).detach(), want, rtol=0, atol=0)

@@ -10,6 +10,9 @@ from fp8_quant import Backend, FP8Format
 _GEMMS = ("auto", "scaled_mm", "emulated")
 
 
+MAX_GROUP_SIZE = 2**16  # one scale per 65,536 elements: per-tensor in all but name
+
+
 @dataclasses.dataclass(frozen=True)
 class FP8ActivationConfig:
     """Settings shared by every op and module of ``fp8_activations``.
@@ -48,6 +51,8 @@ class FP8ActivationConfig:
         g = self.group_size
         if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g & (g - 1):
             raise ValueError(f"group_size must be a positive power of two (e.g. 16), got {g!r}")
+        if g > MAX_GROUP_SIZE:  # (2**40 crashed the kernels, or asked for terabytes)
+            raise ValueError(f"group_size must be at most {MAX_GROUP_SIZE}, got {g}")
         # Accept "e4m3"/"e5m2" strings for convenience, store the enum.
         object.__setattr__(self, "fwd_format", FP8Format.parse(self.fwd_format))
         object.__setattr__(self, "grad_format", FP8Format.parse(self.grad_format))

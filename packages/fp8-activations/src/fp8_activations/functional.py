@@ -8,6 +8,7 @@ the per-tensor E4M3 transposed input for the linear.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -140,16 +141,33 @@ def _check_cast(cast, weight: Tensor, name: str, fmt: FP8Format) -> None:
         )
 
 
-def _check_param(p: Tensor | None, x: Tensor, name: str, size: int) -> None:
+def _check_param(
+    p: Tensor | None, x: Tensor, name: str, size: int, of: str = "x's last dim"
+) -> None:
     if p is None:
         return
     _check_float(p, name)
     if tuple(p.shape) != (size,):
-        raise ValueError(
-            f"{name} must have shape ({size},) to match x's last dim, got {tuple(p.shape)}"
-        )
+        raise ValueError(f"{name} must have shape ({size},) to match {of}, got {tuple(p.shape)}")
     if p.device != x.device:
         raise ValueError(f"{name} is on {p.device} but x on {x.device}")
+
+
+_OUT = "weight.shape[0] (out_features)"
+
+
+def _eps(eps, x: Tensor, name: str = "eps") -> float:
+    """A norm's ``eps`` as a float (None: ``x``'s dtype's machine epsilon), checked: a config
+    passed in its place (the argument before ``config``), a string, a negative number."""
+    if eps is None:
+        return torch.finfo(x.dtype).eps
+    if isinstance(eps, FP8ActivationConfig):
+        raise TypeError(f"{name} got an FP8ActivationConfig: pass the config as config=")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"{name} must be a number >= 0, got {type(eps).__name__}")
+    if not eps >= 0:
+        raise ValueError(f"{name} must be >= 0, got {eps!r}")
+    return float(eps)
 
 
 def _check_residual(residual: Tensor | None, x: Tensor, out_features: int, name: str) -> None:
@@ -398,11 +416,11 @@ def fp8_linear(
         )
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device} but x on {x.device}")
-    _check_param(bias, x, "bias", weight.shape[0])
+    _check_param(bias, x, "bias", weight.shape[0], _OUT)
     weight_amax = _check_amax(weight_amax, weight, "weight_amax")
     _check_cast(weight_cast, weight, "weight_cast", cfg.fwd_format)
     _check_residual(residual, x, weight.shape[0], "x")
-    if x.numel() == 0 or (residual is not None and residual.numel() == 0):
+    if x.numel() == 0 or weight.numel() == 0 or (residual is not None and residual.numel() == 0):
         b = None if bias is None else bias.to(x.dtype)
         y = torch.nn.functional.linear(x, weight.to(x.dtype), b)
         return y if residual is None else y + residual
@@ -464,7 +482,7 @@ def rms_norm(
     _check_float(x, "x")
     n = x.shape[-1] if x.dim() else 1
     _check_param(weight, x, "weight", n)
-    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    eps = _eps(eps, x)
     w = weight if weight is not None else x.new_ones(n)
     if x.numel() == 0:
         return torch.nn.functional.rms_norm(x, (n,), w, eps)
@@ -506,7 +524,9 @@ def rms_norm_linear(
     """
     cfg = _config(config)
     _check_float(x, "x")
-    n = x.shape[-1] if x.dim() else 1
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (..., K): reshape a scalar to (1,)")
+    n = x.shape[-1]
     _check_param(norm_weight, x, "norm_weight", n)
     if isinstance(weights, torch.Tensor) or not len(weights):
         raise TypeError("weights must be a non-empty list or tuple of (out_features, K) tensors")
@@ -517,14 +537,14 @@ def rms_norm_linear(
         )
     for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
         _check_float(w, f"weights[{i}]")
-        if w.dim() != 2 or x.dim() == 0 or w.shape[1] != n:
+        if w.dim() != 2 or w.shape[1] != n:
             raise ValueError(
                 f"weights[{i}] must be 2-D (out_features, {n}) to match x's last dim, got "
                 f"{tuple(w.shape)}"
             )
         if w.device != x.device:
             raise ValueError(f"weights[{i}] is on {w.device} but x on {x.device}")
-        _check_param(b, x, f"biases[{i}]", w.shape[0])
+        _check_param(b, x, f"biases[{i}]", w.shape[0], f"weights[{i}].shape[0] (out_features)")
     if weight_amaxes is None:
         amaxes = [None] * len(weights)
     elif len(weight_amaxes) != len(weights):
@@ -537,8 +557,9 @@ def rms_norm_linear(
         raise ValueError(f"got {len(weights)} weights but {len(casts)} weight_casts")
     for i, (c, w) in enumerate(zip(casts, weights, strict=True)):
         _check_cast(c, w, f"weight_casts[{i}]", cfg.fwd_format)
-    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
-    if x.numel() == 0 or not _needs_grad(x, norm_weight, *weights, *biases):
+    eps = _eps(eps, x)
+    empty = x.numel() == 0 or any(w.numel() == 0 for w in weights)
+    if empty or not _needs_grad(x, norm_weight, *weights, *biases):
         normed = rms_norm(x, norm_weight, eps, cfg)
         return tuple(
             fp8_linear(normed, w, b, cfg, weight_amax=a, weight_cast=c)
@@ -577,6 +598,14 @@ def layer_norm(
     """
     cfg = _config(config)
     _check_float(x, "x")
+    if isinstance(normalized_shape, bool) or not isinstance(
+        normalized_shape, int | tuple | list | torch.Size
+    ):
+        raise TypeError(
+            f"normalized_shape must be an int or a tuple of ints, got "
+            f"{type(normalized_shape).__name__}"
+        )
+    eps = _eps(eps, x)
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if x.dim() == 0 or shape != (x.shape[-1],):
         raise ValueError(
@@ -688,11 +717,11 @@ def swiglu_linear(
         )
     if weight.device != gate.device:
         raise ValueError(f"weight is on {weight.device} but gate on {gate.device}")
-    _check_param(bias, gate, "bias", weight.shape[0])
+    _check_param(bias, gate, "bias", weight.shape[0], _OUT)
     weight_amax = _check_amax(weight_amax, weight, "weight_amax")
     _check_cast(weight_cast, weight, "weight_cast", cfg.fwd_format)
     _check_residual(residual, gate, weight.shape[0], "gate")
-    if gate.numel() == 0 or not _needs_grad(gate, up, weight, bias):
+    if gate.numel() == 0 or weight.numel() == 0 or not _needs_grad(gate, up, weight, bias):
         y = swiglu(gate, up, cfg)
         kw = dict(weight_amax=weight_amax, weight_cast=weight_cast, residual=residual)
         return fp8_linear(y, weight, bias, cfg, **kw)

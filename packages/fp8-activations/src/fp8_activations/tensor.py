@@ -49,6 +49,20 @@ class FP8Tensor:
     fmt: FP8Format
 
     def __post_init__(self):
+        # Strings as quantize takes them ("e4m3", "per_group"), stored as the enums: any
+        # other granularity was taken for per-group, and a format string failed on
+        # .torch_dtype.
+        object.__setattr__(self, "fmt", FP8Format.parse(self.fmt))
+        try:
+            object.__setattr__(self, "granularity", Granularity(self.granularity))
+        except ValueError:
+            kinds = ", ".join(repr(g.value) for g in Granularity)
+            raise ValueError(
+                f"granularity must be a Granularity or one of {kinds}, got {self.granularity!r}"
+            ) from None
+        for name in ("data", "scale"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor")
         if self.data.dtype != self.fmt.torch_dtype:
             raise TypeError(
                 f"data must be {self.fmt.torch_dtype} for {self.fmt}, got {self.data.dtype}"
@@ -64,6 +78,8 @@ class FP8Tensor:
             g = self.group_size
             if not g or self.data.dim() == 0:
                 raise ValueError("per-group FP8Tensor needs group_size and at least 1-D data")
+            if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g & (g - 1):
+                raise ValueError(f"group_size must be a positive power of two, got {g!r}")
             want = (*self.data.shape[:-1], -(-self.data.shape[-1] // g))
             if tuple(self.scale.shape) != want:
                 raise ValueError(

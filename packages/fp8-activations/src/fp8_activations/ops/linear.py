@@ -148,6 +148,9 @@ def weight_amaxes(weights, backend: str = "auto") -> list[Tensor]:
     reducing again."""
     weights = list(weights)
     w0 = weights[0]
+    if any(w.numel() == 0 for w in weights):  # (_foreach_norm refuses them; the kernel: 0)
+        return [w.new_zeros((), dtype=torch.float32) if w.numel() == 0
+                else w.detach().abs().amax().float() for w in weights]  # fmt: skip
     if use_triton(w0, backend) and all(
         w.is_contiguous() and w.device == w0.device for w in weights
     ):
@@ -518,6 +521,12 @@ def _cache_put(weight: Tensor, key: tuple, cast) -> None:
         slot = weight.__dict__[_CACHE_ATTR] = _CacheSlot()
         if _STEP_HOOK is None:
             _watch_optimizer_steps()
+        # A view kept as a weight (a slice of a fused parameter): its parameter gets an empty
+        # slot, so that the step hook bumps it, and with it the version counter the view
+        # shares (the view's copy went stale after fused optimizers' steps).
+        base = weight._base
+        if base is not None and type(base.__dict__.get(_CACHE_ATTR)) is not _CacheSlot:
+            base.__dict__[_CACHE_ATTR] = _CacheSlot()
     slot.entry = (key, cast)
 
 
@@ -559,7 +568,8 @@ def weight_fp8(
     weight's max |w|, when given).
 
     The copy is keyed on ``weight._version`` (bumped by every in-place update: optimizer
-    steps, ``load_state_dict``, ``zero_``) and on its storage (``.data =`` swaps, ``.to()``),
+    steps, ``load_state_dict``, ``zero_``) and on its storage, shape and strides (``.data =``
+    swaps, ``.to()``),
     so it never goes stale; micro-batches between two optimizer steps reuse it. It lives on
     the weight (freed with it); pickling or copying a model carries none of it. Under
     ``torch.inference_mode()`` it is read but not filled (a copy made there is an inference
@@ -578,7 +588,9 @@ def weight_fp8(
 
 
 def _cache_key(weight: Tensor, fmt: FP8Format) -> tuple:
-    return weight._version, weight.data_ptr(), weight.dtype, fmt
+    # Shape and strides too: ``.data =`` a view at the same address (a slice, a transpose)
+    # keeps the version and the address (~0.2 us a call).
+    return weight._version, weight.data_ptr(), weight.dtype, fmt, weight.shape, weight.stride()
 
 
 def weight_cache_fresh(weight: Tensor, fmt: FP8Format) -> bool:
