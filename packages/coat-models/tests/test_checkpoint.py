@@ -349,3 +349,23 @@ def test_dcp_extra_written_on_a_gpu_comes_back_on_the_cpu(tmp_path, monkeypatch)
         assert got["step"] == 1
         (lr,) = got["base_lrs"]
         assert lr.device == torch.device("cpu") and lr.item() == 0.25
+
+
+def test_make_newest_interrupted_leaves_the_checkpoint_whole(tmp_path, monkeypatch):
+    """helper-83: its temporary manifest was written inside the published checkpoint, and a
+    Ctrl-C before the rename left a file the manifest does not list: the checkpoint was
+    refused from then on. It goes to the parent and is removed if the write fails."""
+    for step in (2, 4):
+        make_checkpoint(tmp_path / f"step_000000{step}", step=step)
+    old = tmp_path / "step_0000002"
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.make_newest(old)
+    monkeypatch.undo()
+    checkpoint.verify(old, checkpoint.read_manifest(old))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000002", "step_0000004"]
+    assert checkpoint.read_manifest(old).serial == 1  # unchanged

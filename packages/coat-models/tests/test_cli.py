@@ -1720,6 +1720,8 @@ def test_compare_refuses_a_layer_that_only_the_probe_tells_apart_before_any_mode
     out = tmp_path / "o"
     code, _, err = run(["--model-dir", d, "--compare", "bf16,coat", "--out", out, *FAST[2:]],
                        capsys)  # fmt: skip
-    assert code == 2 and "mode coat: apply_coat cannot convert GraniteForCausalLM" in err, err
+    assert code == 2 and "mode coat: apply_coat supports " in err, err
+    assert "layer 0 of GraniteForCausalLM (GraniteDecoderLayer) is not supported" in err
     assert "computes something else" in err and err.count("\n") == 1
+    assert err.endswith("; train it in bf16 or coat-optim, or pass a Llama-shaped model\n")
     assert not out.exists()

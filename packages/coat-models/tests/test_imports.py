@@ -229,15 +229,43 @@ sys.exit(coat_models.train.main())
 """
 
 _SIGNAL_AFTER_THE_RUN = """
-import os, signal, sys, time
+import atexit, os, signal, sys, time
 import coat_models.train
 from coat_models.train import cli
 
+
+def in_teardown():  # (atexit runs last-registered first: after main's own)
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+
+
+atexit.register(in_teardown)
 cli.main = lambda: 0  # a run that finished and was reported
 code = coat_models.train.main()
-os.kill(os.getpid(), signal.SIGINT)  # (in the interpreter's teardown, as it were)
-os.kill(os.getpid(), signal.SIGTERM)
-time.sleep(0.2)
+assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (not during the run)
+sys.exit(code)
+"""
+
+_IGNORED_SIGINT = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job of a shell script
+
+
+class Interrupts:  # a SIGINT while torch is being imported
+    @staticmethod
+    def find_spec(name, *args):
+        if name == "torch":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+
+import coat_models.train
+
+sys.meta_path.insert(0, Interrupts)
+sys.argv = ["coat-train", "--version"]
+code = coat_models.train.main()
+assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 sys.exit(code)
 """
 
@@ -245,10 +273,12 @@ sys.exit(code)
 def test_console_script_status_is_the_runs_whatever_signal_comes_around_it():
     """helper-76: a Ctrl-C during the imports that a library wrapped in its own error came
     out as that error's traceback; a signal after the run was reported (the second of
-    interpreter teardown) made a finished run's status 130 or 143, with no word."""
+    interpreter teardown) made a finished run's status 130 or 143, with no word. A SIGINT
+    ignored at the start (a background job) stays ignored (helper-83)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     said = "\ncoat-train: interrupted while starting\n"
-    for code, status, err in ((_WRAPPED_INTERRUPT, 130, said), (_SIGNAL_AFTER_THE_RUN, 0, "")):
+    for code, status, err in ((_WRAPPED_INTERRUPT, 130, said), (_SIGNAL_AFTER_THE_RUN, 0, ""),
+                              (_IGNORED_SIGINT, 0, "")):  # fmt: skip
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, timeout=120)  # fmt: skip
         assert (run.returncode, run.stderr) == (status, err), run.stderr[-2000:]

@@ -580,3 +580,56 @@ def test_eval_lends_the_parameters_for_the_call_only():
     assert swapped() is None and original.weight is not model[0].weight
     replica = model[0]._replicate_for_data_parallel()
     assert replica.__dict__["_float_original"] is not original
+
+
+def test_checkpoint_recomputation_keeps_the_fp8_path_while_another_thread_samples():
+    """helper-83: a thread without a root's context read the roots' common grad mode, and so
+    did a backward's checkpoint recomputation: while another thread ran the root under
+    no_grad (sampling during training), it took the float path its forward had not taken
+    (a CheckpointError, or, reentrant, other gradients)."""
+    import threading
+
+    from torch.utils.checkpoint import checkpoint
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Gate(nn.Module):
+        def forward(self, x):
+            if not torch.is_grad_enabled():  # the sampling thread waits in here
+                entered.set()
+                release.wait(10)
+            return x
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return checkpoint(self.lin, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    root = fa.follow_grad_mode(convert_to_fp8_activations(nn.Sequential(Gate(), Block())))
+    x = torch.randn(4, 32, requires_grad=True)
+
+    def grads():
+        root.zero_grad()
+        x.grad = None
+        root(x).square().sum().backward()
+        return x.grad.clone(), root[1].lin.weight.grad.clone()
+
+    alone = grads()
+
+    def sample():
+        with torch.no_grad():
+            root(x)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        assert entered.wait(10)
+        beside = grads()
+    finally:
+        release.set()
+        sampler.join()
+    assert all(torch.equal(a, b) for a, b in zip(alone, beside, strict=True))

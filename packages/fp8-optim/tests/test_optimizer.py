@@ -1356,15 +1356,17 @@ def test_a_compiled_step_gives_the_eager_bits():
     q.data.copy_(p.data)
     a, b = (CoatAdamW([t], lr=1e-3, config=CoatAdamWConfig(backend="reference")) for t in (p, q))
     step = torch.compile(b.step, backend="eager")
-    for _ in range(3):
-        g = torch.randn(64, 64)
-        p.grad, q.grad = g.clone(), g.clone()
-        a.step()
-        step()
+    try:
+        for _ in range(3):
+            g = torch.randn(64, 64)
+            p.grad, q.grad = g.clone(), g.clone()
+            a.step()
+            step()
+    finally:
+        torch._dynamo.reset()
     assert torch.equal(p, q)
     for key, value in a.state[p].items():
         assert torch.equal(value, b.state[q][key]), key
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

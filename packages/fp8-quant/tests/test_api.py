@@ -401,6 +401,12 @@ def test_the_triton_backend_refuses_meta_tensors():
 
 
 def test_amax_and_scales_on_another_device_are_named():
+    """A 0-dim CPU amax or scale goes with any x (both backends move it: helper-83); other
+    devices are named."""
+    meta = torch.randn(5, 33, device="meta")
+    assert quantize_per_tensor(meta, amax=torch.tensor(3.0), backend="reference")[0].is_meta
+    q, s = quantize_per_tensor(meta, backend="reference")
+    assert fp8_quant.dequantize_per_tensor(q, torch.ones(())).is_meta
     x = torch.randn(5, 33)
     with pytest.raises(ValueError, match="amax is on meta, x on cpu: pass amax on x's device"):
         quantize_per_tensor(x, amax=torch.tensor(3.0, device="meta"))

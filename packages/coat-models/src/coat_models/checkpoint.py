@@ -158,13 +158,20 @@ def write_torch_files(directory: Path, objects: dict[str, object]) -> None:
         _reached(f"write:{name}")
 
 
-def _write_manifest_file(directory: Path, manifest: Manifest) -> None:
-    tmp = directory / f".manifest-{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
+def _write_manifest_file(directory: Path, manifest: Manifest, tmp_dir: Path | None = None) -> None:
+    """``manifest.json`` of ``directory``, atomically: through a temporary in ``tmp_dir``
+    (default: ``directory``; a published checkpoint's parent, so that a kill part-way leaves
+    no file the manifest does not list inside it), removed if the write fails."""
+    tmp = (tmp_dir or directory) / f".manifest-{directory.name}-{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / MANIFEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(directory)
 
 
@@ -383,7 +390,8 @@ def make_newest(directory: Path) -> None:
     done = ordered(directory.parent)
     if done and done[-1].name == directory.name:
         return
-    _write_manifest_file(directory, replace(manifest, serial=next_serial(directory.parent)))
+    new = replace(manifest, serial=next_serial(directory.parent))
+    _write_manifest_file(directory, new, tmp_dir=directory.parent)
 
 
 def unpublished(path: Path) -> bool:

@@ -262,7 +262,7 @@ def _layer_mismatch(base: nn.Module, layer: nn.Module) -> str | None:
     """Run ``layer`` and ``blocks.decoder_layer`` with the exact ops on one short random
     sequence; a Llama-shaped layer gives the same output. Catches layers that match by
     structure but compute something else (Gemma's ``1 + weight`` norm, Granite's residual
-    multiplier, ...). A layer on the meta device is probed as a CPU copy with random
+    multiplier, ...). A layer on the meta device is probed as a narrow CPU copy with random
     weights (skipped, it passed Granite's multiplier); skipped when sharded (DTensors)."""
     params = list(layer.parameters())
     if any(type(p.data) is not torch.Tensor for p in params):
@@ -325,30 +325,36 @@ def _probe_key(layer: nn.Module) -> tuple:
 
 
 def _cpu_probe(base: nn.Module, layer: nn.Module):
-    """``(base, layer)`` stand-ins on the CPU for probing a meta ``layer``: a copy of it with
-    random weights (matrices small, vectors near 1, as trained ones are), and the base with
-    its rotary embedding made anew on the CPU from its config; None if that cannot be made."""
-    rotary = base.rotary_emb
+    """``(base, layer)`` stand-ins on the CPU for probing a meta ``layer``: its class built
+    anew from a narrow copy of its config (64 wide, 4 heads of 16: what the probe checks is
+    the layer's arithmetic, which the config's other settings decide; a full-width copy of
+    a 70B layer would take gigabytes), with random weights, and a rotary embedding for that
+    config; None if they cannot be made so."""
+    attn = layer.self_attn
+    config = copy.deepcopy(attn.config)
+    mha = getattr(config, "num_key_value_heads", None) == getattr(config, "num_attention_heads", 0)
+    narrow = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 4 if mha else 2, "head_dim": 16}  # fmt: skip
+    dtype = next(layer.parameters()).dtype
     try:
-        copy_ = copy.deepcopy(layer).to_empty(device="cpu")
-        if any(b.is_meta for b in rotary.buffers()):
-            with torch.device("cpu"):  # (apply_coat may run under a meta default device)
-                rotary = type(rotary)(rotary.config)
-    except Exception:  # e.g. a rotary embedding that is not built from its config
+        for name, value in narrow.items():
+            setattr(config, name, value)
+        with torch.device("cpu"), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            stand_in = _original_class(layer)(config, attn.layer_idx).to(dtype)
+            rotary = type(base.rotary_emb)(config)
+    except Exception:  # an unusual family (its own constructor): left to the real weights
         return None
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for p in copy_.parameters():
+        for p in stand_in.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.05, generator=gen)
             else:
                 p.uniform_(0.5, 1.5, generator=gen)
-        for b in copy_.buffers():
-            if b.is_floating_point():
-                b.uniform_(0.5, 1.5, generator=gen)
-    stand_in = nn.Module()
-    stand_in.rotary_emb = rotary
-    return stand_in, copy_
+    holder = nn.Module()
+    holder.rotary_emb = rotary
+    return holder, stand_in
 
 
 class UnsupportedModel(TypeError):

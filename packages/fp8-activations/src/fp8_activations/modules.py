@@ -122,7 +122,13 @@ def _fp8_path(module: nn.Module) -> bool:
         return at_root
     # A thread a root's forward started (nn.DataParallel's workers, parallel_apply) starts
     # with an empty context: the running roots' common grad mode, for modules under one.
-    if module._follows_grad_mode and _ROOT_GRAD is not None:
+    # Not in backward (a checkpoint's recomputation, in autograd's thread or the caller's:
+    # it takes the FP8 path, as its forward did, whatever other threads' roots run in).
+    if (
+        module._follows_grad_mode
+        and _ROOT_GRAD is not None
+        and torch._C._current_graph_task_id() == -1
+    ):
         return _ROOT_GRAD
     return True
 

@@ -310,7 +310,7 @@ class CoatAdamW(torch.optim.Optimizer):
             else:
                 _check_hyper(group)
         flat = [p for group in self.param_groups for p in group["params"]]
-        if len(set(flat)) != len(flat):  # (one put into a group's list again since)
+        if len(set(map(id, flat))) != len(flat):  # (one put into a group's list again since)
             raise ValueError(
                 "a parameter is in the optimizer's groups more than once: pass each once "
                 "(the backends would step it twice, or once, per step)"

@@ -150,7 +150,7 @@ def check_amax(x: torch.Tensor, amax: torch.Tensor | None) -> None:
     check_input(amax, "amax")
     if amax.numel() != 1:
         raise ValueError(f"amax must hold one value, got shape {tuple(amax.shape)}")
-    if amax.device != x.device:
+    if amax.device != x.device and amax.device.type != "cpu":  # (a CPU value is moved)
         raise ValueError(f"amax is on {amax.device}, x on {x.device}: pass amax on x's device")
 
 
@@ -309,7 +309,7 @@ def _check_dequantize(q, scales, shape: tuple | None, names: str) -> None:
     if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
         got = type(scales).__name__ if not isinstance(scales, torch.Tensor) else scales.dtype
         raise TypeError(f"{names} must be a float32 tensor, got {got}")
-    if scales.device != q.device:
+    if scales.device != q.device and not (scales.device.type == "cpu" and scales.dim() == 0):
         raise ValueError(
             f"{names} is on {scales.device}, q on {q.device}: pass the {names} on q's device"
         )

@@ -12,10 +12,13 @@ def main() -> int:
     """The ``coat-train`` console script: ``cli.main``, imported here so that a Ctrl-C during
     the seconds its imports (torch, transformers) take ends the command with one line and
     status 130, as one during training does, instead of a traceback (or the error a library
-    wrapped it in). Once the run is reported, signals are ignored: one landing in the second
-    or so of interpreter teardown after it turned the run's status into 130 or 143."""
+    wrapped it in); a SIGINT ignored at the start (a background job) stays ignored. At the
+    interpreter's exit, signals are ignored: one landing in the second or so of teardown
+    after a reported run turned its status into 130 or 143, with no word."""
+    import atexit
     import signal
     import sys
+    import threading
 
     received = []
 
@@ -23,7 +26,11 @@ def main() -> int:
         received.append(signum)
         raise KeyboardInterrupt
 
-    before = signal.signal(signal.SIGINT, interrupted)
+    own = (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
+    before = signal.signal(signal.SIGINT, interrupted) if own else None
     try:
         from .cli import main as cli_main
     except BaseException as e:
@@ -35,8 +42,14 @@ def main() -> int:
             print("\ncoat-train: interrupted while starting", file=sys.stderr)
         return 128 + signal.SIGINT
     finally:
-        signal.signal(signal.SIGINT, before)
-    code = cli_main()
+        if own:
+            signal.signal(signal.SIGINT, before)
+    atexit.register(_ignore_signals)  # (runs once however often main is called)
+    return cli_main()
+
+
+def _ignore_signals() -> None:
+    import signal
+
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
-    return code

@@ -104,12 +104,13 @@ class Job:
     tune: str = " or --seq-len"  # what else to lower when memory runs out
 
 
-def count_params(config, modes, weights_dir=None, probe: bool = False) -> int:
+def count_params(config, modes, weights_dir=None) -> int:
     """Parameters of the model ``config`` describes, built on the meta device (no memory).
-    For modes with FP8 activations, ``apply_coat``'s structural check runs on it too, so an
-    architecture it does not support is refused before anything is written; so are
-    ``weights_dir``'s safetensors weights whose shapes are not the config's. ``probe``
-    (a --model-dir): its numeric check of a decoder layer too (``probe_layer``)."""
+    For modes with FP8 activations, ``apply_coat``'s checks run on it too (the structure,
+    and its probe of the layers' arithmetic on narrow CPU copies), so an architecture it
+    does not support is refused before anything is written (under --compare bf16,coat
+    too: the check at coat's start came after bf16 had trained); so are ``weights_dir``'s
+    safetensors weights whose shapes are not the config's."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -128,41 +129,12 @@ def count_params(config, modes, weights_dir=None, probe: bool = False) -> int:
         from coat_models import apply_coat
 
         try:
-            apply_coat(model)  # on meta weights: the structure alone (no probe run)
+            apply_coat(model)
         except TypeError as e:
-            raise ModelError(f"mode {fp8[0]}: {e}") from None
-        # Where a mode without FP8 activations trains first (--compare bf16,coat): the
-        # check at the FP8 mode's start would come after it (a first FP8 mode's is before
-        # anything trains, and this probe costs a full-width layer on the CPU per process).
-        probe = probe and not MODES[modes[0]][0]
-        problem = probe_layer(model, config) if probe else None
-        if problem is not None:
             raise ModelError(
-                f"mode {fp8[0]}: apply_coat cannot convert {type(model).__name__}: its decoder "
-                f"layer {problem}; train it in bf16 or coat-optim, or pass a Llama-shaped model"
-            )
+                f"mode {fp8[0]}: {e}; train it in bf16 or coat-optim, or pass a Llama-shaped model"
+            ) from None
     return sum(p.numel() for p in model.parameters())
-
-
-def probe_layer(model, config) -> str | None:
-    """``apply_coat``'s numeric check of a decoder layer (it runs on real weights, when a
-    mode starts: under --compare bf16,coat after bf16 had trained) ahead of every mode, on
-    one layer of ``config`` with random weights on the CPU: why the layer computes something
-    else than COAT's blocks (Granite's residual multiplier), or None. Skipped (None) where
-    the layer cannot be built so."""
-    from types import SimpleNamespace
-
-    from coat_models.llama import _base_model, _layer_mismatch
-
-    base = _base_model(model)
-    try:
-        with torch.device("cpu"), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            layer = type(base.layers[0])(config, 0)  # (built as its original class)
-            rotary = type(base.rotary_emb)(config=config)
-        return _layer_mismatch(SimpleNamespace(rotary_emb=rotary), layer)
-    except Exception:  # an unusual family: the check at the mode's start still runs
-        return None
 
 
 def lm_job(args, cfgs, modes, device, label) -> Job:
@@ -198,7 +170,7 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
             config.eos_token_id = BYTE_EOS
     data.check_fits(config.vocab_size, model_dir=bool(args.model_dir))
     tasks = [LMTask(data, cfg) for cfg in cfgs]  # refuses too short a split
-    n_params = count_params(config, modes, weights_dir, probe=bool(args.model_dir))
+    n_params = count_params(config, modes, weights_dir)
 
     def build(cfg):
         master = MASTER_DTYPES[cfg.master_dtype]
