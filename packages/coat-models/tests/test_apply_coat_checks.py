@@ -273,3 +273,16 @@ def test_a_compiled_wrapper_is_refused_and_a_neutral_logit_scale_keeps_the_fused
     apply_coat(granite).train()
     x = tokens()
     assert granite(x, labels=x).logits is None  # the fused loss: no logits built
+
+
+def test_a_peft_model_without_layer_adapters_says_to_convert_first():
+    """helper-82: a prompt-tuning PeftModel was refused with "PeftModelForCausalLM has no
+    base model attribute 'layers'"; converting first, then wrapping, works."""
+    peft = pytest.importorskip("peft")
+    prompt = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    with pytest.raises(
+        TypeError, match="not peft's PeftModelForCausalLM: call apply_coat.model. first"
+    ):
+        apply_coat(peft.get_peft_model(tiny_llama(), prompt))
+    model = peft.get_peft_model(apply_coat(tiny_llama()), prompt)
+    assert is_coat(model)

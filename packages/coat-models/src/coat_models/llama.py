@@ -362,6 +362,11 @@ class UnsupportedModel(TypeError):
 
 
 def _base_model(model: nn.Module) -> nn.Module:
+    if type(model).__module__.split(".")[0] == "peft":  # (no adapter around a layer: above)
+        raise UnsupportedModel(
+            f"apply_coat takes the transformers model, not peft's {type(model).__name__}: "
+            "call apply_coat(model) first, then peft's get_peft_model"
+        )
     base = getattr(model, "base_model", model)
     for attr in ("layers", "rotary_emb"):
         if not hasattr(base, attr):
