@@ -1547,6 +1547,38 @@ def test_an_error_some_ranks_find_is_said_by_them(monkeypatch):
         cli._agreed(args, fails)
 
 
+def test_out_in_use_wins_over_what_other_ranks_find_there(monkeypatch):
+    """helper-84: under torchrun a second run on a busy --out got rank 0's "in use" line and
+    rank 1's finding of the running run's checkpoints ("an earlier run's: delete them");
+    every rank raises rank 0's line (said once, by rank 0)."""
+    import argparse
+
+    from coat_models.train.outdir import OutInUse
+
+    args = argparse.Namespace(data="a.txt")
+    theirs = "UsageError: /o/coat holds checkpoints of an earlier run: delete them"
+    _two_ranks(monkeypatch, other_error=theirs)
+
+    def busy():
+        raise OutInUse("--out /o is in use by another coat-train (PID 7)")
+
+    with pytest.raises(cli.UsageError, match="^--out /o is in use") as raised:
+        cli._agreed(args, busy)
+    assert not isinstance(raised.value, cli.RankUsageError)
+
+    def other(out, mine):  # this rank found the files; rank 0 (the other) the lock
+        out[:] = [{**mine, "error": "OutInUse: --out /o is in use by another coat-train"},
+                  mine]  # fmt: skip
+
+    monkeypatch.setattr(cli.dist, "all_gather_object", other)
+
+    def finds():
+        raise cli.UsageError("/o/coat holds checkpoints of an earlier run: delete them")
+
+    with pytest.raises(cli.UsageError, match="^--out /o is in use by another coat-train$"):
+        cli._agreed(args, finds)
+
+
 def test_an_error_of_one_rank_is_reported_with_its_rank(monkeypatch, capsys, tmp_path):
     """Through main(): the rank that failed alone prints one line naming its rank (exit 2);
     the rank whose checks passed prints nothing (exit 2)."""

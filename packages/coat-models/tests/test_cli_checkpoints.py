@@ -243,6 +243,55 @@ def test_plain_resume_after_an_interrupted_resume_of_an_older_checkpoint_returns
     assert names(ckpts) == ["step_0000006"]
 
 
+def test_a_resume_from_an_older_checkpoint_drops_the_replaced_runs_summary_and_model(tmp_path):
+    """helper-84: after such a resume was interrupted, the mode's summary.json and final/
+    still described the replaced run's end (its metrics were cut back already)."""
+    out = tmp_path / "run"
+    mode = out / "bf16"
+    assert train([*ARGS, "--keep-checkpoints", "3", "--out", out])[0] == 0
+    assert (mode / "summary.json").is_file() and (mode / "final").is_dir()
+    with interrupted_before(3):
+        code, *_ = train([*ARGS, "--resume", mode / "checkpoints" / "step_0000002", "--out", out])
+    assert code == 130
+    assert not (mode / "summary.json").exists() and not (mode / "final").exists()
+
+
+def test_resume_through_a_link_to_an_unpublished_checkpoint_is_refused(runs, tmp_path):
+    """helper-84: the name check read the link's name; recovery then deleted the trash it
+    pointed to and the run failed (exit 1)."""
+    out, ckpts = copy_base(runs, tmp_path)
+    shutil.copytree(ckpts / "step_0000004", ckpts / ".trash-step_0000004-1a2b3c4d")
+    link = tmp_path / "link"
+    link.symlink_to(ckpts / ".trash-step_0000004-1a2b3c4d")
+    code, _, err = train([*ARGS, "--resume", link, "--out", out])
+    assert code == 2 and "not a published one" in err, err
+    assert (ckpts / ".trash-step_0000004-1a2b3c4d").is_dir()
+
+
+def test_a_later_modes_launch_is_checked_before_any_mode_trains(tmp_path):
+    """helper-84: --compare bf16,coat-optim --resume refused coat-optim's checkpoint of
+    another launch (torchrun) only at that mode's start, after bf16 had gone on and the
+    report was gone. Here its manifest says --ddp on 2 ranks. And --resume DIR of one mode
+    of a comparison says it replaces the report (plain --resume said so, DIR did not)."""
+    out = tmp_path / "run"
+    argv = [*ARGS, "--steps", "2", "--compare", "bf16,coat-optim", "--out", out]
+    assert train(argv)[0] == 0
+    ckpt = out / "coat-optim" / "checkpoints" / "step_0000002"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest.update(kind="dcp", world_size=2)
+    manifest["info"]["parallel"] = {"strategy": "ddp", "world_size": 2}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    code, _, err = train([*argv, "--resume"])
+    assert code == 2 and err.count("\n") == 1, err
+    assert "it was written by --ddp on 2 ranks, this run is one process" in err, err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    bf16 = out / "bf16" / "checkpoints" / "step_0000002"
+    code, _, err = train([*ARGS, "--steps", "2", "--resume", bf16, "--out", out])
+    assert code == 0, err
+    assert "compares bf16, coat-optim; resuming bf16 alone replaces it" in err, err
+
+
 @pytest.mark.parametrize("name", [".tmp-step_0000004-123", "step_0000004.partial",
                                   ".trash-step_0000004-1a2b3c4d"])  # fmt: skip
 def test_resume_of_an_unpublished_checkpoint_is_refused(runs, tmp_path, name):

@@ -38,6 +38,7 @@ from .data import STDLIB_MAX_BYTES, DataError, token_file_suffix
 from .jobs import Job, check_fits, lm_job, vl_job
 from .outdir import (
     OUT_FILES,
+    OutInUse,
     barrier,
     check_inputs_outside,
     check_not_in_use,
@@ -580,7 +581,8 @@ def run(args) -> int:
     )
     summaries, curves = [], {}
     with output_lock(out):
-        check_resume_settings(args, cfgs, job, out)
+        parallel = strategy and {"strategy": strategy, "world_size": dist.get_world_size()}
+        check_resume_settings(args, cfgs, job, out, parallel)
         for cfg, task in zip(cfgs, job.tasks, strict=True):
             summary = _train_mode(args, job, cfg, task, out / cfg.mode, device, strategy)
             summaries.append(summary)
@@ -717,6 +719,11 @@ def _agreed(args, plan: Callable[[], tuple]) -> tuple:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"args": given, "data": data, "error": said})
     check_ranks_agree(everyone)
+    # --out in use (rank 0 probes its lock): the other ranks' findings there are the running
+    # run's files ("an earlier run's", helper-84); every rank raises rank 0's line.
+    in_use = [t["error"] for t in everyone if t["error"].startswith(f"{OutInUse.__name__}: ")]
+    if in_use:
+        raise UsageError(in_use[0].split(": ", 1)[1])
     same = len({theirs["error"] for theirs in everyone}) == 1
     if error is not None:
         if isinstance(error, INPUT_ERRORS) and not same:

@@ -16,6 +16,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +29,7 @@ from ..distributed import run_on_rank0
 from .args import PROG, UsageError, env_rank
 from .presets import fine_tunable
 from .report import ReportError, metrics_until, train_steps
-from .trainer import MODES, TrainConfig, check_settings
+from .trainer import MODES, TrainConfig, check_launch, check_settings
 
 LOCK_FILE = ".lock"  # in --out: held (flock) by the coat-train writing there, with its PID
 # What coat-train writes in --out and in each mode's directory: a fresh run replaces these
@@ -147,6 +148,11 @@ def _in_use(out: Path, holder: str) -> str:
     )
 
 
+class OutInUse(UsageError):
+    """``--out`` is locked by another coat-train: under torchrun this error wins over what
+    the other ranks found there (the running run's files)."""
+
+
 def check_not_in_use(out: Path) -> None:
     """Refuse an ``--out`` whose lock another coat-train holds, before the checks of what is
     in it: those named a running run's checkpoints "an earlier run's", the remedy deleting
@@ -163,7 +169,7 @@ def check_not_in_use(out: Path) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise UsageError(
+            raise OutInUse(
                 _in_use(out, os.read(fd, 32).decode(errors="replace").strip() or "unknown")
             ) from None
         fcntl.flock(fd, fcntl.LOCK_UN)
@@ -239,7 +245,7 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
                 "plain --resume (each mode's newest checkpoint)"
             )
         path = Path(args.resume)
-        if checkpoint.unpublished(path):
+        if checkpoint.unpublished(path) or checkpoint.unpublished(path.resolve()):
             raise UsageError(
                 f"--resume {path}: a checkpoint being written or deleted (or left so by a "
                 f"killed run), not a published one: pass a step_N directory beside it, or "
@@ -281,6 +287,7 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
         except CheckpointError as e:
             raise unusable_given(e, path, out, modes[0]) from None
         _check_elsewhere(path, out / modes[0])
+        _note_narrower_report(out, modes)
 
 
 def _check_elsewhere(ckpt: Path, mode_dir: Path) -> None:
@@ -434,9 +441,16 @@ def supersede(mode_dir: Path, ckpt: Path) -> None:
     after it (the metrics are cut back to its step): ``ckpt`` becomes the newest, so that a
     plain --resume after an interrupt comes back to it, not to a later checkpoint of the
     run it replaces (whose records are gone). The later ones stay until pruned or
-    rewritten."""
-    if ckpt.resolve().parent == (mode_dir / "checkpoints").resolve():
-        checkpoint.make_newest(ckpt)
+    rewritten; the replaced run's summary and exported model go (they described its end)."""
+    ckpts = mode_dir / "checkpoints"
+    if ckpt.resolve().parent != ckpts.resolve():
+        return
+    done = checkpoint.ordered(ckpts)
+    if done and done[-1].resolve() == ckpt.resolve():
+        return
+    checkpoint.make_newest(ckpt)
+    (mode_dir / "summary.json").unlink(missing_ok=True)
+    shutil.rmtree(mode_dir / "final", ignore_errors=True)
 
 
 def _newest(ckpts: Path) -> Path | None:
@@ -455,7 +469,7 @@ def _newest(ckpts: Path) -> Path | None:
         raise CheckpointError(f"{e}: {todo}") from None
 
 
-def check_resume_settings(args, cfgs: list[TrainConfig], job, out: Path) -> None:
+def check_resume_settings(args, cfgs: list[TrainConfig], job, out: Path, parallel=None) -> None:
     """With --resume, every mode's newest checkpoint before any mode trains: under
     --compare a refusal at a later mode would otherwise come after the earlier ones went on,
     their results rewritten and the report gone. Each must have a readable manifest and the
@@ -474,6 +488,7 @@ def check_resume_settings(args, cfgs: list[TrainConfig], job, out: Path) -> None
         if found is None:
             continue
         manifest = checkpoint.read_manifest(found)
+        check_launch(found, manifest, parallel)  # (a later mode's came after earlier ones ran)
         settings = manifest.info.get("settings")
         if isinstance(settings, dict) and {"config", "data", "describe"} <= settings.keys():
             # (the manifest's info is no file it hashes: edited, its values can be anything)

@@ -429,7 +429,30 @@ def _launch(parallel: dict | None) -> str:
     """How a run was launched, in words: "one process", "--fsdp on 2 ranks"."""
     if parallel is None:
         return "one process"
-    return f"--{parallel['strategy']} on {parallel['world_size']} ranks"
+    n = parallel["world_size"]
+    return f"--{parallel['strategy']} on {n} rank{'s' * (n != 1)}"
+
+
+def check_launch(path: Path, manifest, parallel: dict | None) -> None:
+    """Refuse (``ResumeSettingsError``) checkpoint ``path`` (its ``manifest``) written under
+    another launch than this run's (``parallel``: None for one process, else the strategy
+    and world size): one process vs torchrun, strategy, ranks."""
+    written_by = manifest.info.get("parallel")
+    if not (written_by is None or isinstance(written_by, dict)):
+        raise checkpoint.CheckpointError(f"{path}: its manifest's launch is {written_by!r}")
+    if manifest.kind == "torch" and parallel is not None:
+        raise ResumeSettingsError(
+            f"cannot resume from {path} with {_launch(parallel)}: it was written by a run in "
+            "one process; resume it in one process (without torchrun, --fsdp or --ddp), or "
+            "start this run afresh with another --out"
+        )
+    if manifest.kind == "dcp" and (parallel is None or written_by != parallel):
+        written = _launch(written_by) if written_by else f"{manifest.world_size} ranks"
+        raise ResumeSettingsError(
+            f"cannot resume from {path}: it was written by {written}, this run is "
+            f"{_launch(parallel)}; resume with the launch that wrote it (the same "
+            "--fsdp/--ddp and torchrun --nproc-per-node), or start afresh with another --out"
+        )
 
 
 def export_pretrained(model, path: Path, *, tokenizer=None, state_dict=None) -> Path:
@@ -927,22 +950,7 @@ class Trainer:
         continue with the same numbers."""
         path = Path(path)
         manifest = checkpoint.read_manifest(path)
-        written_by = manifest.info.get("parallel")
-        if not (written_by is None or isinstance(written_by, dict)):
-            raise checkpoint.CheckpointError(f"{path}: its manifest's launch is {written_by!r}")
-        if manifest.kind == "torch" and self.strategy is not None:
-            raise ResumeSettingsError(
-                f"cannot resume from {path} with --{self.strategy} on {self.world} ranks: it "
-                "was written by a run in one process; resume it in one process (without "
-                "torchrun, --fsdp or --ddp), or start this run afresh with another --out"
-            )
-        if manifest.kind == "dcp" and (self.strategy is None or written_by != self.parallel):
-            written = _launch(written_by) if written_by else f"{manifest.world_size} ranks"
-            raise ResumeSettingsError(
-                f"cannot resume from {path}: it was written by {written}, this run is "
-                f"{_launch(self.parallel)}; resume with the launch that wrote it (the same "
-                "--fsdp/--ddp and torchrun --nproc-per-node), or start afresh with another --out"
-            )
+        check_launch(path, manifest, self.parallel)
         if manifest.kind == "dcp":
             distributed.verify_checkpoint(path)
             state = distributed.read_checkpoint_extra(path, verify=False)
