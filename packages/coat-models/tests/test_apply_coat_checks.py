@@ -262,6 +262,21 @@ def test_a_meta_model_is_probed_on_a_cpu_copy():
     assert is_coat(model) and all(p.is_meta for p in model.parameters())
 
 
+def test_a_meta_probe_runs_in_fp32_on_the_cpu_whatever_the_model_asks():
+    """helper-85: a bf16 meta SmolLM3 passed its layer without RoPE (bf16's tolerance); a
+    meta model configured for flash attention crashed in the probe (its kernels)."""
+    with torch.device("meta"):
+        config = transformers.SmolLM3Config(**{**TINY, "num_hidden_layers": 4, "pad_token_id": 0,
+                                               "bos_token_id": 1, "eos_token_id": 2})  # fmt: skip
+        smol = transformers.SmolLM3ForCausalLM(config).to(torch.bfloat16)
+        with pytest.raises(TypeError, match="layer 3 .*computes something else"):
+            apply_coat(smol)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+        # as from_pretrained(..., attn_implementation="flash_attention_2") sets it
+        model.config._attn_implementation_internal = "flash_attention_2"
+        assert is_coat(apply_coat(model.to(torch.bfloat16)))
+
+
 def test_a_compiled_wrapper_is_refused_and_a_neutral_logit_scale_keeps_the_fused_loss():
     """helper-82: apply_coat(torch.compile(model)) changed the wrapper's class, whose
     compiled forward then skipped the fused loss silently; Granite's logits_scaling=1.0

@@ -256,6 +256,30 @@ def test_a_resume_from_an_older_checkpoint_drops_the_replaced_runs_summary_and_m
     assert not (mode / "summary.json").exists() and not (mode / "final").exists()
 
 
+@pytest.mark.parametrize("how", ["link", "copy"])
+def test_a_resume_of_an_older_checkpoint_by_link_or_copy_supersedes_too(runs, tmp_path, how):
+    """helper-85: through a link to it, the replaced run's summary and model went but the
+    checkpoint was not made the newest (a plain --resume after an interrupt took step 6,
+    its records gone); from a copy kept elsewhere, the summary and model stayed."""
+    out = tmp_path / "run"
+    mode = out / "bf16"
+    assert train([*ARGS, "--keep-checkpoints", "3", "--out", out])[0] == 0
+    (tmp_path / "aside").mkdir()
+    given = tmp_path / "aside" / "step_0000002"
+    if how == "link":
+        given.symlink_to(mode / "checkpoints" / "step_0000002")
+    else:
+        shutil.copytree(mode / "checkpoints" / "step_0000002", given)
+    with interrupted_before(3):
+        assert train([*ARGS, "--resume", given, "--out", out])[0] == 130
+    assert not (mode / "summary.json").exists() and not (mode / "final").exists()
+    if how == "link":
+        code, said, err = train([*ARGS, "--keep-checkpoints", "1", "--resume", "--out", out])
+        assert code == 0, err
+        assert f"resuming from {mode / 'checkpoints' / 'step_0000002'}" in said, said
+        assert records(out) == records(runs / "ref")
+
+
 def test_resume_through_a_link_to_an_unpublished_checkpoint_is_refused(runs, tmp_path):
     """helper-84: the name check read the link's name; recovery then deleted the trash it
     pointed to and the run failed (exit 1)."""

@@ -271,8 +271,10 @@ def _layer_mismatch(base: nn.Module, layer: nn.Module) -> str | None:
         cpu = _cpu_probe(base, layer)
         if cpu is None:
             return None
-        base, layer = cpu
-        params = list(layer.parameters())
+        try:
+            return _layer_mismatch(*cpu)
+        except Exception:  # a stand-in this family's code cannot run: left to real weights
+            return None
     weight = layer.input_layernorm.weight
     x = torch.randn(
         1,
@@ -326,7 +328,8 @@ def _probe_key(layer: nn.Module) -> tuple:
 
 def _cpu_probe(base: nn.Module, layer: nn.Module):
     """``(base, layer)`` stand-ins on the CPU for probing a meta ``layer``: its class built
-    anew from a narrow copy of its config (64 wide, 4 heads of 16: what the probe checks is
+    anew, in fp32 with SDPA attention, from a narrow copy of its config (64 wide, 4 heads of
+    16: what the probe checks is
     the layer's arithmetic, which the config's other settings decide; a full-width copy of
     a 70B layer would take gigabytes), with random weights, and a rotary embedding for that
     config; None if they cannot be made so."""
@@ -335,13 +338,15 @@ def _cpu_probe(base: nn.Module, layer: nn.Module):
     mha = getattr(config, "num_key_value_heads", None) == getattr(config, "num_attention_heads", 0)
     narrow = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
               "num_key_value_heads": 4 if mha else 2, "head_dim": 16}  # fmt: skip
-    dtype = next(layer.parameters()).dtype
     try:
         for name, value in narrow.items():
             setattr(config, name, value)
+        # Attention the CPU runs (a flash-attention config asked for its GPU kernels).
+        config._attn_implementation = "sdpa"
         with torch.device("cpu"), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            stand_in = _original_class(layer)(config, attn.layer_idx).to(dtype)
+            # fp32 whatever the model's dtype: bf16's tolerance passed a layer without RoPE.
+            stand_in = _original_class(layer)(config, attn.layer_idx).float()
             rotary = type(base.rotary_emb)(config)
     except Exception:  # an unusual family (its own constructor): left to the real weights
         return None

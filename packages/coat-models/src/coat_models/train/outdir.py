@@ -419,7 +419,7 @@ def note_lost_records(mode_dir: Path, ckpt: Path) -> None:
     the summary's numbers, so nothing else is lost. Call once the checkpoint is accepted;
     nothing for a checkpoint of another --out (a run continued elsewhere starts its own
     metrics)."""
-    if process_rank() != 0 or ckpt.resolve().parent != (mode_dir / "checkpoints").resolve():
+    if process_rank() != 0 or own_checkpoint(mode_dir / "checkpoints", ckpt) is None:
         return
     with contextlib.suppress(CheckpointError, OSError, ReportError, ValueError):
         step = checkpoint.read_manifest(ckpt).step
@@ -441,16 +441,29 @@ def supersede(mode_dir: Path, ckpt: Path) -> None:
     after it (the metrics are cut back to its step): ``ckpt`` becomes the newest, so that a
     plain --resume after an interrupt comes back to it, not to a later checkpoint of the
     run it replaces (whose records are gone). The later ones stay until pruned or
-    rewritten; the replaced run's summary and exported model go (they described its end)."""
+    rewritten; the replaced run's summary and exported model go (they described its end),
+    also for a copy of an older checkpoint resumed from elsewhere."""
     ckpts = mode_dir / "checkpoints"
-    if ckpt.resolve().parent != ckpts.resolve():
-        return
+    own = own_checkpoint(ckpts, ckpt)
     done = checkpoint.ordered(ckpts)
-    if done and done[-1].resolve() == ckpt.resolve():
+    if own is not None:
+        if done and done[-1].name == own.name:  # the newest: nothing replaced
+            return
+        checkpoint.make_newest(own)
+    elif not done:  # from elsewhere, into a mode directory without checkpoints
         return
-    checkpoint.make_newest(ckpt)
     (mode_dir / "summary.json").unlink(missing_ok=True)
     shutil.rmtree(mode_dir / "final", ignore_errors=True)
+
+
+def own_checkpoint(ckpts: Path, ckpt: Path) -> Path | None:
+    """``ckpt``'s entry in ``ckpts`` (a link to it, or one inside linked from elsewhere,
+    included), or None for a checkpoint from elsewhere."""
+    if ckpt.parent.resolve() == ckpts.resolve():
+        return ckpts / ckpt.name
+    if ckpt.resolve().parent == ckpts.resolve():
+        return ckpts / ckpt.resolve().name
+    return None
 
 
 def _newest(ckpts: Path) -> Path | None:
