@@ -158,14 +158,25 @@ def test_apply_coat_refuses_a_model_with_adapters():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_vlm_with_adapters_is_refused():
+def test_vlm_with_adapters_is_refused_around_the_language_model_only():
+    """Around the language model's layers COAT's fused layers would bypass an adapter:
+    refused. The projector (and tower) get plain FP8 modules, which leave an adapter as it
+    is and convert the layer it wraps: it trains (helper-86: it was refused)."""
     torch.manual_seed(0)
     model = transformers.LlavaForConditionalGeneration(llava_tiny_config())
-    wrap(model, "model.multi_modal_projector.linear_1")
+    wrap(model, "model.language_model.layers.0.mlp.down_proj")
     with pytest.raises(TypeError, match="apply_coat_vlm cannot convert.*wrapped by an adapter"):
         apply_coat_vlm(model)
-    with pytest.raises(TypeError, match="apply_coat cannot convert.*wrapped by an adapter"):
+    with pytest.raises(TypeError, match="apply_coat_vlm cannot convert.*wrapped by an adapter"):
         apply_coat(model)
+    model = transformers.LlavaForConditionalGeneration(llava_tiny_config())
+    adapter = wrap(model, "model.multi_modal_projector.linear_1")
+    apply_coat_vlm(model).train()
+    assert type(adapter.base_layer).__name__ == "FP8Linear"
+    ids = torch.tensor([[256] + [257] * 16 + [97, 98]])
+    model(input_ids=ids, pixel_values=torch.randn(1, 3, 32, 32), labels=ids).loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapter.parameters()
+               if p.requires_grad)  # fmt: skip
 
 
 @pytest.mark.parametrize("fqn", ["self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj"])

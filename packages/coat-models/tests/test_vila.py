@@ -635,3 +635,44 @@ def test_head_settings_in_the_text_config_keep_the_models_own_loss():
     model = tiny_llava()
     model.final_logit_softcapping = 30.0
     assert not _head_supported(model)
+
+
+@pytest.mark.parametrize("vision", [False, True])
+def test_generate_in_training_mode_gives_the_plain_models_logits(vision):
+    """helper-86: generate() takes the image features through get_image_features, not the
+    model's forward, so the projector (and tower) took the FP8 path there in training mode:
+    the logits differed (0.01), and greedy tokens could. Each converted part follows the
+    grad mode of its own calls too."""
+    torch.manual_seed(0)
+    ref = transformers.LlavaForConditionalGeneration(llava_tiny_config()).train()
+    model = apply_coat_vlm(copy.deepcopy(ref), vision=vision)
+    ids = torch.tensor([[256] + [257] * 16 + [97]])
+    pixels = torch.randn(1, 3, 32, 32)
+    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    got = model.generate(input_ids=ids, pixel_values=pixels, **kw).logits
+    want = ref.generate(input_ids=ids, pixel_values=pixels, **kw).logits
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_apply_coat_again_keeps_the_tower_options_and_flags_are_bools():
+    """helper-86: coat_models.apply_coat on a model converted with vision=True,
+    freeze_vision=True converted it again without them (the tower trainable and plain,
+    silently); "False" and other non-bools were taken for their truth; a LoRA on the tower
+    alone was refused though COAT never bypasses it there."""
+    import coat_models
+
+    model = transformers.LlavaForConditionalGeneration(llava_tiny_config())
+    apply_coat_vlm(model, vision=True, freeze_vision=True)
+    coat_models.apply_coat(model)
+    tower = model.model.vision_tower
+    assert not any(p.requires_grad for p in tower.parameters())
+    assert any(type(m).__name__ == "FP8Linear" for m in tower.modules())
+    for flags in ({"freeze_vision": "False"}, {"vision": "no"}, {"fused_loss": 0}):
+        with pytest.raises(TypeError, match="must be True or False, got"):
+            apply_coat_vlm(transformers.LlavaForConditionalGeneration(llava_tiny_config()), **flags)
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(target_modules=r".*vision_tower.*\.(q_proj|v_proj)", r=4)
+    wrapped = peft.get_peft_model(
+        transformers.LlavaForConditionalGeneration(llava_tiny_config()), lora
+    )
+    assert is_coat_vlm(apply_coat_vlm(wrapped.base_model.model))

@@ -73,13 +73,16 @@ def apply_coat(
             "compiled forward would bypass the fused loss): call apply_coat(model) first, "
             "then torch.compile, or coat_models.compile_layers(model)"
         )
+    llama.check_flags(fused_loss=fused_loss)
+    if _is_vlm(model):  # (converted before: with the tower options it was given then)
+        options = getattr(model, "_coat_vlm", {}).get("options", {})
+        return vila.apply_coat_vlm(
+            model, config=config, module_filter_fn=module_filter_fn, fused_loss=fused_loss,
+            **options,
+        )  # fmt: skip
     problem = llama._adapter_problem(model)
     if problem is not None:
         raise TypeError(f"apply_coat cannot convert {type(model).__name__}: {problem}")
-    if _is_vlm(model):
-        return vila.apply_coat_vlm(
-            model, config=config, module_filter_fn=module_filter_fn, fused_loss=fused_loss
-        )
     return llama.convert_llama(
         model, config=config, module_filter_fn=module_filter_fn, fused_loss=fused_loss
     )

@@ -76,9 +76,13 @@ _ADAPTERS_UNSUPPORTED = (
 )
 
 
-def _adapter_problem(model: nn.Module) -> str | None:
-    """Why ``model`` cannot be converted because of adapters, or ``None``."""
+def _adapter_problem(model: nn.Module, within: tuple[str, ...] | None = None) -> str | None:
+    """Why ``model`` cannot be converted because of adapters, or ``None``. ``within``: only
+    modules whose name starts with one of these (a LLaVA model's language model and head:
+    its projector and tower get plain FP8 modules, which leave an adapter alone)."""
     for fqn, module in model.named_modules():
+        if within is not None and not any(fqn == w or fqn.startswith(w + ".") for w in within):
+            continue
         if _wrapped_by_adapter(module):
             cls = type(module)
             return (
@@ -698,6 +702,13 @@ def _is_set(name: str, value) -> bool:
 
 # ------------------------------------------------------------------------------ conversion
 FilterFn = Callable[[nn.Module, str], bool]
+
+
+def check_flags(**flags) -> None:
+    """Boolean options: a string or a number was taken for its truth ("False" switched on)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def check_options(config, module_filter_fn) -> FP8ActivationConfig:

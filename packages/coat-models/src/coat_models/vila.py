@@ -31,6 +31,7 @@ from .llama import (
     FilterFn,
     UnsupportedModel,
     _adapter_problem,
+    check_flags,
     check_options,
     convert_llama,
     revert_classes,
@@ -80,8 +81,9 @@ def apply_coat_vlm(
         config: ``FP8ActivationConfig`` for every converted part (``None``: defaults).
         module_filter_fn: ``(module, fqn) -> bool``, ``fqn`` the module's name in
             ``model.named_modules()``; called for each decoder layer of the language model
-            and for each module of the projector (and with ``vision`` the tower) that would
-            get FP8 activations. Modules for which it returns False stay plain.
+            and, top down, for each module under the projector (and with ``vision`` the
+            tower). A module for which it returns False stays as it is (its children are
+            still visited: to leave a whole part plain, test the fqn's prefix).
         vision: also give the vision tower FP8 activations (its linears, LayerNorms, GELUs;
             attention and the patch embedding stay as they are).
         freeze_vision: ``requires_grad=False`` on every vision-tower parameter (undone by
@@ -100,12 +102,14 @@ def apply_coat_vlm(
     """
     parts = _llava_parts(model)
     config = check_options(config, module_filter_fn)  # before an earlier conversion is undone
-    problem = _adapter_problem(model)
+    check_flags(vision=vision, freeze_vision=freeze_vision, fused_loss=fused_loss)
+    names = {id(m): name for name, m in model.named_modules()}
+    lm = names[id(parts.language_model)]
+    problem = _adapter_problem(model, within=(lm, "lm_head"))  # (FP8 modules leave LoRA be)
     if problem is not None:
         raise TypeError(f"apply_coat_vlm cannot convert {type(model).__name__}: {problem}")
     if is_coat_vlm(model):
         revert_coat_vlm(model)
-    names = {id(m): name for name, m in model.named_modules()}
 
     def part_filter(part: nn.Module):
         """``module_filter_fn`` seen from inside ``part``: its fqns get the part's prefix."""
@@ -128,7 +132,8 @@ def apply_coat_vlm(
     converted = ["multi_modal_projector"] + (["vision_tower"] if vision else [])
     # A plain attribute: not a buffer, so the state dict does not see it. Set before the
     # parts are converted: a failure there (module_filter_fn raising) reverts what was done.
-    model._coat_vlm = state = {"converted": [], "frozen": []}
+    options = {"vision": vision, "freeze_vision": freeze_vision}  # (apply_coat again keeps them)
+    model._coat_vlm = state = {"converted": [], "frozen": [], "options": options}
     try:
         for name in converted:
             part = getattr(parts, name)
@@ -145,8 +150,12 @@ def apply_coat_vlm(
                 state["frozen"].append(name)
     set_fused_loss(model, fused_loss)
     # Called without gradients (generate(), torch.no_grad()), the projector and tower run
-    # their original modules as the decoder layers do, also in training mode.
+    # their original modules as the decoder layers do, also in training mode; called by
+    # themselves too (generate() takes the image features through get_image_features, not
+    # the model's forward: they had taken the FP8 path there).
     follow_grad_mode(model)
+    for name in converted:
+        follow_grad_mode(getattr(parts, name))
     return model
 
 
@@ -158,6 +167,8 @@ def revert_coat_vlm(model: nn.Module) -> nn.Module:
         return model
     set_fused_loss(model, False)
     follow_grad_mode(model, False)
+    for name in state["converted"]:
+        follow_grad_mode(getattr(parts, name), False)
     graphs.disable_cuda_graphs(parts.language_model)
     revert_classes(parts.language_model)
     for name in state["converted"]:
