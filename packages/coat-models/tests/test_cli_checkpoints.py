@@ -310,6 +310,11 @@ def test_a_later_modes_launch_is_checked_before_any_mode_trains(tmp_path):
     assert code == 2 and err.count("\n") == 1, err
     assert "it was written by --ddp on 2 ranks, this run is one process" in err, err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    manifest["info"]["parallel"] = "ddp"  # corrupt: said with the way on (helper-85)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = train([*argv, "--resume"])
+    assert code == 2 and "its manifest's launch is 'ddp'" in err, err
+    assert "there is no older checkpoint: delete" in err, err
     bf16 = out / "bf16" / "checkpoints" / "step_0000002"
     code, _, err = train([*ARGS, "--steps", "2", "--resume", bf16, "--out", out])
     assert code == 0, err

@@ -501,7 +501,10 @@ def check_resume_settings(args, cfgs: list[TrainConfig], job, out: Path, paralle
         if found is None:
             continue
         manifest = checkpoint.read_manifest(found)
-        check_launch(found, manifest, parallel)  # (a later mode's came after earlier ones ran)
+        try:  # (a later mode's came after earlier ones ran)
+            check_launch(found, manifest, parallel)
+        except CheckpointError as e:  # its manifest's launch field corrupt
+            raise unusable_newest(e, found) from None
         settings = manifest.info.get("settings")
         if isinstance(settings, dict) and {"config", "data", "describe"} <= settings.keys():
             # (the manifest's info is no file it hashes: edited, its values can be anything)
