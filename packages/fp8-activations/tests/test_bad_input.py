@@ -178,3 +178,46 @@ def test_fp8_tensor_takes_what_quantize_takes():
         FP8Tensor(q, torch.tensor(1.0), "tensor", None, "e4m3")
     with pytest.raises(ValueError, match="group_size must be a positive power of two, got 3"):
         FP8Tensor(q, torch.ones(4, 11), Granularity.PER_GROUP, 3, "e4m3")
+
+
+WEIGHT_LIST_FNS = {
+    "weight_amaxes": fa.weight_amaxes,
+    "cast_weights": fa.cast_weights,
+    "cached_weight_casts": fa.cached_weight_casts,
+    "weight_cache_fresh": fa.weight_cache_fresh,
+}
+
+
+@pytest.mark.parametrize("fn", WEIGHT_LIST_FNS)
+def test_layer_weight_functions_agree_on_empty_and_one_tensor(fn):
+    """The four functions over a layer's weights refuse the same inputs with one message
+    (``[]`` gave ``[]`` or True from two of them, a TypeError from the other two)."""
+    for bad, match in (([], "non-empty list"), ((), "non-empty list"), (W, "not one tensor")):
+        with pytest.raises(TypeError, match=match):
+            WEIGHT_LIST_FNS[fn](bad)
+
+
+def test_layer_weight_functions_take_a_generator_as_its_list():
+    """A generator over a model's linears gives what the list gives (``weight_amaxes`` and
+    the casts raised "object of type 'generator' has no len()")."""
+    ws = [torch.randn(16, 32), torch.randn(32, 32)]
+    for a, b in zip(fa.weight_amaxes(w for w in ws), fa.weight_amaxes(ws), strict=True):
+        assert torch.equal(a, b)
+    cfg = FP8ActivationConfig(weight_cache=False)
+    x = torch.randn(4, 32)
+    got = fa.rms_norm_linear(x, None, 1e-6, ws, config=cfg, weight_casts=fa.cast_weights(
+        (w for w in ws), cfg))  # fmt: skip
+    want = fa.rms_norm_linear(x, None, 1e-6, ws, config=cfg)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    fresh = [torch.randn(16, 32), torch.randn(32, 32)]
+    casts = fa.cached_weight_casts(w for w in fresh)
+    assert casts is not None and len(casts) == 2
+    assert fa.weight_cache_fresh(w for w in fresh)
+    y = fa.rms_norm_linear(x, None, 1e-6, (w for w in fresh), weight_casts=casts)
+    assert [t.shape for t in y] == [(4, 16), (4, 32)]
+
+
+def test_one_bias_tensor_for_several_weights_is_named():
+    with pytest.raises(TypeError, match="one bias \\(or None\\) per weight, not one tensor"):
+        fa.rms_norm_linear(X, None, 1e-6, [W, W], torch.zeros(16))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 
 from fp8_quant import Backend, FP8Format
@@ -82,6 +83,10 @@ def _renamed(module: str, name: str):
     new = _RENAMED.get(name)
     if new is None:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    # ``from package import name`` asks twice: importlib's ``_handle_fromlist`` first checks
+    # ``hasattr`` (quietly here), then the import statement reads the name (warned once).
+    if sys._getframe(2).f_code.co_name == "_handle_fromlist":
+        return globals()[new]
     warnings.warn(
         f"{module}.{name} is renamed {new}; {name} will be removed in a later release",
         DeprecationWarning,

@@ -66,6 +66,19 @@ def _config(config: FP8ActivationConfig | None) -> FP8ActivationConfig:
     return config
 
 
+def _weight_list(weights, what: str = "tensors") -> list | tuple:
+    """``weights`` as a non-empty list or tuple (another iterable, e.g. a generator over a
+    model's linears, is listed once); one tensor, or none, is refused."""
+    if type(weights) is not list and type(weights) is not tuple:
+        if isinstance(weights, torch.Tensor) or not hasattr(weights, "__iter__"):
+            got = "one tensor" if isinstance(weights, torch.Tensor) else type(weights).__name__
+            raise TypeError(f"weights must be a non-empty list or tuple of {what}, not {got}")
+        weights = list(weights)
+    if not weights:
+        raise TypeError(f"weights must be a non-empty list or tuple of {what}")
+    return weights
+
+
 def _check_float(x, name: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -247,8 +260,7 @@ def weight_amaxes(
 
     >>> amaxes = weight_amaxes([torch.randn(32, 64), torch.randn(16, 64)])
     """
-    if isinstance(weights, torch.Tensor) or not len(weights):
-        raise TypeError("weights must be a non-empty list or tuple of tensors")
+    weights = _weight_list(weights)
     for i, w in enumerate(weights):
         _check_float(w, f"weights[{i}]")
     backend = resolve_backend(weights[0], _config(config).backend)
@@ -269,12 +281,9 @@ def weight_cache_fresh(
     False
     """
     cfg = _config(config)
-    if isinstance(weights, torch.Tensor):  # (iterated, its rows: never fresh)
-        raise TypeError("weights must be a list or tuple of tensors, not one tensor")
+    weights = _weight_list(weights)
     if not cfg.weight_cache or torch.compiler.is_compiling():
         return False
-    if type(weights) is not list and type(weights) is not tuple:
-        weights = list(weights)
     try:
         return all(_weight_cache_fresh(w, cfg.fwd_format) for w in weights)
     except AttributeError:
@@ -308,8 +317,7 @@ def cast_weights(
     >>> q, kv = rms_norm_linear(torch.randn(4, 64), None, 1e-6, ws, weight_casts=casts)
     """
     cfg = _config(config)
-    if isinstance(weights, torch.Tensor) or not len(weights):
-        raise TypeError("weights must be a non-empty list or tuple of tensors")
+    weights = _weight_list(weights)
     for i, w in enumerate(weights):
         _check_float(w, f"weights[{i}]")
     if weight_amaxes is not None and len(weight_amaxes) != len(weights):
@@ -368,6 +376,7 @@ def cached_weight_casts(
     >>> q, kv = rms_norm_linear(torch.randn(4, 64), None, 1e-6, ws, weight_casts=casts)
     """
     cfg = _config(config)
+    weights = _weight_list(weights)
     if not cfg.weight_cache or torch.compiler.is_compiling():
         return None
     if not weight_cache_fresh(weights, cfg):
@@ -532,8 +541,11 @@ def rms_norm_linear(
         raise ValueError("x must have at least one dimension (..., K): reshape a scalar to (1,)")
     n = x.shape[-1]
     _check_param(norm_weight, x, "norm_weight", n)
-    if isinstance(weights, torch.Tensor) or not len(weights):
-        raise TypeError("weights must be a non-empty list or tuple of (out_features, K) tensors")
+    weights = _weight_list(weights, "(out_features, K) tensors")
+    if isinstance(biases, torch.Tensor):
+        raise TypeError(
+            "biases must be a list or tuple with one bias (or None) per weight, not one tensor"
+        )
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
         raise ValueError(
