@@ -5,6 +5,8 @@ loss and its gradients through them."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -106,6 +108,36 @@ def test_lse_kernel_infinities_and_nan_as_torch():
     lse_rows(logits, targets, out[0], out[1], backend="triton")
     for got, ref in zip(out, want, strict=True):
         torch.testing.assert_close(got, ref, rtol=2e-6, atol=0, equal_nan=True)
+
+
+def test_lse_kernel_reads_nothing_outside_the_row_for_a_target_outside_the_vocabulary():
+    """Its own guard (callers check targets): such a row's difference is NaN. It read the
+    memory at that offset (a wrong loss, or a crash for a far one)."""
+    logits = torch.randn(4, 37, device=DEVICE)
+    targets = torch.tensor([37, -5, 10**12, 4], device=DEVICE)
+    out = torch.zeros(2, 4, device=DEVICE)
+    lse_rows(logits, targets, out[0], out[1], backend="triton")
+    want_lse, want_diff = lse_reference(logits, targets.clamp(0, 36))
+    torch.testing.assert_close(out[0], want_lse, rtol=2e-6, atol=0)
+    assert out[1, :3].isnan().all()
+    torch.testing.assert_close(out[1, 3], want_diff[3], rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_a_target_outside_the_vocabulary_on_a_gpu_is_a_device_side_assert():
+    """As F.cross_entropy's (it was checked on CPU only: on a GPU a wrong loss)."""
+    code = (
+        "import torch; from coat_models import linear_cross_entropy as f; "
+        "h = torch.randn(4, 16, device='cuda'); w = torch.randn(37, 16, device='cuda'); "
+        "f(h, w, torch.tensor([1, 2, 37, 3], device='cuda')); torch.cuda.synchronize(); "
+        "print('no error')"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert r.returncode != 0 and "no error" not in r.stdout, r.stdout + r.stderr
+    assert "device-side assert" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

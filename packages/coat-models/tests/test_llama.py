@@ -969,6 +969,46 @@ def test_fused_loss_matches_logits_loss():
     assert len(got) == len(plain) and got[1] is None and type(got[2]) is type(plain[2])
 
 
+def _with_head_change(change: str):
+    def biased_head(model):
+        head = torch.nn.Linear(TINY["hidden_size"], VOCAB, bias=True)
+        head.weight = model.lm_head.weight
+        with torch.no_grad():
+            head.bias.zero_()
+            head.bias[0] = 50.0
+        model.lm_head = head
+
+    def own_loss(model):
+        model.loss_function = lambda logits, labels, vocab_size, **kw: 123.0 + 0 * logits.sum()
+
+    def hook(model):
+        model.lm_head.register_forward_hook(lambda mod, args, out: out * 0)
+
+    def instance_forward(model):
+        head = model.lm_head
+        head.forward = lambda x: torch.nn.functional.linear(x, head.weight) * 0
+
+    return {"bias": biased_head, "loss": own_loss, "hook": hook, "forward": instance_forward}[
+        change
+    ]
+
+
+@pytest.mark.parametrize("change", ["bias", "loss", "hook", "forward"])
+def test_a_head_or_loss_changed_after_apply_coat_is_the_models_own(change):
+    """The fused loss reads the head's weight without calling the head: a biased head, a
+    loss_function, a hook on the head or an instance forward (accelerate's) set after
+    apply_coat get the model's own head and loss (they were skipped: a wrong loss)."""
+    plain = tiny_llama(num_hidden_layers=1).train()
+    coat = apply_coat(copy.deepcopy(plain), module_filter_fn=lambda m, fqn: False)
+    ids = tokens()
+    assert coat(ids, labels=ids).logits is None  # fused before the change
+    for model in (plain, coat):
+        _with_head_change(change)(model)
+    want, got = plain(ids, labels=ids), coat(ids, labels=ids)
+    assert got.logits is not None
+    assert torch.equal(got.loss, want.loss)
+
+
 @pytest.mark.parametrize("rows", [7, 64, 1000], ids=lambda r: f"rows{r}")
 def test_linear_cross_entropy_chunks(rows):
     torch.manual_seed(0)
@@ -1007,6 +1047,32 @@ def test_linear_cross_entropy_bad_arguments(kwargs, match):
     h, w = torch.randn(4, 8, requires_grad=True), torch.randn(VOCAB, 8)
     with pytest.raises(ValueError, match=match):
         linear_cross_entropy(h, w, torch.tensor([0, 1, 2, 3]), **kwargs)
+
+
+def test_double_backward_through_the_fused_loss_names_fused_loss_false():
+    """Not "FP8 activations", which are not in this model (only the loss is fused)."""
+    model = apply_coat(tiny_llama(num_hidden_layers=1), module_filter_fn=lambda m, fqn: False)
+    ids = tokens(batch=2, seq=9)
+    loss = model.train()(ids, labels=ids).loss
+    with pytest.raises(RuntimeError, match=r"the fused loss .* apply_coat\(\.\.\., fused_loss="):
+        torch.autograd.grad(loss, model.lm_head.weight, create_graph=True)
+
+
+def test_labels_the_fused_loss_cannot_take_are_named_as_labels():
+    """Not as the flattened, shifted "targets" (whose int64 was said missing of int64)."""
+    model = apply_coat(tiny_llama(num_hidden_layers=1)).train()
+    ids = tokens(batch=2, seq=9)
+    with pytest.raises(ValueError, match=r"labels must be int64 \(torch.long\) of the inputs' "
+                       r"shape \(2, 9\), got torch.int64 \(2, 5\)"):  # fmt: skip
+        model(ids, labels=ids[:, :5])
+    with pytest.raises(ValueError, match=r"labels must be .*got torch.int32 \(2, 9\)"):
+        model(ids, labels=ids.int())
+    with pytest.raises(ValueError, match=r"shift_labels must be .*got torch.int64 \(2, 8\)"):
+        model(ids, labels=ids, shift_labels=ids[:, 1:])
+    with pytest.raises(ValueError, match=r"targets must be int64 \(torch.long\), got torch.int32"):
+        linear_cross_entropy(torch.randn(4, 8), torch.randn(VOCAB, 8), torch.zeros(4).int())
+    with pytest.raises(ValueError, match=r"targets must have shape \(4,\), one per row"):
+        linear_cross_entropy(torch.randn(4, 8), torch.randn(VOCAB, 8), torch.zeros(3).long())
 
 
 @pytest.mark.parametrize("bad", [VOCAB, -1])

@@ -570,13 +570,14 @@ class _CoatCausalLM(_CoatMixin):
     and returns ``logits=None``."""
 
     def forward(self, *args, **kwargs):
-        # A head wrapped since apply_coat (PEFT's LoRA on lm_head) computes more than its
-        # weight: the model's own head and loss then, not the fused loss that would skip it.
-        if not (self.training and torch.is_grad_enabled()) or type(self.lm_head) is not nn.Linear:
+        # The fused loss reads the head's weight without calling the head: the model's own
+        # head and loss run when the head or loss changed since apply_coat (PEFT's LoRA on
+        # lm_head, a biased head, another loss_function) or hooks wait on the head's call.
+        if not (self.training and torch.is_grad_enabled()) or not _fusable_now(self):
             return super().forward(*args, **kwargs)
         named = _bind(self._coat_original_class, args, kwargs)
         labels = named.pop("labels", None)
-        shift_labels = named.pop("shift_labels", None)
+        shift_labels = named_shift = named.pop("shift_labels", None)
         # transformers' heads compute a loss only with labels (shift_labels alone: logits,
         # no loss), and return all logits only when logits_to_keep is 0.
         if labels is None or not _is_zero(named.pop("logits_to_keep", 0)):
@@ -588,6 +589,12 @@ class _CoatCausalLM(_CoatMixin):
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         hidden = outputs.last_hidden_state
+        if shift_labels.shape != hidden.shape[:-1] or shift_labels.dtype != torch.int64:
+            name = "labels" if named_shift is None else "shift_labels"
+            raise ValueError(
+                f"{name} must be int64 (torch.long) of the inputs' shape "
+                f"{tuple(hidden.shape[:-1])}, got {shift_labels.dtype} {tuple(shift_labels.shape)}"
+            )
         loss = linear_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]),
             self.lm_head.weight,
@@ -671,6 +678,16 @@ def set_fused_loss(model: nn.Module, enabled: bool = True) -> bool:
     on = enabled and _head_supported(model)
     model.__class__ = _coat_class(_CoatCausalLM, original) if on else original
     return on
+
+
+def _fusable_now(model: nn.Module) -> bool:
+    """``_head_supported``, and nothing waits on the head's call: no hook on it, no forward
+    of its own instance (accelerate's)."""
+    head = model.lm_head
+    return _head_supported(model) and not (
+        head._forward_hooks or head._forward_pre_hooks or head._backward_hooks
+        or head._backward_pre_hooks or "forward" in head.__dict__
+    )  # fmt: skip
 
 
 def _head_supported(model: nn.Module) -> bool:

@@ -102,7 +102,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (diff * valid).sum() / denom
 
     @staticmethod
-    @first_order_only  # saved FP8 / kernel math: no graph of its own
+    @first_order_only(
+        message="the fused loss (coat_models.linear_cross_entropy, apply_coat's fused_loss) "
+        "is differentiable once: its backward runs outside autograd, so create_graph=True "
+        "(double backward, torch.func.grad) cannot give second-order gradients; convert "
+        "with apply_coat(..., fused_loss=False) for those"
+    )
     def backward(ctx, grad):
         need_h, need_w = ctx.needs_input_grad[:2]
         if ctx.early:  # made in forward for an upstream gradient of 1: scaled in fp32 here
@@ -163,9 +168,11 @@ def linear_cross_entropy(
             f"hidden must be (N, H) and weight (V, H), got {tuple(hidden.shape)} and "
             f"{tuple(weight.shape)}: flatten the batch and sequence dims of hidden first"
         )
-    if targets.shape != hidden.shape[:1] or targets.dtype != torch.int64:
+    if targets.dtype != torch.int64:
+        raise ValueError(f"targets must be int64 (torch.long), got {targets.dtype}")
+    if targets.shape != hidden.shape[:1]:
         raise ValueError(
-            f"targets must be int64 of shape ({hidden.shape[0]},), got {targets.dtype} "
+            f"targets must have shape ({hidden.shape[0]},), one per row of hidden, got "
             f"{tuple(targets.shape)}"
         )
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
@@ -180,10 +187,10 @@ def linear_cross_entropy(
             f"chunk_rows must be an int >= 1, or None (the default), got {chunk_rows!r}"
         )
     vocab = weight.shape[0]
-    # Checked on CPU without reading a value into Python (no host read in a training step,
-    # nothing for torch.compile to break on); on a GPU an out-of-range target is a
-    # device-side assert, as in F.cross_entropy.
-    if targets.device.type == "cpu" and not torch.compiler.is_compiling():
+    # Checked without reading a value into Python (no host read in a training step, nothing
+    # for torch.compile to break on): on a GPU an out-of-range target is a device-side
+    # assert, as in F.cross_entropy (the kernels would read outside the row: a wrong loss).
+    if not torch.compiler.is_compiling():
         ok = ((targets >= 0) & (targets < vocab)) | (targets == ignore_index)
         torch._assert_async(
             ok.all(),

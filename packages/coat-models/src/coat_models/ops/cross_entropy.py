@@ -102,7 +102,12 @@ def _lse_kernel(X, T, LSE, DIFF, V, BLOCK: tl.constexpr):
         s += tl.where(mask, _exp(x - m_row), 0.0)
     lse = _log(tl.sum(s, 0)) + m_row
     tl.store(LSE + row, lse)
-    tl.store(DIFF + row, lse - tl.load(base + tl.load(T + row)).to(tl.float32))
+    # A target outside [0, V) (callers check; this is the kernel's own guard) reads no
+    # memory outside the row: its DIFF is NaN.
+    t = tl.load(T + row)
+    inside = (t >= 0) & (t < V)
+    x_t = tl.load(base + tl.where(inside, t, 0)).to(tl.float32)
+    tl.store(DIFF + row, tl.where(inside, lse - x_t, float("nan")))
 
 
 def lse_rows(

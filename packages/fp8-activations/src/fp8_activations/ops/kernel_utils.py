@@ -25,24 +25,29 @@ __all__ = ["cast_out", "custom_op", "first_order_only", "use_triton"]
 _INTERPRETED = tl.constexpr(type(abs_max).__name__ == "InterpretedFunction")
 
 
-def first_order_only(backward):
+_ONCE = (
+    "FP8 activations are differentiable once: their backward runs on saved FP8 copies "
+    "outside autograd, so create_graph=True (double backward, torch.func.grad) cannot give "
+    "second-order gradients; run the plain model (or revert the conversion) for those"
+)
+
+
+def first_order_only(backward=None, *, message: str = _ONCE):
     """``torch.autograd.function.once_differentiable`` for a backward computed outside
     autograd (saved FP8 copies, kernels), which also raises when it runs with grad mode on
     (``create_graph=True``) and its incoming gradients need none: ``once_differentiable``
     then returns gradients without a graph, and a gradient penalty built on them
     (``grad(y.sum(), x, create_graph=True)``) added nothing to the weights' gradients, in
-    silence. ``__wrapped__`` is ``backward`` itself."""
+    silence. ``__wrapped__`` is ``backward`` itself. ``@first_order_only(message=...)``:
+    the error's text for an op that is not an FP8 activation (what to run instead)."""
+    if backward is None:
+        return functools.partial(first_order_only, message=message)
     inner = once_differentiable(backward)
 
     @functools.wraps(backward)
     def checked(ctx, *grads):
         if torch.is_grad_enabled():
-            raise RuntimeError(
-                "FP8 activations are differentiable once: their backward runs on saved FP8 "
-                "copies outside autograd, so create_graph=True (double backward, "
-                "torch.func.grad) cannot give second-order gradients; run the plain model "
-                "(or revert the conversion) for those"
-            )
+            raise RuntimeError(message)
         return inner(ctx, *grads)
 
     return checked
