@@ -48,8 +48,9 @@ def apply_coat(
             cache, backend); ``None`` takes its defaults.
         module_filter_fn: ``(module, fqn) -> bool``, with ``fqn`` the module's name in
             ``model.named_modules()`` (e.g. ``"model.layers.3"``). Called once for each
-            decoder layer (for a LLaVA model also for each projector module that would get
-            FP8 activations); those for which it returns False stay plain. ``None``:
+            decoder layer (for a LLaVA model also, top down, for every module under the
+            projector, and under the tower with ``vision=True``); those for which it
+            returns False stay plain. ``None``:
             convert all.
         fused_loss: for ``*ForCausalLM`` models, compute the training loss (when ``labels``
             are passed) chunk by chunk from the hidden states instead of building the full

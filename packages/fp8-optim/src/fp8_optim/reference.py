@@ -10,7 +10,8 @@ consecutive elements of the flattened parameter (the last group may be partial):
 
 * ``exp_avg``, ``exp_avg_sq``: FP8 codes, shaped like the parameter;
 * ``exp_avg_amax``, ``exp_avg_sq_amax``: fp32 ``[ng]``, max ``|x|`` of each group;
-* ``exp_avg_k``, ``exp_avg_sq_k``: uint8 ``[ng]``, ``16 * k`` of each group (16..255).
+* ``exp_avg_k``, ``exp_avg_sq_k``: uint8 ``[ng]``, ``16 * k`` of each group (1..255; 16 with DRE
+  off).
 
 So ``2 + 2 * (4 + 1) / G`` bytes per element: 2.078 at ``G = 128``. A group decodes as
 ``x = amax * (|q| / fmax) ** (1 / k)`` with the sign of ``q`` (``k = 1`` is plain absmax

@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="FP8 activations: keep each weight's FP8 copies (2 bytes/param) between "
         "micro-batches until the optimizer step; saves casts with --grad-accum, costs memory "
-        "(default: on with --grad-accum > 1, also under --compile; off under --fsdp and "
+        "(default: on with --grad-accum > 1, with or without --compile; off under --fsdp and "
         "where CUDA graphs run, which they do by default on one CUDA GPU)",
     )
     r.add_argument(
