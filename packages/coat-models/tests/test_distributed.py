@@ -528,7 +528,13 @@ def test_bad_copy_in_choice_is_named(monkeypatch):
 
 
 def test_needs_a_process_group():
-    from coat_models.distributed import shard_model, wrap_ddp
+    import coat_models
+    from coat_models.distributed import prepare_data_parallel, shard_model, wrap_ddp
+
+    model = tiny_llama(coat=False)
+    with pytest.raises(RuntimeError, match="prepare_data_parallel needs torch.distributed"):
+        prepare_data_parallel(model, "ddp", fp8_activations=True, fp8_optimizer=True, lr=1e-3)
+    assert not coat_models.is_coat(model)  # refused before it was converted
 
     with pytest.raises(RuntimeError, match="init_distributed"):
         shard_model(nn.Linear(2, 2))
@@ -729,3 +735,85 @@ def _worker(out: Path) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
+
+
+@pytest.mark.parametrize("how", ["apply_coat-after-shard_model", "fully_shard-after-apply_coat"])
+def test_a_model_sharded_otherwise_than_by_shard_model_trains_without_the_weight_cache(
+    how, tmp_path
+):
+    """FSDP all-gathers into the weights' storage without bumping their versions: a COAT
+    layer that kept its FP8 weight cache trained on the previous step's weights (the losses
+    left the reference's after 2-3 steps). ``apply_coat`` on a sharded model and a layer
+    sharded by ``fully_shard`` itself train without it: the reference's bits."""
+    import torch.distributed as dist
+    from coat_models import apply_coat, create_optimizer
+    from coat_models.distributed import shard_model
+    from fp8_activations import FP8ActivationConfig
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        plain = tiny_llama(coat=False)
+        ref = apply_coat(plain, config=FP8ActivationConfig(weight_cache=False))
+        shard_model(ref, mp_policy="fp32")
+        if how == "apply_coat-after-shard_model":
+            model = tiny_llama()  # converted
+            shard_model(model, mp_policy="fp32")  # (turns its cache off)
+            apply_coat(model)  # again, with the default config: the cache on
+        else:
+            model = tiny_llama()
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        optimizers = [create_optimizer(m, lr=1e-2) for m in (ref, model)]
+        for step in range(4):
+            ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(step))
+            losses = []
+            for m, opt in zip((ref, model), optimizers, strict=True):
+                loss = m(ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            assert torch.equal(losses[0], losses[1]), (step, losses)
+        assert all(not layer.coat_config.weight_cache for layer in model.model.layers)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("scheduler_at", ["save", "load"])
+def test_an_lr_scheduler_on_one_side_of_a_checkpoint_is_no_mismatch(scheduler_at, tmp_path):
+    """A scheduler adds initial_lr to the param groups: a checkpoint saved with one loaded
+    without (or the reverse) was refused as another model/optimizer. The state loads exactly;
+    this optimizer keeps its own initial_lr."""
+    from coat_models import create_optimizer
+    from coat_models.distributed import load_checkpoint, save_checkpoint
+
+    model = tiny_llama()
+    opt = create_optimizer(model, lr=1e-3)
+    ids = batch(0, 0)
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    if scheduler_at == "save":
+        torch.optim.lr_scheduler.LinearLR(opt)
+    save_checkpoint(tmp_path / "ckpt", model, opt)
+    other = tiny_llama(seed=1)
+    other_opt = create_optimizer(other, lr=1e-3)
+    if scheduler_at == "load":
+        torch.optim.lr_scheduler.LinearLR(other_opt)
+    load_checkpoint(tmp_path / "ckpt", other, other_opt)
+    for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    saved, loaded = opt.state_dict(), other_opt.state_dict()
+    for a, b in zip(saved["state"].values(), loaded["state"].values(), strict=True):
+        assert a.keys() == b.keys()
+        for name in a:
+            x, y = a[name], b[name]
+            if x.dtype.itemsize == 1:  # FP8 codes: compared as bytes
+                x, y = x.view(torch.uint8), y.view(torch.uint8)
+            assert torch.equal(x, y), name
+    for g, h in zip(saved["param_groups"], loaded["param_groups"], strict=True):
+        assert g["lr"] == h["lr"]
+        assert ("initial_lr" in h) == (scheduler_at == "load")

@@ -386,6 +386,44 @@ def test_compiled_layers_evaluate_and_generate_eagerly():
     torch._dynamo.reset()
 
 
+def test_compiled_layers_record_hidden_states_and_refuse_attentions():
+    """output_hidden_states=True in a compiled training forward (dynamo could not trace the
+    attention-recording check: Unsupported ContextVar.get); output_attentions=True is
+    refused as by eager COAT layers."""
+    from coat_models import compile_layers
+
+    ref = apply_coat(tiny_llama()).train()
+    model = compile_layers(copy.deepcopy(ref), backend="aot_eager")
+    ids = tokens(2, 16)
+    try:
+        want = ref(ids, labels=ids, output_hidden_states=True)
+        got = model(ids, labels=ids, output_hidden_states=True)
+        assert len(got.hidden_states) == len(want.hidden_states) == 3
+        for a, b in zip(want.hidden_states, got.hidden_states, strict=True):
+            assert torch.equal(a, b)
+        with pytest.raises(TypeError, match="output_attentions=True"):
+            model(ids, labels=ids, output_attentions=True)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compiled_layers_past_the_recompile_limit_say_why():
+    """A ninth sequence length raised dynamo's FailOnRecompileLimitHit (fullgraph=True),
+    naming neither lengths nor a remedy."""
+    from coat_models import compile_layers
+
+    model = compile_layers(apply_coat(tiny_llama(num_hidden_layers=1)).train(), backend="eager")
+    limit = torch._dynamo.config.recompile_limit
+    try:
+        torch._dynamo.reset()
+        for length in range(2, 2 + limit):
+            model(tokens(1, length), labels=tokens(1, length)).loss.backward()
+        with pytest.raises(RuntimeError, match=f"compiled for {limit} input shapes.*Pad or bucket"):
+            model(tokens(1, 2 + limit), labels=tokens(1, 2 + limit))
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("change", ["apply_coat", "revert_coat"])
 def test_compiled_layers_follow_a_later_conversion(change):
     """A layer converted (``apply_coat``) or reverted (``revert_coat``) after

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from . import blocks, graphs
+from . import blocks, graphs, llama
 
 COMPILED = "_coat_compiled"  # on each layer compile_layers compiled: True
 
@@ -64,7 +64,9 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     forward; the layers: ``text_decoder_layers``) and return ``model``. ``compile_kwargs``
     go to ``torch.compile``; the defaults are ``fullgraph=True`` (a layer that cannot be
     traced in one piece raises, naming why) and ``dynamic=False`` (one graph per sequence
-    length: training shapes are fixed). With the default backend (Inductor) and no ``mode``,
+    length and batch size, also with ``dynamic=True``: training shapes are fixed; a call
+    past ``torch._dynamo.config.recompile_limit`` (8) shapes raises ``RuntimeError`` saying
+    so). With the default backend (Inductor) and no ``mode``,
     bf16 intermediates are rounded as eager rounds them
     (``options={"emulate_precision_casts": True}``, merged with ``options`` given).
 
@@ -114,6 +116,9 @@ def _plain_forward(layer: nn.Module):
         fn, checkpointed = fn.__wrapped__, True
     return fn.__get__(layer), checkpointed
 
+
+# Dynamo's error for a call past the recompile limit under fullgraph=True.
+_RECOMPILE_LIMIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 
 # What transformers' checkpointing sets for a checkpointed layer: nothing is cached.
 _NO_CACHE = {"use_cache": False}
@@ -166,9 +171,10 @@ class CompiledForward:
             return self.eager(*args, **kwargs)
         ops = getattr(layer, "coat_ops", None)
         if ops is not None:
+            llama.check_coat_layer(layer)  # (what the traced check cannot read, eagerly)
             # The FP8 weight cache, read here (Python state a graph cannot read): the layer's
             # copies go in as inputs, refreshed in one launch when the weights changed.
-            casts = blocks.layer_weight_casts(ops, layer, layer.coat_config)
+            casts = blocks.layer_weight_casts(ops, layer, llama.layer_config(layer))
             if casts is not None:
                 kwargs[blocks.WEIGHT_CASTS] = casts
         if self.checkpointed and layer.gradient_checkpointing:
@@ -176,9 +182,22 @@ class CompiledForward:
                 kwargs.update(_NO_CACHE)
             if not getattr(layer, "_can_checkpoint_with_cache", False):
                 kwargs.update({k: None for k in _CACHE_NAMES if k in kwargs})
-            run = functools.partial(self.compiled, **kwargs)
+            run = functools.partial(self._run, **kwargs)
             return layer._gradient_checkpointing_func(run, *args)
-        return self.compiled(*args, **kwargs)
+        return self._run(*args, **kwargs)
+
+    def _run(self, *args, **kwargs):
+        try:
+            return self.compiled(*args, **kwargs)
+        except _RECOMPILE_LIMIT as e:
+            limit = torch._dynamo.config.recompile_limit
+            raise RuntimeError(
+                f"compile_layers: the layers were compiled for {limit} input shapes "
+                "(torch._dynamo.config.recompile_limit) and this call has another: each "
+                "sequence length (and batch size) compiles a graph of its own, also with "
+                "dynamic=True. Pad or bucket inputs to a few lengths, or raise "
+                "torch._dynamo.config.recompile_limit"
+            ) from e
 
     def __deepcopy__(self, memo):
         layer = memo.get(id(self.layer))

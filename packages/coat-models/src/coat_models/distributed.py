@@ -350,6 +350,7 @@ def prepare_data_parallel(
 
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    _require_process_group("prepare_data_parallel")  # before the model changes
     if fp8_activations:
         apply_coat(model)
     if strategy == "fsdp":
@@ -571,8 +572,11 @@ def load_checkpoint(
     saved = _saved_metadata(path)
     state = _dcp_state(model, optimizer)
     unsaved = _check_against(saved, state, path, strict)
-    for key in unsaved:  # parameters without optimizer state when saved (no gradient yet)
-        del state["optim"][key]
+    # Parameters without optimizer state when saved (no gradient yet), and hyperparameters
+    # the saved optimizer had not: the latter keep this optimizer's values.
+    own = {k: state["optim"].pop(k) for k in unsaved if k.startswith("param_groups.")}
+    for key in unsaved:
+        state["optim"].pop(key, None)
     if "extra" in saved:
         state["extra"] = io.BytesIO()
     # Flat keys "param_groups.<fqn>.<name>": this optimizer's values go back over the loaded
@@ -583,8 +587,8 @@ def load_checkpoint(
         if k.startswith("param_groups.") and k.rpartition(".")[2] in IMPLEMENTATION_KEYS
     }
     _dcp_load(state, path)
-    if switches:
-        state["optim"].update(switches)
+    if switches or own:
+        state["optim"].update(switches, **own)
     options = StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -780,7 +784,9 @@ def _extra(state: dict) -> dict | None:
 def _check_against(saved: dict, state: dict, path: str, strict: bool) -> list[str]:
     """Compare the checkpoint's metadata with the state we would load into; raise
     ``CheckpointMismatchError`` listing every difference. Returns the optimizer-state keys of
-    parameters that had no state when saved (they are left without state on load)."""
+    parameters that had no state when saved (they are left without state on load) and of
+    hyperparameters the saved optimizer had not (they keep this optimizer's values); a
+    hyperparameter saved that this optimizer has not is not loaded."""
     problems: list[str] = []
 
     def describe(meta) -> str:
@@ -813,8 +819,15 @@ def _check_against(saved: dict, state: dict, path: str, strict: bool) -> list[st
             if not any(f"optim.{n}" in saved for n in names):
                 unsaved.extend(names)
         for name, value in state["optim"].items():
-            if name not in unsaved:
-                compare(f"optim.{name}", value)
+            if name in unsaved:
+                continue
+            if name.startswith("param_groups.") and f"optim.{name}" not in saved:
+                # A hyperparameter the saved optimizer had not (a scheduler's initial_lr, a
+                # default of a later torch): this optimizer's value stays, as torch's own
+                # load_state_dict compares none of them.
+                unsaved.append(name)
+                continue
+            compare(f"optim.{name}", value)
         if not any(key.startswith("optim.") for key in saved):
             problems.append("the checkpoint holds no optimizer state (saved without optimizer)")
     for key in saved:
@@ -823,6 +836,8 @@ def _check_against(saved: dict, state: dict, path: str, strict: bool) -> list[st
                 continue
             if key.startswith("optim.") and "optim" not in state:
                 continue  # the weights alone are loaded (no optimizer given)
+            if key.startswith("optim.param_groups."):
+                continue  # one this optimizer has not (initial_lr without a scheduler)
             problems.append(f"{key}: in the checkpoint but not in this model/optimizer")
     if problems:
         shown = "\n  ".join(problems[:12])

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from fp8_activations import FP8ActivationConfig
+from fp8_activations.ops import drop_cached_weight_fp8
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -90,6 +91,44 @@ def _adapter_problem(model: nn.Module, within: tuple[str, ...] | None = None) ->
                 f"{cls.__qualname__} around its base_layer): {_ADAPTERS_UNSUPPORTED}"
             )
     return None
+
+
+_FSDP_CLASSES: tuple[type, ...] | None = None
+
+
+def _fsdp_classes() -> tuple[type, ...]:
+    """FSDP2's ``FSDPModule`` and FSDP1's wrapper (imported on first use; none without
+    torch.distributed)."""
+    global _FSDP_CLASSES
+    if _FSDP_CLASSES is None:
+        try:
+            from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+            _FSDP_CLASSES = (FSDPModule, FullyShardedDataParallel)
+        except ImportError:
+            _FSDP_CLASSES = ()
+    return _FSDP_CLASSES
+
+
+def sharded(model: nn.Module) -> bool:
+    """Whether FSDP shards ``model`` or a part of it (a module of its FSDP classes, or a
+    DTensor parameter)."""
+    classes = _fsdp_classes()
+    return any(isinstance(m, classes) for m in model.modules()) or any(
+        type(p).__name__ == "DTensor" for p in model.parameters()
+    )
+
+
+def layer_config(layer: nn.Module) -> FP8ActivationConfig:
+    """The COAT layer's config for this training call. A layer that FSDP shards trains
+    without the FP8 weight cache, turned off for good here (``fully_shard`` of the layers
+    after ``apply_coat``): FSDP all-gathers each step into the weight's storage without
+    bumping its version, so the cache would serve the previous step's FP8 weights."""
+    config = layer.coat_config
+    if config.weight_cache and isinstance(layer, _fsdp_classes()):
+        config = layer.coat_config = config.replace(weight_cache=False)
+        drop_cached_weight_fp8(layer.parameters())
+    return config
 
 
 def _layer_problem(layer: nn.Module) -> str | None:
@@ -252,7 +291,11 @@ _HOOKS_REMEDY = "register them on the decoder layer instead (its hooks run)"
 
 
 def _attentions_asked() -> bool:
-    """Whether transformers is recording attention weights in this forward."""
+    """Whether transformers is recording attention weights in this forward. Traced, False:
+    dynamo cannot read the recorder's ContextVar (``compile_layers`` checks each layer
+    before its compiled call)."""
+    if torch.compiler.is_compiling():
+        return False
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:  # another transformers: no recorder of that kind to serve
@@ -505,7 +548,7 @@ class _CoatDecoderLayer(_CoatMixin):
                 attention_mask=mask,
                 position_embeddings=cos_sin,
                 cache=cache,
-                config=self.coat_config,
+                config=layer_config(self),
                 attn_kwargs=kwargs,
                 hand_over_output=not checkpointing,
                 weight_casts=weight_casts,
@@ -763,6 +806,9 @@ def convert_llama(
     model). Layers for which it returns False stay plain.
     """
     config = check_options(config, module_filter_fn)
+    if config.weight_cache and sharded(model):
+        # Sharded before (shard_model, then apply_coat again): see layer_config.
+        config = config.replace(weight_cache=False)
     base = _base_model(model)
     layers = list(base.layers)
     if not layers:
