@@ -1,8 +1,7 @@
-"""coat-train's output directory: what a run may write where (``--out`` and one directory per
-mode), the lock that keeps two runs apart, and where each mode resumes from. ``check_out`` and
-``check_resume`` run before anything is written, ``check_resume_settings`` with the lock held
-before any mode trains, ``resume_point`` as each mode starts; a refusal names the remedy (a
-``UsageError``, or a ``CheckpointError`` / ``ResumeSettingsError`` about a checkpoint).
+"""coat-train's output directory: what a run may write where, the lock that keeps two runs
+apart, and where each mode resumes from. ``check_out`` and ``check_resume`` run before
+anything is written, ``check_resume_settings`` with the lock held before any mode trains,
+``resume_point`` as each mode starts; a refusal names the remedy.
 
     out/.lock               held (flock) by the coat-train writing there, with its PID
     out/summary.json, loss.png
@@ -31,9 +30,9 @@ from .presets import fine_tunable
 from .report import ReportError, metrics_until, train_steps
 from .trainer import MODES, TrainConfig, check_launch, check_settings
 
-LOCK_FILE = ".lock"  # in --out: held (flock) by the coat-train writing there, with its PID
-# What coat-train writes in --out and in each mode's directory: a fresh run replaces these
-# (the mode's directory is deleted), so an --out holding anything else is refused.
+LOCK_FILE = ".lock"
+# What coat-train writes in --out and in each mode's directory: a fresh run replaces these,
+# so an --out holding anything else is refused.
 OUT_FILES = ("summary.json", "loss.png")
 MODE_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "final", "tensorboard")
 
@@ -94,9 +93,7 @@ def check_out(out: Path, modes: list[str]) -> None:
 
 def check_inputs_outside(out: Path, modes: list[str], inputs: dict[str, str | None]) -> None:
     """Refuse an input (``{"--model-dir": path, ...}``) inside a mode directory of ``out``
-    that this run replaces: a fresh run deletes it before training that mode (a second
-    ``--compare`` mode then read the first one's trained weights from it), and every run
-    replaces its ``final`` export."""
+    that this run replaces (deleted by a fresh run; its ``final`` rewritten by any)."""
     for option, given in inputs.items():
         if not given:
             continue
@@ -118,8 +115,7 @@ def _ours(name: str) -> bool:
 
 def _check_foreign(out: Path, modes: list[str]) -> None:
     """A fresh run overwrites ``OUT_FILES`` and deletes each mode's directory: refuse where
-    that would destroy a user's files (in a directory no coat-train has locked, or names in
-    a mode directory that coat-train does not write)."""
+    that would destroy files coat-train did not write."""
     if not (out / LOCK_FILE).is_file():
         clash = [n for n in (*OUT_FILES, *modes) if (out / n).exists()]
         if clash:
@@ -141,7 +137,8 @@ def _check_foreign(out: Path, modes: list[str]) -> None:
             )
 
 
-def _in_use(out: Path, holder: str) -> str:
+def _in_use(out: Path, fd: int) -> str:
+    holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
     return (
         f"--out {out} is in use by another coat-train (PID {holder}): wait for it to "
         "finish, or pass another --out"
@@ -155,10 +152,8 @@ class OutInUse(UsageError):
 
 def check_not_in_use(out: Path) -> None:
     """Refuse an ``--out`` whose lock another coat-train holds, before the checks of what is
-    in it: those named a running run's checkpoints "an earlier run's", the remedy deleting
-    them (helper-76). Rank 0's, which takes the lock (another rank could find rank 0 still
-    holding it for the run before, in one process calling coat-train again); a shared probe
-    (the holder's lock is exclusive); creates nothing."""
+    in it (they would call a running run's checkpoints "an earlier run's" and advise deleting
+    them). Rank 0 only, as it takes the lock; a shared probe that creates nothing."""
     if process_rank() != 0:
         return
     try:
@@ -169,9 +164,7 @@ def check_not_in_use(out: Path) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise OutInUse(
-                _in_use(out, os.read(fd, 32).decode(errors="replace").strip() or "unknown")
-            ) from None
+            raise OutInUse(_in_use(out, fd)) from None
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
@@ -181,10 +174,8 @@ def check_not_in_use(out: Path) -> None:
 def output_lock(out: Path):
     """Hold an exclusive ``flock`` on ``out/.lock`` for the run (rank 0): two coat-train
     processes on one ``--out`` would interleave their metrics and delete each other's
-    checkpoints. The kernel drops the lock with the process; the file stays (deleting it
-    would let a third process lock a new file while a second still holds the old one),
-    except in a directory this call created for a run that failed before writing anything
-    else there."""
+    checkpoints. The file stays (deleted, a third process could lock a new file while a
+    second holds the old one), unless this call created ``out`` and nothing else was written."""
     error, fd = None, None
     created = process_rank() == 0 and not out.exists()
     if process_rank() == 0:
@@ -193,10 +184,9 @@ def output_lock(out: Path):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            error = _in_use(out, fd)
             os.close(fd)
             fd = None
-            error = _in_use(out, holder)
         else:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -291,12 +281,9 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
 
 
 def _check_elsewhere(ckpt: Path, mode_dir: Path) -> None:
-    """A checkpoint continued into ``mode_dir`` must not mix two runs there: where the
-    mode's directory holds checkpoints, the named one must have the settings of their
-    newest (its own run's: an older checkpoint, one kept aside or backed up anywhere; a run
-    with other settings would put its steps after the earlier run's in one metrics file and
-    replace its checkpoints); where it holds metrics only (no checkpoint vouches for them),
-    none may be of the steps up to the named checkpoint's (those are kept as the run's)."""
+    """A checkpoint continued into ``mode_dir`` must not mix two runs there: the named one
+    must have the settings of the newest checkpoint there (any checkpoint of that run), or,
+    where there are metrics but no checkpoints, none may be of steps up to its step."""
     ckpts, metrics = mode_dir / "checkpoints", mode_dir / "metrics.jsonl"
     given = checkpoint.read_manifest(ckpt)
     if checkpoint.has_checkpoints(ckpts):
@@ -348,8 +335,7 @@ def _note_narrower_report(out: Path, modes: list[str]) -> None:
 
 def _check_resumable(out: Path, modes: list[str]) -> None:
     """Plain ``--resume`` where no mode of this run has a checkpoint but other modes in
-    ``--out`` do: the run there trained those (these would start from step 0, and the report
-    in ``--out`` would describe them alone), so name the ways to continue it."""
+    ``--out`` do: name the ways to continue that run instead of starting these from 0."""
     if not out.is_dir() or any(checkpoint.has_checkpoints(out / m / "checkpoints") for m in modes):
         return
     others = [m for m in MODES if checkpoint.has_checkpoints(out / m / "checkpoints")]
@@ -370,8 +356,7 @@ def _check_resumable(out: Path, modes: list[str]) -> None:
 
 def unusable_given(e: CheckpointError, named: Path, out: Path, mode: str) -> CheckpointError:
     """A checkpoint named by ``--resume DIR`` that failed its checks, with the ways on that
-    work: another readable checkpoint beside it, plain ``--resume`` where this run's
-    ``--out`` has checkpoints other than it, a fresh start where nothing stands in its way."""
+    work (another checkpoint beside it, plain ``--resume``, a fresh start)."""
     named = named.resolve()
     ways = []
     beside = [p for p in checkpoint.ordered(named.parent) if p.resolve() != named]
@@ -414,11 +399,9 @@ def resume_point(args, mode_dir: Path) -> Path | None:
 
 def note_lost_records(mode_dir: Path, ckpt: Path) -> None:
     """Say so when the mode's metrics file lacks training records of steps its own
-    checkpoint ``ckpt`` has done (the file deleted or replaced): the resumed run appends to
-    what is there, and its loss curve would start late with no word. The checkpoint holds
-    the summary's numbers, so nothing else is lost. Call once the checkpoint is accepted;
-    nothing for a checkpoint of another --out (a run continued elsewhere starts its own
-    metrics)."""
+    checkpoint ``ckpt`` has done (the file deleted or replaced): the loss curve would start
+    late with no word. Call once the checkpoint is accepted; silent for a checkpoint from
+    elsewhere (that run starts its own metrics)."""
     if process_rank() != 0 or own_checkpoint(mode_dir / "checkpoints", ckpt) is None:
         return
     with contextlib.suppress(CheckpointError, OSError, ReportError, ValueError):
@@ -437,12 +420,10 @@ def note_lost_records(mode_dir: Path, ckpt: Path) -> None:
 
 
 def supersede(mode_dir: Path, ckpt: Path) -> None:
-    """A run resumed from an older checkpoint of its own ``mode_dir`` rewrites what came
-    after it (the metrics are cut back to its step): ``ckpt`` becomes the newest, so that a
-    plain --resume after an interrupt comes back to it, not to a later checkpoint of the
-    run it replaces (whose records are gone). The later ones stay until pruned or
-    rewritten; the replaced run's summary and exported model go (they described its end),
-    also for a copy of an older checkpoint resumed from elsewhere."""
+    """A run resumed from an older checkpoint ``ckpt`` of its own ``mode_dir`` rewrites what
+    came after it: ``ckpt`` becomes the newest (a plain --resume after an interrupt comes
+    back to it, not to a later checkpoint of the replaced run), and the replaced run's
+    summary and exported model go (also for an older checkpoint resumed from elsewhere)."""
     ckpts = mode_dir / "checkpoints"
     own = own_checkpoint(ckpts, ckpt)
     done = checkpoint.ordered(ckpts)
@@ -483,14 +464,11 @@ def _newest(ckpts: Path) -> Path | None:
 
 
 def check_resume_settings(args, cfgs: list[TrainConfig], job, out: Path, parallel=None) -> None:
-    """With --resume, every mode's newest checkpoint before any mode trains: under
+    """With plain --resume, every mode's newest checkpoint before any mode trains (under
     --compare a refusal at a later mode would otherwise come after the earlier ones went on,
-    their results rewritten and the report gone. Each must have a readable manifest and the
-    mode's settings (recorded there; each mode's loading checks them again from
-    trainer.pt); the later modes' files are hashed against their manifests and their
-    metrics read here too (the first mode's are, as it loads, before it trains). Skipped for
-    a given checkpoint directory (one mode); the settings check for checkpoints written
-    before the manifest recorded them. Runs with the lock held."""
+    their results rewritten): a readable manifest, this run's launch and the settings it
+    records (if it does); for the later modes also the files' hashes and the metrics (the
+    first mode's are checked as it loads). Runs with the lock held."""
     if args.resume != "latest":
         return
     for i, (cfg, task) in enumerate(zip(cfgs, job.tasks, strict=True)):
@@ -501,30 +479,24 @@ def check_resume_settings(args, cfgs: list[TrainConfig], job, out: Path, paralle
         if found is None:
             continue
         manifest = checkpoint.read_manifest(found)
-        try:  # (a later mode's came after earlier ones ran)
+        try:
             check_launch(found, manifest, parallel)
-        except CheckpointError as e:  # its manifest's launch field corrupt
-            raise unusable_newest(e, found) from None
-        settings = manifest.info.get("settings")
-        if isinstance(settings, dict) and {"config", "data", "describe"} <= settings.keys():
-            # (the manifest's info is no file it hashes: edited, its values can be anything)
-            if not (
-                isinstance(settings["config"], dict)
-                and isinstance(settings["data"], str)
-                and isinstance(settings["describe"], dict)
-            ):
-                raise unusable_newest(
-                    CheckpointError(f"{found}: its manifest's recorded settings are corrupt"),
-                    found,
-                )
-            check_settings(found, settings, cfg, task.fingerprint, job.describe)
-        if i and manifest.kind == "torch":  # one process: DCP's own check is collective
-            try:
+            settings = manifest.info.get("settings")
+            if isinstance(settings, dict) and {"config", "data", "describe"} <= settings.keys():
+                # (the manifest's info is no file it hashes: edited, its values can be anything)
+                if not (
+                    isinstance(settings["config"], dict)
+                    and isinstance(settings["data"], str)
+                    and isinstance(settings["describe"], dict)
+                ):
+                    raise CheckpointError(f"{found}: its manifest's recorded settings are corrupt")
+                check_settings(found, settings, cfg, task.fingerprint, job.describe)
+            if i and manifest.kind == "torch":  # one process: DCP's own check is collective
                 checkpoint.verify(found, manifest)
-            except CheckpointError as e:
-                raise unusable_newest(e, found) from None
-            if manifest.step is not None:
-                metrics_until(mode_dir / "metrics.jsonl", manifest.step)
+        except CheckpointError as e:
+            raise unusable_newest(e, found) from None
+        if i and manifest.kind == "torch" and manifest.step is not None:
+            metrics_until(mode_dir / "metrics.jsonl", manifest.step)
 
 
 def unusable_newest(e: CheckpointError, newest: Path) -> CheckpointError:
