@@ -127,9 +127,8 @@ def fine_tunable(d: Path) -> bool:
 
 
 def _not_a_model_dir(d: Path) -> str:
-    """Why ``d`` (without config.json) is no model directory, naming the one meant where
-    ``d`` is what coat-train wrote: its --out, a mode's directory, or a checkpoint (whose
-    run's model is ``<out>/<mode>/final``)."""
+    """Why ``d`` (without config.json) is no model directory, naming the export meant where
+    ``d`` is what coat-train wrote (its --out, a mode's directory, a checkpoint)."""
     if not d.is_dir():
         return "no such directory"
     is_checkpoint = (d / MANIFEST).is_file()
@@ -148,11 +147,8 @@ def _not_a_model_dir(d: Path) -> str:
     return "no config.json (need a Hugging Face model dir)"
 
 
-def _check_safetensors(d: Path) -> None:
-    """Read the headers of the directory's safetensors files (cheap: no tensor data), so that
-    a garbage or truncated file is refused before the run touches its output directory."""
-    from safetensors import safe_open
-
+def _safetensors_files(d: Path) -> list[str]:
+    """The names of ``d``'s safetensors files: ``model.safetensors`` and those its index lists."""
     index = d / "model.safetensors.index.json"
     names = ["model.safetensors"] if (d / "model.safetensors").is_file() else []
     if index.is_file():
@@ -160,7 +156,15 @@ def _check_safetensors(d: Path) -> None:
             names += sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ModelError(f"--model-dir {d}: {index.name} is not a weight index ({e})") from None
-    for name in names:
+    return names
+
+
+def _check_safetensors(d: Path) -> None:
+    """Read the headers of the directory's safetensors files (cheap: no tensor data), so that
+    a garbage or truncated file is refused before the run touches its output directory."""
+    from safetensors import safe_open
+
+    for name in _safetensors_files(d):
         try:
             with safe_open(d / name, framework="pt"):
                 pass
@@ -173,9 +177,8 @@ def _check_safetensors(d: Path) -> None:
 
 def _check_bin(d: Path) -> None:
     """A ``pytorch_model.bin`` that transformers would read (no safetensors beside it) must
-    begin as torch.save files do (a zip archive, or a pickle in the old format): anything
-    else is refused before the run touches its output directory. What the pickle holds is
-    checked when it is loaded (tensors only)."""
+    begin as torch.save files do (a zip archive, or an old-format pickle); what the pickle
+    holds is checked when it is loaded (tensors only)."""
     path = d / "pytorch_model.bin"
     safetensors = ("model.safetensors", "model.safetensors.index.json")  # read instead
     if not path.is_file() or any((d / f).is_file() for f in safetensors):
@@ -191,16 +194,11 @@ def _check_bin(d: Path) -> None:
 
 def check_weight_shapes(d: Path, model) -> None:
     """Refuse safetensors weights in ``d`` whose shapes differ from ``model``'s (built from
-    ``d``'s config.json, e.g. on the meta device) under the same name: transformers would
-    print a table and raise. Headers only; other names are left to transformers."""
+    ``d``'s config.json) under the same name. Headers only."""
     from safetensors import safe_open
 
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    index = d / "model.safetensors.index.json"
-    names = ["model.safetensors"] if (d / "model.safetensors").is_file() else []
-    if index.is_file():  # (read by _check_safetensors before)
-        names += sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    for name in names:
+    for name in _safetensors_files(d):
         with safe_open(d / name, framework="pt") as f:
             for key in f.keys():
                 got, want = tuple(f.get_slice(key).get_shape()), shapes.get(key)
@@ -215,10 +213,14 @@ def check_weight_shapes(d: Path, model) -> None:
 _NOTED: set[str] = set()  # model dirs whose unused tensors were noted in this process
 
 
+def _some(names: list[str]) -> str:
+    """The first three of ``names``, and how many more there are."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def _check_loaded(weights_dir, model, info: dict) -> None:
-    """Refuse weights that leave part of the model random (missing names: a base model's or
-    a classifier's checkpoint, a file cut short) or that are not finite (the run's first
-    loss was NaN, blamed on the learning rate): both trained on, exit 0 or a wrong remedy."""
+    """Refuse weights that leave part of the model random (missing names) or that are not
+    finite (the first loss would be NaN, blamed on the learning rate)."""
     # Parameters only: a persistent buffer that the model computes is not trained.
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     missing = sorted(k for k in info.get("missing_keys") or () if k in params)
@@ -227,20 +229,16 @@ def _check_loaded(weights_dir, model, info: dict) -> None:
     if unused and rank0 and str(weights_dir) not in _NOTED:  # once, not once per mode
         _NOTED.add(str(weights_dir))
         # (transformers' report of them is quieted with its others)
-        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
         print(
             f"coat-train: note: --model-dir {weights_dir}'s weights hold tensors the model does "
-            f"not use: {', '.join(unused[:3])}{more}",
+            f"not use: {_some(unused)}",
             file=sys.stderr,
         )
     if missing:
-        shown = ", ".join(missing[:3]) + (
-            f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        )
         raise ModelError(
-            f"--model-dir {weights_dir}: its weights lack {shown}, which would start random: "
-            "pass the causal LM's complete checkpoint, or remove the weights to train from "
-            "random ones"
+            f"--model-dir {weights_dir}: its weights lack {_some(missing)}, which would start "
+            "random: pass the causal LM's complete checkpoint, or remove the weights to train "
+            "from random ones"
         )
     for name, p in model.named_parameters():
         if not torch.isfinite(p).all():
@@ -322,8 +320,7 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
 
 def _parameters_to(model, dtype: torch.dtype):
     """``model`` with its parameters cast to ``dtype``. Floating buffers (RoPE's inv_freq)
-    stay fp32, as from_pretrained rebuilds them, so that the exported model computes what
-    was trained (bf16 inv_freq moves RoPE's angles by radians at long positions)."""
+    stay fp32, as from_pretrained rebuilds them, so that the export computes what trained."""
     buffers = [(m, name, b) for m in model.modules() for name, b in m.named_buffers(recurse=False)
                if b is not None and b.is_floating_point()]  # fmt: skip
     model.to(dtype)
