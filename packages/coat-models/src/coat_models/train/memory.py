@@ -158,14 +158,12 @@ class MemoryTracker:
         for key, nbytes in _storages(t):
             if key in self._param_keys or key in self._attached:
                 continue
-            ref = self._saved.get(key)
-            if ref is None:
+            if key not in self._saved:
                 kind = "weight_copies" if _is_weight_copy(t) else "activations"
                 if getattr(t, SAVED_GRADIENT, False):  # e.g. the loss's, made in forward
                     kind = "gradients"
-                self._saved[key] = ref = [0, nbytes, kind]
-                self.live[kind] += nbytes
-            ref[0] += 1
+                self._hold(self._saved, key, nbytes, kind)
+            self._saved[key][0] += 1
             keys.append(key)
         self._update()
         # Detached: t may be an output of the node saving it, and t.grad_fn back to the node
@@ -189,18 +187,21 @@ class MemoryTracker:
                 self._watched.add(id(t))
                 keys = []
                 for key, nbytes in _storages(t):
-                    ref = self._attached.get(key)
-                    if ref is None:
-                        self._attached[key] = ref = [0, nbytes, "weight_copies"]
-                        self.live["weight_copies"] += nbytes
+                    if key not in self._attached:
+                        self._hold(self._attached, key, nbytes, "weight_copies")
                         saved = self._saved.get(key)
                         if saved is not None:  # already counted as saved: count it once
                             self.live[saved[2]] -= saved[1]
                             saved[1] = 0
-                    ref[0] += 1
+                    self._attached[key][0] += 1
                     keys.append(key)
                 weakref.finalize(t, self._drop_attached, id(t), keys)
         self._update()
+
+    def _hold(self, table: dict, key, nbytes: int, kind: str):
+        """A new storage in ``table`` (``_saved`` or ``_attached``), live as ``kind``."""
+        table[key] = [0, nbytes, kind]
+        self.live[kind] += nbytes
 
     def _drop_attached(self, tensor_id, keys):
         self._watched.discard(tensor_id)
@@ -219,19 +220,19 @@ class MemoryTracker:
     def _on_grad(self, p):
         # (None: the hook fires for a parameter reached by no gradient, e.g. a LLaVA tower's
         # unused last norm under DDP, whose output sink hands on None)
-        if p.grad is not None and id(p) not in self._grads_seen:
-            self._grads_seen.add(id(p))
-            self._param_grads += tensor_bytes([p.grad])
-            self.live["gradients"] += tensor_bytes([p.grad])
-            self._update()
+        self._count_grads([p])
 
     def count_grads(self):
         """Count the gradients no hook counted (all of them with ``grad_hooks=False``), each
         storage once; call after backward."""
-        new = [p for p in self._params if p.grad is not None and id(p) not in self._grads_seen]
+        self._count_grads(self._params)
+
+    def _count_grads(self, params):
+        new = [p for p in params if p.grad is not None and id(p) not in self._grads_seen]
         self._grads_seen.update(id(p) for p in new)
-        self._param_grads += tensor_bytes([p.grad for p in new])
-        self.live["gradients"] += tensor_bytes([p.grad for p in new])
+        nbytes = tensor_bytes([p.grad for p in new])
+        self._param_grads += nbytes
+        self.live["gradients"] += nbytes
         self._update()
 
     def after_optimizer_step(self, optimizer):
