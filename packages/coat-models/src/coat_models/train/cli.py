@@ -69,6 +69,7 @@ from .report import (
 )
 from .report import curves as read_curves
 from .trainer import (
+    COMPILE_OR_GRAPHS,
     CUDA_GRAPHS_ALONE,
     MASTER_DTYPES,
     MODES,
@@ -120,15 +121,11 @@ VERSIONED = ("fp8-quant", "fp8-optim", "fp8-activations", "coat-models", "torch"
              "transformers")  # fmt: skip
 
 
-def _versions() -> str:
-    """``coat-train --version``: one ``name version`` line per package, as installed."""
-    lines = []
-    for name in VERSIONED:
-        try:
-            lines.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            lines.append(f"{name} not installed")
-    return "\n".join(lines)
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _mode_list(text: str) -> str:
@@ -449,9 +446,7 @@ def _train_config(args, defaults, mode: str, master: str, graphs: bool) -> Train
 
 def _default_cuda_graphs(args, device, strategy) -> bool:
     """Whether a run that says neither --cuda-graphs nor --no-cuda-graphs records the COAT
-    layers: wherever graphs apply (one CUDA process, no activation checkpointing, no FP8
-    weight cache asked for, no --compile). Every step has one shape (VL batches are padded
-    to --seq-len)."""
+    layers: wherever graphs apply."""
     return (
         device.type == "cuda"
         and strategy is None
@@ -470,20 +465,16 @@ def _on_note(what: str, cfgs: list[TrainConfig], on: list[bool]) -> str:
 
 
 def _graphs_note(cfgs: list[TrainConfig]) -> str:
-    """The run header's note of the modes whose COAT layers replay from CUDA graphs."""
     return _on_note("CUDA graphs", cfgs, [c.cuda_graphs for c in cfgs])
 
 
 def _cache_note(cfgs: list[TrainConfig], strategy: str | None) -> str:
-    """The run header's note of the modes that train with the FP8 weight cache."""
     return _on_note("FP8 weight cache", cfgs, [c.fp8_weight_cache(strategy) for c in cfgs])
 
 
 def _check_cuda_graphs(args, modes, device, strategy) -> None:
     if args.compile:  # the first conflict to name, whatever the modes
-        raise UsageError(
-            "--compile and --cuda-graphs both take over the decoder layers: choose one"
-        )
+        raise UsageError(COMPILE_OR_GRAPHS)
     if not any(MODES[m][0] for m in modes):
         raise UsageError(
             "--cuda-graphs records COAT's FP8 decoder layers: add a mode with FP8 "
@@ -496,9 +487,8 @@ def _check_cuda_graphs(args, modes, device, strategy) -> None:
 
 
 def _check_fp8_backend(modes: list[str], device: torch.device) -> None:
-    """``FP8_QUANT_BACKEND`` (the kernels of the FP8 modes) before anything is written: a
-    value the kernels refuse was a traceback at the first COAT layer or optimizer step,
-    after the mode's earlier results were deleted."""
+    """``FP8_QUANT_BACKEND`` (the kernels of the FP8 modes), checked before anything is
+    written rather than at the first COAT layer."""
     from fp8_quant import Backend, resolve_backend
 
     env = os.environ.get("FP8_QUANT_BACKEND")
@@ -701,13 +691,10 @@ INPUT_ERRORS = (
 
 def _agreed(args, plan: Callable[[], tuple]) -> tuple:
     """``plan()`` on every torchrun rank, then one exchange of the outcomes, so that every
-    rank leaves together: all passed (and were started alike, on the same data), or each
-    raises. An error every rank found is said once, by rank 0; one found by some ranks only
-    (a file missing on one node) by each of them, naming its rank (rank 0 did not see it);
-    ranks started with other settings than rank 0's are named by rank 0. No rank leaves
-    before the others have joined the process group (one leaving early broke their join).
-    Other errors (an unreadable --data: OSError; a bug) are exchanged too, then raised as
-    they are, ``every_rank`` set on them when every rank raised the same."""
+    rank leaves together: all passed (started alike, on the same data), or each raises. An
+    input error every rank found is said once, by rank 0; one found by some ranks only, by
+    each of them with its rank. Other errors are raised as they are, ``every_rank`` set on
+    them when every rank raised the same."""
     given = dict(vars(args))  # before plan() fills in defaults
     result = error = None
     try:
@@ -720,7 +707,7 @@ def _agreed(args, plan: Callable[[], tuple]) -> tuple:
     dist.all_gather_object(everyone, {"args": given, "data": data, "error": said})
     check_ranks_agree(everyone)
     # --out in use (rank 0 probes its lock): the other ranks' findings there are the running
-    # run's files ("an earlier run's", helper-84); every rank raises rank 0's line.
+    # run's files; every rank raises rank 0's line.
     in_use = [t["error"] for t in everyone if t["error"].startswith(f"{OutInUse.__name__}: ")]
     if in_use:
         raise UsageError(in_use[0].split(": ", 1)[1])
@@ -748,8 +735,7 @@ def _differs(rank: int, what: str) -> str:
 
 def check_ranks_agree(everyone: list[dict]) -> None:
     """Under torchrun, ``everyone``: each rank's ``{"args": vars(args), ...}``. Every rank must
-    be started with rank 0's options (nodes launched apart: another script); ranks that
-    differ trained other numbers silently, hung (other modes) or aborted in a collective."""
+    be started with rank 0's options (else they train other numbers, hang or abort)."""
     first = everyone[0]["args"]
     for rank, theirs in enumerate(everyone[1:], start=1):
         theirs = theirs["args"]
@@ -874,8 +860,7 @@ def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, 
 
 
 def _way_on(args) -> str:
-    """After an interrupt: where the completed checkpoints are and how to continue from
-    them, or that there are none."""
+    """After an interrupt: how to continue from the completed checkpoints, if any."""
     out = Path(args.out)
     with contextlib.suppress(OSError, UsageError):  # (this run's modes only)
         if any(has_checkpoints(out / mode / "checkpoints") for mode in _modes(args)):
@@ -893,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0), or a bad command line (2) the parser has printed
         return e.code
     if args.version:
-        print(_versions())
+        print("\n".join(f"{name} {_version(name)}" for name in VERSIONED))
         return 0
     own_group = not dist.is_initialized()  # run() joins torchrun's group for --fsdp / --ddp
     hf_bars = None
@@ -918,7 +903,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_reporting(args, own_group: bool, hf_bars) -> int:
     """``run(args)``, its errors reported on one line each with the exit status; a signal
-    received on the way reports as the interrupt it was, whatever error it turned into."""
+    received on the way reports as the interrupt, whatever error it turned into."""
     try:
         try:
             return run(args)

@@ -72,6 +72,7 @@ CUDA_GRAPHS_ALONE = (
     "--cuda-graphs runs in one process without --activation-checkpointing (sharded "
     "parameters move; checkpointed layers run eagerly): drop one of them"
 )
+COMPILE_OR_GRAPHS = "--compile and --cuda-graphs both take over the decoder layers: choose one"
 NO_RESHARD_WITHOUT_FSDP = (
     "--no-reshard-after-forward is FSDP2's (sharded weights gathered per layer): add --fsdp "
     "under torchrun, or drop it"
@@ -197,9 +198,7 @@ class TrainConfig:
                 "made in Python) must be off: drop --fp8-weight-cache"
             )
         if self.compile and self.cuda_graphs:
-            raise ValueError(
-                "--compile and --cuda-graphs both take over the decoder layers: choose one"
-            )
+            raise ValueError(COMPILE_OR_GRAPHS)
 
     @classmethod
     def from_preset(cls, name: str, mode: str = "bf16", **overrides) -> TrainConfig:
@@ -216,9 +215,7 @@ class TrainConfig:
     @property
     def uses_weight_cache(self) -> bool:
         """Whether the FP8 weight cache is asked for: ``weight_cache``, or when None, with
-        gradient accumulation and without CUDA graphs (micro-batches 2.. reuse the first
-        one's casts; compiled layers take the copies as inputs). ``fp8_weight_cache`` says
-        whether a run has it."""
+        gradient accumulation and without CUDA graphs (micro-batches 2.. reuse the casts)."""
         if self.weight_cache is not None:
             return self.weight_cache
         return self.grad_accum > 1 and not self.cuda_graphs
@@ -334,9 +331,8 @@ def loss_error(mode: str, lr: float, rec: dict, read_at: int) -> TrainError:
 
 
 class _ExpectedCacheNotices(logging.Filter):
-    """Drops transformers' notices that checkpointed layers run without ``use_cache`` and
-    without the cache: a training forward of ``Trainer`` passes ``NoKVCache`` (it keeps
-    nothing; the model's mask still reads it) and wants no cache, so both are expected."""
+    """Drops transformers' notices that checkpointed layers run without a KV cache: the
+    training forward wants none (it passes ``NoKVCache``)."""
 
     NOTICES = (
         "`use_cache=True` is incompatible with gradient checkpointing",
@@ -368,8 +364,7 @@ class NoKVCache(DynamicCache):
 @contextlib.contextmanager
 def frozen_heap():
     """Within it, Python's collector skips the objects alive before it (torch, transformers,
-    the model: a full collection of them stalls the host that feeds the GPU). Undone after,
-    so that later collections free what the run left, e.g. a compared mode's model."""
+    the model: a full collection of them stalls the host that feeds the GPU)."""
     gc.collect()
     gc.freeze()
     try:
@@ -386,7 +381,7 @@ def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _rng_state(device: torch.device) -> dict:
     """The generators a run draws from: CPU, NumPy, Python, and the training GPU's (only
-    that one: a resume on a machine that shows another number of GPUs restores it too)."""
+    that one, so that a machine showing another number of GPUs can restore it)."""
     np_state, py_state = np.random.get_state(), random.getstate()
     return {
         "torch": torch.get_rng_state(),
@@ -398,8 +393,7 @@ def _rng_state(device: torch.device) -> dict:
 
 def _set_rng_state(s: dict, device: torch.device) -> None:
     """Restore ``_rng_state``'s generators; the training GPU's from the one saved state, or
-    (checkpoints that saved every visible GPU's) from the state at its index. A run that
-    moved between CPU and GPU has no GPU state to restore (nor the same random streams)."""
+    (checkpoints that saved every visible GPU's) from the state at its index."""
     torch.set_rng_state(s["torch"])
     cuda = s["cuda"]
     if device.type == "cuda" and cuda:
@@ -413,10 +407,8 @@ def _set_rng_state(s: dict, device: torch.device) -> None:
 
 
 def _own_implementation(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
-    """``saved`` (an optimizer state dict) with ``optimizer``'s implementation switches
-    (``distributed.IMPLEMENTATION_KEYS``: this run's, not the checkpoint's) in its param
-    groups; torch then places the loaded step counters as they need. DCP checkpoints:
-    ``distributed.load_checkpoint`` does the same."""
+    """``saved`` (an optimizer state dict) with this run's implementation switches
+    (``distributed.IMPLEMENTATION_KEYS``) in its param groups, not the checkpoint's."""
     groups = saved.get("param_groups")
     if isinstance(groups, list) and len(groups) == len(optimizer.param_groups):
         for ours, theirs in zip(optimizer.param_groups, groups, strict=True):
@@ -434,9 +426,8 @@ def _launch(parallel: dict | None) -> str:
 
 
 def check_launch(path: Path, manifest, parallel: dict | None) -> None:
-    """Refuse (``ResumeSettingsError``) checkpoint ``path`` (its ``manifest``) written under
-    another launch than this run's (``parallel``: None for one process, else the strategy
-    and world size): one process vs torchrun, strategy, ranks."""
+    """Refuse (``ResumeSettingsError``) checkpoint ``path`` written under another launch than
+    this run's (``parallel``: None for one process, else the strategy and world size)."""
     written_by = manifest.info.get("parallel")
     if not (written_by is None or isinstance(written_by, dict)):
         raise checkpoint.CheckpointError(f"{path}: its manifest's launch is {written_by!r}")
@@ -456,14 +447,12 @@ def check_launch(path: Path, manifest, parallel: dict | None) -> None:
 
 
 def export_pretrained(model, path: Path, *, tokenizer=None, state_dict=None) -> Path:
-    """Write ``model`` (and ``tokenizer``) as a Hugging Face directory at ``path`` that
-    ``AutoModelForCausalLM.from_pretrained`` loads; a COAT model is saved as the plain model.
-    ``state_dict``: the full weights of a sharded ``model``. Written to a temporary directory,
-    then renamed into place (replacing an earlier export)."""
+    """Write ``model`` (and ``tokenizer``) as a Hugging Face directory at ``path`` (a COAT
+    model as the plain model; ``state_dict``: the full weights of a sharded ``model``),
+    through a temporary directory renamed into place."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    # Every process's: one killed while exporting left its copy (a 7B model's is 27 GB), and
-    # only one writes here (coat-train holds --out's lock).
+    # Every process's: one killed while exporting left its copy (only one writes here).
     for stale in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
         if stale.is_dir() and not stale.is_symlink():
             shutil.rmtree(stale, ignore_errors=True)
@@ -491,10 +480,8 @@ class Trainer:
     """Train one mode: ``Trainer(...).fit()`` returns the summary; ``run_step`` is the unit the
     benchmarks time. ``task``: ``tasks.LMTask`` / ``tasks.VLTask`` (a ``TokenData`` is a causal
     LM on it). ``strategy``: ``None`` (one process), or ``"fsdp"`` / ``"ddp"`` for one rank of a
-    torchrun job (after ``distributed.init_distributed()``). ``reshard_after_forward=False``
-    (FSDP2 only) keeps each layer's gathered weights from its forward to its backward: one
-    all-gather a layer and micro-batch fewer, the same numbers, the whole model's gathered
-    weights more memory on every rank."""
+    torchrun job (after ``distributed.init_distributed()``). ``reshard_after_forward=False``:
+    FSDP2's, keeping each layer's gathered weights until its backward."""
 
     def __init__(
         self,
@@ -542,8 +529,7 @@ class Trainer:
         )
         self.scheduler = lr_scheduler(self.optimizer, cfg)
         self.tracker = MemoryTracker(self.model, grad_hooks=strategy != "fsdp")
-        # transformers 5.17 names the forward's cache argument past_key_values, later
-        # versions cache (the old name warns); a forward that takes neither gets none.
+        # The forward's cache argument is cache or (older transformers) past_key_values.
         model = getattr(self.model, "module", self.model)  # DDP wraps the model
         model = getattr(model, "_orig_mod", model)  # and torch.compile
         params = inspect.signature(model.forward).parameters
@@ -646,10 +632,9 @@ class Trainer:
         return norm, scale
 
     def read_steps(self) -> list[dict]:
-        """Wait for the queued steps, in one device-to-host copy; their ``train`` records:
-        loss (mean over ranks), lr, grad_norm, and tokens, step_time_s, tokens_per_s as the
-        mean over the ``window`` of steps read together (timed from its first step's start
-        to this read; under torchrun, the slowest rank's)."""
+        """Wait for the queued steps, in one device-to-host copy; their ``train`` records.
+        Times are the mean over the ``window`` of steps read together (under torchrun, the
+        slowest rank's); losses the mean over ranks."""
         steps, self._queued = self._queued, []
         if not steps:
             return []
@@ -686,7 +671,7 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """The task's metrics over its fixed validation batches (``val_loss``, ...) in eval
-        mode; under torchrun every rank runs every batch (the same values on every rank)."""
+        mode; under torchrun every rank runs every batch."""
         self.model.eval()
         try:
             return self.task.evaluate(self.model, self.device)
@@ -863,17 +848,14 @@ class Trainer:
         return self.out_dir / "checkpoints"
 
     def save_checkpoint(self) -> Path:
-        """Write model, optimizer, scheduler, step, RNG states and data position as
-        ``ckpt_dir/step_NNNNNNN``, then prune to the newest ``keep_checkpoints``. A ``step_*``
-        directory is always complete, with a manifest of every file's SHA-256
-        (``coat_models.checkpoint``). One process: ``torch.save`` files; under torchrun every
-        rank calls it and ``torch.distributed.checkpoint`` writes the shards."""
+        """Write the training state as ``ckpt_dir/step_NNNNNNN`` (``coat_models.checkpoint``:
+        ``torch.save`` files in one process, DCP shards under torchrun, where every rank
+        calls it), then prune to the newest ``keep_checkpoints``."""
         final = self.ckpt_dir / checkpoint.checkpoint_name(self.step)
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         state = self._trainer_state()
         # The settings in the manifest too (plain JSON): coat-train checks every mode's
-        # before training any (a --compare resume refused at its second mode would otherwise
-        # come after the first mode went on); the check on loading reads trainer.pt's.
+        # before training any (outdir.check_resume_settings).
         settings = {"config": self.cfg.numerics(), "data": self.task.fingerprint}
         info = {"parallel": self.parallel, "settings": {**settings, "describe": self.describe}}
         if self.strategy is not None:
@@ -943,11 +925,9 @@ class Trainer:
         }
 
     def load_checkpoint(self, path: Path) -> None:
-        """Restore what ``save_checkpoint`` wrote. Nothing is opened before the manifest is
-        read and every file hashed against it; files go through ``torch.load(weights_only=
-        True)``, DCP only under torchrun. Refused: other numerics (mode, schedule, data, ...)
-        or another launch (one process vs torchrun, strategy, ranks), which could not
-        continue with the same numbers."""
+        """Restore what ``save_checkpoint`` wrote, once every file is hashed against the
+        manifest (``torch.load(weights_only=True)``; DCP under torchrun). Refused: other
+        numerics (mode, schedule, data, ...) or another launch."""
         path = Path(path)
         manifest = checkpoint.read_manifest(path)
         check_launch(path, manifest, self.parallel)
@@ -987,9 +967,7 @@ class Trainer:
             raise
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             # Same settings and model, yet the tensors do not fit: not a file this run's code
-            # wrote. The run stops here, with nothing half-loaded to go on with.
-            # torch's load_state_dict error says what differs on its later lines: kept, on
-            # one line, shortened (a key list can be long).
+            # wrote. torch's message, on one line, shortened (a key list can be long).
             why = one_line(e)
             why = why if len(why) <= 300 else why[:297] + "..."
             raise checkpoint.CheckpointError(
@@ -1004,10 +982,8 @@ class Trainer:
         then = self.totals.setdefault("speed", now["speed"])
         then.setdefault("compile", False)
         if then != now["speed"] and self.step < self.cfg.steps:
-            # Resumed with other CUDA graphs / compile / FP8 weight cache / activation
-            # checkpointing settings, which change speed and memory but no number: tokens/s
-            # and memory count this run's steps only, not a blend. (At the end nothing is
-            # left to count: the checkpoint's totals are the run's.)
+            # Resumed with other settings that change speed and memory but no number:
+            # tokens/s and memory count this run's steps only, not a blend.
             self.totals = now
         self.train_losses = list(state["train_losses"])
 
@@ -1034,8 +1010,7 @@ class Trainer:
 
     def export(self, path: Path, tokenizer=None) -> Path:
         """The trained model as a Hugging Face directory at ``path`` (``export_pretrained``).
-        Under torchrun every rank calls it: rank 0 gathers the full weights to its CPU and
-        writes; the others learn its outcome."""
+        Under torchrun every rank calls it; rank 0 writes the gathered weights."""
         if self.strategy is None:
             return export_pretrained(self.model, path, tokenizer=tokenizer)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -1049,8 +1024,7 @@ class Trainer:
                 export_pretrained(model, path, tokenizer=tokenizer, state_dict=state)
             except OSError as e:  # e.g. a full disk: every rank must learn it, below
                 error = e
-        # Rank 0's outcome to every rank (this also stands for the barrier): raised on rank 0
-        # alone, the others would wait for it here, or go on to train the next mode.
+        # Rank 0's outcome to every rank (also the barrier): no rank goes on alone.
         failed = torch.tensor(float(error is not None), device=self.device)
         dist.broadcast(failed, src=0)
         if error is not None:
@@ -1069,9 +1043,8 @@ def _plain(v):
 
 
 def _resolved(describe):
-    """A run's model description with its ``--model-dir`` resolved (checkpoints written
-    before coat-train resolved it record the path as typed: a trailing slash, or a relative
-    path, made a resume of the same run differ)."""
+    """A run's model description with its ``--model-dir`` resolved (older checkpoints
+    record the path as typed)."""
     model = describe.get("model") if isinstance(describe, dict) else None
     if not (isinstance(model, str) and model.startswith("model dir ")):
         return describe
@@ -1080,8 +1053,7 @@ def _resolved(describe):
 
 def _model_key(describe):
     """What a resume compares of a run's model description: with its config.json's
-    fingerprint recorded, the --model-dir's contents, not its path (a copy elsewhere was
-    refused; a config.json edited in place went through)."""
+    fingerprint recorded, the --model-dir's contents, not its path."""
     d = _resolved(describe)
     if isinstance(d, dict) and "config" in d:
         d = {**d, "model": "model dir"}
@@ -1162,9 +1134,8 @@ def _valid_window(w) -> bool:
 
 
 def _check_state_shapes(saved, optimizer, path: Path) -> None:
-    """A torch optimizer's saved state (AdamW's moments) shaped like its parameters: torch's
-    load_state_dict takes any shape, and the next step would broadcast or fail. CoatAdamW
-    checks its own."""
+    """A torch optimizer's saved state shaped like its parameters (torch's load_state_dict
+    takes any shape). CoatAdamW checks its own."""
     if isinstance(optimizer, CoatAdamW) or not isinstance(saved, dict):
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -1189,25 +1160,23 @@ def _check_trainer_state(state, path: Path, step: int | None) -> None:
         raise checkpoint.CheckpointError(
             f"{path} is not a coat-train checkpoint (no training state)"
         )
-    for key, kind in _TRAINER_STATE.items():
-        if not isinstance(state.get(key), kind):
-            raise checkpoint.CheckpointError(
-                f"{path} is not a coat-train checkpoint (its training state has no valid {key!r})"
-            )
-    # This code's totals, or those of a checkpoint written before the memory-counting steps
-    # were timed apart (read as one window: _totals_of_old_checkpoint).
-    totals = state["totals"]
-    windows = ("timed", "counting") if "timed" in totals else ("timed_tokens", "timed_time")
-    if not all(k in totals for k in (*windows, "memory")) or not all(
-        _valid_window(totals[w]) if "timed" in totals else _is_number(totals[w]) for w in windows
-    ):
-        raise checkpoint.CheckpointError(
-            f"{path} is not a coat-train checkpoint (its training state has no valid 'totals')"
-        )
-    if not all(_is_number(x) for x in state["train_losses"]):
+    invalid = [key for key, kind in _TRAINER_STATE.items() if not isinstance(state.get(key), kind)]
+    if not invalid:
+        # This code's totals, or those of a checkpoint written before the memory-counting
+        # steps were timed apart (read as one window: _totals_of_old_checkpoint).
+        totals = state["totals"]
+        new = "timed" in totals
+        windows = ("timed", "counting") if new else ("timed_tokens", "timed_time")
+        if not all(k in totals for k in (*windows, "memory")) or not all(
+            _valid_window(totals[w]) if new else _is_number(totals[w]) for w in windows
+        ):
+            invalid = ["totals"]
+        elif not all(_is_number(x) for x in state["train_losses"]):
+            invalid = ["train_losses"]
+    if invalid:
         raise checkpoint.CheckpointError(
             f"{path} is not a coat-train checkpoint (its training state has no valid "
-            "'train_losses')"
+            f"{invalid[0]!r})"
         )
     if "fingerprint" not in state["data"]:
         raise checkpoint.CheckpointError(f"{path}: its training state names no data")
