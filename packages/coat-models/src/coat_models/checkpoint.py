@@ -339,9 +339,7 @@ def _entries(parent: Path) -> list[Path]:
 def _published(parent: Path) -> list[Path]:
     found = [p for p in _entries(parent) if _PUBLISHED.fullmatch(p.name)]
     for p in found:
-        # (skipped, a resume fell back to an older checkpoint, then failed to save over it;
-        # a link to a checkpoint directory is one)
-        if not p.is_dir():
+        if not p.is_dir():  # (a link to a checkpoint directory is one)
             raise CheckpointError(
                 f"{p} is not a checkpoint directory (a file, a dangling link or a link loop): "
                 "delete it, or put the checkpoint directory it stands for back in its place"
@@ -427,8 +425,14 @@ def newest(parent: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def _trash_path(path: Path) -> Path:
-    return path.with_name(f"{_TRASH}{path.name}-{uuid.uuid4().hex[:8]}")
+def _to_trash(path: Path, stage: str) -> Path:
+    """Rename ``path`` to a trash name (one atomic step: no reader ever sees a half-deleted
+    checkpoint under its name); the trash path."""
+    trash = path.with_name(f"{_TRASH}{path.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    _fsync_dir(path.parent)
+    _reached(f"{stage}:trash")
+    return trash
 
 
 def _delete(path: Path, stage: str) -> None:
@@ -447,25 +451,15 @@ def _delete(path: Path, stage: str) -> None:
 
 
 def remove(path: Path, stage: str = "remove") -> None:
-    """Delete a checkpoint directory: renamed to trash first (one atomic step: no reader
-    ever sees a half-deleted checkpoint under its name), then deleted."""
-    trash = _trash_path(path)
-    os.rename(path, trash)
-    _fsync_dir(path.parent)
-    _reached(f"{stage}:trash")
-    _delete(trash, f"{stage}:delete")
+    """Delete a checkpoint directory: renamed to trash first, then deleted."""
+    _delete(_to_trash(path, stage), f"{stage}:delete")
 
 
 def publish(tmp: Path, final: Path) -> None:
     """Rename the complete directory ``tmp`` (manifest written) to ``final``, replacing an
     older ``final``. Between the two renames ``tmp`` is complete, and ``recover`` publishes a
     complete ``tmp``: there is no moment without a complete copy."""
-    trash = None
-    if final.exists():
-        trash = _trash_path(final)
-        os.rename(final, trash)
-        _fsync_dir(final.parent)
-        _reached("replace:trash")
+    trash = _to_trash(final, "replace") if final.exists() else None
     os.rename(tmp, final)
     _fsync_dir(final.parent)
     _reached("publish")
