@@ -197,7 +197,7 @@ def test_check_only_never_trains(bench, tmp_path, capsys, monkeypatch, argv, mes
 
 def test_training_without_a_gpu_is_refused(bench, tmp_path, capsys, monkeypatch):
     """Without --check-only the script trains the 125m preset twice for 2000 steps: on a
-    host without a GPU that started hours of CPU training (helper-72). One line, exit 2;
+    host without a GPU that started hours of CPU training. One line, exit 2;
     an explicit --device (coat-train's) still runs; BENCH_OUT is checked before training."""
     from coat_models.train import cli
 

@@ -161,7 +161,7 @@ def test_apply_coat_refuses_a_model_with_adapters():
 def test_vlm_with_adapters_is_refused_around_the_language_model_only():
     """Around the language model's layers COAT's fused layers would bypass an adapter:
     refused. The projector (and tower) get plain FP8 modules, which leave an adapter as it
-    is and convert the layer it wraps: it trains (helper-86: it was refused)."""
+    is and convert the layer it wraps: it trains (it was refused)."""
     torch.manual_seed(0)
     model = transformers.LlavaForConditionalGeneration(llava_tiny_config())
     wrap(model, "model.language_model.layers.0.mlp.down_proj")
@@ -239,7 +239,7 @@ def _smollm3(**kw):
 
 
 def test_layers_of_one_class_with_other_settings_are_probed_each():
-    """helper-82: one probe per layer class passed SmolLM3's layers without RoPE (layer 0
+    """One probe per layer class passed SmolLM3's layers without RoPE (layer 0
     has it), and they got RoPE silently. The first such layer is refused, naming
     module_filter_fn, which leaves them out; the rest convert and compute the model's bits
     with the exact ops."""
@@ -261,7 +261,7 @@ def test_layers_of_one_class_with_other_settings_are_probed_each():
 
 
 def test_a_meta_model_is_probed_on_a_cpu_copy():
-    """helper-82: on the meta device the probe was skipped, so Granite's residual
+    """On the meta device the probe was skipped, so Granite's residual
     multiplier converted there and trained silently wrong once materialized; apply_coat
     inside a meta device context failed in the SiLU probe."""
     granite = transformers.GraniteConfig(**TINY, residual_multiplier=0.5)
@@ -274,7 +274,7 @@ def test_a_meta_model_is_probed_on_a_cpu_copy():
 
 
 def test_a_meta_probe_runs_in_fp32_on_the_cpu_whatever_the_model_asks():
-    """helper-85: a bf16 meta SmolLM3 passed its layer without RoPE (bf16's tolerance); a
+    """A bf16 meta SmolLM3 passed its layer without RoPE (bf16's tolerance); a
     meta model configured for flash attention crashed in the probe (its kernels)."""
     with torch.device("meta"):
         config = transformers.SmolLM3Config(**{**TINY, "num_hidden_layers": 4, "pad_token_id": 0,
@@ -289,7 +289,7 @@ def test_a_meta_probe_runs_in_fp32_on_the_cpu_whatever_the_model_asks():
 
 
 def test_a_compiled_wrapper_is_refused_and_a_neutral_logit_scale_keeps_the_fused_loss():
-    """helper-82: apply_coat(torch.compile(model)) changed the wrapper's class, whose
+    """apply_coat(torch.compile(model)) changed the wrapper's class, whose
     compiled forward then skipped the fused loss silently; Granite's logits_scaling=1.0
     (its default, a no-op) had turned the fused loss off."""
     with pytest.raises(TypeError, match=r"not torch.compile's wrapper .*apply_coat\(model\) first"):
@@ -302,7 +302,7 @@ def test_a_compiled_wrapper_is_refused_and_a_neutral_logit_scale_keeps_the_fused
 
 
 def test_a_peft_model_without_layer_adapters_says_to_convert_first():
-    """helper-82: a prompt-tuning PeftModel was refused with "PeftModelForCausalLM has no
+    """A prompt-tuning PeftModel was refused with "PeftModelForCausalLM has no
     base model attribute 'layers'"; converting first, then wrapping, works."""
     peft = pytest.importorskip("peft")
     prompt = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)

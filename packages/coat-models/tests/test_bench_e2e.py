@@ -84,7 +84,7 @@ BAD_ARGS = [
     (["profile", "--rounds", "x"], "bench_e2e.py profile: error: argument --rounds: invalid int"),
     (["--micro-batches", "1,x"], "bench_e2e.py: error: argument --micro-batches: must be comma"),
     (["--micro-batches", "0"], "bench_e2e.py: error: argument --micro-batches: must be comma"),
-    # tracebacks (or an empty table) before helper-72's probe
+    # tracebacks (or an empty table)
     (["--preset", "nope"], "bench_e2e.py: error: argument --preset: invalid choice: 'nope'"),
     (["--device", "foo"], "bench_e2e.py: error: argument --device: invalid choice: 'foo'"),
     (["--seq-len", "0"], "bench_e2e.py: error: argument --seq-len: must be an integer >= 1"),
@@ -109,7 +109,7 @@ def test_bad_arguments_are_one_line(bench, capsys, monkeypatch, argv, line):
 
 def test_a_bad_bench_out_is_refused_before_the_run(bench, capsys, monkeypatch, tmp_path):
     """BENCH_OUT was opened after the whole run (minutes on a GPU), its results lost to a
-    traceback (helper-72): checked first now."""
+    traceback: checked first now."""
     monkeypatch.setenv("BENCH_OUT", str(tmp_path / "no" / "such.json"))
     monkeypatch.setattr(bench, "load_data", lambda: pytest.fail("ran"))
     with pytest.raises(SystemExit) as e:
@@ -127,7 +127,7 @@ def _script(name: str):
 
 @pytest.mark.parametrize("modes", ["nope", "Coat", "coat,coat", "bf16,coat-act"])
 def test_bench_fsdp_refuses_unknown_modes(capsys, monkeypatch, modes):
-    """A mode other than bf16 and coat trained as bf16 under its own label (helper-72)."""
+    """A mode other than bf16 and coat trained as bf16 under its own label."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as e:
         _script("bench_fsdp").parse_args(["--modes", modes])
@@ -137,7 +137,7 @@ def test_bench_fsdp_refuses_unknown_modes(capsys, monkeypatch, modes):
 
 
 def test_bench_vila_refuses_unknown_variants_and_cases(monkeypatch):
-    """A misspelt BENCH_VILA_VARIANTS name was dropped (bf16 alone ran; helper-72)."""
+    """A misspelt BENCH_VILA_VARIANTS name was dropped (bf16 alone ran)."""
     vila = _script("bench_vila")
     monkeypatch.setenv("BENCH_VILA_VARIANTS", "coat-graph")
     with pytest.raises(ValueError, match="unknown coat-graph"):

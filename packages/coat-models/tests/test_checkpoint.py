@@ -281,7 +281,7 @@ def test_dcp_planted_metadata_runs_no_code(dcp_checkpoint, tmp_path, forged_mani
 
 @pytest.mark.parametrize("where", ["extra", "param_groups"])
 def test_dcp_data_whose_manifest_matches_runs_no_code(tmp_path, where):
-    """helper-75: DCP's own planner unpickled a checkpoint's non-tensor items (``extra``, the
+    """DCP's own planner unpickled a checkpoint's non-tensor items (``extra``, the
     optimizer's hyperparameters) with ``weights_only=False``: a data file written with a
     matching manifest ran its code on load. Now they load as data or are refused."""
     import torch.distributed.checkpoint as dcp
@@ -310,7 +310,7 @@ def test_dcp_data_whose_manifest_matches_runs_no_code(tmp_path, where):
 
 
 def test_dcp_metadata_pointing_outside_the_checkpoint_is_refused(dcp_checkpoint, tmp_path):
-    """helper-75: a ``.metadata`` (with a manifest to match) placing an item in
+    """A ``.metadata`` (with a manifest to match) placing an item in
     ``../outside.bin`` read a file the manifest never hashed."""
     import dataclasses
 
@@ -352,7 +352,7 @@ def test_dcp_extra_written_on_a_gpu_comes_back_on_the_cpu(tmp_path, monkeypatch)
 
 
 def test_make_newest_interrupted_leaves_the_checkpoint_whole(tmp_path, monkeypatch):
-    """helper-83: its temporary manifest was written inside the published checkpoint, and a
+    """Its temporary manifest was written inside the published checkpoint, and a
     Ctrl-C before the rename left a file the manifest does not list: the checkpoint was
     refused from then on. It goes to the parent and is removed if the write fails."""
     for step in (2, 4):

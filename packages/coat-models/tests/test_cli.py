@@ -1384,7 +1384,7 @@ def test_resuming_one_mode_of_a_comparison_says_its_report_is_replaced(tmp_path,
         "rebuilds the comparison" in err  # fmt: skip
 
 
-# ---------------------------------------------------------------- helper-58's probe of the CLI
+# ---------------------------------------------------------------- probe of the CLI
 @pytest.mark.parametrize("modes", [["--compare", "bf16,coat"], ["--mode", "bf16"]])
 def test_a_model_dir_inside_a_mode_directory_it_replaces_is_refused(tmp_path, capsys, modes):
     """--model-dir set to an earlier run's export inside --out/<mode> (to train on from it)
@@ -1438,7 +1438,7 @@ def test_a_signal_after_the_run_was_reported_changes_nothing(tmp_path, capsys, m
 
 def test_a_model_dir_linked_from_inside_a_mode_directory_is_refused(tmp_path, capsys):
     """A --model-dir given as a link inside --out/<mode> (to a model elsewhere) is refused:
-    the fresh run deletes the link before a later --compare mode reads it (helper-61)."""
+    the fresh run deletes the link before a later --compare mode reads it."""
     out = tmp_path / "run"
     code, *_ = run(["--steps", "2", *FAST, "--out", out, "--mode", "bf16"], capsys)
     assert code == 0
@@ -1456,7 +1456,7 @@ def test_a_model_dir_linked_from_inside_a_mode_directory_is_refused(tmp_path, ca
 
 def test_fp8_weight_cache_under_fsdp_is_refused(tmp_path, capsys, monkeypatch):
     """--fsdp --fp8-weight-cache is one line, exit 2, as other options that do not apply
-    (the cache was silently left off; helper-62)."""
+    (the cache was silently left off)."""
     monkeypatch.setattr(cli, "_strategy", lambda args: "fsdp")  # (as under torchrun)
     monkeypatch.setattr(cli, "_rank_device", lambda: torch.device("cpu"))
     _two_ranks(monkeypatch)
@@ -1517,7 +1517,7 @@ def _two_ranks(monkeypatch, other_error: str | None = None):
 
 
 def test_an_error_some_ranks_find_is_said_by_them(monkeypatch):
-    """helper-71: a check failing on one rank only (a file missing on one node) was said by
+    """A check failing on one rank only (a file missing on one node) was said by
     nobody: rank 0 alone printed errors, and it had passed. The failing rank now says it,
     naming its rank; a rank whose checks passed stops without a word; an error every rank
     found is raised as it is (rank 0 says it once)."""
@@ -1548,7 +1548,7 @@ def test_an_error_some_ranks_find_is_said_by_them(monkeypatch):
 
 
 def test_out_in_use_wins_over_what_other_ranks_find_there(monkeypatch):
-    """helper-84: under torchrun a second run on a busy --out got rank 0's "in use" line and
+    """Under torchrun a second run on a busy --out got rank 0's "in use" line and
     rank 1's finding of the running run's checkpoints ("an earlier run's: delete them");
     every rank raises rank 0's line (said once, by rank 0)."""
     import argparse
@@ -1601,7 +1601,7 @@ def test_an_error_of_one_rank_is_reported_with_its_rank(monkeypatch, capsys, tmp
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("other", ["same", "passes"])
 def test_an_os_error_in_the_checks_is_exchanged_too(monkeypatch, capsys, tmp_path, rank, other):
-    """helper-74: an error outside the input errors (an unreadable --data: OSError) skipped the
+    """An error outside the input errors (an unreadable --data: OSError) skipped the
     exchange: that rank left alone (the others' collective broke into a traceback) and an
     error every rank found was printed by each. Now: once by rank 0 when every rank found
     it, else by each rank that did, naming itself; exit 1 either way."""
@@ -1625,7 +1625,7 @@ def test_an_os_error_in_the_checks_is_exchanged_too(monkeypatch, capsys, tmp_pat
     assert err == want
 
 
-# ---------------------------------------------------------------- helper-66's probe of the CLI
+# ---------------------------------------------------------------- probe of the CLI
 def test_resume_compares_the_model_dir_s_config_not_its_path(tmp_path, capsys):
     """A resume took a config.json edited in place (another model trained on from the
     checkpoint, exit 0) and refused a byte-identical copy of the model dir elsewhere."""

@@ -244,7 +244,7 @@ def test_plain_resume_after_an_interrupted_resume_of_an_older_checkpoint_returns
 
 
 def test_a_resume_from_an_older_checkpoint_drops_the_replaced_runs_summary_and_model(tmp_path):
-    """helper-84: after such a resume was interrupted, the mode's summary.json and final/
+    """After such a resume was interrupted, the mode's summary.json and final/
     still described the replaced run's end (its metrics were cut back already)."""
     out = tmp_path / "run"
     mode = out / "bf16"
@@ -258,7 +258,7 @@ def test_a_resume_from_an_older_checkpoint_drops_the_replaced_runs_summary_and_m
 
 @pytest.mark.parametrize("how", ["link", "copy"])
 def test_a_resume_of_an_older_checkpoint_by_link_or_copy_supersedes_too(runs, tmp_path, how):
-    """helper-85: through a link to it, the replaced run's summary and model went but the
+    """Through a link to it, the replaced run's summary and model went but the
     checkpoint was not made the newest (a plain --resume after an interrupt took step 6,
     its records gone); from a copy kept elsewhere, the summary and model stayed."""
     out = tmp_path / "run"
@@ -281,7 +281,7 @@ def test_a_resume_of_an_older_checkpoint_by_link_or_copy_supersedes_too(runs, tm
 
 
 def test_resume_through_a_link_to_an_unpublished_checkpoint_is_refused(runs, tmp_path):
-    """helper-84: the name check read the link's name; recovery then deleted the trash it
+    """The name check read the link's name; recovery then deleted the trash it
     pointed to and the run failed (exit 1)."""
     out, ckpts = copy_base(runs, tmp_path)
     shutil.copytree(ckpts / "step_0000004", ckpts / ".trash-step_0000004-1a2b3c4d")
@@ -293,7 +293,7 @@ def test_resume_through_a_link_to_an_unpublished_checkpoint_is_refused(runs, tmp
 
 
 def test_a_later_modes_launch_is_checked_before_any_mode_trains(tmp_path):
-    """helper-84: --compare bf16,coat-optim --resume refused coat-optim's checkpoint of
+    """--compare bf16,coat-optim --resume refused coat-optim's checkpoint of
     another launch (torchrun) only at that mode's start, after bf16 had gone on and the
     report was gone. Here its manifest says --ddp on 2 ranks. And --resume DIR of one mode
     of a comparison says it replaces the report (plain --resume said so, DIR did not)."""
@@ -310,7 +310,7 @@ def test_a_later_modes_launch_is_checked_before_any_mode_trains(tmp_path):
     assert code == 2 and err.count("\n") == 1, err
     assert "it was written by --ddp on 2 ranks, this run is one process" in err, err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
-    manifest["info"]["parallel"] = "ddp"  # corrupt: said with the way on (helper-85)
+    manifest["info"]["parallel"] = "ddp"  # corrupt: said with the way on
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     code, _, err = train([*argv, "--resume"])
     assert code == 2 and "its manifest's launch is 'ddp'" in err, err
@@ -443,7 +443,7 @@ ODD_NEWEST = [  # (the newest checkpoint's step_0000004)
 
 @pytest.mark.parametrize("name,corrupt,message", ODD_NEWEST, ids=[c[0] for c in ODD_NEWEST])
 def test_odd_checkpoint_entries_are_refused_not_skipped(runs, tmp_path, name, corrupt, message):
-    """What a probe of resume found (helper-52): a ``step_*`` entry that is a file or a link
+    """What a probe of resume found: a ``step_*`` entry that is a file or a link
     to no directory was skipped (the run fell back to step 2, then failed to save over it),
     a manifest nested past the stack or whose settings are no dict, a training state of wrong
     types or optimizer groups of wrong types (tracebacks, exit 1), an AdamW moment of another
@@ -460,7 +460,7 @@ def test_odd_checkpoint_entries_are_refused_not_skipped(runs, tmp_path, name, co
 
 def test_a_checkpoint_moved_and_linked_back_resumes(runs, tmp_path):
     """``step_0000004`` moved to another disk with a link left in its place is a checkpoint
-    (helper-54: the check for links that stand for none refused it too); pruned, its link
+    (the check for links that stand for none refused it too); pruned, its link
     goes and what it points to stays."""
     out, ckpts = copy_base(runs, tmp_path)
     shutil.move(ckpts / "step_0000004", tmp_path / "elsewhere")
@@ -739,7 +739,7 @@ def test_second_process_on_one_out_is_refused(tmp_path):
 
 def test_a_running_run_s_checkpoints_are_not_called_an_earlier_run_s(tmp_path):
     """A second coat-train on the --out of one still running was told that its checkpoints
-    were an earlier run's, to delete them or pass --resume (helper-76): the lock is probed
+    were an earlier run's, to delete them or pass --resume: the lock is probed
     first, as the run holding it would answer."""
     import fcntl
 
@@ -762,7 +762,7 @@ def test_a_running_run_s_checkpoints_are_not_called_an_earlier_run_s(tmp_path):
 
 def test_a_second_signal_while_the_interrupt_is_reported_is_one_line(tmp_path, monkeypatch):
     """A second Ctrl-C / SIGTERM while the interrupt's line was being made (a walk of --out)
-    ended in a traceback, exit 1 (helper-76): still the one line, exit 130."""
+    ended in a traceback, exit 1: still the one line, exit 130."""
     from coat_models.train import cli
     from coat_models.train.trainer import Trainer
 

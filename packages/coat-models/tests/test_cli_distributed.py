@@ -503,7 +503,7 @@ def _worker(out: Path) -> None:
     two_modes = [a for a in FAST if a not in ("--mode", "coat")] + ["--compare", "bf16,coat"]
     coat_train("full_disk", [*two_modes, "--steps", 2, "--eval-every", 2, "--ddp"])
     PreTrainedModel.save_pretrained = save_pretrained
-    # helper-71: a check failing on one rank only (a file missing on one node) was said by
+    # A check failing on one rank only (a file missing on one node) was said by
     # nobody; ranks started with other options; an error every rank finds; a non-finite norm
     check_out = cli.check_out
 

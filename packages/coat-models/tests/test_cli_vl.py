@@ -71,9 +71,9 @@ VL_BAD = [
         "and their captions need 55 tokens: pass --seq-len >= 55",
     ),
     # more micro-batches a step than the generated data keeps apart (they repeated the next
-    # step's samples; helper-70)
+    # step's samples)
     (["--grad-accum", "65537"], 2, "--grad-accum 65537 x 1 rank(s) is past the 65536"),
-    # past the language model's position table (trained, exported as 512; helper-70)
+    # past the language model's position table (trained, exported as 512)
     (
         ["--seq-len", "513"],
         2,
@@ -168,7 +168,7 @@ def test_llava_tiny_resumes_bit_for_bit(tmp_path, capsys):
     assert all(torch.equal(got[k], want[k]) for k in want)
     summary = json.loads((out / "coat/summary.json").read_text())
     assert summary["steps"] == 6 and summary["preset"] == "llava-tiny"
-    # helper-70: no message offers --model-dir for this run's model (a LLaVA export, which
+    # No message offers --model-dir for this run's model (a LLaVA export, which
     # --model-dir refuses: it takes causal LMs)
     final, ckpt = out / "coat" / "final", out / "coat" / "checkpoints" / "step_0000004"
     longer = [a if a != "6" else "8" for a in RESUME]

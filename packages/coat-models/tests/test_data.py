@@ -161,7 +161,7 @@ def test_data_beyond_the_model_vocabulary_names_the_size_needed():
     with pytest.raises(DataError, match=f"pass --vocab-size {data.vocab_size} or more$"):
         data.check_fits(100)
     # A --model-dir: no --vocab-size there (it is refused with one); what sets the ids is
-    # named (it said "the data has token id 256" of ASCII text; helper-66).
+    # named (it said "the data has token id 256" of ASCII text).
     want = "byte-level text takes ids up to 256 .* has 100 entries: pass a model with "
     with pytest.raises(DataError, match=want + "vocab_size >= 257, or one with its tokenizer$"):
         data.check_fits(100, model_dir=True)
@@ -187,7 +187,7 @@ def test_a_tokenizer_larger_than_the_model_is_named(tmp_path):
 
 def test_the_built_in_corpus_with_a_tokenizer_without_eos_has_no_separator():
     """Id 0 stood in for a missing end-of-sequence token between the files: <unk>, or
-    whatever the tokenizer's id 0 is (helper-66). Without one the files are joined as they
+    whatever the tokenizer's id 0 is. Without one the files are joined as they
     are; with one, each file ends with it."""
 
     class Tokenizer:

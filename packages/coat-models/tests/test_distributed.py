@@ -441,7 +441,7 @@ def test_parameters_without_gradient_on_a_rank(runs):
 def test_weights_alone_load_from_a_checkpoint_with_optimizer_state(runs):
     """``load_checkpoint(path, model)`` without an optimizer loads the weights of a checkpoint
     that holds optimizer state too, the same as with one (every ``optim.*`` key was reported
-    as a mismatch: a 2-rank coat-train checkpoint could not seed a new run; helper-62)."""
+    as a mismatch: a 2-rank coat-train checkpoint could not seed a new run)."""
     from coat_models.distributed import load_checkpoint
 
     out, _, _ = runs

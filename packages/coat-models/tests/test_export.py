@@ -86,7 +86,7 @@ def test_cli_names_the_export_in_its_output_and_summary(tmp_path, capsys):
     assert run["export"] == str(final)
     assert (final / "model.safetensors").is_file()
     # The built-in byte-level corpus separates its files with BYTE_EOS: generate() of the
-    # export stops there (its config named no end-of-sequence id; helper-58).
+    # export stops there (its config named no end-of-sequence id).
     assert json.loads((final / "config.json").read_text())["eos_token_id"] == 256
     assert "Writing model shards" not in err  # --no-progress quiets transformers' bar too
     assert hf_logging.is_progress_bar_enabled()  # and leaves it as it found it

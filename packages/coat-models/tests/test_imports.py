@@ -271,10 +271,10 @@ sys.exit(code)
 
 
 def test_console_script_status_is_the_runs_whatever_signal_comes_around_it():
-    """helper-76: a Ctrl-C during the imports that a library wrapped in its own error came
+    """A Ctrl-C during the imports that a library wrapped in its own error came
     out as that error's traceback; a signal after the run was reported (the second of
     interpreter teardown) made a finished run's status 130 or 143, with no word. A SIGINT
-    ignored at the start (a background job) stays ignored (helper-83)."""
+    ignored at the start (a background job) stays ignored."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     said = "\ncoat-train: interrupted while starting\n"
     for code, status, err in ((_WRAPPED_INTERRUPT, 130, said), (_SIGNAL_AFTER_THE_RUN, 0, ""),

@@ -1333,7 +1333,7 @@ def test_what_the_coat_path_would_skip_is_refused():
         add_hook_to_module(layer, ModelHook())
     with pytest.raises(TypeError, match="layer 0 .* its forward is replaced on the instance"):
         apply_coat(hooked)
-    # a layer left plain by module_filter_fn may carry them (helper-54: refused too)
+    # a layer left plain by module_filter_fn may carry them (refused too)
     apply_coat(hooked, module_filter_fn=lambda m, fqn: False)
     hooked = tiny_llama()
     add_hook_to_module(hooked.model.layers[1].mlp.up_proj, ModelHook())
@@ -1343,8 +1343,8 @@ def test_what_the_coat_path_would_skip_is_refused():
     add_hook_to_module(model.model.layers[1].self_attn.q_proj, ModelHook())
     with pytest.raises(TypeError, match="layer 1 cannot train: q_proj carries accelerate's"):
         model(ids, labels=ids)
-    # compile_layers of a layer whose forward was replaced compiles that one (helper-54:
-    # accepted, the layer trained plain)
+    # compile_layers of a layer whose forward was replaced compiles that one (it was
+    # accepted, and the layer trained plain)
     from coat_models import compile_layers
 
     hooked = tiny_llama()
@@ -1353,7 +1353,7 @@ def test_what_the_coat_path_would_skip_is_refused():
     with pytest.raises(TypeError, match="layer 0 .* its forward is replaced on the instance"):
         apply_coat(hooked)
     # another forward set on a sub-module (a Hub kernel's norm, say) is no accelerate hook:
-    # the COAT path computes the norm itself and trains as before (helper-54: refused)
+    # the COAT path computes the norm itself and trains as before (refused)
     model = tiny_llama()
     want = apply_coat(copy.deepcopy(model)).train()(ids, labels=ids).loss
     norm = model.model.layers[0].input_layernorm
@@ -1458,7 +1458,7 @@ TRAIN_TOLERANCE = 0.05
 
 def test_a_float64_model_trains_as_a_float32_one():
     """apply_coat takes any float dtype: a float64 model's first training forward failed in
-    the weight maxima (helper-73). FP8 rounds both alike: the fp32 model's loss, bits."""
+    the weight maxima. FP8 rounds both alike: the fp32 model's loss, bits."""
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     losses, grads = [], []
     for dtype in (torch.float32, torch.float64):
@@ -1801,7 +1801,7 @@ def test_a_model_built_from_a_converted_class_is_built_plain(tmp_path):
     torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, rtol=0, atol=0)
     assert is_coat(apply_coat(loaded))  # and converts as any plain model does
     # A raw allocation (cls.__new__(cls), no arguments) keeps the COAT class: nn.DataParallel's
-    # replicas are made so (they failed with a TypeError for the missing config; helper-67).
+    # replicas are made so (they failed with a TypeError for the missing config).
     replica = model._replicate_for_data_parallel()
     assert type(replica) is type(model) and is_coat(replica)
     layer = model.model.layers[0]._replicate_for_data_parallel()

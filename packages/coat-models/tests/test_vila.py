@@ -59,7 +59,7 @@ def test_tiny_config_vocabulary_is_the_task_s():
 
     config = llava_tiny_config()
     assert config.image_token_id == vl_data.IMAGE_TOKEN_ID
-    # generate() stops at a caption's end (it ran on to max_new_tokens; helper-70)
+    # generate() stops at a caption's end (it ran on to max_new_tokens)
     assert config.text_config.eos_token_id == vl_data.BYTE_EOS
     assert LlavaForConditionalGeneration(config).generation_config.eos_token_id == 256
     vocab = config.text_config.vocab_size
@@ -254,7 +254,7 @@ def test_50_steps_track_bf16_at_every_step(bf16_run, mode, tmp_path):
 
 def test_bf16_master_keeps_the_buffers_from_pretrained_rebuilds():
     """build_vlm with bf16 master weights cast RoPE's inv_freq to bf16 too (other angles than
-    the export's, which from_pretrained rebuilds in fp32; helper-70): parameters only."""
+    the export's, which from_pretrained rebuilds in fp32): parameters only."""
     cpu = torch.device("cpu")
     plain = build_vlm(llava_tiny_config(), device=cpu)
     bf16 = build_vlm(llava_tiny_config(), device=cpu, master_dtype=torch.bfloat16)
@@ -461,7 +461,7 @@ def test_task_is_deterministic_and_split():
 
 
 def test_micro_batches_of_a_step_never_repeat_the_next_step_s():
-    """micro 2**16 drew step + 1's micro 0 (helper-70): refused."""
+    """micro 2**16 drew step + 1's micro 0: refused."""
     task = ShapesCaptions(32, 16)
     last = task.batch(0, 2, micro=2**16 - 1)["input_ids"]
     assert not torch.equal(last, task.batch(1, 2, micro=0)["input_ids"])
@@ -533,7 +533,7 @@ def test_caption_accuracy_counts_whole_captions():
     assert task.evaluate(Oracle([(0, first + 2)]), cpu)["val_caption_acc"] == 0.75
 
 
-# ------------------------------------------------------ helper-60's probe of the integration
+# ------------------------------------------------------ probe of the integration
 def test_training_mode_without_gradients_is_the_original_model():
     """In training mode under torch.no_grad() (samples generated mid-training), the
     projector's and the tower's FP8 modules run the original modules, bit for bit, as the
@@ -639,7 +639,7 @@ def test_head_settings_in_the_text_config_keep_the_models_own_loss():
 
 @pytest.mark.parametrize("vision", [False, True])
 def test_generate_in_training_mode_gives_the_plain_models_logits(vision):
-    """helper-86: generate() takes the image features through get_image_features, not the
+    """Generate() takes the image features through get_image_features, not the
     model's forward, so the projector (and tower) took the FP8 path there in training mode:
     the logits differed (0.01), and greedy tokens could. Each converted part follows the
     grad mode of its own calls too."""
@@ -655,7 +655,7 @@ def test_generate_in_training_mode_gives_the_plain_models_logits(vision):
 
 
 def test_apply_coat_again_keeps_the_tower_options_and_flags_are_bools():
-    """helper-86: coat_models.apply_coat on a model converted with vision=True,
+    """coat_models.apply_coat on a model converted with vision=True,
     freeze_vision=True converted it again without them (the tower trainable and plain,
     silently); "False" and other non-bools were taken for their truth; a LoRA on the tower
     alone was refused though COAT never bypasses it there."""

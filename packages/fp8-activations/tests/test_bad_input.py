@@ -127,7 +127,7 @@ def test_fp8_tensor_validation_and_roundtrip():
 
 
 def test_a_weight_with_no_output_features_gives_an_empty_output(backend):
-    """helper-81: a (0, K) weight crashed in the amax reduction (or named x as the empty
+    """A (0, K) weight crashed in the amax reduction (or named x as the empty
     tensor and suggested amax=, which the op does not take); torch gives (..., 0)."""
     cfg = FP8ActivationConfig(backend=backend)
     x = torch.randn(8, 64, requires_grad=True)
@@ -141,7 +141,7 @@ def test_a_weight_with_no_output_features_gives_an_empty_output(backend):
 
 
 def test_argument_mistakes_are_named():
-    """helper-81: these failed deep inside (or, eps < 0, returned NaN), or named the wrong
+    """These failed deep inside (or, eps < 0, returned NaN), or named the wrong
     dimension (a linear's bias was said to match x's last dim)."""
     x, w = torch.randn(4, 64), torch.ones(64)
     cfg = FP8ActivationConfig()
@@ -169,7 +169,7 @@ def test_argument_mistakes_are_named():
 
 
 def test_fp8_tensor_takes_what_quantize_takes():
-    """helper-81: a format string failed on .torch_dtype, any granularity but the enum was
+    """A format string failed on .torch_dtype, any granularity but the enum was
     taken for per-group, and a group size of 3 was accepted."""
     q = torch.zeros(4, 32, dtype=torch.float8_e4m3fn)
     t = FP8Tensor(q, torch.tensor(1.0), "per_tensor", None, "e4m3")

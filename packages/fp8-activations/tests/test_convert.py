@@ -81,7 +81,7 @@ def test_a_load_state_dict_pre_hook_bound_to_its_module_gets_the_fp8_module():
 
 def test_a_module_whose_forward_is_replaced_is_left_alone():
     """A module whose forward is set on the instance (accelerate's hooks) stays as it is, as
-    a subclass overriding forward does (helper-54: converted, that forward ran in eval only)."""
+    a subclass overriding forward does (converted, that forward ran in eval only)."""
     import torch
     from fp8_activations.modules import FP8Linear
 
@@ -215,7 +215,7 @@ def test_revert_frees_the_weight_cache():
 
 
 def test_multihead_attention_stays_whole():
-    """helper-77: its out_proj became an FP8Linear that never ran FP8 (the attention's
+    """Its out_proj became an FP8Linear that never ran FP8 (the attention's
     forward reads out_proj.weight itself): a model that looked converted trained in high
     precision there. It stays an nn.Linear now; the linears beside it convert."""
     layer = nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, batch_first=True)
@@ -227,7 +227,7 @@ def test_multihead_attention_stays_whole():
 
 
 def test_revert_of_a_module_pruned_since_conversion_keeps_the_pruning():
-    """helper-77: reverted, a module pruned with torch's prune failed at its next call (the
+    """Reverted, a module pruned with torch's prune failed at its next call (the
     mask buffer stayed behind on the FP8 module, the pruning hook moved): the reverted
     Linear holds weight_orig, weight_mask and the masked weight, and computes with them."""
     from fp8_activations import revert_fp8_activations

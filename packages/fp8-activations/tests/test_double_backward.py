@@ -39,7 +39,7 @@ def test_second_backward_raises(name):
 def test_create_graph_with_a_constant_output_gradient_raises(name):
     """A gradient penalty, ``grad(y.sum(), x, create_graph=True)``: the output gradient needs
     no grad, so once_differentiable returned gradients without a graph, and the penalty
-    added nothing to the weights' gradients, in silence (helper-64: 100% off for fp8_linear's
+    added nothing to the weights' gradients, in silence (100% off for fp8_linear's
     weight). It raises now, naming the way out."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, K, generator=g).requires_grad_()

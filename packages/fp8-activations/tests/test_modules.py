@@ -182,7 +182,7 @@ def test_follow_grad_mode_runs_the_originals_when_called_without_gradients():
     inference_mode (samples generated during training) answers with the original's bits;
     with gradients, and without follow_grad_mode, it takes the FP8 path; a reentrant
     checkpoint inside a training forward takes it in both passes (the same bits as without
-    checkpointing: helper-61 found the first pass plain when the modules read the grad mode
+    checkpointing: the first pass was plain when the modules read the grad mode
     themselves)."""
     from torch.utils.checkpoint import checkpoint
 
@@ -243,7 +243,7 @@ def test_hugging_face_gelus_are_converted_and_come_back():
             continue
         if approximate == "silu":
             # ACT2FN["silu"] (Llama's, Mistral's, Qwen's) is transformers' SiLUActivation in
-            # transformers 5.2x, not an nn.SiLU: it had stayed in high precision (helper-64).
+            # transformers 5.2x, not an nn.SiLU: it had stayed in high precision.
             assert isinstance(model[0], fa.FP8SiLU)
             torch.testing.assert_close(model(x), fa.silu(x), rtol=0, atol=0)
         else:
@@ -310,7 +310,7 @@ def test_an_output_without_gradient_costs_nothing(op):
 def test_follow_grad_mode_under_torch_compile_fullgraph():
     """A compiled model under follow_grad_mode called without gradients runs the originals
     (compiled, it took the FP8 path; with fullgraph=True its disabled hooks failed to
-    trace; helper-64); with gradients it takes the FP8 path, as eagerly."""
+    trace); with gradients it takes the FP8 path, as eagerly."""
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU())
     model = fa.follow_grad_mode(convert_to_fp8_activations(copy.deepcopy(ref))).train()
@@ -328,7 +328,7 @@ def test_follow_grad_mode_under_torch_compile_fullgraph():
 
 def test_eval_runs_with_functional_call_parameters():
     """torch.func.functional_call in eval mode: the twin took its plain tensors through
-    setattr, which refused them (TypeError; helper-64)."""
+    setattr, which refused them (TypeError)."""
     torch.manual_seed(0)
     model = convert_to_fp8_activations(nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)))
     params = {k: v.detach() * 2 for k, v in model.named_parameters()}
@@ -343,7 +343,7 @@ def test_eval_runs_with_functional_call_parameters():
 def test_parametrized_modules_stay_plain_and_later_ones_are_read():
     """A parametrized or weight-normed Linear is left alone (its conversion raised
     TypeError); a parametrization registered after conversion is what eval mode computes
-    with, as training does (eval ran the raw weight: 50% off; helper-64)."""
+    with, as training does (eval ran the raw weight: 50% off)."""
     import torch.nn.utils.parametrize as P
     from torch.nn.utils import parametrizations
 
@@ -365,7 +365,7 @@ def test_parametrized_modules_stay_plain_and_later_ones_are_read():
 
 def test_edits_after_conversion_reach_eval_and_revert():
     """A bias dropped or an eps changed on a converted module: eval mode and revert had
-    kept the values of conversion time (helper-64)."""
+    kept the values of conversion time."""
     torch.manual_seed(0)
     model = convert_to_fp8_activations(
         nn.Sequential(
@@ -396,7 +396,7 @@ def test_edits_after_conversion_reach_eval_and_revert():
 
 def test_global_hooks_fire_once_per_call_in_eval_too():
     """In eval mode the original module ran through its own call: hooks registered for every
-    module (register_module_forward_hook: profilers, trackers) fired twice (helper-64)."""
+    module (register_module_forward_hook: profilers, trackers) fired twice."""
     model = convert_to_fp8_activations(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32)))
     seen = []
     handle = torch.nn.modules.module.register_module_forward_hook(
@@ -412,8 +412,8 @@ def test_global_hooks_fire_once_per_call_in_eval_too():
 def test_follow_grad_mode_compiled_part_in_a_reentrant_checkpoint_keeps_the_fp8_path():
     """A compiled part of a model under follow_grad_mode, run by a reentrant checkpoint: its
     no-grad first pass must take the FP8 path its recomputation in backward takes (it took
-    the float path, so the loss and the gradients came from different functions;
-    helper-67). Eagerly this held already."""
+    the float path, so the loss and the gradients came from different
+    functions). Eagerly this held already."""
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
@@ -443,7 +443,7 @@ def test_follow_grad_mode_compiled_part_in_a_reentrant_checkpoint_keeps_the_fp8_
 def test_follow_grad_mode_state_survives_threads_and_interrupts():
     """The grad mode compiled code reads is the running roots' common one across threads
     (None when they differ), and comes back to None when they end in any order (it was one
-    global restored per exit: another thread's value leaked, for good; helper-69); a root
+    global restored per exit: another thread's value leaked, for good); a root
     whose earlier call was interrupted (a KeyboardInterrupt skips the forward hook) drops
     what that call left when it is called again."""
     import threading
@@ -501,7 +501,7 @@ def test_follow_grad_mode_state_survives_threads_and_interrupts():
 
 
 def test_follow_grad_mode_reaches_threads_the_root_starts():
-    """helper-77: a root under follow_grad_mode whose forward runs its parts in threads
+    """A root under follow_grad_mode whose forward runs its parts in threads
     (nn.DataParallel's parallel_apply: new threads start with an empty context, so the
     context variable is unset there) took the FP8 path in them when called without
     gradients; with gradients they still take it."""
@@ -541,7 +541,7 @@ def test_follow_grad_mode_reaches_threads_the_root_starts():
 
 
 def test_eval_of_a_replica_and_of_a_pruned_module_uses_their_weights():
-    """helper-77: eval lent the twin the module's _parameters only. nn.DataParallel's replicas
+    """Eval lent the twin the module's _parameters only. nn.DataParallel's replicas
     hold their weights as plain attributes (their _parameters emptied): eval raised
     AttributeError; torch's prune keeps the pruned weight as one too: eval computed with the
     unpruned weight, silently."""
@@ -583,7 +583,7 @@ def test_eval_lends_the_parameters_for_the_call_only():
 
 
 def test_checkpoint_recomputation_keeps_the_fp8_path_while_another_thread_samples():
-    """helper-83: a thread without a root's context read the roots' common grad mode, and so
+    """A thread without a root's context read the roots' common grad mode, and so
     did a backward's checkpoint recomputation: while another thread ran the root under
     no_grad (sampling during training), it took the float path its forward had not taken
     (a CheckpointError, or, reentrant, other gradients)."""

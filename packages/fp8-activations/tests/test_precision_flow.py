@@ -123,7 +123,7 @@ def test_bf16_output_is_freed_after_its_consumers():
 
 def test_a_saved_output_carries_no_hand_over():
     """torch.save of an op's output (a hidden state) carried its FP8 hand-over: the copies
-    (more bytes) and a class that torch.load's default (weights_only) refused (helper-73).
+    (more bytes) and a class that torch.load's default (weights_only) refused.
     It now loads as a plain tensor's would, and the loaded one hands nothing over."""
     import io
 
@@ -140,7 +140,7 @@ def test_a_saved_output_carries_no_hand_over():
 
 
 def test_a_parameter_input_is_read_afresh_after_a_fused_optimizer_step():
-    """helper-77: a linear's per-tensor FP8 copy of its input was kept on a Parameter fed to
+    """A linear's per-tensor FP8 copy of its input was kept on a Parameter fed to
     it (a learned query); a fused optimizer updates parameters in place without bumping
     their version, so the next forward reused the copy of the old value."""
     torch.manual_seed(0)

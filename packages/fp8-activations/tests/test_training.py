@@ -158,7 +158,7 @@ def test_weight_cache_follows_a_compiled_optimizer_step():
 
 
 def test_weight_cache_follows_data_swaps_and_fused_steps_of_a_parameter_a_view_holds():
-    """helper-81: the cache key (version, address, dtype) missed ``.data =`` a view starting
+    """The cache key (version, address, dtype) missed ``.data =`` a view starting
     at the same address (a slice: the old shape came back; a transpose: the old values),
     and a weight kept as a view of a parameter (a slice of a fused projection) kept its
     copy after a fused optimizer step (the hook bumped parameters holding a copy only)."""

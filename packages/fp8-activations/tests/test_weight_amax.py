@@ -48,7 +48,7 @@ def test_weight_amaxes_are_exact(backend):
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_weight_amaxes_of_float64_weights(backend):
     """A float64 model trained until its first weight maximum (torch's norm refuses to
-    narrow with dtype=float32; helper-73): the fp32 max, as for any other dtype."""
+    narrow with dtype=float32): the fp32 max, as for any other dtype."""
     if backend == "triton" and not triton_interpreting():
         pytest.skip("the Triton kernel runs on a CPU only under TRITON_INTERPRET=1")
     ws = [torch.randn(16, K, dtype=torch.float64), torch.randn(8, K) * 3]
@@ -146,7 +146,7 @@ def test_weight_cache_stays_out_of_saved_and_copied_models():
         torch.testing.assert_close(other(x).detach(), y, rtol=0, atol=0)
     # Parameters pickled themselves (keep_vars, named_parameters) load with torch.load's
     # default, weights_only, as a plain model's do, in a process without this package: the
-    # slot's class made the load refuse them (helper-73). The loaded slot is ignored.
+    # slot's class made the load refuse them. The loaded slot is ignored.
     buf = io.BytesIO()
     torch.save(dict(model.named_parameters()), buf)
     assert b"fp8_activations" not in buf.getvalue()

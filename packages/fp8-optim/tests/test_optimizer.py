@@ -960,7 +960,7 @@ def test_load_state_dict_runs_torchs_hooks():
 
 def test_load_state_dict_pre_hook_may_unwrap_what_it_is_given():
     """The pre-hooks run before the state dict is checked, as torch's optimizers run them
-    (helper-54: a hook unwrapping {"wrapped": sd} met a TypeError first)."""
+    (a hook unwrapping {"wrapped": sd} met a TypeError first)."""
     m = torch.nn.Linear(8, 8)
     opt = CoatAdamW(m.parameters())
     m(torch.randn(2, 8)).sum().backward()
@@ -1039,7 +1039,7 @@ def test_load_adamw_state_dict_of_no_state_dict_is_one_line(bad):
 
 
 # ------------------------------------------------ states and optimizers changed from outside
-# (helper-59's probe)
+# (a user's probe)
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_replaced_states_are_the_ones_stepped(backend, request, h):
     """States replaced by copies between steps (an offload: ``state[k] = v.to("cpu")`` and
@@ -1132,7 +1132,7 @@ def test_copied_optimizer_steps_like_the_original(copy, h):
 def test_a_copy_keeps_the_numbers_of_parameters_added_to_a_group_s_list(copy, h):
     """A parameter appended to a group's list is numbered when first stepped (after the
     later groups' ones); a copy numbered by group order gave it another rounding stream and
-    the copy stepped elsewhere (helper-75)."""
+    the copy stepped elsewhere."""
     gen = torch.Generator().manual_seed(0)
     a, b, c = (torch.nn.Parameter(torch.randn(256, generator=gen).bfloat16()) for _ in "abc")
     opt = CoatAdamW([{"params": [a]}, {"params": [b]}], lr=1e-2)
@@ -1230,7 +1230,7 @@ def test_hyperparameters_beyond_fp32_are_one_line(field):
         CoatAdamW([torch.nn.Parameter(torch.randn(4))], **{field: 1e39})
 
 
-# ---------------------------------------------------------- helper-61's review of the above
+# ---------------------------------------------------------- a review of the above
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_a_refused_state_leaves_the_step_unmade(backend, request):
     """A state that no longer fits is refused before any parameter is updated, so that the
@@ -1283,7 +1283,7 @@ def test_to_adamw_state_dict_with_a_post_hook_that_rekeys():
     assert adamw.state[m.weight]["exp_avg"].dtype == torch.float32
 
 
-# ------------------------------------------------------------ helper-68's probe as a user
+# ------------------------------------------------------------ a probe as a user
 @pytest.mark.parametrize("how", ["extend", "append"])
 def test_parameters_put_into_groups_directly_step_as_added_ones(how):
     """Parameters put into param_groups without add_param_group (a group's list extended, a
@@ -1317,13 +1317,13 @@ def test_parameters_put_into_groups_directly_step_as_added_ones(how):
 
 def test_a_set_of_parameters_is_refused():
     """torch refuses a set (its order changes between runs); CoatAdamW's list() hid it,
-    and the stochastic-rounding streams and the state dict follow that order (helper-68)."""
+    and the stochastic-rounding streams and the state dict follow that order."""
     ps = {_p(3), _p(3)}
     with pytest.raises(TypeError, match="ordered collection .a list., not a set"):
         CoatAdamW([{"params": ps}])
     with pytest.raises(TypeError, match="not a set"):
         CoatAdamW([_p(2)]).add_param_group({"params": ps})
-    # at the top level too (helper-80: torch's list() took it)
+    # at the top level too (torch's list() took it)
     with pytest.raises(TypeError, match="params must be an ordered collection .a list., not a"):
         CoatAdamW(ps)
 
@@ -1371,7 +1371,7 @@ def test_a_compiled_step_gives_the_eager_bits():
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_a_parameter_put_into_the_groups_again_is_refused_at_the_step(backend, request):
-    """helper-80: appended to a group's list (or another group) after construction, it
+    """Appended to a group's list (or another group) after construction, it
     passed: the reference stepped it twice a step, the triton backend once, with other bits."""
     if backend == "triton":
         request.getfixturevalue("needs_triton")
@@ -1388,7 +1388,7 @@ def test_a_parameter_put_into_the_groups_again_is_refused_at_the_step(backend, r
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_a_parameter_reshaped_in_place_is_refused_at_the_step(backend, request):
-    """helper-80: the triton plan keyed the states by element counts and addresses, so a
+    """The triton plan keyed the states by element counts and addresses, so a
     parameter reshaped to as many elements stepped on with the old-shaped state, and the
     state dict it wrote was refused on load."""
     if backend == "triton":
@@ -1404,7 +1404,7 @@ def test_a_parameter_reshaped_in_place_is_refused_at_the_step(backend, request):
 
 
 def test_plain_pickle_of_the_optimizer_loads_and_steps_on():
-    """helper-80: pickle.dumps wrote it, pickle.loads failed (torch cannot unpickle an FP8
+    """Pickle.dumps wrote it, pickle.loads failed (torch cannot unpickle an FP8
     tensor from plain pickle): the FP8 codes go as bytes."""
     import pickle
 
@@ -1427,7 +1427,7 @@ def test_plain_pickle_of_the_optimizer_loads_and_steps_on():
 
 
 def test_a_copy_keeps_the_streams_of_a_group_with_a_parameter_removed():
-    """helper-80: a deepcopy renumbered the parameters left after one was removed from its
+    """A deepcopy renumbered the parameters left after one was removed from its
     group (0, 1, ...), so their bf16 stochastic rounding drew other bits than the original."""
     torch.manual_seed(0)
     a, b = (_p(64, dtype=torch.bfloat16) for _ in range(2))
@@ -1447,7 +1447,7 @@ def test_a_copy_keeps_the_streams_of_a_group_with_a_parameter_removed():
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_eps_zero_moves_nothing_where_the_second_moment_is_zero(backend, request):
-    """helper-80: with eps=0 an element whose v is 0 (flushed below its group's FP8 range)
+    """With eps=0 an element whose v is 0 (flushed below its group's FP8 range)
     divided by zero, and its whole group of 128 was skipped from then on; it moves no
     further, the rest of its group trains, and no group is counted non-finite."""
     if backend == "triton":

@@ -41,7 +41,7 @@ ALL_QUANTIZERS = [
         ),
         pytest.param([[1.0] * 16] * 4, "must be a torch.Tensor", id="list"),
         # The other float8 types passed: the backends then disagreed (one quantized them,
-        # the other raised NotImplementedError or KeyError; helper-63).
+        # the other raised NotImplementedError or KeyError).
         pytest.param(
             torch.ones(4, 16).to(torch.float8_e4m3fnuz), "float32, bfloat16", id="e4m3fnuz"
         ),
@@ -143,7 +143,7 @@ def test_auto_resolves_to_a_member(monkeypatch):
     assert resolve_backend(torch.randn(2), Backend.AUTO) is Backend.REFERENCE
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     launcher = sys.modules.get("fp8_quant.ops._launch")  # (kernels made for a GPU: they run
-    if launcher is not None:  # on a CPU tensor only in the interpreter; helper-67)
+    if launcher is not None:  # on a CPU tensor only in the interpreter)
         monkeypatch.setattr(launcher, "_INTERPRETING", True)
     monkeypatch.setenv("FP8_QUANT_BACKEND", "triton")
     assert resolve_backend(torch.randn(2), Backend.AUTO) is Backend.TRITON
@@ -274,7 +274,7 @@ def test_outputs_carry_no_autograd_graph_on_either_backend(interpreter):
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.float8_e4m3fn, "bfloat16"])
 def test_dequantize_to_a_non_float_dtype_is_a_type_error(dtype):
     """Integer and bool targets had truncated without a word, a string raised about a
-    "device" (helper-63)."""
+    "device"."""
     x = torch.tensor([[0.3, -2.7, 5.0, 1.0]])
     q, s = quantize_per_tensor(x)
     qg, sg = quantize_per_group(x, 4)
@@ -292,8 +292,8 @@ def test_dequantize_to_a_non_float_dtype_is_a_type_error(dtype):
 @pytest.mark.parametrize("amax", [-1.0, -float("inf"), -1e-30, -1e-44], ids=repr)
 def test_a_negative_amax_gives_a_nan_scale(backend, amax, request):
     """An amax is a max of |x|: a negative one had become scale 1, saturating the tensor at
-    +-448 without a word (helper-63). It is NaN now, as a NaN amax gives, also where its
-    quotient by the format's max rounds to -0.0 (-1e-44; helper-67); -0.0 is zero."""
+    +-448 without a word. It is NaN now, as a NaN amax gives, also where its
+    quotient by the format's max rounds to -0.0 (-1e-44); -0.0 is zero."""
     if backend == "triton":
         request.getfixturevalue("interpreter")
     x = torch.tensor([[100.0, 1000.0, -3.0, 0.5]])
@@ -324,7 +324,7 @@ def test_amax_edge_values_on_cuda_match_the_reference(cuda, amax):
 
 
 def test_a_group_or_block_longer_than_the_tensor_is_one_group(interpreter):
-    """group_size 2**40 asked the reference for terabytes of padding (helper-63): a group
+    """group_size 2**40 asked the reference for terabytes of padding: a group
     longer than the row is the row, on both backends, with the same bits as the smallest
     power of two that covers it."""
     torch.manual_seed(0)
@@ -347,7 +347,7 @@ def test_a_group_or_block_longer_than_the_tensor_is_one_group(interpreter):
 
 @pytest.mark.parametrize("block", [(3, 4), (16,), 16, (16, 0)], ids=repr)
 def test_a_bad_block_names_the_block(block):
-    """It had said "group_size must be a positive power of two" (helper-63)."""
+    """It had said "group_size must be a positive power of two"."""
     x = torch.randn(4, 4)
     with pytest.raises(ValueError, match=r"block must be \(rows, cols\), two powers of two"):
         quantize_per_block(x, block)
@@ -358,7 +358,7 @@ def test_a_bad_block_names_the_block(block):
 
 def test_triton_interpret_set_after_the_kernels_were_made_says_so(monkeypatch, interpreter):
     """TRITON_INTERPRET set after fp8_quant's kernels were defined (their import) does not
-    reach them: the CPU launch crashed inside Triton (helper-63); it is a ValueError now."""
+    reach them: the CPU launch crashed inside Triton; it is a ValueError now."""
     from fp8_quant.ops import _launch
 
     monkeypatch.setattr(_launch, "_INTERPRETING", False)  # the kernels made for a GPU
@@ -373,7 +373,7 @@ def test_triton_interpret_set_after_the_kernels_were_made_says_so(monkeypatch, i
     ids=["transposed", "one-column", "one-row", "permuted-3d"],
 )  # fmt: skip
 def test_per_tensor_outputs_are_row_major_buffers_of_their_own_on_both_backends(make, interpreter):
-    """helper-78: for a permuted x the reference kept x's layout in q (Triton's is row-major:
+    """For a permuted x the reference kept x's layout in q (Triton's is row-major:
     q.view(-1) failed on one backend only), and its q_t was a view of q (q.t().contiguous()
     of a transposed x is a no-op): writing one changed the other."""
     x = make()
@@ -401,7 +401,7 @@ def test_the_triton_backend_refuses_meta_tensors():
 
 
 def test_amax_and_scales_on_another_device_are_named():
-    """A 0-dim CPU amax or scale goes with any x (both backends move it: helper-83); other
+    """A 0-dim CPU amax or scale goes with any x (both backends move it); other
     devices are named."""
     meta = torch.randn(5, 33, device="meta")
     assert quantize_per_tensor(meta, amax=torch.tensor(3.0), backend="reference")[0].is_meta
@@ -421,7 +421,7 @@ def test_amax_and_scales_on_another_device_are_named():
     ids=["float", "tensor", "numpy"],
 )
 def test_a_group_size_of_another_type_names_the_type(size, kind):
-    """helper-78: np.int64(16) was told to be "a positive power of two"."""
+    """Np.int64(16) was told to be "a positive power of two"."""
     said = rf"a Python int, got .*\({kind}\): pass int\(group_size\)"
     with pytest.raises(ValueError, match=said):
         quantize_per_group(torch.randn(4, 32), size)
@@ -462,7 +462,7 @@ def _triton_on_cpu(env_value: str | None, set_after_import: bool = False) -> str
 
 
 def test_triton_interpret_is_read_as_triton_reads_it():
-    """helper-78: fp8_quant read " 1" as on (Triton: off; the launch crashed in Triton) and
+    """Fp8_quant read " 1" as on (Triton: off; the launch crashed in Triton) and
     "y" as off (Triton: on; on a GPU host that chose the interpreter's wrong FP8 cast), and a
     TRITON_INTERPRET set after `import triton` crashed inside Triton: it asks Triton."""
     assert _triton_on_cpu("y") == "ran (2, 1)\n"

@@ -99,7 +99,7 @@ def test_gpu_layer_weights_same_bits(assert_same_bits):
 
 def test_non_contiguous_inputs_are_refused(interpreter):
     """The launchers read memory row-major: a sliced or transposed input gave the maxima
-    (or codes) of other elements without a word (helper-63)."""
+    (or codes) of other elements without a word."""
     from fp8_quant import E4M3, ops
 
     x = torch.randn(64, 64)

@@ -181,7 +181,7 @@ class _FP8Module:
         # the weights back on meta after a forward; the twin had kept them on the device).
         # By attribute, not from _parameters: torch's prune and nn.DataParallel's replicas
         # hold the weight as a plain attribute (the twin computed with the unpruned weight;
-        # a replica's twin had no weight at all; helper-77).
+        # a replica's twin had no weight at all).
         lent = []
         for name in self.__dict__.get("_float_names") or self._parameters:
             p = getattr(self, name, None)

@@ -172,7 +172,7 @@ def attach_per_tensor(x: torch.Tensor, q_qt_scale: tuple, key: tuple) -> None:
     if type(x) is not torch.Tensor and isinstance(x, torch.nn.Parameter):
         # A parameter fed to a linear as its input (a learned query, a soft prompt): fused
         # optimizers update parameters in place without bumping their version, so a copy
-        # kept on it would be reused after the step (helper-77). (The type test first: an
+        # kept on it would be reused after the step. (The type test first: an
         # activation is a plain Tensor, and isinstance(x, Parameter) takes ~0.3 us, a hot
         # path's cost per linear.)
         return

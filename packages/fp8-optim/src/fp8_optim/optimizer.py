@@ -169,10 +169,10 @@ class CoatAdamW(torch.optim.Optimizer):
         # torch's keeps defaults, state and param groups; launch plans hold raw addresses
         # and are made again, as are the parameter indices and DTensor shards.
         # The indices by position in the groups: a parameter put into a group's list directly
-        # was numbered when first stepped, not in group order (helper-75: a copy renumbered
+        # was numbered when first stepped, not in group order (a copy renumbered
         # it, and its rounding streams went elsewhere).
         # The index values, not only their order: a parameter removed from its group leaves
-        # a gap, which a renumbering closed (the streams of those after it moved; helper-80).
+        # a gap, which a renumbering closed (the streams of those after it moved).
         order = [self._param_index.get(p) for g in self.param_groups for p in g["params"]]
         base = super().__getstate__()
         # FP8 codes as bytes: torch 2.13 cannot unpickle an FP8 tensor from plain pickle
