@@ -312,3 +312,51 @@ def test_a_peft_model_without_layer_adapters_says_to_convert_first():
         apply_coat(peft.get_peft_model(tiny_llama(), prompt))
     model = peft.get_peft_model(apply_coat(tiny_llama()), prompt)
     assert is_coat(model)
+
+
+def _tiny(family: str, **overrides):
+    """A tiny model of ``family`` (``transformers.<family>Config`` / ``<family>ForCausalLM``)."""
+    config = getattr(transformers, f"{family}Config")(**{**TINY, **overrides})
+    torch.manual_seed(0)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
+@pytest.mark.parametrize("family, overrides, layer", [
+    ("Granite", {"residual_multiplier": 0.22}, 0),
+    ("SmolLM3", {"num_hidden_layers": 4, "pad_token_id": 0, "bos_token_id": 1,
+                 "eos_token_id": 2}, 3),
+], ids=["granite-residual-multiplier", "smollm3-layer-without-rope"])  # fmt: skip
+def test_a_bf16_model_is_probed_in_fp32(family, overrides, layer):
+    """bf16 weights (from_pretrained's usual dtype) were probed in bf16, whose tolerance
+    passed Granite's residual multiplier (layer updates 4.5x too large) and SmolLM3's layers
+    without RoPE: both converted and trained silently wrong. Refused as in fp32."""
+    model = _tiny(family, **overrides).to(torch.bfloat16)
+    with pytest.raises(TypeError, match=f"layer {layer} .*computes something else"):
+        apply_coat(model)
+    assert not is_coat(model)
+    assert is_coat(apply_coat(_tiny("Llama").to(torch.bfloat16)))  # a Llama converts
+
+
+def test_a_query_scale_that_grows_with_the_position_is_refused():
+    """Ministral3 scales queries by 1 + beta * log(1 + floor(pos / 16384)): 1 at the probe's
+    first positions, so it converted and long-context training lost the scale. The probe
+    also runs far positions."""
+    with pytest.raises(TypeError, match="layer 0 .*computes something else"):
+        apply_coat(_tiny("Ministral3"))
+
+
+def test_dropout_the_layer_applies_in_training_is_refused():
+    """The probe runs in eval mode: Seed-OSS's residual_dropout (0.1 by default) converted and
+    trained without its dropout. Refused naming it; at 0 the model converts."""
+    with pytest.raises(TypeError, match=r"residual_dropout = 0.1: the COAT path applies no "):
+        apply_coat(_tiny("SeedOss"))
+    assert is_coat(apply_coat(_tiny("SeedOss", residual_dropout=0.0)))
+
+
+def test_a_layer_the_probe_cannot_run_is_refused_as_unsupported():
+    """MiMo-V2-Flash's rotary embedding needs a layer_type: a raw TypeError from
+    transformers escaped, naming nothing supported."""
+    from coat_models.llama import UnsupportedModel
+
+    with pytest.raises(UnsupportedModel, match=r"could not be probed \(TypeError: .*layer_type"):
+        apply_coat(_tiny("MiMoV2Flash"))
