@@ -360,3 +360,17 @@ def test_a_layer_the_probe_cannot_run_is_refused_as_unsupported():
 
     with pytest.raises(UnsupportedModel, match=r"could not be probed \(TypeError: .*layer_type"):
         apply_coat(_tiny("MiMoV2Flash"))
+
+
+def test_a_vision_language_model_that_is_not_llava_shaped_names_its_language_model():
+    """Qwen2-VL was refused with the Llama-only message alone, which did not say that its
+    language model converts alone."""
+    text = {**TINY, "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3]}}
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=8,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)  # fmt: skip
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision)
+    model = transformers.Qwen2VLForConditionalGeneration(config)
+    with pytest.raises(TypeError, match=r"may convert alone, apply_coat\(model\.model\."
+                       r"language_model\)"):  # fmt: skip
+        apply_coat(model)
+    assert is_coat(apply_coat(model.model.language_model))

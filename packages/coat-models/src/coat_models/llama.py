@@ -449,8 +449,22 @@ def _base_model(model: nn.Module) -> nn.Module:
             raise UnsupportedModel(
                 f"apply_coat supports {SUPPORTED}; {type(model).__name__} has no "
                 f"{'base model ' if base is not model else ''}attribute {attr!r}"
+                + _language_model_hint(model, base)
             )
     return base
+
+
+def _language_model_hint(model: nn.Module, base: nn.Module) -> str:
+    """For a vision-language model that is not LLaVA-shaped (Qwen2-VL, ...): where its
+    language model is, which may convert alone."""
+    inner = getattr(base, "language_model", None)
+    if not (isinstance(inner, nn.Module) and hasattr(inner, "layers")):
+        return ""
+    fqn = next((name for name, m in model.named_modules() if m is inner), "language_model")
+    return (
+        f" (a vision-language model: its language model may convert alone, "
+        f"apply_coat(model.{fqn}), and train with the model's own loss)"
+    )
 
 
 # ------------------------------------------------------------------------------ subclasses
