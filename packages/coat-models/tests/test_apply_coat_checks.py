@@ -337,6 +337,18 @@ def test_a_bf16_model_is_probed_in_fp32(family, overrides, layer):
     assert is_coat(apply_coat(_tiny("Llama").to(torch.bfloat16)))  # a Llama converts
 
 
+def test_a_bf16_layer_with_a_patched_module_forward_is_probed_as_it_is():
+    """The fp32 stand-in of a bf16 layer is built from its class: a forward set on one of
+    the real layer's modules (a hand patch, a Hub kernel) is probed on the real layer too
+    (a first fix of the bf16 probe accepted a norm computing something else)."""
+    model = _tiny("Llama").to(torch.bfloat16)
+    norm = model.model.layers[0].post_attention_layernorm
+    norm.forward = lambda x: (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)
+                              + 1e-6) * 5 * norm.weight.float()).to(x.dtype)  # fmt: skip
+    with pytest.raises(TypeError, match="layer 0 .*computes something else"):
+        apply_coat(model)
+
+
 def test_a_query_scale_that_grows_with_the_position_is_refused():
     """Ministral3 scales queries by 1 + beta * log(1 + floor(pos / 16384)): 1 at the probe's
     first positions, so it converted and long-context training lost the scale. The probe

@@ -407,6 +407,19 @@ def test_compiled_layers_record_hidden_states_and_refuse_attentions():
         torch._dynamo.reset()
 
 
+def test_a_whole_compiled_model_still_refuses_attentions_in_training():
+    """compile_layers' eager check lets the traced one skip the attention recorder; under
+    torch.compile(model), which checks nothing eagerly, output_attentions=True must still
+    be refused (a first fix returned no attentions there, silently)."""
+    model = torch.compile(apply_coat(tiny_llama()).train(), backend="eager")
+    ids = tokens(2, 16)
+    try:
+        with pytest.raises(TypeError, match="output_attentions=True"):
+            model(ids, labels=ids, output_attentions=True)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_compiled_layers_past_the_recompile_limit_say_why():
     """A ninth sequence length raised dynamo's FailOnRecompileLimitHit (fullgraph=True),
     naming neither lengths nor a remedy."""
@@ -418,7 +431,7 @@ def test_compiled_layers_past_the_recompile_limit_say_why():
         torch._dynamo.reset()
         for length in range(2, 2 + limit):
             model(tokens(1, length), labels=tokens(1, length)).loss.backward()
-        with pytest.raises(RuntimeError, match=f"compiled for {limit} input shapes.*Pad or bucket"):
+        with pytest.raises(RuntimeError, match=f"compiled {limit} times .*Pad or bucket"):
             model(tokens(1, 2 + limit), labels=tokens(1, 2 + limit))
     finally:
         torch._dynamo.reset()

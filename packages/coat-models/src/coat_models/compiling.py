@@ -14,7 +14,8 @@ quantizes its input again: the same bits, one quantization launch more).
 
 One compiled graph serves every layer of a model (the layers have the same code and shapes),
 so compilation costs about one layer's worth whatever the depth; compiling the whole model
-(``torch.compile(model)``) also works but traces every layer into one graph. Only training
+(``torch.compile(model)``) also works but traces every layer, with graph breaks (the COAT
+classes' argument binding; ``fullgraph=True`` raises there). Only training
 forwards (``layer.training`` with gradients on) run compiled: eval and generate fill
 transformers' KV cache, indexed by the layer's number, which would trace a graph per layer
 (and past dynamo's recompile limit, 8, raise under ``fullgraph=True``); they run the layers'
@@ -187,17 +188,23 @@ class CompiledForward:
         return self._run(*args, **kwargs)
 
     def _run(self, *args, **kwargs):
+        checked = llama._CHECKED_EAGERLY
+        llama._CHECKED_EAGERLY = getattr(self.layer, "coat_ops", None) is not None
         try:
             return self.compiled(*args, **kwargs)
         except _RECOMPILE_LIMIT as e:
             limit = torch._dynamo.config.recompile_limit
+            reason = (str(e).strip().splitlines() or [""])[0]
             raise RuntimeError(
-                f"compile_layers: the layers were compiled for {limit} input shapes "
-                "(torch._dynamo.config.recompile_limit) and this call has another: each "
-                "sequence length (and batch size) compiles a graph of its own, also with "
-                "dynamic=True. Pad or bucket inputs to a few lengths, or raise "
-                "torch._dynamo.config.recompile_limit"
+                f"compile_layers: the layers' forward was compiled {limit} times "
+                "(torch._dynamo.config.recompile_limit) and this call needs another graph: "
+                "each sequence length and batch size compiles one (also with dynamic=True), "
+                "and so does each layer when a KV cache holding tokens is passed. Pad or "
+                "bucket inputs to a few lengths, or raise torch._dynamo.config."
+                f"recompile_limit (dynamo: {reason})"
             ) from e
+        finally:
+            llama._CHECKED_EAGERLY = checked
 
     def __deepcopy__(self, memo):
         layer = memo.get(id(self.layer))

@@ -123,7 +123,9 @@ def layer_config(layer: nn.Module) -> FP8ActivationConfig:
     """The COAT layer's config for this training call. A layer that FSDP shards trains
     without the FP8 weight cache, turned off for good here (``fully_shard`` of the layers
     after ``apply_coat``): FSDP all-gathers each step into the weight's storage without
-    bumping its version, so the cache would serve the previous step's FP8 weights."""
+    bumping its version, so the cache would serve the previous step's FP8 weights. (A unit
+    on the root alone is not seen: ``shard_model``, or ``weight_cache=False``, then; units
+    below the layer are refused by ``check_coat_layer``: their hooks would not run.)"""
     config = layer.coat_config
     if config.weight_cache and isinstance(layer, _fsdp_classes()):
         config = layer.coat_config = config.replace(weight_cache=False)
@@ -302,11 +304,16 @@ def _bypassed_module(layer: nn.Module, at_apply: bool = False) -> str | None:
 _HOOKS_REMEDY = "register them on the decoder layer instead (its hooks run)"
 
 
+# True while compile_layers runs a compiled layer that it checked eagerly just before.
+_CHECKED_EAGERLY = False
+
+
 def _attentions_asked() -> bool:
-    """Whether transformers is recording attention weights in this forward. Traced, False:
-    dynamo cannot read the recorder's ContextVar (``compile_layers`` checks each layer
-    before its compiled call)."""
-    if torch.compiler.is_compiling():
+    """Whether transformers is recording attention weights in this forward. Traced inside
+    ``compile_layers``' call, False: it checked the layer eagerly before (dynamo cannot
+    read the recorder's ContextVar: under ``torch.compile(model)`` the read breaks the
+    graph, and the check holds)."""
+    if _CHECKED_EAGERLY and torch.compiler.is_compiling():
         return False
     try:
         from transformers.utils.output_capturing import _active_collector
@@ -328,17 +335,19 @@ def _layer_mismatch(base: nn.Module, layer: nn.Module) -> str | None:
         return None
     meta = any(p.is_meta for p in params)
     if meta or params[0].dtype not in (torch.float32, torch.float64):
-        # Probed in fp32 on a narrow CPU stand-in: bf16's tolerance passed Granite's
-        # residual multiplier and SmolLM3's layers without RoPE.
+        # Probed in fp32 on a narrow CPU stand-in of the layer's class: bf16's tolerance
+        # passed Granite's residual multiplier and SmolLM3's layers without RoPE. Then, in
+        # bf16/fp16, the real layer too (a forward set on one of its modules' instances is
+        # not the class's).
         cpu = _cpu_probe(base, layer)
-        if cpu is None and meta:
-            return None
+        problem = None
         if cpu is not None:
             try:
-                return _layer_mismatch(*cpu)
+                problem = _layer_mismatch(*cpu)
             except Exception:  # a stand-in this family's code cannot run
-                if meta:
-                    return None  # left to the real weights
+                pass
+        if problem is not None or meta:
+            return problem  # (meta: nothing real to run; left to the real weights)
     weight = layer.input_layernorm.weight
     x = torch.randn(
         1,
@@ -762,12 +771,16 @@ def set_fused_loss(model: nn.Module, enabled: bool = True) -> bool:
 
 
 def _fusable_now(model: nn.Module) -> bool:
-    """``_head_supported``, and nothing waits on the head's call: no hook on it, no forward
-    of its own instance (accelerate's)."""
+    """What of ``_head_supported`` can change after apply_coat (the head, its bias, the
+    loss function; the config's head settings were checked then), and nothing waits on the
+    head's call: no hook on it, no forward of its own instance (accelerate's). A few
+    attribute reads per training forward."""
     head = model.lm_head
-    return _head_supported(model) and not (
-        head._forward_hooks or head._forward_pre_hooks or head._backward_hooks
-        or head._backward_pre_hooks or "forward" in head.__dict__
+    return (
+        type(head) is nn.Linear and head.bias is None
+        and getattr(model.loss_function, "__name__", "") == "ForCausalLMLoss"
+        and not (head._forward_hooks or head._forward_pre_hooks or head._backward_hooks
+                 or head._backward_pre_hooks or "forward" in head.__dict__)
     )  # fmt: skip
 
 
