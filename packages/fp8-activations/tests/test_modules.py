@@ -633,3 +633,48 @@ def test_checkpoint_recomputation_keeps_the_fp8_path_while_another_thread_sample
         release.set()
         sampler.join()
     assert all(torch.equal(a, b) for a, b in zip(alone, beside, strict=True))
+
+
+def test_a_linear_under_autocast_answers_in_autocasts_dtype_as_nn_linear():
+    """It answered an fp32 input in fp32 under bf16 autocast: the model's next ops ran in
+    fp32, and DeBERTa's masked_fill of bf16 scores with the fp32 minimum raised. The output
+    is the fp32 result rounded to bf16; gradients keep the parameters' and input's dtypes."""
+    lin = nn.Linear(32, 48)
+    fp8 = fa.convert_to_fp8_activations(copy.deepcopy(lin)).train()
+    x = torch.randn(2, 4, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp8(x)
+        assert y.dtype == lin(x).dtype == torch.bfloat16
+        scores = y @ y.transpose(-1, -2)
+        scores.masked_fill(torch.ones_like(scores, dtype=torch.bool), torch.finfo(y.dtype).min)
+    want = fa.fp8_linear(x.detach(), lin.weight.detach(), lin.bias.detach())
+    assert torch.equal(y, want.bfloat16())
+    y.float().sum().backward()
+    assert x.grad.dtype == fp8.weight.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a bf16 input stays bf16
+        assert fp8(x.detach().bfloat16()).dtype == torch.bfloat16
+    assert fp8(x.detach()).dtype == torch.float32  # no autocast: the input's dtype
+
+
+def test_an_inplace_silu_stays_plain():
+    """Code that reads the input an nn.SiLU(inplace=True) wrote (``act(h); lin(h)``) trained
+    without the activation: the FP8 twin does not write its input. It stays plain."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.out = nn.Linear(32, 32), nn.Linear(32, 32)
+            self.act = nn.SiLU(inplace=True)
+
+        def forward(self, x):
+            h = self.lin(x)
+            self.act(h)
+            return self.out(h)
+
+    plain = Block()
+    model = fa.convert_to_fp8_activations(copy.deepcopy(plain)).train()
+    assert type(model.act) is nn.SiLU and type(model.lin) is not nn.Linear
+    x = torch.randn(4, 32)
+    got, want = model(x), plain(x)
+    err = (got - want).pow(2).sum() / want.pow(2).sum()  # FP8 rounding only (it was ~0.7)
+    assert err < 1e-2, err

@@ -101,7 +101,9 @@ def _fp8_twin(m: nn.Module, config: FP8ActivationConfig) -> nn.Module | None:
     if type(m).__name__.endswith("RMSNorm") and "forward" not in vars(m) and _hf_rms_norm_ok(m):
         return FP8RMSNorm.from_float(m, config)
     if _plain(m, nn.SiLU):
-        return FP8SiLU.from_float(m, config)
+        # inplace=True stays plain: code may read the input it wrote (``act(h); lin(h)``),
+        # which the FP8 twin does not write (that code trained without the activation).
+        return None if m.inplace else FP8SiLU.from_float(m, config)
     if _plain(m, nn.GELU):
         return FP8GELU.from_float(m, config)
     kind = _hf_activation(m)
