@@ -337,15 +337,18 @@ def test_a_bf16_model_is_probed_in_fp32(family, overrides, layer):
     assert is_coat(apply_coat(_tiny("Llama").to(torch.bfloat16)))  # a Llama converts
 
 
-def test_a_bf16_layer_with_a_patched_module_forward_is_probed_as_it_is():
-    """The fp32 stand-in of a bf16 layer is built from its class: a forward set on one of
-    the real layer's modules (a hand patch, a Hub kernel) is probed on the real layer too
-    (a first fix of the bf16 probe accepted a norm computing something else)."""
-    model = _tiny("Llama").to(torch.bfloat16)
-    norm = model.model.layers[0].post_attention_layernorm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_layer_with_a_patched_module_forward_is_probed_as_it_is(index, dtype):
+    """A forward set on a module of one layer (a hand patch, a Hub kernel) is probed on that
+    layer: the fp32 stand-in of a bf16 layer is built from its class (a first fix of the
+    bf16 probe accepted a norm computing something else), and layers of one class and
+    settings shared the first one's probe (a patch on layer 1 was accepted)."""
+    model = _tiny("Llama").to(dtype)
+    norm = model.model.layers[index].post_attention_layernorm
     norm.forward = lambda x: (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)
                               + 1e-6) * 5 * norm.weight.float()).to(x.dtype)  # fmt: skip
-    with pytest.raises(TypeError, match="layer 0 .*computes something else"):
+    with pytest.raises(TypeError, match=f"layer {index} .*computes something else"):
         apply_coat(model)
 
 

@@ -651,8 +651,16 @@ def test_a_linear_under_autocast_answers_in_autocasts_dtype_as_nn_linear():
     assert torch.equal(y, want.bfloat16())
     y.float().sum().backward()
     assert x.grad.dtype == fp8.weight.grad.dtype == torch.float32
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # a bf16 input stays bf16
-        assert fp8(x.detach().bfloat16()).dtype == torch.bfloat16
+    for given, autocast in (
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.bfloat16),
+        (torch.bfloat16, torch.float16),
+        (torch.float64, torch.bfloat16),
+    ):
+        with torch.autocast("cpu", dtype=autocast):  # any float but fp64, as nn.Linear
+            want = torch.float64 if given == torch.float64 else autocast
+            assert fp8.to(given)(x.detach().to(given)).dtype == want, (given, autocast)
+    fp8.float()
     assert fp8(x.detach()).dtype == torch.float32  # no autocast: the input's dtype
 
 

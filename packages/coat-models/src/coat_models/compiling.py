@@ -194,14 +194,13 @@ class CompiledForward:
             return self.compiled(*args, **kwargs)
         except _RECOMPILE_LIMIT as e:
             limit = torch._dynamo.config.recompile_limit
-            reason = (str(e).strip().splitlines() or [""])[0]
             raise RuntimeError(
                 f"compile_layers: the layers' forward was compiled {limit} times "
                 "(torch._dynamo.config.recompile_limit) and this call needs another graph: "
                 "each sequence length and batch size compiles one (also with dynamic=True), "
                 "and so does each layer when a KV cache holding tokens is passed. Pad or "
                 "bucket inputs to a few lengths, or raise torch._dynamo.config."
-                f"recompile_limit (dynamo: {reason})"
+                "recompile_limit (dynamo's log names the guard that failed)"
             ) from e
         finally:
             llama._CHECKED_EAGERLY = checked

@@ -402,8 +402,14 @@ def _probe_key(layer: nn.Module) -> tuple:
             and isinstance(v, bool | int | float | str | type(None))
         ))  # fmt: skip
 
+    # A forward set on a module's instance (a patch, a Hub kernel) is its own arithmetic.
+    patched = tuple(sorted(
+        (name, getattr(getattr(f, "__func__", f), "__code__", None) or id(f))
+        for name, m in layer.named_modules() if "forward" in m.__dict__
+        for f in (m.__dict__["forward"],) if not getattr(f, "coat_compiled_forward", False)
+    ))  # fmt: skip
     return (_original_class(layer), settings(layer), settings(layer.self_attn),
-            settings(layer.mlp))  # fmt: skip
+            settings(layer.mlp), patched)  # fmt: skip
 
 
 def _cpu_probe(base: nn.Module, layer: nn.Module):

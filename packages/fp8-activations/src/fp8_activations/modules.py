@@ -252,12 +252,12 @@ class FP8Linear(_FP8Module, nn.Linear):
         if not _fp8_path(self):
             return self._float_forward(x)
         y = fp8_linear(x, self.weight, self.bias, self.config)
-        # Under autocast an nn.Linear answers an fp32 input in autocast's dtype: so does this
-        # one (its GEMMs are FP8 either way; the fp32 result rounded once), or a model's
-        # next ops ran in fp32 (DeBERTa's mask fill overflowed bf16 scores).
+        # Under autocast an nn.Linear answers a float input (but fp64) in autocast's dtype:
+        # so does this one (its GEMMs are FP8 either way; the result rounded once), or a
+        # model's next ops ran in fp32 (DeBERTa's mask fill overflowed bf16 scores).
         device = x.device.type
-        if y.dtype == torch.float32 and torch.is_autocast_enabled(device):
-            y = y.to(torch.get_autocast_dtype(device))
+        if y.dtype != torch.float64 and torch.is_autocast_enabled(device):
+            y = y.to(torch.get_autocast_dtype(device))  # (no copy when it is that dtype)
         return y
 
 
