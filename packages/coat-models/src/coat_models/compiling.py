@@ -173,6 +173,7 @@ class CompiledForward:
         ops = getattr(layer, "coat_ops", None)
         if ops is not None:
             llama.check_coat_layer(layer)  # (what the traced check cannot read, eagerly)
+            kwargs[llama.CHECKED] = True
             # The FP8 weight cache, read here (Python state a graph cannot read): the layer's
             # copies go in as inputs, refreshed in one launch when the weights changed.
             casts = blocks.layer_weight_casts(ops, layer, llama.layer_config(layer))
@@ -188,8 +189,6 @@ class CompiledForward:
         return self._run(*args, **kwargs)
 
     def _run(self, *args, **kwargs):
-        checked = llama._CHECKED_EAGERLY
-        llama._CHECKED_EAGERLY = getattr(self.layer, "coat_ops", None) is not None
         try:
             return self.compiled(*args, **kwargs)
         except _RECOMPILE_LIMIT as e:
@@ -202,8 +201,6 @@ class CompiledForward:
                 "bucket inputs to a few lengths, or raise torch._dynamo.config."
                 "recompile_limit (dynamo's log names the guard that failed)"
             ) from e
-        finally:
-            llama._CHECKED_EAGERLY = checked
 
     def __deepcopy__(self, memo):
         layer = memo.get(id(self.layer))

@@ -304,17 +304,14 @@ def _bypassed_module(layer: nn.Module, at_apply: bool = False) -> str | None:
 _HOOKS_REMEDY = "register them on the decoder layer instead (its hooks run)"
 
 
-# True while compile_layers runs a compiled layer that it checked eagerly just before.
-_CHECKED_EAGERLY = False
+# The keyword with which compile_layers tells a compiled COAT layer's forward that it ran
+# check_coat_layer eagerly just before (dynamo cannot read the attention recorder's
+# ContextVar; under torch.compile(model) that read breaks the graph, and the check holds).
+CHECKED = "coat_checked"
 
 
 def _attentions_asked() -> bool:
-    """Whether transformers is recording attention weights in this forward. Traced inside
-    ``compile_layers``' call, False: it checked the layer eagerly before (dynamo cannot
-    read the recorder's ContextVar: under ``torch.compile(model)`` the read breaks the
-    graph, and the check holds)."""
-    if _CHECKED_EAGERLY and torch.compiler.is_compiling():
-        return False
+    """Whether transformers is recording attention weights in this forward."""
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:  # another transformers: no recorder of that kind to serve
@@ -554,9 +551,11 @@ class _CoatDecoderLayer(_CoatMixin):
         checkpointing = getattr(self, "gradient_checkpointing", False) and vars(self).get(
             "_coat_called_with_grad", True
         )
+        checked = kwargs.pop(CHECKED, False)
         if not (self.training and (torch.is_grad_enabled() or checkpointing)):
             return super().forward(hidden_states, *args, **kwargs)
-        check_coat_layer(self)
+        if not checked:
+            check_coat_layer(self)
         return self._coat_forward(hidden_states, *args, **kwargs)
 
     def _coat_forward(self, hidden_states, *args, **kwargs):
