@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import typing
 from collections import OrderedDict
@@ -93,24 +94,18 @@ def _adapter_problem(model: nn.Module, within: tuple[str, ...] | None = None) ->
     return None
 
 
-_FSDP_CLASSES: tuple[type, ...] | None = None
-
-
+@functools.cache
 def _fsdp_classes() -> tuple[type, ...]:
     """FSDP2's ``FSDPModule`` and FSDP1's wrapper (imported on first use; none without
     torch.distributed)."""
-    global _FSDP_CLASSES
-    if _FSDP_CLASSES is None:
-        try:
-            from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-            _FSDP_CLASSES = (FSDPModule, FullyShardedDataParallel)
-        except ImportError:
-            _FSDP_CLASSES = ()
-    return _FSDP_CLASSES
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:
+        return ()
+    return (FSDPModule, FullyShardedDataParallel)
 
 
-def sharded(model: nn.Module) -> bool:
+def _sharded(model: nn.Module) -> bool:
     """Whether FSDP shards ``model`` or a part of it (a module of its FSDP classes, or a
     DTensor parameter)."""
     classes = _fsdp_classes()
@@ -862,7 +857,7 @@ def convert_llama(
     model). Layers for which it returns False stay plain.
     """
     config = check_options(config, module_filter_fn)
-    if config.weight_cache and sharded(model):
+    if config.weight_cache and _sharded(model):
         # Sharded before (shard_model, then apply_coat again): see layer_config.
         config = config.replace(weight_cache=False)
     base = _base_model(model)
