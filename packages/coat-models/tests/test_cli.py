@@ -1757,3 +1757,20 @@ def test_compare_refuses_a_layer_that_only_the_probe_tells_apart_before_any_mode
     assert "computes something else" in err and err.count("\n") == 1
     assert err.endswith("; train it in bf16 or coat-optim, or pass a Llama-shaped model\n")
     assert not out.exists()
+
+
+def test_a_refused_later_layer_names_no_option_the_command_line_lacks(tmp_path, capsys):
+    """SmolLM3's fourth layer (no RoPE) is refused after three passed: apply_coat's hint
+    "module_filter_fn can leave such layers out" named an option coat-train has not."""
+    import transformers
+
+    config = transformers.SmolLM3Config(hidden_size=64, intermediate_size=128,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, vocab_size=320,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    d = tmp_path / "smollm3"
+    config.save_pretrained(d)
+    out = tmp_path / "o"
+    code, _, err = run(["--model-dir", d, "--mode", "coat", "--out", out, *FAST[2:]], capsys)
+    assert code == 2 and "layer 3 of SmolLM3ForCausalLM" in err, err
+    assert "module_filter_fn" not in err and err.count("\n") == 1
+    assert not out.exists()

@@ -440,6 +440,10 @@ def _cpu_probe(base: nn.Module, layer: nn.Module):
     return holder, stand_in
 
 
+# apply_coat's hint when a later layer is refused after earlier ones passed.
+FILTER_HINT = "; module_filter_fn can leave such layers out"
+
+
 class UnsupportedModel(TypeError):
     """A model (or layer) that ``apply_coat`` cannot convert; the message says why."""
 
@@ -883,7 +887,7 @@ def convert_llama(
                 line = (str(e).strip().splitlines() or [""])[0]
                 problem = f"its forward could not be probed ({type(e).__name__}: {line})"
         if problem is not None:
-            hint = "; module_filter_fn can leave such layers out" if passed else ""
+            hint = FILTER_HINT if passed else ""
             raise UnsupportedModel(
                 f"apply_coat supports {SUPPORTED}; layer {index} of {type(model).__name__} "
                 f"({type(layer).__name__}) is not supported: {problem}{hint}"

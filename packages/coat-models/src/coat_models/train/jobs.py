@@ -127,12 +127,15 @@ def count_params(config, modes, weights_dir=None) -> int:
     fp8 = [m for m in modes if MODES[m][0]]
     if fp8:
         from coat_models import apply_coat
+        from coat_models.llama import FILTER_HINT
 
         try:
             apply_coat(model)
         except TypeError as e:
+            why = str(e).replace(FILTER_HINT, "")  # (apply_coat's option: no CLI flag has it)
             raise ModelError(
-                f"mode {fp8[0]}: {e}; train it in bf16 or coat-optim, or pass a Llama-shaped model"
+                f"mode {fp8[0]}: {why}; train it in bf16 or coat-optim, or pass a Llama-shaped "
+                "model"
             ) from None
     return sum(p.numel() for p in model.parameters())
 
