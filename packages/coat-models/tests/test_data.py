@@ -181,7 +181,10 @@ def test_a_tokenizer_larger_than_the_model_is_named(tmp_path):
     path.write_text("abc " * 100)
     data = load_data(path, tokenizer=Tokenizer())
     want = "--model-dir's tokenizer has 332 entries but the model's vocabulary has 300 entries"
-    with pytest.raises(DataError, match=want + r": pass a model with vocab_size >= 332 \(or"):
+    # The tokenizer is the directory's own: the remedy resizes the model (it said "pass a
+    # model with vocab_size >= 332 (or its own tokenizer)").
+    fix = r": resize the model's embeddings to the tokenizer \(model.resize_token_embeddings\(332\)"
+    with pytest.raises(DataError, match=want + fix):
         data.check_fits(300, model_dir=True)
 
 

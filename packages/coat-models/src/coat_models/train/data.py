@@ -79,7 +79,12 @@ class TokenData:
         elif self.vocab_from == "bytes":
             fix = f"pass a model with vocab_size >= {need}, or one with its tokenizer"
         elif self.vocab_from == "tokenizer":
-            fix = f"pass a model with vocab_size >= {need} (or its own tokenizer)"
+            # (the directory's own tokenizer: "its own tokenizer" was no remedy)
+            fix = (
+                f"resize the model's embeddings to the tokenizer "
+                f"(model.resize_token_embeddings({need}), then save_pretrained), or save a "
+                "tokenizer that fits its vocabulary"
+            )
         else:  # (ids made already: a tokenizer does not apply)
             fix = f"pass a model with vocab_size >= {need}"
         raise DataError(f"{what} but the model's vocabulary has {model_vocab} entries: {fix}")
