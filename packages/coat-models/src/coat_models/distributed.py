@@ -574,9 +574,8 @@ def load_checkpoint(
     unsaved = _check_against(saved, state, path, strict)
     # Parameters without optimizer state when saved (no gradient yet), and hyperparameters
     # the saved optimizer had not: the latter keep this optimizer's values.
-    own = {k: state["optim"].pop(k) for k in unsaved if k.startswith("param_groups.")}
-    for key in unsaved:
-        state["optim"].pop(key, None)
+    removed = {k: state["optim"].pop(k) for k in unsaved}
+    own = {k: v for k, v in removed.items() if k.startswith("param_groups.")}
     if "extra" in saved:
         state["extra"] = io.BytesIO()
     # Flat keys "param_groups.<fqn>.<name>": this optimizer's values go back over the loaded
