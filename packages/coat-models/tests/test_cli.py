@@ -1276,7 +1276,9 @@ def test_help_states_the_defaults_the_code_uses():
         if isinstance(value, float):
             said |= {f"default {value:g}", f"default: {value:g}"}
         assert any(s in helps[dest] for s in said), (dest, value, helps[dest])
-    assert cli.DATA_DEFAULTS["corpus_mib"] * 2**20 == cli.STDLIB_MAX_BYTES
+    from coat_models.train import data
+
+    assert cli.DATA_DEFAULTS["corpus_mib"] * 2**20 == data.STDLIB_MAX_BYTES
     vocabs = {p.vocab for p in PRESETS.values()}
     assert vocabs == {None, 32000} and "default: 32000, tiny: the data's" in helps["vocab_size"]
     assert PRESETS["tiny"].vocab is None and "(default: tiny)" in helps["preset"]

@@ -263,7 +263,7 @@ class Interrupts:  # a SIGINT while torch is being imported
 import coat_models.train
 
 sys.meta_path.insert(0, Interrupts)
-sys.argv = ["coat-train", "--version"]
+sys.argv = ["coat-train", "--mode", "coat", "--compare", "bf16"]  # refused after the imports
 code = coat_models.train.main()
 assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 sys.exit(code)
@@ -277,8 +277,9 @@ def test_console_script_status_is_the_runs_whatever_signal_comes_around_it():
     ignored at the start (a background job) stays ignored."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     said = "\ncoat-train: interrupted while starting\n"
+    refused = "coat-train: error: use --mode or --compare, not both\n"
     for code, status, err in ((_WRAPPED_INTERRUPT, 130, said), (_SIGNAL_AFTER_THE_RUN, 0, ""),
-                              (_IGNORED_SIGINT, 0, "")):  # fmt: skip
+                              (_IGNORED_SIGINT, 2, refused)):  # fmt: skip
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, timeout=120)  # fmt: skip
         assert (run.returncode, run.stderr) == (status, err), run.stderr[-2000:]
@@ -300,3 +301,50 @@ def test_console_script_answers_a_ctrl_c_during_its_imports():
         coat_models.nothing  # noqa: B018
     pyproject = (SRC.parents[1] / "pyproject.toml").read_text()
     assert 'coat-train = "coat_models.train:main"' in pyproject
+
+
+_ANSWERS_LIGHT = """
+import sys
+import coat_models.train
+
+sys.argv = ["coat-train", *sys.argv[1:]]
+try:
+    code = coat_models.train.main()
+except SystemExit as e:
+    code = e.code
+heavy = sorted(m for m in ("torch", "transformers", "numpy") if m in sys.modules)
+print("imported:", ",".join(heavy) or "nothing heavy")
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv, status, said",
+    [
+        (["--help"], 0, "usage: coat-train"),
+        (["--version"], 0, "coat-models "),
+        (["--steps", "0"], 2, "coat-train: error: argument --steps: must be an integer >= 1"),
+        (["--preset", "7b"], 2, "coat-train: error: argument --preset: invalid choice"),
+    ],
+)
+def test_help_version_and_a_bad_option_answer_without_importing_torch(argv, status, said):
+    """``coat-train --help``, ``--version`` and a mistyped option took the ~5 s of importing
+    torch and transformers before answering; the parser now runs first, on the standard
+    library alone (``train.options``)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", _ANSWERS_LIGHT, *argv], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == status, run.stderr[-2000:]
+    assert said in run.stdout + run.stderr
+    assert run.stdout.endswith("imported: nothing heavy\n"), run.stdout[-500:]
+
+
+def test_the_parsers_names_are_the_trainers():
+    """``train.options`` names the presets and master dtypes without importing the modules
+    that hold them (they import torch): the names must stay theirs."""
+    from coat_models.train import options, presets, trainer
+
+    assert options.PRESET_NAMES == tuple(presets.PRESETS)
+    assert options.VL_PRESET_NAMES == tuple(presets.VL_PRESETS)
+    assert options.MASTER_DTYPE_NAMES == tuple(trainer.MASTER_DTYPES)
+    assert options.MODES is trainer.MODES and options.RANGES is trainer.RANGES

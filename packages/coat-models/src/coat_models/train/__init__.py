@@ -1,5 +1,6 @@
 """coat-train: the training product built on coat_models. Modules: ``cli`` (``coat-train``),
-``jobs`` (what a run trains: model, data, tasks), ``trainer`` (``Trainer``, ``TrainConfig``),
+``jobs`` (what a run trains: model, data, tasks), ``options`` (its parser: the standard
+library only), ``trainer`` (``Trainer``, ``TrainConfig``),
 ``tasks`` (what differs between model kinds),
 ``data`` / ``vl_data``, ``presets``, ``memory`` (the memory breakdown), ``report``, ``outdir``
 (the output directory: its lock, its checks, resume points), ``args`` (the parser of
@@ -20,6 +21,18 @@ def main() -> int:
     import sys
     import threading
 
+    from .options import build_parser, versions  # (the standard library only)
+
+    # The command line is parsed before the imports: --help, --version and a mistyped
+    # option answer at once, not after the seconds of importing torch (cli.main parses it
+    # again, the same way).
+    try:
+        args = build_parser().parse_args()
+    except SystemExit as e:  # --help (0), or a bad command line (2) the parser has printed
+        return e.code
+    if args.version:
+        print(versions())
+        return 0
     received = []
 
     def interrupted(signum, frame):

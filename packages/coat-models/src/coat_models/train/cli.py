@@ -9,7 +9,6 @@ that can be made up front runs before anything is written; bad input is one line
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import errno
@@ -33,9 +32,19 @@ import torch.distributed as dist
 from ..checkpoint import CheckpointError, has_checkpoints
 from ..distributed import grad_copy_in_choice, run_on_rank0
 from . import interrupt
-from .args import PROG, OneLineParser, RankUsageError, UsageError, float_in, int_in
-from .data import STDLIB_MAX_BYTES, DataError, token_file_suffix
+from .args import PROG, RankUsageError, UsageError
+from .data import DataError, token_file_suffix
 from .jobs import Job, check_fits, lm_job, vl_job
+from .options import (
+    DATA_DEFAULTS,
+    KEEP_CHECKPOINTS,
+    MODES,
+    OUTPUT_OPTIONS,
+    PRESET_FIELDS,
+    TRAIN_OPTIONS,
+    build_parser,
+    versions,
+)
 from .outdir import (
     OUT_FILES,
     OutInUse,
@@ -71,263 +80,12 @@ from .report import curves as read_curves
 from .trainer import (
     COMPILE_OR_GRAPHS,
     CUDA_GRAPHS_ALONE,
-    MASTER_DTYPES,
-    MODES,
     NO_RESHARD_WITHOUT_FSDP,
-    PRESET_FIELDS,
-    RANGES,
-    REPORT_TO,
     ResumeSettingsError,
     TrainConfig,
     Trainer,
     TrainError,
 )
-
-ALL_PRESETS = [*PRESETS, *VL_PRESETS]
-# The data options' defaults, filled in after parsing: one given where it does not apply is
-# refused rather than ignored.
-DATA_DEFAULTS = {
-    "data_dtype": "uint16",
-    "val_fraction": 0.05,
-    "corpus_mib": STDLIB_MAX_BYTES / 2**20,
-}
-# TrainConfig fields given by options of the same name: (field, parser default, help); a
-# default of None is the preset's. Each option parses with the field's range (``RANGES``).
-TRAIN_OPTIONS = (
-    ("batch_size", None, "sequences per micro-batch"),
-    ("seq_len", None, "tokens per sequence"),
-    ("grad_accum", 1, "micro-batches per step"),
-    ("steps", None, "optimizer steps"),
-    ("lr", None, "peak learning rate"),
-    ("min_lr_ratio", 0.1, "cosine floor / peak lr"),
-    ("warmup", None, "linear warmup steps"),
-    ("weight_decay", 0.1, "AdamW's, on matrices"),
-    ("grad_clip", 1.0, "max grad norm; 0: off"),
-    ("seed", 0, "of the initial weights and the batches"),
-    ("eval_every", None, "steps between validation passes; 0: at the end only"),
-    ("eval_batches", None, "validation batches per pass"),
-    (
-        "log_every",
-        10,
-        "steps between reads of loss, grad norm and speed from the GPU (the loop "
-        "does not wait for the GPU in between; metrics.jsonl still has every step)",
-    ),
-)
-OUTPUT_OPTIONS = (("save_every", 0, "checkpoint every N steps and at the last; 0: off"),)
-# --keep-checkpoints' default, filled in after parsing: given without --save-every (no
-# checkpoint is written), it is refused rather than ignored.
-KEEP_CHECKPOINTS = 2
-VERSIONED = ("fp8-quant", "fp8-optim", "fp8-activations", "coat-models", "torch", "triton",
-             "transformers")  # fmt: skip
-
-
-def _version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _mode_list(text: str) -> str:
-    """``--compare``'s type: comma-separated modes, each once; the names joined by commas."""
-    names = [s.strip() for s in text.split(",")]
-    if not any(names):  # `--compare ""` must not fall back to the default mode
-        raise argparse.ArgumentTypeError(f"names no mode: list some of {', '.join(MODES)}")
-    if not all(names):  # `bf16,,coat` or `bf16,`: a mode left out by mistake?
-        raise argparse.ArgumentTypeError(f"has an empty item: {text!r}")
-    bad = [n for n in names if n not in MODES]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown mode {', '.join(bad)}: choose from {', '.join(MODES)}"
-        )
-    if len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"lists a mode twice: {text}")
-    return ",".join(names)
-
-
-def _add_fields(group, options) -> None:
-    for name, default, text in options:
-        if default is not None:
-            text += f" (default {default})"
-        group.add_argument(
-            f"--{name.replace('_', '-')}", type=RANGES[name].parse, default=default, help=text
-        )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    # Checks of one option at a time are its type's; those of several options, run()'s.
-    p = OneLineParser(
-        prog=PROG,
-        description="Train a Llama-family causal LM with BF16 and/or COAT FP8 (activations and "
-        "optimizer states) on the same data, seed and schedule, and compare loss, speed and "
-        "memory. Defaults: --preset tiny on the Python standard library's own source.",
-        epilog="example: coat-train --preset tiny --compare bf16,coat --out runs/demo",
-    )
-    m = p.add_argument_group("model")
-    m.add_argument(
-        "--preset",
-        choices=ALL_PRESETS,
-        help="Llama shape built in code, random init (default: tiny); llava-tiny and vila-7b: "
-        "LLaVA-style vision-language models trained on a generated shapes-caption task",
-    )
-    m.add_argument("--model-dir", help="Hugging Face config or checkpoint directory on disk")
-    m.add_argument(
-        "--vocab-size",
-        type=int_in(1, 2**40, why=" (token ids, 2^40 at most)"),
-        help="override a preset's vocabulary (default: 32000, tiny: the data's)",
-    )
-    r = p.add_argument_group("precision")
-    r.add_argument("--mode", choices=list(MODES), help="one precision mode (default: bf16)")
-    r.add_argument(
-        "--compare",
-        type=_mode_list,
-        metavar="MODES",
-        help="comma-separated modes trained one after another, e.g. bf16,coat",
-    )
-    r.add_argument(
-        "--fp8-weight-cache",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="FP8 activations: keep each weight's FP8 copies (2 bytes/param) between "
-        "micro-batches until the optimizer step; saves casts with --grad-accum, costs memory "
-        "(default: on with --grad-accum > 1, with or without --compile; off under --fsdp and "
-        "where CUDA graphs run, which they do by default on one CUDA GPU)",
-    )
-    r.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="FP8 activations on CUDA: replay the COAT decoder layers as CUDA graphs (faster "
-        "when the host cannot keep up; same numbers; the graphs' pool costs memory); other "
-        "modes of --compare run as usual (default: on with one CUDA GPU, without "
-        "--activation-checkpointing or --fp8-weight-cache)",
-    )
-    r.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile each decoder layer (coat_models.compile_layers; every mode): the "
-        "layer's forward and backward run as one compiled graph each, COAT's FP8 kernels "
-        "inside; the first step compiles (tens of seconds); replaces CUDA graphs; with "
-        "--fsdp, --ddp and --activation-checkpointing too",
-    )
-    r.add_argument(
-        "--master-dtype",
-        choices=list(MASTER_DTYPES),
-        default="fp32",
-        help="master weights (default fp32); bf16 needs CoatAdamW (modes coat, coat-optim); "
-        "in --compare, modes with torch AdamW keep fp32",
-    )
-    d = p.add_argument_group("data")
-    d.add_argument(
-        "--data",
-        help="text file, or token ids in .npy / .bin (default: the interpreter's stdlib .py "
-        "source, byte-level)",
-    )
-    # No parser defaults for these three: see DATA_DEFAULTS.
-    d.add_argument(
-        "--data-dtype",
-        choices=["uint16", "int32"],
-        help=f"dtype of a .bin --data file (default {DATA_DEFAULTS['data_dtype']})",
-    )
-    d.add_argument(
-        "--val-fraction",
-        type=float_in(0, 1, exclusive=True),
-        help=f"held-out tail of a --data file (default {DATA_DEFAULTS['val_fraction']}; the "
-        "built-in corpus holds out every 20th file)",
-    )
-    d.add_argument(
-        "--corpus-mib",
-        type=float_in(0, exclusive=True),
-        help=f"cap on the built-in corpus size (default {DATA_DEFAULTS['corpus_mib']:g})",
-    )
-    t = p.add_argument_group("training (where no default is stated: the preset's)")
-    _add_fields(t, TRAIN_OPTIONS)
-    g = p.add_argument_group(
-        "several GPUs (under torchrun --nproc-per-node N; rank r takes micro-batches "
-        "r, N + r, ...: N ranks with --grad-accum A see the tokens of one process with N*A)"
-    )
-    g.add_argument(
-        "--fsdp",
-        action="store_true",
-        help="FSDP2: parameters, gradients and optimizer states sharded over the ranks; bf16 "
-        "compute, fp32 gradient reduction",
-    )
-    g.add_argument(
-        "--ddp",
-        action="store_true",
-        help="DDP: every rank holds the whole model and optimizer; gradients all-reduced",
-    )
-    g.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        help="recompute each decoder layer in backward: less memory, same numbers (also in "
-        "one process)",
-    )
-    g.add_argument(
-        "--no-reshard-after-forward",
-        dest="reshard_after_forward",
-        action="store_const",
-        const=False,  # default None: FSDP2's own default, resharding after forward
-        help="with --fsdp: keep each decoder layer's gathered weights from its forward to its "
-        "backward (FSDP2's reshard_after_forward=False): one all-gather a layer and "
-        "micro-batch fewer, the same numbers, the whole model's gathered weights more memory "
-        "on every rank",
-    )
-    o = p.add_argument_group("output and checkpoints")
-    o.add_argument(
-        "--out",
-        default="runs/coat-train",
-        help="output directory: new (made with any missing parents), empty, or one coat-train "
-        "wrote (default %(default)s)",
-    )
-    _add_fields(o, OUTPUT_OPTIONS)
-    o.add_argument(
-        "--keep-checkpoints",
-        type=RANGES["keep_checkpoints"].parse,
-        help=f"newest N kept per mode, with --save-every (default {KEEP_CHECKPOINTS})",
-    )
-    o.add_argument(
-        "--resume",
-        nargs="?",
-        const="latest",
-        metavar="CHECKPOINT",
-        help="continue from each mode's newest checkpoint under --out, or from the given "
-        "checkpoint directory (single mode)",
-    )
-    o.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
-    o.add_argument(
-        "--no-export",
-        action="store_true",
-        help="do not write the trained model to <out>/<mode>/final (a Hugging Face directory "
-        "in the master dtype: 27 GB per mode for a 7B model in fp32)",
-    )
-    o.add_argument(
-        "--report-to",
-        choices=list(REPORT_TO),
-        default="none",
-        help="metrics besides --out/MODE/metrics.jsonl: tensorboard writes event files to "
-        "--out/MODE/tensorboard (needs the tensorboard package; default: none)",
-    )
-    h = p.add_argument_group("machine")
-    h.add_argument(
-        "--device",
-        default="auto",
-        choices=["auto", "cpu", "cuda"],
-        help="auto: cuda where available, else cpu (default auto)",
-    )
-    # Far more threads than cores only slows torch down; tens of thousands crash it.
-    h.add_argument(
-        "--threads",
-        type=int_in(1, os.cpu_count() or 1, why=" (this machine's CPUs)"),
-        help="CPU threads of torch (default: its own choice); 1 avoids OpenMP's spin-waits "
-        "slowing a small model down many times on a machine busy with other work",
-    )
-    p.add_argument(
-        "--version",
-        action="store_true",
-        help="print the versions of the COAT packages, torch, triton and transformers, and exit",
-    )
-    return p
 
 
 # -- checks of the command line --------------------------------------------------------------
@@ -878,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0), or a bad command line (2) the parser has printed
         return e.code
     if args.version:
-        print("\n".join(f"{name} {_version(name)}" for name in VERSIONED))
+        print(versions())
         return 0
     own_group = not dist.is_initialized()  # run() joins torchrun's group for --fsdp / --ddp
     hf_bars = None

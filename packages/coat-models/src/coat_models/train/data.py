@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .options import STDLIB_MAX_BYTES
+
 BYTE_EOS = 256  # document separator of the byte-level tokenizer
 BYTE_VOCAB = 257  # 256 byte values + EOS
-STDLIB_MAX_BYTES = 32 * 2**20
 STDLIB_VAL_EVERY = 20  # every 20th file (sorted by path) is validation: 5%
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 BIN_DTYPES = {"uint16": np.uint16, "int32": np.int32}

@@ -48,35 +48,24 @@ from ..compiling import compile_layers
 from ..graphs import cuda_graph_replays, enable_cuda_graphs
 from ..optim import training_optimizer
 from . import interrupt
-from .args import Range
 from .data import TokenData
 from .memory import MemoryTracker, PeakMeter, memory_report
+from .options import (  # (their home: the parser reads them without importing torch)
+    COMPILE_OR_GRAPHS,
+    CUDA_GRAPHS_ALONE,
+    MODES,
+    NO_RESHARD_WITHOUT_FSDP,
+    PRESET_FIELDS,
+    RANGES,
+    REPORT_TO,
+)
 from .presets import PRESETS, VL_PRESETS, ModelError, fine_tunable, first_line, one_line
 from .report import MetricsLog, Progress, fmt_bytes
 from .tasks import LMTask
 
-MODES = {  # mode -> (FP8 activations, FP8 optimizer states)
-    "bf16": (False, False),
-    "coat": (True, True),
-    "coat-optim": (False, True),
-    "coat-act": (True, False),
-}
 MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TRAIN_LOSS_WINDOW = 10  # the summary's train loss is the mean of the last 10 steps
-REPORT_TO = ("none", "tensorboard")
 CHECKPOINT_FILES = ("model.pt", "optimizer.pt", "trainer.pt")  # one process; under torchrun: DCP
-# The TrainConfig fields a preset gives defaults for.
-PRESET_FIELDS = ("batch_size", "seq_len", "steps", "lr", "warmup", "eval_every", "eval_batches")
-# Refusals that the command line and Trainer both make.
-CUDA_GRAPHS_ALONE = (
-    "--cuda-graphs runs in one process without --activation-checkpointing (sharded "
-    "parameters move; checkpointed layers run eagerly): drop one of them"
-)
-COMPILE_OR_GRAPHS = "--compile and --cuda-graphs both take over the decoder layers: choose one"
-NO_RESHARD_WITHOUT_FSDP = (
-    "--no-reshard-after-forward is FSDP2's (sharded weights gathered per layer): add --fsdp "
-    "under torchrun, or drop it"
-)
 
 
 class TrainError(RuntimeError):
@@ -92,29 +81,6 @@ class TrainError(RuntimeError):
 class ResumeSettingsError(TrainError):
     """A checkpoint written with other settings or under another launch than this run's: bad
     input (coat-train exits 2), refused before anything of the run is written."""
-
-
-# The numeric fields' ranges: TrainConfig checks them, coat-train's parser parses with them.
-_COUNT, _COUNT0 = Range(1), Range(0)
-RANGES = {
-    "batch_size": _COUNT,
-    # Labels are the inputs shifted by one: one token predicts nothing and the loss is 0/0,
-    # which would surface as a NaN with the wrong remedy (--lr).
-    "seq_len": Range(2, why=" (a causal LM predicts each token from those before it)"),
-    "grad_accum": Range(1, 2**31 - 1),
-    "steps": _COUNT,
-    "eval_batches": _COUNT,
-    "log_every": _COUNT,
-    "warmup": _COUNT0,
-    "eval_every": _COUNT0,
-    "save_every": _COUNT0,
-    "keep_checkpoints": _COUNT0,
-    "seed": Range(0, 2**63 - 1, why=" (numpy's and torch's generators take int64 seeds)"),
-    "lr": Range(0, integer=False, open_low=True),
-    "min_lr_ratio": Range(0, 1, integer=False),
-    "grad_clip": Range(0, integer=False),
-    "weight_decay": Range(0, integer=False),
-}
 
 
 @dataclass(frozen=True)
