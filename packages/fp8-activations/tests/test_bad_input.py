@@ -221,3 +221,51 @@ def test_layer_weight_functions_take_a_generator_as_its_list():
 def test_one_bias_tensor_for_several_weights_is_named():
     with pytest.raises(TypeError, match="one bias \\(or None\\) per weight, not one tensor"):
         fa.rms_norm_linear(X, None, 1e-6, [W, W], torch.zeros(16))
+
+
+_NORMS = {
+    "rms_norm": lambda x, w, b, c: fa.rms_norm(x, w, 1e-6, c),
+    "layer_norm": lambda x, w, b, c: fa.layer_norm(x, 32, w, b, 1e-5, c),
+    "rms_norm_linear": lambda x, w, b, c: fa.rms_norm_linear(
+        x, w, 1e-6, [torch.ones(8, 32) / 32], config=c
+    )[0],
+}
+
+
+@pytest.mark.parametrize("name", _NORMS)
+@pytest.mark.parametrize("view", ["strided", "expanded"])
+def test_a_norm_weight_that_is_a_view_gives_the_dense_ones_answer(name, view, backend):
+    """The Triton norms read a strided weight (or bias) as if it were dense: wrong outputs
+    and input gradients, and an ``expand``ed one read past its storage. Any layout now gives
+    the bits of its dense copy, and the weight's gradient reaches the view's base."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 32)
+    cfg = FP8ActivationConfig(backend=backend)
+    if view == "strided":
+        base_w, base_b = torch.randn(64), torch.randn(64)
+        w, b = base_w.requires_grad_()[::2], base_b.requires_grad_()[1::2]
+    else:
+        base_w, base_b = torch.full((1,), 1.5), torch.full((1,), 0.25)
+        w, b = base_w.requires_grad_().expand(32), base_b.requires_grad_().expand(32)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dense_w, dense_b = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    got = _NORMS[name](xa, w, b, cfg)
+    want = _NORMS[name](xb, dense_w, dense_b, cfg)
+    assert torch.equal(got, want)
+    dy = torch.randn_like(got)
+    got.backward(dy)
+    want.backward(dy)
+    assert torch.equal(xa.grad, xb.grad)
+    grad_w = dense_w.grad if view == "strided" else dense_w.grad.sum(0, keepdim=True)
+    assert torch.allclose(base_w.grad[::2] if view == "strided" else base_w.grad, grad_w)
+
+
+def test_an_rms_norm_over_several_dims_is_refused_not_normalized_over_the_last():
+    """``FP8RMSNorm((4, 8))`` and ``from_float`` of ``nn.RMSNorm((4, 8))`` normalized over the
+    last dim alone in training (eval mode ran the original: the two disagreed)."""
+    with pytest.raises(ValueError, match="normalizes the last dim only"):
+        fa.FP8RMSNorm((4, 8), elementwise_affine=False)
+    for affine in (False, True):
+        with pytest.raises(ValueError, match=r"last dim only, got a norm over \(4, 8\)"):
+            fa.FP8RMSNorm.from_float(torch.nn.RMSNorm((4, 8), elementwise_affine=affine))
+    assert fa.FP8RMSNorm.from_float(torch.nn.RMSNorm(8)).normalized_shape == (8,)

@@ -156,14 +156,18 @@ def _check_cast(cast, weight: Tensor, name: str, fmt: FP8Format) -> None:
 
 def _check_param(
     p: Tensor | None, x: Tensor, name: str, size: int, of: str = "x's last dim"
-) -> None:
+) -> Tensor | None:
+    """``p`` (a norm's weight or bias, a linear's bias: ``(size,)`` or None), checked, and
+    dense: the norm kernels read it as a dense vector (a strided view or an ``expand``ed one
+    was read wrong, or past its storage). The copy is autograd's: gradients reach ``p``."""
     if p is None:
-        return
+        return None
     _check_float(p, name)
     if tuple(p.shape) != (size,):
         raise ValueError(f"{name} must have shape ({size},) to match {of}, got {tuple(p.shape)}")
     if p.device != x.device:
         raise ValueError(f"{name} is on {p.device} but x on {x.device}")
+    return p if p.is_contiguous() else p.contiguous()
 
 
 _OUT = "weight.shape[0] (out_features)"
@@ -494,7 +498,7 @@ def rms_norm(
     cfg = _config(config)
     _check_float(x, "x")
     n = x.shape[-1] if x.dim() else 1
-    _check_param(weight, x, "weight", n)
+    weight = _check_param(weight, x, "weight", n)
     eps = _eps(eps, x)
     w = weight if weight is not None else x.new_ones(n)
     if x.numel() == 0:
@@ -540,7 +544,7 @@ def rms_norm_linear(
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (..., K): reshape a scalar to (1,)")
     n = x.shape[-1]
-    _check_param(norm_weight, x, "norm_weight", n)
+    norm_weight = _check_param(norm_weight, x, "norm_weight", n)
     weights = _weight_list(weights, "(out_features, K) tensors")
     if isinstance(biases, torch.Tensor):
         raise TypeError(
@@ -608,7 +612,8 @@ def layer_norm(
     config: FP8ActivationConfig | None = None,
 ) -> Tensor:
     """LayerNorm over the last dim (``normalized_shape == (x.shape[-1],)``), weight and bias
-    optional, as ``torch.nn.functional.layer_norm``. Saves x as 1 x G FP8 only.
+    optional, as ``torch.nn.functional.layer_norm``. Saves x as 1 x G FP8 only (each row
+    minus its mean: a row's spread survives a large mean).
 
     >>> y = layer_norm(torch.randn(4, 64), 64, torch.ones(64), torch.zeros(64))
     """
@@ -628,15 +633,15 @@ def layer_norm(
             f"normalized_shape must be ({x.shape[-1] if x.dim() else '?'},): only the last dim "
             f"is supported, got {normalized_shape!r}; use torch.nn.functional.layer_norm otherwise"
         )
-    _check_param(weight, x, "weight", shape[0])
-    _check_param(bias, x, "bias", shape[0])
+    weight = _check_param(weight, x, "weight", shape[0])
+    bias = _check_param(bias, x, "bias", shape[0])
     if x.numel() == 0:
         return torch.nn.functional.layer_norm(x, shape, weight, bias, eps)
     backend = resolve_backend(x, cfg.backend)
     mode = _emit(cfg, "amax")
     y, *hand = LayerNormFunction.apply(
-        _rows(x), weight, bias, _handed_fp8(x, cfg), _needs_grad(x, weight, bias), float(eps),
-        cfg.group_size, cfg.fwd_format.value, mode, backend,
+        _rows(x), weight, bias, _needs_grad(x, weight, bias), float(eps), cfg.group_size,
+        cfg.fwd_format.value, mode, backend,
     )  # fmt: skip
     return _hand_over(y, x.shape, cfg, mode, *hand)
 
@@ -764,7 +769,8 @@ def swiglu_linear(
 
 def residual_add(x: Tensor, residual: Tensor, config: FP8ActivationConfig | None = None) -> Tensor:
     """``x + residual`` (same shape and dtype) that also writes the sum's 1 x G FP8 form,
-    which the next ``rms_norm``/``layer_norm`` saves instead of quantizing it again.
+    which the next ``rms_norm`` saves instead of quantizing it again (``layer_norm`` saves
+    its own centred copy).
 
     >>> h = residual_add(torch.randn(4, 64), torch.randn(4, 64))
     """

@@ -268,12 +268,20 @@ class FP8RMSNorm(_FP8Module, nn.RMSNorm):
     def __init__(self, hidden_size, eps=None, elementwise_affine=True, device=None, dtype=None,
                  config=None):  # fmt: skip
         super().__init__(hidden_size, eps, elementwise_affine, device, dtype)
+        if len(self.normalized_shape) != 1:  # (it normalized the last dim, silently)
+            raise ValueError(f"FP8RMSNorm normalizes the last dim only, got {hidden_size!r}")
         self._init_fp8(config)
 
     @classmethod
     def from_float(cls, norm: nn.Module, config: FP8ActivationConfig | None = None) -> FP8RMSNorm:
         weight = getattr(norm, "weight", None)
-        size = weight.shape[0] if weight is not None else norm.normalized_shape[-1]
+        shape = tuple(weight.shape if weight is not None else norm.normalized_shape)
+        if len(shape) != 1:
+            raise ValueError(
+                f"FP8RMSNorm normalizes the last dim only, got a norm over {shape}: leave it "
+                "out (convert_to_fp8_activations does)"
+            )
+        size = shape[0]
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         m = cls(size, eps, weight is not None, "meta", config=config)
         m.weight = weight

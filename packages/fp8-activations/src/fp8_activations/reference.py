@@ -95,7 +95,14 @@ def layer_norm_fwd(x, weight, bias, eps, group_size, fmt, quant_x, emit_mode):
     if bias is not None:
         y = y + bias.float()
     y = y.to(x.dtype)
-    return (y, *quantize_input(x, group_size, fmt, quant_x), *emit(y, group_size, fmt, emit_mode))
+    saved = quantize_input(mean_shifted(xf), group_size, fmt, quant_x)
+    return (y, *saved, *emit(y, group_size, fmt, emit_mode))
+
+
+def mean_shifted(xf: Tensor) -> Tensor:
+    """Each row of the fp32 ``xf`` minus its mean, summed in fp64 and rounded to fp32: what
+    LayerNorm saves (``ops/layer_norm.py`` says why); backward centres it again."""
+    return xf - (xf.double().sum(-1, keepdim=True) / xf.shape[-1]).float()
 
 
 def layer_norm_bwd(dy, x_q, x_s, weight, eps, group_size):
