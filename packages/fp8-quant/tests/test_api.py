@@ -470,3 +470,28 @@ def test_triton_interpret_is_read_as_triton_reads_it():
     assert _triton_on_cpu(" 1").startswith(refused)
     late = "ValueError: TRITON_INTERPRET=1 was set after triton (or fp8_quant's Triton kernels)"
     assert _triton_on_cpu("1", set_after_import=True).startswith(late)
+
+
+def test_small_mistakes_get_the_remedy(monkeypatch):
+    """A non-tensor in ``resolve_backend`` said "'NoneType' object has no attribute
+    'is_cuda'"; a format or dtype in ``group_size``'s place was told to "pass
+    int(group_size)"; a float amax was not told how to pass it; ``export
+    FP8_QUANT_BACKEND=`` (blank) was a backend named ""; the meta-tensor refusal did not say
+    that the variable chose triton."""
+    x = torch.randn(4, 16)
+    for backend in ("auto", "triton"):
+        with pytest.raises(TypeError, match="x must be a torch.Tensor, got NoneType"):
+            resolve_backend(None, backend)
+    with pytest.raises(ValueError, match=r"got 'e4m3': a format or dtype passed in group_size"):
+        quantize_per_group(x, "e4m3")
+    q, s = quantize_per_group(x)
+    with pytest.raises(ValueError, match=r"pass it by name \(fmt=\.\.\., dtype=\.\.\.\)"):
+        fp8_quant.dequantize_per_group(q, s, torch.bfloat16)
+    with pytest.raises(TypeError, match=r"got float: pass torch.tensor\(amax, device=x.device\)"):
+        quantize_per_tensor(x, amax=3.0)
+    monkeypatch.setenv("FP8_QUANT_BACKEND", " ")
+    assert resolve_backend(x, "auto") is Backend.REFERENCE
+    monkeypatch.setenv("FP8_QUANT_BACKEND", "triton")
+    with pytest.raises(ValueError, match=r"triton backend \(FP8_QUANT_BACKEND=triton chose it\) "
+                       "cannot run meta tensors"):  # fmt: skip
+        resolve_backend(torch.empty(2, device="meta"), "auto")

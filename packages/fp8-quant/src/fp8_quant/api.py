@@ -9,13 +9,12 @@ overrides ``"auto"``.
 from __future__ import annotations
 
 import enum
-import os
 import sys
 
 import torch
 
 from . import reference
-from ._env import triton_interpreting
+from ._env import backend_env, triton_interpreting
 from .formats import FP8Format
 
 
@@ -71,20 +70,24 @@ def resolve_backend(x: torch.Tensor, backend: Backend | str) -> Backend:
         Backend.parse(backend)  # raises, naming the valid values
     env_chose = False
     if backend is _AUTO:
-        env = os.environ.get("FP8_QUANT_BACKEND")
+        env = backend_env()
         if env is not None:
             backend = Backend.parse(env, "FP8_QUANT_BACKEND")
             env_chose = backend is _TRITON
+    try:  # (free when nothing is raised: this runs once per op call)
         if backend is _AUTO:
             return _TRITON if x.is_cuda else _REFERENCE
-    if backend is _TRITON and not x.is_cuda:
+        on_cpu = backend is _TRITON and not x.is_cuda
+    except AttributeError:  # (it said "'NoneType' object has no attribute 'is_cuda'")
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}") from None
+    if on_cpu:
+        why = " (FP8_QUANT_BACKEND=triton chose it)" if env_chose else ""
         if x.is_meta:
             raise ValueError(
-                "the triton backend cannot run meta tensors (they hold no data): use "
+                f"the triton backend{why} cannot run meta tensors (they hold no data): use "
                 "backend='reference' to get the output shapes"
             )
         if not triton_interpreting():
-            why = " (FP8_QUANT_BACKEND=triton chose it)" if env_chose else ""
             raise ValueError(
                 f"the triton backend{why} needs a CUDA tensor; for CPU tensors set "
                 "TRITON_INTERPRET=1 before importing triton, or use backend='reference'"
@@ -132,6 +135,11 @@ def _check_out_dtype(dtype) -> None:
 
 def check_group_size(group_size: int) -> None:
     if isinstance(group_size, bool) or not isinstance(group_size, int):
+        if isinstance(group_size, str | FP8Format | torch.dtype):
+            raise ValueError(
+                f"group_size must be a positive power of two, got {group_size!r}: a format or "
+                "dtype passed in group_size's place? pass it by name (fmt=..., dtype=...)"
+            )
         kind = type(group_size)
         raise ValueError(
             f"group_size must be a positive power of two, a Python int, got {group_size!r} "
@@ -147,6 +155,11 @@ def check_amax(x: torch.Tensor, amax: torch.Tensor | None) -> None:
         if x.numel() == 0:
             raise ValueError("x is empty, so it has no amax: pass amax= to choose the scale")
         return
+    if isinstance(amax, int | float):
+        raise TypeError(
+            f"amax must be a torch.Tensor, got {type(amax).__name__}: pass "
+            "torch.tensor(amax, device=x.device)"
+        )
     check_input(amax, "amax")
     if amax.numel() != 1:
         raise ValueError(f"amax must hold one value, got shape {tuple(amax.shape)}")

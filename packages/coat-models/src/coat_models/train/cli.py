@@ -250,14 +250,15 @@ def _check_fp8_backend(modes: list[str], device: torch.device) -> None:
     from fp8_quant import Backend, resolve_backend
 
     env = os.environ.get("FP8_QUANT_BACKEND")
-    if env is None or not any(any(MODES[m]) for m in modes):
-        return
+    if env is None or not env.strip() or not any(any(MODES[m]) for m in modes):
+        return  # (blank is unset, as fp8_quant reads it)
     try:
         backend = Backend.parse(env, "FP8_QUANT_BACKEND")
-        resolve_backend(torch.empty(0, device=device), backend)
     except ValueError as e:
-        if env != Backend.TRITON:
-            raise UsageError(f"{e}: set one of them, or unset it") from None
+        raise UsageError(f"{e}: set one of them, or unset it") from None
+    try:
+        resolve_backend(torch.empty(0, device=device), backend)
+    except ValueError:  # triton without a GPU or the interpreter
         raise UsageError(
             f"FP8_QUANT_BACKEND=triton needs a CUDA device, or TRITON_INTERPRET=1 on "
             f"{device.type} (slow): unset FP8_QUANT_BACKEND, or set it to reference"
