@@ -817,3 +817,51 @@ def test_an_lr_scheduler_on_one_side_of_a_checkpoint_is_no_mismatch(scheduler_at
     for g, h in zip(saved["param_groups"], loaded["param_groups"], strict=True):
         assert g["lr"] == h["lr"]
         assert ("initial_lr" in h) == (scheduler_at == "load")
+
+
+def _train(model, opt, steps):
+    losses = []
+    for step in range(steps):
+        ids = batch(step, 0)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("optimizer", ["coat", "torch"])
+def test_a_checkpoint_before_the_first_step_changes_nothing(optimizer, tmp_path):
+    """torch's get_state_dict gives an optimizer without state one by stepping it with lr 0:
+    every step count became 1, so a save before the first step changed the run's updates
+    (bias correction), a load of that checkpoint did not give a fresh optimizer (torch
+    AdamW's raised a TypeError), and a refused load left the state behind."""
+    from coat_models import create_optimizer
+    from coat_models.distributed import (
+        CheckpointMismatchError,
+        load_checkpoint,
+        save_checkpoint,
+    )
+
+    def make(seed=0):
+        model = tiny_llama(seed=seed)
+        if optimizer == "coat":
+            return model, create_optimizer(model, lr=1e-3)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    plain, plain_opt = make()
+    want = _train(plain, plain_opt, 3)
+    saved, saved_opt = make()
+    save_checkpoint(tmp_path / "step0", saved, saved_opt)
+    assert not saved_opt.state
+    assert torch.equal(_train(saved, saved_opt, 3), want)
+    loaded, loaded_opt = make(seed=1)
+    load_checkpoint(tmp_path / "step0", loaded, loaded_opt)
+    assert not loaded_opt.state
+    assert torch.equal(_train(loaded, loaded_opt, 3), want)
+    other = tiny_llama(seed=0, hidden_size=48)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointMismatchError):
+        load_checkpoint(tmp_path / "step0", other, other_opt)
+    assert not other_opt.state

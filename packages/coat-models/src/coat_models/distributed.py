@@ -416,6 +416,14 @@ def _dcp_state(model: nn.Module, optimizer) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
+def _undo_state_init(optimizer) -> None:
+    """Drop the state that torch's ``get_state_dict`` gave an optimizer that had none: it
+    steps it once with lr 0 on zero gradients, which sets every step count to 1, so the
+    first real step used the second step's bias correction (a save before the first step
+    changed the run; a failed load left it so)."""
+    optimizer.state.clear()
+
+
 @contextlib.contextmanager
 def _single_process_quiet():
     # DCP warns that it "assumes the intent is to save/load in a single process" whenever no
@@ -479,7 +487,11 @@ def save_checkpoint(
 
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
+    fresh = optimizer is not None and not optimizer.state
     state = _dcp_state(model, optimizer)
+    if fresh:  # not stepped yet: it has no state to save, and keeps none (_undo_state_init)
+        _undo_state_init(optimizer)
+        state["optim"] = {k: v for k, v in state["optim"].items() if not k.startswith("state.")}
     if extra is not None:
         buffer = io.BytesIO()
         torch.save(extra, buffer)
@@ -564,18 +576,33 @@ def load_checkpoint(
     the model keys the checkpoint lacks. A torch optimizer keeps its own implementation
     switches (``IMPLEMENTATION_KEYS``), not the checkpoint's.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
     if verify:
         verify_checkpoint(path)
     path = os.fspath(path)
     saved = _saved_metadata(path)
+    fresh = optimizer is not None and not optimizer.state
+    try:
+        return _load(path, saved, model, optimizer, strict)
+    except BaseException:
+        if fresh:  # nothing was loaded: the optimizer stays as it was
+            _undo_state_init(optimizer)
+        raise
+
+
+def _load(path: str, saved, model: nn.Module, optimizer, strict: bool) -> dict | None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
     state = _dcp_state(model, optimizer)
     unsaved = _check_against(saved, state, path, strict)
     # Parameters without optimizer state when saved (no gradient yet), and hyperparameters
     # the saved optimizer had not: the latter keep this optimizer's values.
     removed = {k: state["optim"].pop(k) for k in unsaved}
     own = {k: v for k, v in removed.items() if k.startswith("param_groups.")}
+    # Saved before the optimizer's first step (no state at all): torch loads this optimizer's
+    # own initial state back (it needs one per parameter), which is then dropped.
+    stateless = optimizer is not None and not any(k.startswith("state.") for k in state["optim"])
+    if stateless:
+        own |= {k: v for k, v in removed.items() if k.startswith("state.")}
     if "extra" in saved:
         state["extra"] = io.BytesIO()
     # Flat keys "param_groups.<fqn>.<name>": this optimizer's values go back over the loaded
@@ -601,6 +628,8 @@ def load_checkpoint(
             optim_state_dict=state["optim"],
             options=options,
         )
+        if stateless:
+            _undo_state_init(optimizer)
     return _extra(state)
 
 
