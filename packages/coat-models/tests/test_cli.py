@@ -1169,6 +1169,40 @@ def test_model_dir_and_text_data(tmp_path, capsys, weights):
     check_run_dir(tmp_path / "out", "bf16", steps=2, eval_every=2)
 
 
+def test_model_dir_of_sharded_bin_weights_trains_from_them(tmp_path, capsys):
+    """A directory whose weights are pytorch_model.bin shards and their index (no single
+    file) trained from random weights without a word: the index was not looked for. A
+    shard the index lists but the directory lacks is one line."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(preset_config("tiny", data_vocab=257))
+    model.save_pretrained(tmp_path / "safetensors")
+    model.config.save_pretrained(tmp_path / "shards")  # + shards as older transformers wrote
+    names = list(model.state_dict())
+    shards = [tmp_path / "shards" / f"pytorch_model-0000{i}-of-00002.bin" for i in (1, 2)]
+    weight_map = {}
+    halves = (names[: len(names) // 2], names[len(names) // 2 :])
+    for shard, keys in zip(shards, halves, strict=True):
+        torch.save({k: model.state_dict()[k].clone() for k in keys}, shard)
+        weight_map |= dict.fromkeys(keys, shard.name)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (tmp_path / "shards" / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    flags = "--steps 1 --batch-size 2 --seq-len 32 --eval-batches 1 --corpus-mib 1 --no-export"
+    losses = []
+    for name in ("safetensors", "shards"):
+        argv = ["--model-dir", tmp_path / name, *flags.split(), "--no-progress"]
+        code, _, err = run([*argv, "--out", tmp_path / f"out-{name}"], capsys)
+        assert code == 0, err
+        losses.append(read_jsonl(tmp_path / f"out-{name}" / "bf16" / "metrics.jsonl")[0]["loss"])
+    assert losses[0] == losses[1]
+    shards[-1].unlink()
+    argv = ["--model-dir", tmp_path / "shards", *flags.split(), "--no-progress"]
+    code, _, err = run([*argv, "--out", tmp_path / "out-missing"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"pytorch_model.bin.index.json lists {shards[-1].name}, which is not there" in err
+
+
 def _user_dir(root):
     """A directory of a user's own files where coat-train would write."""
     root.mkdir()

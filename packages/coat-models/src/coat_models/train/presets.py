@@ -83,7 +83,8 @@ def preset_config(name: str, data_vocab: int, vocab_size: int | None = None, max
     )
 
 
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")  # fmt: skip
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -176,20 +177,38 @@ def _check_safetensors(d: Path) -> None:
 
 
 def _check_bin(d: Path) -> None:
-    """A ``pytorch_model.bin`` that transformers would read (no safetensors beside it) must
-    begin as torch.save files do (a zip archive, or an old-format pickle); what the pickle
-    holds is checked when it is loaded (tensors only)."""
-    path = d / "pytorch_model.bin"
+    """The ``pytorch_model.bin`` files that transformers would read (no safetensors beside
+    them): the file, or the shards its ``pytorch_model.bin.index.json`` lists (a directory
+    of shards alone trained from random weights: they were not seen), must exist and begin
+    as torch.save files do (a zip archive, or an old-format pickle); what the pickles hold
+    is checked when they are loaded (tensors only)."""
     safetensors = ("model.safetensors", "model.safetensors.index.json")  # read instead
-    if not path.is_file() or any((d / f).is_file() for f in safetensors):
+    if any((d / f).is_file() for f in safetensors):
         return
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if not (head == b"PK\x03\x04" or head[:1] == b"\x80"):
-        raise ModelError(
-            f"--model-dir {d}: pytorch_model.bin is not a torch.save file: replace it "
-            "(model.safetensors) or remove it to train from random weights"
-        )
+    names = ["pytorch_model.bin"] if (d / "pytorch_model.bin").is_file() else []
+    index = d / "pytorch_model.bin.index.json"
+    if not names and index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelError(
+                f"--model-dir {d}: cannot read {index.name} ({one_line(e)}): replace it, or "
+                "remove the weights to train from random ones"
+            ) from None
+    for name in names:
+        path = d / name
+        if not path.is_file():
+            raise ModelError(
+                f"--model-dir {d}: {index.name} lists {name}, which is not there: copy it "
+                "there, or remove the weights to train from random ones"
+            )
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if not (head == b"PK\x03\x04" or head[:1] == b"\x80"):
+            raise ModelError(
+                f"--model-dir {d}: {name} is not a torch.save file: replace it "
+                "(model.safetensors) or remove it to train from random weights"
+            )
 
 
 def check_weight_shapes(d: Path, model) -> None:
