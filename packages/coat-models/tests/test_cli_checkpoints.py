@@ -434,6 +434,9 @@ ODD_NEWEST = [  # (the newest checkpoint's step_0000004)
      "has no valid 'totals'"),
     ("trainer-losses", _edit_torch_file("trainer.pt", lambda s: s.update(train_losses=["a"])),
      "has no valid 'train_losses'"),
+    ("trainer-format", _edit_torch_file("trainer.pt", lambda s: s.update(format=2)),
+     "its training state is of format 2, this coat-train reads format 1: resume it with the "
+     "coat-train that wrote it"),
     ("moment-shape", _edit_torch_file("optimizer.pt", _first_moment),
      "optimizer state 'exp_avg' of parameter 0 has shape"),
     ("groups", _edit_torch_file("optimizer.pt", lambda s: s.update(param_groups=[1])),

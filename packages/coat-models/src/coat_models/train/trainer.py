@@ -877,7 +877,7 @@ class Trainer:
         """The training state besides model and optimizer (equal on every rank but ``rng``)."""
         self._graphs_replayed()  # into the totals
         return {
-            "format": 1,
+            "format": TRAINER_STATE_FORMAT,
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
             "rng": _rng_state(self.device),
@@ -1074,6 +1074,9 @@ def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, des
         )
 
 
+# The layout of the training state below; a coat-train that changes it bumps this, and an
+# older or newer checkpoint is refused by its number (it was written and never read).
+TRAINER_STATE_FORMAT = 1
 _TRAINER_STATE = {  # key -> type of what trainer.pt / DCP's extra holds
     "step": int,
     "scheduler": dict,
@@ -1125,6 +1128,11 @@ def _check_trainer_state(state, path: Path, step: int | None) -> None:
     if not isinstance(state, dict):
         raise checkpoint.CheckpointError(
             f"{path} is not a coat-train checkpoint (no training state)"
+        )
+    if state.get("format") != TRAINER_STATE_FORMAT:
+        raise checkpoint.CheckpointError(
+            f"{path}: its training state is of format {state.get('format')!r}, this coat-train "
+            f"reads format {TRAINER_STATE_FORMAT}: resume it with the coat-train that wrote it"
         )
     invalid = [key for key, kind in _TRAINER_STATE.items() if not isinstance(state.get(key), kind)]
     if not invalid:
