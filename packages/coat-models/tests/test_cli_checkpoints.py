@@ -434,6 +434,11 @@ ODD_NEWEST = [  # (the newest checkpoint's step_0000004)
      "has no valid 'totals'"),
     ("trainer-losses", _edit_torch_file("trainer.pt", lambda s: s.update(train_losses=["a"])),
      "has no valid 'train_losses'"),
+    ("trainer-schedule", _edit_torch_file("trainer.pt", lambda s: s["scheduler"].update(
+        last_epoch=0)), "its LR schedule is at step 0, its training state at step 4: not a "
+     "checkpoint coat-train wrote"),
+    ("trainer-step", _edit_torch_file("trainer.pt", lambda s: s["config"].update(steps=3)),
+     "its training state is at step 4 of a 3-step run: not a checkpoint coat-train wrote"),
     ("trainer-format", _edit_torch_file("trainer.pt", lambda s: s.update(format=2)),
      "its training state is of format 2, this coat-train reads format 1: resume it with the "
      "coat-train that wrote it"),

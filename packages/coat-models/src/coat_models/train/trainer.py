@@ -928,6 +928,11 @@ class Trainer:
                 self.optimizer.load_state_dict(_own_implementation(saved, self.optimizer))
                 rng = state["rng"]
             self.scheduler.load_state_dict(state["scheduler"])
+            if self.scheduler.last_epoch != state["step"]:  # (it steps once a step)
+                raise checkpoint.CheckpointError(
+                    f"{path}: its LR schedule is at step {self.scheduler.last_epoch}, its "
+                    f"training state at step {state['step']}: not a checkpoint coat-train wrote"
+                )
             _set_rng_state(rng, self.device)
         except checkpoint.CheckpointError:
             raise
@@ -1154,6 +1159,12 @@ def _check_trainer_state(state, path: Path, step: int | None) -> None:
         )
     if "fingerprint" not in state["data"]:
         raise checkpoint.CheckpointError(f"{path}: its training state names no data")
+    steps = state["config"].get("steps")
+    if isinstance(steps, int) and not 0 <= state["step"] <= steps:
+        raise checkpoint.CheckpointError(
+            f"{path}: its training state is at step {state['step']} of a {steps}-step run: not "
+            "a checkpoint coat-train wrote"
+        )
     if step is not None and state["step"] != step:
         raise checkpoint.CheckpointError(
             f"{path}: its manifest says step {step}, its training state step {state['step']}"
