@@ -865,3 +865,17 @@ def test_a_checkpoint_before_the_first_step_changes_nothing(optimizer, tmp_path)
     with pytest.raises(CheckpointMismatchError):
         load_checkpoint(tmp_path / "step0", other, other_opt)
     assert not other_opt.state
+
+
+def test_an_optimizer_of_another_model_is_named(tmp_path):
+    """save_checkpoint / load_checkpoint with an optimizer built over another model's
+    parameters raised torch's bare KeyError: '0'."""
+    from coat_models import create_optimizer
+    from coat_models.distributed import load_checkpoint, save_checkpoint
+
+    model, other = tiny_llama(), tiny_llama(seed=1)
+    save_checkpoint(tmp_path / "ckpt", model, create_optimizer(model, lr=1e-3))
+    wrong = create_optimizer(other, lr=1e-3)
+    for call in (save_checkpoint, load_checkpoint):
+        with pytest.raises(ValueError, match="the optimizer holds parameters that are not the"):
+            call(tmp_path / "ckpt", model, wrong)
