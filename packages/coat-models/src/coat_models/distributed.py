@@ -412,14 +412,19 @@ def _dcp_state(model: nn.Module, optimizer) -> dict:
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=options)}
-    own = {id(p) for p in model.parameters()}
-    if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
-        # (torch's state dict raised a bare KeyError)
-        raise ValueError(
-            "the optimizer holds parameters that are not the model's: pass the optimizer built "
-            "over this model's parameters"
-        )
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    except KeyError:
+        # torch's bare KeyError ('0') for an optimizer over another model's parameters. (Not
+        # checked before: FSDP2 keeping layers gathered registers other tensors until its
+        # state-dict hook reshards them.)
+        own = {id(p) for p in model.parameters()}
+        if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError(
+                "the optimizer holds parameters that are not the model's: pass the optimizer "
+                "built over this model's parameters"
+            ) from None
+        raise
     return {"model": model_sd, "optim": optim_sd}
 
 
