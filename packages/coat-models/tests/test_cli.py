@@ -1383,8 +1383,8 @@ def test_a_pickle_of_other_objects_in_model_dir_is_refused_without_torch_s_advic
     args = ["--batch-size", 2, "--seq-len", 32, "--corpus-mib", 1, "--no-progress"]
     code, _, err = run(["--model-dir", d, "--steps", 2, "--out", tmp_path / "o", *args], capsys)
     assert code == 2 and "Traceback" not in err and "weights_only" not in err, err
-    assert "pytorch_model.bin holds objects other than tensors and plain containers, or is no " \
-        "torch.save file: replace it (model.safetensors) or remove it" in err  # fmt: skip
+    said = "pytorch_model.bin holds objects other than tensors and plain containers, or is no "
+    assert said + "torch.save file: replace the weights (model.safetensors) or remove them" in err
 
 
 def test_resume_takes_the_model_dir_however_it_is_written(tmp_path, capsys, monkeypatch):

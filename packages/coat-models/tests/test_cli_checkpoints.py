@@ -439,6 +439,8 @@ ODD_NEWEST = [  # (the newest checkpoint's step_0000004)
      "checkpoint coat-train wrote"),
     ("trainer-step", _edit_torch_file("trainer.pt", lambda s: s["config"].update(steps=3)),
      "its training state is at step 4 of a 3-step run: not a checkpoint coat-train wrote"),
+    ("trainer-no-format", _edit_torch_file("trainer.pt", lambda s: s.pop("format")),
+     "is not a coat-train checkpoint (its training state has no valid 'format')"),
     ("trainer-format", _edit_torch_file("trainer.pt", lambda s: s.update(format=2)),
      "its training state is of format 2, this coat-train reads format 1: resume it with the "
      "coat-train that wrote it"),

@@ -495,3 +495,8 @@ def test_small_mistakes_get_the_remedy(monkeypatch):
     with pytest.raises(ValueError, match=r"triton backend \(FP8_QUANT_BACKEND=triton chose it\) "
                        "cannot run meta tensors"):  # fmt: skip
         resolve_backend(torch.empty(2, device="meta"), "auto")
+
+
+def test_a_group_size_given_as_digits_is_told_to_pass_an_int():
+    with pytest.raises(ValueError, match=r"got '16' \(builtins.str\): pass int\(group_size\)"):
+        quantize_per_group(torch.randn(4, 16), "16")

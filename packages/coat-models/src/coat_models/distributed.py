@@ -596,7 +596,7 @@ def load_checkpoint(
     try:
         return _load(path, saved, model, optimizer, strict)
     except BaseException:
-        if fresh:  # nothing was loaded: the optimizer stays as it was
+        if fresh:  # it came without state and leaves without (torch gave it some)
             _undo_state_init(optimizer)
         raise
 

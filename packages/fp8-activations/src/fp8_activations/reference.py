@@ -5,12 +5,13 @@ Conventions shared by all ops (inputs are 2-D ``(rows, N)``, already contiguous)
 
 * forward computes in fp32 from the *high-precision* input and rounds the output once to
   the input dtype; it also returns the input quantized 1 x G per group (E4M3), which is all
-  that backward keeps (``quant_x=False`` when the previous op handed that FP8 form over);
+  that backward keeps (``quant_x=False`` when the previous op handed that FP8 form over;
+  LayerNorm quantizes ``x - mean(x)`` instead, and always its own);
 * backward dequantizes the saved input and returns the exact gradient at that point;
 * ``emit`` says what a producer attaches to its output for the next op:
   ``"amax"`` the fp32 max |y| of each 1 x G group (the next per-tensor quantization then
-  reduces a G-times smaller tensor), ``"fp8"`` y quantized 1 x G (the next non-linear op
-  saves it as is), ``"none"`` nothing. Unused outputs are empty tensors.
+  reduces a G-times smaller tensor), ``"fp8"`` y quantized 1 x G (the next RMSNorm, SiLU,
+  GELU or SwiGLU saves it as is), ``"none"`` nothing. Unused outputs are empty tensors.
 """
 
 from __future__ import annotations

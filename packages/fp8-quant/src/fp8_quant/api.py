@@ -135,7 +135,9 @@ def _check_out_dtype(dtype) -> None:
 
 def check_group_size(group_size: int) -> None:
     if isinstance(group_size, bool) or not isinstance(group_size, int):
-        if isinstance(group_size, str | FP8Format | torch.dtype):
+        if isinstance(group_size, FP8Format | torch.dtype) or (
+            isinstance(group_size, str) and not group_size.strip().isdigit()
+        ):
             raise ValueError(
                 f"group_size must be a positive power of two, got {group_size!r}: a format or "
                 "dtype passed in group_size's place? pass it by name (fmt=..., dtype=...)"

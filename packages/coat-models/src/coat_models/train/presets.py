@@ -190,6 +190,8 @@ def _check_bin(d: Path) -> None:
     if not names and index.is_file():
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if not all(isinstance(n, str) for n in names):
+                raise ValueError("its weight_map names a shard by something else than a string")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ModelError(
                 f"--model-dir {d}: cannot read {index.name} ({one_line(e)}): replace it, or "
@@ -206,8 +208,8 @@ def _check_bin(d: Path) -> None:
             head = f.read(4)
         if not (head == b"PK\x03\x04" or head[:1] == b"\x80"):
             raise ModelError(
-                f"--model-dir {d}: {name} is not a torch.save file: replace it "
-                "(model.safetensors) or remove it to train from random weights"
+                f"--model-dir {d}: {name} is not a torch.save file: replace the weights "
+                "(model.safetensors) or remove them to train from random weights"
             )
 
 
@@ -315,10 +317,15 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
             why = first_line(e)
             if "Weights only load failed" in why or isinstance(e, pickle.UnpicklingError):
                 # Not torch's advice (weights_only=False: running the file's code).
+                what = (
+                    "its pytorch_model.bin holds"
+                    if (Path(weights_dir) / "pytorch_model.bin").is_file()
+                    else "one of its pytorch_model .bin shards holds"
+                )
                 why = (
-                    "its pytorch_model.bin holds objects other than tensors and plain "
-                    "containers, or is no torch.save file: replace it (model.safetensors) or "
-                    "remove it to train from random weights"
+                    f"{what} objects other than tensors and plain containers, or is no "
+                    "torch.save file: replace the weights (model.safetensors) or remove them to "
+                    "train from random weights"
                 )
             raise ModelError(f"cannot load the model in {weights_dir}: {why}") from None
         finally:

@@ -1083,6 +1083,7 @@ def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, des
 # older or newer checkpoint is refused by its number (it was written and never read).
 TRAINER_STATE_FORMAT = 1
 _TRAINER_STATE = {  # key -> type of what trainer.pt / DCP's extra holds
+    "format": int,
     "step": int,
     "scheduler": dict,
     "rng": (dict, list),
@@ -1134,7 +1135,7 @@ def _check_trainer_state(state, path: Path, step: int | None) -> None:
         raise checkpoint.CheckpointError(
             f"{path} is not a coat-train checkpoint (no training state)"
         )
-    if state.get("format") != TRAINER_STATE_FORMAT:
+    if "format" in state and state["format"] != TRAINER_STATE_FORMAT:
         raise checkpoint.CheckpointError(
             f"{path}: its training state is of format {state.get('format')!r}, this coat-train "
             f"reads format {TRAINER_STATE_FORMAT}: resume it with the coat-train that wrote it"

@@ -1,4 +1,5 @@
-"""LayerNorm over the last dim, with or without weight and bias, saving only x as 1 x G FP8.
+"""LayerNorm over the last dim, with or without weight and bias, saving only x - mean(x) as
+1 x G FP8.
 
 What is saved is each row minus its mean, ``x - mean(x)``: backward centres the saved rows
 again (removing whatever is left of the mean after rounding), so the shift changes nothing
@@ -6,8 +7,9 @@ but the rounding. Saving x itself, a row whose mean is large against its spread 
 of the spread in its FP8 copy (the groups' scales follow the mean): the weight gradient fell
 to 13 dB SQNR at mean/std 10 and to 0 dB at 100. The saved copy's mean is summed in fp64 and
 rounded to fp32, so that the kernel and the reference (which add in different orders) shift
-by the same number and save the same codes. Like RMSNorm, backward recomputes mean and rstd
-from the saved FP8 rows.
+by the same number and save the same codes: the fp64 sum of fp32 values is exact, so its
+order does not matter, unless a row's magnitudes span more than about 2**29 / N (1e20 beside
+1 can differ). Like RMSNorm, backward recomputes mean and rstd from the saved FP8 rows.
 """
 
 from __future__ import annotations
