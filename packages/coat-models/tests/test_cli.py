@@ -1201,6 +1201,10 @@ def test_model_dir_of_sharded_bin_weights_trains_from_them(tmp_path, capsys):
     code, _, err = run([*argv, "--out", tmp_path / "out-missing"], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert f"pytorch_model.bin.index.json lists {shards[-1].name}, which is not there" in err
+    (tmp_path / "shards" / "pytorch_model.bin.index.json").write_text('{"weight_map": {"a": 5}}')
+    code, _, err = run([*argv, "--out", tmp_path / "out-bad-index"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "cannot read pytorch_model.bin.index.json (its weight_map names a shard by" in err
 
 
 def _user_dir(root):
