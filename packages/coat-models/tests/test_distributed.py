@@ -737,14 +737,18 @@ if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
 
 
-@pytest.mark.parametrize("how", ["apply_coat-after-shard_model", "fully_shard-after-apply_coat"])
+@pytest.mark.parametrize(
+    "how",
+    ["apply_coat-after-shard_model", "fully_shard-after-apply_coat", "root-only", "stack-only"],
+)
 def test_a_model_sharded_otherwise_than_by_shard_model_trains_without_the_weight_cache(
     how, tmp_path
 ):
     """FSDP all-gathers into the weights' storage without bumping their versions: a COAT
     layer that kept its FP8 weight cache trained on the previous step's weights (the losses
-    left the reference's after 2-3 steps). ``apply_coat`` on a sharded model and a layer
-    sharded by ``fully_shard`` itself train without it: the reference's bits."""
+    left the reference's after 2-3 steps). ``apply_coat`` on a sharded model, a layer
+    sharded by ``fully_shard`` itself, and one held by a module that ``fully_shard`` shards
+    (the model alone, its decoder stack alone) train without it: the reference's bits."""
     import torch.distributed as dist
     from coat_models import apply_coat, create_optimizer
     from coat_models.distributed import shard_model
@@ -762,11 +766,14 @@ def test_a_model_sharded_otherwise_than_by_shard_model_trains_without_the_weight
             model = tiny_llama()  # converted
             shard_model(model, mp_policy="fp32")  # (turns its cache off)
             apply_coat(model)  # again, with the default config: the cache on
-        else:
+        elif how == "fully_shard-after-apply_coat":
             model = tiny_llama()
             for layer in model.model.layers:
                 fully_shard(layer)
             fully_shard(model)
+        else:  # one FSDP unit above the layers: the model's root, or its decoder stack
+            model = tiny_llama()
+            fully_shard(model if how == "root-only" else model.model)
         optimizers = [create_optimizer(m, lr=1e-2) for m in (ref, model)]
         for step in range(4):
             ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(step))

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import inspect
 import typing
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -116,16 +117,39 @@ def _sharded(model: nn.Module) -> bool:
 
 def layer_config(layer: nn.Module) -> FP8ActivationConfig:
     """The COAT layer's config for this training call. A layer that FSDP shards trains
-    without the FP8 weight cache, turned off for good here (``fully_shard`` of the layers
-    after ``apply_coat``): FSDP all-gathers each step into the weight's storage without
-    bumping its version, so the cache would serve the previous step's FP8 weights. (A unit
-    on the root alone is not seen: ``shard_model``, or ``weight_cache=False``, then; units
-    below the layer are refused by ``check_coat_layer``: their hooks would not run.)"""
+    without the FP8 weight cache, turned off for good here (``fully_shard`` after
+    ``apply_coat``, of the layers or of a module that holds them: the model, its decoder
+    stack): FSDP all-gathers each step into the weight's storage without bumping its
+    version, so the cache would serve the previous step's FP8 weights. The modules that
+    held the layer at ``apply_coat`` are looked at (``_HOLDERS``; eagerly: a compiled
+    layer's config is read eagerly first), not a wrapper put around the model later
+    (``shard_model``, or ``weight_cache=False``, then); units below the layer are refused
+    by ``check_coat_layer``: their hooks would not run."""
     config = layer.coat_config
-    if config.weight_cache and isinstance(layer, _fsdp_classes()):
+    if config.weight_cache and (
+        isinstance(layer, _fsdp_classes())
+        or (not torch.compiler.is_compiling() and _held_by_fsdp(layer))
+    ):
         config = layer.coat_config = config.replace(weight_cache=False)
         drop_cached_weight_fp8(layer.parameters())
     return config
+
+
+# layer -> weak references to the modules that held it at apply_coat (``_holders``). Kept
+# out of the layer itself: a pickled or deep-copied model carries no weak references.
+_HOLDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _held_by_fsdp(layer: nn.Module) -> bool:
+    classes = _fsdp_classes()
+    return any(isinstance(ref(), classes) for ref in _HOLDERS.get(layer, ()))
+
+
+def _holders(top: nn.Module, fqn: str) -> tuple:
+    """Weak references to the modules from ``top`` down to the one holding ``top``'s module
+    ``fqn`` (``layer_config`` looks for FSDP units among them)."""
+    parts = fqn.split(".")
+    return tuple(weakref.ref(top.get_submodule(".".join(parts[:i]))) for i in range(len(parts)))
 
 
 def _layer_problem(layer: nn.Module) -> str | None:
@@ -851,9 +875,11 @@ def convert_llama(
     module_filter_fn: FilterFn | None = None,
     fused_loss: bool = True,
     prefix: str = "",
+    root: nn.Module | None = None,
 ) -> nn.Module:
     """``coat_models.apply_coat`` for a Llama-shaped model (the public entry point, which
     also dispatches LLaVA models, lives in ``coat_models.convert``; see its docstring).
+    ``root``: the model that ``model`` is a part of (a VLM), for ``layer_config``.
 
     ``module_filter_fn(layer, fqn)`` is called once per decoder layer, ``fqn`` being the
     layer's name in ``model.named_modules()`` with ``prefix`` (``"."``-joined) in front: the
@@ -899,16 +925,20 @@ def convert_llama(
             raise UnsupportedModel(
                 f"apply_coat: layer {index} of {type(model).__name__} cannot take COAT: {problem}"
             )
+    top = root if root is not None else model
+    where = {id(m): name for name, m in top.named_modules()}
     for layer, convert in zip(layers, keep, strict=True):
         original = _original_class(layer)
         if not convert:
             layer.__class__ = original
-            layer.__dict__.pop("coat_config", None)
-            layer.__dict__.pop("coat_ops", None)
+            for name in _LAYER_STATE:
+                layer.__dict__.pop(name, None)
+            _HOLDERS.pop(layer, None)
             continue
         layer.__class__ = _coat_class(_CoatDecoderLayer, original)
         layer.coat_config = config
         layer.__dict__.pop("coat_ops", None)  # converted again: the default op set
+        _HOLDERS[layer] = _holders(top, where[id(layer)])
     set_fused_loss(model, fused_loss)
     return model
 
@@ -920,9 +950,14 @@ def revert_classes(model: nn.Module) -> nn.Module:
         original = _original_class(module)
         if original is not type(module):
             module.__class__ = original
-        module.__dict__.pop("coat_config", None)
-        module.__dict__.pop("coat_ops", None)
+        for name in _LAYER_STATE:
+            module.__dict__.pop(name, None)
+        _HOLDERS.pop(module, None)
     return model
+
+
+# What apply_coat sets on a converted layer (beside its class), dropped when it is reverted.
+_LAYER_STATE = ("coat_config", "coat_ops")
 
 
 def is_coat(module: nn.Module) -> bool:

@@ -124,6 +124,7 @@ def apply_coat_vlm(
             config=config,
             module_filter_fn=module_filter_fn,
             prefix=names[id(parts.language_model)],
+            root=model,
         )
     except UnsupportedModel as e:  # (not what module_filter_fn raises: that passes as it is)
         raise UnsupportedModel(
