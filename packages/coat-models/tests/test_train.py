@@ -272,6 +272,24 @@ def test_tracker_counts_tensors_kept_on_parameters_once():
     tracker.close()
 
 
+def test_tracker_counts_the_fp8_weight_cache():
+    """fp8_activations keeps a weight's FP8 copies in a slotted object on the weight; the
+    tracker looked into tuples, lists and dicts only, so the cache of a COAT run with
+    gradient accumulation went uncounted (0 B of weight copies)."""
+    from fp8_activations import FP8ActivationConfig, FP8Linear
+
+    lin = FP8Linear.from_float(
+        torch.nn.Linear(64, 32, bias=False), FP8ActivationConfig(weight_cache=True)
+    ).train()
+    tracker = MemoryTracker(lin)
+    with tracker.saving():
+        lin(torch.randn(16, 64, requires_grad=True)).sum().backward()
+    tracker.scan_attached()
+    # the FP8 weight and its FP8 transpose (1 B per element each), and the scale
+    assert tracker.live["weight_copies"] >= 2 * 64 * 32, tracker.live
+    tracker.close()
+
+
 # Runs in a fresh interpreter: glibc told to give every block >= 64 KiB back to the OS at
 # once, so that the resident set follows the tensors (the default keeps freed memory).
 _RSS_SCRIPT = textwrap.dedent(

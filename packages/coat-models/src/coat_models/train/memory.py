@@ -26,15 +26,20 @@ def _storages(t: torch.Tensor):
     return [((st.device.type, st.device.index, st.data_ptr()), st.nbytes())]
 
 
-def _flat_tensors(obj) -> list[torch.Tensor]:
-    """Tensors in ``obj``, looking into tuples, lists and dicts."""
+def _flat_tensors(obj, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors in ``obj``, looking into tuples, lists, dicts and the slots of an object with
+    ``__slots__`` (fp8_activations keeps a weight's FP8 cache in one: it went uncounted)."""
     if isinstance(obj, torch.Tensor):
         return [obj]
+    if depth > 8:
+        return []
     if isinstance(obj, dict):
         obj = list(obj.values())
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _flat_tensors(o)]
-    return []
+    elif not isinstance(obj, (tuple, list)):
+        slots = getattr(type(obj), "__slots__", ())
+        slots = (slots,) if isinstance(slots, str) else slots
+        obj = [getattr(obj, name, None) for name in slots]
+    return [t for o in obj for t in _flat_tensors(o, depth + 1)]
 
 
 def tensor_bytes(tensors) -> int:
