@@ -666,6 +666,26 @@ def test_header_says_when_the_presets_warmup_spans_the_run(tmp_path, capsys):
     assert "; --model-dir's default LR warmup (100 steps) spans the run" in out.splitlines()[0]
 
 
+def test_header_says_when_the_validation_split_is_shorter_than_eval_batches(tmp_path, capsys):
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 256, 20_000, dtype=np.int64))
+    fast = [a for a in FAST if a not in ("--corpus-mib", "1")]
+    args = [*fast, "--data", ids, "--steps", 1, "--no-export", "--mode", "bf16"]
+    code, out, err = run([*args, "--out", tmp_path / "a"], capsys)
+    assert code == 0, err
+    assert "validation:" not in out
+    code, out, err = run([*args, "--eval-batches", 1000, "--out", tmp_path / "b"], capsys)
+    assert code == 0, err
+    head = out.splitlines()[0]
+    have = int(head.split("; validation: ")[1].split(" batches")[0])
+    # 5% of 20,000 tokens in windows of 64, 4 a batch: the split holds 4 batches
+    assert have == -(-(1000 // 64) // 4)
+    assert "all the split holds (--eval-batches 1000 asks for more)" in head
+    code, out, err = run([*args, "--eval-batches", have, "--out", tmp_path / "c"], capsys)
+    assert code == 0, err
+    assert "validation:" not in out.splitlines()[0]
+
+
 @pytest.mark.parametrize(
     ("every", "want"), [(2, ["step_0000002", "step_0000003"]), (9, ["step_0000003"])]
 )

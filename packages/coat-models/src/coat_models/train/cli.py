@@ -226,6 +226,17 @@ def _graphs_note(cfgs: list[TrainConfig]) -> str:
     return _on_note("CUDA graphs", cfgs, [c.cuda_graphs for c in cfgs])
 
 
+def _val_note(job, cfg: TrainConfig) -> str:
+    """Where the validation split holds fewer batches than --eval-batches asks for."""
+    have = len(job.tasks[0].val)
+    if have >= cfg.eval_batches:
+        return ""
+    return (
+        f"; validation: {have} batches, all the split holds (--eval-batches {cfg.eval_batches} "
+        "asks for more)"
+    )
+
+
 def _cache_note(cfgs: list[TrainConfig], strategy: str | None) -> str:
     return _on_note("FP8 weight cache", cfgs, [c.fp8_weight_cache(strategy) for c in cfgs])
 
@@ -318,6 +329,7 @@ def run(args) -> int:
         + f"; modes: {', '.join(modes)}"
         + _cache_note(cfgs, strategy)
         + _graphs_note(cfgs)
+        + _val_note(job, c0)
         + ("; torch.compile on (each decoder layer)" if args.compile else "")
         + ("; layers stay gathered until backward" if args.reshard_after_forward is False else "")
         + (
