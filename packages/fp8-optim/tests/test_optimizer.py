@@ -26,6 +26,7 @@ def test_public_api():
 def test_config_parses_and_freezes():
     cfg = CoatAdamWConfig(m_format="E5M2", v_format="e4m3")
     assert cfg.m_format is FP8Format.E5M2 and cfg.v_format is FP8Format.E4M3
+    assert CoatAdamWConfig(m_format=torch.float8_e5m2, v_format=torch.float8_e4m3fn) == cfg
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.group_size = 64
     n = 128 * 1000
@@ -559,6 +560,34 @@ def test_unknown_param_group_keys_are_rejected(key):
     clones, opt2 = _clone_setup(params)
     with pytest.raises(ValueError, match=key):
         opt2.load_state_dict(sd)
+
+
+def test_other_group_keys_are_kept_as_torch_keeps_them():
+    # A label ("name", timm's "lr_scale"): kept, never read. Set after construction it was
+    # saved by state_dict and then refused by load_state_dict, the optimizer's own checkpoint.
+    params, opt = _trained()
+    opt.param_groups[0]["name"] = "encoder"
+    opt.param_groups[1]["lr_scale"] = 0.5
+    _feed(params, opt, 1, seed=1)
+    sd = opt.state_dict()
+    clones, opt2 = _clone_setup(params)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["name"] == "encoder"
+    _feed(params, opt, 2, seed=2)
+    _feed(clones, opt2, 2, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(params, clones, strict=True))
+    CoatAdamW([{"params": [_p(4)], "name": "x", "lr_scale": 0.5}]).add_param_group(
+        {"params": [_p(3)], "name": "y"}
+    )
+
+
+def test_a_mistyped_group_key_set_after_construction_is_refused_at_the_step():
+    params, opt = _trained()
+    before = [p.detach().clone() for p in params]
+    opt.param_groups[1]["weight_decya"] = 0.0  # would be ignored: the decay stays on
+    with pytest.raises(ValueError, match=r"\['weight_decya'\].*remove the key"):
+        _feed(params, opt, 1, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
 
 
 def test_torch_group_keys_are_accepted_and_checked():

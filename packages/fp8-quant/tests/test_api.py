@@ -500,3 +500,18 @@ def test_small_mistakes_get_the_remedy(monkeypatch):
 def test_a_group_size_given_as_digits_is_told_to_pass_an_int():
     with pytest.raises(ValueError, match=r"got '16' \(builtins.str\): pass int\(group_size\)"):
         quantize_per_group(torch.randn(4, 16), "16")
+
+
+def test_formats_parse_their_torch_dtypes():
+    assert FP8Format.parse(torch.float8_e4m3fn) is FP8Format.E4M3
+    assert FP8Format.parse(torch.float8_e5m2) is FP8Format.E5M2
+    for fmt in FP8Format:
+        assert FP8Format.parse(fmt.torch_dtype) is fmt
+    # other 8-bit floats are other formats (no NaN/inf encodings, another bias): refused
+    for other in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float16):
+        with pytest.raises(ValueError, match="unknown FP8 format.*torch.float8_e4m3fn"):
+            FP8Format.parse(other)
+    x = torch.randn(4, 32)
+    q, s = quantize_per_tensor(x, torch.float8_e5m2, backend="reference")
+    q2, s2 = quantize_per_tensor(x, "e5m2", backend="reference")
+    assert q.dtype == torch.float8_e5m2 and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import numbers
 from collections import OrderedDict, defaultdict
 from itertools import chain
@@ -30,7 +31,9 @@ _ADAMW_ONLY_KEYS = (
     "decoupled_weight_decay",
 )
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-# Param-group keys. Anything else (bitsandbytes' optim_bits, a typo) is rejected, not ignored.
+# Param-group keys. Other optimizers' state-format settings (bitsandbytes' optim_bits, ...)
+# and near-misses of the keys below (a typo: "weight_decya") are refused, not ignored; any
+# other key (a label such as "name", timm's "lr_scale") is kept and never read, as torch does.
 _OWN_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "maximize")
 # What torch.optim.AdamW itself puts in a group ("param_names" for named parameters) and
 # what torch's LR schedulers add (LRScheduler: initial_lr; OneCycleLR: max_lr, min_lr and,
@@ -39,6 +42,12 @@ _OWN_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "maximize")
 _TORCH_KEYS = (*_ADAMW_ONLY_KEYS, "param_names")
 _SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
 _GROUP_KEYS = frozenset(_OWN_KEYS + _TORCH_KEYS + _SCHEDULER_KEYS)
+_FOREIGN_KEYS = frozenset(
+    ("optim_bits", "min_8bit_size", "percentile_clipping", "block_wise", "max_unorm",
+     "skip_zeros", "is_paged", "optim_dtype", "momentum_dtype", "variance_dtype")
+)  # fmt: skip
+# The keys a step need not look at again: ours, and others already found harmless.
+_KEYS_SEEN = set(_GROUP_KEYS)
 _STATE_KEYS = ("step", *_MOMENTS, *(m + sfx for m in _MOMENTS for sfx in PER_GROUP_SUFFIXES))
 _FP32_MAX = torch.finfo(torch.float32).max
 _data_ptr, _size = torch.Tensor.data_ptr, torch.Tensor.size
@@ -142,7 +151,10 @@ class CoatAdamW(torch.optim.Optimizer):
                 "use torch.optim.AdamW(amsgrad=True) for those parameters"
             )
         if differentiable:
-            raise ValueError("CoatAdamW does not support differentiable=True")
+            raise ValueError(
+                "CoatAdamW does not support differentiable=True: use torch.optim.AdamW for "
+                "differentiating through the update"
+            )
         if config is None:
             config = CoatAdamWConfig()
         if not isinstance(config, CoatAdamWConfig):
@@ -303,6 +315,8 @@ class CoatAdamW(torch.optim.Optimizer):
         sharded = bool(self._shards)
         # Every group before any update: a bad value must not leave a half-made step.
         for gi, group in enumerate(self.param_groups):
+            if not group.keys() <= _KEYS_SEEN:  # a key set since (a typo must not be ignored)
+                _check_group_keys(group)
             lr = group["lr"]
             if isinstance(lr, torch.Tensor):
                 _check_hyper(group, read_lr=self._lr_seen.get(gi) is not lr)
@@ -618,7 +632,8 @@ class CoatAdamW(torch.optim.Optimizer):
         groups, saved = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved):
             raise ValueError(
-                f"state dict has {len(saved)} parameter groups, this optimizer {len(groups)}"
+                f"state dict has {len(saved)} parameter groups, this optimizer {len(groups)}: load "
+                "it into an optimizer built over the same groups as the one that saved it"
             )
         new_groups = []
         for i, (g, s) in enumerate(zip(groups, saved, strict=True)):
@@ -627,7 +642,8 @@ class CoatAdamW(torch.optim.Optimizer):
             if len(g["params"]) != len(s["params"]):
                 raise ValueError(
                     f"parameter group {i} has {len(g['params'])} parameters, "
-                    f"the state dict's has {len(s['params'])}"
+                    f"the state dict's has {len(s['params'])}: load it into an optimizer built "
+                    "over the same parameters as the one that saved it"
                 )
             if s.get("amsgrad", False):
                 raise ValueError("cannot load an amsgrad=True AdamW state dict into CoatAdamW")
@@ -839,12 +855,24 @@ def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
 
 
 def _check_group_keys(group: dict) -> None:
-    unknown = sorted(str(k) for k in group if k not in _GROUP_KEYS)
-    if unknown:
+    """Refuse (``ValueError``) another optimizer's state-format key or a near-miss of a key
+    CoatAdamW or torch uses; remember the harmless rest (a step checks only new keys)."""
+    bad = []
+    for k in group:
+        if k in _KEYS_SEEN:
+            continue
+        if k in _FOREIGN_KEYS or (
+            isinstance(k, str) and difflib.get_close_matches(k, _GROUP_KEYS, n=1, cutoff=0.8)
+        ):
+            bad.append(str(k))
+        elif isinstance(k, str) and len(_KEYS_SEEN) < 1024:
+            _KEYS_SEEN.add(k)
+    if bad:
         raise ValueError(
-            f"unknown parameter-group key(s) {unknown}: CoatAdamW takes {', '.join(_OWN_KEYS)} "
-            "(and the keys torch.optim.AdamW and torch's LR schedulers add); the FP8 state "
-            "format is set by config=CoatAdamWConfig(...)"
+            f"unknown parameter-group key(s) {sorted(bad)}: CoatAdamW takes "
+            f"{', '.join(_OWN_KEYS)} (and the keys torch.optim.AdamW and torch's LR schedulers "
+            "add); the FP8 state format is set by config=CoatAdamWConfig(...); remove the "
+            "key (from a state dict's param_groups too, to load it)"
         )
 
 
@@ -908,7 +936,10 @@ def _check_hyper(group: dict, read_lr: bool = True) -> None:
     if group.get("amsgrad", False):
         raise ValueError("CoatAdamW does not support amsgrad=True")
     if group.get("differentiable", False):
-        raise ValueError("CoatAdamW does not support differentiable=True")
+        raise ValueError(
+            "CoatAdamW does not support differentiable=True: use torch.optim.AdamW for "
+            "differentiating through the update"
+        )
     if group.get("decoupled_weight_decay", True) is False and group["weight_decay"]:
         raise ValueError(
             "decoupled_weight_decay=False (torch.optim.Adam's L2 penalty) with "

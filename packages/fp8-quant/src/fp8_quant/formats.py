@@ -42,8 +42,9 @@ class FP8Format(enum.Enum):
         return tl.float8e4nv if self is FP8Format.E4M3 else tl.float8e5
 
     @classmethod
-    def parse(cls, fmt: FP8Format | str) -> FP8Format:
-        """Accept an ``FP8Format`` or its name ("e4m3", "E5M2"); raise ``ValueError`` otherwise."""
+    def parse(cls, fmt: FP8Format | str | torch.dtype) -> FP8Format:
+        """Accept an ``FP8Format``, its name ("e4m3", "E5M2") or its torch dtype
+        (``torch.float8_e4m3fn``, ``torch.float8_e5m2``); raise ``ValueError`` otherwise."""
         if isinstance(fmt, FP8Format):
             return fmt
         if isinstance(fmt, str):
@@ -51,8 +52,11 @@ class FP8Format(enum.Enum):
                 return cls(fmt.lower())
             except ValueError:
                 pass
+        if fmt is torch.float8_e4m3fn or fmt is torch.float8_e5m2:
+            return cls.E4M3 if fmt is torch.float8_e4m3fn else cls.E5M2
         raise ValueError(
-            f"unknown FP8 format {fmt!r}: use FP8Format.E4M3 or FP8Format.E5M2 (or 'e4m3' / 'e5m2')"
+            f"unknown FP8 format {fmt!r}: use FP8Format.E4M3 or FP8Format.E5M2 (or 'e4m3' / "
+            "'e5m2', or torch.float8_e4m3fn / torch.float8_e5m2)"
         )
 
 
