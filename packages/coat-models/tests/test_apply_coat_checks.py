@@ -337,6 +337,32 @@ def test_a_bf16_model_is_probed_in_fp32(family, overrides, layer):
     assert is_coat(apply_coat(_tiny("Llama").to(torch.bfloat16)))  # a Llama converts
 
 
+@pytest.mark.parametrize("family, overrides, layer", [
+    ("Granite", {"residual_multiplier": 0.22}, 0),
+    ("SmolLM3", {"num_hidden_layers": 4, "pad_token_id": 0, "bos_token_id": 1,
+                 "eos_token_id": 2}, 3),
+], ids=["granite-residual-multiplier", "smollm3-layer-without-rope"])  # fmt: skip
+def test_an_fp32_model_with_zero_output_projections_is_probed_on_random_weights(
+    family, overrides, layer
+):
+    """fp32 layers were probed with their own weights: zero attention and MLP output
+    projections (a zero-initialised residual branch, or a model converted before its weights
+    are loaded) hid what the layer does inside them, and Granite's residual multiplier and
+    SmolLM3's layers without RoPE converted and trained silently wrong (helper-109: 30 steps
+    from zero init, loss 2.87 against the plain model's 0.089)."""
+    model = _tiny(family, **overrides)
+    for block in model.model.layers:
+        block.self_attn.o_proj.weight.data.zero_()
+        block.mlp.down_proj.weight.data.zero_()
+    with pytest.raises(TypeError, match=f"layer {layer} .*computes something else"):
+        apply_coat(model)
+    assert not is_coat(model)
+    llama = _tiny("Llama")
+    for block in llama.model.layers:
+        block.self_attn.o_proj.weight.data.zero_()
+    assert is_coat(apply_coat(llama))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("index", [0, 1])
 def test_a_layer_with_a_patched_module_forward_is_probed_as_it_is(index, dtype):

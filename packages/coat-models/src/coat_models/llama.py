@@ -340,30 +340,34 @@ def _attentions_asked() -> bool:
 
 
 @torch.no_grad()
-def _layer_mismatch(base: nn.Module, layer: nn.Module) -> str | None:
+def _layer_mismatch(base: nn.Module, layer: nn.Module, stand_in: bool = True) -> str | None:
     """Run ``layer`` and ``blocks.decoder_layer`` with the exact ops on one short random
     sequence; a Llama-shaped layer gives the same output. Catches layers that match by
     structure but compute something else (Gemma's ``1 + weight`` norm, Granite's residual
-    multiplier, ...). A layer on the meta device is probed as a narrow CPU copy with random
-    weights (skipped, it passed Granite's multiplier); skipped when sharded (DTensors)."""
+    multiplier, ...). First on a narrow fp32 CPU stand-in of the layer's class with random
+    weights (``stand_in``), then, unless on the meta device, on the layer itself; skipped
+    when sharded (DTensors)."""
     params = list(layer.parameters())
     if any(type(p.data) is not torch.Tensor for p in params):
         return None
     meta = any(p.is_meta for p in params)
-    if meta or params[0].dtype not in (torch.float32, torch.float64):
-        # Probed in fp32 on a narrow CPU stand-in of the layer's class: bf16's tolerance
-        # passed Granite's residual multiplier and SmolLM3's layers without RoPE. Then, in
-        # bf16/fp16, the real layer too (a forward set on one of its modules' instances is
-        # not the class's).
+    if stand_in:
+        # The layer's own weights can hide what it computes: zero output projections (a
+        # fresh zero-initialised model, or one converted before its weights are loaded)
+        # hid Granite's residual multiplier and SmolLM3's layers without RoPE, and bf16's
+        # tolerance passed them too. The real layer is run after it: a forward set on one of
+        # its modules' instances is not the class's.
         cpu = _cpu_probe(base, layer)
         problem = None
         if cpu is not None:
             try:
-                problem = _layer_mismatch(*cpu)
+                problem = _layer_mismatch(*cpu, stand_in=False)
             except Exception:  # a stand-in this family's code cannot run
                 pass
         if problem is not None or meta:
             return problem  # (meta: nothing real to run; left to the real weights)
+    elif meta:
+        return None
     weight = layer.input_layernorm.weight
     x = torch.randn(
         1,
@@ -429,12 +433,11 @@ def _probe_key(layer: nn.Module) -> tuple:
 
 
 def _cpu_probe(base: nn.Module, layer: nn.Module):
-    """``(base, layer)`` stand-ins on the CPU for probing a meta ``layer``: its class built
-    anew, in fp32 with SDPA attention, from a narrow copy of its config (64 wide, 4 heads of
-    16: what the probe checks is
-    the layer's arithmetic, which the config's other settings decide; a full-width copy of
-    a 70B layer would take gigabytes), with random weights, and a rotary embedding for that
-    config; None if they cannot be made so."""
+    """``(base, layer)`` stand-ins on the CPU for probing ``layer``: its class built anew, in
+    fp32 with SDPA attention, from a narrow copy of its config (64 wide, 4 heads of 16: what
+    the probe checks is the layer's arithmetic, which the config's other settings decide; a
+    full-width copy of a 70B layer would take gigabytes), with random weights, and a rotary
+    embedding for that config; None if they cannot be made so."""
     attn = layer.self_attn
     config = copy.deepcopy(attn.config)
     mha = getattr(config, "num_key_value_heads", None) == getattr(config, "num_attention_heads", 0)
