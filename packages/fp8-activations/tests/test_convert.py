@@ -136,6 +136,42 @@ def test_norms_on_the_meta_device_are_probed_as_on_the_cpu():
     assert type(model[1]) is _GemmaRMSNorm and type(model[2]) is FP8RMSNorm
 
 
+class _BiasedRMSNorm(LlamaRMSNorm):
+    """``weight * x / rms(x) + bias`` (xLSTM's norms with use_bias=True)."""
+
+    def __init__(self, dim):
+        super().__init__(dim)
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        return super().forward(x) + self.bias
+
+
+def test_norms_are_probed_on_random_weights_not_their_own():
+    """The probe ran the norm's own weights: a bias still zero at init passed (FP8RMSNorm
+    has none: the bias left the model's parameters and state dict, never trained, and
+    revert left the norm without it), and so did Gemma's ``(1 + weight)`` with weights near
+    60 (within the probe's tolerance of weight * x / rms(x)); helper-109's probe."""
+    from fp8_activations import revert_fp8_activations
+    from fp8_activations.modules import FP8RMSNorm
+
+    biased = _BiasedRMSNorm(64)
+    gemma = _GemmaRMSNorm(64)
+    with torch.no_grad():
+        gemma.weight.fill_(60.0)
+    model = nn.Sequential(nn.Linear(64, 64), biased, gemma, LlamaRMSNorm(64))
+    keys = sorted(model.state_dict())
+    with pytest.warns(UserWarning) as said:
+        convert_to_fp8_activations(model)
+    text = " ".join(str(w.message) for w in said)
+    assert "_BiasedRMSNorm has parameters besides its weight (bias)" in text
+    assert "_GemmaRMSNorm does not compute" in text
+    assert model[1] is biased and model[2] is gemma and type(model[3]) is FP8RMSNorm
+    assert sorted(model.state_dict()) == keys
+    revert_fp8_activations(model)
+    assert model[1].bias is biased.bias
+
+
 def test_the_norm_probe_fires_no_hook_and_a_replaced_forward_is_left_alone():
     """Checking a ``*RMSNorm`` runs its class's forward, not its hooks (they saw a made-up
     input); one whose forward is replaced on the instance stays as it is."""

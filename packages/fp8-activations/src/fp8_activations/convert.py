@@ -2,8 +2,9 @@
 
 Converted: ``nn.Linear`` (both dims multiples of 16, what FP8 GEMMs take; others stay in
 high precision), ``nn.LayerNorm`` and ``nn.RMSNorm`` over the last dim, Hugging Face
-``*RMSNorm`` classes that compute ``weight * x / sqrt(mean(x^2) + eps)`` (checked on a
-probe input, so Gemma's ``(1 + weight)`` variant is left alone), ``nn.SiLU``, ``nn.GELU``
+``*RMSNorm`` classes that compute ``weight * x / sqrt(mean(x^2) + eps)`` with no other
+parameter (checked on a probe input with random weights, so Gemma's ``(1 + weight)``
+variant and a norm with a bias are left alone), ``nn.SiLU``, ``nn.GELU``
 and Hugging Face GELU activations (``GELUActivation``, ``GELUTanh``, ...: checked on a probe;
 in eval mode the original runs).
 ``nn.MultiheadAttention`` stays whole (its forward reads ``out_proj``'s weight itself, so an
@@ -49,13 +50,24 @@ def _plain(m: nn.Module, cls: type) -> bool:
 
 
 def _hf_rms_norm_ok(m: nn.Module) -> bool:
+    """Whether the Hugging Face-style norm ``m`` computes ``weight * x / rms(x)`` with no
+    other parameter, checked on a copy with random weights (its own can hide a difference:
+    Gemma's ``(1 + weight)`` with weights near 60, a bias still zero at init)."""
     w = getattr(m, "weight", None)
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     if not (isinstance(w, nn.Parameter) and w.dim() == 1 and isinstance(eps, float)):
         return False
     if next(m.children(), None) is not None:
         return False
-    probe = _cpu_probe(m) if w.is_meta else m  # (a meta forward computes nothing)
+    others = sorted(k for k, v in m._parameters.items() if v is not None and k != "weight")
+    if others:  # FP8RMSNorm has none: a bias would leave the model and never train
+        warnings.warn(
+            f"{type(m).__name__} has parameters besides its weight ({', '.join(others)}); "
+            "left in high precision",
+            stacklevel=3,
+        )
+        return False
+    probe = _probe_copy(m)
     w = probe.weight
     gen = torch.Generator(device=w.device).manual_seed(0)
     x = torch.randn(4, w.shape[0], generator=gen, device=w.device).to(w.dtype)
@@ -73,19 +85,23 @@ def _hf_rms_norm_ok(m: nn.Module) -> bool:
     return False
 
 
-def _cpu_probe(m: nn.Module) -> nn.Module:
-    """A shallow copy of the meta module ``m`` whose floating parameters and buffers are
-    new CPU tensors near 1 (its other state shared, not copied)."""
+def _probe_copy(m: nn.Module) -> nn.Module:
+    """A shallow copy of ``m`` whose floating parameters (and meta buffers) are new tensors
+    of their dtypes with random values in [0.5, 1.5], on their device (the CPU for meta
+    ones), its other state shared, not copied."""
     gen = torch.Generator().manual_seed(1)
 
-    def cpu(t):
+    def fresh(t):
         if t is None or not t.is_floating_point():
             return t
-        return torch.empty(t.shape, dtype=t.dtype).uniform_(0.5, 1.5, generator=gen)
+        new = torch.empty(t.shape, dtype=t.dtype).uniform_(0.5, 1.5, generator=gen)
+        return new if t.is_meta else new.to(t.device)
 
     probe = copy.copy(m)
-    probe.__dict__["_parameters"] = {k: cpu(v) for k, v in m._parameters.items()}
-    probe.__dict__["_buffers"] = {k: cpu(v) for k, v in m._buffers.items()}
+    probe.__dict__["_parameters"] = {k: fresh(v) for k, v in m._parameters.items()}
+    probe.__dict__["_buffers"] = {
+        k: fresh(v) if v is not None and v.is_meta else v for k, v in m._buffers.items()
+    }
     return probe
 
 
