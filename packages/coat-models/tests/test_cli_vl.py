@@ -178,6 +178,18 @@ def test_llava_tiny_resumes_bit_for_bit(tmp_path, capsys):
         ([*plain, "--model-dir", out, "--out", tmp_path / "o"], f"--model-dir {out}: no config"),
         ([*plain, "--model-dir", ckpt, "--out", tmp_path / "o"], f"--model-dir {ckpt}: a coat-"),
         ([*RESUME, "--resume", final, "--out", tmp_path / "o"], f"--resume {final} is a model"),
+        # resumed as a text preset: the model differs, and its data with it (the message
+        # blamed --data, --corpus-mib or the tokenizer)
+        (
+            [
+                *[a if a != "llava-tiny" else "tiny" for a in RESUME],
+                "--resume",
+                ckpt,
+                "--out",
+                tmp_path / "t",
+            ],
+            "(another model's task)",
+        ),
     ]
     for argv, message in cases:
         code, _, err = run(argv, capsys)

@@ -1039,13 +1039,6 @@ def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, des
     diff = {
         k: (v, now.get(k)) for k, v in recorded["config"].items() if _plain(now.get(k)) != _plain(v)
     }
-    if recorded["data"] != fingerprint:
-        # The fingerprints alone did not say what changed.
-        diff["data"] = (
-            f"tokens {recorded['data']}",
-            f"{fingerprint} (the --data file, --data-dtype, --val-fraction, --corpus-mib, the "
-            "tokenizer or coat-train's tokenization changed)",
-        )
     was, now = _model_key(recorded["describe"]), _model_key(describe)
     if isinstance(was, dict) and isinstance(now, dict) and "config" not in was:
         now = {k: v for k, v in _resolved(describe).items() if k != "config"}  # (older runs)
@@ -1062,6 +1055,16 @@ def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, des
             )
         else:
             diff["model"] = (recorded["describe"], describe)
+    if recorded["data"] != fingerprint:
+        # The fingerprints alone did not say what changed; another model (a VL preset's
+        # checkpoint resumed as a text one) has another task: its data differ with it.
+        why = (
+            "another model's task"
+            if "model" in diff
+            else "the --data file, --data-dtype, --val-fraction, --corpus-mib, the tokenizer "
+            "or coat-train's tokenization changed"
+        )
+        diff["data"] = (f"tokens {recorded['data']}", f"{fingerprint} ({why})")
     if diff:
         said = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
         # A run's schedule is fixed by its --steps: going on past them is a new run from the
