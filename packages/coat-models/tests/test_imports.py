@@ -348,3 +348,16 @@ def test_the_parsers_names_are_the_trainers():
     assert options.VL_PRESET_NAMES == tuple(presets.VL_PRESETS)
     assert options.MASTER_DTYPE_NAMES == tuple(trainer.MASTER_DTYPES)
     assert options.MODES is trainer.MODES and options.RANGES is trainer.RANGES
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"]])
+def test_help_and_version_into_a_closed_pipe_end_quietly(argv):
+    """``coat-train --version | head -1`` ended with a BrokenPipeError traceback."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    code = "import sys; from coat_models.train import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", code, *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc.stdout.close()  # the reader is gone before anything is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0
+    assert err == "", err

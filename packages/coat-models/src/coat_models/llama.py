@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import inspect
 import typing
 import weakref
@@ -95,15 +94,22 @@ def _adapter_problem(model: nn.Module, within: tuple[str, ...] | None = None) ->
     return None
 
 
-@functools.cache
+_FSDP_CLASSES: tuple[type, ...] | None = None
+
+
 def _fsdp_classes() -> tuple[type, ...]:
     """FSDP2's ``FSDPModule`` and FSDP1's wrapper (imported on first use; none without
-    torch.distributed)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:
-        return ()
-    return (FSDPModule, FullyShardedDataParallel)
+    torch.distributed). Kept in a global, not ``functools.cache``: a compiled layer reads it
+    too, and Dynamo warns at every ``lru_cache`` it traces."""
+    global _FSDP_CLASSES
+    if _FSDP_CLASSES is None:
+        try:
+            from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        except ImportError:
+            _FSDP_CLASSES = ()
+        else:
+            _FSDP_CLASSES = (FSDPModule, FullyShardedDataParallel)
+    return _FSDP_CLASSES
 
 
 def _sharded(model: nn.Module) -> bool:

@@ -27,11 +27,16 @@ def main() -> int:
     # option answer at once, not after the seconds of importing torch (cli.main parses it
     # again, the same way).
     try:
-        args = build_parser().parse_args()
-    except SystemExit as e:  # --help (0), or a bad command line (2) the parser has printed
-        return e.code
-    if args.version:
-        print(versions())
+        try:
+            args = build_parser().parse_args()
+        except SystemExit as e:  # --help (0), or a bad command line (2) the parser printed
+            sys.stdout.flush()
+            return e.code
+        if args.version:
+            print(versions(), flush=True)
+            return 0
+    except BrokenPipeError:  # (coat-train --version | head -1): no traceback, as cat does
+        _quiet_stdout()
         return 0
     received = []
 
@@ -59,6 +64,16 @@ def main() -> int:
             signal.signal(signal.SIGINT, before)
     atexit.register(_ignore_signals)  # (runs once however often main is called)
     return cli_main()
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null: its reader has gone, and the interpreter's flush at exit
+    would print a BrokenPipeError."""
+    import os
+    import sys
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def _ignore_signals() -> None:
