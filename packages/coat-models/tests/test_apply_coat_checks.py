@@ -364,6 +364,20 @@ def test_an_fp32_model_with_zero_output_projections_is_probed_on_random_weights(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_apply_coat_leaves_the_random_generators_as_they_were(monkeypatch, dtype):
+    """The probe's stand-in layer was built after torch.manual_seed(0), which seeds every
+    GPU's generator too (fork_rng restored the CPU's only): in a user's loop every seed got
+    the same GPU randomness (dropout) after apply_coat (helper-110)."""
+    model = _tiny("Llama").to(dtype)
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda s: seeded.append(s))
+    apply_coat(model)
+    assert seeded == [] and torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("index", [0, 1])
 def test_a_layer_with_a_patched_module_forward_is_probed_as_it_is(index, dtype):
     """A forward set on a module of one layer (a hand patch, a Hub kernel) is probed on that

@@ -454,8 +454,9 @@ def _cpu_probe(base: nn.Module, layer: nn.Module):
             setattr(config, name, value)
         # Attention the CPU runs (a flash-attention config asked for its GPU kernels).
         config._attn_implementation = "sdpa"
+        # The CPU generator's state is restored after the init below (its values are
+        # replaced from ``gen``); no manual_seed: it would seed every GPU's generator too.
         with torch.device("cpu"), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
             # fp32 whatever the model's dtype: bf16's tolerance passed a layer without RoPE.
             stand_in = _original_class(layer)(config, attn.layer_idx).float()
             rotary = type(base.rotary_emb)(config)
