@@ -674,14 +674,13 @@ def test_header_says_when_the_validation_split_is_shorter_than_eval_batches(tmp_
     code, out, err = run([*args, "--out", tmp_path / "a"], capsys)
     assert code == 0, err
     assert "validation:" not in out
-    code, out, err = run([*args, "--eval-batches", 1000, "--out", tmp_path / "b"], capsys)
-    assert code == 0, err
-    head = out.splitlines()[0]
-    have = int(head.split("; validation: ")[1].split(" batches")[0])
-    # 5% of 20,000 tokens in windows of 64, 4 a batch: the split holds 4 batches
-    assert have == -(-(1000 // 64) // 4)
-    assert "all the split holds (--eval-batches 1000 asks for more)" in head
-    code, out, err = run([*args, "--eval-batches", have, "--out", tmp_path / "c"], capsys)
+    # 5% of 20,000 tokens: 15 windows of 64, in batches of 4: 4 batches, the last of 3
+    want = "; validation: 15 sequences in 4 batches, all the split holds (--eval-batches {} x"
+    for asked in (1000, 4):  # (4: the short last batch went without a word; helper-110)
+        code, out, err = run([*args, "--eval-batches", asked, "--out", tmp_path / "b"], capsys)
+        assert code == 0, err
+        assert want.format(asked) + f" --batch-size 4 asks for {4 * asked})" in out.splitlines()[0]
+    code, out, err = run([*args, "--eval-batches", 3, "--out", tmp_path / "c"], capsys)
     assert code == 0, err
     assert "validation:" not in out.splitlines()[0]
 

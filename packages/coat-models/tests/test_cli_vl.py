@@ -188,10 +188,12 @@ def test_llava_tiny_resumes_bit_for_bit(tmp_path, capsys):
                 "--out",
                 tmp_path / "t",
             ],
-            "(another model's task)",
+            "settings differ (model: checkpoint {'model': 'preset llava-tiny'",
         ),
     ]
     for argv, message in cases:
         code, _, err = run(argv, capsys)
         assert code == 2 and message in err and err.count("\n") == 1, err
+        if "tiny" in argv:  # its data differ as another model's task, not as a --data change
+            assert "(another model's task)" in err and "--data file" not in err, err
         assert "--model-dir " + str(final) not in err and "fine-tune" not in err, err

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import numbers
 from collections import OrderedDict, defaultdict
 from itertools import chain
@@ -31,9 +30,10 @@ _ADAMW_ONLY_KEYS = (
     "decoupled_weight_decay",
 )
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-# Param-group keys. Other optimizers' state-format settings (bitsandbytes' optim_bits, ...)
-# and near-misses of the keys below (a typo: "weight_decya") are refused, not ignored; any
-# other key (a label such as "name", timm's "lr_scale") is kept and never read, as torch does.
+# Param-group keys. Other optimizers' settings that change the update or the state format,
+# other names for the keys below and near-misses of them (a typo: "weight_decya") are
+# refused, not ignored; any other key (a label such as "name", timm's "lr_scale") is kept
+# and never read, as torch does.
 _OWN_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "maximize")
 # What torch.optim.AdamW itself puts in a group ("param_names" for named parameters) and
 # what torch's LR schedulers add (LRScheduler: initial_lr; OneCycleLR: max_lr, min_lr and,
@@ -42,10 +42,21 @@ _OWN_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "maximize")
 _TORCH_KEYS = (*_ADAMW_ONLY_KEYS, "param_names")
 _SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
 _GROUP_KEYS = frozenset(_OWN_KEYS + _TORCH_KEYS + _SCHEDULER_KEYS)
+# The keys whose near-misses are refused: those that change the update.
+_UPDATE_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize", "amsgrad",
+                "decoupled_weight_decay")  # fmt: skip
+# State-format settings of bitsandbytes, MS-AMP's LBAdamW and Transformer Engine's FusedAdam.
 _FOREIGN_KEYS = frozenset(
     ("optim_bits", "min_8bit_size", "percentile_clipping", "block_wise", "max_unorm",
-     "skip_zeros", "is_paged", "optim_dtype", "momentum_dtype", "variance_dtype")
+     "skip_zeros", "is_paged", "optim_dtype", "momentum_dtype", "variance_dtype",
+     "exp_avg_dtype", "exp_avg_sq_dtype", "master_weights", "master_weight_dtype")
 )  # fmt: skip
+# Other Adam implementations' switches, accepted at AdamW's value only (apex's and
+# DeepSpeed's FusedAdam: bias_correction, adam_w_mode; transformers' old AdamW: correct_bias).
+_ADAMW_VALUES = {"bias_correction": True, "adam_w_mode": True, "correct_bias": True}
+# Other names for ours (compared without case, "_", "-" or spaces).
+_SYNONYMS = {"learningrate": "lr", "epsilon": "eps", "wd": "weight_decay",
+             "beta1": "betas", "beta2": "betas"}  # fmt: skip
 # The keys a step need not look at again: ours, and others already found harmless.
 _KEYS_SEEN = set(_GROUP_KEYS)
 _STATE_KEYS = ("step", *_MOMENTS, *(m + sfx for m in _MOMENTS for sfx in PER_GROUP_SUFFIXES))
@@ -95,9 +106,10 @@ class CoatAdamW(torch.optim.Optimizer):
     first seen in its group (construction, ``load_state_dict`` or assignment of a new
     tensor), never after an in-place change such as a scheduler's ``fill_``: that would cost
     a device-to-host sync every step. A non-finite value written in place into a GPU ``lr``
-    makes every group of the step skip, which ``nonfinite_groups()`` counts. Unknown
-    param-group keys raise ``ValueError`` (those of ``torch.optim.AdamW`` and of torch's
-    LR schedulers are accepted).
+    makes every group of the step skip, which ``nonfinite_groups()`` counts. Param-group
+    keys of other optimizers' settings, other names for CoatAdamW's and near-misses of them
+    raise ``ValueError``, also when set after construction (at the next step); other keys
+    are kept and never read, as torch does.
 
     State per parameter (``optimizer.state[p]``): ``step`` (0-dim fp32 on p's device),
     ``exp_avg`` / ``exp_avg_sq`` (FP8 codes shaped like p), ``exp_avg_amax`` /
@@ -855,25 +867,62 @@ def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
 
 
 def _check_group_keys(group: dict) -> None:
-    """Refuse (``ValueError``) another optimizer's state-format key or a near-miss of a key
-    CoatAdamW or torch uses; remember the harmless rest (a step checks only new keys)."""
+    """Refuse (``ValueError``) another optimizer's setting, another name or a near-miss of a
+    key that changes the update; remember the harmless rest (a step checks only new keys)."""
     bad = []
-    for k in group:
+    for k, v in group.items():
         if k in _KEYS_SEEN:
             continue
-        if k in _FOREIGN_KEYS or (
-            isinstance(k, str) and difflib.get_close_matches(k, _GROUP_KEYS, n=1, cutoff=0.8)
-        ):
-            bad.append(str(k))
+        if k in _ADAMW_VALUES:
+            if v is not _ADAMW_VALUES[k]:
+                bad.append(f"{k!r} ({v!r}: CoatAdamW updates as {k}={_ADAMW_VALUES[k]} does)")
+            continue  # (not remembered: its value is checked at every step)
+        meant = _meant_key(k)
+        if k in _FOREIGN_KEYS:
+            bad.append(f"{k!r} (another optimizer's state format)")
+        elif meant is not None:
+            bad.append(f"{k!r} (did you mean {meant!r}?)")
         elif isinstance(k, str) and len(_KEYS_SEEN) < 1024:
             _KEYS_SEEN.add(k)
     if bad:
         raise ValueError(
-            f"unknown parameter-group key(s) {sorted(bad)}: CoatAdamW takes "
+            f"unknown parameter-group key(s) {', '.join(bad)}: CoatAdamW takes "
             f"{', '.join(_OWN_KEYS)} (and the keys torch.optim.AdamW and torch's LR schedulers "
             "add); the FP8 state format is set by config=CoatAdamWConfig(...); remove the "
             "key (from a state dict's param_groups too, to load it)"
         )
+
+
+def _meant_key(key) -> str | None:
+    """The key that changes the update which ``key`` looks like a slip for: the same letters
+    in another case or with other separators ("LR", "lr_", "WeightDecay"), another name
+    ("epsilon", "wd"), or, for the longer keys, one letter added, dropped, changed or two
+    swapped ("weight_decya", "maximise", "beta")."""
+    if not isinstance(key, str):
+        return None
+    k = "".join(c for c in key.lower() if c.isalnum())
+    if k in _SYNONYMS:
+        return _SYNONYMS[k]
+    for name in _UPDATE_KEYS:
+        n = name.replace("_", "")
+        if k == n or (len(n) > 3 and _one_slip(k, n)):
+            return name
+    return None
+
+
+def _one_slip(a: str, b: str) -> bool:
+    """Whether ``a`` is ``b`` with one letter added, dropped or changed, or two neighbours
+    swapped."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return a == b
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        return len(diff) == 1 or (
+            len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+            and a[diff[1]] == b[diff[0]]
+        )  # fmt: skip
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
 
 
 def _as_float(x):

@@ -227,13 +227,16 @@ def _graphs_note(cfgs: list[TrainConfig]) -> str:
 
 
 def _val_note(job, cfg: TrainConfig) -> str:
-    """Where the validation split holds fewer batches than --eval-batches asks for."""
-    have = len(job.tasks[0].val)
-    if have >= cfg.eval_batches:
+    """Where the validation split holds fewer sequences than --eval-batches x --batch-size
+    asks for (fewer batches, or a short last one)."""
+    batches = job.tasks[0].val
+    have = sum(len(b["input_ids"] if isinstance(b, dict) else b) for b in batches)
+    asked = cfg.eval_batches * cfg.batch_size
+    if have >= asked:
         return ""
     return (
-        f"; validation: {have} batches, all the split holds (--eval-batches {cfg.eval_batches} "
-        "asks for more)"
+        f"; validation: {have} sequences in {len(batches)} batches, all the split holds "
+        f"(--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size} asks for {asked})"
     )
 
 

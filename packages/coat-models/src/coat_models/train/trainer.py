@@ -1031,6 +1031,12 @@ def _model_key(describe):
     return d
 
 
+def _vision_language(describe) -> bool:
+    """Whether a run's model description is of a vision-language preset."""
+    label = describe.get("model") if isinstance(describe, dict) else None
+    return isinstance(label, str) and label.removeprefix("preset ") in VL_PRESETS
+
+
 def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, describe) -> None:
     """Refuse (``ResumeSettingsError``, naming each difference) to resume from checkpoint
     ``path`` whose ``recorded`` settings (``config``: its numerics, ``data``: the data's
@@ -1060,11 +1066,13 @@ def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, des
         # checkpoint resumed as a text one) has another task: its data differ with it.
         why = (
             "another model's task"
-            if "model" in diff
+            if _vision_language(recorded["describe"]) != _vision_language(describe)
             else "the --data file, --data-dtype, --val-fraction, --corpus-mib, the tokenizer "
             "or coat-train's tokenization changed"
         )
         diff["data"] = (f"tokens {recorded['data']}", f"{fingerprint} ({why})")
+    if "model" in diff:  # named first: the other differences follow from it
+        diff = {"model": diff.pop("model"), **diff}
     if diff:
         said = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
         # A run's schedule is fixed by its --steps: going on past them is a new run from the
