@@ -584,6 +584,30 @@ def _train_records(path) -> dict:
     return {r["step"]: r for r in recs if r["type"] == "train"}
 
 
+def test_a_run_seeds_numpy_and_python_as_it_seeds_torch(tmp_path, monkeypatch):
+    """--seed seeded torch only: numpy's and Python's global generators were as the process
+    left them, so model code drawing from them differed between runs of one seed."""
+    import random
+
+    import numpy as np
+    from coat_models.train import trainer
+
+    drawn = []
+    fit = trainer.Trainer.queue_step
+
+    def record(self, *args, **kwargs):
+        if self.step == 0:
+            drawn.append((float(np.random.random()), random.random()))
+        return fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.Trainer, "queue_step", record)
+    for seed, i in ((7, 0), (7, 1), (2**40 + 7, 2)):
+        np.random.seed(i)
+        random.seed(i)
+        _tiny_trainer(tmp_path / str(i), steps=1, seed=seed).fit()
+    assert drawn[0] == drawn[1] and drawn[0] != drawn[2]
+
+
 @pytest.mark.parametrize("written_by", ["this code", "older layout"])
 def test_resumed_runs_time_the_steps_they_name(tmp_path, written_by):
     """8 steps, a checkpoint at steps 4 and 8, resumed from each: the summary's tokens/s is

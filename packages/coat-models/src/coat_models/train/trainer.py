@@ -656,8 +656,12 @@ class Trainer:
         if on_start is not None:
             on_start()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        if resume is None:
-            torch.manual_seed(cfg.seed)  # whatever setup drew, every mode starts alike
+        if resume is None:  # whatever setup drew, every mode starts alike
+            torch.manual_seed(cfg.seed)
+            # numpy's and Python's too (nothing of coat-train draws from them, but a model's
+            # code may: transformers' set_seed seeds all three); a checkpoint carries them.
+            np.random.seed(divmod(cfg.seed, 2**32)[::-1])
+            random.seed(cfg.seed)
         self.tracker.reset_peak()
         self.meter.reset()
         first = self.step + 1
