@@ -453,6 +453,23 @@ def test_weights_alone_load_from_a_checkpoint_with_optimizer_state(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_ranks_given_different_checkpoint_paths_all_refuse_and_stay_in_step(runs):
+    """Rank 0 and rank 1 given two valid checkpoints loaded a silent mix of their shards; a
+    path missing on one rank raised there before the collective check, leaving the other
+    rank in it (gloo: 'Connection closed by peer'; a caller that went on paired it with its
+    next collective). helper-111's probe."""
+    _, _, got = runs
+    rank0, rank1 = got["wrong_paths"]
+    for said in (rank0, rank1):
+        assert said["different"].startswith("CheckpointError: the ranks were given different ")
+        assert "rank 0: " in said["different"] and "single_ckpt" in said["different"]
+        assert "rank 1: " in said["different"] and "fsdp_ckpt" in said["different"]
+        assert said["untouched"]
+    assert rank1["missing"].startswith("FileNotFoundError: ") and "no_such_ckpt" in rank1["missing"]
+    assert rank0["missing"].startswith("CheckpointError: ") and "no_such_ckpt" in rank0["missing"]
+
+
 def test_mismatched_checkpoint_gives_a_clear_error(runs):
     from coat_models.distributed import CheckpointMismatchError, load_checkpoint
 
@@ -661,6 +678,29 @@ def _worker(out: Path) -> None:
     messages = [None] * WORLD
     dist.all_gather_object(messages, message)
     res["mismatch"] = messages
+
+    # 4b. Ranks given different checkpoints, or a path that is there on one rank only: every
+    # rank raises (they loaded a mix of shards, or one rank left the others in a collective),
+    # nothing is loaded, and the ranks stay in step (the sections below run).
+    from coat_models.checkpoint import CheckpointError
+
+    model = shard_model(tiny_llama(seed=5))
+    opt = llama_optimizer(model)
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    said = {}
+    for case, other in (("different", "fsdp_ckpt"), ("missing", "no_such_ckpt")):
+        try:
+            load_checkpoint(out / ("single_ckpt" if rank == 0 else other), model, opt)
+            said[case] = "no error"
+        except (CheckpointError, FileNotFoundError) as e:
+            said[case] = f"{type(e).__name__}: {e}"
+    said["untouched"] = (
+        all(torch.equal(p.to_local(), before[n]) for n, p in model.named_parameters())
+        and not opt.state
+    )
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, said)
+    res["wrong_paths"] = gathered
 
     # 5. COAT Llama under DDP with bf16 autocast; CoatAdamW unchanged.
     ddp, opt = prepare_data_parallel(

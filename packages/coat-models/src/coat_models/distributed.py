@@ -539,31 +539,65 @@ def save_checkpoint(
 def verify_checkpoint(path) -> checkpoint.Manifest:
     """Check a ``save_checkpoint`` directory against its manifest before anything in it is
     read: exactly the listed files, each with its SHA-256. Every rank calls it; the ranks
-    share the hashing (rank r hashes files r, r + N, ...) and every rank raises the same
-    ``CheckpointError`` if any file differs. Returns the manifest.
+    share the hashing (rank r hashes files r, r + N, ...) and every rank raises if any file
+    differs, if a rank cannot read its path (that rank its own error, the others a
+    ``CheckpointError`` with its text) or if the ranks were given different checkpoints.
+    Returns the manifest.
 
     >>> verify_checkpoint("ckpt/step100").step
     100
     """
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if world == 1:
+        manifest = _read_dcp_manifest(path)
+        checkpoint.verify(Path(path), manifest, sorted(manifest.files))
+        return manifest
+    # Every rank reaches both collectives, whatever fails where: a rank that raised before
+    # them left the others waiting in theirs (or pairing it with a later collective), and
+    # ranks given different checkpoints loaded a mix of their shards without a word.
+    manifest, error = None, None
+    try:
+        manifest = _read_dcp_manifest(path)
+    except Exception as e:  # re-raised below, on every rank
+        error = e
+    said = [None] * world
+    mine = (str(error), None) if error is not None else (None, manifest.to_json())
+    dist.all_gather_object(said, (os.fspath(path), *mine))
+    _raise_first_problem(said, error)
+    if len({content for _, _, content in said}) > 1:
+        paths = ", ".join(f"rank {r}: {p}" for r, (p, _, _) in enumerate(said))
+        raise checkpoint.CheckpointError(
+            f"the ranks were given different checkpoints ({paths}): pass every rank the same one"
+        )
+    error = None
+    try:
+        checkpoint.verify(Path(path), manifest, sorted(manifest.files)[rank::world])
+    except Exception as e:
+        error = e
+    said = [None] * world
+    dist.all_gather_object(said, (os.fspath(path), None if error is None else str(error), None))
+    _raise_first_problem(said, error)
+    return manifest
+
+
+def _read_dcp_manifest(path) -> checkpoint.Manifest:
     manifest = checkpoint.read_manifest(Path(path))
     if manifest.kind != "dcp":
         raise checkpoint.CheckpointError(
             f"{path} was written by one process with torch.save (kind {manifest.kind!r}), not "
             "by save_checkpoint"
         )
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    problem = None
-    try:
-        checkpoint.verify(Path(path), manifest, sorted(manifest.files)[rank::world])
-    except checkpoint.CheckpointError as e:
-        problem = str(e)
-    if world > 1:
-        problems = [None] * world
-        dist.all_gather_object(problems, problem)
-        problem = next((p for p in problems if p is not None), None)
-    if problem is not None:
-        raise checkpoint.CheckpointError(problem)
     return manifest
+
+
+def _raise_first_problem(said: list, error: BaseException | None) -> None:
+    """After a gather of ``(path, problem or None, ...)`` from every rank: this rank's own
+    error as it was raised, else the first rank's problem as a ``CheckpointError``."""
+    if error is not None:
+        raise error
+    for _, problem, *_ in said:
+        if problem is not None:
+            raise checkpoint.CheckpointError(problem)
 
 
 # torch optimizers' implementation switches, which a loaded checkpoint does not change: they
