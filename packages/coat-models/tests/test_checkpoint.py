@@ -1,6 +1,7 @@
 """coat_models.checkpoint and the DCP helpers' checks: manifests, hashes, publish / prune /
 recover, and DCP metadata that can run no code."""
 
+import io
 import json
 import os
 import pickle
@@ -307,6 +308,62 @@ def test_dcp_data_whose_manifest_matches_runs_no_code(tmp_path, where):
         with pytest.raises(CheckpointError, match="holds more than data"):
             distributed.read_checkpoint_extra(path)
     assert not marker.exists()
+
+
+def test_dcp_extra_holding_objects_is_one_checkpoint_error(tmp_path):
+    """``save_checkpoint(extra={"e": <object>})``: refused on load with torch's own text,
+    which suggests ``weights_only=False`` (running the file's code); helper-112."""
+    model = torch.nn.Linear(8, 4)
+    marker = tmp_path / "code-ran"
+    distributed.save_checkpoint(tmp_path / "c", model, extra={"e": Payload(marker)})
+    for load in (lambda: distributed.load_checkpoint(tmp_path / "c", model),
+                 lambda: distributed.read_checkpoint_extra(tmp_path / "c")):  # fmt: skip
+        with pytest.raises(CheckpointError, match="extra of the checkpoint holds more than data"):
+            load()
+    assert not marker.exists()
+
+
+def test_dcp_metadata_asking_for_a_transform_is_refused(dcp_checkpoint):
+    """A ``.metadata`` (manifest to match) naming DCP's zstd stream transform for an item:
+    torch reads it back without a bound on what it expands to; save_checkpoint never
+    writes one (helper-112)."""
+    import dataclasses
+
+    path, model, opt = dcp_checkpoint
+    metadata = distributed._read_metadata(str(path))
+    index = next(iter(metadata.storage_data))
+    info = metadata.storage_data[index]
+    if not hasattr(info, "transform_descriptors"):
+        pytest.skip("this torch's DCP has no transforms")
+    metadata.storage_data[index] = dataclasses.replace(
+        info, transform_descriptors=["stream.zstd/1"]
+    )
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    checkpoint.write_manifest(path, kind="dcp", world_size=1, step=1, serial=1)
+    with pytest.raises(CheckpointError, match="asks for transforms .*stream.zstd"):
+        distributed.load_checkpoint(path, model, opt)
+
+
+def test_a_compressed_torch_archive_is_refused_before_loading(tmp_path):
+    """torch.load accepted a torch.save archive rewritten with deflated entries: a 262 KB
+    file made it allocate 256 MB (about 1000:1) before any other check (helper-112)."""
+    import zipfile
+
+    plain = tmp_path / "plain.pt"
+    torch.save({"x": torch.zeros(4096, dtype=torch.uint8)}, plain)
+    checkpoint.check_archive_stored(plain, "plain.pt")  # what torch.save writes passes
+    packed = tmp_path / "packed.pt"
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(packed, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info.filename))
+    assert packed.stat().st_size < plain.stat().st_size
+    with pytest.raises(CheckpointError, match="packed.pt holds compressed entries"):
+        checkpoint.check_archive_stored(packed, "packed.pt")
+    buffer = io.BytesIO(packed.read_bytes())
+    buffer.seek(3)
+    with pytest.raises(CheckpointError, match="compressed"):
+        checkpoint.check_archive_stored(buffer, "it")
+    assert buffer.tell() == 3  # (left where it was)
 
 
 def test_dcp_metadata_pointing_outside_the_checkpoint_is_refused(dcp_checkpoint, tmp_path):

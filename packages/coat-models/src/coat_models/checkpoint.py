@@ -270,6 +270,30 @@ def _parse(raw, path: Path) -> Manifest:
     return Manifest(kind, world, step, serial, files, info)
 
 
+def check_archive_stored(source, name) -> None:
+    """Refuse (``CheckpointError``) a ``torch.save`` archive (a path or a seekable file)
+    with a compressed entry: torch.save stores every entry as is, and a deflated one is a
+    way to make ``torch.load`` allocate about 1000 times the file's size (a 100 MB file asked
+    for 100 GB) before any other check. A file that is not a zip archive is left to
+    ``torch.load`` (which refuses it)."""
+    import zipfile
+
+    start = source.tell() if hasattr(source, "tell") else None
+    try:
+        with zipfile.ZipFile(source) as archive:
+            packed = [i.filename for i in archive.infolist() if i.compress_type]
+    except (zipfile.BadZipFile, OSError, ValueError):
+        packed = []
+    finally:
+        if start is not None:
+            source.seek(start)
+    if packed:
+        raise CheckpointError(
+            f"{name} holds compressed entries ({packed[0]}, ...), which torch.save never "
+            "writes: refused"
+        )
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

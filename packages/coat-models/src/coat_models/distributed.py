@@ -750,6 +750,13 @@ def _read_metadata(path: str):
             raise checkpoint.CheckpointError(
                 f"{metadata_path} places data in {name!r}, not a file of the checkpoint: refused"
             )
+        # save_checkpoint writes items as they are; a transform (DCP's zstd stream) read
+        # back without a bound on what it expands to.
+        if getattr(info, "transform_descriptors", None):
+            raise checkpoint.CheckpointError(
+                f"{metadata_path} asks for transforms {info.transform_descriptors!r} of its "
+                "data, which save_checkpoint never writes: refused"
+            )
     return metadata
 
 
@@ -808,17 +815,7 @@ def _planner_class():
         the manifest passed (anyone who can write the files can write a manifest)."""
 
         def load_bytes(self, read_item, value) -> None:
-            with torch.serialization.safe_globals([io.BytesIO]):  # (``extra``'s container)
-                try:
-                    loaded = torch.load(value, weights_only=True)
-                except pickle.UnpicklingError as e:
-                    # (torch's own text suggests weights_only=False: running the file's code)
-                    why = next((ln.strip() for ln in str(e).splitlines()
-                                if "Unsupported" in ln), "not plain data")  # fmt: skip
-                    raise checkpoint.CheckpointError(
-                        f"{read_item.dest_index.fqn} of the checkpoint holds more than data "
-                        f"({why}): refused"
-                    ) from None
+            loaded = _load_plain(value, read_item.dest_index.fqn)
             if self.flatten_state_dict:
                 fqn = self.mappings[read_item.dest_index.fqn]
                 set_element(self.original_state_dict, fqn, loaded)
@@ -852,7 +849,23 @@ def _extra(state: dict) -> dict | None:
     extra.seek(0)
     # Onto the CPU: DCP wrote one rank's copy, so a GPU tensor in it would come back on that
     # rank's GPU on every rank, and fail to load where that GPU does not exist.
-    return torch.load(extra, map_location="cpu", weights_only=True)
+    return _load_plain(extra, "extra", map_location="cpu")
+
+
+def _load_plain(value, name: str, **kw):
+    """``torch.load(weights_only=True)`` of one of the checkpoint's non-tensor items, or a
+    ``CheckpointError`` naming it (torch's own text for a refused pickle suggests
+    ``weights_only=False``: running the file's code)."""
+    checkpoint.check_archive_stored(value, f"{name} of the checkpoint")
+    with torch.serialization.safe_globals([io.BytesIO]):  # (``extra``'s container)
+        try:
+            return torch.load(value, weights_only=True, **kw)
+        except pickle.UnpicklingError as e:
+            why = next((ln.strip() for ln in str(e).splitlines()
+                        if "Unsupported" in ln), "not plain data")  # fmt: skip
+            raise checkpoint.CheckpointError(
+                f"{name} of the checkpoint holds more than data ({why}): refused"
+            ) from None
 
 
 def _check_against(saved: dict, state: dict, path: str, strict: bool) -> list[str]:

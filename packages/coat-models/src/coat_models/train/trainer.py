@@ -965,6 +965,7 @@ class Trainer:
     def _load_file(self, path: Path, device=None):
         """``torch.load(weights_only=True)`` of a verified file onto ``device`` (default: the
         run's), or a one-line error."""
+        checkpoint.check_archive_stored(path, path)
         try:
             with warnings.catch_warnings():
                 # torch warns of a pickle protocol torch.save does not write before refusing
