@@ -344,6 +344,32 @@ def test_dcp_metadata_asking_for_a_transform_is_refused(dcp_checkpoint):
         distributed.load_checkpoint(path, model, opt)
 
 
+def test_dcp_metadata_whose_chunks_cover_part_of_a_tensor_is_refused(dcp_checkpoint):
+    """A ``.metadata`` (manifest to match) whose chunk for a weight covers half its rows:
+    the load went through, the other half keeping the model's values (helper-112)."""
+    import dataclasses
+
+    path, model, opt = dcp_checkpoint
+    metadata = distributed._read_metadata(str(path))
+    meta = metadata.state_dict_metadata["model.0.weight"]
+    (chunk,) = meta.chunks
+    half = dataclasses.replace(chunk, sizes=torch.Size([chunk.sizes[0] // 2, chunk.sizes[1]]))
+    meta.chunks[0] = half
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    checkpoint.write_manifest(path, kind="dcp", world_size=1, step=1, serial=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    want = r"model.0.weight: its chunks do not cover its \(8, 8\) exactly"
+    with pytest.raises(CheckpointError, match=want):
+        distributed.load_checkpoint(path, model, opt)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # two chunks that overlap, adding up to the whole, are refused too
+    meta.chunks[:] = [half, half]
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    checkpoint.write_manifest(path, kind="dcp", world_size=1, step=1, serial=1)
+    with pytest.raises(CheckpointError, match="chunks do not cover"):
+        distributed.load_checkpoint(path, model, opt)
+
+
 def test_a_compressed_torch_archive_is_refused_before_loading(tmp_path):
     """torch.load accepted a torch.save archive rewritten with deflated entries: a 262 KB
     file made it allocate 256 MB (about 1000:1) before any other check (helper-112)."""

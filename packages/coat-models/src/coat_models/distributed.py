@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import math
 import os
 import pickle
 import warnings
@@ -868,6 +869,28 @@ def _load_plain(value, name: str, **kw):
             ) from None
 
 
+def _chunks_tile(meta) -> bool:
+    """Whether a tensor's saved chunks lie inside it, overlap nowhere and add up to all of
+    it (so every element is read from the checkpoint exactly once)."""
+    size = tuple(meta.size)
+    boxes, total = [], 0
+    for chunk in getattr(meta, "chunks", None) or []:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            return False
+        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, size, strict=True)):
+            return False
+        total += math.prod(sizes)
+        boxes.append((offsets, sizes))
+    if total != math.prod(size):
+        return False
+    return not any(
+        all(max(ao, bo) < min(ao + an, bo + bn) for ao, an, bo, bn in zip(*a, *b, strict=True))
+        for i, a in enumerate(boxes)
+        for b in boxes[i + 1 :]
+    )
+
+
 def _check_against(saved: dict, state: dict, path: str, strict: bool) -> list[str]:
     """Compare the checkpoint's metadata with the state we would load into; raise
     ``CheckpointMismatchError`` listing every difference. Returns the optimizer-state keys of
@@ -875,6 +898,7 @@ def _check_against(saved: dict, state: dict, path: str, strict: bool) -> list[st
     hyperparameters the saved optimizer had not (they keep this optimizer's values); a
     hyperparameter saved that this optimizer has not is not loaded."""
     problems: list[str] = []
+    corrupt: list[str] = []
 
     def describe(meta) -> str:
         size = getattr(meta, "size", None)
@@ -890,6 +914,8 @@ def _check_against(saved: dict, state: dict, path: str, strict: bool) -> list[st
             want = f"{tuple(value.shape)} {value.dtype}"
             if describe(meta) != want:
                 problems.append(f"{key}: checkpoint has {describe(meta)}, this run expects {want}")
+            elif not _chunks_tile(meta):  # (the rest kept this run's values, without a word)
+                corrupt.append(f"{key}: its chunks do not cover its {tuple(meta.size)}")
 
     for name, value in state["model"].items():
         if strict or f"model.{name}" in saved:
@@ -926,6 +952,11 @@ def _check_against(saved: dict, state: dict, path: str, strict: bool) -> list[st
             if key.startswith("optim.param_groups."):
                 continue  # one this optimizer has not (initial_lr without a scheduler)
             problems.append(f"{key}: in the checkpoint but not in this model/optimizer")
+    if corrupt:
+        raise checkpoint.CheckpointError(
+            f"{path}/.metadata is not one save_checkpoint wrote: {corrupt[0]} exactly"
+            + (f" (and {len(corrupt) - 1} more)" if len(corrupt) > 1 else "")
+        )
     if problems:
         shown = "\n  ".join(problems[:12])
         more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
