@@ -26,6 +26,9 @@
 #                                2 x 2 with --activation-checkpointing, then FSDP2 on one GPU
 #                                under torchrun (7B 1 x 4), two alternating pairs; first a host
 #                                probe. (Two phases: each fits one 10-minute device call.)
+#   scripts/gpu_bench.sh speed-ddp 1 GPU, ~4 min. The 125m preset under torchrun --ddp (one
+#                                process), bf16 vs coat in one run, eager (DDP's default) then
+#                                with --cuda-graphs; first a host probe.
 #   scripts/gpu_bench.sh accuracy     1 GPU, ~5 min. The 125m preset trained 2000 steps with bf16
 #                                and coat (bench_e2e_accuracy.py), checked against the golden
 #                                loss curves; exit status 1 when a check fails. ACC_SEEDS=3:
@@ -45,9 +48,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:-}
 case "$phase" in
-single | multi | check | speed-accum | speed-batch | speed-compile | speed-fsdp | accuracy) ;;
+single | multi | check | speed-accum | speed-batch | speed-compile | speed-fsdp | speed-ddp | accuracy) ;;
 *)
-  echo "usage: scripts/gpu_bench.sh single|multi|check|speed-accum|speed-batch|speed-compile|speed-fsdp|accuracy (see the top)" >&2
+  echo "usage: scripts/gpu_bench.sh single|multi|check|speed-accum|speed-batch|speed-compile|speed-fsdp|speed-ddp|accuracy (see the top)" >&2
   exit 2
   ;;
 esac
@@ -157,7 +160,7 @@ multi)
   head -30 "$r/profile.txt"
   tail -5 "$r/profile.log"
   ;;
-speed-accum | speed-batch | speed-compile | speed-fsdp)
+speed-accum | speed-batch | speed-compile | speed-fsdp | speed-ddp)
   G=(--eval-batches 1 --log-every 3 --no-progress --no-export)
   train() { # train NAME TIMEOUT ARGS...: coat-train into $r/NAME.txt
     local name=$1 t=$2
@@ -200,6 +203,16 @@ speed-accum | speed-batch | speed-compile | speed-fsdp)
     done
     runs="ac_eager ac_compile"
     runs="$runs fsdp1_compile fsdp1_eager fsdp2_compile fsdp2_eager"
+  elif [ "$phase" = speed-ddp ]; then
+    timeout 60 python3 $B/bench_e2e.py probe > "$r/probe.txt" 2>&1
+    D=(--ddp --preset 125m --compare bf16,coat --steps 60 --eval-batches 2 --no-progress --no-export)
+    for v in eager graphs; do
+      flag=()
+      [ "$v" = graphs ] && flag=(--cuda-graphs)
+      timeout 150 torchrun --standalone --nproc-per-node 1 -m coat_models.train.cli "${D[@]}" \
+        "${flag[@]}" --out "/tmp/speed-ddp-$v" > "$r/ddp_$v.txt" 2>&1
+    done
+    runs="ddp_eager ddp_graphs"
   else
     train mb2 150 "${L[@]}" --compare bf16,coat --batch-size 2 --steps 12 "${G[@]}"
     train mb2_eager 90 "${L[@]}" --mode coat --no-cuda-graphs --batch-size 2 --steps 12 "${G[@]}"

@@ -875,7 +875,10 @@ BAD_INPUTS = [
     (["--compare", "bf16,coat-optim", "--fp8-weight-cache"], "applies to modes with FP8 act"),
     # Path("") is the current directory: the run's files landed there
     (["--out", ""], "--out is empty: pass a directory"),
-    (["--mode", "coat", "--cuda-graphs", "--activation-checkpointing"], "runs in one process"),
+    (
+        ["--mode", "coat", "--cuda-graphs", "--activation-checkpointing"],
+        "runs without --fsdp and --activation-checkpointing",
+    ),
     (["--mode", "coat", "--cuda-graphs", "--device", "cpu"], "needs a CUDA device"),
     (["--mode", "coat", "--no-reshard-after-forward"], "is FSDP2's (sharded weights gathered"),
     (["--mode", "coat", "--compile", "--cuda-graphs"], "both take over the decoder layers"),

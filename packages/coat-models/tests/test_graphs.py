@@ -116,6 +116,7 @@ def _emulated(monkeypatch, model):
         state = graphs._STATES[owner]
         for layer in state["layers"]:
             layer.__dict__[graphs._GRAPHED] = graphs._LayerBody(layer)
+            layer.__dict__[graphs._PARAMS] = graphs._layer_params(layer)
         state["key"] = key
         calls.append(key)
 
@@ -167,6 +168,49 @@ def test_replay_rules_emulated_on_cpu(monkeypatch):
     _step_grads(model, ids)
     _step_grads(model, ids[:1])
     assert len(calls) == 3
+
+
+class _Wrapper(torch.nn.Module):
+    """What DDP's wrapper looks like to the graphs' API: the model as ``.module``."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def test_replays_read_through_a_ddp_style_wrapper(monkeypatch):
+    """Graphs enabled on the model, then the model wrapped (as DDP wraps it): replays pass
+    each layer's parameters themselves (the same bits as eager), and ``cuda_graph_replays``
+    / ``cuda_graphs_enabled`` / ``disable_cuda_graphs`` answer for the wrapper (coat-train's
+    summary asked the wrapper and said the graphs never ran)."""
+    ref = tiny_llama()
+    eager = apply_coat(copy.deepcopy(ref), config=NO_CACHE)
+    model = apply_coat(copy.deepcopy(ref), config=NO_CACHE)
+    _emulated(monkeypatch, model)
+    wrapped = _Wrapper(model)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    got, want = _step_grads(wrapped, ids), _step_grads(eager, ids)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    layer = graphs._coat_layers(model)[0]
+    assert layer.__dict__[graphs._PARAMS] == tuple(layer.parameters())
+    assert graphs.cuda_graph_replays(wrapped) == graphs.cuda_graph_replays(model) == 1
+    assert graphs.cuda_graphs_enabled(wrapped)
+    disable_cuda_graphs(wrapped)
+    assert not graphs.cuda_graphs_enabled(model) and graphs.cuda_graph_replays(wrapped) == 0
+
+
+def test_a_parameter_replaced_in_place_records_again():
+    """A parameter object swapped for another over the same storage: the replay would hand
+    the gradients to the old object, so the recording key changes."""
+    model = apply_coat(tiny_llama(), config=NO_CACHE)
+    layers = graphs._coat_layers(model)
+    before = graphs._signature(layers)
+    lin = layers[0].self_attn.q_proj
+    lin.weight = torch.nn.Parameter(lin.weight.data)  # same storage, another Parameter
+    assert graphs._signature(layers) != before
 
 
 def _train(model, stream, micro_batches: int, use_graphs: bool):

@@ -187,6 +187,57 @@ def test_gpu_trainer_cuda_graphs_same_losses(accum):
 
 
 @pytest.mark.gpu
+def test_gpu_ddp_trainer_cuda_graphs_same_losses(tmp_path):
+    """coat-train --ddp --cuda-graphs (one rank, NCCL): the same losses and weights as the
+    eager DDP run, bit for bit, with gradient accumulation (DDP's no_sync micro-batch, then
+    its bucket views taking the graphs' gradients over), and the graphs replayed."""
+    import torch.distributed as dist
+    from coat_models.graphs import cuda_graph_replays
+    from coat_models.train.data import load_data
+    from coat_models.train.presets import build_model, preset_config
+    from coat_models.train.trainer import Trainer
+
+    data = load_data(max_bytes=2**20)
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        runs = []
+        for graphs in (False, True):
+            cfg = TrainConfig(mode="coat", steps=3, batch_size=4, seq_len=128, grad_accum=2,
+                              eval_batches=1, cuda_graphs=graphs)  # fmt: skip
+            model = build_model(preset_config("tiny", data.vocab_size, max_seq=128),
+                                device=cuda, master_dtype=torch.float32, seed=0)  # fmt: skip
+            tr = Trainer(model, data, cfg, device=cuda, progress=False, strategy="ddp")
+            losses = [tr.run_step()["loss"] for _ in range(cfg.steps)]
+            inner = tr.model.module
+            params = [p.detach().clone() for p in inner.parameters()]
+            # The summary's "cuda_graphs" reads the replays through DDP's wrapper.
+            assert tr._graphs_replayed() is graphs
+            runs.append((losses, params, cuda_graph_replays(tr.model)))
+            tr.close()
+    finally:
+        dist.destroy_process_group()
+    (want, want_p, eager_replays), (got, got_p, replays) = runs
+    assert eager_replays == 0 and replays == 2 * 3  # every micro-batch of every step
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(got_p, want_p, strict=True))
+
+
+def test_cuda_graphs_refused_with_fsdp_only():
+    """--cuda-graphs runs under --ddp (parameters keep their storage); --fsdp (sharded
+    parameters move) and --activation-checkpointing are refused in one line."""
+    from coat_models.train import cli
+    from coat_models.train.args import UsageError
+
+    cuda = torch.device("cuda")
+    parse = cli.build_parser().parse_args
+    cli._check_cuda_graphs(parse(["--cuda-graphs", "--ddp"]), ["coat"], cuda, "ddp")
+    for argv, strategy in ((["--fsdp"], "fsdp"), (["--activation-checkpointing"], None)):
+        with pytest.raises(UsageError, match="--cuda-graphs runs without --fsdp and"):
+            cli._check_cuda_graphs(parse(["--cuda-graphs", *argv]), ["coat"], cuda, strategy)
+
+
+@pytest.mark.gpu
 def test_gpu_trainer_weight_cache_same_losses():
     """coat-train's default FP8 weight cache with gradient accumulation on the GPU: the same
     losses and weights, bit for bit, as casting every weight in every micro-batch."""

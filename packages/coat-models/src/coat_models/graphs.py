@@ -31,6 +31,12 @@ What a replay computes is what was recorded, so:
   ``zero_grad(set_to_none=False)``) first gives such parameters a copy of their own, which
   the replay's gradients are added to in place. Every micro-batch replays;
 
+Under ``DistributedDataParallel`` (enable the graphs on the model, then wrap it; parameters
+keep their storage there): the gradients' all-reduce stays outside the graphs, started by
+DDP's hooks as each replayed backward hands its gradients over; under ``no_sync()`` the
+micro-batch's gradients accumulate as above, and DDP's bucket views take them over at the
+synchronised one.
+
 The layer output carries no FP8 hand-over for the next layer (which quantizes its input
 itself: the same bits, one quantization more). Layer outputs (e.g. with
 ``output_hidden_states=True``) are the graphs' buffers too: valid until the next replay.
@@ -52,9 +58,9 @@ _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GRAPHED = "_coat_graphed"  # on each layer: the graphed callable, or None
 
 
-class _LayerBody(nn.Module):
-    """What is recorded: ``blocks.decoder_layer`` on ``(hidden, cos, sin)`` in the compute
-    dtype, no mask, no cache (the eager path's arguments for that case)."""
+class _Body(nn.Module):
+    """``blocks.decoder_layer`` on ``(hidden, cos, sin)`` in the compute dtype, no mask, no
+    cache (the eager path's arguments for that case)."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
@@ -73,6 +79,35 @@ class _LayerBody(nn.Module):
                 attn_kwargs={},
                 hand_over_output=False,
             )
+
+
+class _LayerBody:
+    """What is recorded: ``_Body`` as a function of ``(hidden, cos, sin, *params)``, the
+    layer's parameters (``_layer_params``) passed as arguments and put in place for the call.
+
+    The recording gets stand-ins of them (the same storage, new leaves), replays get the
+    parameters themselves (the same addresses: nothing is copied), whose gradients then
+    arrive through the replay's autograd node. Recorded with the parameters themselves,
+    the recording's backward would meet their gradient accumulators, and one made on
+    another stream (DDP makes them when it wraps the model, on the default stream) breaks
+    the capture (cudaErrorStreamCaptureImplicit). A plain callable, not a module: a
+    module's parameters would be recorded as themselves."""
+
+    def __init__(self, layer: nn.Module):
+        self.body = _Body(layer)
+        self.names = ["layer." + n for n, _ in layer.named_parameters()]
+
+    def __call__(self, hidden, cos, sin, *params):
+        given = dict(zip(self.names, params, strict=True))
+        return torch.func.functional_call(self.body, given, (hidden, cos, sin))
+
+
+_PARAMS = "_coat_graph_params"  # on each layer: its parameters as the graphs take them
+
+
+def _layer_params(layer: nn.Module) -> tuple:
+    """The layer's parameters in ``named_parameters()`` order (tied ones once)."""
+    return tuple(p for _, p in layer.named_parameters())
 
 
 def _coat_layers(model: nn.Module) -> list[nn.Module]:
@@ -107,7 +142,8 @@ def enable_cuda_graphs(model: nn.Module) -> nn.Module:
         if any(type(p.data) is not torch.Tensor for p in layer.parameters()):
             raise ValueError(
                 "enable_cuda_graphs needs plain parameters that keep their storage (FSDP and "
-                "other tensor subclasses re-gather or move them): use it on one process"
+                "other tensor subclasses re-gather or move them): use it on one process or "
+                "under DDP"
             )
         impl = layer.self_attn.config._attn_implementation
         if impl != "sdpa":
@@ -124,16 +160,28 @@ def enable_cuda_graphs(model: nn.Module) -> nn.Module:
     return model
 
 
-def cuda_graphs_enabled(model: nn.Module) -> bool:
-    """Whether ``enable_cuda_graphs(model)`` is in force (not undone by ``disable_cuda_graphs``)."""
+def _state(model: nn.Module) -> dict | None:
+    """The graphs' state of ``model``, or of the model a DDP (or DataParallel) wrapper holds
+    as ``.module`` when the graphs were enabled on that one."""
     state = _STATES.get(model)
+    inner = getattr(model, "module", None)
+    if state is None and isinstance(inner, nn.Module):
+        state = _STATES.get(inner)
+    return state
+
+
+def cuda_graphs_enabled(model: nn.Module) -> bool:
+    """Whether ``enable_cuda_graphs(model)`` is in force (not undone by
+    ``disable_cuda_graphs``); ``model`` may be the DDP wrapper of the model it was given."""
+    state = _state(model)
     return state is not None and state["enabled"]
 
 
 def cuda_graph_replays(model: nn.Module) -> int:
-    """Training forwards of ``model`` that ran its COAT layers from CUDA graphs since
-    ``enable_cuda_graphs`` (0 when graphs are off, or every call ran eagerly)."""
-    state = _STATES.get(model)
+    """Training forwards of ``model`` (or of the model its DDP wrapper holds) that ran its COAT
+    layers from CUDA graphs since ``enable_cuda_graphs`` (0 when graphs are off, or every
+    call ran eagerly)."""
+    state = _state(model)
     return 0 if state is None else state["gen"]
 
 
@@ -146,8 +194,12 @@ def _install(model: nn.Module, layers: list[nn.Module]) -> None:
 
 
 def disable_cuda_graphs(model: nn.Module) -> nn.Module:
-    """Drop the recorded graphs (and their memory pool); the layers run eagerly again."""
+    """Drop the recorded graphs (and their memory pool); the layers run eagerly again.
+    ``model``: the one given to ``enable_cuda_graphs``, or its DDP wrapper."""
     _STATES.pop(model, None)
+    inner = getattr(model, "module", None)
+    if isinstance(inner, nn.Module):
+        _STATES.pop(inner, None)
     for layer in _coat_layers(model):
         for attr in LAYER_KEYS:
             layer.__dict__.pop(attr, None)
@@ -157,7 +209,7 @@ def disable_cuda_graphs(model: nn.Module) -> nn.Module:
 
 # What a layer holds for its graphs (not copied by pickling or deepcopy: the graphs belong
 # to the original model's tensors).
-LAYER_KEYS = (_GRAPHED, "_coat_graph_owner")
+LAYER_KEYS = (_GRAPHED, "_coat_graph_owner", _PARAMS)
 
 
 def _signature(layers: list[nn.Module]) -> tuple:
@@ -166,7 +218,7 @@ def _signature(layers: list[nn.Module]) -> tuple:
     layer's FP8 config and op set, the objects themselves: compared by value and kept alive
     by the key (an id could be reused by a new object once the old one is freed)."""
     return tuple(
-        (layer.coat_config, layer.coat_ops, *((p.data_ptr(), p.dtype, p.requires_grad)
+        (layer.coat_config, layer.coat_ops, *((id(p), p.data_ptr(), p.dtype, p.requires_grad)
                                   for p in layer.parameters()))
         for layer in layers
     )  # fmt: skip
@@ -188,9 +240,11 @@ def _record(model: nn.Module, key: tuple, hidden, cos, sin) -> None:
     # Recording runs each layer a few times on random inputs: leave the RNG as it was.
     with torch.random.fork_rng(devices=[device]), torch.cuda.device(device):
         samples = []
-        for _ in layers:
+        for layer in layers:
             h = torch.randn(hidden.shape, device=device, dtype=hidden.dtype) * 0.02
-            samples.append((h.requires_grad_(), cos.detach().clone(), sin.detach().clone()))
+            stand_ins = (p.detach().requires_grad_(p.requires_grad) for p in _layer_params(layer))
+            samples.append((h.requires_grad_(), cos.detach().clone(), sin.detach().clone(),
+                            *stand_ins))  # fmt: skip
         # The recording's side stream creates the parameters' gradient accumulators, so
         # later backwards warn once of a stream mismatch (and wait on that idle stream). Making
         # them first on this stream breaks the capture instead (cudaErrorStreamCaptureImplicit).
@@ -200,6 +254,7 @@ def _record(model: nn.Module, key: tuple, hidden, cos, sin) -> None:
             )
     for layer, fn in zip(layers, graphed, strict=True):
         layer.__dict__[_GRAPHED] = fn
+        layer.__dict__[_PARAMS] = _layer_params(layer)
     state["key"] = key
 
 
@@ -310,7 +365,7 @@ def run_graphed(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs
     fn = layer.__dict__.get(_GRAPHED)
     if fn is None or state["key"] is None or state["key"][0] != shapes:
         return None
-    out = fn(hidden, cos, sin)
+    out = fn(hidden, cos, sin, *layer.__dict__[_PARAMS])
     if last:
         out = _Guard.apply(out, state, state["gen"])
         # Pending until its backward runs or its autograd graph is dropped.

@@ -252,7 +252,7 @@ def _check_cuda_graphs(args, modes, device, strategy) -> None:
             "--cuda-graphs records COAT's FP8 decoder layers: add a mode with FP8 "
             "activations (coat or coat-act)"
         )
-    if strategy is not None or args.activation_checkpointing:
+    if strategy == "fsdp" or args.activation_checkpointing:
         raise UsageError(CUDA_GRAPHS_ALONE)
     if device.type != "cuda":
         raise UsageError("--cuda-graphs needs a CUDA device (--device cuda)")

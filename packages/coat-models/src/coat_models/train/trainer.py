@@ -472,7 +472,7 @@ class Trainer:
                 f"strategy {strategy!r} needs torch.distributed: launch under torchrun and call "
                 "coat_models.distributed.init_distributed() first"
             )
-        if cfg.cuda_graphs and (strategy is not None or activation_checkpointing):
+        if cfg.cuda_graphs and (strategy == "fsdp" or activation_checkpointing):
             raise TrainError(CUDA_GRAPHS_ALONE)
         if not reshard_after_forward and strategy != "fsdp":
             raise TrainError(NO_RESHARD_WITHOUT_FSDP)
