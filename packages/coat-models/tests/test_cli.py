@@ -877,7 +877,7 @@ BAD_INPUTS = [
     (["--out", ""], "--out is empty: pass a directory"),
     (
         ["--mode", "coat", "--cuda-graphs", "--activation-checkpointing"],
-        "runs without --fsdp and --activation-checkpointing",
+        "runs neither with --fsdp nor with --activation-checkpointing",
     ),
     (["--mode", "coat", "--cuda-graphs", "--device", "cpu"], "needs a CUDA device"),
     (["--mode", "coat", "--no-reshard-after-forward"], "is FSDP2's (sharded weights gathered"),

@@ -202,6 +202,25 @@ def test_replays_read_through_a_ddp_style_wrapper(monkeypatch):
     assert not graphs.cuda_graphs_enabled(model) and graphs.cuda_graph_replays(wrapped) == 0
 
 
+def test_to_drops_the_recording(monkeypatch):
+    """``model.to(...)``: the recording (whose stand-ins share the old parameters' storage,
+    which would stay alive) is dropped, the graphs stay enabled, and the next graphed
+    forward records again."""
+    model = apply_coat(tiny_llama(), config=NO_CACHE)
+    calls = _emulated(monkeypatch, model)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    _step_grads(model, ids)
+    layers = graphs._coat_layers(model)
+    assert graphs._STATES[model]["key"] is not None and graphs._PARAMS in vars(layers[0])
+    model.to(torch.bfloat16)
+    assert graphs._STATES[model]["key"] is None and graphs.cuda_graphs_enabled(model)
+    assert all(vars(lyr)[graphs._GRAPHED] is None and graphs._PARAMS not in vars(lyr)
+               for lyr in layers)  # fmt: skip
+    model.to(torch.float32)
+    _step_grads(model, ids)
+    assert len(calls) == 2
+
+
 def test_a_parameter_replaced_in_place_records_again():
     """A parameter object swapped for another over the same storage: the replay would hand
     the gradients to the old object, so the recording key changes."""

@@ -233,7 +233,7 @@ def test_cuda_graphs_refused_with_fsdp_only():
     parse = cli.build_parser().parse_args
     cli._check_cuda_graphs(parse(["--cuda-graphs", "--ddp"]), ["coat"], cuda, "ddp")
     for argv, strategy in ((["--fsdp"], "fsdp"), (["--activation-checkpointing"], None)):
-        with pytest.raises(UsageError, match="--cuda-graphs runs without --fsdp and"):
+        with pytest.raises(UsageError, match="--cuda-graphs runs neither with --fsdp nor with"):
             cli._check_cuda_graphs(parse(["--cuda-graphs", *argv]), ["coat"], cuda, strategy)
 
 

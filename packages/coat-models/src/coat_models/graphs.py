@@ -34,8 +34,11 @@ What a replay computes is what was recorded, so:
 Under ``DistributedDataParallel`` (enable the graphs on the model, then wrap it; parameters
 keep their storage there): the gradients' all-reduce stays outside the graphs, started by
 DDP's hooks as each replayed backward hands its gradients over; under ``no_sync()`` the
-micro-batch's gradients accumulate as above, and DDP's bucket views take them over at the
-synchronised one.
+micro-batch's gradients accumulate as above, and at the synchronised one DDP takes them into
+its buckets (with ``gradient_as_bucket_view=True``, ``wrap_ddp``'s, the bucket views become
+the ``.grad``s; without it DDP copies the result back into ``.grad``, which the next replay's
+``_own_grads`` then copies as above). With ``zero_grad(set_to_none=False)`` under DDP the
+layers' gradients are copied once per step.
 
 The layer output carries no FP8 hand-over for the next layer (which quantizes its input
 itself: the same bits, one quantization more). Layer outputs (e.g. with
@@ -161,8 +164,9 @@ def enable_cuda_graphs(model: nn.Module) -> nn.Module:
 
 
 def _state(model: nn.Module) -> dict | None:
-    """The graphs' state of ``model``, or of the model a DDP (or DataParallel) wrapper holds
-    as ``.module`` when the graphs were enabled on that one."""
+    """The graphs' state of ``model``, or of the model a DDP wrapper holds as ``.module``
+    when the graphs were enabled on that one (inward only: enabled on the wrapper, the
+    wrapped model answers for itself)."""
     state = _STATES.get(model)
     inner = getattr(model, "module", None)
     if state is None and isinstance(inner, nn.Module):
@@ -212,11 +216,29 @@ def disable_cuda_graphs(model: nn.Module) -> nn.Module:
 LAYER_KEYS = (_GRAPHED, "_coat_graph_owner", _PARAMS)
 
 
+def drop_recording(layer: nn.Module) -> None:
+    """Drop the recording of the model that ``layer`` belongs to (one memory pool holds all
+    its layers' graphs), keeping the graphs enabled: the next graphed training forward
+    records again. A recording holds stand-ins sharing the parameters' storage, so
+    ``model.to(...)`` (``nn.Module._apply``, which a COAT layer forwards here first) would
+    otherwise keep every layer's old weights alive until then."""
+    ref = layer.__dict__.get("_coat_graph_owner")
+    owner = None if ref is None else ref()
+    state = None if owner is None else _STATES.get(owner)
+    if state is None or state["key"] is None:
+        return
+    state["key"] = None
+    for each in state["layers"]:
+        each.__dict__[_GRAPHED] = None
+        each.__dict__.pop(_PARAMS, None)
+
+
 def _signature(layers: list[nn.Module]) -> tuple:
-    """What a recording depends on besides the input shapes: every parameter's storage,
-    dtype and requires_grad (``.to()``, ``.data =``, unfreezing record again) and each
-    layer's FP8 config and op set, the objects themselves: compared by value and kept alive
-    by the key (an id could be reused by a new object once the old one is freed)."""
+    """What a recording depends on besides the input shapes: every parameter (the object,
+    by id: the recording keeps the objects alive in ``_PARAMS``, so an id is not reused
+    while it stands), its storage, dtype and requires_grad (``.to()``, ``.data =``, a new
+    Parameter, unfreezing record again) and each layer's FP8 config and op set, the objects
+    themselves: compared by value and kept alive by the key."""
     return tuple(
         (layer.coat_config, layer.coat_ops, *((id(p), p.data_ptr(), p.dtype, p.requires_grad)
                                   for p in layer.parameters()))
@@ -245,9 +267,9 @@ def _record(model: nn.Module, key: tuple, hidden, cos, sin) -> None:
             stand_ins = (p.detach().requires_grad_(p.requires_grad) for p in _layer_params(layer))
             samples.append((h.requires_grad_(), cos.detach().clone(), sin.detach().clone(),
                             *stand_ins))  # fmt: skip
-        # The recording's side stream creates the parameters' gradient accumulators, so
-        # later backwards warn once of a stream mismatch (and wait on that idle stream). Making
-        # them first on this stream breaks the capture instead (cudaErrorStreamCaptureImplicit).
+        # The recording differentiates stand-ins of the parameters (_LayerBody): their
+        # gradient accumulators are made on the recording's side stream; the parameters'
+        # own are made (or were, by DDP) on the caller's stream, which replays use.
         with torch.autocast("cuda", enabled=False), torch.enable_grad():
             graphed = torch.cuda.make_graphed_callables(
                 tuple(_LayerBody(layer) for layer in layers), tuple(samples)

@@ -640,6 +640,12 @@ class _CoatDecoderLayer(_CoatMixin):
             )
         return to_dtype(out, dtype)
 
+    def _apply(self, fn, recurse=True):
+        # .to(), .cuda(), .half(), ...: a CUDA-graph recording holds stand-ins of the old
+        # parameters' storage; drop it so that the storage can go (recorded again on use).
+        graphs.drop_recording(self)
+        return super()._apply(fn, recurse)
+
     def extra_repr(self) -> str:
         ops = ", ops=own" if "coat_ops" in self.__dict__ else ""
         return f"coat={self.coat_config}{ops}"

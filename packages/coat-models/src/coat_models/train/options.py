@@ -27,8 +27,8 @@ PRESET_FIELDS = ("batch_size", "seq_len", "steps", "lr", "warmup", "eval_every",
 STDLIB_MAX_BYTES = 32 * 2**20  # the built-in corpus's default cap (data.py)
 # Refusals that the command line and Trainer both make.
 CUDA_GRAPHS_ALONE = (
-    "--cuda-graphs runs without --fsdp and --activation-checkpointing (sharded parameters "
-    "move; checkpointed layers run eagerly): drop one of them"
+    "--cuda-graphs runs neither with --fsdp nor with --activation-checkpointing (sharded "
+    "parameters move; checkpointed layers run eagerly): drop one of them"
 )
 COMPILE_OR_GRAPHS = "--compile and --cuda-graphs both take over the decoder layers: choose one"
 NO_RESHARD_WITHOUT_FSDP = (
@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="FP8 activations on CUDA: replay the COAT decoder layers as CUDA graphs (faster "
         "when the host cannot keep up; same numbers; the graphs' pool costs memory); other "
-        "modes of --compare run as usual; with --ddp when asked for (default: on with one CUDA "
-        "GPU, without --activation-checkpointing or --fp8-weight-cache)",
+        "modes of --compare run as usual; under --ddp when asked for (default: on in one process "
+        "on a CUDA GPU, without --activation-checkpointing, --fp8-weight-cache or --compile)",
     )
     r.add_argument(
         "--compile",
