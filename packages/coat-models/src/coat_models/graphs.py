@@ -267,9 +267,9 @@ def _record(model: nn.Module, key: tuple, hidden, cos, sin) -> None:
             stand_ins = (p.detach().requires_grad_(p.requires_grad) for p in _layer_params(layer))
             samples.append((h.requires_grad_(), cos.detach().clone(), sin.detach().clone(),
                             *stand_ins))  # fmt: skip
-        # The recording differentiates stand-ins of the parameters (_LayerBody): their
-        # gradient accumulators are made on the recording's side stream; the parameters'
-        # own are made (or were, by DDP) on the caller's stream, which replays use.
+        # The recording differentiates stand-ins of the parameters (_LayerBody), never the
+        # parameters' own gradient accumulators (DDP makes those when it wraps the model).
+        # The first graphed backward still warns once of an accumulator's stream mismatch.
         with torch.autocast("cuda", enabled=False), torch.enable_grad():
             graphed = torch.cuda.make_graphed_callables(
                 tuple(_LayerBody(layer) for layer in layers), tuple(samples)
