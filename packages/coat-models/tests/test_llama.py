@@ -616,6 +616,22 @@ def test_compile_layers_and_cuda_graphs_refuse_each_other():
     torch._dynamo.reset()
 
 
+def test_compile_layers_refused_where_a_wrapper_has_the_graphs():
+    """Graphs enabled on a wrapper of the model (as around DDP): compiling the model itself
+    is refused too (it asked the model, which answered that its graphs were off)."""
+    from coat_models import compile_layers, graphs
+    from fp8_activations import FP8ActivationConfig
+
+    model = apply_coat(tiny_llama(), config=FP8ActivationConfig(weight_cache=False))
+    wrapper = torch.nn.ModuleDict({"module": model})
+    graphs._install(wrapper, graphs._coat_layers(wrapper))  # enable_cuda_graphs, on CPU
+    with pytest.raises(ValueError, match="replay CUDA graphs"):
+        compile_layers(model, backend="aot_eager")
+    graphs.disable_cuda_graphs(wrapper)
+    compile_layers(model, backend="aot_eager")  # accepted once the graphs are off
+    torch._dynamo.reset()
+
+
 def test_compile_layers_inductor_options():
     """With Inductor (the default backend) and no mode, compile_layers asks for eager's bf16
     rounding; options given win, and another backend or a mode gets none."""

@@ -85,10 +85,11 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
             f"{type(model).__name__} has no transformer layers (transformers' "
             "GradientCheckpointingLayer) to compile: compile it with torch.compile instead"
         )
-    if graphs.cuda_graphs_enabled(model):
+    if any(graphs.layer_graphed(layer) for layer in layers):
+        # (by layer: the graphs may have been enabled on a wrapper of this model)
         raise ValueError(
             "compile_layers: the model's COAT layers replay CUDA graphs; both take over the "
-            "layers: call disable_cuda_graphs(model) first"
+            "layers: call disable_cuda_graphs on the model they were enabled on first"
         )
     if any(getattr(layer, COMPILED, False) for layer in layers):
         raise ValueError("compile_layers: the model's layers are compiled already")

@@ -181,6 +181,20 @@ def cuda_graphs_enabled(model: nn.Module) -> bool:
     return state is not None and state["enabled"]
 
 
+def _layer_state(layer: nn.Module) -> dict | None:
+    """The graphs' state of the model (or wrapper) that ``enable_cuda_graphs`` gave
+    ``layer`` to, or None."""
+    ref = layer.__dict__.get("_coat_graph_owner")
+    owner = None if ref is None else ref()
+    return None if owner is None else _STATES.get(owner)
+
+
+def layer_graphed(layer: nn.Module) -> bool:
+    """Whether ``layer`` belongs to a model (or a wrapper of it) whose CUDA graphs are on."""
+    state = _layer_state(layer)
+    return state is not None and state["enabled"]
+
+
 def cuda_graph_replays(model: nn.Module) -> int:
     """Training forwards of ``model`` (or of the model its DDP wrapper holds) that ran its COAT
     layers from CUDA graphs since ``enable_cuda_graphs`` (0 when graphs are off, or every
@@ -222,9 +236,7 @@ def drop_recording(layer: nn.Module) -> None:
     records again. A recording holds stand-ins sharing the parameters' storage, so
     ``model.to(...)`` (``nn.Module._apply``, which a COAT layer forwards here first) would
     otherwise keep every layer's old weights alive until then."""
-    ref = layer.__dict__.get("_coat_graph_owner")
-    owner = None if ref is None else ref()
-    state = None if owner is None else _STATES.get(owner)
+    state = _layer_state(layer)
     if state is None or state["key"] is None:
         return
     state["key"] = None
