@@ -46,3 +46,13 @@ def test_create_graph_with_a_constant_output_gradient_raises(name):
     w = (torch.randn(K, K, generator=g) / K**0.5).requires_grad_()
     with pytest.raises(RuntimeError, match="differentiable once.*create_graph=True"):
         torch.autograd.grad(OPS[name](x, w).sum(), x, create_graph=True)
+
+
+def test_residual_add_is_differentiated_twice():
+    """``residual_add`` saves nothing FP8: its second-order gradient is exact (the README
+    says so), here d2/dx2 of sum((x + 2x)^2) = 18 per element."""
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    (g,) = torch.autograd.grad(fa.residual_add(x, 2 * x).square().sum(), x, create_graph=True)
+    torch.testing.assert_close(g, 18 * x, rtol=0, atol=1e-5)
+    (gg,) = torch.autograd.grad(g.sum(), x)
+    assert torch.equal(gg, torch.full_like(x, 18.0))

@@ -88,3 +88,23 @@ def test_saved_bytes(name, op_checks):
     """Exactly 1 B/elem + 4 B per 16 elements per saved input, at most 0.63x the eager BF16
     op's (``_saved_bytes`` in conftest.py)."""
     op_checks.saved_bytes(CASES[name])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_eps_none_is_torchs(dtype, backend):
+    """``eps=None`` (``nn.RMSNorm()``'s default): the epsilon ``F.rms_norm`` uses, fp32's for
+    half inputs, not bf16's own 2**-7, which moved rows of rms 0.03-0.1 by 28-65%: the
+    forward values are torch's (the output is rounded to x's dtype once in both), in the
+    functional op and a converted ``nn.RMSNorm``."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 64, generator=g) * 0.05).to(dtype).requires_grad_()
+    w = (torch.rand(64, generator=g) + 0.5).to(dtype)
+    cfg = fa.FP8ActivationConfig(backend=backend)
+    want = F.rms_norm(x.detach(), (64,), w, None)
+    tol = {"atol": 0, "rtol": 1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-6}
+    torch.testing.assert_close(fa.rms_norm(x, w, None, cfg), want, **tol)
+    norm = torch.nn.RMSNorm(64, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    conv = fa.convert_to_fp8_activations(torch.nn.Sequential(norm), config=cfg)
+    torch.testing.assert_close(conv(x), want, **tol)
