@@ -685,6 +685,18 @@ def test_header_says_when_the_validation_split_is_shorter_than_eval_batches(tmp_
     assert "validation:" not in out.splitlines()[0]
 
 
+def test_validation_note_counts_in_the_singular():
+    """One sequence in one batch is said so ("1 sequences in 1 batches" before)."""
+    from types import SimpleNamespace
+
+    from coat_models.train import cli
+    from coat_models.train.trainer import TrainConfig
+
+    job = SimpleNamespace(tasks=[SimpleNamespace(val=[torch.zeros(1, 8, dtype=torch.long)])])
+    note = cli._val_note(job, TrainConfig(eval_batches=2, batch_size=4))
+    assert note.startswith("; validation: 1 sequence in 1 batch, all the split holds ("), note
+
+
 @pytest.mark.parametrize(
     ("every", "want"), [(2, ["step_0000002", "step_0000003"]), (9, ["step_0000003"])]
 )

@@ -158,6 +158,25 @@ def test_config_cuda_graphs_needs_fp8_activations_without_weight_cache():
     assert "cuda_graphs" not in cfg.numerics()
 
 
+@pytest.mark.parametrize("mode", ["bf16", "coat-optim", "coat", "coat-act"])
+def test_compile_is_a_numeric_setting_without_fp8_activations(mode):
+    """--compile changes the numbers of the modes without FP8 activations (Inductor fuses
+    their bf16 autocast ops: a resumed eager bf16 run that added --compile went on with other
+    losses, accepted without a word; helper-115), not those of the COAT layers (compiled to
+    eager's bits): a resume must keep it only where it changes the numbers."""
+    from coat_models.train.trainer import ResumeSettingsError, check_settings
+
+    eager, compiled = TrainConfig(mode=mode), TrainConfig(mode=mode, compile=True)
+    recorded = {"config": eager.numerics(), "data": "d", "describe": {"model": "preset tiny"}}
+    if mode in ("bf16", "coat-optim"):
+        assert eager.numerics()["compile"] is False and compiled.numerics()["compile"] is True
+        with pytest.raises(ResumeSettingsError, match="compile"):
+            check_settings("ckpt", recorded, compiled, "d", {"model": "preset tiny"})
+    else:
+        assert "compile" not in compiled.numerics()
+        check_settings("ckpt", recorded, compiled, "d", {"model": "preset tiny"})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("accum", [1, 2])
 def test_gpu_trainer_cuda_graphs_same_losses(accum):
@@ -820,7 +839,8 @@ def test_checkpoint_without_valid_totals_is_refused(tmp_path):
 
 def test_non_finite_loss_is_reported_at_the_next_read_naming_its_step(tmp_path):
     """A NaN loss at step 5 (not a log point) stops the run when step 8 is read; the error
-    names step 5, and the steps before it are in metrics.jsonl."""
+    names step 5, and metrics.jsonl holds the steps before it and step 5 itself, its loss
+    null (the README's "a diverged run's last record"; it was left out)."""
     from coat_models.train.trainer import TrainError
 
     tr = _tiny_trainer(tmp_path, steps=40, log_every=10)
@@ -833,8 +853,9 @@ def test_non_finite_loss_is_reported_at_the_next_read_naming_its_step(tmp_path):
     with pytest.raises(TrainError, match=r"the loss became nan at step 5 \(read at step 8\)"):
         tr.fit()
     assert tr.step == 8
-    recs = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in recs] == [1, 2, 3, 4]
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+    assert recs[-1]["loss"] is None and all(r["loss"] is not None for r in recs[:-1])
     tr.close()
 
 
@@ -1285,6 +1306,7 @@ def test_non_finite_gradient_norm_ends_the_run_before_a_checkpoint(tmp_path, mod
     with pytest.raises(TrainError, match=r"the gradient norm became nan at step 5: lower --lr"):
         tr.fit()
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]  # step 5 logged, its norm null
+    assert recs[-1]["grad_norm"] is None and recs[-1]["loss"] is not None
     assert not tr.ckpt_dir.exists() or not any(tr.ckpt_dir.iterdir())
     tr.close()

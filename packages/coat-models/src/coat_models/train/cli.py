@@ -234,8 +234,9 @@ def _val_note(job, cfg: TrainConfig) -> str:
     asked = cfg.eval_batches * cfg.batch_size
     if have >= asked:
         return ""
+    seqs, n = f"{have} sequence{'s' * (have != 1)}", len(batches)
     return (
-        f"; validation: {have} sequences in {len(batches)} batches, all the split holds "
+        f"; validation: {seqs} in {n} batch{'es' * (n != 1)}, all the split holds "
         f"(--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size} asks for {asked})"
     )
 

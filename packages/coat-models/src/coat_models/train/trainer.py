@@ -196,9 +196,15 @@ class TrainConfig:
         return self.batch_size * self.seq_len * self.grad_accum
 
     def numerics(self) -> dict:
-        """The fields a resumed run must share with the run that wrote the checkpoint."""
+        """The fields a resumed run must share with the run that wrote the checkpoint.
+        ``compile`` too where the mode has no FP8 activations: compiled, its bf16 autocast
+        ops are fused by Inductor and round otherwise than eagerly (the COAT layers compile
+        to eager's bits)."""
         fields = dataclasses.asdict(self)
-        return {k: v for k, v in fields.items() if k not in self.NOT_NUMERICS}
+        out = {k: v for k, v in fields.items() if k not in self.NOT_NUMERICS}
+        if not MODES[self.mode][0]:
+            out["compile"] = self.compile
+        return out
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
@@ -745,11 +751,11 @@ class Trainer:
         measured = self._max(self.meter.peak())  # per rank: the largest
         tracked = self._max(self.tracker.peak)  # of the steps counted so far
         for rec in recs:
-            if not finite(rec):  # before anything of this step is saved
-                raise loss_error(self.cfg.mode, self.cfg.lr, rec, self.step)
             rec["mem_tracked_peak"] = tracked
             rec["mem_measured_peak"] = measured
-            metrics.write({"type": "train", **rec})
+            metrics.write({"type": "train", **rec})  # a diverged step's too (null where nan)
+            if not finite(rec):  # before anything of this step is saved
+                raise loss_error(self.cfg.mode, self.cfg.lr, rec, self.step)
             self.train_losses.append(rec["loss"])
         if recs[0]["step"] > first:  # the first step of a process warms up alone
             t = self.totals["counting" if counting else "timed"]
