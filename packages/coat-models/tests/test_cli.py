@@ -1458,6 +1458,24 @@ def test_resuming_one_mode_of_a_comparison_says_its_report_is_replaced(tmp_path,
         "rebuilds the comparison" in err  # fmt: skip
 
 
+def test_a_fresh_run_of_fewer_modes_says_its_report_replaces_the_comparison(tmp_path, capsys):
+    """A fresh run of one mode into an --out whose report compared two (the other mode's
+    run finished, no checkpoints): it says that summary.json and loss.png will cover this
+    mode alone and that the other mode's files stay (it was replaced without a word;
+    helper-115). A fresh run of the same modes says nothing."""
+    args = ["--steps", 2, "--no-export", "--out", tmp_path, *FAST]
+    assert run(["--compare", "bf16,coat", *args], capsys)[0] == 0
+    code, _, err = run(["--compare", "bf16,coat", *args], capsys)
+    assert code == 0 and "note:" not in err, err
+    code, _, err = run(["--mode", "coat", *args], capsys)
+    assert code == 0, err
+    assert (
+        f"note: {tmp_path / 'summary.json'} compares bf16, coat; this run replaces it "
+        f"and loss.png with a report of coat (the files of bf16 in {tmp_path} stay)" in err
+    )
+    assert (tmp_path / "bf16" / "summary.json").is_file()
+
+
 # ---------------------------------------------------------------- probe of the CLI
 @pytest.mark.parametrize("modes", [["--compare", "bf16,coat"], ["--mode", "bf16"]])
 def test_a_model_dir_inside_a_mode_directory_it_replaces_is_refused(tmp_path, capsys, modes):

@@ -225,6 +225,7 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
         for mode in modes:
             if checkpoint.has_checkpoints(out / mode / "checkpoints"):
                 raise _earlier_run(out / mode)
+        _note_narrower_report(out, modes, fresh=True)
     elif args.resume == "latest":
         _check_resumable(out, modes)
         _note_narrower_report(out, modes)
@@ -313,13 +314,24 @@ def _check_elsewhere(ckpt: Path, mode_dir: Path) -> None:
         )
 
 
-def _note_narrower_report(out: Path, modes: list[str]) -> None:
+def _note_narrower_report(out: Path, modes: list[str], fresh: bool = False) -> None:
     """Say so when plain ``--resume`` of fewer modes than ``--out``'s report compared will
-    replace that report with theirs (the other modes' files stay), and how to rebuild it."""
+    replace that report with theirs (the other modes' files stay), and how to rebuild it;
+    ``fresh``: a new run whose modes leave out some of the report's."""
     try:
         runs = json.loads((out / "summary.json").read_text())["runs"]
         there = [r["mode"] for r in runs]
     except (OSError, ValueError, KeyError, TypeError):
+        return
+    if fresh:
+        others = [m for m in there if m not in modes]
+        if others:
+            say(
+                f"{PROG}: note: {out / 'summary.json'} compares {', '.join(there)}; this run "
+                f"replaces it and loss.png with a report of {', '.join(modes)} (the files of "
+                f"{', '.join(others)} in {out} stay)",
+                file=sys.stderr,
+            )
         return
     if set(there) <= set(modes) or not set(modes) <= set(there):
         return
