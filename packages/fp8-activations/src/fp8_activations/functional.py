@@ -96,6 +96,8 @@ def _check_float(x, name: str) -> None:
                 else ""
             )  # fmt: skip
         )
+    if x.layout is not torch.strided:  # (torch's "reshape is not implemented for sparse")
+        raise TypeError(f"{name} must be a dense tensor, got layout {x.layout}: pass .to_dense()")
 
 
 def _check_like(
