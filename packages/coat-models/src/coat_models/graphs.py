@@ -181,12 +181,16 @@ def cuda_graphs_enabled(model: nn.Module) -> bool:
     return state is not None and state["enabled"]
 
 
-def _layer_state(layer: nn.Module) -> dict | None:
-    """The graphs' state of the model (or wrapper) that ``enable_cuda_graphs`` gave
-    ``layer`` to, or None."""
+def _owner_state(layer: nn.Module) -> tuple:
+    """``(owner, state)``: the model (or wrapper) that ``enable_cuda_graphs`` gave ``layer``
+    to and its graphs' state, each None where there is none."""
     ref = layer.__dict__.get("_coat_graph_owner")
     owner = None if ref is None else ref()
-    return None if owner is None else _STATES.get(owner)
+    return owner, None if owner is None else _STATES.get(owner)
+
+
+def _layer_state(layer: nn.Module) -> dict | None:
+    return _owner_state(layer)[1]
 
 
 def layer_graphed(layer: nn.Module) -> bool:
@@ -370,9 +374,7 @@ def _on_gpu(hidden) -> bool:
 
 def run_graphed(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
     """The layer's output from its graph, or None when this call must run eagerly."""
-    ref = layer.__dict__.get("_coat_graph_owner")
-    owner = None if ref is None else ref()
-    state = None if owner is None else _STATES.get(owner)
+    owner, state = _owner_state(layer)
     if state is None or not state["enabled"]:
         return None
     layers = state["layers"]
