@@ -132,9 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Checks of one option at a time are its type's; those of several options, run()'s.
     p = OneLineParser(
         prog=PROG,
-        description="Train a Llama-family causal LM with BF16 and/or COAT FP8 (activations and "
-        "optimizer states) on the same data, seed and schedule, and compare loss, speed and "
-        "memory. Defaults: --preset tiny on the Python standard library's own source.",
+        description="Train a Llama-family causal LM (or a LLaVA-style vision-language preset) with "
+        "BF16 and/or COAT FP8 (activations and optimizer states) on the same data, seed and "
+        "schedule, and compare loss, speed and memory. Defaults: --preset tiny on the Python "
+        "standard library's own source.",
         epilog="example: coat-train --preset tiny --compare bf16,coat --out runs/demo",
     )
     m = p.add_argument_group("model")
@@ -144,11 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="Llama shape built in code, random init (default: tiny); llava-tiny and vila-7b: "
         "LLaVA-style vision-language models trained on a generated shapes-caption task",
     )
-    m.add_argument("--model-dir", help="Hugging Face config or checkpoint directory on disk")
+    m.add_argument(
+        "--model-dir",
+        help="Hugging Face config or checkpoint directory on disk; trains with the 125m "
+        "preset's defaults (16 x 1024 tokens, 2000 steps, lr 6e-4, warmup 100) unless given",
+    )
     m.add_argument(
         "--vocab-size",
         type=int_in(1, 2**40, why=" (token ids, 2^40 at most)"),
-        help="override a preset's vocabulary (default: 32000, tiny: the data's)",
+        help="override a language preset's vocabulary (default: 32000, tiny: the data's; "
+        "refused for the vision-language presets)",
     )
     r = p.add_argument_group("precision")
     r.add_argument("--mode", choices=list(MODES), help="one precision mode (default: bf16)")
