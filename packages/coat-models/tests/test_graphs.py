@@ -281,3 +281,45 @@ def test_gpu_graphed_training_matches_eager(micro_batches):
     enable_cuda_graphs(graphed)
     revert_coat(graphed)
     assert all("_coat_graphed" not in layer.__dict__ for layer in layers)
+
+
+_NO_MISMATCH_WARNING = """
+import warnings, torch
+from coat_models import apply_coat, enable_cuda_graphs
+from coat_models.graphs import cuda_graph_replays
+from coat_models.testing import tiny_llama
+from fp8_activations import FP8ActivationConfig
+model = enable_cuda_graphs(apply_coat(tiny_llama().cuda(),
+                                      config=FP8ActivationConfig(weight_cache=False)))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+ids = torch.randint(0, 256, (3, 2, 4, 64), generator=torch.Generator().manual_seed(0)).cuda()
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    for step in ids:
+        for micro in step:  # two micro-batches: the second replays into accumulated grads
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                model(micro, labels=micro).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+torch.cuda.synchronize()
+print("replays", cuda_graph_replays(model))
+print("mismatch", sum("AccumulateGrad" in str(w.message) for w in seen))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_training_warns_of_no_stream_mismatch():
+    """torch warns once per process when a gradient accumulator's stream differs from its
+    producer's; the recording (make_graphed_callables differentiating its samples on a side
+    stream, accumulating nothing) made it warn at every first graphed step. A fresh process,
+    so that no earlier test has used up the warning."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _NO_MISMATCH_WARNING], capture_output=True,
+                          text=True, timeout=240, env=os.environ.copy())  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = dict(line.split() for line in done.stdout.splitlines() if line.count(" ") == 1)
+    assert int(lines["replays"]) == 6  # every micro-batch replayed
+    assert lines["mismatch"] == "0", done.stdout

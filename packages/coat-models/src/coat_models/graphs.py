@@ -47,6 +47,7 @@ itself: the same bits, one quantization more). Layer outputs (e.g. with
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -285,8 +286,7 @@ def _record(model: nn.Module, key: tuple, hidden, cos, sin) -> None:
                             *stand_ins))  # fmt: skip
         # The recording differentiates stand-ins of the parameters (_LayerBody), never the
         # parameters' own gradient accumulators (DDP makes those when it wraps the model).
-        # The first graphed backward still warns once of an accumulator's stream mismatch.
-        with torch.autocast("cuda", enabled=False), torch.enable_grad():
+        with torch.autocast("cuda", enabled=False), torch.enable_grad(), _quiet_mismatch():
             graphed = torch.cuda.make_graphed_callables(
                 tuple(_LayerBody(layer) for layer in layers), tuple(samples)
             )
@@ -294,6 +294,26 @@ def _record(model: nn.Module, key: tuple, hidden, cos, sin) -> None:
         layer.__dict__[_GRAPHED] = fn
         layer.__dict__[_PARAMS] = _layer_params(layer)
     state["key"] = key
+
+
+@contextlib.contextmanager
+def _quiet_mismatch():
+    """Without torch's warning that a gradient accumulator's stream differs from its
+    producer's: ``make_graphed_callables`` differentiates the samples (made on the current
+    stream) on a side stream of its own with ``torch.autograd.grad``, which accumulates
+    nothing, and torch warned of that once per process (2.11). The training backward's
+    accumulators are not silenced (outside this context)."""
+    get = getattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch", None)
+    set_ = getattr(torch._C, "_set_warn_on_accumulate_grad_stream_mismatch", None)
+    if get is None or set_ is None:
+        yield
+        return
+    was = get()
+    set_(False)
+    try:
+        yield
+    finally:
+        set_(was)
 
 
 def _cache_unused(layer: nn.Module, cache) -> bool:

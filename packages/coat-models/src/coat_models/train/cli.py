@@ -407,13 +407,6 @@ def _plan(args, strategy: str | None, device: torch.device) -> Plan:
     ]
     if args.cuda_graphs:
         _check_cuda_graphs(args, modes, device, strategy)
-    if any(c.cuda_graphs for c in cfgs):
-        # The first graphed backward warns once of a gradient accumulator's stream mismatch:
-        # expected (coat_models.graphs; the same bits as eager, tested). This process is
-        # coat-train's own, so the switch stays off.
-        quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
-        if quiet is not None:
-            quiet(False)
     _check_fp8_backend(modes, device)
     _check_data_options(args)
     if args.threads is not None:
