@@ -147,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--model-dir",
-        help="Hugging Face config or checkpoint directory on disk; trains with the 125m "
-        "preset's defaults (16 x 1024 tokens, 2000 steps, lr 6e-4, warmup 100) unless given",
+        help="Hugging Face config or checkpoint directory on disk; trained with the 125m "
+        "preset's batch size, length, steps, lr and warmup unless given",
     )
     m.add_argument(
         "--vocab-size",
