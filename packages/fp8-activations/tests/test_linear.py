@@ -169,6 +169,28 @@ def test_weight_cache_one_cast_per_version():
     torch.testing.assert_close(y, fresh, rtol=0, atol=0)
 
 
+def test_weight_cache_follows_the_storage_not_only_its_address():
+    """``.data =`` keeps a weight's version; two such swaps can bring it back to the address
+    its copy was cast from with other values (``model.half(); model.float()`` when the
+    caching allocator hands the freed block back; helper-117 saw it on an H100). Here made
+    certain: two storages over one buffer, the same address. The copy is cast again."""
+    x, w0, _ = _inputs(torch.float32)
+    buf = bytearray(w0.numel() * 4)
+    w = torch.nn.Parameter(torch.frombuffer(buf, dtype=torch.float32).view(w0.shape))
+    w.data.copy_(w0)
+    cfg = FP8ActivationConfig()
+    fa.fp8_linear(x, w, None, cfg)
+    assert fa.weight_cache_fresh([w], cfg)
+    other = torch.frombuffer(buf, dtype=torch.float32).view(w0.shape)  # a second storage
+    w.data = other
+    other.mul_(-2)  # new values, written through the new storage
+    assert w.data_ptr() == other.data_ptr() and w._version == 0  # address and version kept
+    assert not fa.weight_cache_fresh([w], cfg)
+    got = fa.fp8_linear(x, w, None, cfg)
+    want = fa.fp8_linear(x, w, None, FP8ActivationConfig(weight_cache=False))
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("shape", [(3, 20, 30), (5, 33)], ids=["K30-N20", "K33-N5"])
 def test_dims_not_multiple_of_16_work(shape):
     """_scaled_mm needs multiples of 16; such layers fall back to the emulated GEMM (same

@@ -23,6 +23,7 @@ import torch
 from fp8_quant import FP8Format, quantize_per_tensor, quantize_per_tensor_transpose
 from fp8_quant import ops as fp8_ops
 from fp8_quant import reference as fp8_reference
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import reference
 from ..tensor import take_group_amax
@@ -494,10 +495,12 @@ _CACHE_ATTR = "_fp8_weight_cache"
 
 
 class _CacheSlot:
-    __slots__ = ("entry",)
+    # storage: a weak reference to the storage the copy was cast from, which keeps that
+    # storage's address (its key) from going to another storage while the entry lives.
+    __slots__ = ("entry", "storage")
 
     def __init__(self):
-        self.entry = None
+        self.entry = self.storage = None
 
     def __reduce__(self):
         return (set, ())  # (one of torch.load's weights_only globals)
@@ -528,6 +531,7 @@ def _cache_put(weight: Tensor, key: tuple, cast) -> None:
         if base is not None and type(base.__dict__.get(_CACHE_ATTR)) is not _CacheSlot:
             base.__dict__[_CACHE_ATTR] = _CacheSlot()
     slot.entry = (key, cast)
+    slot.storage = StorageWeakRef(weight.untyped_storage())
 
 
 _STEP_HOOK = None
@@ -568,12 +572,12 @@ def weight_fp8(
     weight's max |w|, when given).
 
     The copy is keyed on ``weight._version`` (bumped by every in-place update: optimizer
-    steps, ``load_state_dict``, ``zero_``) and on its storage, shape and strides (``.data =``
-    swaps, ``.to()``),
-    so it never goes stale; micro-batches between two optimizer steps reuse it. It lives on
-    the weight (freed with it); pickling or copying a model carries none of it. Under
-    ``torch.inference_mode()`` it is read but not filled (a copy made there is an inference
-    tensor, which a later training forward could not save for backward).
+    steps, ``load_state_dict``, ``zero_``) and on its storage (the storage object, not only
+    its address), shape and strides (``.data =`` swaps, ``.to()``), so it never goes stale;
+    micro-batches between two optimizer steps reuse it. It lives on the weight (freed with
+    it); pickling or copying a model carries none of it. Under ``torch.inference_mode()`` it
+    is read but not filled (a copy made there is an inference tensor, which a later training
+    forward could not save for backward).
     """
     if weight.is_inference():  # no version counter to key a copy on: cast, keep nothing
         return quantize_t(weight.detach(), fmt.value, amax, backend)
@@ -588,9 +592,14 @@ def weight_fp8(
 
 
 def _cache_key(weight: Tensor, fmt: FP8Format) -> tuple:
-    # Shape and strides too: ``.data =`` a view at the same address (a slice, a transpose)
-    # keeps the version and the address (~0.2 us a call).
-    return weight._version, weight.data_ptr(), weight.dtype, fmt, weight.shape, weight.stride()
+    # The storage object and the address: ``.data =`` keeps the version, and two swaps can
+    # bring a weight back to the address its copy was cast from, in another storage holding
+    # other values (``model.half(); model.float()``, the caching allocator handing the freed
+    # block back); the entry's weak reference keeps the storage object's address from being
+    # reused. Shape and strides too: ``.data =`` a view at the same address (a slice, a
+    # transpose) keeps the version and the address (~0.3 us a call).
+    return (weight._version, weight.untyped_storage()._cdata, weight.data_ptr(), weight.dtype,
+            fmt, weight.shape, weight.stride())  # fmt: skip
 
 
 def weight_cache_fresh(weight: Tensor, fmt: FP8Format) -> bool:
