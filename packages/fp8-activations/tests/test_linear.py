@@ -191,6 +191,29 @@ def test_weight_cache_follows_the_storage_not_only_its_address():
     assert torch.equal(got, want)
 
 
+def test_weight_cache_of_a_shallow_copy_is_its_own():
+    """``copy.copy`` of a Parameter shares its ``__dict__`` entries (the cache slot among
+    them) and its storage, with a version counter of its own: a write through the copy (its
+    version 1) and one through the original (its version 1 too) must not hand either the
+    other's FP8 copy (helper-118)."""
+    import copy
+
+    x, w0, _ = _inputs(torch.float32)
+    w = torch.nn.Parameter(w0.clone())
+    cfg = FP8ActivationConfig()
+    fa.fp8_linear(x, w, None, cfg)  # w gets its cache slot, which the copy then shares
+    twin = copy.copy(w)
+    assert twin.__dict__["_fp8_weight_cache"] is w.__dict__["_fp8_weight_cache"]
+    with torch.no_grad():
+        twin.mul_(-2)  # twin's version 1
+    fa.fp8_linear(x, twin, None, cfg)  # cached in the shared slot
+    with torch.no_grad():
+        w.add_(1)  # w's version 1, the storage written again
+    assert not fa.weight_cache_fresh([w], cfg)
+    got = fa.fp8_linear(x, w, None, cfg)
+    assert torch.equal(got, fa.fp8_linear(x, w, None, FP8ActivationConfig(weight_cache=False)))
+
+
 @pytest.mark.parametrize("shape", [(3, 20, 30), (5, 33)], ids=["K30-N20", "K33-N5"])
 def test_dims_not_multiple_of_16_work(shape):
     """_scaled_mm needs multiples of 16; such layers fall back to the emulated GEMM (same

@@ -269,10 +269,11 @@ def _install_grad_copy_in() -> None:
 def _disable_weight_cache(model: nn.Module) -> None:
     """Turn off the FP8 weight cache of COAT layers (``FP8ActivationConfig.weight_cache``).
 
-    The cache is keyed on ``(weight._version, weight.data_ptr())``. FSDP2 all-gathers each
-    step into the unsharded weight's storage without bumping its version, so when the
-    allocator hands back the same address (the CUDA caching allocator usually does) the
-    cache serves last step's FP8 weights: on CPU the losses then leave the
+    The cache is keyed on the weight's version and storage. FSDP2 all-gathers each
+    step into the unsharded weight's storage without bumping its version (the same storage,
+    resized to nothing and back: when the allocator hands back the same address, as the
+    CUDA caching allocator usually does, nothing in the key changes), so the cache would
+    serve last step's FP8 weights: on CPU the losses then leave the
     single-process run's within 2-4 steps. Unsharded FP8 copies of every layer would also
     cost 2 bytes per parameter on every rank, undoing the sharding. Without the cache the
     weight is cast where it is used (one extra read of it per GEMM).

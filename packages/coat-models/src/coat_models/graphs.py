@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 import weakref
 
 import torch
@@ -299,14 +300,17 @@ def _record(model: nn.Module, key: tuple, hidden, cos, sin) -> None:
 @contextlib.contextmanager
 def _quiet_mismatch():
     """Without torch's warning that a gradient accumulator's stream differs from its
-    producer's: ``make_graphed_callables`` differentiates the samples (made on the current
-    stream) on a side stream of its own with ``torch.autograd.grad``, which accumulates
-    nothing, and torch warned of that once per process (2.11). The training backward's
-    accumulators are not silenced (outside this context)."""
+    producer's, which ``make_graphed_callables`` set off once per process (torch 2.11, an
+    H100): it differentiates the samples and stand-ins with ``torch.autograd.grad`` on
+    streams of its own (warm-up, then capture), which accumulates nothing, while torch
+    checks the streams of every gradient reaching an accumulator node. The training
+    backward's accumulators are not silenced (outside this context)."""
     get = getattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch", None)
     set_ = getattr(torch._C, "_set_warn_on_accumulate_grad_stream_mismatch", None)
-    if get is None or set_ is None:
-        yield
+    if get is None or set_ is None:  # (a torch without the switch: filter the warning)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream")
+            yield
         return
     was = get()
     set_(False)

@@ -571,10 +571,13 @@ def weight_fp8(
     """``(w_q, w_t, scale)`` of ``weight``, cast once per weight version (from ``amax``, the
     weight's max |w|, when given).
 
-    The copy is keyed on ``weight._version`` (bumped by every in-place update: optimizer
-    steps, ``load_state_dict``, ``zero_``) and on its storage (the storage object, not only
-    its address), shape and strides (``.data =`` swaps, ``.to()``), so it never goes stale;
-    micro-batches between two optimizer steps reuse it. It lives on the weight (freed with
+    The copy is keyed on the weight object, on ``weight._version`` (bumped by every in-place
+    update through the weight: optimizer steps, ``load_state_dict``, ``zero_``) and on its
+    storage (the storage object, not only its address), shape and strides (``.data =``
+    swaps, ``.to()``); writes through another tensor over the same storage (``.data``, a
+    tensor swapped out with ``.data =`` and back) bump no version of the weight's and leave
+    it stale (``torch.autograd.graph.increment_version(weight)`` after them). Micro-batches
+    between two optimizer steps reuse it. It lives on the weight (freed with
     it); pickling or copying a model carries none of it. Under ``torch.inference_mode()`` it
     is read but not filled (a copy made there is an inference tensor, which a later training
     forward could not save for backward).
@@ -597,9 +600,11 @@ def _cache_key(weight: Tensor, fmt: FP8Format) -> tuple:
     # other values (``model.half(); model.float()``, the caching allocator handing the freed
     # block back); the entry's weak reference keeps the storage object's address from being
     # reused. Shape and strides too: ``.data =`` a view at the same address (a slice, a
-    # transpose) keeps the version and the address (~0.3 us a call).
-    return (weight._version, weight.untyped_storage()._cdata, weight.data_ptr(), weight.dtype,
-            fmt, weight.shape, weight.stride())  # fmt: skip
+    # transpose) keeps the version and the address. The object itself: ``copy.copy`` of a
+    # Parameter shares its ``__dict__`` entries, the cache slot among them, and the two have
+    # version counters of their own (~0.3 us a call).
+    return (id(weight), weight._version, weight.untyped_storage()._cdata, weight.data_ptr(),
+            weight.dtype, fmt, weight.shape, weight.stride())  # fmt: skip
 
 
 def weight_cache_fresh(weight: Tensor, fmt: FP8Format) -> bool:
