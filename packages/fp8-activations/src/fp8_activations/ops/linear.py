@@ -577,9 +577,9 @@ def weight_fp8(
     swaps, ``.to()``); writes through another tensor over the same storage (``.data``, a
     tensor swapped out with ``.data =`` and back) bump no version of the weight's and leave
     it stale (``torch.autograd.graph.increment_version(weight)`` after them). Micro-batches
-    between two optimizer steps reuse it. It lives on the weight (freed with
-    it); pickling or copying a model carries none of it. Under ``torch.inference_mode()`` it
-    is read but not filled (a copy made there is an inference tensor, which a later training
+    between two optimizer steps reuse it. It lives on the weight (freed with it); pickling
+    or deep-copying a model carries none of it. Under ``torch.inference_mode()`` it is read
+    but not filled (a copy made there is an inference tensor, which a later training
     forward could not save for backward).
     """
     if weight.is_inference():  # no version counter to key a copy on: cast, keep nothing
