@@ -452,3 +452,43 @@ def test_make_newest_interrupted_leaves_the_checkpoint_whole(tmp_path, monkeypat
     checkpoint.verify(old, checkpoint.read_manifest(old))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000002", "step_0000004"]
     assert checkpoint.read_manifest(old).serial == 1  # unchanged
+
+
+def test_dcp_checkpoint_with_fp8_codes_under_the_moment_names_loads(tmp_path):
+    """CoatAdamW once kept FP8 codes under ``exp_avg`` / ``exp_avg_sq`` (torch AdamW's names,
+    under which AdamW read them as moments); now ``exp_avg_fp8`` / ``exp_avg_sq_fp8``. A DCP
+    checkpoint with the older names still loads, bit for bit."""
+    from fp8_optim import CoatAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 4))
+    opt = CoatAdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+    old_names = {"exp_avg_fp8": "exp_avg", "exp_avg_sq_fp8": "exp_avg_sq"}
+    opt.register_state_dict_post_hook(
+        lambda o, sd: {
+            **sd,
+            "state": {
+                i: {old_names.get(k, k): v for k, v in s.items()} for i, s in sd["state"].items()
+            },
+        }
+    )
+    path = tmp_path / "ckpt" / "step_0000002"
+    distributed.save_checkpoint(path, model, opt, step=2)
+    saved = distributed._saved_metadata(str(path))
+    assert "optim.state.0.weight.exp_avg" in saved
+    assert "optim.state.0.weight.exp_avg_fp8" not in saved
+    want = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()}
+    model2 = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 4))
+    opt2 = CoatAdamW(model2.parameters(), lr=1e-3)
+    distributed.load_checkpoint(path, model2, opt2)
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert opt2.state[q].keys() == want[p].keys()
+        for k, v in want[p].items():
+            got = opt2.state[q][k]
+            if v.element_size() == 1:  # (FP8 codes: compared as bytes)
+                got, v = got.view(torch.uint8), v.view(torch.uint8)
+            assert torch.equal(got, v), k

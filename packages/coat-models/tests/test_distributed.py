@@ -486,7 +486,7 @@ def test_mismatched_checkpoint_gives_a_clear_error(runs):
     with pytest.raises(CheckpointMismatchError, match="float8_e4m3fn"):
         load_checkpoint(out / "fsdp_ckpt", model, llama_optimizer(model, v_format="e5m2"))
     adamw = torch.optim.AdamW(model.parameters())  # fp32 states, no per-group numbers
-    with pytest.raises(CheckpointMismatchError, match=r"exp_avg: checkpoint has .*float8_e4m3fn"):
+    with pytest.raises(CheckpointMismatchError, match=r"exp_avg: missing from the checkpoint"):
         load_checkpoint(out / "fsdp_ckpt", model, adamw)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_checkpoint(out / "nowhere", model)

@@ -339,7 +339,7 @@ def test_state_dict_round_trips_bit_exactly(h):
     sd = _save_load(opt.state_dict())
     for s in sd["state"].values():  # torch format: tensors keyed by name, nothing else
         assert all(isinstance(v, torch.Tensor) for v in s.values())
-    assert sd["state"][0]["exp_avg"].dtype == torch.float8_e4m3fn
+    assert sd["state"][0]["exp_avg_fp8"].dtype == torch.float8_e4m3fn
     clones, opt2 = _clone_setup(params)
     opt2.load_state_dict(sd)
     h.assert_same_state(opt, params, opt2, clones)
@@ -381,11 +381,11 @@ def test_load_torch_adamw_state_dict():
     assert opt.param_groups[0]["lr"] == 1e-2
     for p, q in zip(params, clones, strict=True):
         st, ref_st = opt.state[q], adamw.state[p]
-        assert st["exp_avg"].dtype == torch.float8_e4m3fn
+        assert st["exp_avg_fp8"].dtype == torch.float8_e4m3fn
         assert st["step"].item() == 3
         for name in ("exp_avg", "exp_avg_sq"):
             x = reference.dequantize(
-                st[name], st[name + "_amax"], st[name + "_k"], FP8Format.E4M3, 128
+                st[name + "_fp8"], st[name + "_amax"], st[name + "_k"], FP8Format.E4M3, 128
             )
             rel = ((x - ref_st[name]).norm() / ref_st[name].norm()).item()
             assert rel < 0.05, (name, rel)
@@ -408,7 +408,7 @@ def test_export_to_torch_adamw_and_continue():
     for p, q in zip(params, clones, strict=True):
         st = opt.state[p]
         x = reference.dequantize(
-            st["exp_avg"], st["exp_avg_amax"], st["exp_avg_k"], FP8Format.E4M3, 128
+            st["exp_avg_fp8"], st["exp_avg_amax"], st["exp_avg_k"], FP8Format.E4M3, 128
         )
         assert torch.equal(adamw.state[q]["exp_avg"], x)
         assert adamw.state[q]["step"].item() == 3
@@ -422,6 +422,36 @@ def test_export_to_torch_adamw_and_continue():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
+def test_torch_adamw_refuses_a_coat_state_dict():
+    """torch's AdamW loads any state dict; given CoatAdamW's it used to step on the FP8 codes
+    as if they were moments (cast to fp32, the scales ignored), silently. The codes' own names
+    make its first step fail instead; ``to_adamw_state_dict`` is the way across."""
+    params, opt = _trained()
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    adamw = torch.optim.AdamW([{"params": clones[:2]}, {"params": clones[2:]}])
+    adamw.load_state_dict(_save_load(opt.state_dict()))
+    for q in clones:
+        q.grad = torch.ones_like(q)
+    before = [q.detach().clone() for q in clones]
+    with pytest.raises(KeyError, match="exp_avg"):
+        adamw.step()
+    assert all(torch.equal(a, q) for a, q in zip(before, clones, strict=True))
+
+
+def test_state_dicts_with_codes_under_the_moment_names_load(h):
+    """State dicts saved before the codes had names of their own (``exp_avg`` holding FP8
+    codes beside ``exp_avg_amax``) load bit for bit."""
+    params, opt = _trained()
+    sd = _save_load(opt.state_dict())
+    for s in sd["state"].values():
+        for name in ("exp_avg", "exp_avg_sq"):
+            s[name] = s.pop(name + "_fp8")
+    clones, opt2 = _clone_setup(params)
+    opt2.load_state_dict(sd)
+    h.assert_same_state(opt, params, opt2, clones)
+    assert "exp_avg" not in opt2.state[clones[0]]
+
+
 def test_load_converts_formats_and_group_sizes():
     params, opt = _trained()  # E4M3 / E4M3, group 128
     sd = _save_load(opt.state_dict())
@@ -429,14 +459,14 @@ def test_load_converts_formats_and_group_sizes():
     opt2.load_state_dict(sd)
     for p, q in zip(params, clones, strict=True):
         a, b = opt.state[p], opt2.state[q]
-        assert b["exp_avg_sq"].dtype == torch.float8_e5m2
+        assert b["exp_avg_sq_fp8"].dtype == torch.float8_e5m2
         assert b["exp_avg_amax"].numel() == reference.num_groups(q.numel(), 64)
         for name, fmt_a, fmt_b in (("exp_avg", "e4m3", "e4m3"), ("exp_avg_sq", "e4m3", "e5m2")):
             xa = reference.dequantize(
-                a[name], a[name + "_amax"], a[name + "_k"], FP8Format(fmt_a), 128
+                a[name + "_fp8"], a[name + "_amax"], a[name + "_k"], FP8Format(fmt_a), 128
             )
             xb = reference.dequantize(
-                b[name], b[name + "_amax"], b[name + "_k"], FP8Format(fmt_b), 64
+                b[name + "_fp8"], b[name + "_amax"], b[name + "_k"], FP8Format(fmt_b), 64
             )
             assert ((xa - xb).norm() / xa.norm()).item() < 0.05
     _feed(clones, opt2, 1, seed=3)  # and it keeps training
@@ -453,7 +483,7 @@ def test_load_state_dict_rejects_mismatches():
         other.load_state_dict(sd)
     clones, opt2 = _clone_setup(params)
     bad = _save_load(sd)
-    bad["state"][0]["exp_avg"] = bad["state"][0]["exp_avg"][:10]
+    bad["state"][0]["exp_avg_fp8"] = bad["state"][0]["exp_avg_fp8"][:10]
     with pytest.raises(ValueError, match="shape"):
         opt2.load_state_dict(bad)
     bad = _save_load(sd)
@@ -831,25 +861,26 @@ def _add(name, value):
 
 # (spoil the state of parameter 0, (37, 41), group size 128: 12 groups, error message)
 _BAD_STATES = {
-    "nan-code-m": (_set_byte("exp_avg", 5, 0x7F), "exp_avg holds NaN or inf FP8 codes"),
-    "neg-nan-code-m": (_set_byte("exp_avg", 5, 0xFF), "exp_avg holds NaN or inf FP8 codes"),
-    "nan-code-v": (_set_byte("exp_avg_sq", 1516, 0x7F), "exp_avg_sq holds NaN, inf or negative"),
-    "negative-code-v": (_set_byte("exp_avg_sq", 7, 0x81), "exp_avg_sq holds NaN, inf or negative"),
+    "nan-code-m": (_set_byte("exp_avg_fp8", 5, 0x7F), "exp_avg_fp8 holds NaN or inf FP8 codes"),
+    "neg-nan-code-m": (_set_byte("exp_avg_fp8", 5, 0xFF), "exp_avg_fp8 holds NaN or inf FP8"),
+    "nan-code-v": (_set_byte("exp_avg_sq_fp8", 1516, 0x7F), "exp_avg_sq_fp8 holds NaN, inf or"),
+    "negative-code-v": (_set_byte("exp_avg_sq_fp8", 7, 0x81), "exp_avg_sq_fp8 holds NaN, inf"),
     "k-zero": (_set("exp_avg_k", 0, index=11), "exp_avg_k holds 0"),
     "negative-amax": (_set("exp_avg_sq_amax", -1.0), "exp_avg_sq_amax holds -1.0"),
     "nan-amax": (_set("exp_avg_amax", math.nan, index=3), "exp_avg_amax holds nan"),
     "inf-amax": (_set("exp_avg_amax", math.inf), "exp_avg_amax holds inf"),
     "subnormal-amax": (_set("exp_avg_amax", 1e-40), "normal fp32"),
-    "transposed": (_replace("exp_avg", lambda x: x.reshape(41, 37)), r"shape \(41, 37\)"),
-    "flat-moment": (_replace("exp_avg_sq", lambda x: x.reshape(-1)), "shape"),
+    "transposed": (_replace("exp_avg_fp8", lambda x: x.reshape(41, 37)), r"8 has shape \(41, 37"),
+    "flat-moment": (_replace("exp_avg_sq_fp8", lambda x: x.reshape(-1)), "shape"),
     "amax-count": (_replace_groups(lambda x: x[:5]), "do not fit"),
     "amax-shape": (_replace_groups(lambda x: x.reshape(3, 4)), "expected one of"),
     "amax-k-shapes": (_replace("exp_avg_k", lambda x: x[:5]), "one per group"),
     "amax-dtype": (_replace("exp_avg_amax", lambda x: x.double()), "float32"),
-    "codes-dtype": (_replace("exp_avg", lambda x: x.view(torch.int8)), "expected FP8 codes"),
-    "codes-without-amax": (_drop("exp_avg_amax", "exp_avg_k"), "expected a float tensor"),
+    "codes-dtype": (_replace("exp_avg_fp8", lambda x: x.view(torch.int8)), "expected FP8 codes"),
+    "codes-without-amax": (_drop("exp_avg_amax", "exp_avg_k"), "'exp_avg_fp8' \\(FP8 codes\\)"),
+    "both-names": (_add("exp_avg", torch.zeros(37, 41)), "both 'exp_avg' and 'exp_avg_fp8'"),
     "amax-without-k": (_drop("exp_avg_sq_k"), "exp_avg_sq_amax but not exp_avg_sq_k"),
-    "no-moment": (_drop("exp_avg_sq", "exp_avg_sq_amax", "exp_avg_sq_k"), "lacks 'exp_avg_sq'"),
+    "no-moment": (_drop("exp_avg_sq_fp8", "exp_avg_sq_amax", "exp_avg_sq_k"), "lacks 'exp_avg_sq'"),
     "unknown-key": (_add("momentum_buffer", torch.zeros(3)), "unknown keys"),
     "step-nan": (_add("step", torch.tensor(math.nan)), "step"),
     "step-negative": (_add("step", torch.tensor(-1.0)), "step"),
@@ -857,7 +888,7 @@ _BAD_STATES = {
     "step-vector": (_add("step", torch.ones(2)), "step"),
     # it loaded as step 0: bias correction restarted with the moments kept
     "no-step": (_drop("step"), "has no 'step'"),
-    "moment-not-tensor": (_add("exp_avg", 0.0), "not a tensor"),
+    "moment-not-tensor": (_add("exp_avg_fp8", 0.0), "exp_avg_fp8 is a float, not a tensor"),
 }
 
 
@@ -878,14 +909,14 @@ def test_load_state_dict_validates_states(spoil, match, h):
 
 @pytest.mark.parametrize(
     "name, byte",
-    [("exp_avg", 0x7C), ("exp_avg", 0xFC), ("exp_avg", 0xFE), ("exp_avg_sq", 0x7D)],
+    [("exp_avg_fp8", 0x7C), ("exp_avg_fp8", 0xFC), ("exp_avg_fp8", 0xFE), ("exp_avg_sq_fp8", 0x7D)],
     ids=["m+inf", "m-inf", "m-nan", "v-nan"],
 )
 def test_load_state_dict_rejects_e5m2_inf_and_nan_codes(name, byte, h):
     # E5M2 has infinities (0x7C, 0xFC) and several NaNs; its largest finite code is 0x7B.
     params, opt = _trained(m_format="e5m2", v_format="e5m2")
     sd = _save_load(opt.state_dict())
-    assert sd["state"][1]["exp_avg"].dtype == torch.float8_e5m2
+    assert sd["state"][1]["exp_avg_fp8"].dtype == torch.float8_e5m2
     clones, opt2 = _clone_setup(params, m_format="e5m2", v_format="e5m2")
     opt2.load_state_dict(sd)
     h.assert_same_state(opt, params, opt2, clones)
@@ -1027,7 +1058,7 @@ def test_load_state_dict_pre_hook_may_unwrap_what_it_is_given():
     saved = opt.state_dict()
     opt.register_load_state_dict_pre_hook(lambda optimizer, sd: sd["wrapped"])
     opt.load_state_dict({"wrapped": saved})
-    assert torch.equal(opt.state[m.weight]["exp_avg"], saved["state"][0]["exp_avg"])
+    assert torch.equal(opt.state[m.weight]["exp_avg_fp8"], saved["state"][0]["exp_avg_fp8"])
     with pytest.raises(TypeError, match="load_state_dict takes an optimizer state dict"):
         opt.load_state_dict({"wrapped": 1})
 
@@ -1074,8 +1105,8 @@ def test_states_loaded_from_transposed_tensors_step_in_order(hp, needs_triton, h
     src.step()
     sd = src.state_dict()
     s = sd["state"][0]
-    for k in ("exp_avg", "exp_avg_sq"):  # the same values, transposed storage
-        s[k] = s[k].t().contiguous().t()
+    for k in ("exp_avg", "exp_avg_sq") if hp else ("exp_avg_fp8", "exp_avg_sq_fp8"):
+        s[k] = s[k].t().contiguous().t()  # the same values, transposed storage
         assert not s[k].is_contiguous()
     grad = torch.randn(48, 32, generator=g)
     for backend in ("reference", "triton"):
@@ -1131,12 +1162,12 @@ def test_replaced_states_are_the_ones_stepped(backend, request, h):
 @pytest.mark.parametrize(
     "spoil, match",
     [
-        (lambda p, st: setattr(p, "data", torch.randn(4, 8)), r"exp_avg of shape \(8, 8\)"),
-        (lambda p, st: setattr(p, "data", torch.randn(32, 8)), r"exp_avg of shape \(8, 8\)"),
-        (lambda p, st: st.update(exp_avg=st["exp_avg"].float()), "exp_avg of .*and torch.float32"),
+        (lambda p, st: setattr(p, "data", torch.randn(4, 8)), r"exp_avg_fp8 of shape \(8, 8\)"),
+        (lambda p, st: setattr(p, "data", torch.randn(32, 8)), r"exp_avg_fp8 of shape \(8, 8\)"),
+        (lambda p, st: st.update(exp_avg_fp8=st["exp_avg_fp8"].float()), "fp8 of .*torch.float32"),
         (lambda p, st: st.update(exp_avg_amax=1.0), "holds a float as exp_avg_amax"),
         (lambda p, st: st.pop("exp_avg_k"), "has the keys"),
-        (lambda p, st: st.update(exp_avg=st["exp_avg"].t().contiguous().t()), "non-contiguous"),
+        (lambda p, st: st.update(exp_avg_fp8=st["exp_avg_fp8"].t().contiguous().t()), "non-contig"),
     ],
     ids=["shrunk", "grown", "fp32-moment", "float", "key-gone", "transposed"],
 )
@@ -1322,7 +1353,7 @@ def test_a_shape_change_at_the_same_address_is_refused(needs_triton):
     opt.step()
     p.data = p.data[:4]
     p.grad = torch.randn(4, 8)
-    with pytest.raises(ValueError, match=r"exp_avg of shape \(8, 8\)"):
+    with pytest.raises(ValueError, match=r"exp_avg_fp8 of shape \(8, 8\)"):
         opt.step()
 
 
@@ -1474,7 +1505,7 @@ def test_plain_pickle_of_the_optimizer_loads_and_steps_on():
     opt.step()
     copy_ = pickle.loads(pickle.dumps((p, opt)))
     q, opt2 = copy_
-    assert opt2.state[q]["exp_avg"].dtype == torch.float8_e4m3fn
+    assert opt2.state[q]["exp_avg_fp8"].dtype == torch.float8_e4m3fn
     for a, b in zip(opt.state[p].values(), opt2.state[q].values(), strict=True):
         assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
                            b.view(torch.uint8) if b.element_size() == 1 else b)  # fmt: skip
@@ -1521,3 +1552,23 @@ def test_eps_zero_moves_nothing_where_the_second_moment_is_zero(backend, request
         opt.step()
         assert (p[1:] != before[1:]).all()
     assert opt.nonfinite_groups() == 0 and torch.isfinite(p).all()
+
+
+def test_an_optimizer_pickled_with_codes_under_the_moment_names_steps_on(h):
+    """An optimizer pickled before the FP8 codes had names of their own (``exp_avg`` holding
+    codes) unpickles with them renamed, and steps on as the original does."""
+    import pickle
+
+    params, opt = _trained()
+    blob = pickle.dumps((params, opt))
+    for s in opt.state.values():  # as the optimizer kept them then
+        for name in ("exp_avg", "exp_avg_sq"):
+            s[name] = s.pop(name + "_fp8")
+    old_blob = pickle.dumps((params, opt))
+    params, opt = pickle.loads(blob)
+    params2, opt2 = pickle.loads(old_blob)
+    assert opt2.state[params2[0]].keys() == opt.state[params[0]].keys()
+    h.assert_same_state(opt, params, opt2, params2)
+    _feed(params, opt, 1, seed=5)
+    _feed(params2, opt2, 1, seed=5)
+    h.assert_same_state(opt, params, opt2, params2)

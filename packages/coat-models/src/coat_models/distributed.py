@@ -641,6 +641,7 @@ def _load(path: str, saved, model: nn.Module, optimizer, strict: bool) -> dict |
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     state = _dcp_state(model, optimizer)
+    renamed = _older_code_names(state, saved)
     unsaved = _check_against(saved, state, path, strict)
     # Parameters without optimizer state when saved (no gradient yet), and hyperparameters
     # the saved optimizer had not: the latter keep this optimizer's values.
@@ -661,6 +662,8 @@ def _load(path: str, saved, model: nn.Module, optimizer, strict: bool) -> dict |
         if k.startswith("param_groups.") and k.rpartition(".")[2] in IMPLEMENTATION_KEYS
     }
     _dcp_load(state, path)
+    for new_key, old_key in renamed.items():
+        state["optim"][new_key] = state["optim"].pop(old_key)
     if switches or own:
         state["optim"].update(switches, **own)
     options = StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
@@ -966,6 +969,22 @@ def _check_against(saved: dict, state: dict, path: str, strict: bool) -> list[st
             f"differences; another model config, optimizer or FP8 state format?):\n  {shown}{more}"
         )
     return unsaved
+
+
+def _older_code_names(state: dict, saved: dict) -> dict[str, str]:
+    """CoatAdamW keeps FP8 codes under ``exp_avg_fp8`` / ``exp_avg_sq_fp8``; checkpoints
+    written before it did hold them under ``exp_avg`` / ``exp_avg_sq``. Where the checkpoint
+    has the older name, the flat optimizer state to load takes it (to be renamed back once
+    loaded); returns {the state's key: the checkpoint's}."""
+    renamed = {}
+    for key in list(state.get("optim", ())):
+        owner, _, name = key.rpartition(".")
+        if key.startswith("state.") and name in ("exp_avg_fp8", "exp_avg_sq_fp8"):
+            old_key = f"{owner}.{name.removesuffix('_fp8')}"
+            if f"optim.{key}" not in saved and f"optim.{old_key}" in saved:
+                state["optim"][old_key] = state["optim"].pop(key)
+                renamed[key] = old_key
+    return renamed
 
 
 def _state_owner(flat_key: str) -> str:

@@ -60,6 +60,12 @@ _SYNONYMS = {"learningrate": "lr", "epsilon": "eps", "wd": "weight_decay",
 # The keys a step need not look at again: ours, and others already found harmless.
 _KEYS_SEEN = set(_GROUP_KEYS)
 _STATE_KEYS = ("step", *_MOMENTS, *(m + sfx for m in _MOMENTS for sfx in PER_GROUP_SUFFIXES))
+# Where FP8 moments keep their codes (beside ``<moment>_amax`` and ``<moment>_k``): not
+# AdamW's names, so that ``torch.optim.AdamW`` given such a state dict fails (KeyError
+# 'exp_avg' at its first step) instead of reading the codes as moments. fp32 moments
+# (``high_precision_states``) keep AdamW's names, which AdamW reads right. The checks and
+# conversions here see the codes under the moment's name (``_by_moment``).
+_CODES = {m: m + "_fp8" for m in _MOMENTS}
 _FP32_MAX = torch.finfo(torch.float32).max
 _data_ptr, _size = torch.Tensor.data_ptr, torch.Tensor.size
 _SET_PARAMS = (
@@ -112,7 +118,8 @@ class CoatAdamW(torch.optim.Optimizer):
     are kept and never read, as torch does.
 
     State per parameter (``optimizer.state[p]``): ``step`` (0-dim fp32 on p's device),
-    ``exp_avg`` / ``exp_avg_sq`` (FP8 codes shaped like p), ``exp_avg_amax`` /
+    ``exp_avg_fp8`` / ``exp_avg_sq_fp8`` (FP8 codes shaped like p; not AdamW's names, so
+    that ``torch.optim.AdamW`` refuses such a state dict), ``exp_avg_amax`` /
     ``exp_avg_sq_amax`` (fp32, one per group) and ``exp_avg_k`` / ``exp_avg_sq_k`` (uint8
     ``16 * k`` per group): 2.078 bytes per element at group size 128. With
     ``high_precision_states`` it is exactly torch's: ``step``, fp32 ``exp_avg``,
@@ -219,8 +226,10 @@ class CoatAdamW(torch.optim.Optimizer):
         order = state.pop("_param_order", None)
         next_index = state.pop("_next_index", None)
         if "state" in state:
-            state["state"] = defaultdict(dict, {
-                p: {k: v.tensor() if isinstance(v, _Codes) else v for k, v in s.items()}
+            state["state"] = defaultdict(dict, {  # (_codes_named: pickled before the codes'
+                p: _codes_named(  # names, an FP8 state held them under the moments')
+                    {k: v.tensor() if isinstance(v, _Codes) else v for k, v in s.items()}
+                )
                 for p, s in state["state"].items()
             })  # fmt: skip
         super().__setstate__(state)
@@ -424,7 +433,7 @@ class CoatAdamW(torch.optim.Optimizer):
             return
         ng = reference.num_groups(p.numel(), cfg.group_size)
         for name, fmt in zip(_MOMENTS, (cfg.m_format, cfg.v_format), strict=True):
-            state[name] = torch.zeros(p.shape, dtype=fmt.torch_dtype, device=p.device)
+            state[_CODES[name]] = torch.zeros(p.shape, dtype=fmt.torch_dtype, device=p.device)
             state[name + "_amax"] = torch.zeros(ng, dtype=torch.float32, device=p.device)
             state[name + "_k"] = torch.full((ng,), 16, dtype=torch.uint8, device=p.device)
 
@@ -691,6 +700,7 @@ class CoatAdamW(torch.optim.Optimizer):
             if not pstate:
                 continue
             p = id_map[pid]
+            pstate = _by_moment(pstate, pid)
             _check_saved_state(p, pid, pstate, self.config.group_size)
             shard = self._shards.get(p)
             if shard is not None:
@@ -726,6 +736,7 @@ class CoatAdamW(torch.optim.Optimizer):
         state = {}
         for idx, s in sd["state"].items():
             p = index_of[idx]
+            s = _by_moment(s, idx)
             out = {"step": s["step"].detach().to("cpu", torch.float32).clone()}
             for name in _MOMENTS:
                 out[name] = self._moment_fp32(self._tensor(p), s, name).clone()
@@ -748,8 +759,12 @@ class CoatAdamW(torch.optim.Optimizer):
         return x.reshape(p.shape)
 
     def _import_state(self, p: torch.Tensor, s: dict, pid) -> dict:
-        """One parameter's saved state (keys, dtypes and shapes checked by
-        ``_check_saved_state``; local tensors for a sharded ``p``) -> this optimizer's."""
+        """One parameter's saved state (``_by_moment``'s names; keys, dtypes and shapes
+        checked by ``_check_saved_state``; local tensors for a sharded ``p``) -> this
+        optimizer's."""
+        return _codes_named(self._import_moments(p, s, pid))
+
+    def _import_moments(self, p: torch.Tensor, s: dict, pid) -> dict:
         cfg = self.config
         if p.is_meta:
             raise ValueError(
@@ -805,7 +820,7 @@ def _state_problem(t: torch.Tensor, s: dict, cfg: CoatAdamWConfig) -> str | None
     else:
         ng = (reference.num_groups(t.numel(), cfg.group_size),)
         for name, fmt in zip(_MOMENTS, (cfg.m_format, cfg.v_format), strict=True):
-            want[name] = (t.shape, fmt.torch_dtype)
+            want[_CODES[name]] = (t.shape, fmt.torch_dtype)
             want[name + "_amax"] = (ng, torch.float32)
             want[name + "_k"] = (ng, torch.uint8)
     if s.keys() != want.keys():
@@ -996,6 +1011,38 @@ def _check_hyper(group: dict, read_lr: bool = True) -> None:
         )
 
 
+def _by_moment(s: dict, pid) -> dict:
+    """One parameter's state (as kept or saved) with FP8 codes under their moment's name
+    (``exp_avg_fp8`` -> ``exp_avg``). State dicts saved before the codes had names of their
+    own hold them so already, and load as well."""
+    if not any(k in s for k in _CODES.values()):
+        return s
+    out = dict(s)
+    for name, codes in _CODES.items():
+        if codes not in out:
+            continue
+        if name in out:
+            raise ValueError(f"state of parameter {pid!r} has both {name!r} and {codes!r}")
+        if name + "_amax" not in out:
+            raise ValueError(
+                f"state of parameter {pid!r} has {codes!r} (FP8 codes) without "
+                f"{name + '_amax'!r}: pass the state dict as CoatAdamW.state_dict() gave it"
+            )
+        out[name] = out.pop(codes)
+    return out
+
+
+def _key(name: str, s: dict) -> str:
+    """The key a moment was saved under, for messages: ``_CODES``' name for FP8 codes."""
+    return _CODES[name] if name + "_amax" in s else name
+
+
+def _codes_named(s: dict) -> dict:
+    """``_by_moment`` undone: FP8 codes (a moment with ``_amax`` beside it) under
+    ``_CODES``' names, as the optimizer keeps them."""
+    return {_CODES[k] if k in _CODES and k + "_amax" in s else k: v for k, v in s.items()}
+
+
 def _check_saved_state(p: torch.Tensor, pid, s: dict, group_size: int) -> None:
     """Keys, types, dtypes and (global) shapes of one parameter's saved state."""
     where = f"state of parameter {pid!r} (shape {tuple(p.shape)})"
@@ -1003,16 +1050,18 @@ def _check_saved_state(p: torch.Tensor, pid, s: dict, group_size: int) -> None:
         raise ValueError("cannot load amsgrad state (max_exp_avg_sq) into CoatAdamW")
     unknown = sorted(str(k) for k in s if k not in _STATE_KEYS)
     if unknown:
-        raise ValueError(f"{where} has unknown keys {unknown}; expected {', '.join(_STATE_KEYS)}")
+        known = ", ".join((*_STATE_KEYS, *_CODES.values()))
+        raise ValueError(f"{where} has unknown keys {unknown}; expected {known}")
     for name in _MOMENTS:
         if name not in s:
             raise ValueError(f"{where} lacks {name!r}")
         x = s[name]
+        key = _key(name, s)
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{where}: {name} is a {type(x).__name__}, not a tensor")
+            raise TypeError(f"{where}: {key} is a {type(x).__name__}, not a tensor")
         if tuple(x.shape) != tuple(p.shape):
             raise ValueError(
-                f"{where}: {name} has shape {tuple(x.shape)}, not the parameter's: is the "
+                f"{where}: {key} has shape {tuple(x.shape)}, not the parameter's: is the "
                 "state dict from another model, or are its parameters in another order?"
             )
         amax_key, k_key = name + "_amax", name + "_k"
@@ -1028,7 +1077,7 @@ def _check_saved_state(p: torch.Tensor, pid, s: dict, group_size: int) -> None:
             continue
         if x.dtype not in _FP8_FORMATS:
             raise TypeError(
-                f"{where}: {name} holds {x.dtype} next to {amax_key}; expected FP8 codes "
+                f"{where}: {key} holds {x.dtype} next to {amax_key}; expected FP8 codes "
                 "(float8_e4m3fn or float8_e5m2)"
             )
         amax, k16 = s[amax_key], s[k_key]
@@ -1078,10 +1127,11 @@ def _check_values(x: torch.Tensor, s: dict, name: str, where: str) -> None:
         b = x.reshape(-1).view(torch.uint8)
         pos, top_byte = torch.stack((b.view(torch.int8).amax().short(), b.amax().short())).tolist()
         top = _TOP_CODE[x.dtype]
+        key = _CODES[name]
         if name == "exp_avg_sq" and not (pos <= top and top_byte <= 0x80):
-            raise ValueError(f"{where}: {name} holds NaN, inf or negative FP8 codes")
+            raise ValueError(f"{where}: {key} holds NaN, inf or negative FP8 codes")
         if not (pos <= top and top_byte <= 0x80 + top):
-            raise ValueError(f"{where}: {name} holds NaN or inf FP8 codes")
+            raise ValueError(f"{where}: {key} holds NaN or inf FP8 codes")
     amax, k16 = _group_numbers(s, name)
     amax = amax.detach()
     ok = (amax == 0) | ((amax >= reference.FLUSH_BELOW) & (amax <= _FP32_MAX))

@@ -303,7 +303,7 @@ def adamw_step_(
         m_old = to_groups(state["exp_avg"], G)
         v_old = to_groups(state["exp_avg_sq"], G)
     else:
-        qm_old, qv_old = _pad_codes(state["exp_avg"], G), _pad_codes(state["exp_avg_sq"], G)
+        qm_old, qv_old = _pad_codes(state["exp_avg_fp8"], G), _pad_codes(state["exp_avg_sq_fp8"], G)
         m_old = dequantize_groups(qm_old, state["exp_avg_amax"], state["exp_avg_k"], m_format)
         v_old = dequantize_groups(qv_old, state["exp_avg_sq_amax"], state["exp_avg_sq_k"], v_format)
 
@@ -338,7 +338,7 @@ def adamw_step_(
         ):
             codes, amax, k16 = quantize_groups(x, fmt, dre)
             codes = torch.where(keep, q_old.view(torch.uint8), codes.view(torch.uint8))
-            _write_flat(state[name], codes.view(fmt.torch_dtype))
+            _write_flat(state[name + "_fp8"], codes.view(fmt.torch_dtype))
             state[name + "_amax"].copy_(torch.where(bad, state[name + "_amax"], amax))
             state[name + "_k"].copy_(torch.where(bad, state[name + "_k"], k16))
     return bad.sum()
