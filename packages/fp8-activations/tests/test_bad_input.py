@@ -271,3 +271,18 @@ def test_an_rms_norm_over_several_dims_is_refused_not_normalized_over_the_last()
         with pytest.raises(ValueError, match=r"last dim only, got a norm over \(4, 8\)"):
             fa.FP8RMSNorm.from_float(torch.nn.RMSNorm((4, 8), elementwise_affine=affine))
     assert fa.FP8RMSNorm.from_float(torch.nn.RMSNorm(8)).normalized_shape == (8,)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_a_row_longer_than_a_norm_kernel_tile_is_a_one_line_error(op, triton_available):
+    """The Triton norms hold a row in one tile (at most 2**20 elements: Triton's limit); a
+    longer row failed inside the launch with a traceback through Triton."""
+    n = (1 << 20) + 16
+    x, w = torch.randn(1, n), torch.ones(n)
+    cfg = FP8ActivationConfig(backend="triton")
+    call = {
+        "rms_norm": lambda: fa.rms_norm(x, w, 1e-6, cfg),
+        "layer_norm": lambda: fa.layer_norm(x, n, w, None, 1e-5, cfg),
+    }[op]
+    with pytest.raises(ValueError, match=rf"^{op}: rows of {n} elements .* backend='reference'"):
+        call()

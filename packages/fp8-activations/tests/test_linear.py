@@ -113,14 +113,17 @@ def test_linears_on_one_input_share_its_fp8_copy(cache, saved, monkeypatch):
         x.grad = None
         for w in ws:
             w.grad = None
-        x_ = x.detach().requires_grad_()  # a fresh object: nothing attached yet
+        # A fresh activation (nothing attached yet; not a leaf, which a fused optimizer could
+        # update in place unseen: a copy is never kept on one).
+        leaf = x.detach().requires_grad_()
+        x_ = leaf * 1
         rec = type(saved)()
         cfg = FP8ActivationConfig(weight_cache=cache, precision_flow=flow)
         with rec.record():
             ys = [fa.fp8_linear(x_, w, None, cfg) for w in ws]
         sum(y.float().square().sum() for y in ys).backward()
         cached = [t for w in ws for t in cached_weight_fp8(w)] if cache else []
-        runs[flow] = ys, [x_.grad, *(w.grad for w in ws)], rec.activation_bytes(*ws, *cached)
+        runs[flow] = ys, [leaf.grad, *(w.grad for w in ws)], rec.activation_bytes(*ws, *cached)
     (ys, grads, shared), (ys0, grads0, separate) = runs[True], runs[False]
     for a, b in zip([*ys, *grads], [*ys0, *grads0], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -137,7 +140,7 @@ def test_linears_on_one_input_share_its_fp8_copy(cache, saved, monkeypatch):
         "quantize_per_tensor_transpose",
         lambda t, *a, **k: calls.append(t.shape) or real(t, *a, **k),
     )
-    x_ = x.detach().requires_grad_()
+    x_ = x.detach().requires_grad_() * 1  # an activation
     cfg = FP8ActivationConfig(weight_cache=True)
     for w in ws:
         fa.fp8_linear(x_, w, None, cfg)

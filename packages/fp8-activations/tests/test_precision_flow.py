@@ -139,14 +139,20 @@ def test_a_saved_output_carries_no_hand_over():
     assert torch.equal(loaded, y) and handed_over(loaded) is None
 
 
-def test_a_parameter_input_is_read_afresh_after_a_fused_optimizer_step():
-    """A linear's per-tensor FP8 copy of its input was kept on a Parameter fed to
-    it (a learned query); a fused optimizer updates parameters in place without bumping
-    their version, so the next forward reused the copy of the old value."""
+@pytest.mark.parametrize("kind", ["parameter", "plain-leaf", "view-of-parameter"])
+def test_a_trained_input_is_read_afresh_after_a_fused_optimizer_step(kind):
+    """A linear's per-tensor FP8 copy of its input was kept on a trained leaf fed to it (a
+    learned query: a Parameter, a plain tensor that requires grad, or a view of either); a
+    fused optimizer updates its tensors in place without bumping their version, so the next
+    forward reused the copy of the old value (a plain leaf and a view: only Parameters
+    themselves were skipped)."""
     torch.manual_seed(0)
-    query = torch.nn.Parameter(torch.randn(4, N))
+    leaf = torch.randn(4, N, requires_grad=True)
+    if kind != "plain-leaf":
+        leaf = torch.nn.Parameter(leaf.detach())
+    query = leaf[:, :] if kind == "view-of-parameter" else leaf  # (one view, kept)
     w = torch.nn.Parameter(torch.randn(N, N) / 8)
-    opt = torch.optim.AdamW([query, w], lr=0.1, fused=True)
+    opt = torch.optim.AdamW([leaf, w], lr=0.1, fused=True)
     for _ in range(3):
         y = fa.fp8_linear(query, w, None)
         y.square().mean().backward()

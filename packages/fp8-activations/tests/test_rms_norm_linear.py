@@ -153,9 +153,10 @@ def test_reform_kernel_matches_reference(m, n, dtype, triton_available):
     _check_reform_kernel(m, n, dtype, "cpu")  # the interpreter
 
 
-@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("group", [32, 128, 32768, 65536])
 def test_reform_kernel_other_group_sizes(group, triton_available):
-    # Tiles are whole groups: a group wider than the default tile widens the tile.
+    # Tiles are whole groups: a group wider than the default tile widens the tile; one wider
+    # than the row is cut to the row (a 64 x 32768 tile had exceeded Triton's 2**20 elements).
     _check_reform_kernel(70, 200, torch.bfloat16, "cpu", group)
 
 

@@ -226,3 +226,22 @@ def test_grad_group_amax_handed_to_gate_up_linears(fused, monkeypatch, triton_av
     assert taken == [False, False]
     for a, b in zip(with_hand_over, without, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("group", [32768, 65536])
+def test_groups_longer_than_the_row_are_one_group_per_row(group, triton_available):
+    """A group longer than the row is one group per row, as a group of the row's length is:
+    the same bits forward and backward (the backward's re-form kernel had sized its tile by
+    the group, 64 x 32768, past Triton's 2**20 elements, and failed inside the launch)."""
+    torch.manual_seed(0)
+    gate, up = torch.randn(6, 40), torch.randn(6, 40)
+    w = torch.randn(16, 40)
+    results = []
+    for g in (64, group):
+        cfg = FP8ActivationConfig(backend="triton", group_size=g, weight_cache=False)
+        leaves = [t.clone().requires_grad_() for t in (gate, up, w)]
+        y = fa.swiglu_linear(leaves[0], leaves[1], leaves[2], None, cfg)
+        y.square().sum().backward()
+        results.append([y.detach(), *(t.grad for t in leaves)])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

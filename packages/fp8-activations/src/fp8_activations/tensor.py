@@ -169,12 +169,15 @@ def attach_per_tensor(x: torch.Tensor, q_qt_scale: tuple, key: tuple) -> None:
     again, and saves the very same ``q.T`` (one saved copy for Q/K/V or gate/up)."""
     if x.is_inference() or torch.is_inference_mode_enabled():  # (no version counter; or
         return  # inference tensors, which a training op on x could not save for backward)
-    if type(x) is not torch.Tensor and isinstance(x, torch.nn.Parameter):
-        # A parameter fed to a linear as its input (a learned query, a soft prompt): fused
-        # optimizers update parameters in place without bumping their version, so a copy
-        # kept on it would be reused after the step. (The type test first: an
-        # activation is a plain Tensor, and isinstance(x, Parameter) takes ~0.3 us, a hot
-        # path's cost per linear.)
+    base = x._base
+    if base is None:
+        base = x
+    if base.is_leaf and base.requires_grad:
+        # A trained leaf fed to a linear as its input (a learned query, a soft prompt; a
+        # Parameter or a plain tensor), or a view of one: fused optimizers update their
+        # tensors in place without bumping the version, so a copy kept on it (or on the view,
+        # which shares the version) would be reused after the step. Activations are not
+        # leaves, nor views of leaves that require grad.
         return
     h = handed_over(x)
     if h is None:

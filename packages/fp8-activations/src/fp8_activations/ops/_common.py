@@ -161,11 +161,22 @@ def _elementwise_launch(config, m, n, group_size, element_size):
     return (max(1, cdiv(groups, br)),), meta
 
 
+MAX_ROW = 1 << 20  # a norm kernel holds a row in one tile: Triton's limit on its elements
+
+
 def row_launch(name: str, x: torch.Tensor, group_size: int) -> dict:
     """Launch meta of a norm kernel over whole rows of the 2-D ``x``: BM rows per tile (at
     least 4096 elements when rows are short), NGP groups per row (padded to a power of
-    two), G, V and num_warps (from the elements per thread in ``CONFIG[name]``)."""
-    return _row_launch(CONFIG[name][0], x.shape[1], group_size, x.element_size())
+    two), G, V and num_warps (from the elements per thread in ``CONFIG[name]``). Rows
+    longer than ``MAX_ROW`` elements raise ``ValueError`` naming the reference backend."""
+    n = x.shape[1]
+    if n > MAX_ROW:
+        raise ValueError(
+            f"{name.rsplit('_', 1)[0]}: rows of {n} elements exceed the Triton kernel's "
+            f"{MAX_ROW} (one row per tile): normalize such rows with backend='reference' "
+            "(FP8ActivationConfig)"
+        )
+    return _row_launch(CONFIG[name][0], n, group_size, x.element_size())
 
 
 @functools.lru_cache(maxsize=1024)
@@ -310,10 +321,15 @@ T_LAUNCH = TLaunch()
 
 def t_launch(m: int, n: int, group_size: int, tile: TLaunch = T_LAUNCH) -> tuple[tuple[int], dict]:
     """``(grid, meta)`` of a transposing kernel over a row-major ``(m, n)`` input of 1 x
-    ``group_size`` groups: BM, BN (a multiple of the group size), num_warps, from ``tile``."""
-    bm, bn = tile.bm, max(tile.bn, group_size)
+    ``group_size`` groups: BM, BN (a multiple of the group), G, num_warps, from ``tile``. A
+    group longer than the row is cut to the smallest power of two that holds the row (one
+    group per row either way: the same bits), and BM shrinks so that a tile stays within
+    Triton's 2**20 elements (a 32768-element group of a 40-wide row asked for 64 x 32768)."""
+    g = min(group_size, next_pow2(n))
+    bn = max(tile.bn, g)
+    bm = max(1, min(tile.bm, (1 << 20) // bn))
     grid = (max(1, cdiv(m, bm) * cdiv(n, bn)),)
-    return grid, dict(BM=bm, BN=bn, num_warps=tile.num_warps)
+    return grid, dict(BM=bm, BN=bn, G=g, num_warps=tile.num_warps)
 
 
 @triton.jit

@@ -88,7 +88,7 @@ def rms_norm_reform_t(
     grid, meta = t_launch(m, n, group_size)
     launch(_reform_t_kernel, grid,
         x_q, x_s, rstd, weight, amax, y_t.view(torch.uint8), y_dtype, m, n,
-        G=group_size, FMT=fmt, HW_CAST=hw_cast_supported(x_q.device), **meta,
+        FMT=fmt, HW_CAST=hw_cast_supported(x_q.device), **meta,
     )  # fmt: skip
     return y_t
 

@@ -79,7 +79,7 @@ def swiglu_reform_t(
     grid, meta = t_launch(m, n, group_size)
     launch(_reform_t_kernel, grid,
         g_q, g_s, u_q, u_s, amax, s_t.view(torch.uint8), s_dtype, m, n,
-        G=group_size, FMT=fmt, HW_CAST=hw_cast_supported(g_q.device), **meta,
+        FMT=fmt, HW_CAST=hw_cast_supported(g_q.device), **meta,
     )  # fmt: skip
     return s_t
 
