@@ -243,6 +243,30 @@ def test_high_precision_states_match_torch_adamw():
         torch.testing.assert_close(p, q, rtol=0, atol=steps * 4 * 2.0**-23)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("beta1", [0.0, 0.3, 0.5])
+def test_a_small_beta1_updates_the_first_moment_as_torch_lerp_does(beta1, backend, request):
+    """torch's AdamW moves m with lerp_(g, 1 - beta1), which for weights >= 0.5 computes
+    g - (g - m) * beta1: beta1 = 0 gives m = g exactly. CoatAdamW computed m + (g - m) *
+    (1 - beta1) throughout, leaving ~an ulp of the old m: a moment 13% off after a large
+    gradient and then a small one (betas=(0, 0.99), as in GAN training)."""
+    if backend == "triton":
+        request.getfixturevalue("needs_triton")
+    hyper = dict(lr=1e-3, betas=(beta1, 0.99), weight_decay=0.0)
+    p, q = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    ours = CoatAdamW(
+        [p], config=CoatAdamWConfig(high_precision_states=True, backend=backend), **hyper
+    )
+    theirs = torch.optim.AdamW([q], foreach=False, **hyper)
+    for g in (-35.307003021240234, -8.793394044914749e-06):
+        p.grad, q.grad = torch.tensor([g]), torch.tensor([g])
+        ours.step()
+        theirs.step()
+        assert torch.equal(ours.state[p]["exp_avg"], theirs.state[q]["exp_avg"])
+    if beta1 == 0.0:
+        assert ours.state[p]["exp_avg"].item() == torch.tensor(g).item()
+
+
 def _regression(seed=0, n=512):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 32, generator=g)
@@ -1439,19 +1463,32 @@ def test_numpy_and_tensor_scalars_are_taken_as_torch_takes_them():
 
 
 def test_a_compiled_step_gives_the_eager_bits():
-    """README: a compiled opt.step runs with graph breaks and the eager bits (dynamo's
-    tracing, backend "eager": no C++ compiler needed); fullgraph=True refuses it."""
+    """README: a compiled opt.step, or a compiled training step around it, runs it eagerly
+    with the eager bits (dynamo's tracing, backend "eager": no C++ compiler needed), also as
+    a scheduler changes the lr and betas between steps (traced, the step after a change
+    failed inside dynamo); fullgraph=True refuses it."""
     torch.manual_seed(0)
     p, q = (torch.nn.Parameter(torch.randn(64, 64)) for _ in range(2))
     q.data.copy_(p.data)
     a, b = (CoatAdamW([t], lr=1e-3, config=CoatAdamWConfig(backend="reference")) for t in (p, q))
+
+    def train_step():
+        b.step()
+        return q.sum()
+
     step = torch.compile(b.step, backend="eager")
+    around = torch.compile(train_step, backend="eager")
     try:
-        for _ in range(3):
+        for i in range(4):
             g = torch.randn(64, 64)
             p.grad, q.grad = g.clone(), g.clone()
             a.step()
-            step()
+            (step if i % 2 else around)()
+            for opt in (a, b):  # as OneCycleLR does
+                opt.param_groups[0].update(lr=1e-3 * (i + 2), betas=(0.9 - 0.01 * i, 0.999))
+        torch._dynamo.reset()  # (else the graph-broken code above is reused)
+        with pytest.raises(Exception, match="disable"):
+            torch.compile(train_step, backend="eager", fullgraph=True)()
     finally:
         torch._dynamo.reset()
     assert torch.equal(p, q)

@@ -312,6 +312,11 @@ class CoatAdamW(torch.optim.Optimizer):
         self._plans.clear()
 
     # ------------------------------------------------------------------------ step
+    # Never traced: a compiled opt.step (or training step around it) runs it eagerly, a graph
+    # break (fullgraph=True refuses it). Traced, an lr changed since the last step (any LR
+    # scheduler) reached the update's struct.pack of fp32/f64 constants as a symbolic
+    # float, and the step failed inside dynamo (RecursionError, torch 2.13).
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: torch.Tensor | float | None = None):
         """One AdamW step of every parameter with a gradient. Returns ``closure()``'s loss.

@@ -8,7 +8,8 @@ approximate ``ex2``/``lg2``/``sqrt``/division and fused multiply-adds round diff
 State of one parameter with ``N`` elements, ``ng = ceil(N / G)`` groups of ``G``
 consecutive elements of the flattened parameter (the last group may be partial):
 
-* ``exp_avg``, ``exp_avg_sq``: FP8 codes, shaped like the parameter;
+* ``exp_avg_fp8``, ``exp_avg_sq_fp8``: FP8 codes, shaped like the parameter (``exp_avg``,
+  ``exp_avg_sq`` in fp32 with ``high_precision``, and no per-group numbers);
 * ``exp_avg_amax``, ``exp_avg_sq_amax``: fp32 ``[ng]``, max ``|x|`` of each group;
 * ``exp_avg_k``, ``exp_avg_sq_k``: uint8 ``[ng]``, ``16 * k`` of each group (1..255; 16 with DRE
   off).
@@ -49,6 +50,15 @@ _M32 = 0xFFFFFFFF
 def fp32(x: float) -> float:
     """``x`` rounded to the nearest fp32 value (what a Triton float argument receives)."""
     return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def first_moment_weight(beta1: float) -> tuple[float, bool]:
+    """``(w, high)`` of the first moment's update, torch's ``lerp_(g, 1 - beta1)`` in fp32:
+    ``w1 = fp32(1 - beta1)``; below 0.5, ``m + (g - m) * w1`` (``w = w1``, ``high`` False),
+    else ``g - (g - m) * (1 - w1)`` (``w = 1 - w1``, exact in fp32, ``high`` True), so that
+    ``beta1 = 0`` gives ``m = g`` exactly (the first form left ~1 ulp of the old ``m``)."""
+    w1 = fp32(1.0 - beta1)
+    return (w1, False) if w1 < 0.5 else (fp32(1.0 - w1), True)
 
 
 def split_f64(x: float) -> tuple[float, float]:
@@ -279,7 +289,7 @@ def adamw_step_(
 
     Per element, in fp32 (``t`` = step after increment)::
 
-        m = m + (g - m) * (1 - b1)
+        m = m + (g - m) * (1 - b1)     (g - (g - m) * b1 where 1 - b1 >= 0.5, as torch's lerp_)
         v = v * b2 + (g * g) * (1 - b2)
         p = p * (1 - lr * wd) - (m / (sqrt(v) / sqrt(1 - b2^t) + eps)) * lr / (1 - b1^t)
 
@@ -307,7 +317,8 @@ def adamw_step_(
         m_old = dequantize_groups(qm_old, state["exp_avg_amax"], state["exp_avg_k"], m_format)
         v_old = dequantize_groups(qv_old, state["exp_avg_sq_amax"], state["exp_avg_sq_k"], v_format)
 
-    m = m_old + (g - m_old) * fp32(1.0 - beta1)
+    w1, high = first_moment_weight(beta1)
+    m = g - (g - m_old) * w1 if high else m_old + (g - m_old) * w1
     v = v_old * fp32(beta2) + (g * g) * fp32(1.0 - beta2)
     denom = _sqrt(v) * inv_sqrt_bc2 + fp32(eps)
     # A zero denominator (eps = 0 and v = 0: a gradient always 0, or v below its group's FP8

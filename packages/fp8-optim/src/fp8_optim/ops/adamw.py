@@ -382,7 +382,7 @@ def _adamw_kernel(
     va_base,
     mk_base,
     vk_base,
-    omb1,
+    w1,
     b2,
     omb2,
     eps,
@@ -394,6 +394,7 @@ def _adamw_kernel(
     M_FMAX: tl.constexpr,
     M_LOG2: tl.constexpr,
     M_C16: tl.constexpr,
+    M_LERP_HIGH: tl.constexpr,
     V_FMT: tl.constexpr,
     V_DRE: tl.constexpr,
     V_FMAX: tl.constexpr,
@@ -502,7 +503,10 @@ def _adamw_kernel(
             PTX,
         )
 
-    m = m + (g - m) * omb1
+    if M_LERP_HIGH:  # (reference.first_moment_weight: torch's lerp_ for weights >= 0.5)
+        m = g - (g - m) * w1
+    else:
+        m = m + (g - m) * w1
     v = v * b2 + (g * g) * omb2
     denom = tl.sqrt(v) * inv_sqrt_bc2 + eps
     # A zero denominator (eps = 0, v = 0) moves nothing, as in the reference.
@@ -729,6 +733,7 @@ def fused_adamw_step_(
         moments = [s0[k].view(torch.uint8) for k in _STATE_KEYS[:2]]
         meta = [s0[k] for k in _STATE_KEYS[2:]]
     mf, ml, mc = ref.format_constants(m_format)
+    w1, lerp_high = ref.first_moment_weight(beta1)
     vf, vl, vc = ref.format_constants(v_format)
     for chunks, even in ((plan.chunks, plan.grads_aligned), (plan.odd_chunks, False)):
         if chunks.numel() == 0:
@@ -745,7 +750,7 @@ def fused_adamw_step_(
             grads[0],
             *moments,
             *meta,
-            ref.fp32(1.0 - beta1),
+            w1,
             ref.fp32(beta2),
             ref.fp32(1.0 - beta2),
             ref.fp32(eps),
@@ -757,6 +762,7 @@ def fused_adamw_step_(
             M_FMAX=mf,
             M_LOG2=ml,
             M_C16=mc,
+            M_LERP_HIGH=lerp_high,
             V_FMT=v_format.value,
             V_DRE=v_dre,
             V_FMAX=vf,
