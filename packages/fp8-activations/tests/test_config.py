@@ -72,3 +72,13 @@ def test_enum_backend_runs_the_same_bits_as_its_string(backend):
         x.grad = w.grad = None
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_numpy_integer_group_size_is_an_int():
+    """A sweep's np.int64(64) was refused: "must be a positive power of two, got np.int64(64)"."""
+    import numpy as np
+
+    cfg = FP8ActivationConfig(group_size=np.int64(64))
+    assert cfg.group_size == 64 and type(cfg.group_size) is int
+    with pytest.raises(ValueError, match="power of two"):
+        FP8ActivationConfig(group_size=np.int64(48))

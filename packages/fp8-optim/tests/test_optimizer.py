@@ -8,6 +8,7 @@ import io
 import math
 
 import fp8_optim
+import numpy as np
 import pytest
 import torch
 from fp8_optim import CoatAdamW, CoatAdamWConfig, reference
@@ -31,6 +32,9 @@ def test_config_parses_and_freezes():
         cfg.group_size = 64
     n = 128 * 1000
     assert CoatAdamWConfig().state_bytes_per_param(n) == (2 * n + 10 * 1000 + 4) / n
+    # numpy integers (a sweep's np.arange) are ints: they were refused, "got np.int64(64)"
+    cfg = CoatAdamWConfig(group_size=np.int64(64), seed=np.uint32(7))
+    assert (cfg.group_size, cfg.seed) == (64, 7) and type(cfg.group_size) is int
 
 
 def test_config_backend_is_the_fp8_quant_enum():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import sys
 import warnings
 
@@ -50,6 +51,9 @@ class FP8ActivationConfig:
 
     def __post_init__(self):
         g = self.group_size
+        if isinstance(g, numbers.Integral) and not isinstance(g, bool):  # numpy integers too
+            g = int(g)
+            object.__setattr__(self, "group_size", g)
         if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g & (g - 1):
             raise ValueError(f"group_size must be a positive power of two (e.g. 16), got {g!r}")
         if g > MAX_GROUP_SIZE:  # (2**40 crashed the kernels, or asked for terabytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from fp8_quant import Backend, FP8Format
@@ -48,6 +49,10 @@ class CoatAdamWConfig:
     def __post_init__(self):
         object.__setattr__(self, "m_format", FP8Format.parse(self.m_format))
         object.__setattr__(self, "v_format", FP8Format.parse(self.v_format))
+        for name in ("group_size", "seed"):  # numpy integers too (stored as int)
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, name, int(value))
         gs = self.group_size
         if isinstance(gs, bool) or not isinstance(gs, int) or not 16 <= gs <= 4096 or gs & (gs - 1):
             raise ValueError(f"group_size must be a power of two in [16, 4096], got {gs!r}")
