@@ -1428,6 +1428,11 @@ def _unsupported():
     granite = transformers.GraniteConfig(**one, residual_multiplier=0.5)
     yield "granite", transformers.GraniteForCausalLM(granite), "computes something else"
     yield "linear", torch.nn.Linear(4, 4), "attribute 'layers'"
+    if hasattr(transformers, "GraniteSWAForCausalLM"):  # (transformers >= 5.2x)
+        # Attention sinks, passed to the attention function as s_aux: COAT's block dropped
+        # them (flash attention 3 and flex honour them; SDPA ignores them).
+        swa = transformers.GraniteSWAConfig(**one)
+        yield "granite-swa", transformers.GraniteSWAForCausalLM(swa), "s_aux"
 
 
 @pytest.mark.parametrize(
@@ -1440,6 +1445,59 @@ def test_unsupported_models_get_a_clear_error(name, model, match):
     assert match in str(err.value)
     assert not is_coat(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _windows_seen(model, ids) -> set:
+    """The sliding_window values the attention function got in one training forward."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    seen = set()
+
+    def spy(module, q, k, v, mask, **kwargs):
+        seen.add(kwargs.get("sliding_window"))
+        return sdpa_attention_forward(module, q, k, v, mask, **kwargs)
+
+    AttentionInterface.register("coat_test_spy", spy)
+    model.config._attn_implementation = "coat_test_spy"
+    model.train()(ids, labels=ids)
+    return seen
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2-mixed"])
+def test_the_attention_gets_the_window_the_models_own_code_passes(family):
+    """A Llama layer passes its attention no window, whatever the config holds (a llamafied
+    Mistral or Qwen checkpoint keeps ``sliding_window``); COAT passed the config's, which
+    flash attention applies: a windowed model in training, a full one in eval. Mistral
+    passes the config's window, Qwen2 its layer's (None on full-attention layers)."""
+    torch.manual_seed(0)
+    if family == "llama":
+        config = LlamaConfig(**TINY, sliding_window=4)
+        model = LlamaForCausalLM(config)
+    elif family == "mistral":
+        model = transformers.MistralForCausalLM(
+            transformers.MistralConfig(**TINY, sliding_window=4)
+        )
+    else:
+        config = transformers.Qwen2Config(
+            **TINY, sliding_window=4, use_sliding_window=True, max_window_layers=1
+        )
+        model = transformers.Qwen2ForCausalLM(config)
+    ids = tokens()
+    want = _windows_seen(copy.deepcopy(model), ids)
+    assert _windows_seen(apply_coat(model), ids) == want
+    assert want == {"llama": {None}, "mistral": {4}, "qwen2-mixed": {None, 4}}[family]
+
+
+def test_a_layer_called_without_rope_is_a_clear_error():
+    """A model whose layer gets no position_embeddings (GraniteSWA's layers with rope theta
+    0) passes the probe, which gives every layer RoPE; its first training step failed with
+    'cannot unpack non-iterable NoneType object'."""
+    model = apply_coat(tiny_llama()).train()
+    layer = model.model.layers[0]
+    x = torch.randn(1, 8, TINY["hidden_size"])
+    with pytest.raises(TypeError, match="without position_embeddings .* module_filter_fn"):
+        layer(x, attention_mask=None, position_embeddings=None)
 
 
 def test_not_a_module():

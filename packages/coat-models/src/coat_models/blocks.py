@@ -60,6 +60,11 @@ FP8_OPS = SimpleNamespace(
 )
 
 
+# The attribute of a converted layer's attention that holds the window its own code passes.
+SLIDING_WINDOW = "coat_sliding_window"
+_UNPROBED = object()
+
+
 def norm_eps(norm: nn.Module) -> float:
     """The epsilon of a Llama-style RMSNorm module (``variance_epsilon`` or ``eps``)."""
     eps = getattr(norm, "variance_epsilon", None)
@@ -163,8 +168,14 @@ def attention(
     attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(
         attn.config._attn_implementation, model_function(attn, "eager_attention_forward")
     )
-    # Mistral reads the window from the config, Qwen2 per layer from the module.
-    sliding_window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+    # The window the layer's own code passes (apply_coat's probe recorded it: a Llama layer
+    # passes none, whatever its config holds); unprobed, Mistral's is the config's, Qwen2's
+    # the module's.
+    sliding_window = attn.__dict__.get(SLIDING_WINDOW, _UNPROBED)
+    if sliding_window is _UNPROBED:
+        sliding_window = getattr(
+            attn, "sliding_window", getattr(attn.config, "sliding_window", None)
+        )
     out, _ = attention_fn(
         attn,
         q,

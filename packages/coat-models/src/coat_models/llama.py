@@ -346,13 +346,20 @@ def _attentions_asked() -> bool:
 
 
 @torch.no_grad()
-def _layer_mismatch(base: nn.Module, layer: nn.Module, stand_in: bool = True) -> str | None:
+def _layer_mismatch(
+    base: nn.Module, layer: nn.Module, stand_in: bool = True, found: dict | None = None
+) -> str | None:
     """Run ``layer`` and ``blocks.decoder_layer`` with the exact ops on one short random
     sequence; a Llama-shaped layer gives the same output. Catches layers that match by
     structure but compute something else (Gemma's ``1 + weight`` norm, Granite's residual
     multiplier, ...). First on a narrow fp32 CPU stand-in of the layer's class with random
     weights (``stand_in``), then, unless on the meta device, on the layer itself; skipped
-    when sharded (DTensors)."""
+    when sharded (DTensors).
+
+    The stand-in's attention records what the layer's code passes to the attention function:
+    ``found["sliding_window"]`` gets its window (COAT passes the same: a Llama layer passes
+    none, whatever its config says), and other arguments COAT does not pass the same are a
+    problem (GraniteSWA's attention sinks, ``s_aux``)."""
     params = list(layer.parameters())
     if any(type(p.data) is not torch.Tensor for p in params):
         return None
@@ -367,7 +374,7 @@ def _layer_mismatch(base: nn.Module, layer: nn.Module, stand_in: bool = True) ->
         problem = None
         if cpu is not None:
             try:
-                problem = _layer_mismatch(*cpu, stand_in=False)
+                problem = _layer_mismatch(*cpu, stand_in=False, found=found)
             except Exception:  # a stand-in this family's code cannot run
                 pass
         if problem is not None or meta:
@@ -390,19 +397,43 @@ def _layer_mismatch(base: nn.Module, layer: nn.Module, stand_in: bool = True) ->
     forward = _original_class(layer).forward
     # A copy of the rotary embedding: a dynamic one keeps state from the positions it saw.
     rotary = copy.deepcopy(base.rotary_emb)
-    with _probing(layer, rotary):
-        cos_sin = rotary(x, position_ids)
-        want = forward(
-            layer, x, attention_mask=None, position_embeddings=cos_sin, position_ids=position_ids
-        )
-        got = blocks.decoder_layer(
-            reference,
-            layer,
-            x,
-            attention_mask=None,
-            position_embeddings=cos_sin,
-            attn_kwargs={"position_ids": position_ids},
-        )
+    attn = layer.self_attn
+    records = getattr(attn.config, "_attn_implementation", None) == _PROBE_ATTENTION
+    before = attn.__dict__.get(_WINDOW, _WINDOW)
+    model_calls, coat_calls = [], []
+    try:
+        with _probing(layer, rotary):
+            cos_sin = rotary(x, position_ids)
+            with _recording(model_calls):
+                want = forward(
+                    layer,
+                    x,
+                    attention_mask=None,
+                    position_embeddings=cos_sin,
+                    position_ids=position_ids,
+                )
+            if records and model_calls and found is not None:
+                found["sliding_window"] = model_calls[0].get("sliding_window")
+            if found is not None and "sliding_window" in found:
+                setattr(attn, _WINDOW, found["sliding_window"])
+            with _recording(coat_calls):
+                got = blocks.decoder_layer(
+                    reference,
+                    layer,
+                    x,
+                    attention_mask=None,
+                    position_embeddings=cos_sin,
+                    attn_kwargs={"position_ids": position_ids},
+                )
+    finally:
+        if before is _WINDOW:
+            attn.__dict__.pop(_WINDOW, None)
+        else:
+            setattr(attn, _WINDOW, before)
+    if records and model_calls and coat_calls:
+        problem = _attention_difference(model_calls[0], coat_calls[0])
+        if problem is not None:
+            return problem
     if isinstance(want, tuple):
         want = want[0]
     tol = 1e-4 if x.dtype in (torch.float32, torch.float64) else 2e-2
@@ -413,6 +444,55 @@ def _layer_mismatch(base: nn.Module, layer: nn.Module, stand_in: bool = True) ->
 
 
 _FAR = 2**21  # a position of the probe's second half
+
+# The stand-in probe's attention implementation: SDPA, recording each call's keyword
+# arguments (while ``_RECORDING`` is a list) so that the probe sees what the model's own
+# attention passes beside q, k, v and the mask, and COAT can pass the same.
+_PROBE_ATTENTION = "coat_probe_sdpa"
+_RECORDING: list | None = None
+
+
+def _recording_attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if _RECORDING is not None:
+        _RECORDING.append(kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextlib.contextmanager
+def _recording(calls: list):
+    global _RECORDING
+    _RECORDING = calls
+    try:
+        yield
+    finally:
+        _RECORDING = None
+
+
+# Arguments a layer hands its attention that change nothing it computes here (the cache's,
+# which COAT's layer takes itself), and the window, which COAT takes from the probe.
+_BOOKKEEPING = frozenset(
+    ("use_cache", "cache_position", "past_key_value", "past_key_values", "output_attentions",
+     "sliding_window")
+)  # fmt: skip
+
+
+def _attention_difference(model_args: dict, coat_args: dict) -> str | None:
+    """What the model's own attention call passes that COAT's does not (or otherwise), or
+    None; the window (``sliding_window``) COAT takes from the probe (``coat_sliding_window``)."""
+    for name in sorted(set(model_args) | set(coat_args)):
+        if name in _BOOKKEEPING or name not in model_args:
+            continue
+        mine, theirs = coat_args.get(name), model_args[name]
+        same = mine is theirs if isinstance(theirs, torch.Tensor) else mine == theirs
+        if name not in coat_args or not same:
+            what = "a tensor" if isinstance(theirs, torch.Tensor) else repr(theirs)
+            return (
+                f"its attention is called with {name}={what}, which COAT's attention block "
+                "does not pass"
+            )
+    return None
 
 
 def _probe_key(layer: nn.Module) -> tuple:
@@ -452,8 +532,12 @@ def _cpu_probe(base: nn.Module, layer: nn.Module):
     try:
         for name, value in narrow.items():
             setattr(config, name, value)
-        # Attention the CPU runs (a flash-attention config asked for its GPU kernels).
-        config._attn_implementation = "sdpa"
+        # Attention the CPU runs (a flash-attention config asked for its GPU kernels): SDPA,
+        # recording what the layer's code passes to it.
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(_PROBE_ATTENTION, _recording_attention)
+        config._attn_implementation = _PROBE_ATTENTION
         # The CPU generator's state is restored after the init below (its values are
         # replaced from ``gen``); no manual_seed: it would seed every GPU's generator too.
         with torch.device("cpu"), torch.random.fork_rng(devices=[]):
@@ -610,7 +694,13 @@ class _CoatDecoderLayer(_CoatMixin):
             # layer's length decides, one guard that every layer shares.
             cache = None
         dtype, device = hidden_states.dtype, hidden_states.device.type
-        cos_sin = kwargs.pop("position_embeddings")
+        cos_sin = kwargs.pop("position_embeddings", None)
+        if cos_sin is None:  # (apply_coat's probe gives every layer RoPE: it cannot tell)
+            raise UnsupportedModel(
+                f"{type(self).__name__} was called without position_embeddings (a layer "
+                "without RoPE, e.g. GraniteSWA's with rope theta 0): COAT's attention block "
+                "applies RoPE; leave such layers out with apply_coat's module_filter_fn"
+            )
         if torch.is_autocast_enabled(device):
             # fp32 master weights under autocast: run the whole layer in the autocast dtype,
             # residual stream included (COAT keeps it in BF16), rather than in fp32 with bf16
@@ -916,15 +1006,17 @@ def convert_llama(
         keep = [bool(module_filter_fn(layer, fqn)) for layer, fqn in zip(layers, fqns, strict=True)]
     else:
         keep = [True] * len(layers)
-    passed, probed = False, set()
+    passed, probed, keys = False, {}, [None] * len(layers)
     for index, (layer, convert) in enumerate(zip(layers, keep, strict=True)):
         if not convert:  # left plain: whatever it computes
             continue
         problem = _layer_problem(layer)
-        if problem is None and _probe_key(layer) not in probed:
-            probed.add(_probe_key(layer))
+        if problem is None:
+            keys[index] = _probe_key(layer)
+        if problem is None and keys[index] not in probed:
+            found = probed[keys[index]] = {}
             try:
-                problem = _layer_mismatch(base, layer)
+                problem = _layer_mismatch(base, layer, found=found)
             except Exception as e:  # its code needs what the probe does not give it
                 line = (str(e).strip().splitlines() or [""])[0]
                 problem = f"its forward could not be probed ({type(e).__name__}: {line})"
@@ -943,14 +1035,18 @@ def convert_llama(
             )
     top = root if root is not None else model
     where = {id(m): name for name, m in top.named_modules()}
-    for layer, convert in zip(layers, keep, strict=True):
+    for layer, convert, key in zip(layers, keep, keys, strict=True):
         original = _original_class(layer)
+        layer.self_attn.__dict__.pop(_WINDOW, None)
         if not convert:
             layer.__class__ = original
             for name in _LAYER_STATE:
                 layer.__dict__.pop(name, None)
             _HOLDERS.pop(layer, None)
             continue
+        found = probed.get(key, {})
+        if "sliding_window" in found:  # (else blocks.attention reads the module and config)
+            setattr(layer.self_attn, _WINDOW, found["sliding_window"])
         layer.__class__ = _coat_class(_CoatDecoderLayer, original)
         layer.coat_config = config
         layer.__dict__.pop("coat_ops", None)  # converted again: the default op set
@@ -966,7 +1062,7 @@ def revert_classes(model: nn.Module) -> nn.Module:
         original = _original_class(module)
         if original is not type(module):
             module.__class__ = original
-        for name in _LAYER_STATE:
+        for name in (*_LAYER_STATE, _WINDOW):
             module.__dict__.pop(name, None)
         _HOLDERS.pop(module, None)
     return model
@@ -974,6 +1070,9 @@ def revert_classes(model: nn.Module) -> nn.Module:
 
 # What apply_coat sets on a converted layer (beside its class), dropped when it is reverted.
 _LAYER_STATE = ("coat_config", "coat_ops")
+# On a converted layer's attention: the window its own code passes to the attention function
+# (the probe's record), which blocks.attention passes too.
+_WINDOW = blocks.SLIDING_WINDOW
 
 
 def is_coat(module: nn.Module) -> bool:
