@@ -323,11 +323,12 @@ def t_launch(m: int, n: int, group_size: int, tile: TLaunch = T_LAUNCH) -> tuple
     """``(grid, meta)`` of a transposing kernel over a row-major ``(m, n)`` input of 1 x
     ``group_size`` groups: BM, BN (a multiple of the group), G, num_warps, from ``tile``. A
     group longer than the row is cut to the smallest power of two that holds the row (one
-    group per row either way: the same bits), and BM shrinks so that a tile stays within
-    Triton's 2**20 elements (a 32768-element group of a 40-wide row asked for 64 x 32768)."""
+    group per row either way: the same bits), and BM shrinks so that a tile holds at most
+    2**14 elements where the group allows (a 32768-element group of a 40-wide row asked for
+    64 x 32768, past Triton's 2**20; a 64 x 4096 tile took minutes to compile for sm_90)."""
     g = min(group_size, next_pow2(n))
     bn = max(tile.bn, g)
-    bm = max(1, min(tile.bm, (1 << 20) // bn))
+    bm = max(1, min(tile.bm, (1 << 14) // bn))
     grid = (max(1, cdiv(m, bm) * cdiv(n, bn)),)
     return grid, dict(BM=bm, BN=bn, G=g, num_warps=tile.num_warps)
 
