@@ -492,3 +492,44 @@ def test_dcp_checkpoint_with_fp8_codes_under_the_moment_names_loads(tmp_path):
             if v.element_size() == 1:  # (FP8 codes: compared as bytes)
                 got, v = got.view(torch.uint8), v.view(torch.uint8)
             assert torch.equal(got, v), k
+
+
+class _Killed(BaseException):
+    """A save stopped at a fault-injection point, as a kill would stop it."""
+
+
+@pytest.mark.parametrize("then", ["recover", "settle", "save-again"])
+def test_a_save_killed_while_replacing_a_checkpoint_of_any_name_loses_neither(
+    tmp_path, monkeypatch, then
+):
+    """A save over an existing ``ckpt/latest`` killed between its two renames left the old
+    checkpoint in the trash and the new one complete in ``latest.partial``; ``recover``
+    published only ``step_<n>`` names and deleted the trash (neither checkpoint left), and the
+    next save deleted the complete ``.partial`` as stale. Now the new one is published."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    path = tmp_path / "ckpt" / "latest"
+    distributed.save_checkpoint(path, model, opt, extra={"step": 1}, step=1)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+
+    def kill_at(stage):
+        if stage == "replace:trash":
+            raise _Killed
+
+    monkeypatch.setattr(checkpoint, "_reached", kill_at)
+    with pytest.raises(_Killed):
+        distributed.save_checkpoint(path, model, opt, extra={"step": 2}, step=2)
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError, match=r"<path>\.partial: .*settle\(path\)"):
+        distributed.load_checkpoint(path, model, opt)
+    if then == "recover":
+        checkpoint.recover(path.parent)
+    elif then == "settle":
+        checkpoint.settle(path)
+    else:
+        distributed.save_checkpoint(path, model, opt, extra={"step": 3}, step=3)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["latest"]
+    want = {"step": 3} if then == "save-again" else {"step": 2}
+    assert distributed.load_checkpoint(path, model, opt) == want

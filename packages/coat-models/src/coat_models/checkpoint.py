@@ -202,17 +202,27 @@ def write_manifest(
     return manifest
 
 
+def missing(path) -> FileNotFoundError:
+    """The error for a checkpoint ``path`` that is not there; it names what an interrupted
+    save left (``<path>.partial``) and how to finish it."""
+    partial = Path(path).with_name(Path(path).name + ".partial")
+    hint = (
+        " (an interrupted save left only <path>.partial: coat_models.checkpoint.settle(path) "
+        "publishes it where complete, as the next save of the path does first)"
+        if partial.exists()
+        else ""
+    )
+    return FileNotFoundError(
+        f"no checkpoint at {str(path)!r}{hint}: expected a directory written by save_checkpoint"
+    )
+
+
 def read_manifest(directory: Path) -> Manifest:
     """The manifest of ``directory``; ``FileNotFoundError`` if there is no such directory,
     ``CheckpointError`` if it has no valid manifest. Reads JSON only."""
     directory = Path(directory)
     if not directory.is_dir():
-        partial = directory.with_name(directory.name + ".partial")
-        hint = " (an interrupted save left only <path>.partial)" if partial.exists() else ""
-        raise FileNotFoundError(
-            f"no checkpoint at {str(directory)!r}{hint}: expected a directory written by "
-            "save_checkpoint"
-        )
+        raise missing(directory)
     path = directory / MANIFEST
     if not path.is_file():
         raise CheckpointError(
@@ -503,12 +513,35 @@ def prune(parent: Path, keep: int) -> list[Path]:
     return doomed
 
 
+def settle(final: Path) -> None:
+    """Finish a publish of ``final`` (any name) killed between its two renames: where
+    ``final`` is missing and ``<final>.partial`` complete, the latter is published; where
+    ``final`` is there, the trash of its name (what it replaced) is deleted. The caller must
+    be the only writer."""
+    final = Path(final)
+    partial = final.with_name(final.name + ".partial")
+    if not os.path.lexists(final) and partial.is_dir() and _serial(partial) is not None:
+        os.rename(partial, final)
+        _fsync_dir(final.parent)
+        _reached("settle")
+    if os.path.lexists(final):
+        prefix = f"{_TRASH}{final.name}-"
+        for p in _entries(final.parent):
+            if p.name.startswith(prefix) and len(p.name) == len(prefix) + 8 and p.is_dir():
+                _delete(p, "settle:delete")
+
+
 def recover(parent: Path) -> None:
     """Finish what a killed save, publish or prune left in ``parent`` (the caller must be the
-    only writer, e.g. hold coat-train's output lock): trash is deleted, a complete
-    in-progress directory is published, an incomplete one deleted."""
+    only writer, e.g. hold coat-train's output lock): a publish killed between its renames is
+    finished (``settle``), then trash is deleted, a complete in-progress directory is
+    published, an incomplete one deleted."""
     if not parent.is_dir():
         return
+    for p in sorted(parent.iterdir()):
+        if p.name.startswith(_TRASH) and p.is_dir():
+            # (the trash name is <_TRASH><name>-<8 hex digits>: see _to_trash)
+            settle(parent / p.name[len(_TRASH) : -9])
     for p in sorted(parent.iterdir()):
         if p.name.startswith(_TRASH) and p.is_dir():
             _delete(p, "recover:delete")

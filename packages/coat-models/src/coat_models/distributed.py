@@ -490,7 +490,9 @@ def save_checkpoint(
     ``<path>.partial``, then rank 0 (after a barrier, so every rank's shards are on disk)
     hashes every file into its ``manifest.json`` (``coat_models.checkpoint``: kind ``"dcp"``,
     the number of ranks, ``step``, JSON ``info``) and renames it into place, replacing an
-    older one without a moment where neither is complete. Rank 0 must see every rank's files
+    older one (a save killed between those renames leaves the new one complete as
+    ``<path>.partial``, which ``checkpoint.settle(path)`` publishes: the next save of the path
+    does so first; a read of ``path`` meanwhile says so). Rank 0 must see every rank's files
     (one machine, or a shared file system). ``extra`` (step, scheduler state, ...: anything
     ``torch.load(weights_only=True)`` reads back) is returned by ``load_checkpoint``, its
     tensors on the CPU; DCP stores one copy, so it must be equal on every rank (gather
@@ -513,6 +515,7 @@ def save_checkpoint(
         state["extra"] = buffer
 
     def remove_stale():  # a save of this path that was killed before it finished
+        checkpoint.settle(path)  # (killed while publishing: path missing, partial complete)
         if partial.exists():
             checkpoint.remove(partial, "stale")
 
@@ -833,14 +836,7 @@ def _planner_class():
 def _saved_metadata(path: str) -> dict:
     """The checkpoint's ``state_dict_metadata``; a clear error where there is none."""
     if not os.path.exists(os.path.join(path, ".metadata")):
-        hint = (
-            " (an interrupted save left only <path>.partial)"
-            if os.path.exists(path + ".partial")
-            else ""
-        )
-        raise FileNotFoundError(
-            f"no checkpoint at {path!r}{hint}: expected a directory written by save_checkpoint"
-        )
+        raise checkpoint.missing(path)
     metadata = _read_metadata(path)
     if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise checkpoint.CheckpointError(f"{path}/.metadata holds no DCP state_dict_metadata")
