@@ -1613,3 +1613,40 @@ def test_an_optimizer_pickled_with_codes_under_the_moment_names_steps_on(h):
     _feed(params, opt, 1, seed=5)
     _feed(params2, opt2, 1, seed=5)
     h.assert_same_state(opt, params, opt2, params2)
+
+
+_ZERO_ROWS = """
+import torch, torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+from torch.distributed.fsdp import fully_shard
+from fp8_optim import CoatAdamW
+m = nn.Module()
+m.w, m.v = nn.Parameter(torch.zeros(4, 0)), nn.Parameter(torch.ones(256))
+fully_shard(m)
+assert tuple(m.w.to_local().shape) == (0, 0)  # FSDP2's shard of a 4 x 0 parameter
+opt = CoatAdamW(m.parameters(), lr=1e-2)
+for p in m.parameters():
+    p.grad = torch.ones_like(p)
+opt.step()
+sd = opt.state_dict()
+assert sd["state"][0]["exp_avg_fp8"].shape == (4, 0)
+opt.load_state_dict(sd)
+opt.step()
+print("ok", m.v.to_local()[0].item())
+"""
+
+
+def test_a_sharded_parameter_without_elements_but_with_rows():
+    """FSDP2 shards a 4 x 0 parameter as 0 x 0 on every rank: CoatAdamW refused to be built
+    ("rank 0 of 2 holds 0 rows of 4, expected 2"), where torch's AdamW takes it. Rank 0 of
+    two over torch's fake process group, in a fresh process."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _ZERO_ROWS], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ok ")

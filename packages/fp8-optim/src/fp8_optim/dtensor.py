@@ -138,7 +138,10 @@ class ShardedParam:
         self.rank = mesh.get_local_rank(sharded[0])
         self.start, self.end = chunk_range(self.shape[0], self.world, self.rank)
         local = param._local_tensor
-        if local.shape[0] != self.end - self.start:
+        # A parameter without elements (4 x 0): FSDP2 gives every rank a 0 x 0 shard; its
+        # ``work`` is an empty tensor of the rows this rank would hold, aliasing nothing.
+        self.empty = _numel(self.shape) == 0
+        if not self.empty and local.shape[0] != self.end - self.start:
             raise ValueError(
                 f"unexpected dim-0 shard: rank {self.rank} of {self.world} holds "
                 f"{local.shape[0]} rows of {self.shape[0]}, expected {self.end - self.start}"
@@ -148,6 +151,9 @@ class ShardedParam:
         self.group_shape = group_state_shape(self.shape, group_size)
         if self.layout == "full":
             self.work = torch.zeros(self.shape, dtype=param.dtype, device=local.device)
+        elif self.empty:
+            rows = (self.end - self.start, *self.shape[1:])
+            self.work = torch.zeros(rows, dtype=param.dtype, device=local.device)
         else:
             self.work = torch.empty(0, dtype=param.dtype, device=local.device)
             self.rebind()
@@ -163,6 +169,8 @@ class ShardedParam:
         # load_state_dict(assign=True)): alias the current one. No copy.
         local = self.param._local_tensor
         w = self.work
+        if self.empty:  # (nothing to alias)
+            return
         if (
             w.untyped_storage().data_ptr() != local.untyped_storage().data_ptr()
             or w.storage_offset() != local.storage_offset()
@@ -179,6 +187,8 @@ class ShardedParam:
         if self.layout == "full":
             self.work.copy_(gather(self.param))
             self.work.grad = gather(grad)
+        elif self.empty:
+            self.work.grad = torch.zeros_like(self.work)
         else:
             self.rebind()
             self.work.grad = grad.to_local()
