@@ -1428,11 +1428,6 @@ def _unsupported():
     granite = transformers.GraniteConfig(**one, residual_multiplier=0.5)
     yield "granite", transformers.GraniteForCausalLM(granite), "computes something else"
     yield "linear", torch.nn.Linear(4, 4), "attribute 'layers'"
-    if hasattr(transformers, "GraniteSWAForCausalLM"):  # (transformers >= 5.2x)
-        # Attention sinks, passed to the attention function as s_aux: COAT's block dropped
-        # them (flash attention 3 and flex honour them; SDPA ignores them).
-        swa = transformers.GraniteSWAConfig(**one)
-        yield "granite-swa", transformers.GraniteSWAForCausalLM(swa), "s_aux"
 
 
 @pytest.mark.parametrize(
@@ -1447,21 +1442,25 @@ def test_unsupported_models_get_a_clear_error(name, model, match):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def _windows_seen(model, ids) -> set:
-    """The sliding_window values the attention function got in one training forward."""
+def _attention_calls(model, ids) -> list[dict]:
+    """The keyword arguments the attention function got in one training forward."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    seen = set()
+    calls = []
 
     def spy(module, q, k, v, mask, **kwargs):
-        seen.add(kwargs.get("sliding_window"))
+        calls.append(kwargs)
         return sdpa_attention_forward(module, q, k, v, mask, **kwargs)
 
     AttentionInterface.register("coat_test_spy", spy)
     model.config._attn_implementation = "coat_test_spy"
     model.train()(ids, labels=ids)
-    return seen
+    return calls
+
+
+def _windows_seen(model, ids) -> set:
+    return {call.get("sliding_window") for call in _attention_calls(model, ids)}
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2-mixed"])
@@ -1487,6 +1486,23 @@ def test_the_attention_gets_the_window_the_models_own_code_passes(family):
     want = _windows_seen(copy.deepcopy(model), ids)
     assert _windows_seen(apply_coat(model), ids) == want
     assert want == {"llama": {None}, "mistral": {4}, "qwen2-mixed": {None, 4}}[family]
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers, "GraniteSWAForCausalLM"), reason="transformers without GraniteSWA"
+)
+def test_the_attention_gets_the_sinks_the_models_own_code_passes():
+    """GraniteSWA passes its attention sinks (a parameter) as s_aux; COAT's block dropped
+    them: backends that honour them (flash attention 3, flex) trained without sinks, and the
+    sinks got no gradient."""
+    torch.manual_seed(0)
+    one = {**TINY, "num_hidden_layers": 1, "head_dim": 16}
+    model = transformers.GraniteSWAForCausalLM(transformers.GraniteSWAConfig(**one))
+    ids = tokens()
+    sinks = model.model.layers[0].self_attn.sinks
+    assert all(c["s_aux"] is sinks for c in _attention_calls(model, ids))
+    model = apply_coat(model)
+    assert all(c["s_aux"] is sinks for c in _attention_calls(model, ids))
 
 
 def test_a_layer_called_without_rope_is_a_clear_error():

@@ -60,9 +60,10 @@ FP8_OPS = SimpleNamespace(
 )
 
 
-# The attribute of a converted layer's attention that holds the window its own code passes.
-SLIDING_WINDOW = "coat_sliding_window"
-_UNPROBED = object()
+# The attribute of a converted layer's attention that holds what apply_coat's probe saw its
+# own code pass to the attention function: {"sliding_window": the window, "tensors":
+# {keyword: the name of the attention's parameter or buffer passed so}}.
+ATTENTION_ARGS = "coat_attention_args"
 
 
 def norm_eps(norm: nn.Module) -> float:
@@ -168,14 +169,18 @@ def attention(
     attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(
         attn.config._attn_implementation, model_function(attn, "eager_attention_forward")
     )
-    # The window the layer's own code passes (apply_coat's probe recorded it: a Llama layer
-    # passes none, whatever its config holds); unprobed, Mistral's is the config's, Qwen2's
-    # the module's.
-    sliding_window = attn.__dict__.get(SLIDING_WINDOW, _UNPROBED)
-    if sliding_window is _UNPROBED:
+    # What the layer's own code passes (apply_coat's probe recorded it: a Llama layer passes
+    # no window, whatever its config holds; GraniteSWA its sinks); unprobed, Mistral's window
+    # is the config's, Qwen2's the module's.
+    probed = attn.__dict__.get(ATTENTION_ARGS)
+    if probed is None:
         sliding_window = getattr(
             attn, "sliding_window", getattr(attn.config, "sliding_window", None)
         )
+        extra = {}
+    else:
+        sliding_window = probed["sliding_window"]
+        extra = {key: getattr(attn, name) for key, name in probed["tensors"].items()}
     out, _ = attention_fn(
         attn,
         q,
@@ -185,6 +190,7 @@ def attention(
         dropout=attn.attention_dropout if attn.training else 0.0,
         scaling=attn.scaling,
         sliding_window=sliding_window,
+        **extra,
         **attn_kwargs,
     )
     # Under autocast SDPA returns the autocast dtype; the residual stream keeps its own.

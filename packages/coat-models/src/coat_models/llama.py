@@ -357,9 +357,10 @@ def _layer_mismatch(
     when sharded (DTensors).
 
     The stand-in's attention records what the layer's code passes to the attention function:
-    ``found["sliding_window"]`` gets its window (COAT passes the same: a Llama layer passes
-    none, whatever its config says), and other arguments COAT does not pass the same are a
-    problem (GraniteSWA's attention sinks, ``s_aux``)."""
+    ``found`` gets its window and the attention's own tensors it passes (``_attention_args``:
+    COAT passes the same; a Llama layer passes no window, whatever its config says;
+    GraniteSWA passes its sinks), and other arguments COAT does not pass the same are a
+    problem."""
     params = list(layer.parameters())
     if any(type(p.data) is not torch.Tensor for p in params):
         return None
@@ -399,7 +400,7 @@ def _layer_mismatch(
     rotary = copy.deepcopy(base.rotary_emb)
     attn = layer.self_attn
     records = getattr(attn.config, "_attn_implementation", None) == _PROBE_ATTENTION
-    before = attn.__dict__.get(_WINDOW, _WINDOW)
+    before = attn.__dict__.get(_ARGS, _ARGS)
     model_calls, coat_calls = [], []
     try:
         with _probing(layer, rotary):
@@ -413,9 +414,9 @@ def _layer_mismatch(
                     position_ids=position_ids,
                 )
             if records and model_calls and found is not None:
-                found["sliding_window"] = model_calls[0].get("sliding_window")
-            if found is not None and "sliding_window" in found:
-                setattr(attn, _WINDOW, found["sliding_window"])
+                found.update(_attention_args(attn, model_calls[0]))
+            if found:
+                setattr(attn, _ARGS, dict(found))
             with _recording(coat_calls):
                 got = blocks.decoder_layer(
                     reference,
@@ -426,10 +427,10 @@ def _layer_mismatch(
                     attn_kwargs={"position_ids": position_ids},
                 )
     finally:
-        if before is _WINDOW:
-            attn.__dict__.pop(_WINDOW, None)
+        if before is _ARGS:
+            attn.__dict__.pop(_ARGS, None)
         else:
-            setattr(attn, _WINDOW, before)
+            setattr(attn, _ARGS, before)
     if records and model_calls and coat_calls:
         problem = _attention_difference(model_calls[0], coat_calls[0])
         if problem is not None:
@@ -476,6 +477,20 @@ _BOOKKEEPING = frozenset(
     ("use_cache", "cache_position", "past_key_value", "past_key_values", "output_attentions",
      "sliding_window")
 )  # fmt: skip
+
+
+def _attention_args(attn: nn.Module, call: dict) -> dict:
+    """``blocks.ATTENTION_ARGS`` of ``attn`` from its own code's ``call``: the window, and
+    which of the attention's own parameters and buffers it passes under which keyword."""
+    own = [*attn.named_parameters(recurse=False), *attn.named_buffers(recurse=False)]
+    tensors = {
+        key: name
+        for key, value in call.items()
+        if isinstance(value, torch.Tensor)
+        for name, t in own
+        if t is value
+    }
+    return {"sliding_window": call.get("sliding_window"), "tensors": tensors}
 
 
 def _attention_difference(model_args: dict, coat_args: dict) -> str | None:
@@ -1037,16 +1052,16 @@ def convert_llama(
     where = {id(m): name for name, m in top.named_modules()}
     for layer, convert, key in zip(layers, keep, keys, strict=True):
         original = _original_class(layer)
-        layer.self_attn.__dict__.pop(_WINDOW, None)
+        layer.self_attn.__dict__.pop(_ARGS, None)
         if not convert:
             layer.__class__ = original
             for name in _LAYER_STATE:
                 layer.__dict__.pop(name, None)
             _HOLDERS.pop(layer, None)
             continue
-        found = probed.get(key, {})
-        if "sliding_window" in found:  # (else blocks.attention reads the module and config)
-            setattr(layer.self_attn, _WINDOW, found["sliding_window"])
+        found = probed.get(key)
+        if found:  # (else blocks.attention reads the window off the module and config)
+            setattr(layer.self_attn, _ARGS, dict(found))
         layer.__class__ = _coat_class(_CoatDecoderLayer, original)
         layer.coat_config = config
         layer.__dict__.pop("coat_ops", None)  # converted again: the default op set
@@ -1062,7 +1077,7 @@ def revert_classes(model: nn.Module) -> nn.Module:
         original = _original_class(module)
         if original is not type(module):
             module.__class__ = original
-        for name in (*_LAYER_STATE, _WINDOW):
+        for name in (*_LAYER_STATE, _ARGS):
             module.__dict__.pop(name, None)
         _HOLDERS.pop(module, None)
     return model
@@ -1070,9 +1085,9 @@ def revert_classes(model: nn.Module) -> nn.Module:
 
 # What apply_coat sets on a converted layer (beside its class), dropped when it is reverted.
 _LAYER_STATE = ("coat_config", "coat_ops")
-# On a converted layer's attention: the window its own code passes to the attention function
-# (the probe's record), which blocks.attention passes too.
-_WINDOW = blocks.SLIDING_WINDOW
+# On a converted layer's attention: what its own code passes to the attention function (the
+# probe's record: blocks.ATTENTION_ARGS), which blocks.attention passes too.
+_ARGS = blocks.ATTENTION_ARGS
 
 
 def is_coat(module: nn.Module) -> bool:
