@@ -190,10 +190,16 @@ def test_llava_tiny_resumes_bit_for_bit(tmp_path, capsys):
             ],
             "settings differ (model: checkpoint {'model': 'preset llava-tiny'",
         ),
+        # another seed: the shapes task's data differ (the message blamed --data, which VL
+        # presets refuse, and named the checkpoint's 'tokens' against a bare fingerprint)
+        ([*RESUME, "--seed", "7", "--out", out, "--resume"], "data: checkpoint 'task "),
     ]
     for argv, message in cases:
         code, _, err = run(argv, capsys)
         assert code == 2 and message in err and err.count("\n") == 1, err
         if "tiny" in argv:  # its data differ as another model's task, not as a --data change
             assert "(another model's task)" in err and "--data file" not in err, err
+        if "--seed" in argv:
+            assert "now 'task " in err and "(the --seed or --seq-len of the shapes" in err, err
+            assert "--data file" not in err, err
         assert "--model-dir " + str(final) not in err and "fine-tune" not in err, err

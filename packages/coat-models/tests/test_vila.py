@@ -374,6 +374,40 @@ def test_revert_restores_modules_and_numerics():
     assert revert_coat_vlm(model) is model  # reverting a plain model does nothing
 
 
+def test_revert_coat_of_the_whole_model_undoes_a_conversion_of_its_inner_model():
+    """apply_coat(m.model) then revert_coat(m): the language model came back, but the
+    projector stayed FP8 and trained so, while is_coat(m) said False."""
+    from coat_models import apply_coat, is_coat, revert_coat
+
+    ref = tiny_llava()
+    model = copy.deepcopy(ref)
+    types = module_types(model)
+    apply_coat(model.model)
+    assert is_coat(model)
+    revert_coat(model)
+    assert module_types(model) == types and not is_coat(model)
+    assert not is_coat_vlm(model.model) and not model.model._forward_pre_hooks
+    batch = shapes_batch()
+    want_logits, want_grads = logits_and_grads(ref, batch)
+    got_logits, got_grads = logits_and_grads(model, batch)
+    assert torch.equal(got_logits, want_logits)
+    assert all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+
+
+def test_is_coat_sees_a_llava_model_whose_language_layers_were_all_left_out():
+    """Its projector (and tower) are FP8: is_coat said False."""
+    from coat_models import is_coat
+
+    model = apply_coat_vlm(
+        tiny_llava(),
+        vision=True,
+        fused_loss=False,
+        module_filter_fn=lambda m, fqn: "language_model" not in fqn,
+    )
+    assert is_coat(model)
+    assert not is_coat(revert_coat_vlm(model))
+
+
 def test_converting_twice_reverts_first():
     ref = tiny_llava()
     types = module_types(ref)

@@ -93,7 +93,10 @@ def revert_coat(model: nn.Module) -> nn.Module:
     """Undo ``apply_coat`` in place: every module gets its original class back (a LLaVA
     model also its FP8-activation modules and its tower's ``requires_grad``)."""
     graphs.disable_cuda_graphs(model)
-    if _is_vlm(model):
-        vila.revert_coat_vlm(model)
+    # Wherever apply_coat left a LLaVA conversion: on the model, or on a part of it that was
+    # converted alone (apply_coat(m.model), then revert_coat(m): its projector stayed FP8).
+    for module in list(model.modules()):
+        if vila.is_coat_vlm(module):
+            vila.revert_coat_vlm(module)
     drop_cached_weight_fp8(model.parameters())  # (they would hold them while they live)
     return llama.revert_classes(model)

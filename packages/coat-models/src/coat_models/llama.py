@@ -1091,7 +1091,12 @@ _ARGS = blocks.ATTENTION_ARGS
 
 
 def is_coat(module: nn.Module) -> bool:
-    """True for a model (or layer) that ``apply_coat`` converted."""
+    """True for a model (or layer) that ``apply_coat`` converted, or a part of which it
+    converted (a LLaVA model whose language-model layers were all filtered out still has an
+    FP8 projector: ``_coat_vlm``, what ``vila.is_coat_vlm`` looks for)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"is_coat takes an nn.Module, got {type(module).__name__}")
-    return any(hasattr(type(m), "_coat_original_class") for m in module.modules())
+    return any(
+        hasattr(type(m), "_coat_original_class") or "_coat_vlm" in m.__dict__
+        for m in module.modules()
+    )

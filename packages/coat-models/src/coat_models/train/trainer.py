@@ -1075,13 +1075,18 @@ def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, des
     if recorded["data"] != fingerprint:
         # The fingerprints alone did not say what changed; another model (a VL preset's
         # checkpoint resumed as a text one) has another task: its data differ with it.
-        why = (
-            "another model's task"
-            if _vision_language(recorded["describe"]) != _vision_language(describe)
-            else "the --data file, --data-dtype, --val-fraction, --corpus-mib, the tokenizer "
-            "or coat-train's tokenization changed"
-        )
-        diff["data"] = (f"tokens {recorded['data']}", f"{fingerprint} ({why})")
+        vl = _vision_language(describe)
+        if _vision_language(recorded["describe"]) != vl:
+            why = "another model's task"
+        elif vl:  # (the shapes task's data follow from these alone; --data is refused)
+            why = "the --seed or --seq-len of the shapes task changed"
+        else:
+            why = (
+                "the --data file, --data-dtype, --val-fraction, --corpus-mib, the tokenizer "
+                "or coat-train's tokenization changed"
+            )
+        what = "task" if vl else "tokens"
+        diff["data"] = (f"{what} {recorded['data']}", f"{what} {fingerprint} ({why})")
     if "model" in diff:  # named first: the other differences follow from it
         diff = {"model": diff.pop("model"), **diff}
     if diff:
