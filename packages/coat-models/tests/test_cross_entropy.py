@@ -305,3 +305,17 @@ def test_all_targets_ignored_give_zero_gradients(early, num_items):
     assert loss.isnan()
     loss.backward()
     assert torch.equal(h.grad, torch.zeros_like(h)) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_a_non_finite_row_whose_target_is_ignored_stays_out_of_the_loss():
+    """F.cross_entropy leaves ignored rows out; (diff * valid).sum() took 0 * NaN in: a
+    NaN or inf hidden row at an ignored position made the loss NaN."""
+    from coat_models import linear_cross_entropy
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(6, 16), torch.randn(40, 16)
+    targets = torch.tensor([3, -100, 7, 1, -100, 5])
+    hidden[1], hidden[4, 2] = float("nan"), float("inf")
+    want = torch.nn.functional.cross_entropy(hidden @ weight.T, targets)
+    got = linear_cross_entropy(hidden, weight, targets)
+    assert torch.isfinite(want) and torch.allclose(got, want, rtol=1e-6, atol=0)

@@ -1516,6 +1516,16 @@ def test_a_layer_called_without_rope_is_a_clear_error():
         layer(x, attention_mask=None, position_embeddings=None)
 
 
+def test_set_fused_loss_takes_a_bool_only():
+    """set_fused_loss(model, "False") switched the fused loss on (apply_coat refuses it)."""
+    from coat_models.llama import set_fused_loss
+
+    model = apply_coat(tiny_llama(), fused_loss=False)
+    with pytest.raises(TypeError, match="enabled must be True or False, got 'False'"):
+        set_fused_loss(model, "False")
+    assert set_fused_loss(model, True) and not set_fused_loss(model, False)
+
+
 def test_not_a_module():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         apply_coat("llama")

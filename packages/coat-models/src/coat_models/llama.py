@@ -913,6 +913,7 @@ def set_fused_loss(model: nn.Module, enabled: bool = True) -> bool:
     """Turn the chunked training loss of a causal LM on or off (``apply_coat``'s
     ``fused_loss``); returns whether it is on. Models whose head is not a plain bias-free
     ``lm_head`` with transformers' ``ForCausalLMLoss`` keep their own loss."""
+    check_flags(enabled=enabled)  # ("False" switched it on)
     original = _original_class(model)
     on = enabled and _head_supported(model)
     model.__class__ = _coat_class(_CoatCausalLM, original) if on else original

@@ -99,7 +99,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(grad_hidden, grad_weight)
         else:
             ctx.save_for_backward(hidden, weight, targets, valid, lse)
-        return (diff * valid).sum() / denom
+        # (where, not * valid: a non-finite row whose target is ignored stays out, as in
+        # F.cross_entropy; 0 * NaN made the loss NaN)
+        return diff.where(valid, 0.0).sum() / denom
 
     @staticmethod
     @first_order_only(
@@ -158,7 +160,8 @@ def linear_cross_entropy(
     scaled upstream gradient. Same value and gradients as
     ``coat_models.reference.linear_cross_entropy`` (up to summation order, and one more
     rounding of the gradients to their dtype where the upstream gradient is not a power of
-    two).
+    two). fp64 inputs get fp32 arithmetic (the log-sum-exp, the loss and the gradients'
+    per-row weights; the reference keeps fp64): not for an fp64 ``gradcheck``.
     ``chunk_rows``: rows projected at a time (default: as many as make 2**26 fp32 logits).
 
     >>> loss = linear_cross_entropy(h.view(-1, 4096), lm_head.weight, labels.view(-1))
