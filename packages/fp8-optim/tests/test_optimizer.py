@@ -478,6 +478,13 @@ def test_state_dicts_with_codes_under_the_moment_names_load(h):
     opt2.load_state_dict(sd)
     h.assert_same_state(opt, params, opt2, clones)
     assert "exp_avg" not in opt2.state[clones[0]]
+    # a bad one's messages name its own keys (they said exp_avg_fp8, which it lacks)
+    sd["state"][0]["exp_avg"].view(torch.uint8).view(-1)[5] = 0x7F
+    with pytest.raises(ValueError, match=r"\): exp_avg holds NaN or inf FP8 codes"):
+        opt2.load_state_dict(sd)
+    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].reshape(41, 37)
+    with pytest.raises(ValueError, match=r"\): exp_avg has shape \(41, 37\)"):
+        opt2.load_state_dict(sd)
 
 
 def test_load_converts_formats_and_group_sizes():

@@ -705,14 +705,16 @@ class CoatAdamW(torch.optim.Optimizer):
             if not pstate:
                 continue
             p = id_map[pid]
+            # (the keys the moments were saved under, for messages)
+            saved_as = {m: c if c in pstate else m for m, c in _CODES.items()}
             pstate = _by_moment(pstate, pid)
-            _check_saved_state(p, pid, pstate, self.config.group_size)
+            _check_saved_state(p, pid, pstate, self.config.group_size, saved_as)
             shard = self._shards.get(p)
             if shard is not None:
                 pstate = {k: shard.import_(k, v) for k, v in pstate.items()}
             else:
                 pstate = {k: gather(v) if is_dtensor(v) else v for k, v in pstate.items()}
-            new_state[p] = self._import_state(self._tensor(p), pstate, pid)
+            new_state[p] = self._import_state(self._tensor(p), pstate, pid, saved_as)
         self.state = new_state
         self.param_groups = new_groups
         self._lr_seen = {
@@ -763,13 +765,13 @@ class CoatAdamW(torch.optim.Optimizer):
         x = reference.dequantize(x, amax.to(x.device), k16.to(x.device), fmt, gs)
         return x.reshape(p.shape)
 
-    def _import_state(self, p: torch.Tensor, s: dict, pid) -> dict:
+    def _import_state(self, p: torch.Tensor, s: dict, pid, saved_as: dict) -> dict:
         """One parameter's saved state (``_by_moment``'s names; keys, dtypes and shapes
         checked by ``_check_saved_state``; local tensors for a sharded ``p``) -> this
-        optimizer's."""
-        return _codes_named(self._import_moments(p, s, pid))
+        optimizer's. ``saved_as``: each moment's key as saved, for messages."""
+        return _codes_named(self._import_moments(p, s, pid, saved_as))
 
-    def _import_moments(self, p: torch.Tensor, s: dict, pid) -> dict:
+    def _import_moments(self, p: torch.Tensor, s: dict, pid, saved_as: dict) -> dict:
         cfg = self.config
         if p.is_meta:
             raise ValueError(
@@ -785,7 +787,7 @@ class CoatAdamW(torch.optim.Optimizer):
         for name in _MOMENTS:
             x = s[name]
             fp8 = name + "_amax" in s
-            _check_values(x, s, name, where)
+            _check_values(x, s, name, where, saved_as[name])
             fmt = cfg.m_format if name == "exp_avg" else cfg.v_format
             same = (
                 not cfg.high_precision_states
@@ -1037,19 +1039,15 @@ def _by_moment(s: dict, pid) -> dict:
     return out
 
 
-def _key(name: str, s: dict) -> str:
-    """The key a moment was saved under, for messages: ``_CODES``' name for FP8 codes."""
-    return _CODES[name] if name + "_amax" in s else name
-
-
 def _codes_named(s: dict) -> dict:
     """``_by_moment`` undone: FP8 codes (a moment with ``_amax`` beside it) under
     ``_CODES``' names, as the optimizer keeps them."""
     return {_CODES[k] if k in _CODES and k + "_amax" in s else k: v for k, v in s.items()}
 
 
-def _check_saved_state(p: torch.Tensor, pid, s: dict, group_size: int) -> None:
-    """Keys, types, dtypes and (global) shapes of one parameter's saved state."""
+def _check_saved_state(p: torch.Tensor, pid, s: dict, group_size: int, saved_as: dict) -> None:
+    """Keys, types, dtypes and (global) shapes of one parameter's saved state
+    (``_by_moment``'s names; ``saved_as``: each moment's key as saved, for messages)."""
     where = f"state of parameter {pid!r} (shape {tuple(p.shape)})"
     if "max_exp_avg_sq" in s:
         raise ValueError("cannot load amsgrad state (max_exp_avg_sq) into CoatAdamW")
@@ -1061,7 +1059,7 @@ def _check_saved_state(p: torch.Tensor, pid, s: dict, group_size: int) -> None:
         if name not in s:
             raise ValueError(f"{where} lacks {name!r}")
         x = s[name]
-        key = _key(name, s)
+        key = saved_as[name]
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{where}: {key} is a {type(x).__name__}, not a tensor")
         if tuple(x.shape) != tuple(p.shape):
@@ -1110,7 +1108,7 @@ def _check_step(step: torch.Tensor, where: str) -> None:
         raise ValueError(f"{where}: step must be a whole number in [0, 2**24], got {value}")
 
 
-def _check_values(x: torch.Tensor, s: dict, name: str, where: str) -> None:
+def _check_values(x: torch.Tensor, s: dict, name: str, where: str, key: str) -> None:
     """Values of one moment as saved (local tensors). The update of a NaN code, a negative
     second moment, a zero ``k`` or a negative or subnormal ``amax`` is undefined (and the two
     backends disagree on it). Reductions only, no elementwise temporaries, one host read per
@@ -1132,7 +1130,6 @@ def _check_values(x: torch.Tensor, s: dict, name: str, where: str) -> None:
         b = x.reshape(-1).view(torch.uint8)
         pos, top_byte = torch.stack((b.view(torch.int8).amax().short(), b.amax().short())).tolist()
         top = _TOP_CODE[x.dtype]
-        key = _CODES[name]
         if name == "exp_avg_sq" and not (pos <= top and top_byte <= 0x80):
             raise ValueError(f"{where}: {key} holds NaN, inf or negative FP8 codes")
         if not (pos <= top and top_byte <= 0x80 + top):
