@@ -515,3 +515,67 @@ def test_formats_parse_their_torch_dtypes():
     q, s = quantize_per_tensor(x, torch.float8_e5m2, backend="reference")
     q2, s2 = quantize_per_tensor(x, "e5m2", backend="reference")
     assert q.dtype == torch.float8_e5m2 and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+
+
+def _lazy_negation(values: torch.Tensor) -> torch.Tensor:
+    """``values`` as a real view with torch's negative bit (``z.conj().imag``): its memory
+    holds ``-values``."""
+    out = torch.complex(torch.zeros_like(values), -values).conj().imag
+    assert out.is_neg() and torch.equal(out, values)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_lazily_negated_views_quantize_to_their_values(backend, request):
+    # The kernels read memory, so the triton backend gave such a view's codes the wrong sign
+    # (and an amax passed so a NaN scale); now both backends see the values.
+    if backend == "triton":
+        request.getfixturevalue("interpreter")
+    x = torch.randn(8, 64) * 3
+    amax = torch.tensor(7.0)
+    calls = {
+        "group_amax": lambda x, amax: (group_amax(x, 16, backend=backend),),
+        "per_group": lambda x, amax: quantize_per_group(x, 16, backend=backend),
+        "per_block": lambda x, amax: quantize_per_block(x, (4, 32), backend=backend),
+        "per_tensor": lambda x, amax: quantize_per_tensor(x, amax=amax, backend=backend),
+        "per_tensor_transpose": lambda x, amax: quantize_per_tensor_transpose(
+            x, amax=amax, backend=backend
+        ),
+    }
+    for name, call in calls.items():
+        # (a contiguous view too: quantize_per_tensor copied only non-contiguous inputs)
+        for values in (x, x[:1].reshape(1, 64)):
+            for a in (None, amax) if "tensor" in name else (None,):
+                want = call(values, a)
+                got = call(_lazy_negation(values), None if a is None else _lazy_negation(a))
+                for g, w in zip(got, want, strict=True):
+                    assert torch.equal(g.float(), w.float()), name
+
+
+def test_reference_outputs_do_not_keep_the_padding():
+    # A partial last group or block is padded with zeros; the cropped outputs used to be views
+    # of the padded buffer: non-contiguous for dequantize (.view(-1) failed), and a quantized
+    # row's storage kept the padding (twice the bytes in torch.save) when leading dims were 1.
+    from fp8_quant import dequantize_per_block, dequantize_per_group
+
+    def dense(t):
+        assert t.is_contiguous() and t.stride() == torch.empty(t.shape).stride()
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+    for shape, g in (((4, 17), 16), ((1, 4097), 8192), ((1, 1, 17), 16)):
+        x = torch.randn(shape)
+        q, s = quantize_per_group(x, g, backend="reference")
+        dense(q)
+        for dtype in (torch.float32, torch.bfloat16):
+            y = dequantize_per_group(q, s, g, dtype=dtype)
+            dense(y)
+            assert y.dtype == dtype and torch.allclose(y.float(), x, rtol=0.07, atol=1e-3)
+    x = torch.randn(1, 100)
+    q, s = quantize_per_block(x, (128, 128), backend="reference")
+    dense(q)
+    for shape in ((1, 100), (5, 130)):
+        q, s = quantize_per_block(torch.randn(shape), (4, 128), backend="reference")
+        y = dequantize_per_block(q, s, (4, 128))
+        dense(y)
+        per_element = s.repeat_interleave(4, 0).repeat_interleave(128, 1)
+        assert torch.equal(y, q.float() * per_element[: shape[0], : shape[1]])

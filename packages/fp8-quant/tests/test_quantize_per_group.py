@@ -112,6 +112,32 @@ def test_adversarial_gpu(cuda, group, dtype, fmt, adversarial, assert_same_bits)
     _check(x.t(), 16, fmt, assert_same_bits)
 
 
+@pytest.mark.gpu
+def test_more_rows_than_int32_counts_gpu(cuda):
+    # Past 2**31 rows the kernels' row index wrapped negative, passed the `rows < M` mask and
+    # stored before the outputs (an illegal address, or memory overwritten). A stride-0 input
+    # takes no memory; the outputs take about 11 GiB at most, one kernel at a time.
+    from fp8_quant import group_amax, quantize_per_block, quantize_per_tensor_transpose
+
+    m = 2**31 + 4096
+    x = torch.tensor([[3.0]], device=cuda, dtype=torch.bfloat16).expand(m, 1)
+    ends = lambda t: torch.cat([t[:2].flatten(), t[-2:].flatten()]).float().cpu()  # noqa: E731
+    want_q = torch.full((4,), 448.0)
+    a = group_amax(x, 1)
+    assert torch.equal(ends(a), torch.full((4,), 3.0))
+    del a
+    q, s = quantize_per_group(x, 1)
+    assert torch.equal(ends(q), want_q) and torch.equal(ends(s), torch.full((4,), 3.0 / 448))
+    del q, s
+    q, s = quantize_per_block(x, (128, 1))
+    assert torch.equal(ends(q), want_q) and s.shape == (m // 128, 1)
+    del q, s
+    q, q_t, s = quantize_per_tensor_transpose(x, amax=torch.tensor(3.0, device=cuda))
+    assert torch.equal(ends(q), want_q) and torch.equal(ends(q_t.t()), want_q)
+    del q, q_t
+    torch.cuda.synchronize()
+
+
 # Non-default launch shapes (ops.quantize_per_group.GroupLaunch, swept on the GPU by
 # benchmarks/sweep_quantize_gpu.py): other tiles change how groups map to programs, never the
 # bits. num_warps is ignored by the interpreter (it only changes the compiled schedule).

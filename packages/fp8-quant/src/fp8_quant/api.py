@@ -190,6 +190,12 @@ def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
 
+def _raw(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` with torch's lazy negation applied (``z.conj().imag`` is such a view: its memory
+    holds the negated values, which the kernels read as they are); others as they are."""
+    return t.resolve_neg() if t is not None and t.is_neg() else t
+
+
 def _triton_ops():
     # Imported lazily so that the reference backend works where triton is not installed.
     from . import ops
@@ -210,7 +216,7 @@ def group_amax(
     _check_has_last_dim(x)
     group_size = _fit(group_size, x.shape[-1])
     if resolve_backend(x, backend) == "triton":
-        return _triton_ops().group_amax(x, group_size)
+        return _triton_ops().group_amax(_raw(x), group_size)
     return reference.group_amax(x.detach(), group_size)
 
 
@@ -233,7 +239,7 @@ def quantize_per_tensor(
     fmt = FP8Format.parse(fmt)
     check_amax(x, amax)
     if resolve_backend(x, backend) == "triton":
-        return _triton_ops().quantize_per_tensor(x, fmt, amax)
+        return _triton_ops().quantize_per_tensor(_raw(x), fmt, _raw(amax))
     return reference.quantize_per_tensor(x.detach(), fmt, _detached(amax))
 
 
@@ -254,7 +260,7 @@ def quantize_per_tensor_transpose(
     fmt = FP8Format.parse(fmt)
     check_amax(x, amax)
     if resolve_backend(x, backend) == "triton":
-        return _triton_ops().quantize_per_tensor_transpose(x, fmt, amax)
+        return _triton_ops().quantize_per_tensor_transpose(_raw(x), fmt, _raw(amax))
     return reference.quantize_per_tensor_transpose(x.detach(), fmt, _detached(amax))
 
 
@@ -278,7 +284,7 @@ def quantize_per_group(
     _check_has_last_dim(x)
     group_size = _fit(group_size, x.shape[-1])
     if resolve_backend(x, backend) == "triton":
-        return _triton_ops().quantize_per_group(x, group_size, fmt)
+        return _triton_ops().quantize_per_group(_raw(x), group_size, fmt)
     return reference.quantize_per_group(x.detach(), group_size, fmt)
 
 
@@ -300,7 +306,7 @@ def quantize_per_block(
     fmt = FP8Format.parse(fmt)
     block = (_fit(block[0], x.shape[0]), _fit(block[1], x.shape[1]))
     if resolve_backend(x, backend) == "triton":
-        return _triton_ops().quantize_per_block(x, tuple(block), fmt)
+        return _triton_ops().quantize_per_block(_raw(x), tuple(block), fmt)
     return reference.quantize_per_block(x.detach(), tuple(block), fmt)
 
 

@@ -139,6 +139,16 @@ def dequantize_per_tensor(
 
 
 # ----------------------------------------------------------------------------- per group
+def _dense(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` (a crop of a zero-padded buffer) in ``dtype`` (default: its own), in memory of
+    its own with row-major strides: neither a view keeping the padding alive (``contiguous()``
+    keeps a crop whose leading dims are all 1 as it is) nor strided like the padded buffer."""
+    dtype = t.dtype if dtype is None else dtype
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t.to(dtype)
+    return torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
+
+
 def quantize_per_group(
     x: torch.Tensor, group_size: int = 16, fmt: FP8Format = FP8Format.E4M3
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +163,7 @@ def quantize_per_group(
     q = _cast(g, scales.unsqueeze(-1), fmt)
     # (the padded width spelled out: -1 cannot be inferred for an empty x)
     q = q.reshape(*x.shape[:-1], g.shape[-2] * g.shape[-1])[..., :last]
-    return q.contiguous(), scales
+    return _dense(q), scales
 
 
 def dequantize_per_group(
@@ -161,7 +171,7 @@ def dequantize_per_group(
 ) -> torch.Tensor:
     last = q.shape[-1]
     g = _split_groups(q.float(), group_size) * scales.unsqueeze(-1)
-    return g.reshape(*q.shape[:-1], g.shape[-2] * g.shape[-1])[..., :last].to(dtype)
+    return _dense(g.reshape(*q.shape[:-1], g.shape[-2] * g.shape[-1])[..., :last], dtype)
 
 
 # ----------------------------------------------------------------------------- per block
@@ -185,7 +195,7 @@ def quantize_per_block(
     scales = scale_from_amax(b.abs().amax(dim=(1, 3)), fmt)
     q = _cast(b, scales[:, None, :, None], fmt)
     q = q.reshape(q.shape[0] * q.shape[1], q.shape[2] * q.shape[3])[:m, :n]
-    return q.contiguous(), scales
+    return _dense(q), scales
 
 
 def dequantize_per_block(
@@ -196,4 +206,4 @@ def dequantize_per_block(
 ) -> torch.Tensor:
     m, n = q.shape
     b = _split_blocks(q.float(), block) * scales[:, None, :, None]
-    return b.reshape(b.shape[0] * b.shape[1], b.shape[2] * b.shape[3])[:m, :n].to(dtype)
+    return _dense(b.reshape(b.shape[0] * b.shape[1], b.shape[2] * b.shape[3])[:m, :n], dtype)

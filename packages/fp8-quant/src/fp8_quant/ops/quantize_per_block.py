@@ -35,7 +35,7 @@ def _per_block_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     nb_n = tl.cdiv(N, BLOCK_N)
-    row0 = (pid // nb_n) * BLOCK_M
+    row0 = (pid // nb_n).to(tl.int64) * BLOCK_M
     col0 = (pid % nb_n) * BLOCK_N
     rows = row0 + tl.arange(0, TM)
     cols = col0 + tl.arange(0, TN)

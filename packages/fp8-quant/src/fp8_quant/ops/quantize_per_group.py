@@ -59,7 +59,7 @@ def _group_kernel(
     """QUANTIZE: write q and per-group scales to out; else write per-group amax to out."""
     # A 1-D grid (CUDA caps grid dims 1 and 2 at 65535): consecutive programs walk a row.
     n_gblocks = tl.cdiv(NG, BG)
-    rows = (tl.program_id(0) // n_gblocks) * BM + tl.arange(0, BM)
+    rows = (tl.program_id(0) // n_gblocks).to(tl.int64) * BM + tl.arange(0, BM)
     groups = (tl.program_id(0) % n_gblocks) * BG + tl.arange(0, BG)
     row_ok = rows < M
     # int64 offsets: rows * stride, and cols * stride of a transposed view, can pass 2^31.

@@ -31,7 +31,7 @@ def _tile(
 ):  # fmt: skip
     """Tile ``t`` of the contiguous ``(M, N)`` tensor at ``x_ptr``."""
     n_nblocks = tl.maximum(tl.cdiv(N, BN), 1)  # N == 0: its one program writes the scale
-    rows = (t // n_nblocks) * BM + tl.arange(0, BM)
+    rows = (t // n_nblocks).to(tl.int64) * BM + tl.arange(0, BM)
     cols = (t % n_nblocks) * BN + tl.arange(0, BN)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     scale, inv_scale = fp8_scale(tl.load(amax_ptr), FMT)

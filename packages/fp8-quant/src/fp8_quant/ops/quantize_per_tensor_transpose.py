@@ -31,7 +31,7 @@ def _per_tensor_transpose_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_nblocks = tl.maximum(tl.cdiv(N, BN), 1)  # N == 0 still runs program 0 (scale)
-    rows = (pid // n_nblocks) * BM + tl.arange(0, BM)
+    rows = (pid // n_nblocks).to(tl.int64) * BM + tl.arange(0, BM)
     cols = (pid % n_nblocks) * BN + tl.arange(0, BN)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     scale, inv_scale = fp8_scale(tl.load(amax_ptr), FMT)
