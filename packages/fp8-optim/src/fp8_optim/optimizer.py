@@ -568,7 +568,8 @@ class CoatAdamW(torch.optim.Optimizer):
         torch.autograd.graph.increment_version([w for w in work])
 
     def nonfinite_groups(self, reset: bool = False) -> int:
-        """Groups skipped for non-finite values since construction or the last reset.
+        """Groups skipped for non-finite values since construction or the last reset (a
+        monitoring count: ``state_dict`` does not hold it).
 
         Reads device counters (a host-device sync): call it every N steps, not every step.
         """
