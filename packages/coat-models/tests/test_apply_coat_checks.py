@@ -348,7 +348,7 @@ def test_an_fp32_model_with_zero_output_projections_is_probed_on_random_weights(
     """fp32 layers were probed with their own weights: zero attention and MLP output
     projections (a zero-initialised residual branch, or a model converted before its weights
     are loaded) hid what the layer does inside them, and Granite's residual multiplier and
-    SmolLM3's layers without RoPE converted and trained silently wrong (helper-109: 30 steps
+    SmolLM3's layers without RoPE converted and trained silently wrong (30 steps
     from zero init, loss 2.87 against the plain model's 0.089)."""
     model = _tiny(family, **overrides)
     for block in model.model.layers:
@@ -367,7 +367,7 @@ def test_an_fp32_model_with_zero_output_projections_is_probed_on_random_weights(
 def test_apply_coat_leaves_the_random_generators_as_they_were(monkeypatch, dtype):
     """The probe's stand-in layer was built after torch.manual_seed(0), which seeds every
     GPU's generator too (fork_rng restored the CPU's only): in a user's loop every seed got
-    the same GPU randomness (dropout) after apply_coat (helper-110)."""
+    the same GPU randomness (dropout) after apply_coat."""
     model = _tiny("Llama").to(dtype)
     torch.manual_seed(1234)
     state = torch.get_rng_state()

@@ -312,7 +312,7 @@ def test_dcp_data_whose_manifest_matches_runs_no_code(tmp_path, where):
 
 def test_dcp_extra_holding_objects_is_one_checkpoint_error(tmp_path):
     """``save_checkpoint(extra={"e": <object>})``: refused on load with torch's own text,
-    which suggests ``weights_only=False`` (running the file's code); helper-112."""
+    which suggests ``weights_only=False`` (running the file's code)."""
     model = torch.nn.Linear(8, 4)
     marker = tmp_path / "code-ran"
     distributed.save_checkpoint(tmp_path / "c", model, extra={"e": Payload(marker)})
@@ -326,7 +326,7 @@ def test_dcp_extra_holding_objects_is_one_checkpoint_error(tmp_path):
 def test_dcp_metadata_asking_for_a_transform_is_refused(dcp_checkpoint):
     """A ``.metadata`` (manifest to match) naming DCP's zstd stream transform for an item:
     torch reads it back without a bound on what it expands to; save_checkpoint never
-    writes one (helper-112)."""
+    writes one."""
     import dataclasses
 
     path, model, opt = dcp_checkpoint
@@ -346,7 +346,7 @@ def test_dcp_metadata_asking_for_a_transform_is_refused(dcp_checkpoint):
 
 def test_dcp_metadata_whose_chunks_cover_part_of_a_tensor_is_refused(dcp_checkpoint):
     """A ``.metadata`` (manifest to match) whose chunk for a weight covers half its rows:
-    the load went through, the other half keeping the model's values (helper-112)."""
+    the load went through, the other half keeping the model's values."""
     import dataclasses
 
     path, model, opt = dcp_checkpoint
@@ -372,7 +372,7 @@ def test_dcp_metadata_whose_chunks_cover_part_of_a_tensor_is_refused(dcp_checkpo
 
 def test_a_compressed_torch_archive_is_refused_before_loading(tmp_path):
     """torch.load accepted a torch.save archive rewritten with deflated entries: a 262 KB
-    file made it allocate 256 MB (about 1000:1) before any other check (helper-112)."""
+    file made it allocate 256 MB (about 1000:1) before any other check."""
     import zipfile
 
     plain = tmp_path / "plain.pt"

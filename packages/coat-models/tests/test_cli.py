@@ -676,7 +676,7 @@ def test_header_says_when_the_validation_split_is_shorter_than_eval_batches(tmp_
     assert "validation:" not in out
     # 5% of 20,000 tokens: 15 windows of 64, in batches of 4: 4 batches, the last of 3
     want = "; validation: 15 sequences in 4 batches, all the split holds (--eval-batches {} x"
-    for asked in (1000, 4):  # (4: the short last batch went without a word; helper-110)
+    for asked in (1000, 4):  # (4: the short last batch went without a word)
         code, out, err = run([*args, "--eval-batches", asked, "--out", tmp_path / "b"], capsys)
         assert code == 0, err
         assert want.format(asked) + f" --batch-size 4 asks for {4 * asked})" in out.splitlines()[0]
@@ -1461,8 +1461,8 @@ def test_resuming_one_mode_of_a_comparison_says_its_report_is_replaced(tmp_path,
 def test_a_fresh_run_of_fewer_modes_says_its_report_replaces_the_comparison(tmp_path, capsys):
     """A fresh run of one mode into an --out whose report compared two (the other mode's
     run finished, no checkpoints): it says that summary.json and loss.png will cover this
-    mode alone and that the other mode's files stay (it was replaced without a word;
-    helper-115). A fresh run of the same modes says nothing."""
+    mode alone and that the other mode's files stay (it was replaced without a word). A
+    fresh run of the same modes says nothing."""
     args = ["--steps", 2, "--no-export", "--out", tmp_path, *FAST]
     assert run(["--compare", "bf16,coat", *args], capsys)[0] == 0
     code, _, err = run(["--compare", "bf16,coat", *args], capsys)

@@ -458,7 +458,7 @@ def test_ranks_given_different_checkpoint_paths_all_refuse_and_stay_in_step(runs
     """Rank 0 and rank 1 given two valid checkpoints loaded a silent mix of their shards; a
     path missing on one rank raised there before the collective check, leaving the other
     rank in it (gloo: 'Connection closed by peer'; a caller that went on paired it with its
-    next collective). helper-111's probe."""
+    next collective)."""
     _, _, got = runs
     rank0, rank1 = got["wrong_paths"]
     for said in (rank0, rank1):

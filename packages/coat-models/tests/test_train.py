@@ -162,7 +162,7 @@ def test_config_cuda_graphs_needs_fp8_activations_without_weight_cache():
 def test_compile_is_a_numeric_setting_without_fp8_activations(mode):
     """--compile changes the numbers of the modes without FP8 activations (Inductor fuses
     their bf16 autocast ops: a resumed eager bf16 run that added --compile went on with other
-    losses, accepted without a word; helper-115), not those of the COAT layers (compiled to
+    losses, accepted without a word), not those of the COAT layers (compiled to
     eager's bits): a resume must keep it only where it changes the numbers."""
     from coat_models.train.trainer import ResumeSettingsError, check_settings
 

@@ -28,7 +28,7 @@ UNARY = {
         (torch.ones(4, 32, dtype=torch.int32), "must be bfloat16, float16, float32 or float64"),
         (X.to(torch.float8_e4m3fn), "FP8Tensor.dequantize"),
         (X.numpy(), "must be a torch.Tensor"),
-        # torch's own "reshape is not implemented for sparse tensors" before (helper-114)
+        # torch's own "reshape is not implemented for sparse tensors" before
         (X.to_sparse(), r"must be a dense tensor, got layout torch.sparse_coo: pass .to_dense\(\)"),
     ],
     ids=["int32", "fp8", "numpy", "sparse"],

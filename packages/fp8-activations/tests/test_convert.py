@@ -151,7 +151,7 @@ def test_norms_are_probed_on_random_weights_not_their_own():
     """The probe ran the norm's own weights: a bias still zero at init passed (FP8RMSNorm
     has none: the bias left the model's parameters and state dict, never trained, and
     revert left the norm without it), and so did Gemma's ``(1 + weight)`` with weights near
-    60 (within the probe's tolerance of weight * x / rms(x)); helper-109's probe."""
+    60 (within the probe's tolerance of weight * x / rms(x))."""
     from fp8_activations import revert_fp8_activations
     from fp8_activations.modules import FP8RMSNorm
 

@@ -175,7 +175,7 @@ def test_weight_cache_one_cast_per_version():
 def test_weight_cache_follows_the_storage_not_only_its_address():
     """``.data =`` keeps a weight's version; two such swaps can bring it back to the address
     its copy was cast from with other values (``model.half(); model.float()`` when the
-    caching allocator hands the freed block back; helper-117 saw it on an H100). Here made
+    caching allocator hands the freed block back; seen on an H100). Here made
     certain: two storages over one buffer, the same address. The copy is cast again."""
     x, w0, _ = _inputs(torch.float32)
     buf = bytearray(w0.numel() * 4)
@@ -198,7 +198,7 @@ def test_weight_cache_of_a_shallow_copy_is_its_own():
     """``copy.copy`` of a Parameter shares its ``__dict__`` entries (the cache slot among
     them) and its storage, with a version counter of its own: a write through the copy (its
     version 1) and one through the original (its version 1 too) must not hand either the
-    other's FP8 copy (helper-118)."""
+    other's FP8 copy."""
     import copy
 
     x, w0, _ = _inputs(torch.float32)

@@ -652,7 +652,7 @@ def test_other_group_keys_are_kept_as_torch_keeps_them():
 
 def test_group_keys_refused_and_kept_are_told_apart():
     """Labels that merely contain a key are kept (the first rule, difflib's ratio >= 0.8,
-    refused no_weight_decay, momentum, param_name, max_lrs: helper-110); another name or
+    refused no_weight_decay, momentum, param_name, max_lrs); another name or
     another case of ours says which key it looks like; other Adams' switches are accepted at
     AdamW's value only (they were let through at any value)."""
     kept = ["no_weight_decay", "use_weight_decay", "weight_decay_rate", "weight_decay_mult",
