@@ -287,6 +287,77 @@ def test_sigterm_stops_like_ctrl_c(tmp_path, capsys, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is before  # restored
 
 
+def test_sighup_stops_like_sigterm(tmp_path, capsys, monkeypatch):
+    """SIGHUP (the terminal closed) killed the run at once (exit 129), the queued steps'
+    records lost; now it stops as SIGTERM does, with 129 still its exit status."""
+    import os
+    import signal
+
+    orig = Trainer.queue_step
+
+    def queue_step(trainer, *args, **kwargs):
+        if trainer.step + 1 == 3:
+            os.kill(os.getpid(), signal.SIGHUP)
+        return orig(trainer, *args, **kwargs)
+
+    before = signal.getsignal(signal.SIGHUP)
+    monkeypatch.setattr(Trainer, "queue_step", queue_step)
+    code, _, err = run(["--steps", "5", "--log-every", "10", *FAST, "--out", tmp_path], capsys)
+    assert code == 129 and "Traceback" not in err
+    assert err.endswith(f"terminated; no checkpoint was written to {tmp_path} "
+                        "(--save-every N writes them)\n")  # fmt: skip
+    assert [r["step"] for r in read_jsonl(tmp_path / "bf16" / "metrics.jsonl")] == [1, 2]
+    assert signal.getsignal(signal.SIGHUP) is before  # restored
+
+
+def test_token_ids_no_tokenizer_has_are_refused(tmp_path, capsys):
+    """Ids up to 5M (a misread file) sized the model's vocabulary to 5M: the memory check,
+    which counts weights, gradients and optimizer state, passed it, and the kernel's OOM
+    killer ended the run without a word. Refused up front, naming --data-dtype; an explicit
+    --vocab-size is taken at its word (the memory check then applies). Here ids up to 1.1M,
+    which a machine of this test's size trains (before: it did, on a 1.1M-row embedding)."""
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(5000) * 220)
+    argv = ["--data", ids, "--steps", 2, "--batch-size", 2, "--seq-len", 16, "--no-progress"]
+    code, _, err = run([*argv, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "the data's largest token id is 1,099,780: no tokenizer has so many tokens" in err
+    assert "--data-dtype" in err and "--vocab-size 1099840" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("mode", "master", "hint"),
+    [
+        (
+            "bf16",
+            "fp32",
+            ": choose a smaller model, or --mode coat (or coat-optim) with --master-dtype bf16\n",
+        ),
+        (
+            "coat-act",
+            "fp32",
+            ": choose a smaller model, or --mode coat (or coat-optim) with --master-dtype bf16\n",
+        ),
+        ("coat", "fp32", ": choose a smaller model, or --master-dtype bf16\n"),
+        ("coat", "bf16", ": choose a smaller model\n"),
+    ],
+)
+def test_a_model_too_large_is_told_only_what_is_not_in_effect(
+    mode, master, hint, tmp_path, capsys, monkeypatch
+):
+    """The memory check told a COAT run with bf16 masters to use a COAT mode with
+    --master-dtype bf16: what it had."""
+    import os
+
+    real = os.sysconf
+    pages = {"SC_PHYS_PAGES": 2**30 // real("SC_PAGE_SIZE")}  # a machine of 1 GiB
+    monkeypatch.setattr(os, "sysconf", lambda name: pages.get(name) or real(name))
+    argv = ["--preset", "350m", "--mode", mode, "--master-dtype", master, "--steps", 1]
+    code, _, err = run([*argv, "--corpus-mib", 1, "--out", tmp_path], capsys)
+    assert code == 2 and "needs at least" in err and err.endswith(hint), err
+
+
 @pytest.fixture
 def python_sigint():
     """Python's own SIGINT handler during the test, whatever the test process inherited: a
@@ -864,6 +935,7 @@ BAD_INPUTS = [
         "file, or a larger --val-fraction, or a shorter --seq-len",
     ),
     (["--resume", "{tmp}/nope"], "no such checkpoint directory (checkpoints are <out>/<mode>/"),
+    (["--resume", "{ids_npy}"], "ids.npy: a file, not a checkpoint directory (checkpoints are"),
     (["--data", "{tmp}"], "is a directory: pass a file"),  # said "no such file"
     (["--resume", "{no_manifest}"], "no_manifest has no manifest.json: it is not a complete"),
     # a checkpoint named that is none or corrupt: no way on was named
@@ -1271,6 +1343,7 @@ def test_model_dir_and_resume_name_the_directory_meant(tmp_path, capsys):
          f"continue its run with --resume {ckpt}, or fine-tune its run's model with "
          f"--model-dir {final}"),
         (["--model-dir", tmp_path / "nope"], "nope: no such directory"),
+        (["--model-dir", final / "config.json"], "config.json: a file, not a directory"),
         (["--resume", final, "--preset", "tiny"], f"--resume {final} is a model (config.json), "
          f"not a checkpoint: fine-tune it with --model-dir {final}"),
     ]  # fmt: skip

@@ -834,3 +834,38 @@ def test_failed_new_run_keeps_the_previous_results(runs, tmp_path, monkeypatch):
     code, _, err = train(argv)
     assert code == 1 and "out of memory in mode bf16" in err
     assert _snapshot(out) == before
+
+
+def test_a_checkpoint_directory_named_latest_is_resumed(runs, tmp_path, monkeypatch):
+    """``--resume latest`` was read as plain ``--resume`` (argparse's value for the bare
+    flag), so a checkpoint copied to ./latest started a new --out from step 0 without a
+    word; now it is that directory. An empty ``--resume=`` had meant the current one."""
+    _, ckpts = copy_base(runs, tmp_path)
+    shutil.copytree(ckpts / "step_0000004", tmp_path / "latest")
+    monkeypatch.chdir(tmp_path)
+    argv = [*ARGS, "--keep-checkpoints", "1", "--resume", "latest", "--out", "new"]
+    code, said, err = train(argv)
+    assert code == 0, err
+    assert "resuming from ./latest" in said, said
+    assert records(tmp_path / "new")[0][:2] == ("train", 5)
+    assert records(tmp_path / "new") == [r for r in records(runs / "ref") if r[1] > 4]
+    code, _, err = train([*ARGS, "--resume=", "--out", "other"])
+    assert code == 2 and err.endswith(
+        "argument --resume: is empty: pass a checkpoint directory, or --resume alone for the "
+        "newest under --out\n"
+    ), err
+
+
+def test_an_interrupted_resume_into_a_new_out_names_its_checkpoint(runs, tmp_path):
+    """Stopped before its first checkpoint, a run started with --resume DIR in another --out
+    said only that no checkpoint was written there: plain --resume then starts from step 0.
+    The line names the --resume DIR to pass again."""
+    _, ckpts = copy_base(runs, tmp_path)
+    given = ckpts / "step_0000002"
+    with interrupted_before(4):
+        code, _, err = train([*ARGS, "--resume", given, "--out", tmp_path / "new"])
+    assert code == 130
+    assert err.endswith(
+        f"interrupted; no checkpoint was written to {tmp_path / 'new'}: run the same command, "
+        f"with --resume {given}, to start again from that checkpoint\n"
+    ), err

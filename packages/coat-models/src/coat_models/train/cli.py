@@ -18,7 +18,6 @@ import importlib.metadata
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 import warnings
@@ -39,6 +38,7 @@ from .options import (
     DATA_DEFAULTS,
     KEEP_CHECKPOINTS,
     MODES,
+    NEWEST,
     OUTPUT_OPTIONS,
     PRESET_FIELDS,
     TRAIN_OPTIONS,
@@ -580,7 +580,7 @@ def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, 
             except OSError as e:  # a full disk: the run's results are kept, below
                 export_error = e
     except CheckpointError as e:
-        if args.resume == "latest" and resume is not None:
+        if args.resume == NEWEST and resume is not None:
             raise unusable_newest(e, resume) from None
         if resume is not None:  # --resume DIR
             raise unusable_given(e, resume, Path(args.out), cfg.mode) from None
@@ -637,6 +637,11 @@ def _way_on(args) -> str:
                 "to continue from the newest"
             )
     why = "" if args.save_every else " (--save-every N writes them)"
+    if args.resume not in (None, NEWEST):  # (plain --resume would start from step 0)
+        return (
+            f"no checkpoint was written to {out}{why}: run the same command, with --resume "
+            f"{args.resume}, to start again from that checkpoint"
+        )
     return f"no checkpoint was written to {out}{why}"
 
 
@@ -715,7 +720,7 @@ def _run_reporting(args, own_group: bool, hf_bars) -> int:
             way = f"completed checkpoints (if any) are under {args.out}"
         with contextlib.suppress(KeyboardInterrupt):
             say(f"\n{PROG}: {what}; {way}", file=sys.stderr)
-        return 128 + (signal.SIGTERM if isinstance(e, interrupt.Terminated) else signal.SIGINT)
+        return 128 + interrupt.signal_number(e)
     finally:
         # A signal landing in this clean-up (after the run was reported) changes nothing.
         with contextlib.suppress(KeyboardInterrupt):

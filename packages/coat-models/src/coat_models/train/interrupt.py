@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM that a run cannot lose.
+"""Ctrl-C, SIGTERM and SIGHUP that a run cannot lose.
 
 Python raises a signal's exception wherever the main thread happens to be. Where that is a
 ``__del__`` (the memory tracker's saved-tensor records) Python drops it (here without the
@@ -12,7 +12,7 @@ Python runs its handlers between bytecodes, so a signal cannot stop one long nat
 (a CPU attention over a 100k-token sequence ran on for minutes). A second signal can: the
 signals also reach a watchdog thread (``signal.set_wakeup_fd``: the C-level handler writes
 each signal's number into a pipe at once, and the Python handler, when it runs, writes a
-0 after them), which ends the process when two SIGINT or SIGTERM are in the pipe with no 0
+0 after them), which ends the process when two such signals are in the pipe with no 0
 after them for a second. The checkpoints completed before stay.
 """
 
@@ -31,12 +31,26 @@ _ANSWER_FD = [-1]  # the running watchdog's pipe: the handler writes a 0 there (
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (a job scheduler, ``docker stop``, ``kill``): stopped as by Ctrl-C, with the
-    steps done logged and the checkpoints kept."""
+    """SIGTERM (a job scheduler, ``docker stop``, ``kill``) or SIGHUP (the terminal closed):
+    stopped as by Ctrl-C, with the steps done logged and the checkpoints kept."""
+
+
+class HungUp(Terminated):
+    """SIGHUP: a ``Terminated`` whose exit status is 128 + SIGHUP."""
+
+
+# (SIGHUP had ended the process at once, without the steps done logged; under nohup it is
+# ignored and stays so.)
+_SIGNALS = {signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: Terminated, signal.SIGHUP: HungUp}
+
+
+def signal_number(e: KeyboardInterrupt) -> int:
+    """The signal that raised ``e`` (SIGINT for a plain ``KeyboardInterrupt``)."""
+    return next(sig for sig, kind in reversed(_SIGNALS.items()) if isinstance(e, kind))
 
 
 def _handler(signum, frame):
-    exc = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+    exc = _SIGNALS[signum]
     _PENDING.append(exc)
     if _ANSWER_FD[0] >= 0:  # after the numbers of the signals this run answers
         with contextlib.suppress(OSError):
@@ -54,7 +68,7 @@ def handled(forced_note: str = "a second signal ({signal}): stopped at once"):
     (``_Watchdog``: exit status 128 + the signal's number; ``forced_note`` on stderr, its
     ``{signal}`` replaced by the signal's name)."""
     previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in _SIGNALS:
         if signal.getsignal(sig) is signal.SIG_IGN:
             continue
         with contextlib.suppress(ValueError):  # a handler can be set in the main thread only

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .args import UsageError
-from .data import BYTE_EOS, load_data
+from .data import BYTE_EOS, DataError, load_data
 from .presets import (
     ModelError,
     build_model,
@@ -70,11 +70,15 @@ def check_fits(n_params, modes, masters, device, label, strategy, cfg, vocab, tu
         # weights and gradients, and the optimizer state: CoatAdamW ~2.08 B, torch AdamW 8 B
         need = n_params * (2 * w + (2 if MODES[mode][1] else 8)) * sharing // shards
         if need > total:
+            # (only what is not in effect already: coat with bf16 masters was told to use them)
+            smaller = [] if MODES[mode][1] else ["--mode coat (or coat-optim)"]
+            if master != "bf16":
+                smaller.append("--master-dtype bf16")
+            how = f", or {' with '.join(smaller)}" if smaller else ""
             raise UsageError(
                 f"{label} has {n_params / 1e9:.2f} B parameters: mode {mode} ({master} master) "
                 f"needs at least {fmt_bytes(need)} for weights, gradients and optimizer state, "
-                f"but {where} has {fmt_bytes(total)}: choose a smaller model, or a COAT mode "
-                f"with --master-dtype bf16{odd}"
+                f"but {where} has {fmt_bytes(total)}: choose a smaller model{how}{odd}"
             )
     # The loss reads the logits of every position: bf16 from the head and their fp32 copy
     # (transformers upcasts before cross-entropy) exist together, besides everything else.
@@ -172,6 +176,15 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
             # generate() stops there (its config named no end-of-sequence id).
             config.eos_token_id = BYTE_EOS
     data.check_fits(config.vocab_size, model_dir=bool(args.model_dir))
+    huge = config.vocab_size > 2**20 and not (args.vocab_size or args.model_dir)
+    if data.vocab_from == "ids" and huge:
+        # No tokenizer has a million tokens: ids that need one were misread (the model sized
+        # to them passed the memory check and was then killed without a word).
+        raise DataError(
+            f"the data's largest token id is {data.vocab_size - 1:,}: no tokenizer has so many "
+            "tokens; check the file's ids and --data-dtype (a .bin is uint16 unless told), or "
+            f"pass --vocab-size {config.vocab_size} to train such a vocabulary anyway"
+        )
     tasks = [LMTask(data, cfg) for cfg in cfgs]  # refuses too short a split
     n_params = count_params(config, modes, weights_dir)
 

@@ -22,6 +22,13 @@ PRESET_NAMES = ("tiny", "125m", "350m", "1b", "llama2-7b", "llama2-13b")
 VL_PRESET_NAMES = ("llava-tiny", "vila-7b")
 MASTER_DTYPE_NAMES = ("fp32", "bf16")
 REPORT_TO = ("none", "tensorboard")
+
+
+class _Newest(str):
+    """``--resume`` alone (argparse passes it through ``type`` too, told by identity)."""
+
+
+NEWEST = _Newest("latest")  # --resume alone: each mode's newest checkpoint under --out
 # The TrainConfig fields a preset gives defaults for.
 PRESET_FIELDS = ("batch_size", "seq_len", "steps", "lr", "warmup", "eval_every", "eval_batches")
 STDLIB_MAX_BYTES = 32 * 2**20  # the built-in corpus's default cap (data.py)
@@ -117,6 +124,18 @@ def _mode_list(text: str) -> str:
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"lists a mode twice: {text}")
     return ",".join(names)
+
+
+def _checkpoint_dir(text: str) -> str:
+    """``--resume CHECKPOINT``'s type: a directory named ``latest`` is one too (``./latest``:
+    only ``--resume`` alone means each mode's newest checkpoint under --out)."""
+    if text is NEWEST:
+        return text
+    if not text.strip():  # (`--resume=` had meant the current directory)
+        raise argparse.ArgumentTypeError(
+            "is empty: pass a checkpoint directory, or --resume alone for the newest under --out"
+        )
+    return os.path.join(".", text) if text == NEWEST else text  # (Path would drop the ./)
 
 
 def _add_fields(group, options) -> None:
@@ -269,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--resume",
         nargs="?",
-        const="latest",
+        const=NEWEST,
+        type=_checkpoint_dir,
         metavar="CHECKPOINT",
         help="continue from each mode's newest checkpoint under --out, or from the given "
         "checkpoint directory (single mode)",

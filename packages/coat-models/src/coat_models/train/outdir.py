@@ -26,6 +26,7 @@ from .. import checkpoint
 from ..checkpoint import CheckpointError
 from ..distributed import run_on_rank0
 from .args import PROG, UsageError, env_rank
+from .options import NEWEST
 from .presets import fine_tunable
 from .report import ReportError, metrics_until, train_steps
 from .trainer import MODES, TrainConfig, check_launch, check_settings
@@ -226,7 +227,7 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
             if checkpoint.has_checkpoints(out / mode / "checkpoints"):
                 raise _earlier_run(out / mode)
         _note_narrower_report(out, modes, fresh=True)
-    elif args.resume == "latest":
+    elif args.resume == NEWEST:
         _check_resumable(out, modes)
         _note_narrower_report(out, modes)
     else:
@@ -244,8 +245,13 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
                 "the newest)"
             )
         if not path.is_dir():
+            what = (
+                "a file, not a checkpoint directory"
+                if path.exists()
+                else ("no such checkpoint directory")
+            )
             raise UsageError(
-                f"--resume {path}: no such checkpoint directory (checkpoints are "
+                f"--resume {path}: {what} (checkpoints are "
                 f"<out>/<mode>/checkpoints/step_N; plain --resume takes the newest under --out)"
             )
         # A folder above the checkpoints (--out, a mode's, checkpoints/): name those in it,
@@ -398,7 +404,7 @@ def resume_point(args, mode_dir: Path) -> Path | None:
         if checkpoint.has_checkpoints(ckpts):
             raise _earlier_run(mode_dir)
         return None
-    if args.resume != "latest":
+    if args.resume != NEWEST:
         say(f"{PROG}: resuming from {args.resume}", flush=True)
         return Path(args.resume)
     found = _newest(ckpts)
@@ -481,7 +487,7 @@ def check_resume_settings(args, cfgs: list[TrainConfig], job, out: Path, paralle
     their results rewritten): a readable manifest, this run's launch and the settings it
     records (if it does); for the later modes also the files' hashes and the metrics (the
     first mode's are checked as it loads). Runs with the lock held."""
-    if args.resume != "latest":
+    if args.resume != NEWEST:
         return
     for i, (cfg, task) in enumerate(zip(cfgs, job.tasks, strict=True)):
         mode_dir = out / cfg.mode

@@ -131,7 +131,7 @@ def _not_a_model_dir(d: Path) -> str:
     """Why ``d`` (without config.json) is no model directory, naming the export meant where
     ``d`` is what coat-train wrote (its --out, a mode's directory, a checkpoint)."""
     if not d.is_dir():
-        return "no such directory"
+        return "a file, not a directory" if d.exists() else "no such directory"
     is_checkpoint = (d / MANIFEST).is_file()
     above = d.parent.parent if is_checkpoint else d
     exports = [p.parent for p in (*above.glob("final/config.json"),

@@ -149,7 +149,7 @@ class TrainConfig:
             raise ValueError(
                 f"--weight-decay {self.weight_decay:g} with --lr {self.lr:g} decays each "
                 "weight by lr x weight_decay >= 1 per step (zeroing or flipping it): lower "
-                "--weight-decay (typical: 0.01-0.1)"
+                "--lr (typical: 1e-4 to 1e-3) or --weight-decay (typical: 0.01-0.1)"
             )
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
