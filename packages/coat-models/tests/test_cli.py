@@ -261,53 +261,32 @@ def interrupt_before(step):
     return queue_step
 
 
-def test_sigterm_stops_like_ctrl_c(tmp_path, capsys, monkeypatch):
-    """SIGTERM (a job scheduler, docker stop) ends the run as Ctrl-C does: the steps done
-    are logged and the message names the checkpoints; exit 143. It killed the process
-    before, losing the queued steps."""
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_sigterm_stops_like_ctrl_c(name, tmp_path, capsys, monkeypatch):
+    """SIGTERM (a job scheduler, docker stop) and SIGHUP (the terminal closed) end the run as
+    Ctrl-C does: the steps done are logged and the message names the checkpoints; exit 128 +
+    the signal's number. They killed the process before, losing the queued steps."""
     import os
     import signal
 
+    sig = getattr(signal, name)
     orig = Trainer.queue_step
 
     def queue_step(trainer, *args, **kwargs):
         if trainer.step + 1 == 4:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), sig)
         return orig(trainer, *args, **kwargs)
 
-    before = signal.getsignal(signal.SIGTERM)
+    before = signal.getsignal(sig)
     monkeypatch.setattr(Trainer, "queue_step", queue_step)
     code, _, err = run(["--steps", "6", "--log-every", "10", *FAST, "--out", tmp_path], capsys)
-    assert code == 143 and "Traceback" not in err
+    assert code == 128 + sig and "Traceback" not in err
     # it said "completed checkpoints (if any) are under": there are none, and why
     assert err.endswith(
         f"terminated; no checkpoint was written to {tmp_path} (--save-every N writes them)\n"
     )
     assert [r["step"] for r in read_jsonl(tmp_path / "bf16" / "metrics.jsonl")] == [1, 2, 3]
-    assert signal.getsignal(signal.SIGTERM) is before  # restored
-
-
-def test_sighup_stops_like_sigterm(tmp_path, capsys, monkeypatch):
-    """SIGHUP (the terminal closed) killed the run at once (exit 129), the queued steps'
-    records lost; now it stops as SIGTERM does, with 129 still its exit status."""
-    import os
-    import signal
-
-    orig = Trainer.queue_step
-
-    def queue_step(trainer, *args, **kwargs):
-        if trainer.step + 1 == 3:
-            os.kill(os.getpid(), signal.SIGHUP)
-        return orig(trainer, *args, **kwargs)
-
-    before = signal.getsignal(signal.SIGHUP)
-    monkeypatch.setattr(Trainer, "queue_step", queue_step)
-    code, _, err = run(["--steps", "5", "--log-every", "10", *FAST, "--out", tmp_path], capsys)
-    assert code == 129 and "Traceback" not in err
-    assert err.endswith(f"terminated; no checkpoint was written to {tmp_path} "
-                        "(--save-every N writes them)\n")  # fmt: skip
-    assert [r["step"] for r in read_jsonl(tmp_path / "bf16" / "metrics.jsonl")] == [1, 2]
-    assert signal.getsignal(signal.SIGHUP) is before  # restored
+    assert signal.getsignal(sig) is before  # restored
 
 
 def test_token_ids_no_tokenizer_has_are_refused(tmp_path, capsys):
