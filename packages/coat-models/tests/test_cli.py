@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from coat_models.train import cli, jobs, outdir
-from coat_models.train.presets import preset_config
+from coat_models.train.presets import PRESETS, preset_config
 from coat_models.train.trainer import Trainer
 
 # Small enough for seconds per run on CPU; the tiny preset's shape.
@@ -79,6 +79,16 @@ def test_end_to_end(tmp_path, capsys, modes):
     check_plot(out, stdout, len(names))
     summary = json.loads((out / "summary.json").read_text())
     assert [r["mode"] for r in summary["runs"]] == names
+    # what each run used, preset defaults filled in (args say None for those)
+    tiny = PRESETS["tiny"]
+    assert summary["args"]["lr"] is None and summary["args"]["warmup"] is None
+    for r in summary["runs"]:
+        assert r["config"]["lr"] == tiny.lr and r["config"]["warmup"] == tiny.warmup
+        assert (r["config"]["batch_size"], r["config"]["seq_len"], r["config"]["steps"]) == (
+            4,
+            64,
+            6,
+        )
     # the table: one column per mode, the rows of the brief, the plot's path
     header = next(line for line in stdout.splitlines() if "(fp32 master)" in line)
     assert all(f"{m} (fp32 master)" in header for m in names)
@@ -220,7 +230,6 @@ def test_compile_with_gradient_accumulation_reads_the_weight_cache(tmp_path, cap
     assert code == 0, stderr
     assert "FP8 weight cache on" in stdout
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
-    from coat_models.train.presets import PRESETS
 
     # Both layouts of a layer's seven weights, once a step per layer; no weight cast alone
     # (a layer's backward also quantizes q, k, v's or gate, up's gradients together, eagerly).
@@ -1374,8 +1383,6 @@ def test_help_states_the_defaults_the_code_uses():
     after parsing), names that default in its help; the presets' vocabulary is the one
     --vocab-size's help states."""
     import argparse
-
-    from coat_models.train.presets import PRESETS
 
     parser = cli.build_parser()
     helps = {}

@@ -815,6 +815,9 @@ class Trainer:
             "cuda_graphs": self._graphs_replayed(),
             "compile": self.cfg.compile,
             "memory": self.totals["memory"],
+            # What the run used, preset defaults filled in (the top-level "args" keep what was
+            # given: None for a default).
+            "config": {k: v for k, v in dataclasses.asdict(self.cfg).items() if k != "mode"},
             **self.task.summary(),
         }
 
