@@ -1415,16 +1415,19 @@ def test_help_states_the_defaults_the_code_uses():
     assert PRESETS["tiny"].vocab is None and "(default: tiny)" in helps["preset"]
 
 
-def test_refused_resume_names_the_remedy_and_writes_no_mode_dir(tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["coat-optim", "coat"])
+def test_refused_resume_names_the_remedy_and_writes_no_mode_dir(mode, tmp_path, capsys):
     """A checkpoint of other settings is refused before the mode's directory is made, and the
-    message says what to do (it named the difference alone)."""
+    message says what to do (it named the difference alone). Only the differences: a COAT
+    mode (whose numerics leave compile out) had also listed "compile: checkpoint False, now
+    None"."""
     args = ["--steps", 2, "--save-every", 2, "--eval-every", 2, "--no-export", *FAST]
     assert run([*args, "--out", tmp_path / "a"], capsys)[0] == 0
     ckpt = tmp_path / "a" / "bf16" / "checkpoints" / "step_0000002"
     out = tmp_path / "b"
-    code, _, err = run([*args, "--mode", "coat-optim", "--resume", ckpt, "--out", out], capsys)
+    code, _, err = run([*args, "--mode", mode, "--resume", ckpt, "--out", out], capsys)
     assert code == 2 and err.count("\n") == 1, err
-    assert "settings differ (mode: checkpoint 'bf16', now 'coat-optim'): pass the settings" in err
+    assert f"settings differ (mode: checkpoint 'bf16', now '{mode}'): pass the settings" in err
     assert "or start afresh with another --out" in err
     assert not out.exists()  # nor the --out it made (test_a_refused_resume_into_a_new_out...)
 

@@ -1055,10 +1055,11 @@ def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, des
     """Refuse (``ResumeSettingsError``, naming each difference) to resume from checkpoint
     ``path`` whose ``recorded`` settings (``config``: its numerics, ``data``: the data's
     fingerprint, ``describe``: the model) are not this run's."""
-    now = cfg.numerics()
-    diff = {
-        k: (v, now.get(k)) for k, v in recorded["config"].items() if _plain(now.get(k)) != _plain(v)
-    }
+    numerics = cfg.numerics()
+    # (a field this mode's numerics leave out, compile for a COAT mode, is still this run's
+    # setting: a bf16 checkpoint's compile False against a coat run had read "now None")
+    now = {k: numerics.get(k, getattr(cfg, k, None)) for k in recorded["config"]}
+    diff = {k: (v, now[k]) for k, v in recorded["config"].items() if _plain(now[k]) != _plain(v)}
     was, now = _model_key(recorded["describe"]), _model_key(describe)
     if isinstance(was, dict) and isinstance(now, dict) and "config" not in was:
         now = {k: v for k, v in _resolved(describe).items() if k != "config"}  # (older runs)
