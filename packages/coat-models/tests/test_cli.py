@@ -1367,6 +1367,25 @@ def test_out_holding_a_user_s_files_is_refused(tmp_path, capsys):
     assert _tree(out) == before
 
 
+def test_out_inside_another_runs_mode_directory_is_refused(tmp_path, capsys):
+    """--out RUN/bf16/final (the other run's export) or RUN/bf16 (its results, while it ran)
+    was accepted and wrote a run into them; a folder beside the modes stays usable."""
+    run_dir = tmp_path / "run"
+    args = ["--steps", 2, "--eval-every", 2, *FAST]
+    assert run([*args, "--out", run_dir], capsys)[0] == 0
+    before = _tree(run_dir)
+    for inside in (run_dir / "bf16" / "final", run_dir / "bf16", run_dir / "coat" / "x"):
+        code, _, err = run([*args, "--out", inside], capsys)
+        mode = inside.relative_to(run_dir).parts[0]
+        assert code == 2 and err == (
+            f"coat-train: error: --out {inside} is inside {run_dir / mode}, a mode's directory "
+            f"of the coat-train run in {run_dir}: pass a directory outside it\n"
+        ), err
+        assert _tree(run_dir) == before
+    code, _, err = run([*args, "--no-export", "--out", run_dir / "more"], capsys)
+    assert code == 0, err
+
+
 def test_out_with_unrelated_names_only_is_used(tmp_path, capsys):
     """Files coat-train does not touch do not stop a run, and stay."""
     out = tmp_path / "project"

@@ -75,6 +75,7 @@ def check_out(out: Path, modes: list[str]) -> None:
         )
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file: pass a directory")
+    _check_not_inside_a_run(out)
     if out.is_dir():
         _check_foreign(out, modes)
     parent = out
@@ -90,6 +91,21 @@ def check_out(out: Path, modes: list[str]) -> None:
             f"--out {out}: cannot create a directory in {parent} ({e.strerror}): pass another --out"
         ) from None
     os.rmdir(probe)
+
+
+def _check_not_inside_a_run(out: Path) -> None:
+    """Refuse an ``--out`` inside a mode's directory of another run's ``--out`` (one with
+    coat-train's lock file): that run deletes or rewrites it (its ``final`` export, its
+    checkpoints), and this one would write into that run's results."""
+    path = Path(os.path.abspath(out))
+    for above in path.parents:
+        if (above / LOCK_FILE).is_file():
+            mode = path.relative_to(above).parts[0]
+            if mode in MODES:
+                raise UsageError(
+                    f"--out {out} is inside {above / mode}, a mode's directory of the "
+                    f"coat-train run in {above}: pass a directory outside it"
+                )
 
 
 def check_inputs_outside(out: Path, modes: list[str], inputs: dict[str, str | None]) -> None:
