@@ -261,11 +261,9 @@ def check_resume(args, out: Path, modes: list[str]) -> None:
                 "the newest)"
             )
         if not path.is_dir():
-            what = (
-                "a file, not a checkpoint directory"
-                if path.exists()
-                else ("no such checkpoint directory")
-            )
+            what = "no such checkpoint directory"
+            if path.exists():
+                what = "a file, not a checkpoint directory"
             raise UsageError(
                 f"--resume {path}: {what} (checkpoints are "
                 f"<out>/<mode>/checkpoints/step_N; plain --resume takes the newest under --out)"
