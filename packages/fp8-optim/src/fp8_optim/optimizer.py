@@ -29,7 +29,7 @@ _ADAMW_ONLY_KEYS = (
     "fused",
     "decoupled_weight_decay",
 )
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+_MOMENTS = reference.MOMENTS
 # Param-group keys. Other optimizers' settings that change the update or the state format,
 # other names for the keys below and near-misses of them (a typo: "weight_decya") are
 # refused, not ignored; any other key (a label such as "name", timm's "lr_scale") is kept
@@ -59,13 +59,15 @@ _SYNONYMS = {"learningrate": "lr", "epsilon": "eps", "wd": "weight_decay",
              "beta1": "betas", "beta2": "betas"}  # fmt: skip
 # The keys a step need not look at again: ours, and others already found harmless.
 _KEYS_SEEN = set(_GROUP_KEYS)
-_STATE_KEYS = ("step", *_MOMENTS, *(m + sfx for m in _MOMENTS for sfx in PER_GROUP_SUFFIXES))
+# The keys a saved state may hold (its codes under _CODES' names or, written by an earlier
+# version, under the moment's).
+_SAVED_KEYS = ("step", *_MOMENTS, *(m + sfx for m in _MOMENTS for sfx in PER_GROUP_SUFFIXES))
 # Where FP8 moments keep their codes (beside ``<moment>_amax`` and ``<moment>_k``): not
 # AdamW's names, so that ``torch.optim.AdamW`` given such a state dict fails (KeyError
 # 'exp_avg' at its first step) instead of reading the codes as moments. fp32 moments
 # (``high_precision_states``) keep AdamW's names, which AdamW reads right. The checks and
 # conversions here see the codes under the moment's name (``_by_moment``).
-_CODES = {m: m + "_fp8" for m in _MOMENTS}
+_CODES = reference.CODES
 _FP32_MAX = torch.finfo(torch.float32).max
 _data_ptr, _size = torch.Tensor.data_ptr, torch.Tensor.size
 _SET_PARAMS = (
@@ -1052,9 +1054,9 @@ def _check_saved_state(p: torch.Tensor, pid, s: dict, group_size: int, saved_as:
     where = f"state of parameter {pid!r} (shape {tuple(p.shape)})"
     if "max_exp_avg_sq" in s:
         raise ValueError("cannot load amsgrad state (max_exp_avg_sq) into CoatAdamW")
-    unknown = sorted(str(k) for k in s if k not in _STATE_KEYS)
+    unknown = sorted(str(k) for k in s if k not in _SAVED_KEYS)
     if unknown:
-        known = ", ".join((*_STATE_KEYS, *_CODES.values()))
+        known = ", ".join((*_SAVED_KEYS, *_CODES.values()))
         raise ValueError(f"{where} has unknown keys {unknown}; expected {known}")
     for name in _MOMENTS:
         if name not in s:

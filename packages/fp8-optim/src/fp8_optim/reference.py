@@ -39,6 +39,12 @@ import numpy as np
 import torch
 from fp8_quant import FP8Format
 
+# The state's names (the format above), read by the optimizer and the kernel's launcher.
+MOMENTS = ("exp_avg", "exp_avg_sq")  # fp32 moments keep torch AdamW's names
+CODES = {m: m + "_fp8" for m in MOMENTS}  # FP8 ones are codes under these (not AdamW's)
+# An FP8 moment's tensors, in the order the kernel takes them: codes, amaxes, ks.
+FP8_STATE_KEYS = (*CODES.values(), *(m + "_amax" for m in MOMENTS), *(m + "_k" for m in MOMENTS))
+
 FLUSH_BELOW = 2.0**-126  # smallest normal fp32; smaller magnitudes quantize to zero
 K16_MIN, K16_MAX = 1, 255  # k in [1/16, 15.9375], stored as uint8 16 * k
 K16_PLAIN = 16  # k = 1: DRE off

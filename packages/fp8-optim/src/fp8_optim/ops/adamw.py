@@ -561,15 +561,6 @@ def _adamw_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-_HIGH_PRECISION_KEYS = ("exp_avg", "exp_avg_sq")
-_STATE_KEYS = (
-    "exp_avg_fp8",
-    "exp_avg_sq_fp8",
-    "exp_avg_amax",
-    "exp_avg_sq_amax",
-    "exp_avg_k",
-    "exp_avg_sq_k",
-)
 
 
 @dataclass
@@ -631,7 +622,7 @@ def make_plan(
     num_warps = launch.num_warps or max(1, block_g * (tile_cols // 4) // 32)
     device = params[0].device
     cols = [params, grads]
-    keys = _HIGH_PRECISION_KEYS if high_precision else _STATE_KEYS
+    keys = ref.MOMENTS if high_precision else ref.FP8_STATE_KEYS
     cols += [[s[k] for s in states] for k in keys]
     if high_precision:
         cols += [params] * 4  # unused columns
@@ -730,8 +721,8 @@ def fused_adamw_step_(
         moments = [s0["exp_avg"], s0["exp_avg_sq"]]
         meta = [params[0]] * 4
     else:  # codes through uint8 views: the kernel stores bit patterns, not numbers
-        moments = [s0[k].view(torch.uint8) for k in _STATE_KEYS[:2]]
-        meta = [s0[k] for k in _STATE_KEYS[2:]]
+        moments = [s0[k].view(torch.uint8) for k in ref.FP8_STATE_KEYS[:2]]
+        meta = [s0[k] for k in ref.FP8_STATE_KEYS[2:]]
     mf, ml, mc = ref.format_constants(m_format)
     w1, lerp_high = ref.first_moment_weight(beta1)
     vf, vl, vc = ref.format_constants(v_format)
