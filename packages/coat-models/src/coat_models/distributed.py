@@ -972,11 +972,14 @@ def _older_code_names(state: dict, saved: dict) -> dict[str, str]:
     written before it did hold them under ``exp_avg`` / ``exp_avg_sq``. Where the checkpoint
     has the older name, the flat optimizer state to load takes it (to be renamed back once
     loaded); returns {the state's key: the checkpoint's}."""
+    from fp8_optim.reference import CODES
+
+    moment_of = {code: moment for moment, code in CODES.items()}
     renamed = {}
     for key in list(state.get("optim", ())):
         owner, _, name = key.rpartition(".")
-        if key.startswith("state.") and name in ("exp_avg_fp8", "exp_avg_sq_fp8"):
-            old_key = f"{owner}.{name.removesuffix('_fp8')}"
+        if key.startswith("state.") and name in moment_of:
+            old_key = f"{owner}.{moment_of[name]}"
             if f"optim.{key}" not in saved and f"optim.{old_key}" in saved:
                 state["optim"][old_key] = state["optim"].pop(key)
                 renamed[key] = old_key
