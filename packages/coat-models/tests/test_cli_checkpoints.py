@@ -869,3 +869,12 @@ def test_an_interrupted_resume_into_a_new_out_names_its_checkpoint(runs, tmp_pat
         f"interrupted; no checkpoint was written to {tmp_path / 'new'}: run the same command, "
         f"with --resume {given}, to start again from that checkpoint\n"
     ), err
+    # plain --resume there started from step 0 and dropped the records of steps 3 and on
+    metrics = (tmp_path / "new" / "bf16" / "metrics.jsonl").read_bytes()
+    code, _, err = train([*ARGS, "--resume", "--out", tmp_path / "new"])
+    assert code == 2 and err.endswith(
+        f"--resume: {tmp_path / 'new' / 'bf16'} has no checkpoint and its metrics start at step "
+        "3: its run went on from a checkpoint elsewhere; pass that --resume DIR again, or "
+        "train into another --out to start from step 0\n"
+    ), err
+    assert (tmp_path / "new" / "bf16" / "metrics.jsonl").read_bytes() == metrics

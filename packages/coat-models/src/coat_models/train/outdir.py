@@ -365,10 +365,32 @@ def _note_narrower_report(out: Path, modes: list[str], fresh: bool = False) -> N
     )
 
 
+def _first_step(metrics: Path) -> int | None:
+    """The step of the first record of a mode's ``metrics.jsonl`` (None if unreadable)."""
+    try:
+        with metrics.open() as f:
+            return int(json.loads(f.readline())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _check_resumable(out: Path, modes: list[str]) -> None:
     """Plain ``--resume`` where no mode of this run has a checkpoint but other modes in
-    ``--out`` do: name the ways to continue that run instead of starting these from 0."""
-    if not out.is_dir() or any(checkpoint.has_checkpoints(out / m / "checkpoints") for m in modes):
+    ``--out`` do: name the ways to continue that run instead of starting these from 0.
+    Also where a mode has none but its metrics start past step 1: a run that went on from a
+    checkpoint elsewhere (``--resume DIR``) and stopped before its first save here; from
+    step 0 its records would go."""
+    if not out.is_dir():
+        return
+    for m in modes:
+        first = _first_step(out / m / "metrics.jsonl")
+        if first and first > 1 and not checkpoint.has_checkpoints(out / m / "checkpoints"):
+            raise UsageError(
+                f"--resume: {out / m} has no checkpoint and its metrics start at step {first}: "
+                "its run went on from a checkpoint elsewhere; pass that --resume DIR again, or "
+                "train into another --out to start from step 0"
+            )
+    if any(checkpoint.has_checkpoints(out / m / "checkpoints") for m in modes):
         return
     others = [m for m in MODES if checkpoint.has_checkpoints(out / m / "checkpoints")]
     if not others:
