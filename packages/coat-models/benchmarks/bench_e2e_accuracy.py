@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     from coat_models.train.args import OneLineParser, UsageError, writable_file
 
     # No abbreviations: --seed (a coat-train argument) must not be read as --seeds.
-    p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="accuracy-125m-run", help="the run's directory")
     p.add_argument("--check-only", metavar="RUN_DIR", help="compare an earlier run, no training")
     p.add_argument("--update-golden", action="store_true", help="this run becomes the golden one")

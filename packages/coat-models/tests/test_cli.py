@@ -1055,8 +1055,10 @@ def test_a_bad_fp8_quant_backend_is_one_line_before_anything_is_written(
 
 # argparse's own errors printed its 20-line usage block before the line that mattered.
 PARSER_ERRORS = [
-    (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
+    (["--steps", "abc"], "argument --steps: must be an integer >= 1, got 'abc'"),
     (["--stepz", "3"], "unrecognized arguments: --stepz 3 (see coat-train --help)"),
+    # an abbreviation is not taken for the option it begins (--step 3 trained 3 steps)
+    (["--step", "3"], "unrecognized arguments: --step 3 (see coat-train --help)"),
     (["--out"], "argument --out: expected one argument (see coat-train --help)"),
     # the list of choices is quoted by some Python versions, not by others
     (["--mode", "fp8"], "argument --mode: invalid choice: 'fp8' (choose from "),
@@ -1065,7 +1067,7 @@ PARSER_ERRORS = [
 
 
 @pytest.mark.parametrize("argv,line", PARSER_ERRORS, ids=["bad-int", "unknown-flag",
-                         "no-value", "bad-mode", "bad-device"])  # fmt: skip
+                         "abbreviated", "no-value", "bad-mode", "bad-device"])  # fmt: skip
 def test_parser_errors_are_one_line(tmp_path, capsys, monkeypatch, argv, line):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.chdir(tmp_path)  # --out's default is relative: nothing may appear here

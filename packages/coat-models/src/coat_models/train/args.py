@@ -50,7 +50,13 @@ def env_rank() -> int:
 class OneLineParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line on stderr and exit 2: argparse's own
     print the whole usage block first (20 lines for coat-train), burying the line that says
-    what is wrong. ``--help`` prints the usage as before. Subparsers are of this class too."""
+    what is wrong. ``--help`` prints the usage as before. Subparsers are of this class too.
+    Options are not abbreviated (argparse's default took ``--step 5`` for ``--steps 5`` without
+    a word, and a later option sharing a prefix would change what an old command means)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         if any(s in message for s in _SEE_HELP):
@@ -107,8 +113,8 @@ class Range:
         kind = int if self.integer else float
         try:
             value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        except ValueError:  # (argparse said "invalid int value: 'ten'", naming no valid one)
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {text!r}") from None
         message = self.error(value)
         if message:
             raise argparse.ArgumentTypeError(f"{message}, got {text!r}")
