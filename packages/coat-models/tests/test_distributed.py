@@ -830,6 +830,62 @@ def test_a_model_sharded_otherwise_than_by_shard_model_trains_without_the_weight
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("how", ["shard_model", "fully_shard-after-apply_coat"])
+def test_a_sharded_vision_language_model_trains_without_any_weight_cache(how, tmp_path):
+    """A LLaVA model's projector and vision tower are fp8_activations modules with FP8 weight
+    caches of their own: sharded, they trained on the previous step's FP8 weights (shard_model
+    turned off only the decoder layers' caches; helper-131's probe). Every part trains without
+    a cache: the bits of a model converted with weight_cache=False."""
+    import torch.distributed as dist
+    from coat_models.distributed import shard_model
+    from coat_models.train.vl_data import ShapesCaptions
+    from coat_models.vila import apply_coat_vlm, llava_tiny_config, num_image_tokens
+    from fp8_activations import FP8ActivationConfig
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlavaForConditionalGeneration
+
+    config = llava_tiny_config()
+    task = ShapesCaptions(32, num_image_tokens(config), config.image_token_id, seed=1)
+
+    def llava(cache_config):
+        torch.manual_seed(0)
+        model = LlavaForConditionalGeneration(config).train()
+        return apply_coat_vlm(model, config=cache_config, vision=True)
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        ref = llava(FP8ActivationConfig(weight_cache=False))
+        shard_model(ref, mp_policy="fp32")
+        model = llava(None)
+        if how == "shard_model":
+            shard_model(model, mp_policy="fp32")
+        else:
+            for layer in model.model.language_model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+        for step in range(6):
+            batch = task.batch(step, 4)
+            losses = []
+            for m, opt in zip((ref, model), optimizers, strict=True):
+                loss = m(**batch).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            assert torch.equal(losses[0], losses[1]), (step, losses)
+        configs = [
+            c for mod in model.modules() for c in (getattr(mod, "coat_config", None),
+                                                   getattr(mod, "config", None))
+            if isinstance(c, FP8ActivationConfig)
+        ]  # fmt: skip
+        assert len(configs) > 10 and not any(c.weight_cache for c in configs)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("scheduler_at", ["save", "load"])
 def test_an_lr_scheduler_on_one_side_of_a_checkpoint_is_no_mismatch(scheduler_at, tmp_path):
     """A scheduler adds initial_lr to the param groups: a checkpoint saved with one loaded

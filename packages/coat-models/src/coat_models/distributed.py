@@ -267,7 +267,8 @@ def _install_grad_copy_in() -> None:
 
 
 def _disable_weight_cache(model: nn.Module) -> None:
-    """Turn off the FP8 weight cache of COAT layers (``FP8ActivationConfig.weight_cache``).
+    """Turn off the FP8 weight cache of every COAT part of ``model`` (``llama.weight_cache_off``:
+    decoder layers, and a VLM's projector and tower).
 
     The cache is keyed on the weight's version and storage. FSDP2 all-gathers each
     step into the unsharded weight's storage without bumping its version (the same storage,
@@ -278,10 +279,9 @@ def _disable_weight_cache(model: nn.Module) -> None:
     cost 2 bytes per parameter on every rank, undoing the sharding. Without the cache the
     weight is cast where it is used (one extra read of it per GEMM).
     """
-    for module in model.modules():
-        config = getattr(module, "coat_config", None)
-        if getattr(config, "weight_cache", False):
-            module.coat_config = config.replace(weight_cache=False)
+    from .llama import weight_cache_off
+
+    weight_cache_off(model)
 
 
 def wrap_ddp(

@@ -136,9 +136,27 @@ def layer_config(layer: nn.Module) -> FP8ActivationConfig:
         isinstance(layer, _fsdp_classes())
         or (not torch.compiler.is_compiling() and _held_by_fsdp(layer))
     ):
-        config = layer.coat_config = config.replace(weight_cache=False)
-        drop_cached_weight_fp8(layer.parameters())
+        # The whole model's, not only this layer's: a VLM's projector (and tower) are
+        # fp8_activations modules with caches of their own, under the same FSDP units.
+        holders = _HOLDERS.get(layer, ())
+        root = holders[0]() if holders else None
+        weight_cache_off(layer if root is None else root)
+        config = layer.coat_config
     return config
+
+
+def weight_cache_off(model: nn.Module) -> None:
+    """Turn off the FP8 weight cache (``FP8ActivationConfig.weight_cache``) of every COAT part
+    of ``model``, the decoder layers' (``coat_config``) and fp8_activations modules' (a VLM's
+    projector and tower: ``config``), and free the copies it holds. For a model that FSDP
+    shards: it all-gathers each step into the weights' storage without bumping their
+    versions, so a cache would serve the previous step's FP8 weights."""
+    for module in model.modules():
+        for name in ("coat_config", "config"):
+            config = module.__dict__.get(name)
+            if isinstance(config, FP8ActivationConfig) and config.weight_cache:
+                setattr(module, name, config.replace(weight_cache=False))
+                drop_cached_weight_fp8(module.parameters())
 
 
 # layer -> weak references to the modules that held it at apply_coat (``_holders``). Kept

@@ -27,7 +27,9 @@ class FP8ActivationConfig:
         weight_cache: cast each weight to FP8 once per weight version (``weight._version``,
             bumped by the optimizer's in-place update) and keep the copy (1 byte/param per
             layout, two layouts). ``False`` re-casts on the fly in forward and again in
-            backward: less memory, one more pass over the weight per use.
+            backward: less memory, one more pass over the weight per use. Needed under
+            FSDP2 (``fully_shard``), whose all-gathers write the weights without bumping
+            their versions.
         backend: quantize/element-wise kernels, an ``fp8_quant.Backend`` or its string:
             ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"`` (plain
             PyTorch) or ``"auto"`` (triton for CUDA tensors, reference otherwise;
