@@ -165,6 +165,23 @@ def test_apply_coat_hands_llava_to_apply_coat_vlm():
     assert not is_coat_vlm(model) and module_types(model) == types
 
 
+def test_reverting_the_inner_model_leaves_no_fp8_module_in_it():
+    """apply_coat(m), then revert_coat(m.model): every module under m.model gets its class
+    back (its projector stayed FP8, while is_coat(m.model) said False); revert_coat(m) then
+    gives back the plain model."""
+    from coat_models import apply_coat, is_coat, revert_coat
+
+    ref = tiny_llava()
+    types = module_types(ref)
+    model = apply_coat(copy.deepcopy(ref))
+    revert_coat(model.model)
+    inner = {f"model.{k}" if k else "model": v for k, v in module_types(model.model).items()}
+    assert inner == {k: v for k, v in types.items() if k == "model" or k.startswith("model.")}
+    assert not is_coat(model.model)
+    revert_coat(model)
+    assert module_types(model) == types and not is_coat(model)
+
+
 def test_module_filter_sees_names_in_the_whole_model():
     from coat_models import apply_coat, is_coat
 
@@ -184,6 +201,42 @@ def test_module_filter_sees_names_in_the_whole_model():
     projector = model.model.multi_modal_projector
     assert type(projector.linear_1) is torch.nn.Linear
     assert type(projector.linear_2).__name__ == "FP8Linear"
+
+
+@pytest.mark.parametrize(
+    "where", ["model.language_model.layers.1", "model.multi_modal_projector.linear_2"]
+)
+def test_a_failed_re_apply_leaves_the_model_as_it_was(where):
+    """apply_coat again with a module_filter_fn that raises (on a decoder layer, or on a
+    projector module): the error comes through and the model stays converted as before, its
+    tower still frozen (it was left plain with a trainable tower, where a Llama stays as it
+    was)."""
+    from coat_models import apply_coat, is_coat
+    from fp8_activations import FP8ActivationConfig
+
+    def skip_layer_0(module, fqn):
+        return fqn != "model.language_model.layers.0"
+
+    def raising(module, fqn):
+        if fqn == where:
+            raise RuntimeError("filter failed")
+        return True
+
+    config = FP8ActivationConfig(weight_cache=False)
+    model = apply_coat_vlm(
+        tiny_llava(), config=config, module_filter_fn=skip_layer_0, vision=True,
+        freeze_vision=True, fused_loss=False,
+    )  # fmt: skip
+    types, frozen = module_types(model), [p.requires_grad for p in model.parameters()]
+    batch = shapes_batch(4)
+    want = model(**batch).loss
+    with pytest.raises(RuntimeError, match="filter failed"):
+        apply_coat(model, module_filter_fn=raising)
+    assert is_coat(model) and module_types(model) == types
+    assert [p.requires_grad for p in model.parameters()] == frozen
+    configs = [getattr(m, "coat_config", getattr(m, "config", None)) for m in model.modules()]
+    assert {c for c in configs if isinstance(c, FP8ActivationConfig)} == {config}
+    assert torch.equal(model(**batch).loss, want)
 
 
 def test_config_reaches_every_converted_part():

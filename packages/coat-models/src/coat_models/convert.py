@@ -6,7 +6,7 @@ choice between them lives here, above both, so that neither imports the other ba
 
 from __future__ import annotations
 
-from fp8_activations import FP8ActivationConfig
+from fp8_activations import FP8ActivationConfig, revert_fp8_activations
 from fp8_activations.ops import drop_cached_weight_fp8
 from torch import nn
 
@@ -60,7 +60,8 @@ def apply_coat(
     Returns the same ``model``. Raises ``TypeError`` naming what is supported otherwise,
     and for a model with adapters (PEFT's LoRA) around its layers: COAT would bypass them.
     A projection wrapped after conversion makes that layer raise when it would train.
-    Calling it again re-applies with the new arguments.
+    Calling it again re-applies with the new arguments (one whose ``module_filter_fn``
+    raises leaves the model as it was).
 
     >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=256, ...))
     >>> apply_coat(model, module_filter_fn=lambda m, fqn: fqn != "model.layers.0").train()
@@ -98,5 +99,11 @@ def revert_coat(model: nn.Module) -> nn.Module:
     for module in list(model.modules()):
         if vila.is_coat_vlm(module):
             vila.revert_coat_vlm(module)
+    # and FP8-activation modules that a conversion of a model above this one left here
+    # (apply_coat(m), then revert_coat(m.model): its projector stayed FP8)
+    for name, child in list(model.named_children()):
+        reverted = revert_fp8_activations(child)
+        if reverted is not child:
+            setattr(model, name, reverted)
     drop_cached_weight_fp8(model.parameters())  # (they would hold them while they live)
     return llama.revert_classes(model)

@@ -23,7 +23,12 @@ tower's ``image_size``, normalized as ``(rgb / 255 - mean) / std``: SigLIP ``mea
 
 from __future__ import annotations
 
-from fp8_activations import convert_to_fp8_activations, follow_grad_mode, revert_fp8_activations
+from fp8_activations import (
+    FP8ActivationConfig,
+    convert_to_fp8_activations,
+    follow_grad_mode,
+    revert_fp8_activations,
+)
 from torch import nn
 
 from . import graphs
@@ -31,6 +36,7 @@ from .llama import (
     FilterFn,
     UnsupportedModel,
     _adapter_problem,
+    _CoatCausalLM,
     check_flags,
     check_options,
     convert_llama,
@@ -108,8 +114,42 @@ def apply_coat_vlm(
     problem = _adapter_problem(model, within=(lm, "lm_head"))  # (FP8 modules leave LoRA be)
     if problem is not None:
         raise TypeError(f"apply_coat_vlm cannot convert {type(model).__name__}: {problem}")
-    if is_coat_vlm(model):
+    previous = _applied(model) if is_coat_vlm(model) else None
+    if previous is not None:
         revert_coat_vlm(model)
+    try:
+        return _convert(model, parts, names, config, module_filter_fn, vision, freeze_vision,
+                        fused_loss)  # fmt: skip
+    except BaseException:
+        # A re-apply that failed (module_filter_fn raising, ...) leaves the model converted
+        # as it was, as apply_coat does a Llama (it was left plain, its tower trainable).
+        if previous is not None:
+            _convert(model, parts, names, **previous)
+        raise
+
+
+def _applied(model: nn.Module) -> dict:
+    """``_convert``'s arguments that convert ``model`` (converted now) as it is: the same
+    modules, config, options and loss."""
+    converted, config = set(), None
+    for fqn, m in model.named_modules():
+        for name in ("coat_config", "config"):
+            c = m.__dict__.get(name)
+            if isinstance(c, FP8ActivationConfig):
+                converted.add(fqn)
+                config = c if config is None or name == "coat_config" else config
+    return {
+        "config": config,
+        "module_filter_fn": lambda m, fqn: fqn in converted,
+        **model._coat_vlm["options"],
+        "fused_loss": isinstance(model, _CoatCausalLM),
+    }
+
+
+def _convert(
+    model, parts, names, config, module_filter_fn, vision, freeze_vision, fused_loss
+) -> nn.Module:
+    """``apply_coat_vlm``'s conversion of a model that is not converted now."""
 
     def part_filter(part: nn.Module):
         """``module_filter_fn`` seen from inside ``part``: its fqns get the part's prefix."""
