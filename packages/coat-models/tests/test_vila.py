@@ -170,13 +170,17 @@ def test_reverting_the_inner_model_leaves_no_fp8_module_in_it():
     back (its projector stayed FP8, while is_coat(m.model) said False); revert_coat(m) then
     gives back the plain model."""
     from coat_models import apply_coat, is_coat, revert_coat
+    from fp8_activations import convert_to_fp8_activations
 
     ref = tiny_llava()
+    # the user's own FP8 modules (a tower apply_coat leaves alone) stay as they are
+    convert_to_fp8_activations(ref.model.vision_tower)
     types = module_types(ref)
     model = apply_coat(copy.deepcopy(ref))
     revert_coat(model.model)
     inner = {f"model.{k}" if k else "model": v for k, v in module_types(model.model).items()}
     assert inner == {k: v for k, v in types.items() if k == "model" or k.startswith("model.")}
+    assert any(t.__name__ == "FP8Linear" for t in inner.values())  # (the user's tower)
     assert not is_coat(model.model)
     revert_coat(model)
     assert module_types(model) == types and not is_coat(model)
@@ -222,20 +226,30 @@ def test_a_failed_re_apply_leaves_the_model_as_it_was(where):
             raise RuntimeError("filter failed")
         return True
 
+    def configs(model):
+        return {
+            (fqn, name): c
+            for fqn, m in model.named_modules() for name in ("coat_config", "config")
+            if isinstance(c := m.__dict__.get(name), FP8ActivationConfig)
+        }  # fmt: skip
+
     config = FP8ActivationConfig(weight_cache=False)
     model = apply_coat_vlm(
         tiny_llava(), config=config, module_filter_fn=skip_layer_0, vision=True,
         freeze_vision=True, fused_loss=False,
     )  # fmt: skip
+    # a part with a config of its own, a tower weight made trainable again by hand
+    model.model.multi_modal_projector.linear_2.config = config.replace(group_size=32)
+    model.model.vision_tower.post_layernorm.weight.requires_grad_()
     types, frozen = module_types(model), [p.requires_grad for p in model.parameters()]
+    before = configs(model)
     batch = shapes_batch(4)
     want = model(**batch).loss
     with pytest.raises(RuntimeError, match="filter failed"):
         apply_coat(model, module_filter_fn=raising)
     assert is_coat(model) and module_types(model) == types
     assert [p.requires_grad for p in model.parameters()] == frozen
-    configs = [getattr(m, "coat_config", getattr(m, "config", None)) for m in model.modules()]
-    assert {c for c in configs if isinstance(c, FP8ActivationConfig)} == {config}
+    assert configs(model) == before and len(set(before.values())) == 2
     assert torch.equal(model(**batch).loss, want)
 
 

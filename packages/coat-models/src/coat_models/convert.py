@@ -61,7 +61,7 @@ def apply_coat(
     and for a model with adapters (PEFT's LoRA) around its layers: COAT would bypass them.
     A projection wrapped after conversion makes that layer raise when it would train.
     Calling it again re-applies with the new arguments (one whose ``module_filter_fn``
-    raises leaves the model as it was).
+    raises leaves the model as it was, but for a LLaVA model's CUDA graphs).
 
     >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=256, ...))
     >>> apply_coat(model, module_filter_fn=lambda m, fqn: fqn != "model.layers.0").train()
@@ -99,10 +99,14 @@ def revert_coat(model: nn.Module) -> nn.Module:
     for module in list(model.modules()):
         if vila.is_coat_vlm(module):
             vila.revert_coat_vlm(module)
-    # and FP8-activation modules that a conversion of a model above this one left here
-    # (apply_coat(m), then revert_coat(m.model): its projector stayed FP8)
+
+    # and the FP8-activation modules that apply_coat of a model above this one made here
+    # (apply_coat(m), then revert_coat(m.model): its projector stayed FP8); not a user's own
+    def made_by_apply(m, fqn):
+        return m.__dict__.get(vila.PART_MODULE, False)
+
     for name, child in list(model.named_children()):
-        reverted = revert_fp8_activations(child)
+        reverted = revert_fp8_activations(child, module_filter_fn=made_by_apply)
         if reverted is not child:
             setattr(model, name, reverted)
     drop_cached_weight_fp8(model.parameters())  # (they would hold them while they live)

@@ -50,6 +50,10 @@ SUPPORTED = (
     "Llama-shaped language_model"
 )
 _PARTS = ("vision_tower", "multi_modal_projector", "language_model")
+# Set on each FP8-activation module apply_coat_vlm made (projector, tower): revert_coat of a
+# module inside the converted model (apply_coat(m), revert_coat(m.model)) reverts those, not
+# FP8 modules a user made.
+PART_MODULE = "_coat_vlm_part"
 
 
 def _llava_parts(model: nn.Module) -> nn.Module:
@@ -121,29 +125,39 @@ def apply_coat_vlm(
         return _convert(model, parts, names, config, module_filter_fn, vision, freeze_vision,
                         fused_loss)  # fmt: skip
     except BaseException:
-        # A re-apply that failed (module_filter_fn raising, ...) leaves the model converted
-        # as it was, as apply_coat does a Llama (it was left plain, its tower trainable).
+        # A re-apply that failed (module_filter_fn raising, ...) converts the model again as
+        # it was, as apply_coat leaves a Llama (it was left plain, its tower trainable): the
+        # same modules, each with its config, options, loss and requires_grad flags. CUDA
+        # graphs enabled before are not (enable_cuda_graphs again).
         if previous is not None:
-            _convert(model, parts, names, **previous)
+            arguments, configs, trainable = previous
+            _convert(model, parts, names, **arguments)
+            modules = dict(model.named_modules())
+            for (fqn, name), c in configs.items():
+                setattr(modules[fqn], name, c)
+            for p, flag in zip(model.parameters(), trainable, strict=True):
+                p.requires_grad_(flag)
         raise
 
 
-def _applied(model: nn.Module) -> dict:
-    """``_convert``'s arguments that convert ``model`` (converted now) as it is: the same
-    modules, config, options and loss."""
-    converted, config = set(), None
+def _applied(model: nn.Module) -> tuple[dict, dict, list[bool]]:
+    """What converts ``model`` (converted now) again as it is: ``_convert``'s arguments (the
+    same modules and options), each converted module's config (``{(fqn, attribute):
+    config}``) and every parameter's ``requires_grad``."""
+    configs = {}
     for fqn, m in model.named_modules():
         for name in ("coat_config", "config"):
             c = m.__dict__.get(name)
             if isinstance(c, FP8ActivationConfig):
-                converted.add(fqn)
-                config = c if config is None or name == "coat_config" else config
-    return {
-        "config": config,
+                configs[fqn, name] = c
+    converted = {fqn for fqn, _ in configs}
+    arguments = {
+        "config": next(iter(configs.values()), None),
         "module_filter_fn": lambda m, fqn: fqn in converted,
         **model._coat_vlm["options"],
         "fused_loss": isinstance(model, _CoatCausalLM),
     }
+    return arguments, configs, [p.requires_grad for p in model.parameters()]
 
 
 def _convert(
@@ -181,6 +195,9 @@ def _convert(
             state["converted"].append(name)
             # (transformers' GELU activations become FP8 GELUs that run them in eval mode)
             convert_to_fp8_activations(part, config=config, module_filter_fn=part_filter(part))
+            for m in part.modules():  # (revert_coat of a model inside this one finds them)
+                if isinstance(m.__dict__.get("config"), FP8ActivationConfig):
+                    m.__dict__[PART_MODULE] = True
     except BaseException:
         revert_coat_vlm(model)
         raise
