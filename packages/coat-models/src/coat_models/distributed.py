@@ -196,7 +196,9 @@ def shard_model(
     _install_grad_copy_in()
     if activation_checkpointing:
         enable_activation_checkpointing(model)
-    _disable_weight_cache(model)
+    from .llama import weight_cache_off
+
+    weight_cache_off(model)  # FSDP2 would leave FP8 weight caches stale
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
@@ -264,24 +266,6 @@ def _install_grad_copy_in() -> None:
     collectives.foreach_reduce_scatter_copy_in = functools.partial(
         _copy_in_per_gradient, torch_copy_in
     )
-
-
-def _disable_weight_cache(model: nn.Module) -> None:
-    """Turn off the FP8 weight cache of every COAT part of ``model`` (``llama.weight_cache_off``:
-    decoder layers, and a VLM's projector and tower).
-
-    The cache is keyed on the weight's version and storage. FSDP2 all-gathers each
-    step into the unsharded weight's storage without bumping its version (the same storage,
-    resized to nothing and back: when the allocator hands back the same address, as the
-    CUDA caching allocator usually does, nothing in the key changes), so the cache would
-    serve last step's FP8 weights: on CPU the losses then leave the
-    single-process run's within 2-4 steps. Unsharded FP8 copies of every layer would also
-    cost 2 bytes per parameter on every rank, undoing the sharding. Without the cache the
-    weight is cast where it is used (one extra read of it per GEMM).
-    """
-    from .llama import weight_cache_off
-
-    weight_cache_off(model)
 
 
 def wrap_ddp(

@@ -149,8 +149,14 @@ def weight_cache_off(model: nn.Module) -> None:
     """Turn off the FP8 weight cache (``FP8ActivationConfig.weight_cache``) of every COAT part
     of ``model``, the decoder layers' (``coat_config``) and fp8_activations modules' (a VLM's
     projector and tower: ``config``), and free the copies it holds. For a model that FSDP
-    shards: it all-gathers each step into the weights' storage without bumping their
-    versions, so a cache would serve the previous step's FP8 weights."""
+    shards (``distributed.shard_model``, ``layer_config``): the cache is keyed on the weight's
+    version and storage, and FSDP2 all-gathers each step into the unsharded weight's storage
+    without bumping its version (the same storage, resized to nothing and back; where the
+    allocator hands back the same address, as the CUDA caching allocator usually does,
+    nothing in the key changes), so the cache would serve last step's FP8 weights (on CPU
+    the losses leave the single-process run's within 2-4 steps). Unsharded FP8 copies of
+    every layer would also cost 2 bytes per parameter on every rank, undoing the sharding.
+    Without the cache a weight is cast where it is used (one more read of it per GEMM)."""
     for module in model.modules():
         for name in ("coat_config", "config"):
             config = module.__dict__.get(name)
