@@ -797,7 +797,7 @@ def test_checkpoints_are_atomic(tmp_path, capsys, monkeypatch):
 
 def _inputs(tmp_path) -> dict:
     """The files the bad-input cases name, by placeholder."""
-    from transformers import GPT2Config
+    from transformers import BertConfig, GPT2Config
 
     paths = {name: tmp_path / name for name in ("ids.npy", "empty.bin", "empty.txt", "a_file")}
     np.save(paths["ids.npy"], np.arange(5000, dtype=np.int32))
@@ -815,6 +815,10 @@ def _inputs(tmp_path) -> dict:
     config.save_pretrained(paths["bad_tokenizer"])
     (paths["bad_tokenizer"] / "tokenizer.json").write_text('{"not": "a tokenizer"}')
     GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=320).save_pretrained(paths["gpt2"])
+    # transformers makes a "causal LM" of a BERT config (BertLMHeadModel), bidirectional
+    paths["bert"] = tmp_path / "bert"
+    BertConfig(vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=64).save_pretrained(paths["bert"])  # fmt: skip
     paths["gpt2_short"] = tmp_path / "gpt2_short"
     GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320, n_positions=16).save_pretrained(
         paths["gpt2_short"]
@@ -934,6 +938,8 @@ BAD_INPUTS = [
     # torch's text after the header: "re-running torch.load with weights_only set to False"
     (["--model-dir", "{bad_bin}", *SMALL], "pytorch_model.bin is not a torch.save file: replace"),
     (["--model-dir", "{gpt2}", "--mode", "coat", *SMALL], "mode coat: apply_coat supports Llama"),
+    # it trained, learning to copy the next token its attention saw
+    (["--model-dir", "{bert}", "--seq-len", "64", *SMALL], "BertLMHeadModel is not a causal langu"),
     (["--out", "{a_file}"], "a_file is a file: pass a directory"),
     (["--out", "{a_file}/run"], "a_file is a file, not a directory: pass another --out"),
     (["--out", "/proc/coat-train-test/run"], "cannot create a directory in /proc"),

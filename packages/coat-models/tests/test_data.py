@@ -83,6 +83,21 @@ def test_bad_token_files(tmp_path, make, match):
         load_data(path)
 
 
+@pytest.mark.parametrize("top", [999, 128_255], ids=["below-2**16", "llama3-vocab"])
+def test_int32_ids_read_as_uint16_are_refused(tmp_path, top):
+    """A .bin of int32 ids read with the default --data-dtype (uint16) was each id followed by
+    its high half (0, or 1 for a 128k vocabulary): the model trained on every second token
+    being 0, without a word."""
+    ids = (np.arange(5000) * 7919 % (top + 1)).astype(np.int32)
+    ids[-1] = top
+    path = tmp_path / "ids.bin"
+    ids.tofile(path)
+    with pytest.raises(DataError, match="int32 token ids read as uint16: pass --data-dtype int32$"):
+        load_data(path)
+    d = load_data(path, bin_dtype="int32")
+    assert np.array_equal(np.concatenate([d.train, d.val]), ids) and d.vocab_size == top + 1
+
+
 @pytest.mark.parametrize(
     "name,save",
     [

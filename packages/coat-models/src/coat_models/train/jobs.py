@@ -21,11 +21,13 @@ from .presets import (
     ModelError,
     build_model,
     build_vlm,
+    check_causal,
     check_weight_shapes,
     first_line,
     model_dir_config,
     model_dir_tokenizer,
     preset_config,
+    quiet_transformers,
     vl_min_seq_len,
     vl_param_count,
 )
@@ -118,7 +120,7 @@ def count_params(config, modes, weights_dir=None) -> int:
     from transformers import AutoModelForCausalLM
 
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), quiet_transformers():
             model = AutoModelForCausalLM.from_config(config)
     except ValueError as e:  # e.g. a config transformers has no causal LM for
         raise ModelError(f"cannot build a causal LM from this config: {e}") from None
@@ -190,9 +192,12 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
 
     def build(cfg):
         master = MASTER_DTYPES[cfg.master_dtype]
-        return build_model(
+        model = build_model(
             config, device=device, master_dtype=master, seed=cfg.seed, weights_dir=weights_dir
         )
+        if args.model_dir:
+            check_causal(model, args.model_dir)
+        return model
 
     return Job(
         tasks=tasks,

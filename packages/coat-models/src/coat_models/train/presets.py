@@ -4,6 +4,7 @@ trained on the generated shapes-caption task of ``vl_data``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import sys
@@ -293,6 +294,21 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' log at error level only, within: its advice while a model is built or
+    loaded (e.g. BERT's "add is_decoder=True", before ``check_causal`` refuses the model)
+    spoke past coat-train's own one-line errors."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights_dir=None):
     """A causal LM from ``config`` on ``device``: random init seeded with ``seed`` (the same
     weights for every mode of a comparison), or the checkpoint in ``weights_dir``; parameters
@@ -301,18 +317,15 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
 
     torch.manual_seed(seed)
     if weights_dir is not None:
-        from transformers.utils import logging as hf_logging
-
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # (its load report: missing weights are refused below)
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(
-                weights_dir,
-                dtype=torch.float32,
-                attn_implementation="sdpa",
-                local_files_only=True,
-                output_loading_info=True,
-            )
+            with quiet_transformers():  # (its load report: missing weights are refused below)
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    weights_dir,
+                    dtype=torch.float32,
+                    attn_implementation="sdpa",
+                    local_files_only=True,
+                    output_loading_info=True,
+                )
         except (ValueError, OSError, pickle.UnpicklingError) as e:  # no causal LM, bad weights
             why = first_line(e)
             if "Weights only load failed" in why or isinstance(e, pickle.UnpicklingError):
@@ -328,13 +341,11 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
                     "train from random weights"
                 )
             raise ModelError(f"cannot load the model in {weights_dir}: {why}") from None
-        finally:
-            hf_logging.set_verbosity(verbosity)
         _check_loaded(weights_dir, model, info)
         model = model.to(device)
     else:
         try:
-            with torch.device(device):
+            with torch.device(device), quiet_transformers():
                 model = AutoModelForCausalLM.from_config(
                     config, dtype=torch.float32, attn_implementation="sdpa"
                 )
@@ -342,6 +353,31 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
             raise ModelError(f"cannot build a causal LM from this config: {e}") from None
     # Init in fp32 then cast, so fp32- and bf16-master runs start from the same weights.
     return _parameters_to(model, master_dtype).train()
+
+
+def check_causal(model, model_dir) -> None:
+    """Refuse a ``--model-dir`` model that is not causal: transformers builds a "causal LM" of
+    BERT-style configs too (``BertLMHeadModel`` without ``is_decoder``), whose attention sees
+    later tokens; trained on next tokens it learns to copy them, without a word. Two forwards
+    of four tokens that differ in the last one: a causal model's logits before it are equal."""
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    ids = torch.arange(1, 5, device=device).remainder(vocab).unsqueeze(0)
+    other = ids.clone()
+    other[0, -1] = (ids[0, -1] + 1) % vocab
+    training = model.training
+    model.eval()  # (no dropout: the two forwards must differ only by the token)
+    try:
+        with torch.no_grad():
+            a, b = (model(input_ids=x).logits[:, :-1].float() for x in (ids, other))
+    finally:
+        model.train(training)
+    if (a - b).abs().max() > 1e-4 * a.abs().max():
+        raise ModelError(
+            f"--model-dir {model_dir}: {type(model).__name__} is not a causal language model "
+            "(a token changes the logits before it: its attention is bidirectional, as "
+            "BERT's); coat-train trains decoder-only models (Llama, Mistral, Qwen2, ...)"
+        )
 
 
 def _parameters_to(model, dtype: torch.dtype):
