@@ -1375,6 +1375,24 @@ def test_out_holding_a_user_s_files_is_refused(tmp_path, capsys):
     assert _tree(out) == before
 
 
+@pytest.mark.parametrize("content", [b"", b"held by a build tool\n"], ids=["empty", "text"])
+def test_out_with_another_program_s_lock_file_is_refused(tmp_path, capsys, content):
+    """A directory holding a .lock that coat-train did not write (no PID in it) passed for a
+    coat-train output: its summary.json was overwritten, and the file truncated and flocked."""
+    out = _user_dir(tmp_path / "mine")
+    (out / ".lock").write_bytes(content)
+    before = _tree(out)
+    code, _, err = run(["--steps", 2, "--out", out, *FAST], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--out {out} holds a .lock that coat-train did not write (no PID in it)" in err
+    assert _tree(out) == before and (out / ".lock").read_bytes() == content
+    # nor is a folder under it taken for a mode's directory of a run there
+    (out / "bf16").mkdir(exist_ok=True)
+    args = ["--steps", 2, "--eval-every", 2, "--no-export", "--out", out / "bf16" / "x"]
+    code, _, err = run([*args, *FAST], capsys)
+    assert code == 0, err
+
+
 def test_out_inside_another_runs_mode_directory_is_refused(tmp_path, capsys):
     """--out RUN/bf16/final (the other run's export) or RUN/bf16 (its results, while it ran)
     was accepted and wrote a run into them; a folder beside the modes stays usable."""

@@ -93,13 +93,28 @@ def check_out(out: Path, modes: list[str]) -> None:
     os.rmdir(probe)
 
 
+def _lock_of(d: Path) -> bool | None:
+    """Whether ``d`` holds coat-train's lock file (True: its content is a PID), another
+    program's file of that name (False: anything else, or nothing, in it), or none (None)."""
+    try:
+        with open(d / LOCK_FILE, "rb") as f:
+            content = f.read(32)
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        return False
+    except OSError:  # unreadable: taken for coat-train's, and output_lock says what is wrong
+        return True
+    return re.fullmatch(rb"\d+\n", content) is not None
+
+
 def _check_not_inside_a_run(out: Path) -> None:
     """Refuse an ``--out`` inside a mode's directory of another run's ``--out`` (one with
     coat-train's lock file): that run deletes or rewrites it (its ``final`` export, its
     checkpoints), and this one would write into that run's results."""
     path = Path(os.path.abspath(out))
     for above in path.parents:
-        if (above / LOCK_FILE).is_file():
+        if _lock_of(above):
             mode = path.relative_to(above).parts[0]
             if mode in MODES:
                 raise UsageError(
@@ -133,7 +148,13 @@ def _ours(name: str) -> bool:
 def _check_foreign(out: Path, modes: list[str]) -> None:
     """A fresh run overwrites ``OUT_FILES`` and deletes each mode's directory: refuse where
     that would destroy files coat-train did not write."""
-    if not (out / LOCK_FILE).is_file():
+    lock = _lock_of(out)
+    if lock is False:  # coat-train would take it over: truncate it and flock it
+        raise UsageError(
+            f"--out {out} holds a {LOCK_FILE} that coat-train did not write (no PID in it), "
+            "another program's, which it would overwrite: pass a new or empty directory"
+        )
+    if lock is None:
         clash = [n for n in (*OUT_FILES, *modes) if (out / n).exists()]
         if clash:
             raise UsageError(
