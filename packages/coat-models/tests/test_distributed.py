@@ -886,6 +886,47 @@ def test_a_sharded_vision_language_model_trains_without_any_weight_cache(how, tm
         dist.destroy_process_group()
 
 
+def test_apply_coat_and_revert_coat_refuse_a_llava_model_fsdp_shards(tmp_path):
+    """apply_coat after fully_shard (or again after shard_model) gave the projector and
+    tower FP8 modules that FSDP does not manage, and revert_coat plain ones: the first
+    forward failed with "mixed torch.Tensor and DTensor" (helper-131's probe). Refused, the
+    model as it was; converted before sharding it trains."""
+    import torch.distributed as dist
+    from coat_models import apply_coat, is_coat, revert_coat
+    from coat_models.distributed import shard_model
+    from coat_models.train.vl_data import ShapesCaptions
+    from coat_models.vila import apply_coat_vlm, llava_tiny_config, num_image_tokens
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlavaForConditionalGeneration
+
+    config = llava_tiny_config()
+    batch = ShapesCaptions(32, num_image_tokens(config), config.image_token_id, seed=1).batch(0, 2)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        plain = LlavaForConditionalGeneration(config).train()
+        for layer in plain.model.language_model.layers:
+            fully_shard(layer)
+        fully_shard(plain)
+        modules = list(plain.modules())
+        what = "FSDPLlavaForConditionalGeneration is sharded by FSDP, and its multi modal"
+        with pytest.raises(ValueError, match=f"apply_coat: {what} projector would get modules"):
+            apply_coat(plain)
+        assert list(plain.modules()) == modules and not is_coat(plain)
+        model = apply_coat_vlm(LlavaForConditionalGeneration(config).train(), vision=True)
+        shard_model(model, mp_policy="fp32")
+        modules = list(model.modules())
+        match = "multi modal projector and vision tower would get modules that FSDP does not"
+        for call in (apply_coat, revert_coat):
+            with pytest.raises(ValueError, match=f"{call.__name__}: .* {match}"):
+                call(model)
+            assert list(model.modules()) == modules and is_coat(model)
+        model(**batch).loss.backward()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("scheduler_at", ["save", "load"])
 def test_an_lr_scheduler_on_one_side_of_a_checkpoint_is_no_mismatch(scheduler_at, tmp_path):
     """A scheduler adds initial_lr to the param groups: a checkpoint saved with one loaded

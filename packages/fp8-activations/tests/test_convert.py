@@ -283,3 +283,37 @@ def test_revert_of_a_module_pruned_since_conversion_keeps_the_pruning():
     assert torch.equal(lin(x), want)
     prune.remove(lin, "weight")  # torch's own clean-up works on it
     assert torch.equal(lin(x), want) and isinstance(lin.weight, nn.Parameter)
+
+
+def test_a_model_fsdp_shards_is_refused_before_anything_changes(tmp_path):
+    """Converted (or reverted) after ``fully_shard``, the new modules were not FSDP's: their
+    parameters stayed sharded DTensors and the first forward failed ("mixed torch.Tensor and
+    DTensor"). Refused before any module is replaced; a model converted before sharding
+    trains, and takes a new config in place."""
+    import torch.distributed as dist
+    from fp8_activations import FP8ActivationConfig, revert_fp8_activations
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        plain = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 16))
+        fully_shard(plain)
+        before = list(plain)
+        for keep in (None, lambda m, fqn: fqn != "0"):  # (module 3 would be replaced)
+            with pytest.raises(ValueError, match="convert_to_fp8_activations: 0 is sharded by FS"):
+                convert_to_fp8_activations(plain, module_filter_fn=keep)
+            assert list(plain) == before
+        model = convert_to_fp8_activations(nn.Sequential(nn.Linear(32, 32), nn.GELU()))
+        fully_shard(model)
+        convert_to_fp8_activations(model, config=FP8ActivationConfig(group_size=32))
+        assert model[0].config.group_size == 32
+        model(torch.randn(4, 32)).sum().backward()  # the FP8 modules are FSDP's
+        converted = list(model)
+        with pytest.raises(ValueError, match="revert_fp8_activations: 0 is sharded by FSDP .* "
+                           "call it before fully_shard$"):  # fmt: skip
+            revert_fp8_activations(model)
+        assert list(model) == converted
+    finally:
+        dist.destroy_process_group()

@@ -37,6 +37,7 @@ from .llama import (
     UnsupportedModel,
     _adapter_problem,
     _CoatCausalLM,
+    _sharded,
     check_flags,
     check_options,
     convert_llama,
@@ -119,6 +120,7 @@ def apply_coat_vlm(
     if problem is not None:
         raise TypeError(f"apply_coat_vlm cannot convert {type(model).__name__}: {problem}")
     previous = _applied(model) if is_coat_vlm(model) else None
+    _check_unsharded(model, parts, "apply_coat", vision or bool(previous and previous[0]["vision"]))
     if previous is not None:
         revert_coat_vlm(model)
     try:
@@ -138,6 +140,21 @@ def apply_coat_vlm(
             for p, flag in zip(model.parameters(), trainable, strict=True):
                 p.requires_grad_(flag)
         raise
+
+
+def _check_unsharded(model: nn.Module, parts, what: str, vision: bool) -> None:
+    """Refuse to convert or revert the projector (and with ``vision`` the tower) of a model
+    that FSDP shards: their modules are replaced, and the new ones are not FSDP's (the first
+    forward failed: "mixed torch.Tensor and DTensor"). The decoder layers change class in
+    place, which FSDP follows."""
+    sharded = [n for n in ("multi_modal_projector", "vision_tower")[: 1 + vision]
+               if _sharded(getattr(parts, n))]  # fmt: skip
+    if sharded:
+        raise ValueError(
+            f"{what}: {type(model).__name__} is sharded by FSDP, and its "
+            f"{' and '.join(n.replace('_', ' ') for n in sharded)} would get modules that FSDP "
+            f"does not manage: call {what} before fully_shard (or shard_model)"
+        )
 
 
 def _applied(model: nn.Module) -> tuple[dict, dict, list[bool]]:
@@ -220,9 +237,11 @@ def _convert(
 def revert_coat_vlm(model: nn.Module) -> nn.Module:
     """Undo ``apply_coat_vlm`` in place (modules, and the tower's ``requires_grad``)."""
     parts = _llava_parts(model)
-    state = model.__dict__.pop("_coat_vlm", None)
+    state = model.__dict__.get("_coat_vlm")
     if state is None:
         return model
+    _check_unsharded(model, parts, "revert_coat", "vision_tower" in state["converted"])
+    del model.__dict__["_coat_vlm"]
     set_fused_loss(model, False)
     follow_grad_mode(model, False)
     for name in state["converted"]:

@@ -225,6 +225,29 @@ def _check_module(model) -> None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
+def _check_unsharded(model: nn.Module, swapped: Callable[[nn.Module], bool], what: str) -> None:
+    """Refuse a model whose modules that ``what`` would replace (``swapped``) hold FSDP2's
+    sharded parameters (DTensors): the new module is not the one ``fully_shard`` manages, so
+    its parameters stay sharded in forward (a "mixed torch.Tensor and DTensor" error there).
+    Checked on every such module before any is replaced, ``module_filter_fn`` aside."""
+    for fqn, m in model.named_modules():
+        if swapped(m) and any(
+            type(p).__name__ == "DTensor" for p in m.parameters(recurse=False)
+        ):  # fmt: skip
+            raise ValueError(
+                f"{what}: {fqn or type(model).__name__} is sharded by FSDP (its parameters are "
+                "DTensors), and the module that replaced it would not be: call it before "
+                "fully_shard"
+            )
+
+
+def _convertible(m: nn.Module) -> bool:
+    """The module kinds with parameters that ``convert_to_fp8_activations`` may replace."""
+    return not isinstance(m, _FP8Module) and (
+        isinstance(m, (nn.Linear, nn.LayerNorm, nn.RMSNorm)) or type(m).__name__.endswith("RMSNorm")
+    )
+
+
 def _check_filter(module_filter_fn) -> None:
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise TypeError(
@@ -254,6 +277,7 @@ def convert_to_fp8_activations(
     _check_module(model)
     config = _config(config)
     _check_filter(module_filter_fn)
+    _check_unsharded(model, _convertible, "convert_to_fp8_activations")
 
     def fn(m, fqn):
         if module_filter_fn and not module_filter_fn(m, fqn):
@@ -276,6 +300,7 @@ def revert_fp8_activations(
     (called for each FP8 module)."""
     _check_module(model)
     _check_filter(module_filter_fn)
+    _check_unsharded(model, lambda m: isinstance(m, _FP8Module), "revert_fp8_activations")
 
     def fn(m, fqn):
         if not isinstance(m, _FP8Module) or (module_filter_fn and not module_filter_fn(m, fqn)):
