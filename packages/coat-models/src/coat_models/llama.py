@@ -145,6 +145,7 @@ def layer_config(layer: nn.Module) -> FP8ActivationConfig:
     return config
 
 
+@torch.compiler.disable  # (run eagerly under torch.compile(model): Dynamo cannot trace __dict__)
 def weight_cache_off(model: nn.Module) -> None:
     """Turn off the FP8 weight cache (``FP8ActivationConfig.weight_cache``) of every COAT part
     of ``model``, the decoder layers' (``coat_config``) and fp8_activations modules' (a VLM's
