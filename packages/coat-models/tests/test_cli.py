@@ -1271,6 +1271,22 @@ def test_model_dir_and_text_data(tmp_path, capsys, weights):
     check_run_dir(tmp_path / "out", "bf16", steps=2, eval_every=2)
 
 
+def test_a_hybrid_model_dir_trains(tmp_path, capsys):
+    """LFM2 (conv layers beside attention) stopped at the first step with an IndexError
+    traceback: its cache had no conv layers (test_train's hybrid test has the why)."""
+    from transformers import Lfm2Config
+
+    config = Lfm2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                        layer_types=["conv", "full_attention"])  # fmt: skip
+    config.save_pretrained(tmp_path / "lfm2")
+    flags = "--steps 2 --eval-every 2 --batch-size 2 --seq-len 32 --eval-batches 1 --no-progress"
+    argv = ["--model-dir", tmp_path / "lfm2", *flags.split(), "--corpus-mib", "1"]
+    code, _, err = run([*argv, "--out", tmp_path / "out"], capsys)
+    assert code == 0, err
+    check_run_dir(tmp_path / "out", "bf16", steps=2, eval_every=2)
+
+
 def test_model_dir_of_sharded_bin_weights_trains_from_them(tmp_path, capsys):
     """A directory whose weights are pytorch_model.bin shards and their index (no single
     file) trained from random weights without a word: the index was not looked for. A

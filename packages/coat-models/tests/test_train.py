@@ -1184,6 +1184,41 @@ def test_training_forward_passes_a_cache_that_keeps_nothing(tmp_path):
     assert name in inspect.signature(type(tr.model).forward).parameters
 
 
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_next"])
+def test_a_hybrid_model_s_cache_keeps_its_other_states(kind):
+    """Hybrid models (conv or linear-attention layers beside attention: LFM2, Jamba,
+    Qwen3-Next, GraniteMoeHybrid) read those layers' states from the cache: an empty
+    NoKVCache has no such layers, and coat-train --model-dir stopped at step 1 with an
+    IndexError traceback in every mode (helper-133's probe). Their NoKVCache is built from
+    the config: the loss of use_cache=False, bit for bit; a Llama's stays empty."""
+    from coat_models.testing import tiny_llama_config
+    from coat_models.train.trainer import NoKVCache, no_kv_cache
+    from transformers import AutoModelForCausalLM, Lfm2Config, Qwen3NextConfig
+
+    assert no_kv_cache(tiny_llama_config()) is NoKVCache
+    small = {"vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128}  # fmt: skip
+    if kind == "lfm2":
+        config = Lfm2Config(**small, layer_types=["conv", "full_attention"])
+    else:
+        config = Qwen3NextConfig(**small, layer_types=["linear_attention", "full_attention"],
+                                 head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+                                 num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=32)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).train()
+    ids = torch.randint(0, 300, (2, 16))
+    make = no_kv_cache(config)
+    with pytest.raises(IndexError):  # (the empty one, as before)
+        model(input_ids=ids, labels=ids, past_key_values=NoKVCache())
+    out = model(input_ids=ids, labels=ids, past_key_values=make())
+    out.loss.backward()
+    assert torch.equal(out.loss, model(input_ids=ids, labels=ids, use_cache=False).loss)
+    attention = out.past_key_values.layers[1]  # keys and values: none kept
+    assert getattr(attention, "keys", None) is None or attention.keys.numel() == 0
+
+
 def test_fit_freezes_the_heap_while_training(tmp_path, monkeypatch):
     """fit() freezes the objects alive before it (no full collection walks them during the
     steps) and unfreezes them after, so that later collections can free them."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import glob
 import inspect
@@ -42,6 +43,7 @@ from fp8_activations import FP8ActivationConfig
 from fp8_optim import CoatAdamW
 from safetensors import SafetensorError
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .. import checkpoint, distributed
 from ..compiling import compile_layers
@@ -333,6 +335,17 @@ class NoKVCache(DynamicCache):
         return key_states, value_states
 
 
+def no_kv_cache(config) -> Callable[[], NoKVCache]:
+    """What makes each training forward's ``NoKVCache``: an empty one where every layer is
+    attention; built from ``config`` where layers keep other states (conv or recurrent
+    states of hybrid models: LFM2, Jamba, Qwen3-Next, ...), which read them from their
+    cache layers (an empty cache has none: an IndexError at the first step). Those states
+    are kept for the forward; keys and values still are not."""
+    layers = DynamicCache(config=config).layers
+    plain = all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
+    return NoKVCache if plain else functools.partial(NoKVCache, config=config)
+
+
 @contextlib.contextmanager
 def frozen_heap():
     """Within it, Python's collector skips the objects alive before it (torch, transformers,
@@ -506,7 +519,7 @@ class Trainer:
         model = getattr(model, "_orig_mod", model)  # and torch.compile
         params = inspect.signature(model.forward).parameters
         names = [n for n in ("cache", "past_key_values") if n in params]
-        self._cache_kwargs = {names[0]: NoKVCache} if names else {}
+        self._cache_kwargs = {names[0]: no_kv_cache(model.config)} if names else {}
         self.meter = PeakMeter(device)
         self.step = 0  # optimizer steps done
         self._queued: list[tuple] = []  # (step, loss, grad norm, lr) not yet read, on the device
