@@ -797,7 +797,7 @@ def test_checkpoints_are_atomic(tmp_path, capsys, monkeypatch):
 
 def _inputs(tmp_path) -> dict:
     """The files the bad-input cases name, by placeholder."""
-    from transformers import BertConfig, GPT2Config
+    from transformers import BertConfig, GPT2Config, T5Config
 
     paths = {name: tmp_path / name for name in ("ids.npy", "empty.bin", "empty.txt", "a_file")}
     np.save(paths["ids.npy"], np.arange(5000, dtype=np.int32))
@@ -815,6 +815,18 @@ def _inputs(tmp_path) -> dict:
     config.save_pretrained(paths["bad_tokenizer"])
     (paths["bad_tokenizer"] / "tokenizer.json").write_text('{"not": "a tokenizer"}')
     GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=320).save_pretrained(paths["gpt2"])
+    # config.json values that crashed with tracebacks or gave advice coat-train cannot take
+    paths["pad"] = tmp_path / "pad"
+    pad = preset_config("tiny", data_vocab=257)
+    pad.pad_token_id = 400
+    pad.save_pretrained(paths["pad"])
+    paths["t5"] = tmp_path / "t5"
+    T5Config(vocab_size=320, d_model=32, num_layers=1, num_heads=2).save_pretrained(paths["t5"])
+    paths["remote"] = tmp_path / "remote"
+    paths["remote"].mkdir()
+    remote = {**preset_config("tiny", data_vocab=257).to_dict(), "model_type": "mine",
+              "auto_map": {"AutoConfig": "configuration_mine.MineConfig"}}  # fmt: skip
+    (paths["remote"] / "config.json").write_text(json.dumps(remote))
     # transformers makes a "causal LM" of a BERT config (BertLMHeadModel), bidirectional
     paths["bert"] = tmp_path / "bert"
     BertConfig(vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -938,6 +950,10 @@ BAD_INPUTS = [
     # torch's text after the header: "re-running torch.load with weights_only set to False"
     (["--model-dir", "{bad_bin}", *SMALL], "pytorch_model.bin is not a torch.save file: replace"),
     (["--model-dir", "{gpt2}", "--mode", "coat", *SMALL], "mode coat: apply_coat supports Llama"),
+    (["--model-dir", "{pad}", *SMALL], "pad_token_id 400 is not a token of its vocabulary (vo"),
+    # (transformers' list of every causal LM config class, one line of ~4 KB, came after)
+    (["--model-dir", "{t5}", *SMALL], "AutoModelForCausalLM.; coat-train trains decoder-only"),
+    (["--model-dir", "{remote}", *SMALL], "names code of its own (auto_map), which coat-train doe"),
     # it trained, learning to copy the next token its attention saw
     (["--model-dir", "{bert}", "--seq-len", "64", *SMALL], "BertLMHeadModel is not a causal langu"),
     (["--out", "{a_file}"], "a_file is a file: pass a directory"),
@@ -1285,6 +1301,24 @@ def test_a_hybrid_model_dir_trains(tmp_path, capsys):
     code, _, err = run([*argv, "--out", tmp_path / "out"], capsys)
     assert code == 0, err
     check_run_dir(tmp_path / "out", "bf16", steps=2, eval_every=2)
+
+
+def test_a_model_dir_without_sdpa_attention_trains_with_eager(tmp_path, capsys):
+    """Gemma2 (as Bloom, GPT-Neo, MPT) has no SDPA path in transformers: coat-train asked for
+    it, and relayed transformers' advice to pass attn_implementation="eager", which it has no
+    option for. Such a model trains with its eager attention."""
+    from transformers import Gemma2Config
+
+    Gemma2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128,
+                 head_dim=16).save_pretrained(tmp_path / "gemma2")  # fmt: skip
+    flags = "--steps 2 --eval-every 2 --batch-size 2 --seq-len 32 --eval-batches 1 --no-progress"
+    argv = ["--model-dir", tmp_path / "gemma2", *flags.split(), "--corpus-mib", "1"]
+    code, _, err = run([*argv, "--out", tmp_path / "out"], capsys)
+    assert code == 0, err
+    check_run_dir(tmp_path / "out", "bf16", steps=2, eval_every=2)
+    config = json.loads((tmp_path / "out" / "bf16" / "final" / "config.json").read_text())
+    assert config["model_type"] == "gemma2"
 
 
 def test_model_dir_of_sharded_bin_weights_trains_from_them(tmp_path, capsys):

@@ -122,8 +122,11 @@ def count_params(config, modes, weights_dir=None) -> int:
     try:
         with torch.device("meta"), quiet_transformers():
             model = AutoModelForCausalLM.from_config(config)
-    except ValueError as e:  # e.g. a config transformers has no causal LM for
-        raise ModelError(f"cannot build a causal LM from this config: {e}") from None
+    except ValueError as e:  # e.g. a config transformers has no causal LM for (T5, BART)
+        raise ModelError(
+            f"cannot build a causal LM from this config: {first_line(e)}; coat-train trains "
+            "decoder-only models (Llama, Mistral, Qwen2, ...)"
+        ) from None
     except RuntimeError as e:  # sizes torch refuses (a negative hidden_size); meta: no OOM
         raise ModelError(
             f"cannot build a causal LM from this config ({first_line(e)}): check its sizes"
@@ -156,7 +159,8 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
         # Learned positions (GPT-2) fail with an IndexError past the table; RoPE runs on, at
         # positions the model was not made for. Presets size theirs to the run.
         positions = getattr(config, "max_position_embeddings", None)
-        if isinstance(positions, int) and seq_len > positions:
+        # (XLNet's -1: no table of positions)
+        if isinstance(positions, int) and 0 < positions < seq_len:
             default = " (the default)" if args.seq_len is None else ""
             raise UsageError(
                 f"--seq-len {seq_len}{default} is longer than --model-dir {args.model_dir}'s "

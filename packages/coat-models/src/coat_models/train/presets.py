@@ -97,11 +97,18 @@ def model_dir_config(path: str):
     if not (d / "config.json").is_file():
         raise ModelError(f"--model-dir {path}: {_not_a_model_dir(d)}")
     try:
-        config = AutoConfig.from_pretrained(d, local_files_only=True)
+        with quiet_transformers():  # (its advice on values: refused below, in one line)
+            config = AutoConfig.from_pretrained(d, local_files_only=True)
     except Exception as e:
         # ValueError / OSError for bad JSON or an unknown model type, and huggingface_hub's
         # StrictDataclassError (an Exception, not a ValueError) for values the config's
         # validation refuses (hidden size not a multiple of the heads, a str for an int)
+        if "trust_remote_code" in str(e):  # (its advice is an argument coat-train has not)
+            raise ModelError(
+                f"--model-dir {path}: its config.json names code of its own (auto_map), which "
+                "coat-train does not run: pass a model directory of an architecture "
+                "transformers implements"
+            ) from None
         raise ModelError(f"--model-dir {path}: cannot read config.json ({one_line(e)})") from None
     if not isinstance(getattr(config, "vocab_size", None), int):
         # e.g. a LlavaConfig: its vocabulary is the text config's; not a causal LM config
@@ -112,6 +119,13 @@ def model_dir_config(path: str):
         )
     if config.vocab_size < 1:
         raise ModelError(f"--model-dir {path}: config.json has vocab_size {config.vocab_size}")
+    pad = getattr(config, "pad_token_id", None)
+    if isinstance(pad, int) and not 0 <= pad < config.vocab_size:  # (torch asserts, later)
+        raise ModelError(
+            f"--model-dir {path}: config.json's pad_token_id {pad} is not a token of its "
+            f"vocabulary (vocab_size {config.vocab_size}): set it below {config.vocab_size}, "
+            "or to null"
+        )
     has_weights = any((d / f).is_file() for f in _WEIGHT_FILES)
     if has_weights:
         _check_safetensors(d)
@@ -309,6 +323,16 @@ def quiet_transformers():
         hf_logging.set_verbosity(verbosity)
 
 
+def attention_implementation(config) -> str:
+    """``"sdpa"`` (torch's fused attention), or ``"eager"`` for an architecture whose
+    transformers class has no SDPA path (Gemma2, Bloom, GPT-Neo, ...: transformers refuses
+    ``attn_implementation="sdpa"`` for them)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "eager" if cls is not None and not getattr(cls, "_supports_sdpa", True) else "sdpa"
+
+
 def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights_dir=None):
     """A causal LM from ``config`` on ``device``: random init seeded with ``seed`` (the same
     weights for every mode of a comparison), or the checkpoint in ``weights_dir``; parameters
@@ -322,7 +346,7 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
                 model, info = AutoModelForCausalLM.from_pretrained(
                     weights_dir,
                     dtype=torch.float32,
-                    attn_implementation="sdpa",
+                    attn_implementation=attention_implementation(config),
                     local_files_only=True,
                     output_loading_info=True,
                 )
@@ -347,10 +371,14 @@ def build_model(config, *, device, master_dtype: torch.dtype, seed: int, weights
         try:
             with torch.device(device), quiet_transformers():
                 model = AutoModelForCausalLM.from_config(
-                    config, dtype=torch.float32, attn_implementation="sdpa"
+                    config,
+                    dtype=torch.float32,
+                    attn_implementation=attention_implementation(config),
                 )
         except ValueError as e:  # e.g. a config transformers has no causal LM for
-            raise ModelError(f"cannot build a causal LM from this config: {e}") from None
+            raise ModelError(
+                f"cannot build a causal LM from this config: {first_line(e)}"
+            ) from None
     # Init in fp32 then cast, so fp32- and bf16-master runs start from the same weights.
     return _parameters_to(model, master_dtype).train()
 
