@@ -1287,6 +1287,22 @@ def test_model_dir_and_text_data(tmp_path, capsys, weights):
     check_run_dir(tmp_path / "out", "bf16", steps=2, eval_every=2)
 
 
+def test_a_negative_pad_token_id_counts_from_the_end(tmp_path):
+    """torch takes padding_idx -1 (the last row), as old Llama conversions' configs give it;
+    only ids outside [-vocab, vocab) are refused."""
+    from coat_models.train.presets import ModelError, model_dir_config
+
+    config = preset_config("tiny", data_vocab=257)
+    for pad, ok in ((-1, True), (-320, True), (-321, False), (319, True), (320, False)):
+        config.pad_token_id = pad
+        config.save_pretrained(tmp_path / str(pad))
+        if ok:
+            assert model_dir_config(str(tmp_path / str(pad)))[0].pad_token_id == pad
+        else:
+            with pytest.raises(ModelError, match=f"pad_token_id {pad} is not a token of its"):
+                model_dir_config(str(tmp_path / str(pad)))
+
+
 def test_a_hybrid_model_dir_trains(tmp_path, capsys):
     """LFM2 (conv layers beside attention) stopped at the first step with an IndexError
     traceback: its cache had no conv layers (test_train's hybrid test has the why)."""

@@ -929,6 +929,18 @@ def test_apply_coat_and_revert_coat_refuse_a_llava_model_fsdp_shards(tmp_path):
                 call(model)
             assert list(model.modules()) == modules and is_coat(model)
         model(**batch).loss.backward()
+        # a Llama's layers change class in place: revert_coat of a sharded one works, and
+        # leaves the FP8 module the user made (its lm_head) as it is (helper-134's review)
+        from fp8_activations import convert_to_fp8_activations
+
+        llama = tiny_llama(coat=False)
+        convert_to_fp8_activations(llama, module_filter_fn=lambda m, fqn: fqn == "lm_head")
+        apply_coat(llama)
+        for layer in llama.model.layers:
+            fully_shard(layer)
+        fully_shard(llama)
+        revert_coat(llama)
+        assert not is_coat(llama) and type(llama.lm_head).__name__ == "FP8Linear"
     finally:
         dist.destroy_process_group()
 

@@ -62,7 +62,7 @@ def test_run_without_matplotlib_writes_metrics_and_says_how_to_get_the_png(
     tmp_path, capsys, no_matplotlib
 ):
     (tmp_path / "loss.png").write_bytes(b"an earlier run's picture")
-    (tmp_path / outdir.LOCK_FILE).write_text("")  # an earlier run's --out (else refused)
+    (tmp_path / outdir.LOCK_FILE).write_text("4242\n")  # an earlier run's --out (else refused)
     argv = "--preset tiny --steps 2 --eval-every 2 --batch-size 2 --seq-len 32 --eval-batches 1"
     code = cli.main([*argv.split(), "--corpus-mib", "1", "--no-progress", "--out", str(tmp_path)])
     out, err = capsys.readouterr()

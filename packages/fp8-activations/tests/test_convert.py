@@ -301,10 +301,13 @@ def test_a_model_fsdp_shards_is_refused_before_anything_changes(tmp_path):
         plain = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 16))
         fully_shard(plain)
         before = list(plain)
-        for keep in (None, lambda m, fqn: fqn != "0"):  # (module 3 would be replaced)
-            with pytest.raises(ValueError, match="convert_to_fp8_activations: 0 is sharded by FS"):
+        for keep, name in ((None, "0"), (lambda m, fqn: fqn != "0", "2")):
+            with pytest.raises(ValueError, match=f"_activations: {name} is sharded by FSDP"):
                 convert_to_fp8_activations(plain, module_filter_fn=keep)
             assert list(plain) == before
+        # what the filter leaves alone is not asked about: the GELU (no parameters) converts
+        convert_to_fp8_activations(plain, module_filter_fn=lambda m, fqn: fqn == "1")
+        assert type(plain[1]).__name__ == "FP8GELU" and plain[0] is before[0]
         model = convert_to_fp8_activations(nn.Sequential(nn.Linear(32, 32), nn.GELU()))
         fully_shard(model)
         convert_to_fp8_activations(model, config=FP8ActivationConfig(group_size=32))
@@ -315,5 +318,7 @@ def test_a_model_fsdp_shards_is_refused_before_anything_changes(tmp_path):
                            "call it before fully_shard$"):  # fmt: skip
             revert_fp8_activations(model)
         assert list(model) == converted
+        revert_fp8_activations(model, module_filter_fn=lambda m, fqn: fqn == "1")
+        assert type(model[1]) is nn.GELU and model[0] is converted[0]
     finally:
         dist.destroy_process_group()

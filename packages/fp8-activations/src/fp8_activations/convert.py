@@ -225,15 +225,20 @@ def _check_module(model) -> None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
-def _check_unsharded(model: nn.Module, swapped: Callable[[nn.Module], bool], what: str) -> None:
-    """Refuse a model whose modules that ``what`` would replace (``swapped``) hold FSDP2's
-    sharded parameters (DTensors): the new module is not the one ``fully_shard`` manages, so
-    its parameters stay sharded in forward (a "mixed torch.Tensor and DTensor" error there).
-    Checked on every such module before any is replaced, ``module_filter_fn`` aside."""
+def _check_unsharded(
+    model: nn.Module, swapped: Callable[[nn.Module], bool], what: str, module_filter_fn
+) -> None:
+    """Refuse a model whose modules that ``what`` would replace (``swapped`` and kept by
+    ``module_filter_fn``) hold FSDP2's sharded parameters (DTensors): the new module is not
+    the one ``fully_shard`` manages, so its parameters stay sharded in forward (a "mixed
+    torch.Tensor and DTensor" error there). Checked before any module is replaced (the
+    filter is asked here only about such modules)."""
     for fqn, m in model.named_modules():
-        if swapped(m) and any(
-            type(p).__name__ == "DTensor" for p in m.parameters(recurse=False)
-        ):  # fmt: skip
+        if (
+            swapped(m)
+            and any(type(p).__name__ == "DTensor" for p in m.parameters(recurse=False))
+            and (module_filter_fn is None or module_filter_fn(m, fqn))
+        ):
             raise ValueError(
                 f"{what}: {fqn or type(model).__name__} is sharded by FSDP (its parameters are "
                 "DTensors), and the module that replaced it would not be: call it before "
@@ -277,7 +282,7 @@ def convert_to_fp8_activations(
     _check_module(model)
     config = _config(config)
     _check_filter(module_filter_fn)
-    _check_unsharded(model, _convertible, "convert_to_fp8_activations")
+    _check_unsharded(model, _convertible, "convert_to_fp8_activations", module_filter_fn)
 
     def fn(m, fqn):
         if module_filter_fn and not module_filter_fn(m, fqn):
@@ -300,7 +305,9 @@ def revert_fp8_activations(
     (called for each FP8 module)."""
     _check_module(model)
     _check_filter(module_filter_fn)
-    _check_unsharded(model, lambda m: isinstance(m, _FP8Module), "revert_fp8_activations")
+    _check_unsharded(
+        model, lambda m: isinstance(m, _FP8Module), "revert_fp8_activations", module_filter_fn
+    )
 
     def fn(m, fqn):
         if not isinstance(m, _FP8Module) or (module_filter_fn and not module_filter_fn(m, fqn)):

@@ -296,6 +296,7 @@ def _check_data_options(args) -> None:
         "val_fraction": (args.data is not None, "a --data file"),
         "corpus_mib": (args.data is None, "the built-in corpus (no --data)"),
     }
+    args.data_dtype_given = args.data_dtype is not None
     for name, (ok, what) in applies.items():
         if getattr(args, name) is None:
             setattr(args, name, DATA_DEFAULTS[name])

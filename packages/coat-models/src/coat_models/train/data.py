@@ -178,9 +178,12 @@ def token_file_suffix(path: str | os.PathLike) -> str | None:
     return suffix if suffix in (".npy", ".bin") else None
 
 
-def load_token_file(path: str | os.PathLike, bin_dtype: str = "uint16") -> np.ndarray:
+def load_token_file(
+    path: str | os.PathLike, bin_dtype: str = "uint16", dtype_given: bool = False
+) -> np.ndarray:
     """Pre-tokenized ids from ``.npy`` (memory-mapped, any integer dtype, flattened) or raw
-    ``.bin`` (``bin_dtype``: uint16 or int32)."""
+    ``.bin`` (``bin_dtype``: uint16 or int32; ``dtype_given``: named by the user, so that
+    uint16 ids that look like int32 ones are read as such)."""
     path, suffix = Path(path), token_file_suffix(path)
     if suffix == ".npy":
         try:
@@ -199,13 +202,16 @@ def load_token_file(path: str | os.PathLike, bin_dtype: str = "uint16") -> np.nd
                 f"{dtype.itemsize} ({bin_dtype}): pass the right --data-dtype"
             )
         ids = np.memmap(path, dtype=dtype, mode="r")
-        # int32 ids read as uint16 (the default) are each id followed by its high half, 0 below
-        # 65,536 (and at most 3 for any tokenizer's vocabulary): trained on, the model learns
-        # that every second token is 0. Real uint16 ids are never so.
-        if dtype.itemsize == 2 and ids.size >= 64 and ids[1::2].max() < 4 <= ids[0::2].max():
+        # int32 ids read as uint16 (the default) are each id followed by its high half: 0 below
+        # 65,536, at most 7 for a vocabulary of 524,288 (Gemma 3's has 262,208). Trained on,
+        # the model learns that every second token is 0. uint16 ids are seldom so (one-token
+        # documents, each followed by an end-of-text id below 8): named, they are read.
+        odd = ids[1::2].max() if ids.size >= 64 and not dtype_given else None
+        if dtype.itemsize == 2 and odd is not None and odd < 8 <= ids[0::2].max():
             raise DataError(
-                f"{path}: every second 16-bit value is below 4, as in int32 token ids read as "
-                f"{bin_dtype}: pass --data-dtype int32"
+                f"{path}: every second 16-bit value is below 8, as in int32 token ids read as "
+                f"{bin_dtype}: pass --data-dtype int32 (or --data-dtype {bin_dtype} if they "
+                "are)"
             )
     if ids.dtype.kind not in "iu":
         raise DataError(f"{path}: token ids must be integers, found dtype {ids.dtype}")
@@ -226,6 +232,7 @@ def load_data(
     path: str | os.PathLike | None = None,
     *,
     bin_dtype: str = "uint16",
+    dtype_given: bool = False,
     val_fraction: float = 0.05,
     max_bytes: int = STDLIB_MAX_BYTES,
     tokenizer=None,
@@ -243,7 +250,7 @@ def load_data(
     if not 0 < val_fraction < 1:
         raise DataError(f"--val-fraction must be in (0, 1), got {val_fraction}")
     if token_file_suffix(path):
-        ids = load_token_file(path, bin_dtype)
+        ids = load_token_file(path, bin_dtype, dtype_given)
         vocab = int(ids.max()) + 1 if ids.size else 0
         kind, vocab_from = f"{ids.size:,} token ids ({ids.dtype})", "ids"
     else:

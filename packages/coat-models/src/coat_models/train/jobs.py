@@ -21,7 +21,6 @@ from .presets import (
     ModelError,
     build_model,
     build_vlm,
-    check_causal,
     check_weight_shapes,
     first_line,
     model_dir_config,
@@ -171,6 +170,7 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
     data = load_data(
         args.data,
         bin_dtype=args.data_dtype,
+        dtype_given=getattr(args, "data_dtype_given", False),
         val_fraction=args.val_fraction,
         max_bytes=int(args.corpus_mib * 2**20),
         tokenizer=tokenizer,
@@ -196,12 +196,10 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
 
     def build(cfg):
         master = MASTER_DTYPES[cfg.master_dtype]
-        model = build_model(
-            config, device=device, master_dtype=master, seed=cfg.seed, weights_dir=weights_dir
-        )
-        if args.model_dir:
-            check_causal(model, args.model_dir)
-        return model
+        return build_model(
+            config, device=device, master_dtype=master, seed=cfg.seed, weights_dir=weights_dir,
+            model_dir=args.model_dir,
+        )  # fmt: skip
 
     return Job(
         tasks=tasks,

@@ -152,7 +152,8 @@ def _check_foreign(out: Path, modes: list[str]) -> None:
     if lock is False:  # coat-train would take it over: truncate it and flock it
         raise UsageError(
             f"--out {out} holds a {LOCK_FILE} that coat-train did not write (no PID in it), "
-            "another program's, which it would overwrite: pass a new or empty directory"
+            "which it would overwrite: pass a new or empty directory (or, if a coat-train was "
+            f"killed as it started there, delete {out / LOCK_FILE})"
         )
     if lock is None:
         clash = [n for n in (*OUT_FILES, *modes) if (out / n).exists()]
