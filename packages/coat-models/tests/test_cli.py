@@ -797,7 +797,15 @@ def test_checkpoints_are_atomic(tmp_path, capsys, monkeypatch):
 
 def _inputs(tmp_path) -> dict:
     """The files the bad-input cases name, by placeholder."""
-    from transformers import BertConfig, GPT2Config, T5Config
+    from transformers import (
+        BertConfig,
+        CamembertConfig,
+        GPT2Config,
+        RobertaConfig,
+        T5Config,
+        WhisperConfig,
+        XLMRobertaConfig,
+    )
 
     paths = {name: tmp_path / name for name in ("ids.npy", "empty.bin", "empty.txt", "a_file")}
     np.save(paths["ids.npy"], np.arange(5000, dtype=np.int32))
@@ -835,6 +843,21 @@ def _inputs(tmp_path) -> dict:
     GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320, n_positions=16).save_pretrained(
         paths["gpt2_short"]
     )
+    # RoBERTa's family as decoders (causal): positions from pad_token_id 1 + 1, so 32 of 34
+    decoder = dict(vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                   intermediate_size=64, max_position_embeddings=34, is_decoder=True)  # fmt: skip
+    for name, roberta in [("roberta", RobertaConfig), ("xlmr", XLMRobertaConfig),
+                          ("camembert", CamembertConfig)]:  # fmt: skip
+        paths[name] = tmp_path / name
+        roberta(**decoder).save_pretrained(paths[name])
+    # Whisper's decoder: its length is max_target_positions (no max_position_embeddings)
+    paths["whisper"] = tmp_path / "whisper"
+    whisper = WhisperConfig(vocab_size=320, d_model=32, encoder_layers=1, decoder_layers=1,
+                            encoder_attention_heads=2, decoder_attention_heads=2,
+                            encoder_ffn_dim=64, decoder_ffn_dim=64, max_target_positions=16,
+                            pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                            decoder_start_token_id=0)  # fmt: skip
+    whisper.save_pretrained(paths["whisper"])
     paths["no_manifest"].mkdir()
     (paths["no_manifest"] / "model.pt").write_bytes(b"PK")
     paths["bad_manifest"].mkdir()
@@ -1010,6 +1033,20 @@ BAD_INPUTS = [
         ["--model-dir", "{gpt2_short}", "--seq-len", "32", *SMALL],
         "--seq-len 32 is longer than --model-dir {gpt2_short}'s max_position_embeddings 16",
     ),
+    # positions from pad_token_id + 1 and limits under other keys: a traceback at step 1
+    (
+        ["--model-dir", "{roberta}", "--seq-len", "33", *SMALL],
+        "{roberta}'s max_position_embeddings 34 allows (RobertaForCausalLM numbers positions "
+        "from pad_token_id 1 + 1): pass --seq-len <= 32",
+    ),
+    (["--model-dir", "{xlmr}", "--seq-len", "34", *SMALL], "XLMRobertaForCausalLM numbers posi"),
+    # past the table too: it said "pass --seq-len <= 34"
+    (["--model-dir", "{camembert}", "--seq-len", "64", *SMALL], "pad_token_id 1 + 1): pass --se"),
+    (
+        ["--model-dir", "{whisper}", "--seq-len", "32", *SMALL],
+        "--seq-len 32 is longer than --model-dir {whisper}'s max_target_positions 16: pass "
+        "--seq-len <= 16",
+    ),
     (["--model-dir", "{bad_heads}"], "hidden size (100) is not a multiple of the number of"),
     (["--model-dir", "{llava}"], "(LlavaConfig) is not a causal LM's (no vocab_size): pass"),
     (["--model-dir", "{negative}"], "(Trying to create tensor with negative dimension -128"),
@@ -1040,6 +1077,54 @@ def test_bad_input_gives_one_clear_line(tmp_path, capsys, argv, message):
     assert err.startswith("coat-train: error: ") and message in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert sorted(tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize(
+    "name,seq_len,longest,why",
+    [
+        ("roberta", 33, 32, "index 34 is out of bounds for dimension 1 with size 34"),
+        ("whisper", 32, 16, "index 16 is out of bounds for dimension 0 with size 16"),
+    ],
+    ids=["roberta", "whisper"],
+)
+def test_a_seq_len_the_model_cannot_run_is_found_by_a_forward(
+    tmp_path, capsys, monkeypatch, name, seq_len, longest, why
+):
+    """A length limit that no config key coat-train reads names (here: none is read), or an
+    offset of the architecture's own: one forward of --seq-len tokens as the model is built
+    finds it, and the longest that runs (it was an IndexError traceback at step 1)."""
+    monkeypatch.setattr(jobs, "longest_sequence", lambda config: None)
+    paths = _inputs(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    argv = ["--model-dir", paths[name], "--mode", "bf16", "--steps", "2", "--batch-size", "2",
+            "--out", tmp_path / "out", "--no-progress", *SMALL]  # fmt: skip
+    code, _, err = run([*argv, "--seq-len", seq_len], capsys)
+    assert code == 2 and err.startswith("coat-train: error: "), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"cannot run --seq-len {seq_len} tokens ({why}" in err
+    assert err.endswith(f": pass --seq-len <= {longest}\n"), err
+    assert sorted(tmp_path.rglob("*")) == before
+    code, _, err = run([*argv, "--seq-len", longest], capsys)  # the longest that runs trains
+    assert code == 0, err
+
+
+def test_a_model_no_mode_trains_is_refused_without_naming_another_mode(tmp_path, capsys):
+    """A COAT mode refused BERT with "train it in bf16 or coat-optim", which refused it in turn
+    (not causal): a model that no mode trains is said to be one. A causal model apply_coat does
+    not take (a RoBERTa decoder) keeps that advice, which holds: bf16 trains it."""
+    paths = _inputs(tmp_path)
+    argv = ["--seq-len", "32", "--steps", "2", "--batch-size", "2", "--out", tmp_path / "out",
+            "--no-progress", *SMALL]  # fmt: skip
+    for modes in (["--mode", "coat"], ["--mode", "coat-act"], ["--compare", "bf16,coat"]):
+        code, _, err = run(["--model-dir", paths["bert"], *modes, *argv], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert "BertLMHeadModel is not a causal language model" in err
+        assert "which no mode of coat-train trains" in err and "bf16" not in err, err
+    code, _, err = run(["--model-dir", paths["roberta"], "--mode", "coat", *argv], capsys)
+    assert code == 2 and "RobertaForCausalLM has no base model attribute 'layers'" in err, err
+    assert "train it in bf16 or coat-optim" in err
+    code, _, err = run(["--model-dir", paths["roberta"], "--mode", "bf16", *argv], capsys)
+    assert code == 0, err
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ from . import interrupt
 from .args import PROG, RankUsageError, UsageError
 from .data import DataError, token_file_suffix
 from .jobs import Job, check_fits, lm_job, vl_job
+from .memory import is_oom
 from .options import (
     DATA_DEFAULTS,
     KEEP_CHECKPOINTS,
@@ -302,13 +303,6 @@ def _check_data_options(args) -> None:
             setattr(args, name, DATA_DEFAULTS[name])
         elif not ok:
             raise UsageError(f"--{name.replace('_', '-')} applies to {what} only: leave it out")
-
-
-def is_oom(e: BaseException) -> bool:
-    """CUDA's OutOfMemoryError, or the RuntimeError of the CPU allocator / a CUDA kernel."""
-    text = str(e) if isinstance(e, RuntimeError) else ""
-    oom = isinstance(e, torch.OutOfMemoryError)
-    return oom or "can't allocate memory" in text or "out of memory" in text
 
 
 # -- the run ------------------------------------------------------------------------------------

@@ -21,8 +21,10 @@ from .presets import (
     ModelError,
     build_model,
     build_vlm,
+    check_causal_config,
     check_weight_shapes,
     first_line,
+    longest_sequence,
     model_dir_config,
     model_dir_tokenizer,
     preset_config,
@@ -109,13 +111,14 @@ class Job:
     tune: str = " or --seq-len"  # what else to lower when memory runs out
 
 
-def count_params(config, modes, weights_dir=None) -> int:
+def count_params(config, modes, weights_dir=None, model_dir=None) -> int:
     """Parameters of the model ``config`` describes, built on the meta device (no memory).
     For modes with FP8 activations, ``apply_coat``'s checks run on it too (the structure,
     and its probe of the layers' arithmetic on narrow CPU copies), so an architecture it
     does not support is refused before anything is written (under --compare bf16,coat
-    too: the check at coat's start came after bf16 had trained); so are ``weights_dir``'s
-    safetensors weights whose shapes are not the config's."""
+    too: the check at coat's start came after bf16 had trained), naming the modes that
+    train it unless ``model_dir``'s model is not causal (then no mode does); so are
+    ``weights_dir``'s safetensors weights whose shapes are not the config's."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -141,6 +144,8 @@ def count_params(config, modes, weights_dir=None) -> int:
             apply_coat(model)
         except TypeError as e:
             why = str(e).replace(FILTER_HINT, "")  # (apply_coat's option: no CLI flag has it)
+            if model_dir is not None:  # (bf16 and coat-optim refuse what is not causal)
+                check_causal_config(config, model_dir)
             raise ModelError(
                 f"mode {fp8[0]}: {why}; train it in bf16 or coat-optim, or pass a Llama-shaped "
                 "model"
@@ -155,15 +160,12 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
     weights_dir = tokenizer = None
     if args.model_dir:
         config, has_weights = model_dir_config(args.model_dir)
-        # Learned positions (GPT-2) fail with an IndexError past the table; RoPE runs on, at
-        # positions the model was not made for. Presets size theirs to the run.
-        positions = getattr(config, "max_position_embeddings", None)
-        # (XLNet's -1: no table of positions)
-        if isinstance(positions, int) and 0 < positions < seq_len:
+        longest = longest_sequence(config)  # (presets size their positions to the run)
+        if longest is not None and longest[0] < seq_len:
             default = " (the default)" if args.seq_len is None else ""
             raise UsageError(
                 f"--seq-len {seq_len}{default} is longer than --model-dir {args.model_dir}'s "
-                f"max_position_embeddings {positions}: pass --seq-len <= {positions}"
+                f"{longest[1]}: pass --seq-len <= {longest[0]}"
             )
         weights_dir = args.model_dir if has_weights else None
         tokenizer = model_dir_tokenizer(args.model_dir)
@@ -192,13 +194,13 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
             f"pass --vocab-size {config.vocab_size} to train such a vocabulary anyway"
         )
     tasks = [LMTask(data, cfg) for cfg in cfgs]  # refuses too short a split
-    n_params = count_params(config, modes, weights_dir)
+    n_params = count_params(config, modes, weights_dir, args.model_dir)
 
     def build(cfg):
         master = MASTER_DTYPES[cfg.master_dtype]
         return build_model(
             config, device=device, master_dtype=master, seed=cfg.seed, weights_dir=weights_dir,
-            model_dir=args.model_dir,
+            model_dir=args.model_dir, seq_len=cfg.seq_len,
         )  # fmt: skip
 
     return Job(

@@ -12,6 +12,13 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..loss import SAVED_GRADIENT
 
 
+def is_oom(e: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or the RuntimeError of the CPU allocator / a CUDA kernel."""
+    text = str(e) if isinstance(e, RuntimeError) else ""
+    oom = isinstance(e, torch.OutOfMemoryError)
+    return oom or "can't allocate memory" in text or "out of memory" in text
+
+
 def _storages(t: torch.Tensor):
     """[(key, bytes)] of the memory a tensor holds; wrapper subclasses (FP8 data + scales,
     FSDP2's DTensor shards) are opened up into their inner tensors."""

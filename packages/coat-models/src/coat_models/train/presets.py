@@ -5,6 +5,7 @@ trained on the generated shapes-caption task of ``vl_data``)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import pickle
 import sys
@@ -16,6 +17,7 @@ import torch
 from ..checkpoint import MANIFEST
 from ..vila import llava_tiny_config, vila7b_config
 from .data import round_up
+from .memory import is_oom
 from .vl_data import min_seq_len, num_image_tokens
 
 
@@ -285,6 +287,50 @@ def _check_loaded(weights_dir, model, info: dict) -> None:
             )
 
 
+# Where configs keep the longest sequence their model takes: GPT-2's n_positions reads as
+# max_position_embeddings too (transformers' attribute_map); Whisper's decoder keeps it in
+# max_target_positions, MPT (ALiBi) in max_seq_len.
+_LENGTH_KEYS = ("max_position_embeddings", "max_target_positions", "n_positions",
+                "max_sequence_length", "max_seq_len", "seq_length")  # fmt: skip
+
+
+def longest_sequence(config) -> tuple[int, str] | None:
+    """(n, why): the longest sequence the causal LM of ``config`` takes, and the config value
+    that says so (``"max_position_embeddings 1024"``); None where the config names none.
+    Learned positions fail past their table (an IndexError at the first step); RoPE runs on,
+    at positions the model was not made for. RoBERTa's family (XLM-R, CamemBERT, ...) numbers
+    positions from pad_token_id + 1 (fairseq's way: its position table has a padding row), so
+    it takes max_position_embeddings - pad_token_id - 1: found on the model built on the meta
+    device (no memory). Other limits are ``check_length``'s, once the model is built."""
+    from transformers import AutoModelForCausalLM
+
+    # (XLNet's max_position_embeddings -1: no table of positions)
+    key = next((k for k in _LENGTH_KEYS if _positive(getattr(config, k, None))), None)
+    if key is None:
+        return None
+    n, pad = getattr(config, key), getattr(config, "pad_token_id", None)
+    if not isinstance(pad, int):  # (no padding row without a padding token)
+        return n, f"{key} {n}"
+    try:
+        with torch.device("meta"), quiet_transformers():
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # (no causal LM of this config: count_params says so)
+        return n, f"{key} {n}"
+    rows = [m.padding_idx for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Embedding) and "position" in name
+            and m.num_embeddings == n and m.padding_idx is not None]  # fmt: skip
+    if not rows:
+        return n, f"{key} {n}"
+    return n - rows[0] - 1, (
+        f"{key} {n} allows ({type(model).__name__} numbers positions from pad_token_id "
+        f"{rows[0]} + 1)"
+    )
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def model_dir_tokenizer(path: str):
     """The tokenizer shipped in a model directory, or None (then data is byte-level)."""
     if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
@@ -335,12 +381,14 @@ def attention_implementation(config) -> str:
 
 
 def build_model(
-    config, *, device, master_dtype: torch.dtype, seed: int, weights_dir=None, model_dir=None
-):
+    config, *, device, master_dtype: torch.dtype, seed: int, weights_dir=None, model_dir=None,
+    seq_len: int | None = None,
+):  # fmt: skip
     """A causal LM from ``config`` on ``device``: random init seeded with ``seed`` (the same
     weights for every mode of a comparison), or the checkpoint in ``weights_dir``; parameters
     in ``master_dtype``. ``model_dir``: the ``--model-dir`` the config is from, whose model
-    ``check_causal`` probes (in fp32, before the cast)."""
+    ``check_causal`` and, with ``seq_len`` (the run's), ``check_length`` probe (in fp32,
+    before the cast)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -385,6 +433,8 @@ def build_model(
             ) from None
     if model_dir is not None:
         check_causal(model, model_dir)
+        if seq_len is not None:
+            check_length(model, model_dir, seq_len)
     # Init in fp32 then cast, so fp32- and bf16-master runs start from the same weights.
     return _parameters_to(model, master_dtype).train()
 
@@ -413,8 +463,69 @@ def check_causal(model, model_dir) -> None:
         raise ModelError(
             f"--model-dir {model_dir}: {type(model).__name__} is not a causal language model "
             "(a token changes the logits before it: its attention is bidirectional, as "
-            "BERT's); coat-train trains decoder-only models (Llama, Mistral, Qwen2, ...)"
+            "BERT's), which no mode of coat-train trains: pass a decoder-only model (Llama, "
+            "Mistral, Qwen2, ...)"
         )
+
+
+def check_causal_config(config, model_dir) -> None:
+    """``check_causal`` before the model is built: on a one-layer copy of it on CPU (random
+    init: being causal is the architecture's), its embeddings and one layer whatever its
+    depth. A config that does not take one layer passes (the build checks it)."""
+    from transformers import AutoModelForCausalLM
+
+    shallow = copy.deepcopy(config)
+    try:
+        shallow.num_hidden_layers = 1
+        with torch.device("cpu"), quiet_transformers():
+            model = AutoModelForCausalLM.from_config(
+                shallow, dtype=torch.float32, attn_implementation=attention_implementation(config)
+            )
+    except Exception:
+        return
+    check_causal(model, model_dir)
+
+
+def check_length(model, model_dir, seq_len: int) -> None:
+    """Refuse a --seq-len that ``model`` cannot run, whatever says so (a limit under a config
+    key ``longest_sequence`` does not read, an offset of its own): one forward of ``seq_len``
+    tokens, none of them the padding token (RoBERTa's positions skip those), as the first
+    step would run; where it fails and two tokens run, halving finds the longest that runs.
+    (On CUDA an index past a table is a device-side assert, which the process does not come
+    back from: the probe catches the failures raised on the host, e.g. a shape mismatch.)"""
+    device = next(model.parameters()).device
+    pad = getattr(model.config, "pad_token_id", None)
+    token = (1 if pad == 0 else 0) % model.config.vocab_size
+    # The model under its head: the positions are there, and (seq_len, vocab) fp32 logits
+    # (4 GB for 4096 x 256k) could run out of memory where training's chunked loss does not.
+    body = getattr(model, "base_model", model)
+
+    def error(n: int) -> Exception | None:
+        try:
+            with torch.no_grad():
+                body(input_ids=torch.full((1, n), token, device=device), use_cache=False)
+        except Exception as e:
+            if is_oom(e):  # (memory, not length: the run says what to lower)
+                raise
+            return e
+        return None
+
+    training = model.training
+    model.eval()  # (no dropout)
+    try:
+        failure = error(seq_len)
+        if failure is None or error(2) is not None:
+            return  # (it runs; or it runs nothing: training says what it needs)
+        runs, fails = 2, seq_len
+        while fails - runs > 1:
+            mid = (runs + fails) // 2
+            runs, fails = (runs, mid) if error(mid) else (mid, fails)
+    finally:
+        model.train(training)
+    raise ModelError(
+        f"--model-dir {model_dir}: {type(model).__name__} cannot run --seq-len {seq_len} "
+        f"tokens ({first_line(failure)}): pass --seq-len <= {runs}"
+    )
 
 
 def _parameters_to(model, dtype: torch.dtype):
