@@ -11,6 +11,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -765,6 +766,48 @@ def test_second_process_on_one_out_is_refused(tmp_path):
     assert holder.returncode == 0
     code, _, err = train([*ARGS, "--steps", "2", "--out", out])  # the lock went with the holder
     assert code == 0, err
+
+
+@pytest.mark.parametrize("earlier", [None, b"4242\n"], ids=["new", "earlier-run"])
+def test_the_lock_file_never_reads_empty_while_it_is_taken(tmp_path, monkeypatch, earlier):
+    """Another coat-train's checks read the lock file without locking it: one found empty
+    (made, then locked, then written; or an earlier run's cut to nothing, then written) is
+    another program's file, and that run was refused in the wrong words. Every step of
+    taking the lock is watched: the file holds a PID at each."""
+    from coat_models.train import outdir
+
+    out = tmp_path / "run"
+    if earlier is not None:
+        out.mkdir()
+        (out / outdir.LOCK_FILE).write_bytes(earlier)
+    seen = []
+
+    def watched(name):
+        real = getattr(os, name)
+
+        def call(*args):
+            result = real(*args)
+            if (out / outdir.LOCK_FILE).exists():
+                seen.append((name, (out / outdir.LOCK_FILE).read_bytes()))
+            return result
+
+        monkeypatch.setattr(os, name, call)
+
+    for name in ("open", "ftruncate", "pwrite"):
+        watched(name)
+    real_flock = outdir.fcntl.flock
+
+    def flock(fd, op):
+        seen.append(("flock", (out / outdir.LOCK_FILE).read_bytes()))
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(outdir.fcntl, "flock", flock)
+    with outdir.output_lock(out):
+        pass
+    monkeypatch.undo()
+    assert seen and all(re.fullmatch(rb"\d+\n", content) for _, content in seen), seen
+    assert (out / outdir.LOCK_FILE).read_bytes() == f"{os.getpid()}\n".encode()
+    assert sorted(p.name for p in out.iterdir()) == [outdir.LOCK_FILE]
 
 
 def test_a_running_run_s_checkpoints_are_not_called_an_earlier_run_s(tmp_path):

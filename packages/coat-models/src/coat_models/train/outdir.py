@@ -209,6 +209,26 @@ def check_not_in_use(out: Path) -> None:
         os.close(fd)
 
 
+def _open_lock(out: Path, pid: bytes) -> int:
+    """A descriptor of ``out/.lock``, made with ``pid`` in it when there is none: written
+    to a file of its own and linked into place, so that another coat-train never finds it
+    empty (its checks would call it another program's file)."""
+    path = out / LOCK_FILE
+    with contextlib.suppress(FileNotFoundError):
+        return os.open(path, os.O_RDWR)
+    tmp = out / f"{LOCK_FILE}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, pid)
+        os.link(tmp, path)
+    except OSError:  # made meanwhile by another run, or no hard links on this file system
+        os.close(fd)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    finally:
+        os.unlink(tmp)
+    return fd
+
+
 @contextlib.contextmanager
 def output_lock(out: Path):
     """Hold an exclusive ``flock`` on ``out/.lock`` for the run (rank 0): two coat-train
@@ -219,16 +239,17 @@ def output_lock(out: Path):
     created = process_rank() == 0 and not out.exists()
     if process_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        pid = f"{os.getpid()}\n".encode()
+        fd = _open_lock(out, pid)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             error = _in_use(out, fd)
             os.close(fd)
             fd = None
-        else:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        else:  # (written over, then cut: the file never reads empty to another run's checks)
+            os.pwrite(fd, pid, 0)
+            os.ftruncate(fd, len(pid))
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [error]
         dist.broadcast_object_list(box, src=0)
