@@ -1108,6 +1108,26 @@ def test_a_seq_len_the_model_cannot_run_is_found_by_a_forward(
     assert code == 0, err
 
 
+@pytest.mark.parametrize("mode", ["bf16", "coat"])
+def test_a_refused_model_dir_prints_only_coat_train_s_line(tmp_path, mode):
+    """transformers' advice while it builds a model (BERT's "add is_decoder=True") was
+    printed above coat-train's one-line refusal; its logger writes to the process's stderr
+    (not what capsys sees), so the command runs in a process of its own here."""
+    import subprocess
+    import sys
+
+    paths = _inputs(tmp_path)
+    argv = ["--model-dir", str(paths["bert"]), "--mode", mode, "--seq-len", "32", "--steps",
+            "2", "--out", str(tmp_path / "out"), "--no-progress", *SMALL]  # fmt: skip
+    cmd = [sys.executable, "-m", "coat_models.train.cli", *argv]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("coat-train: error: ") and done.stderr.count("\n") == 1, (
+        done.stderr
+    )
+    assert "is not a causal language model" in done.stderr
+
+
 def test_a_model_no_mode_trains_is_refused_without_naming_another_mode(tmp_path, capsys):
     """A COAT mode refused BERT with "train it in bf16 or coat-optim", which refused it in turn
     (not causal): a model that no mode trains is said to be one. A causal model apply_coat does
