@@ -37,6 +37,15 @@ def test_config_parses_and_freezes():
     assert (cfg.group_size, cfg.seed) == (64, 7) and type(cfg.group_size) is int
 
 
+@pytest.mark.parametrize("numel", [0, -5, 1.5, True], ids=["zero", "negative", "float", "bool"])
+def test_state_bytes_per_param_of_no_size_is_one_line(numel):
+    """Zero-size parameters train, but their bytes per element are undefined: 0 raised
+    ZeroDivisionError, and a negative or fractional size gave a number."""
+    assert CoatAdamWConfig().state_bytes_per_param(np.int64(1)) == 16.0
+    with pytest.raises(ValueError, match="numel must be a positive int"):
+        CoatAdamWConfig().state_bytes_per_param(numel)
+
+
 def test_config_backend_is_the_fp8_quant_enum():
     for name in ("auto", "triton", "reference"):
         cfg = CoatAdamWConfig(backend=name)
@@ -508,6 +517,27 @@ def test_load_converts_formats_and_group_sizes():
     clones3, opt3 = _clone_setup(params, high_precision_states=True)
     opt3.load_state_dict(sd)
     assert opt3.state[clones3[0]]["exp_avg"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("group_size", [16, 64, 256])
+def test_zero_row_parameters_load_at_another_group_size(group_size):
+    """A (0, 128) parameter's per-group states are saved shaped (0, 1) at group size 128,
+    (0, 2) at 64: empty either way, so the saved group size is unknowable. Loading at
+    another group size refused them ("expected one of [(0,), (0, 2)]"), and with them the
+    whole state dict of a model holding such a parameter."""
+    shapes = [(0, 128), (2, 0, 128), (4, 128)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    opt = CoatAdamW([{"params": params[:2]}, {"params": params[2:], "lr": 3e-3}])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    clones, opt2 = _clone_setup(params, group_size=group_size)
+    opt2.load_state_dict(_save_load(opt.state_dict()))
+    assert [tuple(opt2.state[q]["exp_avg_amax"].shape) for q in clones[:2]] == [(0,), (0,)]
+    for q in clones:
+        q.grad = torch.ones_like(q)
+    opt2.step()
+    assert opt2.state[clones[0]]["step"].item() == 2
 
 
 def test_load_state_dict_rejects_mismatches():
@@ -1406,6 +1436,26 @@ def test_to_adamw_state_dict_with_a_post_hook_that_rekeys():
     adamw = torch.optim.AdamW(m.parameters())
     adamw.load_state_dict(opt.to_adamw_state_dict())
     assert adamw.state[m.weight]["exp_avg"].dtype == torch.float32
+
+
+def test_to_adamw_state_dict_skips_states_cleared_or_peeked_at():
+    """``opt.state`` is a defaultdict: a peek (``opt.state[p].get("step")``) leaves ``{}``, as
+    does ``opt.state[p].clear()`` (the README's way to start a parameter afresh);
+    ``to_adamw_state_dict`` raised ``KeyError: 'step'`` on such a state."""
+    m = torch.nn.Linear(32, 4)
+    opt = CoatAdamW(m.parameters())
+    m(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    opt.state[m.bias].clear()
+    fresh = torch.nn.Parameter(torch.zeros(3))
+    opt.add_param_group({"params": [fresh]})
+    assert opt.state[fresh].get("step") is None  # a peek
+    sd = opt.to_adamw_state_dict()
+    assert list(sd["state"]) == [0]
+    adamw = torch.optim.AdamW([m.weight, m.bias])
+    adamw.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    adamw.load_state_dict(sd)
+    assert adamw.state[m.weight]["step"].item() == 1 and not adamw.state[m.bias]
 
 
 # ------------------------------------------------------------ a probe as a user

@@ -74,6 +74,11 @@ class CoatAdamWConfig:
         Counts everything stored: codes, per-group fp32 amax and uint8 k of both moments
         (a partial last group costs a whole group's numbers) and the 4-byte step.
         """
+        if isinstance(numel, bool) or not isinstance(numel, numbers.Integral) or numel < 1:
+            raise ValueError(
+                f"numel must be a positive int (a tensor with no elements has no bytes per "
+                f"element), got {numel!r}"
+            )
         if self.high_precision_states:
             return (8 * numel + 4) / numel
         return (2 * numel + 2 * 5 * num_groups(numel, self.group_size) + 4) / numel

@@ -745,6 +745,8 @@ class CoatAdamW(torch.optim.Optimizer):
             index_of.update(zip(g_saved["params"], g["params"], strict=True))
         state = {}
         for idx, s in sd["state"].items():
+            if not s:  # a state cleared (to start afresh) or peeked at: none to export
+                continue
             p = index_of[idx]
             s = _by_moment(s, idx)
             out = {"step": s["step"].detach().to("cpu", torch.float32).clone()}
@@ -1096,6 +1098,8 @@ def _check_saved_state(p: torch.Tensor, pid, s: dict, group_size: int, saved_as:
         except ValueError as e:
             raise ValueError(f"{where}: {amax_key}: {e}") from None
         shapes = {(amax.numel(),), group_state_shape(tuple(p.shape), gs)}
+        if p.numel() == 0 and amax.numel() == 0:  # no groups: the shape of (0, 128)'s states
+            shapes.add(tuple(amax.shape))  # at G = 128, (0, 1), tells nothing to G = 64
         if tuple(amax.shape) not in shapes:
             raise ValueError(
                 f"{where}: {amax_key} has shape {tuple(amax.shape)}, expected one of "
