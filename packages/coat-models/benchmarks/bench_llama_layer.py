@@ -29,6 +29,7 @@ numbers to report: the profilers add overhead), run as a script:
     python packages/coat-models/benchmarks/bench_llama_layer.py ops
     python packages/coat-models/benchmarks/bench_llama_layer.py attribute --batch 1
     python packages/coat-models/benchmarks/bench_llama_layer.py launches --batch 1
+    python packages/coat-models/benchmarks/bench_llama_layer.py floor --batch 1
 
 ``kernels``: GPU kernel time per kernel name under ``torch.profiler``, per variant (default:
 coat, bf16_eager; torchao_float8_compile when torchao imports). ``host``: per variant and
@@ -43,6 +44,7 @@ layer's host time as is, without its FP8 GEMM calls, without its Triton launches
 without both (each replaced by nothing: what remains is Python, autograd and allocations).
 ``launches``: each Triton launch of one COAT layer step replayed alone: its host time
 through ``fp8_quant.ops.launch``, in Triton's compiled launcher, and computing its key.
+``floor``: one step's Triton launches and FP8 GEMMs replayed alone, against the step.
 """
 
 from __future__ import annotations
@@ -513,6 +515,79 @@ def _launch_us(_launch, kernel, grid, args, meta, device, stream) -> list[float]
     ]
 
 
+def profile_floor(batch: int, rounds: int) -> str:
+    """The host time a COAT layer step would take if it did nothing but start its kernels:
+    one step (weights cast) is recorded, its Triton launches (through the compiled launchers
+    their cache entries hold, with the recorded arguments) and its ``torch._scaled_mm`` calls
+    (the recorded tensors) are replayed in order, with no Python of the ops, no autograd and
+    no allocation besides the GEMMs' outputs; SDPA, RoPE's autograd and the other torch ops
+    are not in it. Against the layer's own host time in the same process: how far a design
+    that replays a recorded launch plan could go on this host (the outputs are garbage)."""
+    from fp8_quant.ops import _launch
+
+    reset, step = _coat_fp32_layer(batch)
+    for _ in range(3):
+        reset(True)
+        step()
+    torch.cuda.synchronize()
+    calls, real_dispatch, real_mm = [], _launch._dispatch, torch._scaled_mm
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def capture(kernel, grid, args, meta, interpreting, cache):
+        real_dispatch(kernel, grid, args, meta, interpreting, cache)
+        key, direct = _launch._keys(args)
+        site = (id(kernel), len(args), tuple(meta.items()), torch._C._cuda_getDevice())
+        run, function, packed, tail = _launch._CACHE[site][key]  # (made by the warm-up)
+        g1, g2 = (list(grid[1:]) + [1, 1])[:2]
+        launcher = (grid[0], g1, g2, stream, function, packed, None, None, None, *direct, *tail)
+        calls.append(("launch", run, launcher, args))  # (args: keeps the tensors alive)
+
+    def mm(*args, **kwargs):
+        calls.append(("gemm", real_mm, args, kwargs))
+        return real_mm(*args, **kwargs)
+
+    reset(True)
+    _launch._dispatch, torch._scaled_mm = capture, mm
+    try:
+        step()
+    finally:
+        _launch._dispatch, torch._scaled_mm = real_dispatch, real_mm
+    torch.cuda.synchronize()
+
+    def replay(kinds=("launch", "gemm")):
+        for kind, fn, args, kwargs in calls:
+            if kind in kinds:
+                if kind == "launch":
+                    fn(*args)
+                else:
+                    fn(*args, **kwargs)
+
+    def host_ms(fn, prepare=lambda: None) -> tuple[float, float]:
+        host, wall = [], []
+        for i in range(rounds + 3):
+            prepare()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            if i >= 3:
+                host.append(t1 - t0)
+                wall.append(time.perf_counter() - t0)
+        return statistics.median(host) * 1e3, statistics.median(wall) * 1e3
+
+    n_launch = sum(kind == "launch" for kind, *_ in calls)
+    rows = [
+        ("the layer as is (weights cast)", host_ms(step, lambda: reset(True))),
+        (f"replay: {n_launch} launches + {len(calls) - n_launch} GEMMs", host_ms(replay)),
+        ("replay: the launches alone", host_ms(lambda: replay(("launch",)))),
+        ("replay: the GEMMs alone", host_ms(lambda: replay(("gemm",)))),
+    ]
+    lines = [f"== coat layer, batch {batch} x seq {SEQ}: host / wall ms (median of {rounds})"]
+    lines += [f"  {name:44s} {h:7.3f} / {w:7.3f}" for name, (h, w) in rows]
+    return "\n".join(lines)
+
+
 def profile_attribute(batch: int, rounds: int) -> str:
     """Where a COAT layer's host time goes: its fwd+bwd host time (fp32 weights under bf16
     autocast, as coat-train runs it), then the same with ``torch._scaled_mm`` answered by an
@@ -576,17 +651,22 @@ def main(argv=None) -> int:
     a.add_argument("--rounds", type=int, default=30)
     n = sub.add_parser("launches", help="host time of each Triton launch of a layer step")
     n.add_argument("--batch", type=int, default=1)
-    for s in (k, h, o, a, n):
+    f = sub.add_parser("floor", help="host time of a layer step's kernels replayed alone")
+    f.add_argument("--batch", type=int, default=1)
+    f.add_argument("--rounds", type=int, default=30)
+    for s in (k, h, o, a, n, f):
         s.add_argument("--out", help="also write the report here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_llama_layer: profiling needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.what in ("ops", "attribute", "launches"):
+    if args.what in ("ops", "attribute", "launches", "floor"):
         if args.what == "ops":
             report = profile_ops()
         elif args.what == "attribute":
             report = profile_attribute(args.batch, args.rounds)
+        elif args.what == "floor":
+            report = profile_floor(args.batch, args.rounds)
         else:
             report = profile_launches(args.batch)
         print(report, flush=True)
