@@ -510,6 +510,22 @@ def test_grad_scale_nonfinite_is_skipped(backend, grad_dtype, request, h):
             assert stepped == (skipped == 1 and (bad is None or bad[0] // 128 != gi))
 
 
+def test_numpy_grad_scale_and_offset_are_taken_as_numbers(h):
+    """A loss scaler's np.float32 grad_scale and an offset from np.cumsum (numpy scalars)
+    were refused: they give a Python number's bits. Bf16 parameters: the offset moves the
+    stochastic rounding."""
+    np = pytest.importorskip("numpy")
+    runs = []
+    for scale, offset in ((0.25, 3), (np.float32(0.25), np.int64(3))):
+        p = h.make_params(((4, 16),), dtype=torch.bfloat16)[0]
+        opt = CoatAdamW([p], lr=1e-2)
+        opt.set_element_offset(p, offset)
+        p.grad = torch.linspace(-1, 1, 64).view(4, 16).to(p.dtype)
+        opt.step(grad_scale=scale)
+        runs.append(h.bits(p.detach()))
+    assert torch.equal(runs[0], runs[1])
+
+
 def test_grad_scale_rejects_bad_values(h):
     p = h.make_params(((4, 16),))[0]
     opt = CoatAdamW([p])

@@ -308,9 +308,9 @@ class CoatAdamW(torch.optim.Optimizer):
         """
         if param not in self._param_index:
             raise ValueError("param is not managed by this optimizer")
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or offset < 0:
             raise ValueError(f"offset must be a non-negative int, got {offset!r}")
-        self._sr_offset[param] = offset
+        self._sr_offset[param] = int(offset)  # (a numpy int, e.g. from np.cumsum, as well)
         self._plans.clear()
 
     # ------------------------------------------------------------------------ step
@@ -1180,6 +1180,8 @@ class _GradScales:
     checked once per step."""
 
     def __init__(self, scale):
+        if isinstance(scale, numbers.Real) and not isinstance(scale, int | float | bool):
+            scale = float(scale)  # (a numpy scalar: np.float32 from a loss scaler)
         if scale is not None and not (
             (isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.is_floating_point())
             or (isinstance(scale, int | float) and not isinstance(scale, bool))
