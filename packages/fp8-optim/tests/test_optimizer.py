@@ -1379,6 +1379,31 @@ def test_state_dict_post_hooks_see_the_returned_format():
     assert seen["exp_avg_amax"] == tuple(sd["state"]["weight"]["exp_avg_amax"].shape) == (4, 2)
 
 
+def test_states_keyed_by_name_without_the_load_hook_name_it():
+    """States re-keyed by name (a state-dict post-hook) loaded without the pre-hook that maps
+    them back said only "unknown parameter id 'weight'": the message names the hook. With
+    it, they load."""
+    m = torch.nn.Linear(256, 4)
+    opt = CoatAdamW(m.parameters())
+    m(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    names = dict(enumerate(n for n, _ in m.named_parameters()))
+    opt.register_state_dict_post_hook(
+        lambda optimizer, sd: {**sd, "state": {names[i]: s for i, s in sd["state"].items()}}
+    )
+    sd = opt.state_dict()
+    other = CoatAdamW(m.parameters())
+    with pytest.raises(ValueError, match="keyed by name.*register_load_state_dict_pre_hook"):
+        other.load_state_dict(sd)
+    ids = {n: i for i, n in names.items()}
+    other.register_load_state_dict_pre_hook(
+        lambda optimizer, sd: {**sd, "state": {ids[k]: s for k, s in sd["state"].items()}}
+    )
+    other.load_state_dict(sd)
+    for key, value in opt.state[m.weight].items():
+        assert torch.equal(other.state[m.weight][key], value), key
+
+
 @pytest.mark.parametrize("field", ["lr", "eps", "weight_decay"])
 def test_hyperparameters_beyond_fp32_are_one_line(field):
     with pytest.raises(ValueError, match=rf"{field} must be .*fp32's range"):

@@ -700,7 +700,14 @@ class CoatAdamW(torch.optim.Optimizer):
         new_state: defaultdict = defaultdict(dict)
         for pid, pstate in state_dict["state"].items():
             if pid not in id_map:
-                raise ValueError(f"state dict has state for unknown parameter id {pid!r}")
+                hint = ""
+                if not isinstance(pid, int):  # (keys a state-dict post-hook renamed)
+                    hint = (
+                        ": its parameters are keyed by name, so register the load pre-hook "
+                        "that maps the names back to the ids of param_groups' 'params' "
+                        "(register_load_state_dict_pre_hook)"
+                    )
+                raise ValueError(f"state dict has state for unknown parameter id {pid!r}{hint}")
             if not isinstance(pstate, dict):  # (before .items(): an AttributeError)
                 raise TypeError(f"the state of parameter {pid!r} is not a dict")
             # torch.distributed.checkpoint unflattens a state a parameter lacked to {}.
