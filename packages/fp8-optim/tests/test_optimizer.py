@@ -1379,18 +1379,25 @@ def test_state_dict_post_hooks_see_the_returned_format():
     assert seen["exp_avg_amax"] == tuple(sd["state"]["weight"]["exp_avg_amax"].shape) == (4, 2)
 
 
-def test_states_keyed_by_name_without_the_load_hook_name_it():
-    """States re-keyed by name (a state-dict post-hook) loaded without the pre-hook that maps
-    them back said only "unknown parameter id 'weight'": the message names the hook. With
-    it, they load."""
-    m = torch.nn.Linear(256, 4)
+def _stepped_and_keyed_by_name(in_features: int):
+    """``(linear, its CoatAdamW after one step, {id: name})``, the optimizer's state dict
+    keying the states by parameter name (a post-hook, as the README allows)."""
+    m = torch.nn.Linear(in_features, 4)
     opt = CoatAdamW(m.parameters())
-    m(torch.randn(2, 256)).sum().backward()
+    m(torch.randn(2, in_features)).sum().backward()
     opt.step()
     names = dict(enumerate(n for n, _ in m.named_parameters()))
     opt.register_state_dict_post_hook(
         lambda optimizer, sd: {**sd, "state": {names[i]: s for i, s in sd["state"].items()}}
     )
+    return m, opt, names
+
+
+def test_states_keyed_by_name_without_the_load_hook_name_it():
+    """States re-keyed by name (a state-dict post-hook) loaded without the pre-hook that maps
+    them back said only "unknown parameter id 'weight'": the message names the hook. With
+    it, they load."""
+    m, opt, names = _stepped_and_keyed_by_name(256)
     sd = opt.state_dict()
     other = CoatAdamW(m.parameters())
     with pytest.raises(ValueError, match="keyed by name.*register_load_state_dict_pre_hook"):
@@ -1450,14 +1457,7 @@ def test_a_shape_change_at_the_same_address_is_refused(needs_triton):
 def test_to_adamw_state_dict_with_a_post_hook_that_rekeys():
     """A state-dict post-hook keying the states by name (as the README allows) does not break
     ``to_adamw_state_dict`` (it ran on the internal format there: KeyError)."""
-    m = torch.nn.Linear(32, 4)
-    opt = CoatAdamW(m.parameters())
-    m(torch.randn(2, 32)).sum().backward()
-    opt.step()
-    names = dict(enumerate(n for n, _ in m.named_parameters()))
-    opt.register_state_dict_post_hook(
-        lambda o, sd: {**sd, "state": {names[i]: s for i, s in sd["state"].items()}}
-    )
+    m, opt, _ = _stepped_and_keyed_by_name(32)
     adamw = torch.optim.AdamW(m.parameters())
     adamw.load_state_dict(opt.to_adamw_state_dict())
     assert adamw.state[m.weight]["exp_avg"].dtype == torch.float32
