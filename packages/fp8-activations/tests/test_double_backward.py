@@ -2,6 +2,8 @@
 with ``create_graph=True`` raises instead of giving second-order gradients without the
 input's terms (they came out 16-117% off, silently)."""
 
+import copy
+
 import fp8_activations as fa
 import pytest
 import torch
@@ -56,3 +58,48 @@ def test_residual_add_is_differentiated_twice():
     torch.testing.assert_close(g, 18 * x, rtol=0, atol=1e-5)
     (gg,) = torch.autograd.grad(g.sum(), x)
     assert torch.equal(gg, torch.full_like(x, 18.0))
+
+
+TRANSFORMS = {
+    "grad": lambda f, x: torch.func.grad(lambda x: f(x).sum())(x),
+    "vmap": lambda f, x: torch.vmap(f)(x.view(2, -1, K)),
+    "jvp": lambda f, x: torch.func.jvp(f, (x,), (torch.ones_like(x),)),
+}
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("name", [*OPS, "residual_add"])
+def test_torch_func_transforms_raise_naming_the_way_out(name, transform):
+    """Under ``torch.func`` transforms (per-sample gradients, ensembles) the ops raised
+    torch's error asking to override ``setup_context`` (a method of this package's
+    Functions) or, for ``fp8_linear`` under ``jvp``, "Cannot access data pointer of Tensor
+    that doesn't have storage". They raise one line that says what to run instead."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, K, generator=g), torch.randn(K, K, generator=g) / K**0.5
+    op = OPS.get(name, lambda x, w: fa.residual_add(x, 2 * x))
+    msg = r"^fp8_activations ops cannot run under torch\.func.*eval mode"
+    with pytest.raises(RuntimeError, match=msg) as e:
+        TRANSFORMS[transform](lambda x: op(x, w), x)
+    assert "\n" not in str(e.value)
+
+
+def test_a_converted_model_under_torch_func_in_eval_mode_runs_its_originals():
+    """The remedy the error names: in eval mode a converted model runs its original modules,
+    so per-sample gradients (``vmap(grad(...))`` of ``functional_call``) are the plain
+    model's, bit for bit."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(K, K), torch.nn.GELU(), torch.nn.LayerNorm(K))
+    model = fa.convert_to_fp8_activations(copy.deepcopy(plain))
+    params = {k: v.detach() for k, v in plain.named_parameters()}
+    x = torch.randn(4, K)
+
+    def per_sample(m):
+        def loss(p, xi):
+            return torch.func.functional_call(m, p, (xi[None],)).square().sum()
+
+        return torch.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+
+    with pytest.raises(RuntimeError, match="torch.func transforms"):
+        per_sample(model.train())
+    got, want = per_sample(model.eval()), per_sample(plain)
+    assert all(torch.equal(got[k], want[k]) for k in want)

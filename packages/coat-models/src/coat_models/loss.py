@@ -107,7 +107,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @first_order_only(
         message="the fused loss (coat_models.linear_cross_entropy, apply_coat's fused_loss) "
         "is differentiable once: its backward runs outside autograd, so create_graph=True "
-        "(double backward, torch.func.grad) cannot give second-order gradients; convert "
+        "(double backward, a gradient penalty) cannot give second-order gradients; convert "
         "with apply_coat(..., fused_loss=False) for those"
     )
     def backward(ctx, grad):

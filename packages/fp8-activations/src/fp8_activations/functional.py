@@ -66,6 +66,19 @@ def _config(config: FP8ActivationConfig | None) -> FP8ActivationConfig:
     return config
 
 
+def _check_transforms() -> None:
+    """Refuse a call under a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``: per-sample
+    gradients, ensembles): the ops' autograd Functions have no functorch rules (their backward
+    runs on saved FP8 copies outside autograd), and torch's own error there asked the caller
+    to override a ``setup_context`` they do not own, or could not read a data pointer."""
+    if torch._C._are_functorch_transforms_active():  # (~40 ns; dynamo reads it as a constant)
+        raise RuntimeError(
+            "fp8_activations ops cannot run under torch.func transforms (vmap, grad, jvp, "
+            "jacrev, ...): use the plain torch ops there (a converted model: call it in eval "
+            "mode, which runs the original modules, or revert_fp8_activations(model) first)"
+        )
+
+
 def _weight_list(weights, what: str = "tensors") -> list | tuple:
     """``weights`` as a non-empty list or tuple (another iterable, e.g. a generator over a
     model's linears, is listed once); one tensor, or none, is refused."""
@@ -425,6 +438,7 @@ def fp8_linear(
     >>> y = fp8_linear(torch.randn(8, 64, requires_grad=True), torch.randn(32, 64))
     """
     cfg = _config(config)
+    _check_transforms()
     _check_float(x, "x")
     _check_float(weight, "weight")
     if weight.dim() != 2:
@@ -502,6 +516,7 @@ def rms_norm(
     >>> y = rms_norm(torch.randn(2, 8, 64), torch.ones(64), 1e-6)
     """
     cfg = _config(config)
+    _check_transforms()
     _check_float(x, "x")
     n = x.shape[-1] if x.dim() else 1
     weight = _check_param(weight, x, "weight", n)
@@ -546,6 +561,7 @@ def rms_norm_linear(
     >>> q, kv = rms_norm_linear(torch.randn(4, 64), torch.ones(64), 1e-6, w)
     """
     cfg = _config(config)
+    _check_transforms()
     _check_float(x, "x")
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (..., K): reshape a scalar to (1,)")
@@ -624,6 +640,7 @@ def layer_norm(
     >>> y = layer_norm(torch.randn(4, 64), 64, torch.ones(64), torch.zeros(64))
     """
     cfg = _config(config)
+    _check_transforms()
     _check_float(x, "x")
     if isinstance(normalized_shape, bool) or not isinstance(
         normalized_shape, int | tuple | list | torch.Size
@@ -658,6 +675,7 @@ def silu(x: Tensor, config: FP8ActivationConfig | None = None) -> Tensor:
     >>> y = silu(torch.randn(4, 64))
     """
     cfg = _config(config)
+    _check_transforms()
     _check_float(x, "x")
     if x.numel() == 0:
         return torch.nn.functional.silu(x)
@@ -676,6 +694,7 @@ def gelu(x: Tensor, approximate: str = "none", config: FP8ActivationConfig | Non
     >>> y = gelu(torch.randn(4, 64), approximate="tanh")
     """
     cfg = _config(config)
+    _check_transforms()
     _check_float(x, "x")
     if isinstance(approximate, FP8ActivationConfig):
         raise TypeError("gelu's second argument is approximate: pass the config as config=")
@@ -700,6 +719,7 @@ def swiglu(gate: Tensor, up: Tensor, config: FP8ActivationConfig | None = None) 
     >>> y = swiglu(torch.randn(4, 64), torch.randn(4, 64))
     """
     cfg = _config(config)
+    _check_transforms()
     _check_float(gate, "gate")
     _check_like(gate, up, "gate", "up")
     if gate.numel() == 0:
@@ -735,6 +755,7 @@ def swiglu_linear(
     >>> y = swiglu_linear(torch.randn(4, 64), torch.randn(4, 64), torch.randn(32, 64))
     """
     cfg = _config(config)
+    _check_transforms()
     _check_float(gate, "gate")
     _check_like(gate, up, "gate", "up")
     _check_float(weight, "weight")
@@ -781,6 +802,7 @@ def residual_add(x: Tensor, residual: Tensor, config: FP8ActivationConfig | None
     >>> h = residual_add(torch.randn(4, 64), torch.randn(4, 64))
     """
     cfg = _config(config)
+    _check_transforms()
     _check_float(x, "x")
     _check_like(x, residual, "x", "residual")
     if x.numel() == 0:

@@ -27,7 +27,7 @@ _INTERPRETED = tl.constexpr(type(abs_max).__name__ == "InterpretedFunction")
 
 _ONCE = (
     "FP8 activations are differentiable once: their backward runs on saved FP8 copies "
-    "outside autograd, so create_graph=True (double backward, torch.func.grad) cannot give "
+    "outside autograd, so create_graph=True (double backward, a gradient penalty) cannot give "
     "second-order gradients; run the plain model (or revert the conversion) for those"
 )
 
