@@ -1548,26 +1548,6 @@ def test_numpy_and_tensor_scalars_are_taken_as_torch_takes_them():
     assert torch.equal(runs[0], runs[1])
 
 
-def test_tensor_eps_and_weight_decay_are_taken_as_torch_takes_them():
-    """One-element CPU tensors of eps and weight_decay, which torch.optim.AdamW takes (as it
-    takes them for betas, which CoatAdamW took), were refused: read as floats, the same
-    bits; a CUDA or two-element one is still refused in one line."""
-    torch.manual_seed(0)
-    p = _p(16)
-    runs = []
-    wd, eps = torch.tensor(0.05), torch.tensor(1e-6)
-    for kw in (dict(weight_decay=wd, eps=eps), dict(weight_decay=wd.item(), eps=eps.item())):
-        q = torch.nn.Parameter(p.detach().clone())
-        opt = CoatAdamW([q], lr=1e-2, **kw)
-        for _ in range(2):
-            q.grad = torch.linspace(-1, 1, 16)
-            opt.step()
-        runs.append(q.detach().clone())
-    assert torch.equal(runs[0], runs[1])
-    with pytest.raises(ValueError, match="weight_decay must be a float in"):
-        CoatAdamW([_p(16)], weight_decay=torch.tensor([0.1, 0.2]))
-
-
 def test_a_compiled_step_gives_the_eager_bits():
     """README: a compiled opt.step, or a compiled training step around it, runs it eagerly
     with the eager bits (dynamo's tracing, backend "eager": no C++ compiler needed), also as

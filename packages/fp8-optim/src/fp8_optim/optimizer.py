@@ -976,9 +976,8 @@ def _check_hyper(group: dict, read_lr: bool = True) -> None:
         if key not in group:
             raise ValueError(f"a parameter group lacks {key!r}")
     for key in ("lr", "eps", "weight_decay"):  # (a schedule may write numpy scalars)
-        x = group[key]  # (one-element CPU tensors of eps / weight_decay too, as torch's)
-        if not isinstance(x, int | float) and not (key == "lr" and isinstance(x, torch.Tensor)):
-            group[key] = _as_float(x)
+        if not isinstance(group[key], int | float | torch.Tensor):
+            group[key] = _as_float(group[key])
     betas = group["betas"]
     if isinstance(betas, tuple | list) and not all(isinstance(b, int | float) for b in betas):
         group["betas"] = tuple(_as_float(b) for b in betas)
