@@ -1548,6 +1548,14 @@ def test_numpy_and_tensor_scalars_are_taken_as_torch_takes_them():
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("name", ["eps", "weight_decay"])
+def test_a_tensor_eps_or_weight_decay_is_refused_naming_float(name):
+    """A tensor eps / weight_decay is refused in one line naming float(): read once as a
+    float, a schedule's later in-place change of the tensor would be ignored in silence."""
+    with pytest.raises(ValueError, match=rf"{name} must be a float .*pass float\({name}\)"):
+        CoatAdamW([_p(16)], **{name: torch.tensor(0.01)})
+
+
 def test_a_compiled_step_gives_the_eager_bits():
     """README: a compiled opt.step, or a compiled training step around it, runs it eagerly
     with the eager bits (dynamo's tracing, backend "eager": no C++ compiler needed), also as

@@ -701,7 +701,7 @@ class CoatAdamW(torch.optim.Optimizer):
         for pid, pstate in state_dict["state"].items():
             if pid not in id_map:
                 hint = ""
-                if not isinstance(pid, int):  # (keys a state-dict post-hook renamed)
+                if isinstance(pid, str) and not pid.isdigit():  # (renamed by a post-hook)
                     hint = (
                         ": its parameters are keyed by name, so register the load pre-hook "
                         "that maps the names back to the ids of param_groups' 'params' "
@@ -1010,8 +1010,9 @@ def _check_hyper(group: dict, read_lr: bool = True) -> None:
     for name in ("eps", "weight_decay"):
         x = group[name]
         if isinstance(x, bool) or not isinstance(x, int | float) or not (0.0 <= x <= _FP32_MAX):
+            hint = f": pass float({name}), set again when it changes" if torch.is_tensor(x) else ""
             raise ValueError(
-                f"{name} must be a float in [0, {_FP32_MAX:.4g}] (fp32's range), got {x!r}"
+                f"{name} must be a float in [0, {_FP32_MAX:.4g}] (fp32's range), got {x!r}{hint}"
             )
     if not isinstance(group["maximize"], bool):
         raise ValueError(f"maximize must be True or False, got {group['maximize']!r}")
