@@ -1128,6 +1128,21 @@ def test_a_refused_model_dir_prints_only_coat_train_s_line(tmp_path, mode):
     assert "is not a causal language model" in done.stderr
 
 
+def test_a_training_length_in_the_config_is_not_a_limit(tmp_path, capsys):
+    """BLOOM checkpoints' config.json carry the seq_length they were trained at; BLOOM (ALiBi)
+    runs past it, and a --seq-len beyond it was refused as too long."""
+    from transformers import BloomConfig
+
+    model_dir = tmp_path / "bloom"
+    BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=320, seq_length=64).save_pretrained(
+        model_dir
+    )
+    argv = ["--model-dir", model_dir, "--mode", "bf16", "--seq-len", "128", "--steps", "2",
+            "--batch-size", "2", "--out", tmp_path / "out", "--no-progress", *SMALL]  # fmt: skip
+    code, _, err = run(argv, capsys)
+    assert code == 0, err
+
+
 def test_a_model_no_mode_trains_is_refused_without_naming_another_mode(tmp_path, capsys):
     """A COAT mode refused BERT with "train it in bf16 or coat-optim", which refused it in turn
     (not causal): a model that no mode trains is said to be one. A causal model apply_coat does

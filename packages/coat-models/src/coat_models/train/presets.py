@@ -289,9 +289,9 @@ def _check_loaded(weights_dir, model, info: dict) -> None:
 
 # Where configs keep the longest sequence their model takes: GPT-2's n_positions reads as
 # max_position_embeddings too (transformers' attribute_map); Whisper's decoder keeps it in
-# max_target_positions, MPT (ALiBi) in max_seq_len.
-_LENGTH_KEYS = ("max_position_embeddings", "max_target_positions", "n_positions",
-                "max_sequence_length", "max_seq_len", "seq_length")  # fmt: skip
+# max_target_positions, MPT (ALiBi) in max_seq_len. Not seq_length: BLOOM checkpoints carry
+# it from their training run, and BLOOM (ALiBi) runs past it (check_length finds real limits).
+_LENGTH_KEYS = ("max_position_embeddings", "max_target_positions", "n_positions", "max_seq_len")
 
 
 def longest_sequence(config) -> tuple[int, str] | None:
