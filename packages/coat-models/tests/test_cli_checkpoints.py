@@ -11,7 +11,6 @@ import io
 import json
 import os
 import pickle
-import re
 import shutil
 import subprocess
 import sys
@@ -768,7 +767,9 @@ def test_second_process_on_one_out_is_refused(tmp_path):
     assert code == 0, err
 
 
-@pytest.mark.parametrize("earlier", [None, b"4242\n"], ids=["new", "earlier-run"])
+@pytest.mark.parametrize(
+    "earlier", [None, b"4242\n", b"4194303999\n"], ids=["new", "earlier-run", "longer-pid"]
+)
 def test_the_lock_file_never_reads_empty_while_it_is_taken(tmp_path, monkeypatch, earlier):
     """Another coat-train's checks read the lock file without locking it: one found empty
     (made, then locked, then written; or an earlier run's cut to nothing, then written) is
@@ -788,7 +789,7 @@ def test_the_lock_file_never_reads_empty_while_it_is_taken(tmp_path, monkeypatch
         def call(*args):
             result = real(*args)
             if (out / outdir.LOCK_FILE).exists():
-                seen.append((name, (out / outdir.LOCK_FILE).read_bytes()))
+                seen.append((name, (out / outdir.LOCK_FILE).read_bytes(), outdir._lock_of(out)))
             return result
 
         monkeypatch.setattr(os, name, call)
@@ -798,14 +799,14 @@ def test_the_lock_file_never_reads_empty_while_it_is_taken(tmp_path, monkeypatch
     real_flock = outdir.fcntl.flock
 
     def flock(fd, op):
-        seen.append(("flock", (out / outdir.LOCK_FILE).read_bytes()))
+        seen.append(("flock", (out / outdir.LOCK_FILE).read_bytes(), outdir._lock_of(out)))
         return real_flock(fd, op)
 
     monkeypatch.setattr(outdir.fcntl, "flock", flock)
     with outdir.output_lock(out):
         pass
     monkeypatch.undo()
-    assert seen and all(re.fullmatch(rb"\d+\n", content) for _, content in seen), seen
+    assert seen and all(ours for *_, ours in seen), seen  # coat-train's, at every step
     assert (out / outdir.LOCK_FILE).read_bytes() == f"{os.getpid()}\n".encode()
     assert sorted(p.name for p in out.iterdir()) == [outdir.LOCK_FILE]
 

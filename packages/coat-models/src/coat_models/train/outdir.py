@@ -105,7 +105,8 @@ def _lock_of(d: Path) -> bool | None:
         return False
     except OSError:  # unreadable: taken for coat-train's, and output_lock says what is wrong
         return True
-    return re.fullmatch(rb"\d+\n", content) is not None
+    # (its first line: a PID written over a longer one reads "28170\n3\n" until it is cut)
+    return re.match(rb"\d+\n", content) is not None
 
 
 def _check_not_inside_a_run(out: Path) -> None:
@@ -177,7 +178,7 @@ def _check_foreign(out: Path, modes: list[str]) -> None:
 
 
 def _in_use(out: Path, fd: int) -> str:
-    holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+    holder = os.pread(fd, 32, 0).decode(errors="replace").split("\n")[0].strip() or "unknown"
     return (
         f"--out {out} is in use by another coat-train (PID {holder}): wait for it to "
         "finish, or pass another --out"
@@ -216,16 +217,18 @@ def _open_lock(out: Path, pid: bytes) -> int:
     path = out / LOCK_FILE
     with contextlib.suppress(FileNotFoundError):
         return os.open(path, os.O_RDWR)
-    tmp = out / f"{LOCK_FILE}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    # (a name of its own: PIDs repeat across containers sharing --out)
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=f"{LOCK_FILE}.tmp-")
     try:
+        os.fchmod(fd, 0o644)
         os.write(fd, pid)
         os.link(tmp, path)
     except OSError:  # made meanwhile by another run, or no hard links on this file system
         os.close(fd)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     finally:
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     return fd
 
 
