@@ -1108,6 +1108,86 @@ def test_a_seq_len_the_model_cannot_run_is_found_by_a_forward(
     assert code == 0, err
 
 
+def _llama_config(**kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, max_position_embeddings=32, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "scaling,want",
+    [
+        (None, (32, "max_position_embeddings 32")),
+        ({"rope_type": "linear", "factor": 2.0}, (64, "RoPE scaled by 2 from 32 positions (64)")),
+        (
+            {"rope_type": "dynamic", "factor": 4.0},
+            (128, "RoPE scaled by 4 from 32 positions (128)"),
+        ),
+        (  # the factor applies to the original length
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+            (64, "RoPE scaled by 4 from 16 positions (64)"),
+        ),
+        (  # Llama 3.1's way: max_position_embeddings already the scaled length
+            {
+                "rope_type": "llama3",
+                "factor": 2.0,
+                "original_max_position_embeddings": 8,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+            },
+            (32, "max_position_embeddings 32"),
+        ),  # fmt: skip
+        ({"rope_type": "linear", "factor": 1.0}, (32, "max_position_embeddings 32")),
+    ],
+    ids=["plain", "linear", "dynamic", "yarn", "llama3", "factor-1"],
+)
+def test_longest_sequence_of_scaled_rope_is_the_scaled_length(scaling, want):
+    """A config whose RoPE is scaled by a factor, with max_position_embeddings left at the
+    base length, was refused past that length, the one it was scaled away from."""
+    from coat_models.train.presets import longest_sequence
+
+    config = _llama_config(**({} if scaling is None else {"rope_scaling": scaling}))
+    assert longest_sequence(config) == want
+
+
+def test_longest_sequence_reads_rope_scaling_per_layer_type():
+    """Configs with one RoPE table per layer type (Gemma 3's way): the longest scaled one."""
+    from types import SimpleNamespace
+
+    from coat_models.train.presets import longest_sequence
+
+    tables = {"full_attention": {"rope_type": "linear", "factor": 8.0},
+              "sliding_attention": {"rope_type": "default"}}  # fmt: skip
+    config = SimpleNamespace(max_position_embeddings=32, rope_parameters=tables)
+    assert longest_sequence(config) == (256, "RoPE scaled by 8 from 32 positions (256)")
+
+
+def test_model_dirs_past_their_max_positions_that_run_there_train(tmp_path, capsys):
+    """Falcon with ALiBi (its max_position_embeddings is its unused RoPE's) and a Llama whose
+    RoPE is scaled by 2 from its max_position_embeddings train at --seq-len past that
+    length (both were refused: "pass --seq-len <= 32"); past the scaled length the Llama
+    is refused, naming it."""
+    from transformers import FalconConfig
+
+    falcon = FalconConfig(vocab_size=320, hidden_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, alibi=True,
+                          max_position_embeddings=32)  # fmt: skip
+    falcon.save_pretrained(tmp_path / "falcon")
+    scaled = _llama_config(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    scaled.save_pretrained(tmp_path / "scaled")
+    common = ["--mode", "bf16", "--steps", "1", "--batch-size", "1", "--eval-batches", "1",
+              "--no-progress", "--no-export", *SMALL]  # fmt: skip
+    for name, seq_len in [("falcon", 48), ("scaled", 64)]:
+        argv = ["--model-dir", tmp_path / name, "--seq-len", seq_len, "--out", tmp_path / name]
+        code, _, err = run([*argv, *common], capsys)
+        assert code == 0, err
+    argv = ["--model-dir", tmp_path / "scaled", "--seq-len", 65, "--out", tmp_path / "o"]
+    code, _, err = run([*argv, *common], capsys)
+    assert code == 2 and "--seq-len 65 is longer than --model-dir" in err, err
+    assert err.endswith("'s RoPE scaled by 2 from 32 positions (64): pass --seq-len <= 64\n"), err
+
+
 @pytest.mark.parametrize("mode", ["bf16", "coat"])
 def test_a_refused_model_dir_prints_only_coat_train_s_line(tmp_path, mode):
     """transformers' advice while it builds a model (BERT's "add is_decoder=True") was

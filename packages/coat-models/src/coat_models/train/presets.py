@@ -298,10 +298,12 @@ def longest_sequence(config) -> tuple[int, str] | None:
     """(n, why): the longest sequence the causal LM of ``config`` takes, and the config value
     that says so (``"max_position_embeddings 1024"``); None where the config names none.
     Learned positions fail past their table (an IndexError at the first step); RoPE runs on,
-    at positions the model was not made for. RoBERTa's family (XLM-R, CamemBERT, ...) numbers
-    positions from pad_token_id + 1 (fairseq's way: its position table has a padding row), so
-    it takes max_position_embeddings - pad_token_id - 1: found on the model built on the meta
-    device (no memory). Other limits are ``check_length``'s, once the model is built."""
+    at positions the model was not made for (RoPE scaled by a factor: ``_scaled_rope``);
+    ALiBi (Falcon's ``alibi``) has no such length (its max_position_embeddings is its RoPE's,
+    unused then). RoBERTa's family (XLM-R, CamemBERT, ...) numbers positions from
+    pad_token_id + 1 (fairseq's way: its position table has a padding row), so it takes
+    max_position_embeddings - pad_token_id - 1: found on the model built on the meta device
+    (no memory). Other limits are ``check_length``'s, once the model is built."""
     from transformers import AutoModelForCausalLM
 
     # (XLNet's max_position_embeddings -1: no table of positions)
@@ -309,6 +311,12 @@ def longest_sequence(config) -> tuple[int, str] | None:
     if key is None:
         return None
     n, pad = getattr(config, key), getattr(config, "pad_token_id", None)
+    if key == "max_position_embeddings":
+        if getattr(config, "alibi", None) is True:
+            return None
+        scaled = _scaled_rope(config, n)
+        if scaled is not None:
+            return scaled
     if not isinstance(pad, int):  # (no padding row without a padding token)
         return n, f"{key} {n}"
     try:
@@ -325,6 +333,29 @@ def longest_sequence(config) -> tuple[int, str] | None:
         f"{key} {n} allows ({type(model).__name__} numbers positions from pad_token_id "
         f"{rows[0]} + 1)"
     )
+
+
+def _scaled_rope(config, n: int) -> tuple[int, str] | None:
+    """``longest_sequence``'s answer for RoPE scaled by a factor > 1 (linear, dynamic, YaRN,
+    Llama 3, ...: ``rope_parameters``, or ``rope_scaling`` in older configs, one dict or one
+    per layer type) to a length above max_position_embeddings ``n``: the factor times the
+    original length (``original_max_position_embeddings``, else ``n``); None otherwise.
+    A config that scaled its RoPE often kept max_position_embeddings at the base model's
+    length (a Llama-2 fine-tune with linear factor 2 says 4096 and trains at 8192)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    tables = [params] if not all(isinstance(v, dict) for v in params.values()) else params.values()
+    best = None
+    for table in tables:
+        factor, base = table.get("factor"), table.get("original_max_position_embeddings")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
+            continue
+        base = base if _positive(base) else n
+        length = int(base * factor)
+        if length > n and (best is None or length > best[0]):
+            best = length, f"RoPE scaled by {factor:g} from {base} positions ({length})"
+    return best
 
 
 def _positive(value) -> bool:
