@@ -1115,33 +1115,35 @@ def _llama_config(**kw):
                        num_attention_heads=2, max_position_embeddings=32, **kw)  # fmt: skip
 
 
+PLAIN = (32, "max_position_embeddings 32")
+LLAMA3 = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
 @pytest.mark.parametrize(
     "scaling,want",
     [
-        (None, (32, "max_position_embeddings 32")),
+        (None, PLAIN),
         ({"rope_type": "linear", "factor": 2.0}, (64, "RoPE scaled by 2 from 32 positions (64)")),
         (
             {"rope_type": "dynamic", "factor": 4.0},
             (128, "RoPE scaled by 4 from 32 positions (128)"),
         ),
-        (  # the factor applies to the original length
-            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-            (64, "RoPE scaled by 4 from 16 positions (64)"),
+        (  # Qwen2.5's YaRN: the original length is max_position_embeddings
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+            (128, "RoPE scaled by 4 from 32 positions (128)"),
         ),
-        (  # Llama 3.1's way: max_position_embeddings already the scaled length
-            {
-                "rope_type": "llama3",
-                "factor": 2.0,
-                "original_max_position_embeddings": 8,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-            },
-            (32, "max_position_embeddings 32"),
-        ),  # fmt: skip
-        ({"rope_type": "linear", "factor": 1.0}, (32, "max_position_embeddings 32")),
+        # max_position_embeddings past the original length is the scaled one already (it said
+        # 64 here, and 262144 for Llama 3.2's 131072)
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}, PLAIN),
+        ({**LLAMA3, "factor": 32.0, "original_max_position_embeddings": 2}, PLAIN),
+        ({"rope_type": "linear", "factor": 1.0}, PLAIN),
+        ({"rope_type": "default", "factor": 4.0}, PLAIN),  # (transformers ignores the factor)
+        ({"rope_type": "linear", "factor": float("inf")}, PLAIN),  # (an OverflowError traceback)
+        ({"rope_type": "linear", "factor": 1e308}, PLAIN),
     ],
-    ids=["plain", "linear", "dynamic", "yarn", "llama3", "factor-1"],
-)
+    ids=["plain", "linear", "dynamic", "yarn", "yarn-scaled-already", "llama3", "factor-1",
+         "default", "inf", "huge"],
+)  # fmt: skip
 def test_longest_sequence_of_scaled_rope_is_the_scaled_length(scaling, want):
     """A config whose RoPE is scaled by a factor, with max_position_embeddings left at the
     base length, was refused past that length, the one it was scaled away from."""
@@ -1151,16 +1153,23 @@ def test_longest_sequence_of_scaled_rope_is_the_scaled_length(scaling, want):
     assert longest_sequence(config) == want
 
 
-def test_longest_sequence_reads_rope_scaling_per_layer_type():
-    """Configs with one RoPE table per layer type (Gemma 3's way): the longest scaled one."""
-    from types import SimpleNamespace
-
+def test_longest_sequence_reads_rope_scaling_per_layer_type_and_not_on_a_table():
+    """One RoPE table per layer type (Gemma 3's): the scaled one is read; a rope_scaling in
+    the config of a model with learned positions (OPT) does not stretch its table (on CUDA
+    the index past it is a device-side assert)."""
     from coat_models.train.presets import longest_sequence
+    from transformers import Gemma3TextConfig, OPTConfig
 
-    tables = {"full_attention": {"rope_type": "linear", "factor": 8.0},
-              "sliding_attention": {"rope_type": "default"}}  # fmt: skip
-    config = SimpleNamespace(max_position_embeddings=32, rope_parameters=tables)
-    assert longest_sequence(config) == (256, "RoPE scaled by 8 from 32 positions (256)")
+    gemma = Gemma3TextConfig(vocab_size=320, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=16, max_position_embeddings=32,
+                             rope_scaling={"rope_type": "linear", "factor": 8.0})  # fmt: skip
+    assert longest_sequence(gemma) == (256, "RoPE scaled by 8 from 32 positions (256)")
+    opt = OPTConfig(vocab_size=320, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                    num_attention_heads=2, max_position_embeddings=32,
+                    word_embed_proj_dim=32)  # fmt: skip
+    opt.rope_scaling = {"type": "linear", "factor": 2.0}
+    assert longest_sequence(opt) == PLAIN
 
 
 def test_model_dirs_past_their_max_positions_that_run_there_train(tmp_path, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import pickle
 import sys
 from dataclasses import dataclass
@@ -302,8 +303,8 @@ def longest_sequence(config) -> tuple[int, str] | None:
     ALiBi (Falcon's ``alibi``) has no such length (its max_position_embeddings is its RoPE's,
     unused then). RoBERTa's family (XLM-R, CamemBERT, ...) numbers positions from
     pad_token_id + 1 (fairseq's way: its position table has a padding row), so it takes
-    max_position_embeddings - pad_token_id - 1: found on the model built on the meta device
-    (no memory). Other limits are ``check_length``'s, once the model is built."""
+    max_position_embeddings - pad_token_id - 1. Both are found on the model built on the
+    meta device (no memory). Other limits are ``check_length``'s, once the model is built."""
     from transformers import AutoModelForCausalLM
 
     # (XLNet's max_position_embeddings -1: no table of positions)
@@ -311,51 +312,79 @@ def longest_sequence(config) -> tuple[int, str] | None:
     if key is None:
         return None
     n, pad = getattr(config, key), getattr(config, "pad_token_id", None)
+    plain, scaled = (n, f"{key} {n}"), None
     if key == "max_position_embeddings":
         if getattr(config, "alibi", None) is True:
             return None
         scaled = _scaled_rope(config, n)
-        if scaled is not None:
-            return scaled
-    if not isinstance(pad, int):  # (no padding row without a padding token)
-        return n, f"{key} {n}"
+    if scaled is None and not isinstance(pad, int):  # (no padding row without a padding token)
+        return plain
     try:
         with torch.device("meta"), quiet_transformers():
             model = AutoModelForCausalLM.from_config(config)
+        tokens = model.get_input_embeddings()
     except Exception:  # (no causal LM of this config: count_params says so)
-        return n, f"{key} {n}"
+        return plain
     rows = [m.padding_idx for name, m in model.named_modules()
             if isinstance(m, torch.nn.Embedding) and "position" in name
             and m.num_embeddings == n and m.padding_idx is not None]  # fmt: skip
-    if not rows:
-        return n, f"{key} {n}"
-    return n - rows[0] - 1, (
-        f"{key} {n} allows ({type(model).__name__} numbers positions from pad_token_id "
-        f"{rows[0]} + 1)"
-    )
+    if rows and isinstance(pad, int):
+        return n - rows[0] - 1, (
+            f"{key} {n} allows ({type(model).__name__} numbers positions from pad_token_id "
+            f"{rows[0]} + 1)"
+        )
+    # A scaling factor stretches RoPE's frequencies (its modules' inv_freq), not a table of
+    # learned positions (OPT's, GPT-2's: a stray rope_scaling in their config.json).
+    rope = any(name.endswith("inv_freq") for name, _ in model.named_buffers())
+    table = any(isinstance(m, torch.nn.Embedding) and m is not tokens and m.num_embeddings >= n
+                for m in model.modules())  # fmt: skip
+    return scaled if scaled is not None and rope and not table else plain
+
+
+# The rope types whose "factor" makes a longer context (transformers' ROPE_INIT_FUNCTIONS
+# but "default", which ignores a factor).
+_SCALED_ROPE = frozenset({"linear", "dynamic", "yarn", "longrope", "llama3"})
 
 
 def _scaled_rope(config, n: int) -> tuple[int, str] | None:
-    """``longest_sequence``'s answer for RoPE scaled by a factor > 1 (linear, dynamic, YaRN,
-    Llama 3, ...: ``rope_parameters``, or ``rope_scaling`` in older configs, one dict or one
-    per layer type) to a length above max_position_embeddings ``n``: the factor times the
-    original length (``original_max_position_embeddings``, else ``n``); None otherwise.
-    A config that scaled its RoPE often kept max_position_embeddings at the base model's
-    length (a Llama-2 fine-tune with linear factor 2 says 4096 and trains at 8192)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if not isinstance(params, dict):
-        return None
-    tables = [params] if not all(isinstance(v, dict) for v in params.values()) else params.values()
+    """``longest_sequence``'s answer for RoPE scaled by a factor > 1 (``_SCALED_ROPE``:
+    ``rope_parameters``, or ``rope_scaling`` in older configs, one table or one per layer
+    type) to a length above max_position_embeddings ``n``, or None. With
+    ``original_max_position_embeddings`` below ``n``, ``n`` is the scaled length already
+    (Llama 3.1/3.2, DeepSeek-V3); at or above it, the factor times it (Qwen2.5's YaRN keeps
+    32768 in both). Without it, the factor times ``n``: configs that scaled their RoPE often
+    kept max_position_embeddings at the base model's length (a Llama-2 fine-tune with linear
+    factor 4 says 4096 and trains at 16384); others wrote the scaled length there (Gemma 3),
+    where this reads more than the model was made for (RoPE runs on: nothing fails)."""
     best = None
-    for table in tables:
-        factor, base = table.get("factor"), table.get("original_max_position_embeddings")
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
+    for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+        if not isinstance(params, dict):
             continue
-        base = base if _positive(base) else n
-        length = int(base * factor)
-        if length > n and (best is None or length > best[0]):
-            best = length, f"RoPE scaled by {factor:g} from {base} positions ({length})"
+        per_type = [v for v in params.values() if isinstance(v, dict)]
+        for table in per_type or [params]:
+            kind = table.get("rope_type", table.get("type"))
+            factor, base = table.get("factor"), table.get("original_max_position_embeddings")
+            if not isinstance(kind, str) or kind not in _SCALED_ROPE or not _finite(factor):
+                continue
+            if not factor > 1:
+                continue
+            if _finite(base) and base > 0 and base == int(base):
+                if base < n:
+                    continue  # (n is the scaled length)
+                base = int(base)
+            else:
+                base = n
+            length = base * factor
+            if not math.isfinite(length):
+                continue  # (an absurd factor: no length read)
+            length = int(length)
+            if length > n and (best is None or length > best[0]):
+                best = length, f"RoPE scaled by {factor:g} from {base} positions ({length})"
     return best
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _positive(value) -> bool:
