@@ -1108,6 +1108,25 @@ def test_a_seq_len_the_model_cannot_run_is_found_by_a_forward(
     assert code == 0, err
 
 
+def test_a_model_dir_whose_model_runs_no_forward_is_one_line(tmp_path, capsys):
+    """A config transformers builds but whose model runs nothing (more key/value heads than
+    heads): one line naming the model's error, nothing written (it was a traceback at step 1,
+    exit 1)."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=4,
+                max_position_embeddings=64).save_pretrained(tmp_path / "qwen2")  # fmt: skip
+    before = sorted(tmp_path.rglob("*"))
+    argv = ["--model-dir", tmp_path / "qwen2", "--mode", "bf16", "--steps", "1", "--seq-len", 32,
+            "--out", tmp_path / "out", "--no-progress", *SMALL]  # fmt: skip
+    code, _, err = run(argv, capsys)
+    assert code == 2 and err.startswith("coat-train: error: "), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "Qwen2ForCausalLM cannot run a forward (" in err and "check its config.json" in err
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def _llama_config(**kw):
     from transformers import LlamaConfig
 

@@ -550,7 +550,8 @@ def check_length(model, model_dir, seq_len: int) -> None:
     """Refuse a --seq-len that ``model`` cannot run, whatever says so (a limit under a config
     key ``longest_sequence`` does not read, an offset of its own): one forward of ``seq_len``
     tokens, none of them the padding token (RoBERTa's positions skip those), as the first
-    step would run; where it fails and two tokens run, halving finds the longest that runs.
+    step would run; where it fails and two tokens run, halving finds the longest that runs;
+    where two tokens fail too, through the whole model as well, the model is refused.
     (On CUDA an index past a table is a device-side assert, which the process does not come
     back from: the probe catches the failures raised on the host, e.g. a shape mismatch.)"""
     device = next(model.parameters()).device
@@ -574,8 +575,23 @@ def check_length(model, model_dir, seq_len: int) -> None:
     model.eval()  # (no dropout)
     try:
         failure = error(seq_len)
-        if failure is None or error(2) is not None:
-            return  # (it runs; or it runs nothing: training says what it needs)
+        if failure is None:
+            return
+        if error(2) is not None:
+            # It runs nothing: refused where the whole model fails too, as the first step
+            # would (a config transformers let through, e.g. more key/value heads than
+            # heads: a traceback at step 1).
+            try:
+                with torch.no_grad():
+                    model(input_ids=torch.full((1, 2), token, device=device))
+            except Exception as e:
+                if is_oom(e):
+                    raise
+                raise ModelError(
+                    f"--model-dir {model_dir}: {type(model).__name__} cannot run a forward "
+                    f"({first_line(e)}): check its config.json"
+                ) from None
+            return  # (its body alone failed: training says what it needs)
         runs, fails = 2, seq_len
         while fails - runs > 1:
             mid = (runs + fails) // 2
