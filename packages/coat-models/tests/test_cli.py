@@ -1151,17 +1151,29 @@ LLAMA3 = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0
             {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
             (128, "RoPE scaled by 4 from 32 positions (128)"),
         ),
-        # max_position_embeddings past the original length is the scaled one already (it said
-        # 64 here, and 262144 for Llama 3.2's 131072)
-        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}, PLAIN),
+        (  # Qwen3's YaRN: 4 x 32768 beside max_position_embeddings 40960
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 24},
+            (96, "RoPE scaled by 4 from 24 positions (96)"),
+        ),
+        # Llama 3's max_position_embeddings past the original length is the scaled one
+        # already (Llama 3.2's 131072 read as 262144)
         ({**LLAMA3, "factor": 32.0, "original_max_position_embeddings": 2}, PLAIN),
+        (
+            {**LLAMA3, "factor": 2.0, "original_max_position_embeddings": 32},
+            (64, "RoPE scaled by 2 from 32 positions (64)"),
+        ),
         ({"rope_type": "linear", "factor": 1.0}, PLAIN),
         ({"rope_type": "default", "factor": 4.0}, PLAIN),  # (transformers ignores the factor)
         ({"rope_type": "linear", "factor": float("inf")}, PLAIN),  # (an OverflowError traceback)
         ({"rope_type": "linear", "factor": 1e308}, PLAIN),
+        ({"rope_type": "linear", "factor": 10**400}, PLAIN),  # (an OverflowError traceback)
+        (
+            {"rope_type": "proportional", "factor": 2.0},
+            (64, "RoPE scaled by 2 from 32 positions (64)"),
+        ),
     ],
-    ids=["plain", "linear", "dynamic", "yarn", "yarn-scaled-already", "llama3", "factor-1",
-         "default", "inf", "huge"],
+    ids=["plain", "linear", "dynamic", "yarn", "yarn-qwen3", "llama3.2", "llama3-original",
+         "factor-1", "default", "inf", "huge", "huge-int", "proportional"],
 )  # fmt: skip
 def test_longest_sequence_of_scaled_rope_is_the_scaled_length(scaling, want):
     """A config whose RoPE is scaled by a factor, with max_position_embeddings left at the
@@ -1184,6 +1196,21 @@ def test_longest_sequence_reads_rope_scaling_per_layer_type_and_not_on_a_table()
                              head_dim=16, max_position_embeddings=32,
                              rope_scaling={"rope_type": "linear", "factor": 8.0})  # fmt: skip
     assert longest_sequence(gemma) == (256, "RoPE scaled by 8 from 32 positions (256)")
+    # Gemma 3n's per-layer token embeddings (more rows than positions) are not a table of
+    # positions (it read 32)
+    from transformers import Gemma3nTextConfig
+
+    gemma3n = Gemma3nTextConfig(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=64,
+                                hidden_size_per_layer_input=8, num_hidden_layers=2,
+                                num_kv_shared_layers=0, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                max_position_embeddings=32, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention"],
+                                altup_num_inputs=2, laurel_rank=8,
+                                activation_sparsity_pattern=[0.0] * 2)  # fmt: skip
+    full = gemma3n.rope_parameters["full_attention"]
+    gemma3n.rope_parameters["full_attention"] = {**full, "rope_type": "linear", "factor": 2.0}
+    assert longest_sequence(gemma3n) == (64, "RoPE scaled by 2 from 32 positions (64)")
     opt = OPTConfig(vocab_size=320, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
                     num_attention_heads=2, max_position_embeddings=32,
                     word_embed_proj_dim=32)  # fmt: skip

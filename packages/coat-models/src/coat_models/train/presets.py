@@ -336,27 +336,33 @@ def longest_sequence(config) -> tuple[int, str] | None:
     # A scaling factor stretches RoPE's frequencies (its modules' inv_freq), not a table of
     # learned positions (OPT's, GPT-2's: a stray rope_scaling in their config.json).
     rope = any(name.endswith("inv_freq") for name, _ in model.named_buffers())
-    table = any(isinstance(m, torch.nn.Embedding) and m is not tokens and m.num_embeddings >= n
-                for m in model.modules())  # fmt: skip
+    # (exactly n rows, or named so: OPT's has 2 more; Gemma3n's per-layer token embeddings
+    # have more rows than n and are no positions)
+    table = any(isinstance(m, torch.nn.Embedding) and m is not tokens
+                and (m.num_embeddings == n or "position" in name)
+                for name, m in model.named_modules())  # fmt: skip
     return scaled if scaled is not None and rope and not table else plain
 
 
-# The rope types whose "factor" makes a longer context (transformers' ROPE_INIT_FUNCTIONS
-# but "default", which ignores a factor).
-_SCALED_ROPE = frozenset({"linear", "dynamic", "yarn", "longrope", "llama3"})
+# The rope types whose "factor" makes a longer context (transformers 5.25's
+# ROPE_INIT_FUNCTIONS: "default" ignores a factor).
+_SCALED_ROPE = frozenset({"linear", "dynamic", "yarn", "longrope", "llama3", "proportional"})
 
 
 def _scaled_rope(config, n: int) -> tuple[int, str] | None:
     """``longest_sequence``'s answer for RoPE scaled by a factor > 1 (``_SCALED_ROPE``:
     ``rope_parameters``, or ``rope_scaling`` in older configs, one table or one per layer
-    type) to a length above max_position_embeddings ``n``, or None. With
-    ``original_max_position_embeddings`` below ``n``, ``n`` is the scaled length already
-    (Llama 3.1/3.2, DeepSeek-V3); at or above it, the factor times it (Qwen2.5's YaRN keeps
-    32768 in both). Without it, the factor times ``n``: configs that scaled their RoPE often
-    kept max_position_embeddings at the base model's length (a Llama-2 fine-tune with linear
+    type) to a length above max_position_embeddings ``n``, or None: the factor times
+    ``original_max_position_embeddings`` (Qwen2.5's YaRN: 4 x 32768 beside 32768; Qwen3's:
+    4 x 32768 beside 40960), but Llama 3's rope type has ``n`` as its scaled length where
+    ``n`` is longer (Llama 3.1: factor 8 from 8192 beside 131072; 3.2: 32 from 8192). Without an
+    original length, the factor times ``n``: configs that scaled their RoPE often kept
+    max_position_embeddings at the base model's length (a Llama-2 fine-tune with linear
     factor 4 says 4096 and trains at 16384); others wrote the scaled length there (Gemma 3),
     where this reads more than the model was made for (RoPE runs on: nothing fails)."""
     best = None
+    if not _finite(n):
+        return None
     for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
         if not isinstance(params, dict):
             continue
@@ -368,13 +374,10 @@ def _scaled_rope(config, n: int) -> tuple[int, str] | None:
                 continue
             if not factor > 1:
                 continue
-            if _finite(base) and base > 0 and base == int(base):
-                if base < n:
-                    continue  # (n is the scaled length)
-                base = int(base)
-            else:
-                base = n
-            length = base * factor
+            base = int(base) if _finite(base) and base > 0 and base == int(base) else n
+            if kind == "llama3" and base < n:
+                continue  # (n is its scaled length)
+            length = float(base) * factor
             if not math.isfinite(length):
                 continue  # (an absurd factor: no length read)
             length = int(length)
@@ -384,7 +387,12 @@ def _scaled_rope(config, n: int) -> tuple[int, str] | None:
 
 
 def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # (an int past float's range)
+        return False
 
 
 def _positive(value) -> bool:
