@@ -1127,6 +1127,33 @@ def test_a_model_dir_whose_model_runs_no_forward_is_one_line(tmp_path, capsys):
     assert sorted(tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("kind", ["xlstm", "minimax"])
+def test_model_dirs_with_caches_of_their_own_train(tmp_path, capsys, kind):
+    """Models whose forward keeps a cache class of its own get none (use_cache=False), not
+    coat-train's NoKVCache: xLSTM read its recurrent states off it (an AttributeError
+    traceback at step 1), MiniMax refused it (a ValueError traceback)."""
+    import transformers
+
+    if kind == "xlstm":
+        config = transformers.xLSTMConfig(vocab_size=320, hidden_size=64, embedding_dim=64,
+                                          num_heads=4, num_blocks=2, num_hidden_layers=2,
+                                          chunk_size=16)  # fmt: skip
+    else:
+        layers = ["linear_attention", "full_attention"]
+        config = transformers.MiniMaxConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, head_dim=16,
+                                            num_local_experts=4, num_experts_per_tok=2,
+                                            block_size=16, max_position_embeddings=64,
+                                            layer_types=layers)  # fmt: skip
+    config.save_pretrained(tmp_path / kind)
+    argv = ["--model-dir", tmp_path / kind, "--mode", "bf16", "--steps", "2", "--seq-len", 32,
+            "--batch-size", "1", "--eval-batches", "1", "--out", tmp_path / "out",
+            "--no-progress", "--no-export", *SMALL]  # fmt: skip
+    code, _, err = run(argv, capsys)
+    assert code == 0, err
+
+
 def _llama_config(**kw):
     from transformers import LlamaConfig
 
