@@ -519,12 +519,13 @@ class Trainer:
         model = getattr(model, "_orig_mod", model)  # and torch.compile
         params = inspect.signature(model.forward).parameters
         names = [n for n in ("cache", "past_key_values") if n in params]
-        self._cache_kwargs = {names[0]: no_kv_cache(model.config)} if names else {}
         dynamic = getattr(type(model), "_supports_default_dynamic_cache", None)
         if names and dynamic is not None and not dynamic():
             # A cache of its own (xLSTM read its states off NoKVCache, MiniMax refused it):
             # none made instead.
             self._cache_kwargs = {"use_cache": lambda: False} if "use_cache" in params else {}
+        else:
+            self._cache_kwargs = {names[0]: no_kv_cache(model.config)} if names else {}
         self.meter = PeakMeter(device)
         self.step = 0  # optimizer steps done
         self._queued: list[tuple] = []  # (step, loss, grad norm, lr) not yet read, on the device
