@@ -1127,14 +1127,23 @@ def test_a_model_dir_whose_model_runs_no_forward_is_one_line(tmp_path, capsys):
     assert sorted(tmp_path.rglob("*")) == before
 
 
-@pytest.mark.parametrize("kind", ["xlstm", "minimax"])
+@pytest.mark.parametrize("kind", ["xlstm", "minimax", "no-attention"])
 def test_model_dirs_with_caches_of_their_own_train(tmp_path, capsys, kind):
-    """Models whose forward keeps a cache class of its own get none (use_cache=False), not
-    coat-train's NoKVCache: xLSTM read its recurrent states off it (an AttributeError
-    traceback at step 1), MiniMax refused it (a ValueError traceback)."""
+    """Models whose forward keeps a cache class of its own, or a hybrid without attention
+    layers, get none (use_cache=False), not coat-train's NoKVCache: xLSTM read its recurrent
+    states off it (an AttributeError traceback at step 1), MiniMax refused it, and the
+    hybrid's mask code asked it for attention sizes (ValueError tracebacks)."""
     import transformers
 
-    if kind == "xlstm":
+    if kind == "no-attention":  # (its forward takes use_cache through **kwargs)
+        config = transformers.GraniteMoeHybridConfig(
+            vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, shared_intermediate_size=128, mamba_n_heads=4,
+            mamba_d_head=32, mamba_d_state=8, mamba_chunk_size=16,
+            layer_types=["mamba", "mamba"],
+        )  # fmt: skip
+    elif kind == "xlstm":
         config = transformers.xLSTMConfig(vocab_size=320, hidden_size=64, embedding_dim=64,
                                           num_heads=4, num_blocks=2, num_hidden_layers=2,
                                           chunk_size=16)  # fmt: skip
@@ -1152,6 +1161,24 @@ def test_model_dirs_with_caches_of_their_own_train(tmp_path, capsys, kind):
             "--no-progress", "--no-export", *SMALL]  # fmt: skip
     code, _, err = run(argv, capsys)
     assert code == 0, err
+
+
+def test_a_model_dir_config_its_model_code_cannot_take_is_one_line(tmp_path, capsys):
+    """A config whose values the model's code cannot take (Nemotron's num_key_value_heads
+    None, which it divides by): one line, nothing written (a TypeError traceback)."""
+    from transformers import NemotronConfig
+
+    NemotronConfig(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=None,
+                   intermediate_size=128).save_pretrained(tmp_path / "nemotron")  # fmt: skip
+    before = sorted(tmp_path.rglob("*"))
+    argv = ["--model-dir", tmp_path / "nemotron", "--mode", "bf16", "--steps", "1",
+            "--out", tmp_path / "out", "--no-progress", *SMALL]  # fmt: skip
+    code, _, err = run(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "cannot build a causal LM from this config (TypeError: " in err
+    assert err.endswith("check its config.json\n"), err
+    assert sorted(tmp_path.rglob("*")) == before
 
 
 def _llama_config(**kw):

@@ -133,6 +133,11 @@ def count_params(config, modes, weights_dir=None, model_dir=None) -> int:
         raise ModelError(
             f"cannot build a causal LM from this config ({first_line(e)}): check its sizes"
         ) from None
+    except Exception as e:  # values its code cannot take (a None where a number goes)
+        raise ModelError(
+            f"cannot build a causal LM from this config ({type(e).__name__}: {first_line(e)}): "
+            "check its config.json"
+        ) from None
     if weights_dir is not None:
         check_weight_shapes(Path(weights_dir), model)
     fp8 = [m for m in modes if MODES[m][0]]

@@ -335,15 +335,19 @@ class NoKVCache(DynamicCache):
         return key_states, value_states
 
 
-def no_kv_cache(config) -> Callable[[], NoKVCache]:
+def no_kv_cache(config) -> Callable[[], NoKVCache] | None:
     """What makes each training forward's ``NoKVCache``: an empty one where every layer is
     attention; built from ``config`` where layers keep other states (conv or recurrent
     states of hybrid models: LFM2, Jamba, Qwen3-Next, ...), which read them from their
     cache layers (an empty cache has none: an IndexError at the first step). Those states
-    are kept for the forward; keys and values still are not."""
+    are kept for the forward; keys and values still are not. None where no layer is
+    attention (a hybrid's config of Mamba layers only: transformers' mask code asks the
+    cache's attention layers for their sizes, a ValueError without one)."""
     layers = DynamicCache(config=config).layers
-    plain = all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
-    return NoKVCache if plain else functools.partial(NoKVCache, config=config)
+    attention = [type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers]
+    if layers and not any(attention):
+        return None
+    return NoKVCache if all(attention) else functools.partial(NoKVCache, config=config)
 
 
 @contextlib.contextmanager
@@ -520,12 +524,17 @@ class Trainer:
         params = inspect.signature(model.forward).parameters
         names = [n for n in ("cache", "past_key_values") if n in params]
         dynamic = getattr(type(model), "_supports_default_dynamic_cache", None)
-        if names and dynamic is not None and not dynamic():
-            # A cache of its own (xLSTM read its states off NoKVCache, MiniMax refused it):
-            # none made instead.
-            self._cache_kwargs = {"use_cache": lambda: False} if "use_cache" in params else {}
+        # A cache of its own (xLSTM read its states off NoKVCache, MiniMax refused it), or no
+        # attention layer to keep nothing for: none made instead.
+        own = dynamic is not None and not dynamic()
+        make = no_kv_cache(model.config) if names and not own else None
+        if make is not None:
+            self._cache_kwargs = {names[0]: make}
         else:
-            self._cache_kwargs = {names[0]: no_kv_cache(model.config)} if names else {}
+            takes = "use_cache" in params or any(
+                p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+            )  # (GraniteMoeHybrid's forward takes it through **kwargs)
+            self._cache_kwargs = {"use_cache": lambda: False} if names and takes else {}
         self.meter = PeakMeter(device)
         self.step = 0  # optimizer steps done
         self._queued: list[tuple] = []  # (step, loss, grad norm, lr) not yet read, on the device
