@@ -1127,15 +1127,22 @@ def test_a_model_dir_whose_model_runs_no_forward_is_one_line(tmp_path, capsys):
     assert sorted(tmp_path.rglob("*")) == before
 
 
-@pytest.mark.parametrize("kind", ["xlstm", "minimax", "no-attention"])
+@pytest.mark.parametrize("kind", ["xlstm", "minimax", "no-attention", "recurrent_gemma"])
 def test_model_dirs_with_caches_of_their_own_train(tmp_path, capsys, kind):
     """Models whose forward keeps a cache class of its own, or a hybrid without attention
     layers, get none (use_cache=False), not coat-train's NoKVCache: xLSTM read its recurrent
     states off it (an AttributeError traceback at step 1), MiniMax refused it, and the
-    hybrid's mask code asked it for attention sizes (ValueError tracebacks)."""
+    hybrid's mask code asked it for attention sizes (ValueError tracebacks); RecurrentGemma
+    makes its own (given one, it kept step 1's states: a traceback at step 2)."""
     import transformers
 
-    if kind == "no-attention":  # (its forward takes use_cache through **kwargs)
+    if kind == "recurrent_gemma":
+        config = transformers.RecurrentGemmaConfig(
+            vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=1, lru_width=64,
+            attention_window_size=16, conv1d_width=4,
+        )  # fmt: skip
+    elif kind == "no-attention":  # (its forward takes use_cache through **kwargs)
         config = transformers.GraniteMoeHybridConfig(
             vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
@@ -1156,7 +1163,7 @@ def test_model_dirs_with_caches_of_their_own_train(tmp_path, capsys, kind):
                                             block_size=16, max_position_embeddings=64,
                                             layer_types=layers)  # fmt: skip
     config.save_pretrained(tmp_path / kind)
-    argv = ["--model-dir", tmp_path / kind, "--mode", "bf16", "--steps", "2", "--seq-len", 32,
+    argv = ["--model-dir", tmp_path / kind, "--mode", "bf16", "--steps", "3", "--seq-len", 32,
             "--batch-size", "1", "--eval-batches", "1", "--out", tmp_path / "out",
             "--no-progress", "--no-export", *SMALL]  # fmt: skip
     code, _, err = run(argv, capsys)

@@ -523,6 +523,10 @@ class Trainer:
         model = getattr(model, "_orig_mod", model)  # and torch.compile
         params = inspect.signature(model.forward).parameters
         names = [n for n in ("cache", "past_key_values") if n in params]
+        if hasattr(getattr(model, "base_model", None), "_setup_cache"):
+            # RecurrentGemma resets the states its modules hold only when it makes its cache
+            # itself: given one, step 2 backpropagated into step 1's freed graph.
+            names = []
         dynamic = getattr(type(model), "_supports_default_dynamic_cache", None)
         # A cache of its own (xLSTM read its states off NoKVCache, MiniMax refused it), or no
         # attention layer to keep nothing for: none made instead.
