@@ -350,6 +350,28 @@ def no_kv_cache(config) -> Callable[[], NoKVCache] | None:
     return NoKVCache if all(attention) else functools.partial(NoKVCache, config=config)
 
 
+def training_cache_kwargs(model) -> dict[str, Callable]:
+    """The cache keywords of each training forward of ``model`` (a name -> a factory of its
+    value): ``no_kv_cache``'s under the forward's cache argument (``cache``, or
+    ``past_key_values`` in older transformers); ``use_cache=False`` for models with a cache
+    class of their own (xLSTM read its states off NoKVCache, MiniMax refused it) or no
+    attention layer to keep nothing for; none for RecurrentGemma, which resets the states
+    its modules hold only when it makes its cache itself (given one, step 2 backpropagated
+    into step 1's freed graph)."""
+    params = inspect.signature(model.forward).parameters
+    names = [n for n in ("cache", "past_key_values") if n in params]
+    if not names or hasattr(getattr(model, "base_model", None), "_setup_cache"):
+        return {}
+    dynamic = getattr(type(model), "_supports_default_dynamic_cache", None)
+    make = None if dynamic is not None and not dynamic() else no_kv_cache(model.config)
+    if make is not None:
+        return {names[0]: make}
+    takes = "use_cache" in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+    )  # (GraniteMoeHybrid's forward takes it through **kwargs)
+    return {"use_cache": lambda: False} if takes else {}
+
+
 @contextlib.contextmanager
 def frozen_heap():
     """Within it, Python's collector skips the objects alive before it (torch, transformers,
@@ -518,27 +540,9 @@ class Trainer:
         )
         self.scheduler = lr_scheduler(self.optimizer, cfg)
         self.tracker = MemoryTracker(self.model, grad_hooks=strategy != "fsdp")
-        # The forward's cache argument is cache or (older transformers) past_key_values.
         model = getattr(self.model, "module", self.model)  # DDP wraps the model
         model = getattr(model, "_orig_mod", model)  # and torch.compile
-        params = inspect.signature(model.forward).parameters
-        names = [n for n in ("cache", "past_key_values") if n in params]
-        if hasattr(getattr(model, "base_model", None), "_setup_cache"):
-            # RecurrentGemma resets the states its modules hold only when it makes its cache
-            # itself: given one, step 2 backpropagated into step 1's freed graph.
-            names = []
-        dynamic = getattr(type(model), "_supports_default_dynamic_cache", None)
-        # A cache of its own (xLSTM read its states off NoKVCache, MiniMax refused it), or no
-        # attention layer to keep nothing for: none made instead.
-        own = dynamic is not None and not dynamic()
-        make = no_kv_cache(model.config) if names and not own else None
-        if make is not None:
-            self._cache_kwargs = {names[0]: make}
-        else:
-            takes = "use_cache" in params or any(
-                p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
-            )  # (GraniteMoeHybrid's forward takes it through **kwargs)
-            self._cache_kwargs = {"use_cache": lambda: False} if names and takes else {}
+        self._cache_kwargs = training_cache_kwargs(model)
         self.meter = PeakMeter(device)
         self.step = 0  # optimizer steps done
         self._queued: list[tuple] = []  # (step, loss, grad norm, lr) not yet read, on the device
