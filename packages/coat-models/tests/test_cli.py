@@ -972,7 +972,8 @@ BAD_INPUTS = [
     (["--model-dir", "{bad_tokenizer}", *SMALL], "cannot read its tokenizer"),
     # torch's text after the header: "re-running torch.load with weights_only set to False"
     (["--model-dir", "{bad_bin}", *SMALL], "pytorch_model.bin is not a torch.save file: replace"),
-    (["--model-dir", "{gpt2}", "--mode", "coat", *SMALL], "mode coat: apply_coat supports Llama"),
+    # the reason first, not after apply_coat's ~350-character text of what it supports
+    (["--model-dir", "{gpt2}", "--mode", "coat", *SMALL], "mode coat: apply_coat: GPT2LMHeadModel"),
     (["--model-dir", "{pad}", *SMALL], "pad_token_id 400 is not a token of its vocabulary (vo"),
     # (transformers' list of every causal LM config class, one line of ~4 KB, came after)
     (["--model-dir", "{t5}", *SMALL], "AutoModelForCausalLM.; coat-train trains decoder-only"),
@@ -2333,9 +2334,11 @@ def test_compare_refuses_a_layer_that_only_the_probe_tells_apart_before_any_mode
     out = tmp_path / "o"
     code, _, err = run(["--model-dir", d, "--compare", "bf16,coat", "--out", out, *FAST[2:]],
                        capsys)  # fmt: skip
-    assert code == 2 and "mode coat: apply_coat supports " in err, err
-    assert "layer 0 of GraniteForCausalLM (GraniteDecoderLayer) is not supported" in err
+    assert code == 2, err
+    layer = "layer 0 of GraniteForCausalLM (GraniteDecoderLayer)"
+    assert f"mode coat: apply_coat: {layer} is not supported: " in err
     assert "computes something else" in err and err.count("\n") == 1
+    assert "apply_coat supports" not in err and len(err) < 400, err
     assert err.endswith("; train it in bf16 or coat-optim, or pass a Llama-shaped model\n")
     assert not out.exists()
 

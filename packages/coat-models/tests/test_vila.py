@@ -506,7 +506,8 @@ def test_freeze_vision():
 
 def test_non_llava_models_get_a_clear_error():
     llama = transformers.LlamaForCausalLM(llava_tiny_config().text_config)
-    with pytest.raises(TypeError, match=r"supports LLaVA-style.*use coat_models.apply_coat"):
+    reason_then_supported = r"use coat_models.apply_coat\. apply_coat_vlm supports LLaVA-style"
+    with pytest.raises(TypeError, match=reason_then_supported):
         apply_coat_vlm(llama)
     with pytest.raises(TypeError, match="supports LLaVA-style"):
         apply_coat_vlm(torch.nn.Linear(16, 16))

@@ -603,7 +603,18 @@ FILTER_HINT = "; module_filter_fn can leave such layers out"
 
 
 class UnsupportedModel(TypeError):
-    """A model (or layer) that ``apply_coat`` cannot convert; the message says why."""
+    """A model (or layer) that ``apply_coat`` cannot convert; the message says why.
+
+    ``reason``: what is wrong with this model, first in the message; ``supported`` True adds
+    what ``apply_coat`` supports after it (the long text, ``SUPPORTED``). ``reason`` is the
+    message without that tail (what coat-train prints)."""
+
+    def __init__(self, reason: str, supported: bool = False):
+        super().__init__(reason, supported)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.reason}. apply_coat supports {SUPPORTED}" if self.args[1] else self.reason
 
 
 def _base_model(model: nn.Module) -> nn.Module:
@@ -616,9 +627,10 @@ def _base_model(model: nn.Module) -> nn.Module:
     for attr in ("layers", "rotary_emb"):
         if not hasattr(base, attr):
             raise UnsupportedModel(
-                f"apply_coat supports {SUPPORTED}; {type(model).__name__} has no "
+                f"apply_coat: {type(model).__name__} has no "
                 f"{'base model ' if base is not model else ''}attribute {attr!r}"
-                + _language_model_hint(model, base)
+                + _language_model_hint(model, base),
+                supported=True,
             )
     return base
 
@@ -1064,8 +1076,9 @@ def convert_llama(
         if problem is not None:
             hint = FILTER_HINT if passed else ""
             raise UnsupportedModel(
-                f"apply_coat supports {SUPPORTED}; layer {index} of {type(model).__name__} "
-                f"({type(layer).__name__}) is not supported: {problem}{hint}"
+                f"apply_coat: layer {index} of {type(model).__name__} "
+                f"({type(layer).__name__}) is not supported: {problem}{hint}",
+                supported=True,
             )
         passed = True
     for index, (layer, convert) in enumerate(zip(layers, keep, strict=True)):

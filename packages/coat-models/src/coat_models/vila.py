@@ -70,8 +70,9 @@ def _llava_parts(model: nn.Module) -> nn.Module:
     if hasattr(model, "layers") or hasattr(getattr(model, "model", None), "layers"):
         hint = "; for a language-only model use coat_models.apply_coat"
     raise TypeError(
-        f"apply_coat_vlm supports {SUPPORTED}; {type(model).__name__} has no "
-        f"vision_tower/multi_modal_projector/language_model{hint}"
+        f"apply_coat_vlm: {type(model).__name__} has no "
+        f"vision_tower/multi_modal_projector/language_model{hint}. apply_coat_vlm supports "
+        f"{SUPPORTED}"
     )
 
 
@@ -199,7 +200,7 @@ def _convert(
         )
     except UnsupportedModel as e:  # (not what module_filter_fn raises: that passes as it is)
         raise UnsupportedModel(
-            f"apply_coat_vlm: the language model is not supported: {e}"
+            f"apply_coat_vlm: the language model is not supported: {e.reason}", e.args[1]
         ) from None
     converted = ["multi_modal_projector"] + (["vision_tower"] if vision else [])
     # A plain attribute: not a buffer, so the state dict does not see it. Set before the

@@ -148,7 +148,9 @@ def count_params(config, modes, weights_dir=None, model_dir=None) -> int:
         try:
             apply_coat(model)
         except TypeError as e:
-            why = str(e).replace(FILTER_HINT, "")  # (apply_coat's option: no CLI flag has it)
+            # The reason without apply_coat's long text of what it supports (the remedy
+            # below says it), nor its option (no CLI flag has it).
+            why = getattr(e, "reason", str(e)).replace(FILTER_HINT, "")
             if model_dir is not None:  # (bf16 and coat-optim refuse what is not causal)
                 check_causal_config(config, model_dir)
             raise ModelError(
