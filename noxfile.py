@@ -25,14 +25,8 @@ TORCH = os.environ.get("COAT_TORCH_SPEC", "torch==2.13.0")
 
 
 def _install(session):
-    # Python writes the bytecode of what the tests import as they import it (even where the
-    # caller's environment said not to: this venv is the session's own), instead of pip
-    # compiling every module of torch, transformers, ... at install time: pip took 100 s on
-    # CI's 2 cores that way, 50 s without, and the first import pays ~10 s once.
-    session.env["PYTHONDONTWRITEBYTECODE"] = ""
     # One pip run resolves everything at once (four runs took 18 s longer on CI's 2 cores).
     session.install(
-        "--no-compile",
         TORCH,
         # pytest-xdist: the CPU suite on every core (CI has two), and the GPU suite's -n 4.
         "pytest",
