@@ -1680,6 +1680,48 @@ def test_hf_trainer(tmp_path, monkeypatch):
     assert metrics["eval_loss"] == pytest.approx(want, rel=1e-6)
 
 
+def test_hf_trainer_resumes_coat_adamw_bit_for_bit(tmp_path):
+    """Hugging Face Trainer's own checkpoints (``optimizer.pt`` through its ``torch.load``,
+    the model's safetensors) with CoatAdamW on a COAT model: resumed at step 2 of 4, the
+    losses, weights and every optimizer state tensor equal the uninterrupted run's."""
+    pytest.importorskip("accelerate")
+    stream = token_stream(4, batch=4)
+    train = [{"input_ids": x, "labels": x} for x in stream.reshape(-1, stream.shape[-1])]
+
+    def run(out, steps, resume=None):
+        model = apply_coat(tiny_llama())
+        args = transformers.TrainingArguments(
+            output_dir=str(out), max_steps=steps, per_device_train_batch_size=4,
+            learning_rate=3e-3, weight_decay=0.1, lr_scheduler_type="constant", logging_steps=1,
+            save_strategy="steps", save_steps=2, report_to="none", use_cpu=True,
+            disable_tqdm=True, seed=1,
+        )  # fmt: skip
+        optimizer = coat_models.create_optimizer(model, lr=3e-3, weight_decay=0.1)
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=train, optimizers=(optimizer, None)
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        losses = [(log["step"], log["loss"]) for log in trainer.state.log_history if "loss" in log]
+        return trainer, losses
+
+    whole, want = run(tmp_path / "whole", 4)
+    run(tmp_path / "cut", 2)
+    resumed, got = run(tmp_path / "cut", 4, resume=str(tmp_path / "cut" / "checkpoint-2"))
+    assert got[-2:] == want[-2:] and len(want) == 4
+    got_params = dict(resumed.model.named_parameters())
+    for name, p in whole.model.named_parameters():
+        assert torch.equal(p, got_params[name]), name
+    a, b = whole.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert a.keys() == b.keys() and a
+    for key in a:
+        assert a[key].keys() == b[key].keys()
+        for name, t in a[key].items():  # bit for bit (FP8 states, scales, the step)
+            u = b[key][name]
+            assert t.dtype == u.dtype and t.shape == u.shape, (key, name)
+            bits = (t, u) if t.dim() == 0 else (t.view(torch.uint8), u.view(torch.uint8))
+            assert torch.equal(*bits), (key, name)
+
+
 # ---------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_gpu_bf16_logits_and_gradients():
