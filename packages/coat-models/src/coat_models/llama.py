@@ -605,16 +605,22 @@ FILTER_HINT = "; module_filter_fn can leave such layers out"
 class UnsupportedModel(TypeError):
     """A model (or layer) that ``apply_coat`` cannot convert; the message says why.
 
-    ``reason``: what is wrong with this model, first in the message; ``supported`` True adds
-    what ``apply_coat`` supports after it (the long text, ``SUPPORTED``). ``reason`` is the
-    message without that tail (what coat-train prints)."""
+    ``UnsupportedModel(reason, supported=False)`` (positional: exceptions take no keywords):
+    ``reason`` is what is wrong with this model, first in the message; a true ``supported``
+    adds what ``apply_coat`` supports after it (the long text, ``SUPPORTED``). No
+    ``__init__`` of its own: torch.compile traces the raise inside a compiled layer."""
 
-    def __init__(self, reason: str, supported: bool = False):
-        super().__init__(reason, supported)
-        self.reason = reason
+    @property
+    def reason(self) -> str:
+        """The message without what ``apply_coat`` supports (what coat-train prints)."""
+        return str(self.args[0]) if self.args else ""
+
+    @property
+    def supported(self) -> bool:
+        return len(self.args) > 1 and bool(self.args[1])
 
     def __str__(self) -> str:
-        return f"{self.reason}. apply_coat supports {SUPPORTED}" if self.args[1] else self.reason
+        return f"{self.reason}. apply_coat supports {SUPPORTED}" if self.supported else self.reason
 
 
 def _base_model(model: nn.Module) -> nn.Module:
@@ -630,7 +636,7 @@ def _base_model(model: nn.Module) -> nn.Module:
                 f"apply_coat: {type(model).__name__} has no "
                 f"{'base model ' if base is not model else ''}attribute {attr!r}"
                 + _language_model_hint(model, base),
-                supported=True,
+                True,  # supported: what apply_coat supports follows
             )
     return base
 
@@ -1078,7 +1084,7 @@ def convert_llama(
             raise UnsupportedModel(
                 f"apply_coat: layer {index} of {type(model).__name__} "
                 f"({type(layer).__name__}) is not supported: {problem}{hint}",
-                supported=True,
+                True,  # supported: what apply_coat supports follows
             )
         passed = True
     for index, (layer, convert) in enumerate(zip(layers, keep, strict=True)):

@@ -200,7 +200,9 @@ def _convert(
         )
     except UnsupportedModel as e:  # (not what module_filter_fn raises: that passes as it is)
         raise UnsupportedModel(
-            f"apply_coat_vlm: the language model is not supported: {e.reason}", e.args[1]
+            "apply_coat_vlm: the language model is not supported: "
+            + e.reason.removeprefix("apply_coat: "),
+            e.supported,
         ) from None
     converted = ["multi_modal_projector"] + (["vision_tower"] if vision else [])
     # A plain attribute: not a buffer, so the state dict does not see it. Set before the
