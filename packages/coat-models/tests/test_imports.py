@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -211,6 +210,15 @@ sys.exit(coat_models.train.main())
 """
 
 
+# Each child first takes SIGINT as a terminal's foreground job does (Python's handler, not
+# blocked): a child inherits an ignored or blocked SIGINT, and once the test worker's was
+# either, the Ctrl-C never came (a full run, status 0).
+_AS_FROM_A_TERMINAL = """
+import signal
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+"""
+
 _WRAPPED_INTERRUPT = """
 import os, signal, sys
 
@@ -271,11 +279,6 @@ sys.exit(code)
 """
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (a child inherits the mask)
-
-
 def test_console_script_status_is_the_runs_whatever_signal_comes_around_it():
     """A Ctrl-C during the imports that a library wrapped in its own error came
     out as that error's traceback; a signal after the run was reported (the second of
@@ -286,11 +289,8 @@ def test_console_script_status_is_the_runs_whatever_signal_comes_around_it():
     refused = "coat-train: error: use --mode or --compare, not both\n"
     for code, status, err in ((_WRAPPED_INTERRUPT, 130, said), (_SIGNAL_AFTER_THE_RUN, 0, ""),
                               (_IGNORED_SIGINT, 2, refused)):  # fmt: skip
-        # Started as from a terminal (SIGINT's default action, not blocked): a child inherits
-        # an ignored or blocked SIGINT, and once the test worker's was either the Ctrl-C never
-        # came (a full run, status 0).
-        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                             text=True, timeout=120, preexec_fn=_default_sigint)  # fmt: skip
+        run = subprocess.run([sys.executable, "-c", _AS_FROM_A_TERMINAL + code], env=env,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
         assert (run.returncode, run.stderr) == (status, err), run.stderr[-2000:]
 
 
