@@ -73,8 +73,10 @@ TARGET_MB, TARGET_MS = 640.0, 12.0
 # coat_graphed: COAT with coat_models.enable_cuda_graphs (weight cache off: each call casts
 # the weights, as after every optimizer step; fwd+bwd replayed from CUDA graphs, no compile):
 # the layer's GPU time without the host time of its ~55 launches.
+# coat_planned: COAT with coat_models.plans.enable_launch_plans (weight cache off): fwd+bwd
+# replayed from a recorded launch plan, eagerly.
 VARIANTS = ["bf16_eager", "bf16_compile", "torchao_float8_compile", "coat", "coat_compile",
-            "coat_cudagraphs", "coat_graphed"]  # fmt: skip
+            "coat_cudagraphs", "coat_graphed", "coat_planned"]  # fmt: skip
 RESULTS: dict[str, dict] = {}
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -102,7 +104,8 @@ def _layer(variant: str):
         from coat_models import apply_coat
         from fp8_activations import FP8ActivationConfig
 
-        apply_coat(model, config=FP8ActivationConfig(weight_cache=variant != "coat_graphed"))
+        cache = variant not in ("coat_graphed", "coat_planned")
+        apply_coat(model, config=FP8ActivationConfig(weight_cache=cache))
     elif variant == "torchao_float8_compile":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -112,6 +115,10 @@ def _layer(variant: str):
         from coat_models import enable_cuda_graphs
 
         enable_cuda_graphs(model)  # recorded at the first call, replayed after
+    elif variant == "coat_planned":
+        from coat_models.plans import enable_launch_plans
+
+        enable_launch_plans(model)  # recorded at the first call, replayed after
     if variant.endswith("compile"):
         run = torch.compile(layer)
     elif variant.endswith("cudagraphs"):

@@ -1685,21 +1685,24 @@ def test_hf_trainer(tmp_path, monkeypatch):
     assert metrics["eval_loss"] == pytest.approx(want, rel=1e-6)
 
 
-def test_hf_trainer_resumes_coat_adamw_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_hf_trainer_resumes_coat_adamw_bit_for_bit(tmp_path, device):
     """Hugging Face Trainer's own checkpoints (``optimizer.pt`` through its ``torch.load``,
     the model's safetensors) with CoatAdamW on a COAT model: resumed at step 2 of 4, the
-    losses, weights and every optimizer state tensor equal the uninterrupted run's."""
+    losses, weights and every optimizer state tensor equal the uninterrupted run's. On the
+    GPU: the Triton kernels, fp32 master weights under Trainer's bf16 autocast."""
     pytest.importorskip("accelerate")
     stream = token_stream(4, batch=4)
     train = [{"input_ids": x, "labels": x} for x in stream.reshape(-1, stream.shape[-1])]
+    gpu = device == "cuda"
 
     def run(out, steps, resume=None):
         # Resumed, other initial weights: only the checkpoint can make the runs agree.
-        model = apply_coat(tiny_llama(7 if resume else 0))
+        model = apply_coat(tiny_llama(7 if resume else 0).to(device))
         args = transformers.TrainingArguments(
             output_dir=str(out), max_steps=steps, per_device_train_batch_size=4,
             learning_rate=3e-3, weight_decay=0.1, lr_scheduler_type="constant", logging_steps=1,
-            save_strategy="steps", save_steps=2, report_to="none", use_cpu=True,
+            save_strategy="steps", save_steps=2, report_to="none", use_cpu=not gpu, bf16=gpu,
             disable_tqdm=True, seed=1,
         )  # fmt: skip
         optimizer = coat_models.create_optimizer(model, lr=3e-3, weight_decay=0.1)

@@ -218,3 +218,39 @@ def test_gpu_launch_goes_direct_through_the_module_cache(monkeypatch):
     got = module.tensor_amax_multi(xs)
     assert len(through_triton) == before  # the direct launch
     assert all(torch.equal(a, b) for a, b in zip(got, reference.tensor_amax_multi(xs), strict=True))
+
+
+def test_recorded_launches_hand_over_the_launcher_they_went_through(kernel):
+    """``recorded_launches``: each launch runs inside ``during`` and is then recorded with
+    its specialization's ``Launcher`` (the first launch of one too: it compiled and cached
+    it); the Launcher starts the same call from addresses, and says which tensors were
+    specialized as 16-byte aligned."""
+    x, y = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16)
+    seen, depth = [], []
+
+    class During:
+        def __enter__(self):
+            depth.append(1)
+
+        def __exit__(self, *exc):
+            depth.pop()
+
+    def record(k, grid, args, meta, launcher):
+        assert not depth  # after the launch, outside `during`
+        seen.append((k, grid, args, meta, launcher))
+
+    with _launch.recorded_launches(record, During):
+        launch(kernel, (3,), x, y, 4096, 1e-6, BLOCK=64)
+        launch(kernel, (5, 2), x, y[1:], 4096, 1e-5, BLOCK=64)  # y unaligned: jit again
+        launch(kernel, (5, 2), x, y, 4096, 1e-5, BLOCK=64)
+    launch(kernel, (1,), x, y, 4096, 1e-6, BLOCK=64)  # outside: not recorded
+    assert [e[0] for e in kernel.log] == ["jit", "jit", "direct", "direct"]
+    assert len(seen) == 3 and all(s[0] is kernel for s in seen)
+    first, unaligned, direct = (s[4] for s in seen)
+    assert first.aligned == (True, True, False, False) and first == direct
+    assert unaligned.aligned == (True, False, False, False)
+    kernel.log.clear()
+    direct((7,), 99, [x.data_ptr(), y.data_ptr(), 4096, 1e-5])
+    want = (x.data_ptr(), y.data_ptr(), 4096, 1e-5, 64, True)
+    assert kernel.log == [("direct", (7, 1, 1), 99, want)]
+    assert _launch._dispatch.__name__ == "_dispatch"  # restored

@@ -121,29 +121,39 @@ def _coat_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if getattr(type(m), "_coat_decoder_layer", False) is True]
 
 
-def enable_cuda_graphs(model: nn.Module) -> nn.Module:
-    """Let the COAT decoder layers of ``model`` (after ``apply_coat``) run their training
-    forward and backward as CUDA graphs, recorded at the first training forward of each new
-    input shape (see the module docstring for the conditions). Returns ``model``."""
+def replayable_layers(model: nn.Module, name: str, what: str) -> list[nn.Module]:
+    """The COAT decoder layers of ``model`` for ``name`` (``enable_cuda_graphs`` or
+    ``enable_launch_plans``), which replays ``what`` was recorded: raises ``ValueError``
+    for a model without COAT layers, a layer appearing twice, compiled layers, or a layer
+    with the FP8 weight cache on (a Python-side decision a recording cannot hold)."""
     layers = _coat_layers(model)
     if not layers:
-        raise ValueError("enable_cuda_graphs needs a model converted with apply_coat first")
+        raise ValueError(f"{name} needs a model converted with apply_coat first")
     if len({id(layer) for layer in layers}) != len(layers):
-        raise ValueError("enable_cuda_graphs: a decoder layer appears twice in the model")
+        raise ValueError(f"{name}: a decoder layer appears twice in the model")
     # compiling.COMPILED (that module imports this one): both would take over the layers.
     if any(getattr(layer, "_coat_compiled", False) for layer in layers):
         raise ValueError(
-            "enable_cuda_graphs: the decoder layers are compiled (compile_layers); CUDA graphs "
-            "and compiled layers both take over the layers: use one of them"
+            f"{name}: the decoder layers are compiled (compile_layers); {what} and compiled "
+            "layers both take over the layers: use one of them"
         )
     for layer in layers:
         cfg = layer.coat_config
         if cfg is None or cfg.weight_cache:
             raise ValueError(
-                "CUDA graphs replay what was recorded, so the FP8 weight cache (a Python-side "
+                f"{what} replay what was recorded, so the FP8 weight cache (a Python-side "
                 "decision) must be off: "
                 "apply_coat(model, config=FP8ActivationConfig(weight_cache=False))"
             )
+    return layers
+
+
+def enable_cuda_graphs(model: nn.Module) -> nn.Module:
+    """Let the COAT decoder layers of ``model`` (after ``apply_coat``) run their training
+    forward and backward as CUDA graphs, recorded at the first training forward of each new
+    input shape (see the module docstring for the conditions). Returns ``model``."""
+    layers = replayable_layers(model, "enable_cuda_graphs", "CUDA graphs")
+    for layer in layers:
         if any(type(p.data) is not torch.Tensor for p in layer.parameters()):
             raise ValueError(
                 "enable_cuda_graphs needs plain parameters that keep their storage (FSDP and "

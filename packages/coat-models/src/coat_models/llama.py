@@ -25,7 +25,7 @@ from fp8_activations.ops import drop_cached_weight_fp8
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import blocks, graphs, reference
+from . import blocks, graphs, plans, reference
 from .loss import linear_cross_entropy
 
 SUPPORTED = (
@@ -768,10 +768,14 @@ class _CoatDecoderLayer(_CoatMixin):
             cos_sin = tuple(_in_dtype(t, compute) for t in cos_sin)
         mask = kwargs.pop("attention_mask", None)
         out = graphs.run_graphed(self, hidden_states, cos_sin, mask, cache, kwargs, checkpointing)
+        if out is None:  # enable_launch_plans: the recorded step
+            out = plans.run_planned(
+                self, hidden_states, cos_sin, mask, cache, kwargs, checkpointing
+            )
         # Under checkpointing the fp32 output is kept as the next layer's checkpoint input:
         # it must not keep the bf16 one alive too (and no FP8 hand-over is made to reuse).
         to_dtype = _plain_to_dtype if checkpointing else _to_dtype
-        if out is not None:  # enable_cuda_graphs: the recorded layer
+        if out is not None:  # the recorded layer (CUDA graphs or a launch plan)
             return to_dtype(out, dtype)
         with torch.autocast(device, enabled=False):
             out = blocks.decoder_layer(

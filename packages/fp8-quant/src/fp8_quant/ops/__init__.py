@@ -10,7 +10,7 @@ take a ``GroupLaunch`` (their launch shape; benchmarks compare shapes through it
 """
 
 from ._host import cdiv, next_pow2
-from ._launch import launch, ordinary_launches, traced_launches
+from ._launch import Launcher, launch, ordinary_launches, recorded_launches, traced_launches
 from .fp8_round import (
     abs_max,
     fp8_encode,
@@ -28,6 +28,7 @@ from .tensor_amax_multi import tensor_amax_multi
 
 __all__ = [
     "GroupLaunch",
+    "Launcher",
     "abs_max",
     "cdiv",
     "fp8_encode",
@@ -42,6 +43,7 @@ __all__ = [
     "quantize_per_tensor",
     "quantize_per_tensor_multi",
     "quantize_per_tensor_transpose",
+    "recorded_launches",
     "round_to_fp8_grid",
     "tensor_amax",
     "tensor_amax_multi",

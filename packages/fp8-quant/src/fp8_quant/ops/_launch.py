@@ -25,6 +25,8 @@ the first launch to see every launch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Callable
 
 import torch
 import triton
@@ -64,6 +66,59 @@ def traced_launches():
         yield
     finally:
         _TRACED -= 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Launcher:
+    """One specialization's compiled launcher, as ``launch`` calls it: ``run(grid0, grid1,
+    grid2, stream, function, packed, None, None, None, *args, *tail)`` starts the kernel,
+    ``args`` being the positional arguments with each tensor as its address (an int).
+    ``aligned[i]``: whether argument ``i`` is a tensor whose address the kernel was
+    specialized as 16-byte aligned (another address must be so too to run it)."""
+
+    run: Callable
+    function: int
+    packed: object
+    tail: tuple
+    aligned: tuple
+
+    def __call__(self, grid: tuple[int, ...], stream: int, args) -> None:
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        self.run(grid[0], g1, g2, stream, self.function, self.packed, None, None, None,
+                 *args, *self.tail)  # fmt: skip
+
+
+@contextlib.contextmanager
+def recorded_launches(record: Callable, during: Callable = contextlib.nullcontext):
+    """Within this context every ``launch`` runs as usual, inside ``during()``, and then
+    calls ``record(kernel, grid, args, meta, launcher)``: ``launcher`` is the ``Launcher``
+    of the launch's specialization (cached by this launch if it was the first), or None
+    where launches take Triton's own path (the interpreter, ``ordinary_launches``,
+    ``traced_launches``, Triton's launch hooks set at the first launch). A record of the
+    launches a step makes (coat_models' launch plans). Not thread-local."""
+    global _dispatch
+    real = _dispatch
+
+    def dispatch(kernel, grid, args, meta, interpreting, cache):
+        with during():
+            real(kernel, grid, args, meta, interpreting, cache)
+        launcher = None
+        if not (interpreting or _ORDINARY or _TRACED):
+            key, _ = _keys(args)
+            site = (id(kernel), len(args), tuple(meta.items()), torch._C._cuda_getDevice())
+            entry = cache.get(site, {}).get(key)
+            if entry is not None:
+                aligned = tuple(type(k) is tuple and k[1] is True and isinstance(k[0], torch.dtype)
+                                for k in key)  # fmt: skip
+                launcher = Launcher(*entry, aligned)
+        record(kernel, grid, args, meta, launcher)
+
+    _dispatch = dispatch
+    try:
+        yield
+    finally:
+        _dispatch = real
 
 
 def launches_traced() -> bool:

@@ -1,0 +1,611 @@
+"""Launch plans: a COAT decoder layer's training step replayed from a record of its kernels.
+
+Eagerly, most of a COAT layer's host time goes to Python, autograd, allocations and views
+around its ~30 Triton launches and 21 FP8 GEMMs; at a few thousand tokens per GPU the GPU
+then waits for the host. CUDA graphs (``graphs``) remove that host time but need inputs and
+parameters at fixed addresses. A launch plan removes most of it and takes each call's
+tensors where they are: with ``enable_launch_plans(model)`` the first training forward of a
+COAT layer at a new key (the shapes, strides and dtypes of its input, RoPE tables and
+parameters, which of them require grad, the layer's FP8 config) records one forward +
+backward of the layer on stand-ins (every ATen op below autograd and every Triton launch, in
+order) and turns the record into a plan:
+
+* buffers the step allocates and does not hand out get fixed addresses: those backward reads
+  in an arena of the layer's own, the others (temporaries of one direction) in one scratch
+  buffer per model, packed by lifetime; their views are made once;
+* views, detaches and those allocations are dropped; every other ATen op (the GEMMs,
+  attention and its backward, small reductions) is called again, the same overload with the
+  same arguments; each Triton launch goes straight to the compiled launcher that its eager
+  launch found, with the arguments' addresses;
+* the layer input, RoPE tables, parameters and incoming gradient are the call's own tensors
+  (their addresses may change between calls), as are the outputs of the ops called again;
+  the output, input gradient and parameter gradients are fresh tensors each call.
+
+Later calls at that key run the plan in one autograd node: the same kernels on the same
+arguments in the same order, so the eager path's bits (as under CUDA graphs, the layer
+output carries no FP8 hand-over; the next layer quantizes it itself, to the same bits). A
+call a plan does not cover runs eagerly:
+
+* an attention mask, a KV cache holding tokens, extra attention keywords, gradient
+  checkpointing, RoPE tables that require grad, ``torch.compile`` tracing;
+* a forward while the layer's previous planned forward still waits for its backward (the
+  arena holds that step's saved activations); a backward whose arena was overwritten since
+  (``retain_graph=True`` and a later forward) raises;
+* a record that reads a tensor from outside the step (a Python-side cache, a constant made
+  before it) is not turned into a plan: the layer stays eager at that key, and
+  ``launch_plan_refusals(model)`` says why.
+
+The FP8 weight cache must be off (``FP8ActivationConfig(weight_cache=False)``): whether a
+weight is cast is a Python-side decision a record cannot hold. The arenas stay allocated
+between steps (CUDA graphs' memory pool does the same); ``disable_launch_plans(model)`` frees
+them. Recording patches ``fp8_quant.ops``' launcher for its duration: not thread-safe.
+Under FSDP (parameters re-gathered at other addresses) plans are untested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from fp8_quant.ops import launch, recorded_launches, triton_interpreting
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+# Allocation ops: their output is a buffer the plan places itself (no op called again).
+_ALLOCS = frozenset(
+    {
+        aten.empty.memory_format,
+        aten.empty_like.default,
+        aten.empty_strided.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+    }
+)
+_ALIGN = 256  # arena offsets: the caching allocator's alignment (Triton specializes on 16)
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLANS = "_coat_launch_plans"  # on each layer: key -> _Plan or the reason there is none
+
+
+class _NoPlan(Exception):
+    """A record that cannot be replayed; the message says why."""
+
+
+# ------------------------------------------------------------------------------ recording
+def _interpreted(device: torch.device) -> bool:
+    """Whether launches on ``device`` go through Triton's own path (its interpreter)."""
+    return triton_interpreting() or device.type != "cuda"
+
+
+def _base_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _view_meta(t: torch.Tensor) -> tuple:
+    return (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+class _Recorder(TorchDispatchMode):
+    """Describes every ATen op below autograd as it runs (and every Triton launch, through
+    ``_recording_launches``), by the storages it reads and writes: no tensor of the step is
+    kept alive by the record. Each storage is a buffer: an input (given per call), the output
+    of an op called again (per call), or allocated by the step (``"alloc"``: placed by the
+    plan, or per call where it is handed out). A storage freed and reused by a later
+    allocation is a new buffer from there on. Ops run inside a launch (the interpreter's own)
+    are not recorded."""
+
+    def __init__(self, interpreted: bool):
+        super().__init__()
+        self.interpreted = interpreted  # launches through Triton's own path (no launcher)
+        self.phase = "fwd"
+        self.quiet = 0
+        self.program: dict[str, list] = {"fwd": [], "bwd": []}
+        self.by_ptr: dict[int, int] = {}
+        self.kind: list[str] = []  # "in", "op" or "alloc"
+        self.nbytes: list[int] = []
+        self.first: list[str] = []  # the phase that made it ("in" for inputs)
+        self.phases: list[set] = []  # the phases that read or write it
+        self.meta: list[tuple] = []  # the view its producer (or the caller) gave
+        self.start: list[int] = []  # index of the op that made it, in its phase
+        self.last: list[int] = []  # index of the last op of its phase that used it
+
+    def add(self, t: torch.Tensor, kind: str, phase: str) -> int:
+        b = len(self.kind)
+        self.by_ptr[_base_ptr(t)] = b
+        self.kind.append(kind)
+        self.nbytes.append(t.untyped_storage().nbytes())
+        self.first.append(phase)
+        self.phases.append(set())
+        self.meta.append(_view_meta(t))
+        self.start.append(len(self.program.get(phase, ())))
+        self.last.append(self.start[-1])
+        return b
+
+    def ref(self, t: torch.Tensor, phase: str):
+        if t.untyped_storage().nbytes() == 0:  # (no data: address 0, shared by all such)
+            return ("k", torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device))
+        b = self.by_ptr.get(_base_ptr(t))
+        if b is None:
+            raise _NoPlan(
+                f"the step reads a {tuple(t.shape)} {t.dtype} tensor made outside it (a "
+                "Python-side cache or constant)"
+            )
+        self.phases[b].add(phase)
+        if phase in self.program:
+            self.last[b] = len(self.program[phase])
+        return ("t", b, _view_meta(t))
+
+    def describe(self, value, phase: str):
+        if isinstance(value, torch.Tensor):
+            return self.ref(value, phase)
+        if isinstance(value, (list, tuple)):
+            return ("seq", type(value), [self.describe(v, phase) for v in value])
+        return ("lit", value)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.quiet or func.is_view:
+            # A view is metadata: its consumers are described by its buffer and view.
+            return out
+        phase = self.phase
+        described = (self.describe(list(args), phase),
+                     {k: self.describe(v, phase) for k, v in kwargs.items()})  # fmt: skip
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        if len(outs) > len(func._schema.returns):
+            raise _NoPlan(f"{func} returned more than its schema says")
+        produced = []
+        for ret, o in zip(func._schema.returns, outs, strict=False):
+            if (
+                isinstance(o, torch.Tensor)
+                and ret.alias_info is None
+                and o.untyped_storage().nbytes()
+            ):
+                produced.append(self.add(o, "alloc" if func in _ALLOCS else "op", phase))
+            else:
+                produced.append(None)  # in place, a view, or no data: no new buffer
+        seq = isinstance(out, (list, tuple))
+        self.program[phase].append(("op", func, described, produced, seq))
+        return out
+
+    def launch(self, kernel, grid, args, meta, launcher) -> None:
+        phase = self.phase
+        described = [self.describe(a, phase) for a in args]
+        self.program[phase].append(("launch", kernel, tuple(grid), described, dict(meta), launcher))
+
+
+def _recording_launches(rec: _Recorder):
+    """``recorded_launches`` adding each launch to ``rec`` (the ops a launch runs itself,
+    the interpreter's, are not recorded)."""
+
+    @contextlib.contextmanager
+    def quietly():
+        rec.quiet += 1
+        try:
+            yield
+        finally:
+            rec.quiet -= 1
+
+    def record(kernel, grid, args, meta, launcher):
+        if launcher is None and not rec.interpreted:
+            raise _NoPlan(f"a launch of {kernel} went through Triton's own path (launch hooks?)")
+        rec.launch(kernel, grid, args, meta, launcher)
+
+    return recorded_launches(record, quietly)
+
+
+def _record(body, inputs: dict, params: list, grad: torch.Tensor) -> tuple:
+    """Run ``body(**inputs)`` (one output tensor) and its backward under the recorder.
+    ``inputs``: name -> tensor (their gradients are asked for where they require grad);
+    ``params``: the parameters' stand-ins (leaves sharing the parameters' storage);
+    ``grad``: the incoming gradient (made before). Returns ``(recorder, names, escaping)``:
+    names of the inputs' buffers (``param<i>`` for the parameters, ``grad``) and the
+    descriptions of what the step hands out (``out``, ``d<input name>``)."""
+    rec = _Recorder(_interpreted(grad.device))
+    names = {}
+    for name, t in [
+        *inputs.items(),
+        ("grad", grad),
+        *((f"param{i}", p) for i, p in enumerate(params)),
+    ]:
+        if _base_ptr(t) in rec.by_ptr:
+            raise _NoPlan(f"{name} shares its storage with another input or parameter")
+        names[name] = rec.add(t, "in", "in")
+    wrt = {n: t for n, t in inputs.items() if t.requires_grad}
+    wrt.update((f"param{i}", p) for i, p in enumerate(params) if p.requires_grad)
+    with _recording_launches(rec), rec:
+        out = body(**inputs)
+        if not out.requires_grad:
+            raise _NoPlan("nothing in the step requires grad")
+        rec.phase = "bwd"
+        grads = torch.autograd.grad(out, list(wrt.values()), grad, allow_unused=True)
+        rec.phase = "out"
+        escaping = {"out": rec.ref(out, "out")}
+        results = {"out": out.detach()}
+        for name, g in zip(wrt, grads, strict=True):
+            escaping["d" + name] = None if g is None else rec.ref(g, "out")
+            results[name] = g
+    return rec, names, escaping, results
+
+
+# ------------------------------------------------------------------------------ the plan
+def _pack(sizes: dict[int, int], spans: dict[int, tuple[int, int]]) -> tuple[dict, int]:
+    """Offsets for buffers live over ``spans`` (first, last op index, inclusive), two
+    buffers sharing bytes only where their spans do not meet: ``({buffer: offset}, total)``."""
+    placed: list[tuple[int, int, int, int]] = []  # (offset, end offset, first, last)
+    offsets, total = {}, 0
+    for b in sorted(sizes, key=lambda b: (spans[b][0], -sizes[b])):
+        size = -(-sizes[b] // _ALIGN) * _ALIGN
+        first, last = spans[b]
+        busy = sorted((o, e) for o, e, f, l_ in placed if not (l_ < first or last < f))
+        offset = 0
+        for o, e in busy:
+            if offset + size <= o:
+                break
+            offset = max(offset, e)
+        placed.append((offset, offset + size, first, last))
+        offsets[b] = offset
+        total = max(total, offset + size)
+    return offsets, total
+
+
+class _Plan:
+    """A recorded layer step: ``forward(inputs, params) -> (out, saved)`` and
+    ``backward(saved, grad) -> {name: gradient}``. ``scratch_bytes`` is what it needs of the
+    model's shared scratch buffer, given by ``place(scratch)`` before the first call."""
+
+    def __init__(self, rec: _Recorder, names: dict, escaping: dict, device):
+        self.device, self.names, self.escaping = device, names, escaping
+        self.interpreted = rec.interpreted
+        self.meta = rec.meta
+        escaped = {d[1] for d in escaping.values() if d is not None and d[0] == "t"}
+        kind, phases = rec.kind, rec.phases
+        self.per_call = {b for b, k in enumerate(kind) if k != "alloc" or b in escaped}
+        # What backward reads of the inputs and of forward's per-call buffers: saved by ctx.
+        self.saved = sorted(
+            b for b in self.per_call
+            if "bwd" in phases[b] and rec.first[b] in ("in", "fwd") and b != names["grad"]
+        )  # fmt: skip
+        # The step's own buffers: those backward reads in the layer's arena, the others
+        # (temporaries of one direction) in the shared scratch, packed by lifetime.
+        arena, scratch, spans = {}, {}, {}
+        for b, k in enumerate(kind):
+            if k != "alloc" or b in self.per_call:
+                continue
+            used = phases[b] | {rec.first[b]}
+            if used == {rec.first[b]}:
+                scratch[b] = rec.nbytes[b]
+                base = 0 if rec.first[b] == "fwd" else len(rec.program["fwd"])
+                spans[b] = (base + rec.start[b], base + rec.last[b])
+            else:
+                arena[b] = rec.nbytes[b]
+        self.arena_offsets, arena_total = _pack(arena, {b: (0, 0) for b in arena})
+        self.scratch_offsets, self.scratch_bytes = _pack(scratch, spans)
+        self.arena = torch.empty(arena_total, dtype=torch.uint8, device=device)
+        self.program = rec.program
+        self.fwd = self.bwd = None  # made by place()
+        self.gen = 0  # forwards run; a backward checks that its own is the last
+        self.pending = None  # weakref to the output of a forward whose backward has not run
+
+    def place(self, scratch: torch.Tensor) -> None:
+        """Make the static views on the arena and ``scratch`` and compile both directions."""
+        self.static = {}
+        for b, off in self.arena_offsets.items():
+            self.static[b] = (self.arena, off)
+        for b, off in self.scratch_offsets.items():
+            self.static[b] = (scratch, off)
+        self.fwd = [self._compile(op) for op in self.program["fwd"]]
+        self.bwd = [self._compile(op) for op in self.program["bwd"]]
+
+    # ---- argument getters: ("c", value) constant, ("v", buffer, meta) per call, ("s", ...)
+    def _static_view(self, b: int, meta: tuple) -> torch.Tensor:
+        base, off = self.static[b]
+        offset, shape, stride, dtype = meta
+        start = off + offset * dtype.itemsize
+        if start % dtype.itemsize:
+            raise _NoPlan(f"a {dtype} view at an odd byte offset")
+        flat = base.view(dtype) if base.dtype is not dtype else base
+        return flat.as_strided(shape, stride, start // dtype.itemsize)
+
+    def _getter(self, d, for_launch: bool):
+        kind = d[0]
+        if kind == "k":  # an empty tensor
+            return ("c", d[1].data_ptr() if for_launch and not self.interpreted else d[1])
+        if kind == "t":
+            _, b, meta = d
+            if b in self.static:
+                view = self._static_view(b, meta)
+                return ("c", view.data_ptr() if for_launch and not self.interpreted else view)
+            rec = self.meta[b]
+            delta = meta[0] * meta[3].itemsize - rec[0] * rec[3].itemsize
+            return ("v", b, meta, meta == rec, delta)
+        if kind == "seq":
+            parts = [self._getter(x, for_launch) for x in d[2]]
+            if all(p[0] == "c" for p in parts):
+                return ("c", d[1](p[1] for p in parts))
+            return ("s", d[1], parts)
+        return ("c", d[1])
+
+    def _compile(self, op):
+        if op[0] == "launch":
+            _, kernel, grid, described, meta, launcher = op
+            getters = [self._getter(d, True) for d in described]
+            if self.interpreted:
+                return ("ilaunch", kernel, grid, meta, getters)
+            template = [g[1] if g[0] == "c" else None for g in getters]
+            dynamic = []
+            for i, g in enumerate(getters):
+                if g[0] == "v":
+                    dynamic.append((i, g[1], g[4], launcher.aligned[i]))
+                elif g[0] == "s":
+                    raise _NoPlan("a launch argument is a sequence")
+            g1 = grid[1] if len(grid) > 1 else 1
+            g2 = grid[2] if len(grid) > 2 else 1
+            head = (grid[0], g1, g2)
+            run, function, packed, tail = (
+                launcher.run, launcher.function, launcher.packed, launcher.tail
+            )  # fmt: skip
+            return ("launch", run, function, packed, tail, head, template, dynamic)
+        _, func, (args, kwargs), produced, seq = op
+        if func in _ALLOCS and not (set(produced) & self.per_call):
+            return None  # placed by the plan
+        return (
+            "op", func, self._getter(args, False),
+            {k: self._getter(v, False) for k, v in kwargs.items()}, produced, seq,
+        )  # fmt: skip
+
+    def _value(self, g, env):
+        kind = g[0]
+        if kind == "c":
+            return g[1]
+        if kind == "v":
+            t = env[g[1]]
+            return t if g[3] else self._view(t, g[2], g[4])
+        return g[1](self._value(x, env) for x in g[2])
+
+    @staticmethod
+    def _view(t: torch.Tensor, meta: tuple, delta: int) -> torch.Tensor:
+        """The view ``meta`` of a buffer held as ``t``, ``delta`` bytes from where ``t``
+        starts (as recorded)."""
+        offset, shape, stride, dtype = meta
+        if dtype is t.dtype:
+            return t.as_strided(shape, stride, t.storage_offset() + delta // dtype.itemsize)
+        start = t.storage_offset() * t.dtype.itemsize + delta
+        return torch.empty(0, dtype=dtype, device=t.device).set_(
+            t.untyped_storage(), start // dtype.itemsize, shape, stride
+        )
+
+    @staticmethod
+    def _pointer(t: torch.Tensor, delta: int, aligned: bool) -> int:
+        ptr = t.data_ptr() + delta
+        if aligned and ptr & 15:
+            raise RuntimeError(
+                "launch plan: a tensor's address lost the 16-byte alignment its kernel was "
+                "compiled for; call coat_models.disable_launch_plans(model)"
+            )
+        return ptr
+
+    def _run(self, steps, env: dict) -> None:
+        stream = None
+        if not self.interpreted:
+            stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        for step in steps:
+            if step is None:
+                continue
+            kind = step[0]
+            if kind == "launch":
+                _, run, function, packed, tail, head, template, dynamic = step
+                args = template.copy()
+                for i, b, delta, aligned in dynamic:
+                    args[i] = self._pointer(env[b], delta, aligned)
+                run(*head, stream, function, packed, None, None, None, *args, *tail)
+            elif kind == "op":
+                _, func, args, kwargs, produced, seq = step
+                out = func(
+                    *self._value(args, env), **{k: self._value(v, env) for k, v in kwargs.items()}
+                )
+                outs = out if seq else (out,)
+                for b, o in zip(produced, outs, strict=False):
+                    if b is not None:
+                        env[b] = o
+            else:  # the interpreter: Triton's own launch path, on tensors
+                _, kernel, grid, meta, getters = step
+                launch(kernel, grid, *(self._value(g, env) for g in getters), **meta)
+
+    # ---- the two directions
+    def compile(self) -> None:
+        self.out_getter = self._getter(self.escaping["out"], False)
+        self.grad_getters = {
+            name[1:]: None if d is None else self._getter(d, False)
+            for name, d in self.escaping.items()
+            if name != "out"
+        }
+
+    def forward(self, inputs: dict, params) -> tuple:
+        names = self.names
+        env = {names[k]: t for k, t in inputs.items()}
+        for i, p in enumerate(params):
+            env[names[f"param{i}"]] = p
+        with torch.autocast(self.device.type, enabled=False):
+            self._run(self.fwd, env)
+        return self._value(self.out_getter, env), [env[b] for b in self.saved]
+
+    def backward(self, saved, grad: torch.Tensor) -> dict:
+        env = dict(zip(self.saved, saved, strict=True))
+        env[self.names["grad"]] = grad
+        with torch.autocast(self.device.type, enabled=False):
+            self._run(self.bwd, env)
+        return {k: None if g is None else self._value(g, env) for k, g in self.grad_getters.items()}
+
+
+class _Replay(torch.autograd.Function):
+    """One planned layer step: ``(plan, hidden, cos, sin, *params) -> out``."""
+
+    @staticmethod
+    def forward(ctx, plan, hidden, cos, sin, *params):
+        out, saved = plan.forward({"hidden": hidden, "cos": cos, "sin": sin}, params)
+        plan.gen += 1
+        ctx.plan, ctx.gen, ctx.done = plan, plan.gen, False
+        ctx.save_for_backward(*saved)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        plan = ctx.plan
+        if ctx.done or ctx.gen != plan.gen:
+            raise RuntimeError(
+                "launch-planned COAT layer: this backward belongs to a forward whose saved "
+                "activations were overwritten (by a later forward of the layer, or by this "
+                "backward running twice); run each backward once, before the layer's next "
+                "forward, or call coat_models.disable_launch_plans(model)"
+            )
+        ctx.done = True
+        plan.pending = None
+        if grad.stride() != plan.grad_stride:
+            grad = grad.contiguous()
+        grads = plan.backward(ctx.saved_tensors, grad)
+        params = [grads.get(f"param{i}") for i in range(plan.n_params)]
+        return None, grads.get("hidden"), None, None, *params
+
+
+# ------------------------------------------------------------------------------ the layers
+def enable_launch_plans(model: nn.Module) -> nn.Module:
+    """Let the COAT decoder layers of ``model`` (after ``apply_coat``, weight cache off) run
+    their training steps from launch plans (see the module docstring). Returns ``model``."""
+    from . import graphs
+
+    layers = graphs.replayable_layers(model, "enable_launch_plans", "launch plans")
+    for layer in layers:
+        impl = layer.self_attn.config._attn_implementation
+        if impl not in ("sdpa", "eager"):  # (others may start kernels a record cannot see)
+            raise ValueError(
+                f"enable_launch_plans supports attn_implementation 'sdpa' or 'eager', got {impl!r}"
+            )
+    if graphs.cuda_graphs_enabled(model):
+        raise ValueError(
+            "enable_launch_plans: CUDA graphs are on (enable_cuda_graphs); both take over the "
+            "layers' steps: use one of them"
+        )
+    disable_launch_plans(model)
+    _STATES[model] = {"scratch": None, "plans": [], "refusals": [], "replays": 0}
+    for layer in layers:
+        layer.__dict__["_coat_plan_owner"] = weakref.ref(model)
+        layer.__dict__[_PLANS] = {}
+    return model
+
+
+def disable_launch_plans(model: nn.Module) -> nn.Module:
+    """Drop the plans and their arenas; the layers run eagerly again."""
+    from . import graphs
+
+    _STATES.pop(model, None)
+    for layer in graphs._coat_layers(model):
+        layer.__dict__.pop("_coat_plan_owner", None)
+        layer.__dict__.pop(_PLANS, None)
+    return model
+
+
+def launch_plan_replays(model: nn.Module) -> int:
+    """Layer steps of ``model`` run from launch plans since ``enable_launch_plans``."""
+    state = _STATES.get(model)
+    return 0 if state is None else state["replays"]
+
+
+def launch_plan_refusals(model: nn.Module) -> list[str]:
+    """Why layers of ``model`` stayed eager at a key (one line per layer and key)."""
+    state = _STATES.get(model)
+    return [] if state is None else list(state["refusals"])
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _make_plan(layer, state: dict, hidden, cos, sin, params):
+    from . import graphs
+
+    body = graphs._LayerBody(layer)
+    stand_ins = [p.detach().requires_grad_(p.requires_grad) for p in params]
+    # Stand-ins with the input's layout (the plan's views are the recorded ones).
+    h = torch.empty_strided(hidden.shape, hidden.stride(), dtype=hidden.dtype, device=hidden.device)
+    h.copy_(hidden.detach()).requires_grad_(hidden.requires_grad)
+    c, s = cos.detach(), sin.detach()
+    grad = torch.randn(h.shape, dtype=h.dtype, device=h.device) * 0.02
+    devices = [h.device] if h.device.type == "cuda" else []
+    inputs = {"hidden": h, "cos": c, "sin": s}
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        with torch.autocast(h.device.type, enabled=False):
+            rec, names, escaping, recorded = _record(
+                lambda hidden, cos, sin: body(hidden, cos, sin, *stand_ins),
+                inputs, stand_ins, grad,
+            )  # fmt: skip
+    plan = _Plan(rec, names, escaping, h.device)
+    plan.n_params, plan.grad_stride = len(params), grad.stride()
+    scratch = state["scratch"]
+    if scratch is None or scratch.numel() < plan.scratch_bytes:
+        scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=h.device)
+        state["scratch"] = scratch
+        for other in state["plans"]:  # their static views move to the larger scratch
+            other.place(scratch)
+    plan.place(scratch)
+    plan.compile()
+    # The plan replays the recorded step on the same inputs, bit for bit, or it is not
+    # used: a kernel that neither ATen nor fp8_quant's launch started (a C extension
+    # writing a tensor the record saw allocated) or a nondeterministic one would differ.
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        out, saved = plan.forward(inputs, stand_ins)
+        got = {"out": out, **plan.backward(saved, grad)}
+    for name, want in recorded.items():
+        have = got.get(name)
+        if (want is None) != (have is None) or (want is not None and not torch.equal(want, have)):
+            raise _NoPlan(
+                f"its replay did not reproduce the recorded step bit for bit ({name} differs): "
+                "a kernel started outside ATen and fp8_quant's launch, or a nondeterministic one"
+            )
+    state["plans"].append(plan)
+    return plan
+
+
+def run_planned(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
+    """The layer's output from its launch plan, or None when this call runs eagerly."""
+    from . import graphs
+
+    ref = layer.__dict__.get("_coat_plan_owner")
+    owner = None if ref is None else ref()
+    state = None if owner is None else _STATES.get(owner)
+    if state is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return None
+    if attention_mask is not None or checkpointing or not graphs._cache_unused(layer, cache):
+        return None
+    if set(kwargs) - graphs._NEUTRAL_KWARGS or len(cos_sin) != 2:
+        return None
+    cos, sin = cos_sin
+    if cos.requires_grad or sin.requires_grad or cos.device != hidden.device:
+        return None
+    params = graphs._layer_params(layer)
+    key = (
+        _tensor_key(hidden), _tensor_key(cos), _tensor_key(sin), layer.coat_config,
+        id(layer.coat_ops), tuple(_tensor_key(p) for p in params),
+    )  # fmt: skip
+    plans = layer.__dict__[_PLANS]
+    plan = plans.get(key)
+    if plan is None:
+        try:
+            plan = _make_plan(layer, state, hidden, cos, sin, params)
+        except _NoPlan as e:
+            plan = str(e)
+            state["refusals"].append(f"{type(layer).__name__} {layer.self_attn.layer_idx}: {e}")
+        plans[key] = plan
+    if isinstance(plan, str):
+        return None
+    if plan.pending is not None and plan.pending() is not None:
+        return None  # the previous planned forward still waits for its backward
+    out = _Replay.apply(plan, hidden, cos, sin, *params)
+    plan.pending = weakref.ref(out.grad_fn) if out.grad_fn is not None else None
+    state["replays"] += 1
+    return out
