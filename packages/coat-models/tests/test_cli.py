@@ -1002,6 +1002,11 @@ BAD_INPUTS = [
     (["--mode", "coat", "--compile", "--cuda-graphs"], "both take over the decoder layers"),
     # bf16 alone: it said to add a mode with FP8 activations, then refused the pair
     (["--compile", "--cuda-graphs"], "--compile and --cuda-graphs both take over the decoder"),
+    (["--mode", "bf16", "--launch-plans"], "--launch-plans records COAT's FP8 decoder layers: a"),
+    (["--mode", "coat", "--launch-plans", "--cuda-graphs"], "--launch-plans takes over the deco"),
+    (["--mode", "coat", "--launch-plans", "--compile"], "--launch-plans takes over the decoder"),
+    (["--mode", "coat", "--launch-plans", "--activation-checkpointing"], "runs in one process w"),
+    (["--mode", "coat", "--launch-plans", "--fp8-weight-cache"], "drop --fp8-weight-cache"),
     # it said "no such file"
     (["--data", "/dev/null"], "--data /dev/null is not a regular file: pass a file"),
     # a window of one token predicts nothing: was a NaN loss blamed on --lr (exit 1)

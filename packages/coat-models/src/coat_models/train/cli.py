@@ -82,6 +82,7 @@ from .trainer import (
     COMPILE_OR_GRAPHS,
     CUDA_GRAPHS_ALONE,
     NO_RESHARD_WITHOUT_FSDP,
+    PLANS_ALONE,
     ResumeSettingsError,
     TrainConfig,
     Trainer,
@@ -198,6 +199,7 @@ def _train_config(args, defaults, mode: str, master: str, graphs: bool) -> Train
             weight_cache=args.fp8_weight_cache,
             cuda_graphs=graphs and MODES[mode][0],
             compile=args.compile,
+            launch_plans=args.launch_plans and MODES[mode][0],
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -212,6 +214,7 @@ def _default_cuda_graphs(args, device, strategy) -> bool:
         and not args.activation_checkpointing
         and not args.fp8_weight_cache
         and not args.compile
+        and not args.launch_plans
     )
 
 
@@ -224,7 +227,9 @@ def _on_note(what: str, cfgs: list[TrainConfig], on: list[bool]) -> str:
 
 
 def _graphs_note(cfgs: list[TrainConfig]) -> str:
-    return _on_note("CUDA graphs", cfgs, [c.cuda_graphs for c in cfgs])
+    return _on_note("CUDA graphs", cfgs, [c.cuda_graphs for c in cfgs]) + _on_note(
+        "launch plans", cfgs, [c.launch_plans for c in cfgs]
+    )
 
 
 def _val_note(job, cfg: TrainConfig) -> str:
@@ -244,6 +249,16 @@ def _val_note(job, cfg: TrainConfig) -> str:
 
 def _cache_note(cfgs: list[TrainConfig], strategy: str | None) -> str:
     return _on_note("FP8 weight cache", cfgs, [c.fp8_weight_cache(strategy) for c in cfgs])
+
+
+def _check_launch_plans(args, modes, strategy) -> None:
+    if not any(MODES[m][0] for m in modes):
+        raise UsageError(
+            "--launch-plans records COAT's FP8 decoder layers: add a mode with FP8 "
+            "activations (coat or coat-act)"
+        )
+    if args.cuda_graphs or args.compile or strategy or args.activation_checkpointing:
+        raise UsageError(PLANS_ALONE)
 
 
 def _check_cuda_graphs(args, modes, device, strategy) -> None:
@@ -400,6 +415,8 @@ def _plan(args, strategy: str | None, device: torch.device) -> Plan:
     cfgs = [
         _train_config(args, defaults, m, d, graphs) for m, d in zip(modes, masters, strict=True)
     ]
+    if args.launch_plans:
+        _check_launch_plans(args, modes, strategy)
     if args.cuda_graphs:
         _check_cuda_graphs(args, modes, device, strategy)
     _check_fp8_backend(modes, device)

@@ -38,6 +38,11 @@ CUDA_GRAPHS_ALONE = (
     "parameters move; checkpointed layers run eagerly): drop one of them"
 )
 COMPILE_OR_GRAPHS = "--compile and --cuda-graphs both take over the decoder layers: choose one"
+PLANS_ALONE = (
+    "--launch-plans takes over the decoder layers like --cuda-graphs and --compile, and runs in "
+    "one process without --activation-checkpointing (not yet under --fsdp or --ddp): drop one "
+    "of them"
+)
 NO_RESHARD_WITHOUT_FSDP = (
     "--no-reshard-after-forward is FSDP2's (sharded weights gathered per layer): add --fsdp "
     "under torchrun, or drop it"
@@ -200,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
         "when the host cannot keep up; same numbers; the graphs' pool costs memory); other "
         "modes of --compare run as usual; under --ddp when asked for (default: on in one process "
         "on a CUDA GPU, without --activation-checkpointing, --fp8-weight-cache or --compile)",
+    )
+    r.add_argument(
+        "--launch-plans",
+        action="store_true",
+        help="FP8 activations: record each COAT decoder layer's step once and replay its "
+        "kernels from the record (coat_models.plans; same numbers, eager semantics, little host "
+        "time); an alternative to CUDA graphs, which it turns off; FP8 weight cache off; one "
+        "process, no --activation-checkpointing or --compile",
     )
     r.add_argument(
         "--compile",

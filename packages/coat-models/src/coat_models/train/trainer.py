@@ -49,6 +49,7 @@ from .. import checkpoint, distributed
 from ..compiling import compile_layers
 from ..graphs import cuda_graph_replays, enable_cuda_graphs
 from ..optim import training_optimizer
+from ..plans import enable_launch_plans, launch_plan_replays
 from . import interrupt
 from .data import TokenData
 from .memory import MemoryTracker, PeakMeter, memory_report
@@ -57,6 +58,7 @@ from .options import (  # (their home: the parser reads them without importing t
     CUDA_GRAPHS_ALONE,
     MODES,
     NO_RESHARD_WITHOUT_FSDP,
+    PLANS_ALONE,
     PRESET_FIELDS,
     RANGES,
     REPORT_TO,
@@ -115,10 +117,12 @@ class TrainConfig:
     weight_cache: bool | None = None
     cuda_graphs: bool = False  # FP8 activations on CUDA: replay the COAT layers as CUDA graphs
     compile: bool = False  # torch.compile each transformer layer (coat_models.compile_layers)
+    launch_plans: bool = False  # FP8 activations: replay the COAT layers from launch plans
     report_to: str = "none"  # or "tensorboard": event files in out_dir/tensorboard
 
     NOT_NUMERICS = ("eval_every", "eval_batches", "log_every", "save_every", "keep_checkpoints",
-                    "weight_cache", "cuda_graphs", "compile", "report_to")  # fmt: skip
+                    "weight_cache", "cuda_graphs", "compile", "launch_plans",
+                    "report_to")  # fmt: skip
 
     def __post_init__(self):
         for name, known in {
@@ -167,6 +171,18 @@ class TrainConfig:
             )
         if self.compile and self.cuda_graphs:
             raise ValueError(COMPILE_OR_GRAPHS)
+        if self.launch_plans and not MODES[self.mode][0]:
+            raise ValueError(
+                f"--launch-plans records COAT's FP8 decoder layers: mode {self.mode} has none "
+                "(use coat or coat-act)"
+            )
+        if self.launch_plans and (self.cuda_graphs or self.compile):
+            raise ValueError(PLANS_ALONE)
+        if self.launch_plans and self.weight_cache:
+            raise ValueError(
+                "--launch-plans replays what it recorded, so the FP8 weight cache (a decision "
+                "made in Python) must be off: drop --fp8-weight-cache"
+            )
 
     @classmethod
     def from_preset(cls, name: str, mode: str = "bf16", **overrides) -> TrainConfig:
@@ -186,7 +202,7 @@ class TrainConfig:
         gradient accumulation and without CUDA graphs (micro-batches 2.. reuse the casts)."""
         if self.weight_cache is not None:
             return self.weight_cache
-        return self.grad_accum > 1 and not self.cuda_graphs
+        return self.grad_accum > 1 and not (self.cuda_graphs or self.launch_plans)
 
     def fp8_weight_cache(self, strategy: str | None = None) -> bool:
         """Whether this mode trains with the FP8 weight cache under ``strategy``: a mode
@@ -244,6 +260,13 @@ def prepare(
             enable_cuda_graphs(model)
         except ValueError as e:  # a CPU model, another attention implementation
             raise TrainError(f"--cuda-graphs: {e}") from None
+    if cfg.launch_plans:
+        if strategy is not None or activation_checkpointing:
+            raise TrainError(PLANS_ALONE)
+        try:
+            enable_launch_plans(model)
+        except ValueError as e:  # another attention implementation
+            raise TrainError(f"--launch-plans: {e}") from None
     if cfg.compile:
         compile_layers(model)
     if strategy == "fsdp":
@@ -850,6 +873,8 @@ class Trainer:
             # Asked for and replayed (a layer given an attention mask, say, runs eagerly).
             "cuda_graphs": self._graphs_replayed(),
             "compile": self.cfg.compile,
+            # Layer steps replayed from launch plans (0: none, or not asked for).
+            "launch_plan_replays": launch_plan_replays(self.model),
             "memory": self.totals["memory"],
             # What the run used, preset defaults filled in (the top-level "args" keep what was
             # given: None for a default).
@@ -907,6 +932,7 @@ class Trainer:
         speed = {
             "cuda_graphs": self.cfg.cuda_graphs,
             "compile": self.cfg.compile,
+            "launch_plans": self.cfg.launch_plans,
             "fp8_weight_cache": self.cfg.fp8_weight_cache(self.strategy),
             "activation_checkpointing": self.activation_checkpointing,
         }
