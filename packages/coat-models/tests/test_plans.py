@@ -30,9 +30,9 @@ def config(device: str) -> FP8ActivationConfig:
     return FP8ActivationConfig(weight_cache=False, backend=backend)
 
 
-def pair(device: str, layers: int = 2):
+def pair(device: str, layers: int = 2, **overrides):
     """The same COAT model twice (fp32 master weights), the second with launch plans."""
-    base = tiny_llama(0, num_hidden_layers=layers).to(device)
+    base = tiny_llama(0, num_hidden_layers=layers, **overrides).to(device)
     eager = apply_coat(copy.deepcopy(base), config=config(device))
     planned = enable_launch_plans(apply_coat(base, config=config(device)))
     return eager, planned
@@ -87,6 +87,39 @@ def test_gradient_accumulation_and_frozen_weights(device):
         assert (a.grad is None) == (b.grad is None)
         assert a.grad is None or torch.equal(a.grad, b.grad)
     assert planned.model.layers[0].self_attn.k_proj.weight.grad is None
+    assert launch_plan_replays(planned) == 2
+
+
+@INTERPRETED
+def test_dropout_and_the_random_state_follow_the_eager_run():
+    """Attention dropout draws the eager masks (the op called again consumes the generator
+    as eagerly), and making a plan (its record and check run on a forked generator) leaves
+    the random state where the eager run leaves it."""
+    eager, planned = pair("cpu", layers=1, attention_dropout=0.25)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(6))
+    results, after = [], []
+    for model in (eager, planned):
+        torch.manual_seed(7)
+        results.append([step(model, ids, "cpu") for _ in range(2)])
+        after.append(torch.rand(4))
+    for a, b in zip(*results, strict=True):
+        assert_same(a, b)
+    assert torch.equal(*after)
+    assert launch_plan_replays(planned) == 2, launch_plan_refusals(planned)
+
+
+@INTERPRETED
+def test_moving_the_model_records_again():
+    """``.to()`` / ``.float()`` (``nn.Module._apply``) drops the layers' plans, whose
+    arenas and addresses belong to the old tensors; the next step records again."""
+    eager, planned = pair("cpu", layers=1)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(8))
+    assert_same(step(eager, ids, "cpu"), step(planned, ids, "cpu"))
+    layer = planned.model.layers[0]
+    assert len(vars(layer)["_coat_launch_plans"]) == 1
+    planned.float()
+    assert vars(layer)["_coat_launch_plans"] == {} and plans._STATES[planned]["plans"] == []
+    assert_same(step(eager, ids, "cpu"), step(planned, ids, "cpu"))
     assert launch_plan_replays(planned) == 2
 
 

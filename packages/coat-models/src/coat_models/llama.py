@@ -796,6 +796,7 @@ class _CoatDecoderLayer(_CoatMixin):
         # .to(), .cuda(), .half(), ...: a CUDA-graph recording holds stand-ins of the old
         # parameters' storage; drop it so that the storage can go (recorded again on use).
         graphs.drop_recording(self)
+        plans.drop_plans(self)  # (the same for launch plans: recorded again on use)
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:

@@ -129,6 +129,8 @@ class _Recorder(TorchDispatchMode):
         if t.untyped_storage().nbytes() == 0:  # (no data: address 0, shared by all such)
             return ("k", torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device))
         b = self.by_ptr.get(_base_ptr(t))
+        if b is not None and self.nbytes[b] != t.untyped_storage().nbytes():
+            b = None  # a storage made outside the step at a freed buffer's address
         if b is None:
             raise _NoPlan(
                 f"the step reads a {tuple(t.shape)} {t.dtype} tensor made outside it (a "
@@ -466,8 +468,8 @@ class _Replay(torch.autograd.Function):
             )
         ctx.done = True
         plan.pending = None
-        if grad.stride() != plan.grad_stride:
-            grad = grad.contiguous()
+        if grad.stride() != plan.grad_stride or grad.data_ptr() & 15:
+            grad = grad.clone(memory_format=torch.contiguous_format)  # (fresh: aligned)
         grads = plan.backward(ctx.saved_tensors, grad)
         params = [grads.get(f"param{i}") for i in range(plan.n_params)]
         return None, grads.get("hidden"), None, None, *params
@@ -492,11 +494,27 @@ def enable_launch_plans(model: nn.Module) -> nn.Module:
             "layers' steps: use one of them"
         )
     disable_launch_plans(model)
-    _STATES[model] = {"scratch": None, "plans": [], "refusals": [], "replays": 0}
+    _STATES[model] = {"scratch": {}, "plans": [], "refusals": [], "replays": 0}
     for layer in layers:
         layer.__dict__["_coat_plan_owner"] = weakref.ref(model)
         layer.__dict__[_PLANS] = {}
     return model
+
+
+def drop_plans(layer: nn.Module) -> None:
+    """Forget ``layer``'s plans (``.to()``, ``.cuda()``...: their arenas and recorded
+    addresses belong to the old tensors); the next planned call records again."""
+    plans = layer.__dict__.get(_PLANS)
+    if plans:
+        ref = layer.__dict__.get("_coat_plan_owner")
+        state = _STATES.get(ref()) if ref is not None and ref() is not None else None
+        if state is not None:
+            dropped = {id(p) for p in plans.values() if isinstance(p, _Plan)}
+            state["plans"] = [p for p in state["plans"] if id(p) not in dropped]
+            used = {p.device for p in state["plans"]}
+            for device in [d for d in state["scratch"] if d not in used]:
+                del state["scratch"][device]  # (the other layers' plans hold theirs)
+        plans.clear()
 
 
 def disable_launch_plans(model: nn.Module) -> nn.Module:
@@ -523,7 +541,15 @@ def launch_plan_refusals(model: nn.Module) -> list[str]:
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+    # 16-byte alignment: the Triton kernels are specialized on it (a plan's launches
+    # keep their specialization).
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() & 15)
+
+
+def _sdpa_switches() -> tuple:
+    b = torch.backends.cuda
+    return (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(),
+            b.cudnn_sdp_enabled())  # fmt: skip
 
 
 def _make_plan(layer, state: dict, hidden, cos, sin, params):
@@ -535,9 +561,12 @@ def _make_plan(layer, state: dict, hidden, cos, sin, params):
     h = torch.empty_strided(hidden.shape, hidden.stride(), dtype=hidden.dtype, device=hidden.device)
     h.copy_(hidden.detach()).requires_grad_(hidden.requires_grad)
     c, s = cos.detach(), sin.detach()
-    grad = torch.randn(h.shape, dtype=h.dtype, device=h.device) * 0.02
     devices = [h.device] if h.device.type == "cuda" else []
     inputs = {"hidden": h, "cos": c, "sin": s}
+    # Making a plan leaves the random state as it was (the eager run's draws stay the same).
+    # (from a generator of its own: the check below starts from the record's random state)
+    gen = torch.Generator(device=h.device).manual_seed(0)
+    grad = torch.randn(h.shape, dtype=h.dtype, device=h.device, generator=gen) * 0.02
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         with torch.autocast(h.device.type, enabled=False):
             rec, names, escaping, recorded = _record(
@@ -546,12 +575,13 @@ def _make_plan(layer, state: dict, hidden, cos, sin, params):
             )  # fmt: skip
     plan = _Plan(rec, names, escaping, h.device)
     plan.n_params, plan.grad_stride = len(params), grad.stride()
-    scratch = state["scratch"]
+    scratch = state["scratch"].get(h.device)  # one per device (layers may be spread)
     if scratch is None or scratch.numel() < plan.scratch_bytes:
         scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=h.device)
-        state["scratch"] = scratch
+        state["scratch"][h.device] = scratch
         for other in state["plans"]:  # their static views move to the larger scratch
-            other.place(scratch)
+            if other.device == h.device:
+                other.place(scratch)
     plan.place(scratch)
     plan.compile()
     # The plan replays the recorded step on the same inputs, bit for bit, or it is not
@@ -588,18 +618,24 @@ def run_planned(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs
     if cos.requires_grad or sin.requires_grad or cos.device != hidden.device:
         return None
     params = graphs._layer_params(layer)
+    attn = layer.self_attn
     key = (
         _tensor_key(hidden), _tensor_key(cos), _tensor_key(sin), layer.coat_config,
         id(layer.coat_ops), tuple(_tensor_key(p) for p in params),
+        # What the recorded step's Python chose from: the attention's settings, SDPA's
+        # backend switches, deterministic algorithms.
+        attn.config._attn_implementation, attn.training, attn.attention_dropout,
+        _sdpa_switches(), torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
     plans = layer.__dict__[_PLANS]
     plan = plans.get(key)
     if plan is None:
         try:
             plan = _make_plan(layer, state, hidden, cos, sin, params)
-        except _NoPlan as e:
-            plan = str(e)
-            state["refusals"].append(f"{type(layer).__name__} {layer.self_attn.layer_idx}: {e}")
+        except (_NoPlan, torch.OutOfMemoryError) as e:
+            why = str(e) if isinstance(e, _NoPlan) else "out of memory while making the plan"
+            plan = why.splitlines()[0]
+            state["refusals"].append(f"{type(layer).__name__} {attn.layer_idx}: {plan}")
         plans[key] = plan
     if isinstance(plan, str):
         return None
