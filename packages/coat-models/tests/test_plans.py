@@ -57,17 +57,17 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_planned_steps_are_the_eager_bits(device):
-    """Two optimizer steps at one shape, then one at another (a second plan): the losses
+    """An optimizer step, then one at another shape (a second plan): the losses
     and every gradient equal the eager COAT model's bit for bit, every layer step replayed
     from a plan."""
     eager, planned = pair(device)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     opt_p = torch.optim.AdamW(planned.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
-    for batch, seq in [(2, 8), (2, 8), (1, 12)]:
+    for batch, seq in [(2, 8), (1, 12)]:
         ids = torch.randint(0, 128, (batch, seq), generator=gen).to(device)
         assert_same(step(eager, ids, device, opt_e), step(planned, ids, device, opt_p))
-    assert launch_plan_replays(planned) == 2 * 3 and launch_plan_refusals(planned) == []
+    assert launch_plan_replays(planned) == 2 * 2 and launch_plan_refusals(planned) == []
 
 
 @pytest.mark.parametrize("device", DEVICES)
