@@ -39,7 +39,8 @@ The FP8 weight cache must be off (``FP8ActivationConfig(weight_cache=False)``): 
 weight is cast is a Python-side decision a record cannot hold. The arenas stay allocated
 between steps (CUDA graphs' memory pool does the same); ``disable_launch_plans(model)`` frees
 them. Recording patches ``fp8_quant.ops``' launcher for its duration: not thread-safe.
-Under FSDP (parameters re-gathered at other addresses) plans are untested.
+Under FSDP2 (parameters gathered at other addresses each time) plans are tested bit for bit
+against eager FSDP2 in one process on CPU; not yet on GPUs or under DDP.
 """
 
 from __future__ import annotations
@@ -381,6 +382,17 @@ class _Plan:
             t.untyped_storage(), start // dtype.itemsize, shape, stride
         )
 
+    def _handed_out(self, g, env) -> torch.Tensor:
+        """What the step hands out (its output, a gradient): the buffer's tensor itself,
+        or a tensor of its own on that storage, not a view (as eagerly: FSDP2 warns of a
+        layer returning a view, whose in-place change would skip its backward hook)."""
+        t = self._value(g, env)
+        if t._base is None:
+            return t
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+        )
+
     @staticmethod
     def _pointer(t: torch.Tensor, delta: int, aligned: bool) -> int:
         ptr = t.data_ptr() + delta
@@ -434,14 +446,15 @@ class _Plan:
             env[names[f"param{i}"]] = p
         with torch.autocast(self.device.type, enabled=False):
             self._run(self.fwd, env)
-        return self._value(self.out_getter, env), [env[b] for b in self.saved]
+        return self._handed_out(self.out_getter, env), [env[b] for b in self.saved]
 
     def backward(self, saved, grad: torch.Tensor) -> dict:
         env = dict(zip(self.saved, saved, strict=True))
         env[self.names["grad"]] = grad
         with torch.autocast(self.device.type, enabled=False):
             self._run(self.bwd, env)
-        return {k: None if g is None else self._value(g, env) for k, g in self.grad_getters.items()}
+        grads = self.grad_getters.items()
+        return {k: None if g is None else self._handed_out(g, env) for k, g in grads}
 
 
 class _Replay(torch.autograd.Function):
