@@ -1005,7 +1005,7 @@ BAD_INPUTS = [
     (["--mode", "bf16", "--launch-plans"], "--launch-plans records COAT's FP8 decoder layers: a"),
     (["--mode", "coat", "--launch-plans", "--cuda-graphs"], "--launch-plans takes over the deco"),
     (["--mode", "coat", "--launch-plans", "--compile"], "--launch-plans takes over the decoder"),
-    (["--mode", "coat", "--launch-plans", "--activation-checkpointing"], "runs in one process w"),
+    (["--mode", "coat", "--launch-plans", "--activation-checkpointing"], "does not run with --act"),
     (["--mode", "coat", "--launch-plans", "--fp8-weight-cache"], "drop --fp8-weight-cache"),
     # it said "no such file"
     (["--data", "/dev/null"], "--data /dev/null is not a regular file: pass a file"),

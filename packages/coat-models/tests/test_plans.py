@@ -185,36 +185,43 @@ def test_refusals():
 
 
 @INTERPRETED
-def test_fsdp2_layers_replay_the_eager_bits(tmp_path):
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_fsdp2_and_ddp_layers_replay_the_eager_bits(tmp_path, strategy):
     """Under FSDP2 (one process, bf16 compute; each layer's parameters gathered before its
-    forward and again before its backward, into storage freed in between) the planned
-    layers take the gathered parameters where they are: the losses and the gradient shards
-    equal eager FSDP2's bit for bit, and the plan's output is not a view (FSDP2 warns of
-    one)."""
+    forward and again before its backward, into storage freed in between) and under DDP
+    (gradients reduced by hooks on the parameters, into bucket views) the planned layers
+    take the parameters where they are: the losses and the gradients (FSDP2: shards)
+    equal eager's under the same wrapper bit for bit, and the plan's output is not a view
+    (FSDP2 warns of one)."""
     import warnings
 
     import torch.distributed as dist
-    from coat_models.distributed import shard_model
+    from coat_models.distributed import shard_model, wrap_ddp
 
     dist.init_process_group(
         "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
     )
     try:
         eager, planned = pair("cpu")
-        for m in (eager, planned):
-            shard_model(m)  # bf16 parameters gathered, fp32 gradients reduced
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, planned)]
+        if strategy == "fsdp":
+            for m in (eager, planned):
+                shard_model(m)  # bf16 parameters gathered, fp32 gradients reduced
+            models = (eager, planned)
+        else:
+            models = tuple(wrap_ddp(m, torch.device("cpu")) for m in (eager, planned))
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
         gen = torch.Generator().manual_seed(9)
         for _ in range(2):
             ids = torch.randint(0, 128, (2, 8), generator=gen)
             got = []
-            for m, opt in zip((eager, planned), opts, strict=True):
+            for m, opt in zip(models, opts, strict=True):
                 with warnings.catch_warnings():
                     warnings.filterwarnings("error", message=".*returned a view tensor")
                     with torch.autocast("cpu", dtype=torch.bfloat16):
                         loss = m(input_ids=ids, labels=ids).loss
                     loss.backward()
-                got.append((loss.detach(), [p.grad.to_local().clone() for p in m.parameters()]))
+                grads = [getattr(p.grad, "to_local", p.grad.clone)() for p in m.parameters()]
+                got.append((loss.detach(), [g.clone() for g in grads]))
                 opt.step()
                 opt.zero_grad()
             assert_same(*got)

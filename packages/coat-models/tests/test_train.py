@@ -242,6 +242,47 @@ def test_gpu_ddp_trainer_cuda_graphs_same_losses(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(got_p, want_p, strict=True))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_gpu_fsdp_and_ddp_trainer_launch_plans_same_losses(tmp_path, strategy):
+    """coat-train --fsdp / --ddp --launch-plans (one rank, NCCL): the same losses and
+    weights as the eager run under the same wrapper, bit for bit, with gradient
+    accumulation, every micro-batch's layers replayed from plans."""
+    import torch.distributed as dist
+    from coat_models.plans import launch_plan_refusals, launch_plan_replays
+    from coat_models.train.data import load_data
+    from coat_models.train.presets import build_model, preset_config
+    from coat_models.train.trainer import Trainer
+
+    data = load_data(max_bytes=2**20)
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        runs = []
+        for planned in (False, True):
+            cfg = TrainConfig(mode="coat", steps=3, batch_size=4, seq_len=128, grad_accum=2,
+                              eval_batches=1, cuda_graphs=False, launch_plans=planned,
+                              weight_cache=False if planned else None)  # fmt: skip
+            model = build_model(preset_config("tiny", data.vocab_size, max_seq=128),
+                                device=cuda, master_dtype=torch.float32, seed=0)  # fmt: skip
+            tr = Trainer(model, data, cfg, device=cuda, progress=False, strategy=strategy)
+            losses = [tr.run_step()["loss"] for _ in range(cfg.steps)]
+            inner = tr.model.module if strategy == "ddp" else tr.model
+            params = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                      for p in inner.parameters()]  # fmt: skip
+            runs.append((losses, [p.clone() for p in params], launch_plan_replays(inner),
+                         launch_plan_refusals(inner)))  # fmt: skip
+            tr.close()
+    finally:
+        dist.destroy_process_group()
+    (want, want_p, eager_replays, _), (got, got_p, replays, refusals) = runs
+    layers = preset_config("tiny", data.vocab_size, max_seq=128).num_hidden_layers
+    assert eager_replays == 0 and refusals == []
+    assert replays == layers * 2 * 3  # every layer of every micro-batch of every step
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(got_p, want_p, strict=True))
+
+
 def test_cuda_graphs_refused_with_fsdp_only():
     """--cuda-graphs runs under --ddp (parameters keep their storage); --fsdp (sharded
     parameters move) and --activation-checkpointing are refused in one line."""

@@ -251,13 +251,13 @@ def _cache_note(cfgs: list[TrainConfig], strategy: str | None) -> str:
     return _on_note("FP8 weight cache", cfgs, [c.fp8_weight_cache(strategy) for c in cfgs])
 
 
-def _check_launch_plans(args, modes, strategy) -> None:
+def _check_launch_plans(args, modes) -> None:
     if not any(MODES[m][0] for m in modes):
         raise UsageError(
             "--launch-plans records COAT's FP8 decoder layers: add a mode with FP8 "
             "activations (coat or coat-act)"
         )
-    if args.cuda_graphs or args.compile or strategy or args.activation_checkpointing:
+    if args.cuda_graphs or args.compile or args.activation_checkpointing:
         raise UsageError(PLANS_ALONE)
 
 
@@ -416,7 +416,7 @@ def _plan(args, strategy: str | None, device: torch.device) -> Plan:
         _train_config(args, defaults, m, d, graphs) for m, d in zip(modes, masters, strict=True)
     ]
     if args.launch_plans:
-        _check_launch_plans(args, modes, strategy)
+        _check_launch_plans(args, modes)
     if args.cuda_graphs:
         _check_cuda_graphs(args, modes, device, strategy)
     _check_fp8_backend(modes, device)

@@ -39,9 +39,9 @@ CUDA_GRAPHS_ALONE = (
 )
 COMPILE_OR_GRAPHS = "--compile and --cuda-graphs both take over the decoder layers: choose one"
 PLANS_ALONE = (
-    "--launch-plans takes over the decoder layers like --cuda-graphs and --compile, and runs in "
-    "one process without --activation-checkpointing (not yet under --fsdp or --ddp): drop one "
-    "of them"
+    "--launch-plans takes over the decoder layers like --cuda-graphs and --compile, and does "
+    "not run with --activation-checkpointing (checkpointed layers run eagerly): drop one of "
+    "them"
 )
 NO_RESHARD_WITHOUT_FSDP = (
     "--no-reshard-after-forward is FSDP2's (sharded weights gathered per layer): add --fsdp "

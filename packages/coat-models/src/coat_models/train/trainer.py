@@ -261,7 +261,7 @@ def prepare(
         except ValueError as e:  # a CPU model, another attention implementation
             raise TrainError(f"--cuda-graphs: {e}") from None
     if cfg.launch_plans:
-        if strategy is not None or activation_checkpointing:
+        if activation_checkpointing:
             raise TrainError(PLANS_ALONE)
         try:
             enable_launch_plans(model)
