@@ -270,8 +270,8 @@ def test_gpu_fsdp_and_ddp_trainer_launch_plans_same_losses(tmp_path, strategy):
             inner = tr.model.module if strategy == "ddp" else tr.model
             params = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
                       for p in inner.parameters()]  # fmt: skip
-            runs.append((losses, [p.clone() for p in params], launch_plan_replays(inner),
-                         launch_plan_refusals(inner)))  # fmt: skip
+            runs.append((losses, [p.clone() for p in params], launch_plan_replays(tr.model),
+                         launch_plan_refusals(tr.model)))  # fmt: skip
             tr.close()
     finally:
         dist.destroy_process_group()
@@ -858,6 +858,50 @@ def test_table_says_where_the_cuda_graphs_memory_is():
     assert "With CUDA graphs (coat; --no-cuda-graphs: eager), other includes" in format_table(runs)
     runs[1]["cuda_graphs"] = False
     assert "CUDA graphs" not in format_table(runs)
+
+
+def test_table_says_how_many_layer_steps_the_launch_plans_replayed():
+    """A mode with launch plans gets a note: the layer steps replayed, and how many layers
+    ran eagerly at a shape with the first reason; a mode without plans gets none."""
+    from coat_models.train.memory import MemoryTracker
+    from coat_models.train.report import format_table
+
+    memory = {"device": "cuda", "measured_by": "cuda max_memory_allocated", "measured_peak": 12,
+              "tracked_peak": 10, **dict.fromkeys(MemoryTracker.KINDS, 2), "other": 2}  # fmt: skip
+    runs = [
+        {"mode": m, "master_dtype": "fp32", "train_loss": 1.0, "train_loss_window": 1,
+         "val_loss": None, "tokens_per_s": 100.0, "memory": memory, "timed_steps": [3, 1, 3],
+         "config": {"launch_plans": m == "coat"}, "launch_plan_replays": 1024 * (m == "coat"),
+         "launch_plan_refusals": []}
+        for m in ("bf16", "coat")
+    ]  # fmt: skip
+    table = format_table(runs)
+    assert "launch plans (coat): 1,024 layer steps replayed\n" in table + "\n"
+    assert "launch plans (bf16)" not in table
+    runs[1]["launch_plan_refusals"] = ["LlamaDecoderLayer 0: why", "LlamaDecoderLayer 1: why"]
+    assert "replayed; 2 layers ran eagerly at a shape, e.g. LlamaDecoderLayer 0: why" in (
+        format_table(runs)
+    )
+
+
+def test_launch_plans_default_on_under_fsdp_on_cuda_only():
+    """Without --launch-plans / --no-launch-plans, plans replay the COAT layers where CUDA
+    graphs cannot run: under --fsdp on a CUDA GPU, without --activation-checkpointing or
+    --compile; in one process (CUDA graphs' place), on the CPU, or when told no, they stay off."""
+    from coat_models.train import cli
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    parse = cli.build_parser().parse_args
+    assert parse([]).launch_plans is None and parse(["--no-launch-plans"]).launch_plans is False
+    assert cli._default_launch_plans(parse(["--fsdp"]), cuda, "fsdp")
+    for argv, device, strategy in [
+        (["--fsdp"], cpu, "fsdp"),
+        (["--fsdp", "--activation-checkpointing"], cuda, "fsdp"),
+        (["--fsdp", "--compile"], cuda, "fsdp"),
+        ([], cuda, None),
+        (["--ddp"], cuda, "ddp"),
+    ]:
+        assert not cli._default_launch_plans(parse(argv), device, strategy), argv
 
 
 def test_checkpoint_without_valid_totals_is_refused(tmp_path):

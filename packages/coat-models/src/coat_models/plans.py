@@ -39,8 +39,9 @@ The FP8 weight cache must be off (``FP8ActivationConfig(weight_cache=False)``): 
 weight is cast is a Python-side decision a record cannot hold. The arenas stay allocated
 between steps (CUDA graphs' memory pool does the same); ``disable_launch_plans(model)`` frees
 them. Recording patches ``fp8_quant.ops``' launcher for its duration: not thread-safe.
-Under FSDP2 (parameters gathered at other addresses each time) plans are tested bit for bit
-against eager FSDP2 in one process on CPU; not yet on GPUs or under DDP.
+Under FSDP2 (parameters gathered at other addresses each time) and DDP (gradients reduced
+by hooks on the parameters) plans are tested bit for bit against eager under the same
+wrapper, in one process on CPU and on one GPU rank.
 """
 
 from __future__ import annotations
@@ -541,16 +542,24 @@ def disable_launch_plans(model: nn.Module) -> nn.Module:
     return model
 
 
-def launch_plan_replays(model: nn.Module) -> int:
-    """Layer steps of ``model`` run from launch plans since ``enable_launch_plans``."""
+def _states(model: nn.Module) -> list[dict]:
+    """The plan states of ``model``, or of the models inside a wrapper (DDP's, a task's)."""
     state = _STATES.get(model)
-    return 0 if state is None else state["replays"]
+    if state is not None:
+        return [state]
+    return [_STATES[m] for m in model.modules() if m in _STATES]
+
+
+def launch_plan_replays(model: nn.Module) -> int:
+    """Layer steps of ``model`` (or of the models it wraps) run from launch plans since
+    ``enable_launch_plans``."""
+    return sum(state["replays"] for state in _states(model))
 
 
 def launch_plan_refusals(model: nn.Module) -> list[str]:
-    """Why layers of ``model`` stayed eager at a key (one line per layer and key)."""
-    state = _STATES.get(model)
-    return [] if state is None else list(state["refusals"])
+    """Why layers of ``model`` (or of the models it wraps) stayed eager at a key (one line
+    per layer and key)."""
+    return [why for state in _states(model) for why in state["refusals"]]
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:

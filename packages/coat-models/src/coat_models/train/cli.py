@@ -181,7 +181,7 @@ def _settings(args):
     return PRESETS.get(name) or VL_PRESETS[name], f"preset {name}"
 
 
-def _train_config(args, defaults, mode: str, master: str, graphs: bool) -> TrainConfig:
+def _train_config(args, defaults, mode: str, master: str, graphs: bool, plans: bool) -> TrainConfig:
     fields = {k: getattr(args, k) for k, _, _ in (*TRAIN_OPTIONS, *OUTPUT_OPTIONS)}
     fields["keep_checkpoints"] = args.keep_checkpoints
     fields |= {k: getattr(defaults, k) for k in PRESET_FIELDS if fields[k] is None}
@@ -199,7 +199,7 @@ def _train_config(args, defaults, mode: str, master: str, graphs: bool) -> Train
             weight_cache=args.fp8_weight_cache,
             cuda_graphs=graphs and MODES[mode][0],
             compile=args.compile,
-            launch_plans=args.launch_plans and MODES[mode][0],
+            launch_plans=plans and MODES[mode][0],
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -215,6 +215,19 @@ def _default_cuda_graphs(args, device, strategy) -> bool:
         and not args.fp8_weight_cache
         and not args.compile
         and not args.launch_plans
+    )
+
+
+def _default_launch_plans(args, device, strategy) -> bool:
+    """Whether a run that says neither --launch-plans nor --no-launch-plans replays the COAT
+    layers from launch plans: on a CUDA GPU where CUDA graphs cannot run, under --fsdp
+    (sharded parameters move), without --activation-checkpointing or --compile."""
+    return (
+        device.type == "cuda"
+        and strategy == "fsdp"
+        and not args.activation_checkpointing
+        and not args.compile
+        and not args.cuda_graphs
     )
 
 
@@ -412,8 +425,12 @@ def _plan(args, strategy: str | None, device: torch.device) -> Plan:
     graphs = args.cuda_graphs
     if graphs is None:
         graphs = _default_cuda_graphs(args, device, strategy)
+    plans = args.launch_plans
+    if plans is None:
+        plans = _default_launch_plans(args, device, strategy)
     cfgs = [
-        _train_config(args, defaults, m, d, graphs) for m, d in zip(modes, masters, strict=True)
+        _train_config(args, defaults, m, d, graphs, plans)
+        for m, d in zip(modes, masters, strict=True)
     ]
     if args.launch_plans:
         _check_launch_plans(args, modes)

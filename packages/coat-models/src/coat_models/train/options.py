@@ -208,11 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--launch-plans",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="FP8 activations: record each COAT decoder layer's step once and replay its "
         "kernels from the record (coat_models.plans; same numbers, eager semantics, little host "
-        "time); an alternative to CUDA graphs, which it turns off; FP8 weight cache off; one "
-        "process, no --activation-checkpointing or --compile",
+        "time); an alternative to CUDA graphs, which it turns off; FP8 weight cache off; not "
+        "with --activation-checkpointing or --compile (default: on under --fsdp on CUDA GPUs, "
+        "where CUDA graphs cannot run, without --activation-checkpointing or --compile)",
     )
     r.add_argument(
         "--compile",

@@ -362,6 +362,16 @@ def format_table(summaries: list[dict]) -> str:
             f" With CUDA graphs ({', '.join(graphed)}; --no-cuda-graphs: eager), other includes "
             "the graphs' memory pool: the recorded layers' activations and gradient buffers."
         )
+    for s in summaries:
+        if not s.get("config", {}).get("launch_plans"):
+            continue
+        refused = s.get("launch_plan_refusals") or []
+        replays = s.get("launch_plan_replays", 0)
+        line = f"launch plans ({s['mode']}): {replays:,} layer steps replayed"
+        if refused:
+            n = len(refused)
+            line += f"; {n} layer{'s' * (n != 1)} ran eagerly at a shape, e.g. {refused[0]}"
+        notes.append(line)
     if world > 1:
         notes.append(
             f"{world} ranks ({summaries[0]['parallel']['strategy']}): tokens/s and memory{per}"

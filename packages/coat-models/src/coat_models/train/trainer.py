@@ -49,7 +49,7 @@ from .. import checkpoint, distributed
 from ..compiling import compile_layers
 from ..graphs import cuda_graph_replays, enable_cuda_graphs
 from ..optim import training_optimizer
-from ..plans import enable_launch_plans, launch_plan_replays
+from ..plans import enable_launch_plans, launch_plan_refusals, launch_plan_replays
 from . import interrupt
 from .data import TokenData
 from .memory import MemoryTracker, PeakMeter, memory_report
@@ -875,6 +875,8 @@ class Trainer:
             "compile": self.cfg.compile,
             # Layer steps replayed from launch plans (0: none, or not asked for).
             "launch_plan_replays": launch_plan_replays(self.model),
+            # Why layers ran eagerly at a key (one line per layer and key).
+            "launch_plan_refusals": launch_plan_refusals(self.model),
             "memory": self.totals["memory"],
             # What the run used, preset defaults filled in (the top-level "args" keep what was
             # given: None for a default).
