@@ -884,22 +884,26 @@ def test_table_says_how_many_layer_steps_the_launch_plans_replayed():
     )
 
 
-def test_launch_plans_default_on_under_fsdp_on_cuda_only():
+def test_launch_plans_default_on_under_fsdp_and_ddp_on_cuda_only():
     """Without --launch-plans / --no-launch-plans, plans replay the COAT layers where CUDA
-    graphs cannot run: under --fsdp on a CUDA GPU, without --activation-checkpointing or
-    --compile; in one process (CUDA graphs' place), on the CPU, or when told no, they stay off."""
+    graphs do not run by default: under --fsdp and --ddp on a CUDA GPU, without
+    --activation-checkpointing, --compile, --cuda-graphs or --fp8-weight-cache; in one
+    process (CUDA graphs' place), on the CPU, or when told no, they stay off."""
     from coat_models.train import cli
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     parse = cli.build_parser().parse_args
     assert parse([]).launch_plans is None and parse(["--no-launch-plans"]).launch_plans is False
     assert cli._default_launch_plans(parse(["--fsdp"]), cuda, "fsdp")
+    assert cli._default_launch_plans(parse(["--ddp"]), cuda, "ddp")
     for argv, device, strategy in [
         (["--fsdp"], cpu, "fsdp"),
+        (["--ddp"], cpu, "ddp"),
         (["--fsdp", "--activation-checkpointing"], cuda, "fsdp"),
         (["--fsdp", "--compile"], cuda, "fsdp"),
+        (["--ddp", "--cuda-graphs"], cuda, "ddp"),
+        (["--ddp", "--fp8-weight-cache"], cuda, "ddp"),
         ([], cuda, None),
-        (["--ddp"], cuda, "ddp"),
     ]:
         assert not cli._default_launch_plans(parse(argv), device, strategy), argv
 

@@ -220,11 +220,13 @@ def _default_cuda_graphs(args, device, strategy) -> bool:
 
 def _default_launch_plans(args, device, strategy) -> bool:
     """Whether a run that says neither --launch-plans nor --no-launch-plans replays the COAT
-    layers from launch plans: on a CUDA GPU where CUDA graphs cannot run, under --fsdp
-    (sharded parameters move), without --activation-checkpointing or --compile."""
+    layers from launch plans: on CUDA GPUs where CUDA graphs do not run by default, under
+    --fsdp (sharded parameters move) and --ddp, without --activation-checkpointing,
+    --compile, --cuda-graphs or --fp8-weight-cache."""
     return (
         device.type == "cuda"
-        and strategy == "fsdp"
+        and strategy is not None
+        and not args.fp8_weight_cache
         and not args.activation_checkpointing
         and not args.compile
         and not args.cuda_graphs

@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="FP8 activations: keep each weight's FP8 copies (2 bytes/param) between "
         "micro-batches until the optimizer step; saves casts with --grad-accum, costs memory "
         "(default: on with --grad-accum > 1, with or without --compile; off under --fsdp and "
-        "where CUDA graphs run, which they do by default on one CUDA GPU)",
+        "where CUDA graphs or launch plans run, which they do by default on CUDA GPUs: graphs "
+        "in one process, plans under --fsdp and --ddp)",
     )
     r.add_argument(
         "--cuda-graphs",
@@ -213,8 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="FP8 activations: record each COAT decoder layer's step once and replay its "
         "kernels from the record (coat_models.plans; same numbers, eager semantics, little host "
         "time); an alternative to CUDA graphs, which it turns off; FP8 weight cache off; not "
-        "with --activation-checkpointing or --compile (default: on under --fsdp on CUDA GPUs, "
-        "where CUDA graphs cannot run, without --activation-checkpointing or --compile)",
+        "with --activation-checkpointing or --compile (default: on under --fsdp and --ddp on "
+        "CUDA GPUs, without --activation-checkpointing, --compile, --cuda-graphs or "
+        "--fp8-weight-cache)",
     )
     r.add_argument(
         "--compile",
