@@ -138,6 +138,7 @@ def test_compile_trains_the_modes_with_compiled_layers(tmp_path, capsys, monkeyp
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_prints_no_cache_notices(tmp_path):
     """transformers' notices that checkpointed layers drop use_cache and the cache are
     expected (the training forward passes a cache that keeps nothing): coat-train's stderr
@@ -530,6 +531,7 @@ def test_a_second_signal_stops_a_run_stuck_in_one_native_operation(name, mode):
     assert err.strip().splitlines()[-1] == f"test: a second signal ({name})"
 
 
+@pytest.mark.slow
 def test_signals_that_python_answers_are_left_to_python():
     """Ctrl-C pressed many times while Python answers each (the usual case): every one is an
     ordinary KeyboardInterrupt, the watchdog ends nothing, and it is gone once its
@@ -673,6 +675,7 @@ def test_an_interrupted_rerun_leaves_no_earlier_report(tmp_path, capsys, monkeyp
     ],
     ids=["bf16-accum2", "coat", "coat-bf16-master", "cuda-graphs", "cuda-eager"],
 )
+@pytest.mark.slow
 def test_resume_reproduces_losses_bit_for_bit(
     tmp_path, capsys, monkeypatch, mode, master, accum, device
 ):
@@ -1311,6 +1314,7 @@ def test_model_dirs_past_their_max_positions_that_run_there_train(tmp_path, caps
 
 
 @pytest.mark.parametrize("mode", ["bf16", "coat"])
+@pytest.mark.slow
 def test_a_refused_model_dir_prints_only_coat_train_s_line(tmp_path, mode):
     """transformers' advice while it builds a model (BERT's "add is_decoder=True") was
     printed above coat-train's one-line refusal; its logger writes to the process's stderr
@@ -1865,6 +1869,7 @@ def test_refused_resume_names_the_remedy_and_writes_no_mode_dir(mode, tmp_path, 
     assert not out.exists()  # nor the --out it made (test_a_refused_resume_into_a_new_out...)
 
 
+@pytest.mark.slow
 def test_resume_from_another_out_into_an_earlier_run_is_refused(tmp_path, capsys):
     """``--resume DIR`` of another run (other settings: another seed) into an --out whose
     mode holds an earlier run's checkpoints is refused before anything is written, wherever
@@ -1939,6 +1944,7 @@ def test_resume_takes_the_model_dir_however_it_is_written(tmp_path, capsys, monk
     assert code == 0, err
 
 
+@pytest.mark.slow
 def test_resuming_one_mode_of_a_comparison_says_its_report_is_replaced(tmp_path, capsys):
     """Plain --resume of one mode where --out's report compared two: the run says that the
     comparison report is replaced and how to rebuild it (it was replaced without a word)."""
@@ -1953,6 +1959,7 @@ def test_resuming_one_mode_of_a_comparison_says_its_report_is_replaced(tmp_path,
         "rebuilds the comparison" in err  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_fresh_run_of_fewer_modes_says_its_report_replaces_the_comparison(tmp_path, capsys):
     """A fresh run of one mode into an --out whose report compared two (the other mode's
     run finished, no checkpoints): it says that summary.json and loss.png will cover this

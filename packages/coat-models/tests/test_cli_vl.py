@@ -132,6 +132,7 @@ def weights(out) -> dict[str, torch.Tensor]:
     return load_file(out / "coat/final/model.safetensors")
 
 
+@pytest.mark.slow
 def test_llava_tiny_resumes_bit_for_bit(tmp_path, capsys):
     """COAT (FP8 activations, CoatAdamW's FP8 states) on llava-tiny, stopped by Ctrl-C
     before step 5 and resumed from its step-4 checkpoint: the same records and the same

@@ -780,7 +780,7 @@ if __name__ == "__main__":
 @pytest.mark.parametrize(
     "how",
     ["apply_coat-after-shard_model", "fully_shard-after-apply_coat", "root-only", "stack-only",
-     "compiled"],
+     pytest.param("compiled", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_a_model_sharded_otherwise_than_by_shard_model_trains_without_the_weight_cache(
     how, tmp_path

@@ -161,9 +161,10 @@ print(json.dumps(failed))
 """
 
 
-def _import_each(names: list[str]) -> dict:
-    """{module: last line of its error} for each of ``names`` that fails to import alone."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+def _import_each(names: list[str], *paths: str) -> dict:
+    """{module: last line of its error} for each of ``names`` that fails to import alone
+    (``paths`` put in front of this process's ``sys.path``)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, *sys.path])}
     run = subprocess.run(
         [sys.executable, "-c", _FORK_EACH, json.dumps(names)],
         env=env, capture_output=True, text=True, timeout=600,
@@ -172,24 +173,38 @@ def _import_each(names: list[str]) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
-def test_each_module_imports_alone():
+# The check itself can fail: a module whose import raises must be reported, with its error.
+PLANTED = "import coat_models.convert\nraise ImportError('planted')\n"
+
+
+@pytest.fixture(scope="module")
+def import_each_failed(tmp_path_factory):
+    """One ``_FORK_EACH`` run (one torch import, not one per test) over every coat_models
+    module and a planted broken one (each imported in its own forked child, so the planted
+    module cannot break the others' imports): what failed."""
+    planted = tmp_path_factory.mktemp("planted")
+    (planted / "broken_mod.py").write_text(PLANTED)
     names = [
         ".".join([PACKAGE, *m.split(".")[:-1]]) if m.endswith("__init__") else f"{PACKAGE}.{m}"
         for m in MODULES
     ]
     assert {"coat_models", "coat_models.train.cli", "coat_models.llama"} <= set(names)
-    failed = _import_each(names)
-    assert not failed, failed
+    return names, _import_each([*names, "broken_mod"], str(planted))
 
 
 @pytest.mark.slow
-def test_import_check_sees_a_broken_module(tmp_path, monkeypatch):
-    # The check itself can fail: a module whose import raises is reported, with its error.
-    planted = "import coat_models.convert\nraise ImportError('planted')\n"
-    (tmp_path / "broken_mod.py").write_text(planted)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    failed = _import_each(["coat_models.convert", "broken_mod"])
+@pytest.mark.xdist_group("import_each")  # one worker: the module's fixture computed once
+def test_each_module_imports_alone(import_each_failed):
+    names, failed = import_each_failed
+    assert not {n: e for n, e in failed.items() if n in names}, failed
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("import_each")
+def test_import_check_sees_a_broken_module(import_each_failed):
+    # The planted module, which imports coat_models.convert (that one fine) and then raises,
+    # is reported with its error, and nothing else is.
+    _, failed = import_each_failed
     assert failed == {"broken_mod": "ImportError: planted"}
 
 
@@ -279,6 +294,7 @@ sys.exit(code)
 """
 
 
+@pytest.mark.slow
 def test_console_script_status_is_the_runs_whatever_signal_comes_around_it():
     """A Ctrl-C during the imports that a library wrapped in its own error came
     out as that error's traceback; a signal after the run was reported (the second of

@@ -1224,6 +1224,7 @@ def test_oom_message_names_no_cuda_graphs():
     assert "fp8" not in cli._oom_graphs_note(cfg)
 
 
+@pytest.mark.slow
 def test_no_cuda_graphs_by_default_on_cpu(tmp_path, capsys):
     """On a CPU the default leaves graphs off: the run trains eagerly and says nothing of them;
     --no-cuda-graphs is accepted and summary.json records what was used."""

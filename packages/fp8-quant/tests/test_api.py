@@ -461,6 +461,7 @@ def _triton_on_cpu(env_value: str | None, set_after_import: bool = False) -> str
     return done.stdout
 
 
+@pytest.mark.slow
 def test_triton_interpret_is_read_as_triton_reads_it():
     """Fp8_quant read " 1" as on (Triton: off; the launch crashed in Triton) and
     "y" as off (Triton: on; on a GPU host that chose the interpreter's wrong FP8 cast), and a
