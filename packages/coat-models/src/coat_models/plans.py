@@ -12,7 +12,7 @@ order) and turns the record into a plan:
 
 * buffers the step allocates and does not hand out get fixed addresses: those backward reads
   in an arena of the layer's own, the others (temporaries of one direction) in one scratch
-  buffer per model, packed by lifetime; their views are made once;
+  buffer per device, packed by lifetime; their views are made once;
 * views, detaches and those allocations are dropped; every other ATen op (the GEMMs,
   attention and its backward, small reductions) is called again, the same overload with the
   same arguments; each Triton launch goes straight to the compiled launcher that its eager
