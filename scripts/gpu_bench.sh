@@ -22,13 +22,14 @@
 #                                (--no-cuda-graphs): bf16 vs coat in one process, both compiled
 #                                or both eager, at the 125m preset and Llama-2-7B micro-batch
 #                                1 x 4; first a host probe.
-#   scripts/gpu_bench.sh speed-fsdp 1 GPU, ~7 min. coat alone, --compile against eager: Llama-2-7B
+#   scripts/gpu_bench.sh speed-fsdp 1 GPU, ~7 min. coat alone, --compile against eager
+#                                (--no-launch-plans) and launch plans (FSDP2's default): Llama-2-7B
 #                                2 x 2 with --activation-checkpointing, then FSDP2 on one GPU
-#                                under torchrun (7B 1 x 4), two alternating pairs; first a host
+#                                under torchrun (7B 1 x 4), the three once each; first a host
 #                                probe. (Two phases: each fits one 10-minute device call.)
-#   scripts/gpu_bench.sh speed-ddp 1 GPU, ~4 min. The 125m preset under torchrun --ddp (one
-#                                process), bf16 vs coat in one run, eager (DDP's default) then
-#                                with --cuda-graphs; first a host probe.
+#   scripts/gpu_bench.sh speed-ddp 1 GPU, ~6 min. The 125m preset under torchrun --ddp (one
+#                                process), bf16 vs coat in one run, eager (--no-launch-plans),
+#                                launch plans (DDP's default), --cuda-graphs; first a host probe.
 #   scripts/gpu_bench.sh accuracy     1 GPU, ~5 min. The 125m preset trained 2000 steps with bf16
 #                                and coat (bench_e2e_accuracy.py), checked against the golden
 #                                loss curves; exit status 1 when a check fails. ACC_SEEDS=3:
@@ -190,29 +191,31 @@ speed-accum | speed-batch | speed-compile | speed-fsdp | speed-ddp)
     AC=("${L[@]}" --mode coat --steps 8 "${G[@]}" --activation-checkpointing --batch-size 2 --grad-accum 2)
     train ac_eager 110 "${AC[@]}" --no-cuda-graphs
     train ac_compile 110 "${AC[@]}" --compile
-    # FSDP2 on one GPU under torchrun: two pairs, compiled first in each (runs of one setting
-    # move by more than the difference).
+    # FSDP2 on one GPU under torchrun: compiled, eager and planned, once each (runs of one
+    # setting have moved by more than compile's difference to eager: read with care).
     F=("${L[@]}" --fsdp --mode coat --batch-size 1 --grad-accum 4 --steps 10 "${G[@]}")
-    for i in 1 2; do
-      for v in compile eager; do
+    for i in 1; do
+      for v in compile eager plans; do
         flag=(--compile)
-        [ "$v" = eager ] && flag=()
+        [ "$v" = eager ] && flag=(--no-launch-plans)
+        [ "$v" = plans ] && flag=()
         timeout 80 torchrun --standalone --nproc-per-node 1 -m coat_models.train.cli "${F[@]}" \
           "${flag[@]}" --out "/tmp/speed-fsdp$i-$v" > "$r/fsdp${i}_$v.txt" 2>&1
       done
     done
     runs="ac_eager ac_compile"
-    runs="$runs fsdp1_compile fsdp1_eager fsdp2_compile fsdp2_eager"
+    runs="$runs fsdp1_compile fsdp1_eager fsdp1_plans"
   elif [ "$phase" = speed-ddp ]; then
     timeout 60 python3 $B/bench_e2e.py probe > "$r/probe.txt" 2>&1
     D=(--ddp --preset 125m --compare bf16,coat --steps 60 --eval-batches 2 --no-progress --no-export)
-    for v in eager graphs; do
+    for v in eager plans graphs; do
       flag=()
+      [ "$v" = eager ] && flag=(--no-launch-plans)
       [ "$v" = graphs ] && flag=(--cuda-graphs)
       timeout 150 torchrun --standalone --nproc-per-node 1 -m coat_models.train.cli "${D[@]}" \
         "${flag[@]}" --out "/tmp/speed-ddp-$v" > "$r/ddp_$v.txt" 2>&1
     done
-    runs="ddp_eager ddp_graphs"
+    runs="ddp_eager ddp_plans ddp_graphs"
   else
     train mb2 150 "${L[@]}" --compare bf16,coat --batch-size 2 --steps 12 "${G[@]}"
     train mb2_eager 90 "${L[@]}" --mode coat --no-cuda-graphs --batch-size 2 --steps 12 "${G[@]}"

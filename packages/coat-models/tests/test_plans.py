@@ -225,8 +225,10 @@ def test_fsdp2_and_ddp_layers_replay_the_eager_bits(tmp_path, strategy):
                 opt.step()
                 opt.zero_grad()
             assert_same(*got)
-        # (read through DDP's wrapper too)
+        # (read through DDP's wrapper too; and dropped through it)
         assert launch_plan_replays(models[1]) == 2 * 2, launch_plan_refusals(models[1])
+        disable_launch_plans(models[1])
+        assert launch_plan_replays(models[1]) == 0 and planned not in plans._STATES
     finally:
         dist.destroy_process_group()
 

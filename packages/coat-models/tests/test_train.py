@@ -879,9 +879,37 @@ def test_table_says_how_many_layer_steps_the_launch_plans_replayed():
     assert "launch plans (coat): 1,024 layer steps replayed\n" in table + "\n"
     assert "launch plans (bf16)" not in table
     runs[1]["launch_plan_refusals"] = ["LlamaDecoderLayer 0: why", "LlamaDecoderLayer 1: why"]
-    assert "replayed; 2 layers ran eagerly at a shape, e.g. LlamaDecoderLayer 0: why" in (
-        format_table(runs)
+    assert (
+        "replayed; plans refused 2 times (a layer at a shape), e.g. LlamaDecoderLayer 0: why"
+        in (format_table(runs))
     )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="plans record the Triton kernels"
+)
+def test_a_resumed_run_counts_the_launch_plan_replays_of_the_run_it_resumed(tmp_path, monkeypatch):
+    """Resumed mid-way, the summary counts the replays of both processes (as the run
+    uninterrupted does); resumed at its end, the checkpoint's (it said 0)."""
+    from coat_models.checkpoint import checkpoint_name
+
+    monkeypatch.setenv("FP8_QUANT_BACKEND", "triton")  # (the interpreter on the CPU)
+
+    def fit(resume=None):
+        tr = _tiny_trainer(tmp_path, "coat", steps=2, save_every=1, launch_plans=True,
+                           weight_cache=False)  # fmt: skip
+        summary = tr.fit(resume=None if resume is None else tr.ckpt_dir / checkpoint_name(resume))
+        tr.close()
+        return summary["launch_plan_replays"], summary["launch_plan_refusals"]
+
+    from coat_models.train.presets import preset_config
+
+    whole = fit()
+    layers = preset_config("tiny", 320, max_seq=32).num_hidden_layers
+    assert whole == (layers * 2, [])  # every layer of one micro-batch in each of 2 steps
+    assert fit(resume=1) == whole
+    assert fit(resume=2) == whole
 
 
 def test_launch_plans_default_on_under_fsdp_and_ddp_on_cuda_only():
@@ -1222,6 +1250,10 @@ def test_oom_message_names_no_cuda_graphs():
         assert note.endswith("; with --grad-accum > 1 add --no-fp8-weight-cache too)")
     cfg = TrainConfig(mode="coat", cuda_graphs=True, grad_accum=2, weight_cache=False)
     assert "fp8" not in cli._oom_graphs_note(cfg)
+    # launch plans keep buffers too: the same advice with --no-launch-plans
+    note = cli._oom_graphs_note(TrainConfig(mode="coat", launch_plans=True, grad_accum=2))
+    assert note.startswith("; or --no-launch-plans (the plans keep each layer's saved buffers")
+    assert note.endswith("; with --grad-accum > 1 add --no-fp8-weight-cache too)")
 
 
 @pytest.mark.slow

@@ -532,10 +532,12 @@ def drop_plans(layer: nn.Module) -> None:
 
 
 def disable_launch_plans(model: nn.Module) -> nn.Module:
-    """Drop the plans and their arenas; the layers run eagerly again."""
+    """Drop the plans and their arenas; the layers run eagerly again (also through a
+    wrapper such as DDP's)."""
     from . import graphs
 
-    _STATES.pop(model, None)
+    for m in model.modules():
+        _STATES.pop(m, None)
     for layer in graphs._coat_layers(model):
         layer.__dict__.pop("_coat_plan_owner", None)
         layer.__dict__.pop(_PLANS, None)

@@ -558,8 +558,13 @@ def _oom_cache_note(cfg: TrainConfig, strategy: str | None) -> str:
 
 
 def _oom_graphs_note(cfg: TrainConfig) -> str:
-    """What the out-of-memory message says of CUDA graphs: their pool's memory, and that
-    without them accumulation turns the FP8 weight cache on (unless told)."""
+    """What the out-of-memory message says of CUDA graphs or launch plans: the memory they
+    keep, and that without them accumulation turns the FP8 weight cache on (unless told)."""
+    if cfg.launch_plans:
+        note = "; or --no-launch-plans (the plans keep each layer's saved buffers and a scratch"
+        if cfg.weight_cache is None:
+            note += "; with --grad-accum > 1 add --no-fp8-weight-cache too"
+        return note + ")"
     if not cfg.cuda_graphs:
         return ""
     note = "; or --no-cuda-graphs (the graphs' memory pool holds the layers' buffers"

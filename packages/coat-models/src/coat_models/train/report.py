@@ -370,7 +370,9 @@ def format_table(summaries: list[dict]) -> str:
         line = f"launch plans ({s['mode']}): {replays:,} layer steps replayed"
         if refused:
             n = len(refused)
-            line += f"; {n} layer{'s' * (n != 1)} ran eagerly at a shape, e.g. {refused[0]}"
+            line += (
+                f"; plans refused {n} time{'s' * (n != 1)} (a layer at a shape), e.g. {refused[0]}"
+            )
         notes.append(line)
     if world > 1:
         notes.append(

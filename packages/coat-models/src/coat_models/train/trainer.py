@@ -573,6 +573,7 @@ class Trainer:
         # Steps after the first: ``timed`` (the steady state) and ``counting`` (memory), under
         # ``speed``, the settings that change speed and memory but no number.
         self.totals = self._fresh_totals()
+        self._plans_before = (0, [])  # launch plans' replays and refusals before a resume
         self.train_losses: list[float] = []
         self.val_metrics: dict | None = None  # of the last evaluation: val_loss, ...
         self.progress = Progress(cfg.mode, cfg.steps, enabled=progress and self.is_main)
@@ -873,10 +874,11 @@ class Trainer:
             # Asked for and replayed (a layer given an attention mask, say, runs eagerly).
             "cuda_graphs": self._graphs_replayed(),
             "compile": self.cfg.compile,
-            # Layer steps replayed from launch plans (0: none, or not asked for).
-            "launch_plan_replays": launch_plan_replays(self.model),
+            # Layer steps replayed from launch plans (0: none, or not asked for; a resumed run
+            # adds those of the run it resumed).
+            "launch_plan_replays": self._plans_counted()[0],
             # Why layers ran eagerly at a key (one line per layer and key).
-            "launch_plan_refusals": launch_plan_refusals(self.model),
+            "launch_plan_refusals": self._plans_counted()[1],
             "memory": self.totals["memory"],
             # What the run used, preset defaults filled in (the top-level "args" keep what was
             # given: None for a default).
@@ -939,7 +941,17 @@ class Trainer:
             "activation_checkpointing": self.activation_checkpointing,
         }
         return {"timed": _window(), "counting": _window(), "memory": None, "speed": speed,
-                "graphs_replayed": False}  # fmt: skip
+                "graphs_replayed": False, "plan_replays": 0, "plan_refusals": []}  # fmt: skip
+
+    def _plans_counted(self) -> tuple[int, list[str]]:
+        """Layer steps replayed from launch plans, and the plans' refusals, in the steps the
+        totals count: those of this process added to the checkpoint's a resume carried on
+        from (kept in the totals, so that a run resumed at its end still says so)."""
+        replays, refusals = self._plans_before
+        replays += launch_plan_replays(self.model)
+        refusals = refusals + [r for r in launch_plan_refusals(self.model) if r not in refusals]
+        self.totals["plan_replays"], self.totals["plan_refusals"] = replays, refusals
+        return replays, refusals
 
     def _graphs_replayed(self) -> bool:
         """Whether the steps the totals count ran their COAT layers from CUDA graphs (kept in
@@ -953,6 +965,7 @@ class Trainer:
     def _trainer_state(self) -> dict:
         """The training state besides model and optimizer (equal on every rank but ``rng``)."""
         self._graphs_replayed()  # into the totals
+        self._plans_counted()
         return {
             "format": TRAINER_STATE_FORMAT,
             "step": self.step,
@@ -1033,6 +1046,9 @@ class Trainer:
             # Resumed with other settings that change speed and memory but no number:
             # tokens/s and memory count this run's steps only, not a blend.
             self.totals = now
+        replays, refusals = self.totals.get("plan_replays"), self.totals.get("plan_refusals")
+        ok = isinstance(replays, int) and replays >= 0 and isinstance(refusals, list)
+        self._plans_before = (replays, [str(r) for r in refusals]) if ok else (0, [])
         self.train_losses = list(state["train_losses"])
 
     def _load_file(self, path: Path, device=None):
