@@ -245,9 +245,10 @@ def test_gpu_ddp_trainer_cuda_graphs_same_losses(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_gpu_fsdp_and_ddp_trainer_launch_plans_same_losses(tmp_path, strategy):
-    """coat-train --fsdp / --ddp --launch-plans (one rank, NCCL): the same losses and
-    weights as the eager run under the same wrapper, bit for bit, with gradient
-    accumulation, every micro-batch's layers replayed from plans."""
+    """The Trainer under FSDP2 / DDP with launch plans (what coat-train --fsdp / --ddp now
+    runs by default; one rank, NCCL): the same losses and weights as the eager run under the
+    same wrapper (DDP's with the FP8 weight cache, its default there before), bit for bit,
+    with gradient accumulation, every micro-batch's layers replayed from plans."""
     import torch.distributed as dist
     from coat_models.plans import launch_plan_refusals, launch_plan_replays
     from coat_models.train.data import load_data
@@ -921,19 +922,28 @@ def test_launch_plans_default_on_under_fsdp_and_ddp_on_cuda_only():
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     parse = cli.build_parser().parse_args
-    assert parse([]).launch_plans is None and parse(["--no-launch-plans"]).launch_plans is False
-    assert cli._default_launch_plans(parse(["--fsdp"]), cuda, "fsdp")
-    assert cli._default_launch_plans(parse(["--ddp"]), cuda, "ddp")
+
+    def chosen(argv, device, strategy):  # (graphs, plans), as the run takes them
+        return cli._graphs_and_plans(parse(argv), device, strategy)
+
+    assert chosen(["--fsdp"], cuda, "fsdp") == (False, True)
+    assert chosen(["--ddp"], cuda, "ddp") == (False, True)
+    assert chosen(["--ddp", "--no-cuda-graphs"], cuda, "ddp") == (False, True)
+    assert chosen(["--ddp", "--cuda-graphs"], cuda, "ddp") == (True, False)
+    assert chosen([], cuda, None) == (True, False)
+    assert chosen(["--no-launch-plans"], cuda, None) == (True, False)
+    assert chosen(["--launch-plans"], cuda, None) == (False, True)
     for argv, device, strategy in [
         (["--fsdp"], cpu, "fsdp"),
         (["--ddp"], cpu, "ddp"),
+        (["--fsdp", "--no-launch-plans"], cuda, "fsdp"),
         (["--fsdp", "--activation-checkpointing"], cuda, "fsdp"),
         (["--fsdp", "--compile"], cuda, "fsdp"),
-        (["--ddp", "--cuda-graphs"], cuda, "ddp"),
         (["--ddp", "--fp8-weight-cache"], cuda, "ddp"),
-        ([], cuda, None),
+        ([], cpu, None),
+        (["--no-cuda-graphs"], cuda, None),
     ]:
-        assert not cli._default_launch_plans(parse(argv), device, strategy), argv
+        assert chosen(argv, device, strategy) == (False, False), argv
 
 
 def test_checkpoint_without_valid_totals_is_refused(tmp_path):

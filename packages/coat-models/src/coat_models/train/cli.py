@@ -233,6 +233,17 @@ def _default_launch_plans(args, device, strategy) -> bool:
     )
 
 
+def _graphs_and_plans(args, device, strategy) -> tuple[bool, bool]:
+    """(CUDA graphs, launch plans) for the run: what the command line says, else the
+    defaults."""
+    graphs, plans = args.cuda_graphs, args.launch_plans
+    if graphs is None:
+        graphs = _default_cuda_graphs(args, device, strategy)
+    if plans is None:
+        plans = _default_launch_plans(args, device, strategy)
+    return graphs, plans
+
+
 def _on_note(what: str, cfgs: list[TrainConfig], on: list[bool]) -> str:
     """The run header's note ``; <what> on``, naming the modes when not all of them have it."""
     modes = [c.mode for c, o in zip(cfgs, on, strict=True) if o]
@@ -424,12 +435,7 @@ def _plan(args, strategy: str | None, device: torch.device) -> Plan:
             "written): add --save-every, or leave --keep-checkpoints out"
         )
     # args keep what was given (None: the default); summary.json's runs say what was used.
-    graphs = args.cuda_graphs
-    if graphs is None:
-        graphs = _default_cuda_graphs(args, device, strategy)
-    plans = args.launch_plans
-    if plans is None:
-        plans = _default_launch_plans(args, device, strategy)
+    graphs, plans = _graphs_and_plans(args, device, strategy)
     cfgs = [
         _train_config(args, defaults, m, d, graphs, plans)
         for m, d in zip(modes, masters, strict=True)
