@@ -193,7 +193,7 @@ def test_fsdp2_and_ddp_layers_replay_the_eager_bits(tmp_path, strategy):
     take the parameters where they are: the losses and the gradients (FSDP2: shards)
     equal eager's under the same wrapper bit for bit, and the plan's output is not a view
     (FSDP2 warns of one). One rank: a reduction that runs early or twice changes nothing
-    here (the Trainer's GPU test and the 2-rank CLI tests run the ranks)."""
+    here, and no test runs plans on two ranks yet."""
     import warnings
 
     import torch.distributed as dist
