@@ -24,17 +24,17 @@ INTERPRETED = pytest.mark.skipif(
 DEVICES = [pytest.param("cpu", marks=INTERPRETED), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def config(device: str) -> FP8ActivationConfig:
+def config(device: str, backend: str | None = None) -> FP8ActivationConfig:
     # On the CPU the Triton kernels run in the interpreter (what the plan records).
-    backend = "triton" if device == "cpu" else "auto"
+    backend = backend or ("triton" if device == "cpu" else "auto")
     return FP8ActivationConfig(weight_cache=False, backend=backend)
 
 
-def pair(device: str, layers: int = 2, **overrides):
+def pair(device: str, layers: int = 2, backend: str | None = None, **overrides):
     """The same COAT model twice (fp32 master weights), the second with launch plans."""
     base = tiny_llama(0, num_hidden_layers=layers, **overrides).to(device)
-    eager = apply_coat(copy.deepcopy(base), config=config(device))
-    planned = enable_launch_plans(apply_coat(base, config=config(device)))
+    eager = apply_coat(copy.deepcopy(base), config=config(device, backend))
+    planned = enable_launch_plans(apply_coat(base, config=config(device, backend)))
     return eager, planned
 
 
@@ -68,6 +68,20 @@ def test_planned_steps_are_the_eager_bits(device):
         ids = torch.randint(0, 128, (batch, seq), generator=gen).to(device)
         assert_same(step(eager, ids, device, opt_e), step(planned, ids, device, opt_p))
     assert launch_plan_replays(planned) == 2 * 2 and launch_plan_refusals(planned) == []
+
+
+def test_the_reference_kernels_are_planned_too():
+    """COAT's plain-PyTorch path (the reference backend: no Triton; its weight maxima come
+    from one _foreach_norm, which returns a list of tensors) is recorded and replayed with
+    the eager bits (it was refused: "returned more than its schema says")."""
+    eager, planned = pair("cpu", backend="reference")
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    opt_p = torch.optim.AdamW(planned.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        ids = torch.randint(0, 128, (2, 8), generator=gen)
+        assert_same(step(eager, ids, "cpu", opt_e), step(planned, ids, "cpu", opt_p))
+    assert launch_plan_refusals(planned) == [] and launch_plan_replays(planned) == 2 * 2
 
 
 @pytest.mark.parametrize("device", DEVICES)

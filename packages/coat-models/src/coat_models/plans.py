@@ -160,10 +160,13 @@ class _Recorder(TorchDispatchMode):
         described = (self.describe(list(args), phase),
                      {k: self.describe(v, phase) for k, v in kwargs.items()})  # fmt: skip
         outs = out if isinstance(out, (list, tuple)) else [out]
-        if len(outs) > len(func._schema.returns):
+        rets = func._schema.returns
+        if len(rets) == 1 and str(rets[0].type) in ("List[Tensor]", "Tensor[]"):  # _foreach_norm
+            rets = rets * len(outs)
+        if len(outs) > len(rets):
             raise _NoPlan(f"{func} returned more than its schema says")
         produced = []
-        for ret, o in zip(func._schema.returns, outs, strict=False):
+        for ret, o in zip(rets, outs, strict=False):
             if (
                 isinstance(o, torch.Tensor)
                 and ret.alias_info is None
