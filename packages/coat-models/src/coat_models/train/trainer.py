@@ -857,6 +857,7 @@ class Trainer:
         and the largest rank), ``tokens_per_step`` over all ranks."""
         t = self.totals["timed"] if self.totals["timed"]["time"] else self.totals["counting"]
         window = self.train_losses[-TRAIN_LOSS_WINDOW:]
+        plan_replays, plan_refusals = self._plans_counted()
         return {
             "mode": self.cfg.mode,
             "master_dtype": self.cfg.master_dtype,
@@ -876,9 +877,9 @@ class Trainer:
             "compile": self.cfg.compile,
             # Layer steps replayed from launch plans (0: none, or not asked for; a resumed run
             # adds those of the run it resumed).
-            "launch_plan_replays": self._plans_counted()[0],
+            "launch_plan_replays": plan_replays,
             # Why layers ran eagerly at a key (one line per layer and key).
-            "launch_plan_refusals": self._plans_counted()[1],
+            "launch_plan_refusals": plan_refusals,
             "memory": self.totals["memory"],
             # What the run used, preset defaults filled in (the top-level "args" keep what was
             # given: None for a default).
