@@ -151,6 +151,7 @@ def test_a_second_forward_before_the_backward_runs_eagerly():
     pairs = zip(eager.parameters(), planned.parameters(), strict=True)
     assert all(torch.equal(x.grad, y.grad) for x, y in pairs)
     assert launch_plan_replays(planned) == 1  # the first forward only
+    assert plans.launch_plan_eager_steps(planned) == 1  # the second
 
 
 @INTERPRETED
@@ -175,7 +176,10 @@ def test_an_attention_mask_runs_eagerly_with_the_same_bits():
     assert_same(
         step(eager, ids, "cpu", attention_mask=mask), step(planned, ids, "cpu", attention_mask=mask)
     )
-    assert launch_plan_replays(planned) == 0
+    assert launch_plan_replays(planned) == 0 and plans.launch_plan_eager_steps(planned) == 1
+    with torch.no_grad():  # evaluation is neither replayed nor counted as eager
+        planned(input_ids=ids)
+    assert plans.launch_plan_eager_steps(planned) == 1
 
 
 @INTERPRETED
@@ -264,7 +268,7 @@ def test_a_plan_that_does_not_replay_the_record_is_refused(monkeypatch):
     eager, planned = pair("cpu", layers=1)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
     assert_same(step(eager, ids, "cpu"), step(planned, ids, "cpu"))
-    assert launch_plan_replays(planned) == 0
+    assert launch_plan_replays(planned) == 0 and plans.launch_plan_eager_steps(planned) == 1
     (why,) = launch_plan_refusals(planned)
     assert "did not reproduce the recorded step bit for bit" in why
 

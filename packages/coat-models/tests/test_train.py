@@ -862,8 +862,8 @@ def test_table_says_where_the_cuda_graphs_memory_is():
 
 
 def test_table_says_how_many_layer_steps_the_launch_plans_replayed():
-    """A mode with launch plans gets a note: the layer steps replayed, and how many layers
-    ran eagerly at a shape with the first reason; a mode without plans gets none."""
+    """A mode with launch plans gets a note: the layer steps replayed of those trained, and
+    how often plans were refused with the first reason; a mode without plans gets none."""
     from coat_models.train.memory import MemoryTracker
     from coat_models.train.report import format_table
 
@@ -877,8 +877,10 @@ def test_table_says_how_many_layer_steps_the_launch_plans_replayed():
         for m in ("bf16", "coat")
     ]  # fmt: skip
     table = format_table(runs)
-    assert "launch plans (coat): 1,024 layer steps replayed\n" in table + "\n"
+    assert "launch plans (coat): 1,024 of 1,024 layer steps replayed\n" in table + "\n"
     assert "launch plans (bf16)" not in table
+    runs[1]["launch_plan_eager_steps"] = 64  # (an attention mask, a refused plan...)
+    assert "launch plans (coat): 1,024 of 1,088 layer steps replayed\n" in format_table(runs) + "\n"
     runs[1]["launch_plan_refusals"] = ["LlamaDecoderLayer 0: why", "LlamaDecoderLayer 1: why"]
     assert (
         "replayed; plans refused 2 times (a layer at a shape), e.g. LlamaDecoderLayer 0: why"

@@ -511,7 +511,7 @@ def enable_launch_plans(model: nn.Module) -> nn.Module:
             "layers' steps: use one of them"
         )
     disable_launch_plans(model)
-    _STATES[model] = {"scratch": {}, "plans": [], "refusals": [], "replays": 0}
+    _STATES[model] = {"scratch": {}, "plans": [], "refusals": [], "replays": 0, "eager": 0}
     for layer in layers:
         layer.__dict__["_coat_plan_owner"] = weakref.ref(model)
         layer.__dict__[_PLANS] = {}
@@ -559,6 +559,13 @@ def launch_plan_replays(model: nn.Module) -> int:
     """Layer steps of ``model`` (or of the models it wraps) run from launch plans since
     ``enable_launch_plans``."""
     return sum(state["replays"] for state in _states(model))
+
+
+def launch_plan_eager_steps(model: nn.Module) -> int:
+    """Training steps of COAT layers of ``model`` (or of the models it wraps) that ran eagerly
+    although plans were on (an attention mask, a refused plan, ...; see the module docstring).
+    Layer steps without gradients (evaluation) and under compile tracing are not counted."""
+    return sum(state["eager"] for state in _states(model))
 
 
 def launch_plan_refusals(model: nn.Module) -> list[str]:
@@ -630,13 +637,23 @@ def _make_plan(layer, state: dict, hidden, cos, sin, params):
 
 def run_planned(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
     """The layer's output from its launch plan, or None when this call runs eagerly."""
-    from . import graphs
-
     ref = layer.__dict__.get("_coat_plan_owner")
     owner = None if ref is None else ref()
     state = None if owner is None else _STATES.get(owner)
     if state is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return None
+    out = _planned(layer, state, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing)
+    if out is None:  # a training step a plan did not cover
+        state["eager"] += 1
+    else:
+        state["replays"] += 1
+    return out
+
+
+def _planned(layer, state, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
+    """``run_planned`` for a training step: the plan's output, or None (eager)."""
+    from . import graphs
+
     if attention_mask is not None or checkpointing or not graphs._cache_unused(layer, cache):
         return None
     if set(kwargs) - graphs._NEUTRAL_KWARGS or len(cos_sin) != 2:
@@ -670,5 +687,4 @@ def run_planned(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs
         return None  # the previous planned forward still waits for its backward
     out = _Replay.apply(plan, hidden, cos, sin, *params)
     plan.pending = weakref.ref(out.grad_fn) if out.grad_fn is not None else None
-    state["replays"] += 1
     return out

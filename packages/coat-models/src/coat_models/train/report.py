@@ -367,7 +367,8 @@ def format_table(summaries: list[dict]) -> str:
             continue
         refused = s.get("launch_plan_refusals") or []
         replays = s.get("launch_plan_replays", 0)
-        line = f"launch plans ({s['mode']}): {replays:,} layer steps replayed"
+        total = replays + s.get("launch_plan_eager_steps", 0)
+        line = f"launch plans ({s['mode']}): {replays:,} of {total:,} layer steps replayed"
         if refused:
             n = len(refused)
             line += (

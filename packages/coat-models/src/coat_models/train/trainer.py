@@ -49,7 +49,12 @@ from .. import checkpoint, distributed
 from ..compiling import compile_layers
 from ..graphs import cuda_graph_replays, enable_cuda_graphs
 from ..optim import training_optimizer
-from ..plans import enable_launch_plans, launch_plan_refusals, launch_plan_replays
+from ..plans import (
+    enable_launch_plans,
+    launch_plan_eager_steps,
+    launch_plan_refusals,
+    launch_plan_replays,
+)
 from . import interrupt
 from .data import TokenData
 from .memory import MemoryTracker, PeakMeter, memory_report
@@ -573,7 +578,7 @@ class Trainer:
         # Steps after the first: ``timed`` (the steady state) and ``counting`` (memory), under
         # ``speed``, the settings that change speed and memory but no number.
         self.totals = self._fresh_totals()
-        self._plans_before = (0, [])  # launch plans' replays and refusals before a resume
+        self._plans_before = (0, 0, [])  # plans' replays, eager steps, refusals before a resume
         self.train_losses: list[float] = []
         self.val_metrics: dict | None = None  # of the last evaluation: val_loss, ...
         self.progress = Progress(cfg.mode, cfg.steps, enabled=progress and self.is_main)
@@ -857,7 +862,7 @@ class Trainer:
         and the largest rank), ``tokens_per_step`` over all ranks."""
         t = self.totals["timed"] if self.totals["timed"]["time"] else self.totals["counting"]
         window = self.train_losses[-TRAIN_LOSS_WINDOW:]
-        plan_replays, plan_refusals = self._plans_counted()
+        plan_replays, plan_eager, plan_refusals = self._plans_counted()
         return {
             "mode": self.cfg.mode,
             "master_dtype": self.cfg.master_dtype,
@@ -878,6 +883,8 @@ class Trainer:
             # Layer steps replayed from launch plans (0: none, or not asked for; a resumed run
             # adds those of the run it resumed).
             "launch_plan_replays": plan_replays,
+            # Layer steps that ran eagerly with plans on (an attention mask, a refusal...).
+            "launch_plan_eager_steps": plan_eager,
             # Why layers ran eagerly at a key (one line per layer and key).
             "launch_plan_refusals": plan_refusals,
             "memory": self.totals["memory"],
@@ -942,17 +949,21 @@ class Trainer:
             "activation_checkpointing": self.activation_checkpointing,
         }
         return {"timed": _window(), "counting": _window(), "memory": None, "speed": speed,
-                "graphs_replayed": False, "plan_replays": 0, "plan_refusals": []}  # fmt: skip
+                "graphs_replayed": False, "plan_replays": 0, "plan_eager": 0,
+                "plan_refusals": []}  # fmt: skip
 
-    def _plans_counted(self) -> tuple[int, list[str]]:
-        """Layer steps replayed from launch plans, and the plans' refusals, in the steps the
-        totals count: those of this process added to the checkpoint's a resume carried on
-        from (kept in the totals, so that a run resumed at its end still says so)."""
-        replays, refusals = self._plans_before
+    def _plans_counted(self) -> tuple[int, int, list[str]]:
+        """Layer steps replayed from launch plans, layer steps run eagerly with plans on, and
+        the plans' refusals, in the steps the totals count: those of this process added to
+        the checkpoint's a resume carried on from (kept in the totals, so that a run resumed
+        at its end still says so)."""
+        replays, eager, refusals = self._plans_before
         replays += launch_plan_replays(self.model)
+        eager += launch_plan_eager_steps(self.model)
         refusals = refusals + [r for r in launch_plan_refusals(self.model) if r not in refusals]
-        self.totals["plan_replays"], self.totals["plan_refusals"] = replays, refusals
-        return replays, refusals
+        self.totals["plan_replays"], self.totals["plan_eager"] = replays, eager
+        self.totals["plan_refusals"] = refusals
+        return replays, eager, refusals
 
     def _graphs_replayed(self) -> bool:
         """Whether the steps the totals count ran their COAT layers from CUDA graphs (kept in
@@ -1047,9 +1058,10 @@ class Trainer:
             # Resumed with other settings that change speed and memory but no number:
             # tokens/s and memory count this run's steps only, not a blend.
             self.totals = now
-        replays, refusals = self.totals.get("plan_replays"), self.totals.get("plan_refusals")
-        ok = isinstance(replays, int) and replays >= 0 and isinstance(refusals, list)
-        self._plans_before = (replays, [str(r) for r in refusals]) if ok else (0, [])
+        counts = [self.totals.get(k) for k in ("plan_replays", "plan_eager")]
+        refusals = self.totals.get("plan_refusals")
+        ok = all(isinstance(n, int) and n >= 0 for n in counts) and isinstance(refusals, list)
+        self._plans_before = (*counts, [str(r) for r in refusals]) if ok else (0, 0, [])
         self.train_losses = list(state["train_losses"])
 
     def _load_file(self, path: Path, device=None):
