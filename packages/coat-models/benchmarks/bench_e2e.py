@@ -203,7 +203,7 @@ def trial(model, data, mode, master, cache, mb, args, device, compiled=False) ->
         warm = trainer.run_step()  # kernels, autotuning, optimizer state
         # The breakdown: hooks cost host time.
         counted = trainer.run_step(track_memory=not compiled)
-        with frozen_heap():  # as coat-train's fit: no full collection walks the model
+        with frozen_heap(device.type == "cuda"):  # as coat-train's fit
             for _ in range(args.steps):
                 trainer.queue_step()  # as coat-train between its log points
             timed = trainer.read_steps()
@@ -293,7 +293,7 @@ def torchao_trial(model, data, mb, args, device) -> dict:
             t0 = time.perf_counter()
             losses.append(step(i).item())
             warm.append(time.perf_counter() - t0)
-        with frozen_heap():  # as the coat-train variants
+        with frozen_heap(device.type == "cuda"):  # as the coat-train variants
             t0 = time.perf_counter()
             timed = [step(3 + i) for i in range(args.steps)]
             timed = torch.stack(timed).tolist()  # waits for the window's steps
@@ -508,7 +508,7 @@ def profile_step(
         for _ in range(2):
             trainer.run_step()
         steps, hosts = [], []
-        with frozen_heap():  # as coat-train's fit
+        with frozen_heap(device.type == "cuda"):  # as coat-train's fit
             for _ in range(rounds):
                 _sync(device)
                 t0 = time.perf_counter()

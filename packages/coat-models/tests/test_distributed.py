@@ -362,6 +362,25 @@ def test_compiled_layers_under_fsdp_and_ddp_keep_eager_bits(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_planned_layers_on_two_ranks_keep_eager_bits(runs, strategy):
+    """Launch plans under FSDP2 (each rank gathers the other's shards into fresh storage
+    before every forward and backward) and DDP (gradients all-reduced by hooks while the
+    backward runs): the losses and the reduced gradients of every step equal those of eager
+    layers under the same wrapper on the same ranks, bit for bit, and every training step of
+    every layer replayed."""
+    _, _, got = runs
+    planned, eager = got[f"{strategy}_planned"], got[f"{strategy}_unplanned"]
+    assert planned["losses"] == eager["losses"]
+    for step, (a, b) in enumerate(zip(planned["grads"], eager["grads"], strict=True)):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), (step, name)
+    layers = 2  # coat_models.testing.tiny_llama
+    assert planned["counts"] == (STEPS * layers, 0, [])
+
+
+@pytest.mark.slow
 def test_checkpoint_1_to_2_ranks_is_bit_identical_and_resumes(runs):
     """Saved by one process, loaded by FSDP2 on 2 ranks: every parameter and FP8 state
     equal to the bit; the 2 ranks then continue with the uninterrupted run's losses."""
@@ -766,6 +785,45 @@ def _worker(out: Path) -> None:
         res[f"{strategy}_compiled_graphs"] = (
             counters["stats"]["unique_graphs"], dict(counters["graph_break"])
         )  # fmt: skip
+
+    # 8. Launch plans on the decoder layers (weight cache off), under FSDP2 and under DDP:
+    # each planned run against an eager run under the same wrapper on the same ranks.
+    from coat_models.plans import (
+        enable_launch_plans,
+        launch_plan_eager_steps,
+        launch_plan_refusals,
+        launch_plan_replays,
+    )
+    from fp8_activations import FP8ActivationConfig
+
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    config = FP8ActivationConfig(weight_cache=False, backend="triton" if interpreted else "auto")
+    for strategy in ("fsdp", "ddp"):
+        for planned in (False, True):
+            model = apply_coat(tiny_llama(coat=False), config=config)
+            if planned:
+                enable_launch_plans(model)
+            model, opt = prepare_data_parallel(
+                model, strategy, fp8_activations=False, fp8_optimizer=True, lr=LR
+            )
+            losses, grads = [], []
+            for step in range(1, STEPS + 1):
+                ids = batch(step, rank)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=strategy == "ddp"):
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                grads.append({n: getattr(p.grad, "full_tensor", p.grad.clone)()
+                              for n, p in model.named_parameters()})  # fmt: skip
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(mean_loss(loss))
+            name = f"{strategy}_{'planned' if planned else 'unplanned'}"
+            res[name] = {"losses": losses, "grads": grads}
+            if planned:
+                res[name]["counts"] = (
+                    launch_plan_replays(model), launch_plan_eager_steps(model),
+                    launch_plan_refusals(model),
+                )  # fmt: skip
 
     if rank == 0:
         torch.save(res, out / "results.pt")

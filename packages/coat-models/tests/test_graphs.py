@@ -106,6 +106,24 @@ def test_copies_carry_no_graphs():
     disable_cuda_graphs(model)
 
 
+def test_disable_collects_only_what_graphs_left(monkeypatch):
+    """disable_cuda_graphs runs the full collection (a graphed body and its layer reference
+    each other) only where graphs were enabled: revert_coat of a model never graphed (every
+    CPU model) does not pay for it."""
+    import gc
+
+    collections = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(a) or 0)
+    model = apply_coat(tiny_llama(), config=NO_CACHE)
+    disable_cuda_graphs(model)
+    assert collections == []
+    layer = graphs._coat_layers(model)[0]
+    layer.__dict__["_coat_graph_owner"] = weakref.ref(model)
+    layer.__dict__["_coat_graphed"] = object()
+    disable_cuda_graphs(model)
+    assert len(collections) == 1 and "_coat_graphed" not in layer.__dict__
+
+
 def _emulated(monkeypatch, model):
     """Graphs "recorded" as the eager layer body itself, on CPU: every decision of
     ``run_graphed`` (replay or not, the guard, the recording key) runs as on a GPU, and a

@@ -210,8 +210,7 @@ def test_fsdp2_and_ddp_layers_replay_the_eager_bits(tmp_path, strategy):
     (gradients reduced by hooks on the parameters, into bucket views) the planned layers
     take the parameters where they are: the losses and the gradients (FSDP2: shards)
     equal eager's under the same wrapper bit for bit, and the plan's output is not a view
-    (FSDP2 warns of one). One rank: a reduction that runs early or twice changes nothing
-    here, and no test runs plans on two ranks yet."""
+    (FSDP2 warns of one). One rank (test_distributed.py runs plans on two)."""
     import warnings
 
     import torch.distributed as dist
@@ -246,8 +245,13 @@ def test_fsdp2_and_ddp_layers_replay_the_eager_bits(tmp_path, strategy):
             assert_same(*got)
         # (read through DDP's wrapper too; and dropped through it)
         assert launch_plan_replays(models[1]) == 2 * 2, launch_plan_refusals(models[1])
+        arenas = sum(p.arena.nbytes for p in plans._STATES[planned]["plans"])
+        scratch = sum(s.nbytes for s in plans._STATES[planned]["scratch"].values())
+        assert arenas > 0 and scratch > 0
+        assert plans.launch_plan_bytes(models[1]) == arenas + scratch
         disable_launch_plans(models[1])
         assert launch_plan_replays(models[1]) == 0 and planned not in plans._STATES
+        assert plans.launch_plan_bytes(models[1]) == 0
     finally:
         dist.destroy_process_group()
 

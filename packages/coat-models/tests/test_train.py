@@ -250,7 +250,7 @@ def test_gpu_fsdp_and_ddp_trainer_launch_plans_same_losses(tmp_path, strategy):
     same wrapper (DDP's with the FP8 weight cache, its default there before), bit for bit,
     with gradient accumulation, every micro-batch's layers replayed from plans."""
     import torch.distributed as dist
-    from coat_models.plans import launch_plan_refusals, launch_plan_replays
+    from coat_models.plans import launch_plan_bytes, launch_plan_refusals, launch_plan_replays
     from coat_models.train.data import load_data
     from coat_models.train.presets import build_model, preset_config
     from coat_models.train.trainer import Trainer
@@ -272,13 +272,14 @@ def test_gpu_fsdp_and_ddp_trainer_launch_plans_same_losses(tmp_path, strategy):
             params = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
                       for p in inner.parameters()]  # fmt: skip
             runs.append((losses, [p.clone() for p in params], launch_plan_replays(tr.model),
-                         launch_plan_refusals(tr.model)))  # fmt: skip
+                         launch_plan_refusals(tr.model), launch_plan_bytes(tr.model)))  # fmt: skip
             tr.close()
     finally:
         dist.destroy_process_group()
-    (want, want_p, eager_replays, _), (got, got_p, replays, refusals) = runs
+    (want, want_p, eager_replays, _, no_bytes), (got, got_p, replays, refusals, held) = runs
     layers = preset_config("tiny", data.vocab_size, max_seq=128).num_hidden_layers
     assert eager_replays == 0 and refusals == []
+    assert no_bytes == 0 and held > 0  # the arenas and scratch, read through the wrapper
     assert replays == layers * 2 * 3  # every layer of every micro-batch of every step
     assert got == want
     assert all(torch.equal(a, b) for a, b in zip(got_p, want_p, strict=True))
@@ -915,6 +916,31 @@ def test_a_resumed_run_counts_the_launch_plan_replays_of_the_run_it_resumed(tmp_
     assert fit(resume=2) == whole
 
 
+def test_the_memory_breakdown_counts_the_launch_plan_buffers(tmp_path, monkeypatch):
+    """The plans' arenas and scratch (``launch_plan_bytes``, allocated from their recording
+    on and saved by no autograd node; test_plans checks its count) are a part of the
+    breakdown and of its peak; the report shows the row only where a run has them."""
+    import re
+
+    from coat_models.train import trainer as trainer_module
+    from coat_models.train.memory import MemoryTracker
+    from coat_models.train.report import format_table
+
+    summaries = []
+    for mode, held in (("bf16", 0), ("coat", 3 * 2**20)):
+        monkeypatch.setattr(trainer_module, "launch_plan_bytes", lambda model, n=held: n)
+        tr = _tiny_trainer(tmp_path / mode, mode, steps=3)
+        summaries.append(tr.fit())
+        tr.close()
+        memory = summaries[-1]["memory"]
+        assert memory["plan_buffers"] == held
+        assert memory["tracked_peak"] == sum(memory[k] for k in MemoryTracker.KINDS)
+        assert memory["tracked_peak"] > held + memory["weights"]
+    rows = [r for r in format_table(summaries).splitlines() if "launch-plan buffers" in r]
+    assert len(rows) == 1 and re.search(r"scratch\)\s+0 B\s+3.0 MiB", rows[0]), rows
+    assert "launch-plan buffers" not in format_table(summaries[:1])
+
+
 def test_launch_plans_default_on_under_fsdp_and_ddp_on_cuda_only():
     """Without --launch-plans / --no-launch-plans, plans replay the COAT layers where CUDA
     graphs do not run by default: under --fsdp and --ddp on a CUDA GPU, without
@@ -1353,12 +1379,9 @@ def test_a_hybrid_model_s_cache_keeps_its_other_states(kind):
     assert getattr(attention, "keys", None) is None or attention.keys.numel() == 0
 
 
-def test_fit_freezes_the_heap_while_training(tmp_path, monkeypatch):
-    """fit() freezes the objects alive before it (no full collection walks them during the
-    steps) and unfreezes them after, so that later collections can free them."""
+def _freeze_counts_during_fit(tr, monkeypatch):
     import gc
 
-    tr = _tiny_trainer(tmp_path, "bf16", steps=4)
     frozen = []
     real = tr.queue_step
 
@@ -1370,8 +1393,77 @@ def test_fit_freezes_the_heap_while_training(tmp_path, monkeypatch):
     assert gc.get_freeze_count() == 0
     tr.fit()
     tr.close()
-    assert len(frozen) == 4 and min(frozen) > 1000
     assert gc.get_freeze_count() == 0
+    return frozen
+
+
+def test_frozen_heap_freezes_and_unfreezes():
+    import gc
+
+    from coat_models.train.trainer import frozen_heap
+
+    with frozen_heap():
+        assert gc.get_freeze_count() > 1000
+    assert gc.get_freeze_count() == 0
+    with frozen_heap(False):
+        assert gc.get_freeze_count() == 0
+
+
+def test_fit_on_the_cpu_leaves_the_heap_unfrozen(tmp_path, monkeypatch):
+    """On the CPU no GPU waits on the host: fit skips the full collection and the freeze."""
+    import gc
+
+    collections = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(a) or 0)
+    frozen = _freeze_counts_during_fit(_tiny_trainer(tmp_path, "bf16", steps=4), monkeypatch)
+    assert frozen == [0] * 4 and collections == []
+
+
+@pytest.mark.gpu
+def test_fit_on_a_gpu_freezes_the_heap_while_training(tmp_path, monkeypatch):
+    """fit() freezes the objects alive before it (no full collection walks them during the
+    steps) and unfreezes them after, so that later collections can free them."""
+    from coat_models.train.data import load_data
+    from coat_models.train.presets import build_model, preset_config
+    from coat_models.train.trainer import Trainer
+
+    data = load_data(max_bytes=2**20)
+    cuda = torch.device("cuda")
+    cfg = TrainConfig(mode="bf16", steps=4, batch_size=2, seq_len=32, eval_every=0,
+                      eval_batches=1, log_every=2)  # fmt: skip
+    model = build_model(preset_config("tiny", data.vocab_size, max_seq=32), device=cuda,
+                        master_dtype=torch.float32, seed=0)  # fmt: skip
+    tr = Trainer(model, data, cfg, device=cuda, out_dir=tmp_path, progress=False)
+    frozen = _freeze_counts_during_fit(tr, monkeypatch)
+    assert len(frozen) == 4 and min(frozen) > 1000
+
+
+def test_a_cpu_run_frees_its_tensors_without_the_collector(tmp_path):
+    """coat-train collects no garbage between modes on the CPU: no reference cycle may hold a
+    mode's tensors (model, optimizer state, batches) once its trainer is closed."""
+    import gc
+
+    from coat_models.train.cli import main
+
+    args = ["--preset", "tiny", "--steps", "2", "--eval-batches", "1", "--no-progress",
+            "--no-export"]  # fmt: skip
+    # A first run imports what a run imports lazily (matplotlib's import leaves cycles
+    # through the frames that import it: its garbage, not a run's).
+    assert main([*args, "--mode", "bf16", "--out", str(tmp_path / "warm")]) == 0
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds stays in gc.garbage
+    try:
+        rc = main([*args, "--compare", "bf16,coat", "--out", str(tmp_path / "run")])
+        gc.collect()
+        # (plain tensors: an earlier test's fake tensors may be let go during the run)
+        held = [o for o in gc.garbage if type(o) in (torch.Tensor, torch.nn.Parameter)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert rc == 0
+    assert held == [], [tuple(t.shape) for t in held[:8]]
 
 
 # -- what a resume restores besides model and optimizer tensors ------------------------------

@@ -234,10 +234,12 @@ def disable_cuda_graphs(model: nn.Module) -> nn.Module:
     inner = getattr(model, "module", None)
     if isinstance(inner, nn.Module):
         _STATES.pop(inner, None)
+    enabled = False
     for layer in _coat_layers(model):
         for attr in LAYER_KEYS:
-            layer.__dict__.pop(attr, None)
-    gc.collect()  # each graphed body and its layer reference each other
+            enabled |= layer.__dict__.pop(attr, None) is not None
+    if enabled:
+        gc.collect()  # each graphed body and its layer reference each other
     return model
 
 

@@ -403,7 +403,7 @@ class _Plan:
         if aligned and ptr & 15:
             raise RuntimeError(
                 "launch plan: a tensor's address lost the 16-byte alignment its kernel was "
-                "compiled for; call coat_models.disable_launch_plans(model)"
+                "compiled for; call coat_models.plans.disable_launch_plans(model)"
             )
         return ptr
 
@@ -481,7 +481,7 @@ class _Replay(torch.autograd.Function):
                 "launch-planned COAT layer: this backward belongs to a forward whose saved "
                 "activations were overwritten (by a later forward of the layer, or by this "
                 "backward running twice); run each backward once, before the layer's next "
-                "forward, or call coat_models.disable_launch_plans(model)"
+                "forward, or call coat_models.plans.disable_launch_plans(model)"
             )
         ctx.done = True
         plan.pending = None
@@ -566,6 +566,16 @@ def launch_plan_eager_steps(model: nn.Module) -> int:
     although plans were on (an attention mask, a refused plan, ...; see the module docstring).
     Layer steps without gradients (evaluation) and under compile tracing are not counted."""
     return sum(state["eager"] for state in _states(model))
+
+
+def launch_plan_bytes(model: nn.Module) -> int:
+    """Bytes the launch plans of ``model`` (or of the models it wraps) keep allocated: every
+    plan's arena (what its backward reads) and the shared scratch buffers."""
+    return sum(
+        sum(plan.arena.nbytes for plan in state["plans"])
+        + sum(scratch.nbytes for scratch in state["scratch"].values())
+        for state in _states(model)
+    )
 
 
 def launch_plan_refusals(model: nn.Module) -> list[str]:

@@ -635,8 +635,8 @@ def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, 
         if trainer is not None:
             trainer.close()
         trainer = None
-        gc.collect()
-        if device.type == "cuda":
+        if device.type == "cuda":  # the next mode's peak memory starts from an empty cache
+            gc.collect()  # (on the CPU, the mode's tensors are freed as trainer goes)
             torch.cuda.empty_cache()
     if oom:
         cache = _oom_cache_note(cfg, strategy) + _oom_graphs_note(cfg)

@@ -108,14 +108,17 @@ class MemoryTracker:
     """Live bytes of weights (parameters and buffers), gradients, optimizer state, tensors
     saved for backward (activations, each storage once until freed) and weight copies (saved
     casts or views of a parameter, and tensors kept as attributes of parameters: COAT's FP8
-    weight caches), and their values when their sum peaked. Unsaved temporaries are in
+    weight caches), the launch plans' buffers (``plans.launch_plan_bytes``: arenas holding what
+    planned layers' backward reads, scratch; as of ``start``), and their values when their sum
+    peaked. Unsaved temporaries are in
     ``measured - tracked``; a saved tensor marked ``loss.SAVED_GRADIENT`` (the loss's
     gradients, made in forward) is a gradient. ``grad_hooks=False`` counts gradients in
     ``count_grads`` only (FSDP2 calls the hooks of sharded parameters with views of one
     reduce-scatter output).
     Counting costs host time: ``stop()`` between steps, ``start(optimizer)`` before one."""
 
-    KINDS = ("weights", "gradients", "optimizer_state", "activations", "weight_copies")
+    KINDS = ("weights", "gradients", "optimizer_state", "activations", "weight_copies",
+             "plan_buffers")  # fmt: skip
 
     def __init__(self, model: torch.nn.Module, grad_hooks: bool = True):
         self.live = dict.fromkeys(self.KINDS, 0)
@@ -136,9 +139,12 @@ class MemoryTracker:
         self.active = False
         self.start()
 
-    def start(self, optimizer: torch.optim.Optimizer | None = None):
+    def start(self, optimizer: torch.optim.Optimizer | None = None, plan_bytes: int = 0):
         """Count from here on (between steps), recounting what changed while stopped:
-        ``optimizer``'s state and tensors kept on parameters."""
+        ``optimizer``'s state, tensors kept on parameters and (``plan_bytes``) the launch
+        plans' buffers, allocated from their recording on (not saved for backward: the
+        tensors a planned layer saves are counted as activations)."""
+        self.live["plan_buffers"] = plan_bytes
         if self._grad_hooks and not self._handles:
             self._handles = [
                 p.register_post_accumulate_grad_hook(self._on_grad)

@@ -320,14 +320,17 @@ def format_table(summaries: list[dict]) -> str:
         "gradients": "    gradients",
         "optimizer_state": "    optimizer state",
         "activations": "    activations (saved for backward)",
+        "plan_buffers": "    launch-plan buffers (arenas, scratch)",
         "other": "  other (peak - tracked)",
     }
+    if not any(m.get("plan_buffers") for m in mem):  # (no plans; older summaries: no key)
+        del parts["plan_buffers"]
     if measured:
         parts = {"measured_peak": f"peak memory{per} ({mem[0]['measured_by']})", **parts}
     else:  # no peak to subtract from
         parts["tracked_peak"] = f"peak memory{per} (tracked tensors)"
         del parts["other"]
-    rows += [(name, [m[key] for m in mem], "bytes") for key, name in parts.items()]
+    rows += [(name, [m.get(key) for m in mem], "bytes") for key, name in parts.items()]
     fmt = {
         "loss": lambda v: "n/a" if v is None else f"{v:.4f}",
         "rate": lambda v: "n/a" if v is None else f"{v:,.0f}",

@@ -51,6 +51,7 @@ from ..graphs import cuda_graph_replays, enable_cuda_graphs
 from ..optim import training_optimizer
 from ..plans import (
     enable_launch_plans,
+    launch_plan_bytes,
     launch_plan_eager_steps,
     launch_plan_refusals,
     launch_plan_replays,
@@ -401,9 +402,14 @@ def training_cache_kwargs(model) -> dict[str, Callable]:
 
 
 @contextlib.contextmanager
-def frozen_heap():
+def frozen_heap(active: bool = True):
     """Within it, Python's collector skips the objects alive before it (torch, transformers,
-    the model: a full collection of them stalls the host that feeds the GPU)."""
+    the model: a full collection of them stalls the host that feeds the GPU). ``active``
+    False (training on the CPU, where no GPU waits on the host) does nothing: the full
+    collection that goes first costs a few hundred ms with torch and transformers loaded."""
+    if not active:
+        yield
+        return
     gc.collect()
     gc.freeze()
     try:
@@ -607,7 +613,7 @@ class Trainer:
         if self._t0 is None:  # the first step after a read starts the clock
             self._t0 = time.perf_counter()
         if track_memory and not tracker.active:
-            tracker.start(self.optimizer)
+            tracker.start(self.optimizer, launch_plan_bytes(self.model))
         elif not track_memory and tracker.active:
             tracker.stop()
         with tracker.saving() if track_memory else contextlib.nullcontext():
@@ -744,7 +750,7 @@ class Trainer:
             tensorboard=cfg.report_to == "tensorboard",
             enabled=self.is_main,
         )
-        with metrics, frozen_heap():
+        with metrics, frozen_heap(self.device.type == "cuda"):
             try:
                 while self.step < cfg.steps:
                     step = self.step + 1
