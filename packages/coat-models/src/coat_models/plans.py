@@ -41,7 +41,8 @@ between steps (CUDA graphs' memory pool does the same); ``disable_launch_plans(m
 them. Recording patches ``fp8_quant.ops``' launcher for its duration: not thread-safe.
 Under FSDP2 (parameters gathered at other addresses each time) and DDP (gradients reduced
 by hooks on the parameters) plans are tested bit for bit against eager under the same
-wrapper, in one process on CPU and on one GPU rank.
+wrapper: on two CPU ranks (the reference kernels), in one process on CPU (Triton's
+interpreter) and on one GPU rank.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ tensors saved for backward (``MemoryTracker``), next to the allocator's measured
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -108,9 +109,10 @@ class MemoryTracker:
     """Live bytes of weights (parameters and buffers), gradients, optimizer state, tensors
     saved for backward (activations, each storage once until freed) and weight copies (saved
     casts or views of a parameter, and tensors kept as attributes of parameters: COAT's FP8
-    weight caches), the launch plans' buffers (``plans.launch_plan_bytes``: arenas holding what
-    planned layers' backward reads, scratch; as of ``start``), and their values when their sum
-    peaked. Unsaved temporaries are in
+    weight caches), the launch plans' buffers (``plan_bytes()``, e.g. ``plans.launch_plan_bytes``
+    of the model: arenas holding what planned layers' backward reads, and scratch; read with
+    the weight copies, after each forward and optimizer step), and their values when their
+    sum peaked. Unsaved temporaries are in
     ``measured - tracked``; a saved tensor marked ``loss.SAVED_GRADIENT`` (the loss's
     gradients, made in forward) is a gradient. ``grad_hooks=False`` counts gradients in
     ``count_grads`` only (FSDP2 calls the hooks of sharded parameters with views of one
@@ -120,8 +122,14 @@ class MemoryTracker:
     KINDS = ("weights", "gradients", "optimizer_state", "activations", "weight_copies",
              "plan_buffers")  # fmt: skip
 
-    def __init__(self, model: torch.nn.Module, grad_hooks: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        grad_hooks: bool = True,
+        plan_bytes: Callable[[], int] | None = None,
+    ):
         self.live = dict.fromkeys(self.KINDS, 0)
+        self._plan_bytes = plan_bytes
         self.at_peak = dict(self.live)
         self.peak = 0
         tensors = list(model.parameters()) + list(model.buffers())
@@ -139,12 +147,9 @@ class MemoryTracker:
         self.active = False
         self.start()
 
-    def start(self, optimizer: torch.optim.Optimizer | None = None, plan_bytes: int = 0):
+    def start(self, optimizer: torch.optim.Optimizer | None = None):
         """Count from here on (between steps), recounting what changed while stopped:
-        ``optimizer``'s state, tensors kept on parameters and (``plan_bytes``) the launch
-        plans' buffers, allocated from their recording on (not saved for backward: the
-        tensors a planned layer saves are counted as activations)."""
-        self.live["plan_buffers"] = plan_bytes
+        ``optimizer``'s state, tensors kept on parameters and the launch plans' buffers."""
         if self._grad_hooks and not self._handles:
             self._handles = [
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -197,7 +202,11 @@ class MemoryTracker:
 
     def scan_attached(self):
         """Count tensors kept as attributes of parameters (e.g. FP8 weight caches made in
-        forward) as weight copies until they are freed; one saved for backward moves there."""
+        forward) as weight copies until they are freed; one saved for backward moves there.
+        Read the launch plans' buffers (made by a forward that recorded; not saved for
+        backward: the tensors a planned layer saves are counted as activations)."""
+        if self._plan_bytes is not None:
+            self.live["plan_buffers"] = self._plan_bytes()
         for p in self._params:
             for t in _flat_tensors(list(p.__dict__.values())):
                 if id(t) in self._watched:

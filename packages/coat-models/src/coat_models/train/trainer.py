@@ -573,7 +573,8 @@ class Trainer:
             model, task, cfg, device, strategy, activation_checkpointing, reshard_after_forward
         )
         self.scheduler = lr_scheduler(self.optimizer, cfg)
-        self.tracker = MemoryTracker(self.model, grad_hooks=strategy != "fsdp")
+        plans = functools.partial(launch_plan_bytes, self.model) if cfg.launch_plans else None
+        self.tracker = MemoryTracker(self.model, grad_hooks=strategy != "fsdp", plan_bytes=plans)
         model = getattr(self.model, "module", self.model)  # DDP wraps the model
         model = getattr(model, "_orig_mod", model)  # and torch.compile
         self._cache_kwargs = training_cache_kwargs(model)
@@ -613,7 +614,7 @@ class Trainer:
         if self._t0 is None:  # the first step after a read starts the clock
             self._t0 = time.perf_counter()
         if track_memory and not tracker.active:
-            tracker.start(self.optimizer, launch_plan_bytes(self.model))
+            tracker.start(self.optimizer)
         elif not track_memory and tracker.active:
             tracker.stop()
         with tracker.saving() if track_memory else contextlib.nullcontext():
