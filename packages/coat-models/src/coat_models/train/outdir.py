@@ -389,6 +389,8 @@ def _note_narrower_report(out: Path, modes: list[str], fresh: bool = False) -> N
         there = [r["mode"] for r in runs]
     except (OSError, ValueError, KeyError, TypeError):
         return
+    if not all(isinstance(m, str) for m in there):  # not a report coat-train wrote: no note
+        return
     if fresh:
         others = [m for m in there if m not in modes]
         if others:

@@ -127,7 +127,7 @@ class TrainConfig:
     report_to: str = "none"  # or "tensorboard": event files in out_dir/tensorboard
 
     NOT_NUMERICS = ("eval_every", "eval_batches", "log_every", "save_every", "keep_checkpoints",
-                    "weight_cache", "cuda_graphs", "compile", "launch_plans",
+                    "weight_cache", "cuda_graphs", "launch_plans",
                     "report_to")  # fmt: skip
 
     def __post_init__(self):
@@ -220,15 +220,14 @@ class TrainConfig:
         return self.batch_size * self.seq_len * self.grad_accum
 
     def numerics(self) -> dict:
-        """The fields a resumed run must share with the run that wrote the checkpoint.
-        ``compile`` too where the mode has no FP8 activations: compiled, its bf16 autocast
-        ops are fused by Inductor and round otherwise than eagerly (the COAT layers compile
-        to eager's bits)."""
+        """The fields a resumed run must share with the run that wrote the checkpoint,
+        ``compile`` included: Inductor fuses bf16 autocast ops and, on the CPU, COAT's
+        plain-PyTorch kernels, which then round otherwise than eagerly (a coat run on the
+        CPU resumed with --compile went on with other losses, accepted without a word).
+        Checkpoints of the COAT modes from earlier versions do not record it: they resume
+        with or without it."""
         fields = dataclasses.asdict(self)
-        out = {k: v for k, v in fields.items() if k not in self.NOT_NUMERICS}
-        if not MODES[self.mode][0]:
-            out["compile"] = self.compile
-        return out
+        return {k: v for k, v in fields.items() if k not in self.NOT_NUMERICS}
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
