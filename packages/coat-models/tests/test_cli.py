@@ -1978,6 +1978,20 @@ def test_a_fresh_run_of_fewer_modes_says_its_report_replaces_the_comparison(tmp_
     assert (tmp_path / "bf16" / "summary.json").is_file()
 
 
+@pytest.mark.parametrize("fresh", [True, False])
+@pytest.mark.parametrize(
+    "report", ['{"runs": [{"mode": ["x"]}]}', '{"runs": {"mode": "x"}}', '{"runs": [1]}', "[]"]
+)
+def test_a_report_coat_train_did_not_write_gets_no_note(tmp_path, capsys, report, fresh):
+    """A summary.json in --out that is not coat-train's report (edited by hand: its modes
+    not names) is passed over without a note (it raised TypeError: unhashable type)."""
+    from coat_models.train.outdir import _note_narrower_report
+
+    (tmp_path / "summary.json").write_text(report)
+    _note_narrower_report(tmp_path, ["coat"], fresh=fresh)
+    assert capsys.readouterr().err == ""
+
+
 # ---------------------------------------------------------------- probe of the CLI
 @pytest.mark.parametrize("modes", [["--compare", "bf16,coat"], ["--mode", "bf16"]])
 def test_a_model_dir_inside_a_mode_directory_it_replaces_is_refused(tmp_path, capsys, modes):
