@@ -1401,11 +1401,10 @@ def _freeze_counts_during_fit(tr, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(tr, "queue_step", spy)
-    assert gc.get_freeze_count() == 0
+    before = gc.get_freeze_count()  # (what an earlier test left frozen: torch's own, e.g.)
     tr.fit()
     tr.close()
-    assert gc.get_freeze_count() == 0
-    return frozen
+    return before, frozen, gc.get_freeze_count()
 
 
 def test_frozen_heap_freezes_and_unfreezes():
@@ -1426,8 +1425,9 @@ def test_fit_on_the_cpu_leaves_the_heap_unfrozen(tmp_path, monkeypatch):
 
     collections = []
     monkeypatch.setattr(gc, "collect", lambda *a: collections.append(a) or 0)
-    frozen = _freeze_counts_during_fit(_tiny_trainer(tmp_path, "bf16", steps=4), monkeypatch)
-    assert frozen == [0] * 4 and collections == []
+    tr = _tiny_trainer(tmp_path, "bf16", steps=4)
+    before, frozen, after = _freeze_counts_during_fit(tr, monkeypatch)
+    assert frozen == [before] * 4 and after == before and collections == []
 
 
 @pytest.mark.gpu
@@ -1445,8 +1445,9 @@ def test_fit_on_a_gpu_freezes_the_heap_while_training(tmp_path, monkeypatch):
     model = build_model(preset_config("tiny", data.vocab_size, max_seq=32), device=cuda,
                         master_dtype=torch.float32, seed=0)  # fmt: skip
     tr = Trainer(model, data, cfg, device=cuda, out_dir=tmp_path, progress=False)
-    frozen = _freeze_counts_during_fit(tr, monkeypatch)
-    assert len(frozen) == 4 and min(frozen) > 1000
+    before, frozen, after = _freeze_counts_during_fit(tr, monkeypatch)
+    # (gc.unfreeze has no scope: fit's unfreezes what was frozen before it too)
+    assert len(frozen) == 4 and min(frozen) > before + 1000 and after == 0
 
 
 def test_a_cpu_run_frees_its_tensors_without_the_collector(tmp_path):

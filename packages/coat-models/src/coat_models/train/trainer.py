@@ -405,7 +405,8 @@ def frozen_heap(active: bool = True):
     """Within it, Python's collector skips the objects alive before it (torch, transformers,
     the model: a full collection of them stalls the host that feeds the GPU). ``active``
     False (training on the CPU, where no GPU waits on the host) does nothing: the full
-    collection that goes first costs a few hundred ms with torch and transformers loaded."""
+    collection that goes first costs a few hundred ms with torch and transformers loaded.
+    (``gc.unfreeze`` has no scope: what was frozen before it is unfrozen too.)"""
     if not active:
         yield
         return
