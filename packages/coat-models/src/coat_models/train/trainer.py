@@ -1156,8 +1156,8 @@ def check_settings(path, recorded: dict, cfg: TrainConfig, fingerprint: str, des
     ``path`` whose ``recorded`` settings (``config``: its numerics, ``data``: the data's
     fingerprint, ``describe``: the model) are not this run's."""
     numerics = cfg.numerics()
-    # (a field this mode's numerics leave out, compile for a COAT mode, is still this run's
-    # setting: a bf16 checkpoint's compile False against a coat run had read "now None")
+    # (a recorded field this run's numerics leave out is still this run's setting, read
+    # from cfg: a bf16 checkpoint's compile False against a coat run had read "now None")
     now = {k: numerics.get(k, getattr(cfg, k, None)) for k in recorded["config"]}
     diff = {k: (v, now[k]) for k, v in recorded["config"].items() if _plain(now[k]) != _plain(v)}
     was, now = _model_key(recorded["describe"]), _model_key(describe)
