@@ -1992,6 +1992,32 @@ def test_a_report_coat_train_did_not_write_gets_no_note(tmp_path, capsys, report
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize(
+    "entry, kind, resume",
+    [("summary.json", "dir", False), ("loss.png", "dir", True),
+     ("coat/final", "file", True), ("coat/summary.json", "dir", True)],
+)  # fmt: skip
+def test_an_entry_of_the_wrong_kind_where_coat_train_writes_is_refused_up_front(
+    tmp_path, capsys, entry, kind, resume
+):
+    """A directory where coat-train writes a file, or a file where it writes a directory,
+    is refused before training, exit 2, naming it (a file named final failed at the export,
+    after every step, saying to free space); a fresh run deletes the mode directories, so
+    there only the report's files count."""
+    args = ["--mode", "coat", "--steps", 2, "--save-every", 1, "--no-export", "--out", tmp_path]
+    assert run([*args, *FAST], capsys)[0] == 0
+    path = tmp_path / entry
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+    path.mkdir() if kind == "dir" else path.write_text("")
+    code, _, err = run([*args, *FAST, *(["--resume"] if resume else [])], capsys)
+    there, wanted = ("directory", "file") if kind == "dir" else ("file", "directory")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{path} is a {there} where coat-train writes a {wanted}: move it" in err
+
+
 # ---------------------------------------------------------------- probe of the CLI
 @pytest.mark.parametrize("modes", [["--compare", "bf16,coat"], ["--mode", "bf16"]])
 def test_a_model_dir_inside_a_mode_directory_it_replaces_is_refused(tmp_path, capsys, modes):

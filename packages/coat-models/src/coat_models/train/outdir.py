@@ -281,9 +281,27 @@ def _earlier_run(mode_dir: Path) -> UsageError:
     )
 
 
+def _check_kinds(out: Path, modes: list[str], resuming: bool) -> None:
+    """A directory where coat-train writes a file (``summary.json``), or a file where it
+    writes a directory (``final``), failed only when written, after training, with a remedy
+    that did not fit: refuse it up front. (A fresh run deletes the mode directories.)"""
+    kinds = dict.fromkeys((out / n for n in OUT_FILES), False)  # path -> a directory?
+    for mode in modes if resuming else ():
+        for name in MODE_FILES:
+            kinds[out / mode / name] = name in ("checkpoints", "final", "tensorboard")
+    for path, directory in kinds.items():
+        if path.exists() and path.is_dir() != directory:
+            there, wanted = ("directory", "file") if path.is_dir() else ("file", "directory")
+            raise UsageError(
+                f"{path} is a {there} where coat-train writes a {wanted}: move it, or pass "
+                "another --out"
+            )
+
+
 def check_resume(args, out: Path, modes: list[str]) -> None:
     """The resume options against what is on disk, before anything is written (reads the
     manifest of ``--resume DIR``: JSON, nothing else)."""
+    _check_kinds(out, modes, args.resume is not None)
     if args.resume is None:
         for mode in modes:
             if checkpoint.has_checkpoints(out / mode / "checkpoints"):
