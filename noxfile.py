@@ -26,7 +26,11 @@ TORCH = os.environ.get("COAT_TORCH_SPEC", "torch==2.13.0")
 
 def _install(session):
     # One pip run resolves everything at once (four runs took 18 s longer on CI's 2 cores).
+    # --no-compile: pip byte-compiles every module of torch and transformers (36 s of CI's
+    # 2 cores); Python compiles the ones a run imports, once, where it may write bytecode
+    # (see _WRITE_BYTECODE).
     session.install(
+        "--no-compile",
         TORCH,
         # pytest-xdist: the CPU suite on every core (CI has two), and the GPU suite's -n 4.
         "pytest",
@@ -45,6 +49,11 @@ def _install(session):
         "peft",
     )
     session.install("--no-deps", *[f"-e./packages/{p}" for p in PACKAGES])
+
+
+# A machine that sets PYTHONDONTWRITEBYTECODE (CI's does) would compile torch's modules again in
+# every test process of a venv installed with --no-compile: the sessions let Python write them.
+_WRITE_BYTECODE = {"PYTHONDONTWRITEBYTECODE": None}
 
 
 @nox.session
@@ -67,6 +76,7 @@ def tests(session):
         *[f"packages/{p}/tests" for p in PACKAGES],
         "tests",
         *session.posargs,
+        env=_WRITE_BYTECODE,
     )
 
 
