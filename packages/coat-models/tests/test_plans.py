@@ -277,6 +277,36 @@ def test_a_plan_that_does_not_replay_the_record_is_refused(monkeypatch):
     assert "did not reproduce the recorded step bit for bit" in why
 
 
+@pytest.mark.parametrize("unequal", [1, 2, 3])
+def test_a_replay_check_that_differs_once_is_tried_again(monkeypatch, unequal):
+    """A nondeterministic kernel (CUDA's flash-attention backward) can make one replay of
+    the record differ: the check replays again, and one equal replay makes the plan; a plan
+    that no replay reproduces in 3 tries (here: the first ``unequal`` replays' input
+    gradient nudged) is refused. The reference kernels: no Triton launch is needed here."""
+    backward, calls = plans._Plan.backward, []
+
+    def nudged(self, saved, grad):
+        grads = backward(self, saved, grad)
+        calls.append(1)
+        if len(calls) <= unequal:
+            grads["hidden"] = grads["hidden"].clone()
+            grads["hidden"].view(-1)[0] += 1
+        return grads
+
+    monkeypatch.setattr(plans._Plan, "backward", nudged)
+    eager, planned = pair("cpu", layers=1, backend="reference")
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(9))
+    for _ in range(2):
+        assert_same(step(eager, ids, "cpu"), step(planned, ids, "cpu"))
+    if unequal < 3:
+        assert launch_plan_refusals(planned) == [] and launch_plan_replays(planned) == 2
+        assert len(calls) == unequal + 1 + 2  # the check's replays, then the two steps
+    else:
+        (why,) = launch_plan_refusals(planned)
+        assert "(hidden differs, 3 replays)" in why
+        assert launch_plan_replays(planned) == 0 and len(calls) == 3
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_and_plans_exclude_each_other():
     model = apply_coat(tiny_llama().cuda(), config=config("cuda"))
