@@ -650,9 +650,10 @@ def _make_plan(layer, state: dict, hidden, cos, sin, params):
     plan.compile()
     # The plan replays the recorded step on the same inputs, bit for bit, or it is not
     # used: a kernel that neither ATen nor fp8_quant's launch started (a C extension
-    # writing a tensor the record saw allocated) would differ in every replay. One equal
-    # replay is the proof; a nondeterministic kernel can make a single replay differ (CUDA's
-    # flash-attention backward adds dQ up with atomics), hence up to _CHECKS of them.
+    # writing a tensor the record saw allocated) would differ in every replay; one equal
+    # replay shows the plan reproduces its record. A nondeterministic kernel can make a
+    # single replay differ (CUDA's flash-attention backward adds dQ up with atomics), hence
+    # up to _CHECKS of them.
     for _ in range(_CHECKS):
         differs = _replay_differs(plan, inputs, stand_ins, grad, recorded, devices)
         if differs is None:
