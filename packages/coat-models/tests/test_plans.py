@@ -275,12 +275,19 @@ def test_a_plan_that_does_not_replay_the_record_is_refused(monkeypatch):
     assert "did not reproduce the recorded step bit for bit" in why
 
 
-@pytest.mark.parametrize("unequal", [1, 2, 3])
-def test_a_replay_check_that_differs_once_is_tried_again(monkeypatch, unequal):
+@pytest.mark.parametrize(
+    "unequal, dropout, deterministic",
+    [(1, 0.0, False), (2, 0.0, False), (3, 0.0, False), (2, 0.25, False), (1, 0.0, True)],
+)
+def test_a_replay_check_that_differs_once_is_tried_again(
+    monkeypatch, unequal, dropout, deterministic
+):
     """A nondeterministic kernel (CUDA's flash-attention backward) can make one replay of
-    the record differ: the check replays again, and one equal replay makes the plan; a plan
-    that no replay reproduces in 3 tries (here: the first ``unequal`` replays' input
-    gradient nudged) is refused. The reference kernels: no Triton launch is needed here."""
+    the record differ: the check replays again (from the record's random state: dropout
+    draws the same masks), and one equal replay makes the plan; a plan that no replay
+    reproduces in 3 tries (here: the first ``unequal`` replays' input gradient nudged) is
+    refused, and with deterministic algorithms on in 1. The reference kernels: no Triton
+    launch is needed here."""
     backward, calls = plans._Plan.backward, []
 
     def nudged(self, saved, grad):
@@ -292,17 +299,29 @@ def test_a_replay_check_that_differs_once_is_tried_again(monkeypatch, unequal):
         return grads
 
     monkeypatch.setattr(plans._Plan, "backward", nudged)
-    eager, planned = pair("cpu", layers=1, backend="reference")
+    eager, planned = pair("cpu", layers=1, backend="reference", attention_dropout=dropout)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(9))
-    for _ in range(2):
-        assert_same(step(eager, ids, "cpu"), step(planned, ids, "cpu"))
-    if unequal < 3:
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        results = []
+        for model in (eager, planned):
+            torch.manual_seed(7)
+            results.append([step(model, ids, "cpu") for _ in range(2)])
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for a, b in zip(*results, strict=True):
+        assert_same(a, b)
+    checks = 1 if deterministic else 3
+    if unequal < checks:
         assert launch_plan_refusals(planned) == [] and launch_plan_replays(planned) == 2
         assert len(calls) == unequal + 1 + 2  # the check's replays, then the two steps
+        assert plans.launch_plan_check_retries(planned) == unequal
     else:
         (why,) = launch_plan_refusals(planned)
-        assert "(hidden differs, 3 replays)" in why
-        assert launch_plan_replays(planned) == 0 and len(calls) == 3
+        assert f"(hidden differs, {checks} replay" in why
+        assert launch_plan_replays(planned) == 0 and len(calls) == checks
+        assert plans.launch_plan_check_retries(planned) == checks - 1
 
 
 @pytest.mark.gpu

@@ -890,6 +890,10 @@ def test_table_says_how_many_layer_steps_the_launch_plans_replayed():
         "replayed; plans refused 2 times (a layer at a shape), e.g. LlamaDecoderLayer 0: why"
         in (format_table(runs))
     )
+    runs[1]["launch_plan_check_retries"] = 2
+    assert "; plan checks replayed a record 2 more times after a replay that differed" in (
+        format_table(runs)
+    )
 
 
 def test_a_resumed_run_counts_the_launch_plan_replays_of_the_run_it_resumed(tmp_path):

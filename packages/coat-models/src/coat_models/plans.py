@@ -34,9 +34,10 @@ call a plan does not cover runs eagerly:
 * a record that reads a tensor from outside the step (a Python-side cache, a constant made
   before it), or that no replay on its own inputs reproduces bit for bit in 3 tries (a
   kernel the record missed), is not turned into a plan: the layer stays eager at that key,
-  and ``launch_plan_refusals(model)`` says why. One equal replay suffices: CUDA's
-  flash-attention backward adds dQ up with atomics, so at long sequences neither eager
-  steps nor replays repeat their input gradient bit for bit every time.
+  and ``launch_plan_refusals(model)`` says why. One equal replay suffices (a record's
+  replays that differed first are counted in ``launch_plan_check_retries(model)``): CUDA's
+  flash-attention backward adds dQ up with atomics unless deterministic algorithms are on,
+  which can make one replay's input gradient differ; with them on, one replay is all.
 
 The FP8 weight cache must be off (``FP8ActivationConfig(weight_cache=False)``): whether a
 weight is cast is a Python-side decision a record cannot hold. The arenas stay allocated
@@ -515,7 +516,9 @@ def enable_launch_plans(model: nn.Module) -> nn.Module:
             "layers' steps: use one of them"
         )
     disable_launch_plans(model)
-    _STATES[model] = {"scratch": {}, "plans": [], "refusals": [], "replays": 0, "eager": 0}
+    _STATES[model] = {
+        "scratch": {}, "plans": [], "refusals": [], "replays": 0, "eager": 0, "retries": 0
+    }  # fmt: skip
     for layer in layers:
         layer.__dict__["_coat_plan_owner"] = weakref.ref(model)
         layer.__dict__[_PLANS] = {}
@@ -570,6 +573,14 @@ def launch_plan_eager_steps(model: nn.Module) -> int:
     although plans were on (an attention mask, a refused plan, ...; see the module docstring).
     Layer steps without gradients (evaluation) and under compile tracing are not counted."""
     return sum(state["eager"] for state in _states(model))
+
+
+def launch_plan_check_retries(model: nn.Module) -> int:
+    """Replays that the checks of the plans of ``model`` (or of the models it wraps) took
+    beyond each plan's first: a replay of its record that differed from it bit for bit, then
+    an equal one (or 3 unequal ones: a refusal). Nonzero only with a nondeterministic kernel
+    in a layer step, or one the record missed."""
+    return sum(state["retries"] for state in _states(model))
 
 
 def launch_plan_bytes(model: nn.Module) -> int:
@@ -652,17 +663,21 @@ def _make_plan(layer, state: dict, hidden, cos, sin, params):
     # used: a kernel that neither ATen nor fp8_quant's launch started (a C extension
     # writing a tensor the record saw allocated) would differ in every replay; one equal
     # replay shows the plan reproduces its record. A nondeterministic kernel can make a
-    # single replay differ (CUDA's flash-attention backward adds dQ up with atomics), hence
-    # up to _CHECKS of them.
-    for _ in range(_CHECKS):
+    # single replay differ (CUDA's flash-attention backward adds dQ up with atomics unless
+    # deterministic algorithms are on), hence up to _CHECKS of them, counted in
+    # launch_plan_check_retries.
+    checks = 1 if torch.are_deterministic_algorithms_enabled() else _CHECKS
+    for tries in range(1, checks + 1):
         differs = _replay_differs(plan, inputs, stand_ins, grad, recorded, devices)
         if differs is None:
+            state["retries"] += tries - 1
             break
     else:
+        state["retries"] += checks - 1
         raise _NoPlan(
             f"its replay did not reproduce the recorded step bit for bit ({differs} differs, "
-            f"{_CHECKS} replays): a kernel started outside ATen and fp8_quant's launch, or a "
-            "nondeterministic one"
+            f"{checks} replay{'s' * (checks != 1)}): a kernel started outside ATen and "
+            "fp8_quant's launch, or a nondeterministic one"
         )
     state["plans"].append(plan)
     return plan

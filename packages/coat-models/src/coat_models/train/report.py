@@ -372,6 +372,12 @@ def format_table(summaries: list[dict]) -> str:
         replays = s.get("launch_plan_replays", 0)
         total = replays + s.get("launch_plan_eager_steps", 0)
         line = f"launch plans ({s['mode']}): {replays:,} of {total:,} layer steps replayed"
+        retries = s.get("launch_plan_check_retries", 0)
+        if retries:
+            line += (
+                f"; plan checks replayed a record {retries} more time{'s' * (retries != 1)} "
+                "after a replay that differed from it (a nondeterministic kernel)"
+            )
         if refused:
             n = len(refused)
             line += (

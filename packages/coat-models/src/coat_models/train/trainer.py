@@ -52,6 +52,7 @@ from ..optim import training_optimizer
 from ..plans import (
     enable_launch_plans,
     launch_plan_bytes,
+    launch_plan_check_retries,
     launch_plan_eager_steps,
     launch_plan_refusals,
     launch_plan_replays,
@@ -894,6 +895,8 @@ class Trainer:
             "launch_plan_eager_steps": plan_eager,
             # Why layers ran eagerly at a key (one line per layer and key).
             "launch_plan_refusals": plan_refusals,
+            # Replays the plans' checks took beyond each plan's first (this process only).
+            "launch_plan_check_retries": launch_plan_check_retries(self.model),
             "memory": self.totals["memory"],
             # What the run used, preset defaults filled in (the top-level "args" keep what was
             # given: None for a default).
