@@ -576,10 +576,10 @@ def launch_plan_eager_steps(model: nn.Module) -> int:
 
 
 def launch_plan_check_retries(model: nn.Module) -> int:
-    """Replays that the checks of the plans of ``model`` (or of the models it wraps) took
-    beyond each plan's first: a replay of its record that differed from it bit for bit, then
-    an equal one (or 3 unequal ones: a refusal). Nonzero only with a nondeterministic kernel
-    in a layer step, or one the record missed."""
+    """Replays of their records that differed bit for bit before an equal one, over the
+    plans of ``model`` (or of the models it wraps) that were made: nonzero only with a
+    nondeterministic kernel in a layer step. (A refused plan counts none: the refusal says
+    it.)"""
     return sum(state["retries"] for state in _states(model))
 
 
@@ -673,7 +673,6 @@ def _make_plan(layer, state: dict, hidden, cos, sin, params):
             state["retries"] += tries - 1
             break
     else:
-        state["retries"] += checks - 1
         raise _NoPlan(
             f"its replay did not reproduce the recorded step bit for bit ({differs} differs, "
             f"{checks} replay{'s' * (checks != 1)}): a kernel started outside ATen and "
