@@ -18,6 +18,12 @@
 #   scripts/gpu_bench.sh speed-batch  1 GPU. Llama-2-7B at micro-batch 2: bf16 vs coat (default),
 #                                coat eager, torchao float8 + compile (bench_e2e; carry its wheel);
 #                                coat at micro-batch 8 (the best-vs-best row).
+#   scripts/gpu_bench.sh speed-plans  1 GPU (an H200: bf16 at 7B), ~4 min. Launch plans
+#                                (--launch-plans), bf16 vs coat in one process: Llama-2-7B at
+#                                micro-batch 1 x 4 and 2, torchao float8 + compile at 2 (carry
+#                                its wheel), coat at micro-batch 8 (best vs bf16's 2, same call),
+#                                the 125m preset; then one planned layer's host time at batch 1
+#                                and 2; first a host probe.
 #   scripts/gpu_bench.sh speed-compile 1 GPU, ~7 min. coat-train --compile against eager
 #                                (--no-cuda-graphs): bf16 vs coat in one process, both compiled
 #                                or both eager, at the 125m preset and Llama-2-7B micro-batch
@@ -49,9 +55,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:-}
 case "$phase" in
-single | multi | check | speed-accum | speed-batch | speed-compile | speed-fsdp | speed-ddp | accuracy) ;;
+single | multi | check | speed-accum | speed-batch | speed-plans | speed-compile | speed-fsdp | speed-ddp | accuracy) ;;
 *)
-  echo "usage: scripts/gpu_bench.sh single|multi|check|speed-accum|speed-batch|speed-compile|speed-fsdp|speed-ddp|accuracy (see the top)" >&2
+  echo "usage: scripts/gpu_bench.sh single|multi|check|speed-accum|speed-batch|speed-plans|speed-compile|speed-fsdp|speed-ddp|accuracy (see the top)" >&2
   exit 2
   ;;
 esac
@@ -161,7 +167,7 @@ multi)
   head -30 "$r/profile.txt"
   tail -5 "$r/profile.log"
   ;;
-speed-accum | speed-batch | speed-compile | speed-fsdp | speed-ddp)
+speed-accum | speed-batch | speed-plans | speed-compile | speed-fsdp | speed-ddp)
   G=(--eval-batches 1 --log-every 3 --no-progress --no-export)
   train() { # train NAME TIMEOUT ARGS...: coat-train into $r/NAME.txt
     local name=$1 t=$2
@@ -177,6 +183,18 @@ speed-accum | speed-batch | speed-compile | speed-fsdp | speed-ddp)
     train ga4 170 "${L[@]}" --compare bf16,coat --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}"
     train ga4_eager 150 "${L[@]}" --compare bf16,coat --no-cuda-graphs --batch-size 1 --grad-accum 4 --steps 12 "${G[@]}"
     runs="s125 s125_eager ga4 ga4_eager"
+  elif [ "$phase" = speed-plans ]; then
+    timeout 60 python3 $B/bench_e2e.py probe > "$r/probe.txt" 2>&1
+    P=("${L[@]}" --launch-plans --steps 12 "${G[@]}")
+    train ga4_plans 150 "${P[@]}" --compare bf16,coat --batch-size 1 --grad-accum 4
+    train mb2_plans 120 "${P[@]}" --compare bf16,coat --batch-size 2
+    timeout 150 python3 $B/bench_e2e.py --variants torchao --micro-batches 2 --steps 8 > "$r/torchao.txt" 2>&1
+    train mb8_plans 100 "${L[@]}" --launch-plans --mode coat --batch-size 8 --steps 8 "${G[@]}"
+    train s125_plans 100 --preset 125m --compare bf16,coat --steps 60 --eval-batches 2 \
+      --no-progress --no-export --launch-plans
+    timeout 120 python3 $B/bench_llama_layer.py host --variants coat_planned,coat_graphed \
+      --batches 1,2 --out "$r/host.txt" > "$r/host.log" 2>&1
+    runs="ga4_plans mb2_plans mb8_plans s125_plans"
   elif [ "$phase" = speed-compile ]; then
     timeout 60 python3 $B/bench_e2e.py probe > "$r/probe.txt" 2>&1
     S125=(--preset 125m --compare bf16,coat --steps 60 --eval-batches 2 --no-progress --no-export)
@@ -226,9 +244,10 @@ speed-accum | speed-batch | speed-compile | speed-fsdp | speed-ddp)
   [ -f "$r/probe.txt" ] && cat "$r/probe.txt"
   for f in $runs; do
     echo "== $f"
-    grep -E "^coat-train: |tokens/s|peak memory|out of memory|rror" "$r/$f.txt" | cut -c1-160
+    grep -E "^coat-train: |tokens/s|peak memory|launch plans|out of memory|rror" "$r/$f.txt" | cut -c1-160
   done
-  if [ "$phase" = speed-batch ]; then
+  [ -f "$r/host.txt" ] && grep "^==" "$r/host.txt"
+  if [ "$phase" = speed-batch ] || [ "$phase" = speed-plans ]; then
     echo "== torchao"
     grep -E "^torchao|host probe|rror" "$r/torchao.txt" | head -4
   fi
