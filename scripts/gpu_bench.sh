@@ -23,7 +23,8 @@
 #                                micro-batch 1 x 4 and 2, torchao float8 + compile at 2 (carry
 #                                its wheel), coat at micro-batch 8 (best vs bf16's 2, same call),
 #                                the 125m preset; then one planned layer's host time at batch 1
-#                                and 2; first a host probe.
+#                                and 2, and whether its step repeats its bits (bench_llama_layer
+#                                repeat); first a host probe.
 #   scripts/gpu_bench.sh speed-compile 1 GPU, ~7 min. coat-train --compile against eager
 #                                (--no-cuda-graphs): bf16 vs coat in one process, both compiled
 #                                or both eager, at the 125m preset and Llama-2-7B micro-batch
@@ -194,6 +195,9 @@ speed-accum | speed-batch | speed-plans | speed-compile | speed-fsdp | speed-ddp
       --no-progress --no-export --launch-plans
     timeout 120 python3 $B/bench_llama_layer.py host --variants coat_planned,coat_graphed \
       --batches 1,2 --out "$r/host.txt" > "$r/host.log" 2>&1
+    # Does a layer step repeat its bits (a plan's check compares them)?
+    timeout 90 python3 $B/bench_llama_layer.py repeat --batch 1 --out "$r/repeat.txt" \
+      > "$r/repeat.log" 2>&1
     runs="ga4_plans mb2_plans mb8_plans s125_plans"
   elif [ "$phase" = speed-compile ]; then
     timeout 60 python3 $B/bench_e2e.py probe > "$r/probe.txt" 2>&1
@@ -247,6 +251,7 @@ speed-accum | speed-batch | speed-plans | speed-compile | speed-fsdp | speed-ddp
     grep -E "^coat-train: |tokens/s|peak memory|launch plans|out of memory|rror" "$r/$f.txt" | cut -c1-160
   done
   [ -f "$r/host.txt" ] && grep "^==" "$r/host.txt"
+  [ -f "$r/repeat.txt" ] && cat "$r/repeat.txt"
   if [ "$phase" = speed-batch ] || [ "$phase" = speed-plans ]; then
     echo "== torchao"
     grep -E "^torchao|host probe|rror" "$r/torchao.txt" | head -4

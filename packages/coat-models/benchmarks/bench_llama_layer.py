@@ -30,6 +30,7 @@ numbers to report: the profilers add overhead), run as a script:
     python packages/coat-models/benchmarks/bench_llama_layer.py attribute --batch 1
     python packages/coat-models/benchmarks/bench_llama_layer.py launches --batch 1
     python packages/coat-models/benchmarks/bench_llama_layer.py floor --batch 1
+    python packages/coat-models/benchmarks/bench_llama_layer.py repeat --batch 1
 
 ``kernels``: GPU kernel time per kernel name under ``torch.profiler``, per variant (default:
 coat, bf16_eager; torchao_float8_compile when torchao imports). ``host``: per variant and
@@ -45,6 +46,9 @@ without both (each replaced by nothing: what remains is Python, autograd and all
 ``launches``: each Triton launch of one COAT layer step replayed alone: its host time
 through ``fp8_quant.ops.launch``, in Triton's compiled launcher, and computing its key.
 ``floor``: one step's Triton launches and FP8 GEMMs replayed alone, against the step.
+``repeat``: how many of ``--rounds`` repeats of one COAT layer step (as launch plans run it)
+differ from the first, per output and gradient, and the same for SDPA's causal backward with
+deterministic algorithms off and on (a plan's check compares bits).
 """
 
 from __future__ import annotations
@@ -639,6 +643,71 @@ def profile_attribute(batch: int, rounds: int) -> str:
     return "\n".join(lines)
 
 
+def profile_repeat(batch: int, rounds: int) -> str:
+    """How often a step repeats its own bits: the same COAT layer step (fp32 weights, bf16
+    autocast, weight cache off, as launch plans run it) ``rounds`` times on one input, each
+    output and gradient against the first round's; then SDPA's causal backward alone, with
+    deterministic algorithms off and on. A launch plan's check compares bits, so a kernel
+    that does not repeat its bits can make one replay differ (the check tries 3 times)."""
+    from coat_models import apply_coat
+    from fp8_activations import FP8ActivationConfig
+
+    lines = [f"repeat, batch {batch} x seq {SEQ}, {rounds} rounds against the first:"]
+    model = apply_coat(_model(torch.float32), config=FP8ActivationConfig(weight_cache=False))
+    layer = model.layers[0]
+    named = list(layer.named_parameters())
+    pos = model.rotary_emb(
+        torch.zeros(1, SEQ, HIDDEN, device=DEVICE), torch.arange(SEQ, device=DEVICE)[None]
+    )
+    x = torch.randn(batch, SEQ, HIDDEN, device=DEVICE, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def step() -> list[torch.Tensor]:
+        x.grad = None
+        for _, p in named:
+            p.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = layer(x, attention_mask=None, position_embeddings=pos)
+        out.backward(grad)
+        return [out.detach().clone(), x.grad.clone(), *(p.grad.clone() for _, p in named)]
+
+    def count(fn, names: list[str]) -> dict[str, int]:
+        first = fn()
+        differ = [0] * len(first)
+        for _ in range(rounds):
+            for i, (a, b) in enumerate(zip(first, fn(), strict=True)):
+                differ[i] += not torch.equal(a, b)
+        return {n: d for n, d in zip(names, differ, strict=True) if d}
+
+    differ = count(step, ["output", "input grad", *(n for n, _ in named)])
+    lines.append(f"  COAT layer: rounds that differ, by tensor: {differ or 'none'}")
+    q, k, v = (
+        torch.randn(batch, HEADS, SEQ, HIDDEN // HEADS, device=DEVICE, dtype=torch.bfloat16,
+                    requires_grad=True)
+        for _ in range(3)
+    )  # fmt: skip
+    g = torch.randn_like(q)
+
+    def sdpa() -> list[torch.Tensor]:
+        for t in (q, k, v):
+            t.grad = None
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+        return [q.grad.clone(), k.grad.clone(), v.grad.clone()]
+
+    was = torch.are_deterministic_algorithms_enabled()
+    for deterministic in (False, True):
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        try:
+            got = count(sdpa, ["dq", "dk", "dv"])
+        finally:
+            torch.use_deterministic_algorithms(was)
+        lines.append(
+            f"  SDPA causal backward, deterministic algorithms {'on' if deterministic else 'off'}: "
+            f"rounds that differ: {got or 'none'}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     """Profiles of the layer benchmarked above (diagnostics, not the numbers to report)."""
     from coat_models.train.args import OneLineParser  # its subparsers are of its class too
@@ -661,14 +730,19 @@ def main(argv=None) -> int:
     f = sub.add_parser("floor", help="host time of a layer step's kernels replayed alone")
     f.add_argument("--batch", type=int, default=1)
     f.add_argument("--rounds", type=int, default=30)
-    for s in (k, h, o, a, n, f):
+    r = sub.add_parser("repeat", help="how often a layer step (and SDPA) repeats its bits")
+    r.add_argument("--batch", type=int, default=1)
+    r.add_argument("--rounds", type=int, default=20)
+    for s in (k, h, o, a, n, f, r):
         s.add_argument("--out", help="also write the report here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_llama_layer: profiling needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.what in ("ops", "attribute", "launches", "floor"):
-        if args.what == "ops":
+    if args.what in ("ops", "attribute", "launches", "floor", "repeat"):
+        if args.what == "repeat":
+            report = profile_repeat(args.batch, args.rounds)
+        elif args.what == "ops":
             report = profile_ops()
         elif args.what == "attribute":
             report = profile_attribute(args.batch, args.rounds)
