@@ -90,7 +90,8 @@ def test_the_reference_kernels_are_planned_too():
 def test_gradient_accumulation_and_frozen_weights(device):
     """Two micro-batches accumulate into .grad as eagerly; a frozen projection gets no
     gradient and the others the eager bits."""
-    eager, planned = pair(device, layers=1)
+    # (on the CPU the reference kernels: the Triton ones are planned in the test above)
+    eager, planned = pair(device, layers=1, backend="reference" if device == "cpu" else None)
     for m in (eager, planned):
         m.model.layers[0].self_attn.k_proj.weight.requires_grad_(False)
     gen = torch.Generator().manual_seed(2)
@@ -123,11 +124,10 @@ def test_dropout_and_the_random_state_follow_the_eager_run():
     assert launch_plan_replays(planned) == 2, launch_plan_refusals(planned)
 
 
-@INTERPRETED
 def test_moving_the_model_records_again():
     """``.to()`` / ``.float()`` (``nn.Module._apply``) drops the layers' plans, whose
     arenas and addresses belong to the old tensors; the next step records again."""
-    eager, planned = pair("cpu", layers=1)
+    eager, planned = pair("cpu", layers=1, backend="reference")
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(8))
     assert_same(step(eager, ids, "cpu"), step(planned, ids, "cpu"))
     layer = planned.model.layers[0]
@@ -180,18 +180,17 @@ def test_an_attention_mask_runs_eagerly_with_the_same_bits():
     assert plans.launch_plan_eager_steps(planned) == 1
 
 
-@INTERPRETED
 def test_refusals():
     with pytest.raises(ValueError, match="apply_coat"):
         enable_launch_plans(tiny_llama())
     with pytest.raises(ValueError, match="weight_cache=False"):
         enable_launch_plans(apply_coat(tiny_llama()))
     with pytest.raises(ValueError, match="'sdpa' or 'eager', got 'flex_attention'"):
-        no_cache = config("cpu")
+        no_cache = config("cpu", "reference")
         enable_launch_plans(
             apply_coat(tiny_llama(attn_implementation="flex_attention"), config=no_cache)
         )
-    model = apply_coat(tiny_llama(), config=config("cpu"))
+    model = apply_coat(tiny_llama(), config=config("cpu", "reference"))
     enable_launch_plans(model)
     disable_launch_plans(model)
     assert launch_plan_replays(model) == 0
@@ -218,7 +217,7 @@ def test_fsdp2_and_ddp_layers_replay_the_eager_bits(tmp_path, strategy):
         "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
     )
     try:
-        eager, planned = pair("cpu")
+        eager, planned = pair("cpu", layers=1)  # (Triton launches: their pointers move too)
         if strategy == "fsdp":
             for m in (eager, planned):
                 shard_model(m)  # bf16 parameters gathered, fp32 gradients reduced
@@ -242,7 +241,7 @@ def test_fsdp2_and_ddp_layers_replay_the_eager_bits(tmp_path, strategy):
                 opt.zero_grad()
             assert_same(*got)
         # (read through DDP's wrapper too; and dropped through it)
-        assert launch_plan_replays(models[1]) == 2 * 2, launch_plan_refusals(models[1])
+        assert launch_plan_replays(models[1]) == 2, launch_plan_refusals(models[1])
         arenas = sum(p.arena.nbytes for p in plans._STATES[planned]["plans"])
         scratch = sum(s.nbytes for s in plans._STATES[planned]["scratch"].values())
         assert arenas > 0 and scratch > 0
