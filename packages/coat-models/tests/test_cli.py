@@ -1349,6 +1349,32 @@ def test_a_training_length_in_the_config_is_not_a_limit(tmp_path, capsys):
     assert code == 0, err
 
 
+def test_a_batch_the_model_refuses_at_the_first_step_is_one_line(tmp_path, capsys):
+    """Reformer trains only on sequences as long as the product of its axial_pos_shape; its
+    ValueError at the first forward was a traceback. Now one line naming the model, its
+    words and the options to change (exit 2); the same model trains at a length it takes."""
+    from transformers import ReformerConfig
+
+    model_dir = tmp_path / "reformer"
+    ReformerConfig(
+        hidden_size=32, num_attention_heads=2, attention_head_size=16, feed_forward_size=64,
+        vocab_size=320, axial_pos_embds_dim=[16, 16], axial_pos_shape=[8, 8],
+        max_position_embeddings=64, is_decoder=True, num_hashes=1, local_attn_chunk_length=16,
+        attn_layers=["local", "local"],
+    ).save_pretrained(model_dir)  # fmt: skip
+    argv = ["--model-dir", model_dir, "--mode", "bf16", "--steps", "1", "--batch-size", "2",
+            "--eval-batches", "1", "--no-export", "--no-progress", *SMALL]  # fmt: skip
+    code, _, err = run([*argv, "--seq-len", "32", "--out", tmp_path / "a"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(
+        "coat-train: error: mode bf16: the model (ReformerModelWithLMHead) refused a batch of "
+        "2 x 32 tokens: If training, make sure that config.axial_pos_shape"
+    ), err
+    assert err.endswith("; change --seq-len or --batch-size, or the model's config.json\n"), err
+    code, _, err = run([*argv, "--seq-len", "64", "--out", tmp_path / "b"], capsys)
+    assert code == 0, err
+
+
 def test_a_model_no_mode_trains_is_refused_without_naming_another_mode(tmp_path, capsys):
     """A COAT mode refused BERT with "train it in bf16 or coat-optim", which refused it in turn
     (not causal): a model that no mode trains is said to be one. A causal model apply_coat does

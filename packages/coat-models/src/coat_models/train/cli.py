@@ -15,6 +15,7 @@ import errno
 import gc
 import importlib
 import importlib.metadata
+import itertools
 import json
 import os
 import shutil
@@ -69,6 +70,7 @@ from .presets import (
     PRESETS,
     VL_PRESETS,
     ModelError,
+    first_line,
 )
 from .report import (
     TENSORBOARD_HINT,
@@ -579,6 +581,18 @@ def _oom_graphs_note(cfg: TrainConfig) -> str:
     return note + ")"
 
 
+def _first_step_refused(trainer: Trainer, e: ValueError) -> bool:
+    """Whether ``e`` came from a transformers model's own code (its innermost frame under
+    transformers/models/) during the first step this run trains."""
+    if trainer.step + 1 != trainer.first_step:
+        return False
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    parts = Path(tb.tb_frame.f_code.co_filename).parts if tb is not None else ()
+    return any(a == "transformers" and b == "models" for a, b in itertools.pairwise(parts))
+
+
 def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, strategy):
     """Train one mode into ``mode_dir``; its summary (rank 0 writes and prints it)."""
     resume = resume_point(args, mode_dir)
@@ -631,6 +645,18 @@ def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, 
         if not is_oom(e):
             raise
         oom = True
+    except ValueError as e:
+        # A model's own refusal of the run's first batch (Reformer: a --seq-len that is not
+        # the product of its axial_pos_shape) is bad input, not a bug of coat-train.
+        if isinstance(e, INPUT_ERRORS) or trainer is None or not _first_step_refused(trainer, e):
+            raise
+        model = getattr(trainer.model, "module", trainer.model)  # (DDP's wrapper)
+        name = type(model).__name__.removeprefix("FSDP")  # (FSDP2's class is FSDP<name>)
+        raise ModelError(
+            f"mode {cfg.mode}: the model ({name}) refused a batch of {cfg.batch_size} x "
+            f"{cfg.seq_len} tokens: {first_line(e).rstrip('.')}; change --seq-len or "
+            "--batch-size, or the model's config.json"
+        ) from None
     finally:
         if trainer is not None:
             trainer.close()

@@ -581,6 +581,7 @@ class Trainer:
         self._cache_kwargs = training_cache_kwargs(model)
         self.meter = PeakMeter(device)
         self.step = 0  # optimizer steps done
+        self.first_step = 1  # the first step this process trains (fit: after a resume's)
         self._queued: list[tuple] = []  # (step, loss, grad norm, lr) not yet read, on the device
         self._t0: float | None = None  # start of the first queued step
         # Steps after the first: ``timed`` (the steady state) and ``counting`` (memory), under
@@ -743,7 +744,7 @@ class Trainer:
             random.seed(cfg.seed)
         self.tracker.reset_peak()
         self.meter.reset()
-        first = self.step + 1
+        first = self.first_step = self.step + 1
         metrics = MetricsLog(
             self.out_dir,
             cfg.mode,
