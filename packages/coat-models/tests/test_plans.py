@@ -58,6 +58,7 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow  # (Triton's interpreter: over 10 s)
 def test_planned_steps_are_the_eager_bits(device):
     """An optimizer step, then one at another shape (a second plan): the losses
     and every gradient equal the eager COAT model's bit for bit, every layer step replayed
@@ -201,6 +202,7 @@ def test_refusals():
 
 @INTERPRETED
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+@pytest.mark.slow  # (Triton's interpreter: over 10 s)
 def test_fsdp2_and_ddp_layers_replay_the_eager_bits(tmp_path, strategy):
     """Under FSDP2 (one process, bf16 compute; each layer's parameters gathered before its
     forward and again before its backward, into storage freed in between) and under DDP
@@ -254,6 +256,7 @@ def test_fsdp2_and_ddp_layers_replay_the_eager_bits(tmp_path, strategy):
 
 
 @INTERPRETED
+@pytest.mark.slow  # (Triton's interpreter: over 10 s)
 def test_a_plan_that_does_not_replay_the_record_is_refused(monkeypatch):
     """Each plan replays its record on the recorded inputs before it is used: one that
     misses a kernel (here: its last backward launch dropped, as for a kernel started
