@@ -13,6 +13,7 @@ last ``val_fraction`` of the tokens is the validation split.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -100,18 +101,27 @@ def stdlib_sources(max_bytes: int = STDLIB_MAX_BYTES) -> list[tuple[str, bytes]]
     """(relative path, contents) of the interpreter's own stdlib ``.py`` files, sorted by path,
     until ``max_bytes`` are collected. Deterministic for a given Python build."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    out, total = [], 0
+    for rel in _stdlib_files(root):
+        if total >= max_bytes:
+            break
+        blob = Path(root, rel).read_bytes()[: max_bytes - total]
+        out.append((rel, blob))
+        total += len(blob)
+    return out
+
+
+@functools.cache
+def _stdlib_files(root: Path) -> tuple[str, ...]:
+    """The ``.py`` files under ``root`` as sorted relative paths; walked once per process
+    (the walk, not the reading, is most of a small corpus's time)."""
     paths = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
-        paths += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
-    out, total = [], 0
-    for path in sorted(paths, key=lambda p: p.relative_to(root).as_posix()):
-        if total >= max_bytes:
-            break
-        blob = path.read_bytes()[: max_bytes - total]
-        out.append((path.relative_to(root).as_posix(), blob))
-        total += len(blob)
-    return out
+        paths += [
+            Path(dirpath, f).relative_to(root).as_posix() for f in filenames if f.endswith(".py")
+        ]
+    return tuple(sorted(paths))
 
 
 def _join_docs(docs: list[np.ndarray], eos: int | None) -> np.ndarray:
