@@ -82,6 +82,9 @@ def test_end_to_end(tmp_path, capsys, modes):
     # what each run used, preset defaults filled in (args say None for those)
     tiny = PRESETS["tiny"]
     assert summary["args"]["lr"] is None and summary["args"]["warmup"] is None
+    # the data options as given too (they were filled in, beside an internal flag)
+    assert summary["args"]["corpus_mib"] == 1 and summary["args"]["data_dtype"] is None
+    assert summary["args"]["val_fraction"] is None and "data_dtype_given" not in summary["args"]
     for r in summary["runs"]:
         assert r["config"]["lr"] == tiny.lr and r["config"]["warmup"] == tiny.warmup
         assert (r["config"]["batch_size"], r["config"]["seq_len"], r["config"]["steps"]) == (

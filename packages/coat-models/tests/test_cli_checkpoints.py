@@ -698,7 +698,9 @@ def test_garbage_inside_metrics_is_an_error(runs, tmp_path):
 
 def test_resumed_finished_run_evaluates_again_and_logs_it(runs, tmp_path):
     """Resuming the finished run with another --eval-batches evaluates again: the summary's
-    val loss is the metrics file's last record (one eval record at the last step, not two)."""
+    val loss is the metrics file's last record (one eval record at the last step, not two).
+    Each eval record says how many batches it averaged, and the resumed run says that the
+    earlier evaluations averaged another number (it mixed the two in silence)."""
     out = tmp_path / "run"
     shutil.copytree(runs / "ref", out)
     before = records(out)
@@ -712,6 +714,17 @@ def test_resumed_finished_run_evaluates_again_and_logs_it(runs, tmp_path):
     assert after[:-1] == [r for r in before if not (r[0] == "eval" and r[1] == 6)]
     summary = json.loads((out / "bf16" / "summary.json").read_text())
     assert summary["val_loss"] == evals[0][3]
+    lines = (out / "bf16" / "metrics.jsonl").read_text().splitlines()
+    batches = {r["step"]: r["eval_batches"] for r in map(json.loads, lines) if r["type"] == "eval"}
+    assert batches == {2: 2, 4: 2, 6: 3}
+    metrics = out / "bf16" / "metrics.jsonl"
+    assert (
+        f"note: validation now averages 3 batches (--eval-batches); {metrics}'s evaluations "
+        "at steps 2, 4 averaged 2: their val losses are not comparable with this run's"
+    ) in err, err
+    # resumed again with the same --eval-batches as the evaluations kept: no note
+    code, _, err = train([*ARGS, "--keep-checkpoints", "1", "--resume", "--out", out])
+    assert code == 0 and "note:" not in err, err
 
 
 def test_resume_says_when_the_metrics_lack_earlier_steps(runs, tmp_path):

@@ -72,7 +72,7 @@ def test_token_files(tmp_path, suffix, dtype):
     [
         (lambda p: np.save(p / "x.npy", np.zeros(10, np.float32)), "must be integers"),
         (lambda p: np.save(p / "x.npy", np.array([1, -2, 3])), "negative token id"),
-        (lambda p: (p / "x.bin").write_bytes(b"\0" * 7), "not a multiple of 2"),
+        (lambda p: (p / "x.bin").write_bytes(b"\0" * 7), "of 2 .uint16.: no --data-dtype fits"),
     ],
     ids=["float-npy", "negative-id", "odd-bin"],
 )
@@ -81,6 +81,13 @@ def test_bad_token_files(tmp_path, make, match):
     (path,) = tmp_path.iterdir()
     with pytest.raises(DataError, match=match):
         load_data(path)
+
+
+def test_a_bin_size_that_fits_another_dtype_names_it(tmp_path):
+    path = tmp_path / "ids.bin"
+    np.arange(3, dtype=np.uint16).tofile(path)  # 6 bytes: not int32's multiple, uint16's
+    with pytest.raises(DataError, match=r"multiple of 4 \(int32\): pass --data-dtype uint16 if"):
+        load_data(path, bin_dtype="int32")
 
 
 @pytest.mark.parametrize("top", [999, 128_255], ids=["below-2**16", "llama3-vocab"])

@@ -340,11 +340,10 @@ def _check_data_options(args) -> None:
         "val_fraction": (args.data is not None, "a --data file"),
         "corpus_mib": (args.data is None, "the built-in corpus (no --data)"),
     }
-    args.data_dtype_given = args.data_dtype is not None
+    # (left None where not given: summary.json's args keep the command line's values; the
+    # job fills in DATA_DEFAULTS)
     for name, (ok, what) in applies.items():
-        if getattr(args, name) is None:
-            setattr(args, name, DATA_DEFAULTS[name])
-        elif not ok:
+        if getattr(args, name) is not None and not ok:
             raise UsageError(f"--{name.replace('_', '-')} applies to {what} only: leave it out")
 
 
@@ -625,7 +624,7 @@ def _train_mode(args, job: Job, cfg: TrainConfig, task, mode_dir: Path, device, 
         def drop_report():
             run_on_rank0(lambda: [(mode_dir.parent / n).unlink(missing_ok=True) for n in OUT_FILES])
             if resume is not None:
-                note_lost_records(mode_dir, resume)
+                note_lost_records(mode_dir, resume, len(task.val), cfg.steps)
                 run_on_rank0(lambda: supersede(mode_dir, resume))
 
         summary = trainer.fit(resume, on_start=drop_report)

@@ -207,9 +207,14 @@ def load_token_file(
         if size == 0:  # np.memmap cannot map an empty file
             raise DataError(f"{path} is empty: pass a file of token ids")
         if size % dtype.itemsize:
+            fits = [n for n, d in BIN_DTYPES.items() if size % np.dtype(d).itemsize == 0]
             raise DataError(
-                f"{path}: size {size} bytes is not a multiple of "
-                f"{dtype.itemsize} ({bin_dtype}): pass the right --data-dtype"
+                f"{path}: size {size} bytes is not a multiple of {dtype.itemsize} ({bin_dtype}): "
+                + (
+                    f"pass --data-dtype {fits[0]} if it holds those"
+                    if fits
+                    else "no --data-dtype fits; the file is truncated or not raw token ids"
+                )
             )
         ids = np.memmap(path, dtype=dtype, mode="r")
         # int32 ids read as uint16 (the default) are each id followed by its high half: 0 below

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .args import UsageError
 from .data import BYTE_EOS, DataError, load_data
+from .options import DATA_DEFAULTS
 from .presets import (
     ModelError,
     build_model,
@@ -176,12 +177,14 @@ def lm_job(args, cfgs, modes, device, label) -> Job:
             )
         weights_dir = args.model_dir if has_weights else None
         tokenizer = model_dir_tokenizer(args.model_dir)
+    given = {k: getattr(args, k, None) for k in DATA_DEFAULTS}
+    used = {k: DATA_DEFAULTS[k] if v is None else v for k, v in given.items()}
     data = load_data(
         args.data,
-        bin_dtype=args.data_dtype,
-        dtype_given=getattr(args, "data_dtype_given", False),
-        val_fraction=args.val_fraction,
-        max_bytes=int(args.corpus_mib * 2**20),
+        bin_dtype=used["data_dtype"],
+        dtype_given=given["data_dtype"] is not None,
+        val_fraction=used["val_fraction"],
+        max_bytes=int(used["corpus_mib"] * 2**20),
         tokenizer=tokenizer,
     )
     if not args.model_dir:

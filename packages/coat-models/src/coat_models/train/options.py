@@ -293,8 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--out",
         default="runs/coat-train",
-        help="output directory: new (made with any missing parents), empty, or one coat-train "
-        "wrote (default %(default)s)",
+        help="output directory, made with any missing parents; an existing one may hold other "
+        "files, but none that coat-train would replace and did not write (default %(default)s)",
     )
     _add_fields(o, OUTPUT_OPTIONS)
     o.add_argument(

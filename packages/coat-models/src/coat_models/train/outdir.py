@@ -517,11 +517,16 @@ def resume_point(args, mode_dir: Path) -> Path | None:
     return found
 
 
-def note_lost_records(mode_dir: Path, ckpt: Path) -> None:
+def note_lost_records(
+    mode_dir: Path, ckpt: Path, eval_batches: int | None = None, steps: int | None = None
+) -> None:
     """Say so when the mode's metrics file lacks training records of steps its own
     checkpoint ``ckpt`` has done (the file deleted or replaced): the loss curve would start
-    late with no word. Call once the checkpoint is accepted; silent for a checkpoint from
-    elsewhere (that run starts its own metrics)."""
+    late with no word; and when its evaluations averaged another number of batches than
+    ``eval_batches`` (a resume may change --eval-batches): their val losses and the coming
+    ones measure different things (a finished run, ``steps`` done, evaluates its last step
+    again: that record is replaced). Call once the checkpoint is accepted; silent for a
+    checkpoint from elsewhere (that run starts its own metrics)."""
     if process_rank() != 0 or own_checkpoint(mode_dir / "checkpoints", ckpt) is None:
         return
     with contextlib.suppress(CheckpointError, OSError, ReportError, ValueError):
@@ -529,7 +534,8 @@ def note_lost_records(mode_dir: Path, ckpt: Path) -> None:
         if not step:
             return
         path = mode_dir / "metrics.jsonl"
-        missing = set(range(1, step + 1)) - train_steps(metrics_until(path, step))
+        kept = metrics_until(path, step)
+        missing = set(range(1, step + 1)) - train_steps(kept)
         if missing:
             print(
                 f"{PROG}: note: {path} has no training records of {len(missing)} of the "
@@ -537,6 +543,28 @@ def note_lost_records(mode_dir: Path, ckpt: Path) -> None:
                 "loss curve lack them; the summary's numbers come from the checkpoint",
                 file=sys.stderr,
             )
+        if eval_batches is not None:
+            replaced = step if steps is not None and step >= steps else None
+            _note_other_eval_batches(path, kept, eval_batches, replaced)
+
+
+def _note_other_eval_batches(path: Path, lines: list[str], eval_batches: int, replaced) -> None:
+    other = {}  # step -> batches, of the evaluations kept that averaged another number
+    for line in lines:
+        record = json.loads(line)
+        n = record.get("eval_batches") if record.get("type") == "eval" else None
+        if isinstance(n, int) and n != eval_batches and record["step"] != replaced:
+            other[record["step"]] = n
+    if other:
+        steps = ", ".join(map(str, list(other)[:5])) + (", ..." if len(other) > 5 else "")
+        was = "/".join(map(str, sorted(set(other.values()))))
+        print(
+            f"{PROG}: note: validation now averages {eval_batches} batch"
+            f"{'es' * (eval_batches != 1)} (--eval-batches); {path}'s evaluations at steps "
+            f"{steps} averaged {was}: their val losses are not comparable with this run's "
+            "(each eval record says its eval_batches)",
+            file=sys.stderr,
+        )
 
 
 def supersede(mode_dir: Path, ckpt: Path) -> None:

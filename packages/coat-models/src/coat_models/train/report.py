@@ -171,7 +171,7 @@ class MetricsLog:
     def _scalars(self, record: dict) -> None:
         for name, value in record.items():
             number = isinstance(value, int | float) and not isinstance(value, bool)
-            if number and name != "step":
+            if number and name not in ("step", "eval_batches"):
                 self._board.add_scalar(f"{record['type']}/{name}", value, record["step"])
 
     def close(self) -> None:

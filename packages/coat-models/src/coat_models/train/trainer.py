@@ -848,7 +848,9 @@ class Trainer:
 
     def _evaluate_and_log(self, metrics: MetricsLog) -> dict:
         self.val_metrics = self.evaluate()
-        metrics.write({"type": "eval", "step": self.step, **self.val_metrics})
+        # eval_batches: a resume may change --eval-batches, so each record says what it averages
+        record = {"type": "eval", "step": self.step, **self.val_metrics}
+        metrics.write({**record, "eval_batches": len(self.task.val)})
         fields = {"val": f"{self.val_metrics['val_loss']:.4f}"}
         for name, value in list(self.val_metrics.items())[1:]:
             fields[name.removeprefix("val_").replace("_", " ")] = f"{value:.2f}"
