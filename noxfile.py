@@ -58,11 +58,6 @@ def tests(session):
     """All package tests plus tests/ on CPU; Triton kernels run in the interpreter."""
     _install(session)
     session.env["TRITON_INTERPRET"] = "1"
-    # One torch thread per pytest worker: -n auto starts a worker per core already, and two
-    # threads each spin-wait for a core the other worker holds (the suite took 483 s with
-    # torch's default, 466 s with one thread, on a 2-core machine). A caller's value stays.
-    if "OMP_NUM_THREADS" not in os.environ:
-        session.env["OMP_NUM_THREADS"] = "1"
     # pytest exits 5 when nothing was collected: nox treats that as a failure, as it should.
     session.run(
         "pytest",

@@ -720,11 +720,26 @@ def test_resumed_finished_run_evaluates_again_and_logs_it(runs, tmp_path):
     metrics = out / "bf16" / "metrics.jsonl"
     assert (
         f"note: validation now averages 3 batches (--eval-batches); {metrics}'s evaluations "
-        "at steps 2, 4 averaged 2: their val losses are not comparable with this run's"
+        "at steps 2, 4 averaged 2 batches: their val losses are not comparable with this run's"
     ) in err, err
     # resumed again with the same --eval-batches as the evaluations kept: no note
     code, _, err = train([*ARGS, "--keep-checkpoints", "1", "--resume", "--out", out])
     assert code == 0 and "note:" not in err, err
+
+
+def test_resumed_midway_with_other_eval_batches_names_the_evaluations_kept(runs, tmp_path):
+    """Resumed from step 4 with another --eval-batches: the kept evaluations of steps 2 and 4
+    (step 4's is not run again) are named, and the later ones average the new number."""
+    out, _ = copy_base(runs, tmp_path)
+    step_4 = out / "bf16" / "checkpoints" / "step_0000004"
+    code, _, err = train([*ARGS, "--eval-batches", "1", "--keep-checkpoints", "1", "--resume",
+                          step_4, "--out", out])  # fmt: skip
+    assert code == 0, err
+    assert "evaluations at steps 2, 4 averaged 2 batches" in err, err
+    assert "validation now averages 1 batch (--eval-batches)" in err, err
+    lines = (out / "bf16" / "metrics.jsonl").read_text().splitlines()
+    batches = {r["step"]: r["eval_batches"] for r in map(json.loads, lines) if r["type"] == "eval"}
+    assert batches == {2: 2, 4: 2, 6: 1}
 
 
 def test_resume_says_when_the_metrics_lack_earlier_steps(runs, tmp_path):

@@ -31,7 +31,7 @@ def test_tensorboard_events_hold_the_metrics(tmp_path, capsys):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"} <= tags
-    assert "eval/val_loss" in tags
+    assert "eval/val_loss" in tags and "eval/eval_batches" not in tags  # a count, not a curve
     for kind, tag, key in (("train", "train/loss", "loss"), ("eval", "eval/val_loss", "val_loss")):
         expected = [(r["step"], r[key]) for r in records if r["type"] == kind]
         got = [(e.step, e.value) for e in events.Scalars(tag)]

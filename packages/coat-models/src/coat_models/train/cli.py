@@ -326,7 +326,8 @@ def _check_fp8_backend(modes: list[str], device: torch.device) -> None:
 
 def _check_data_options(args) -> None:
     """Refuse a data option that does not apply to the data chosen (it would be ignored, and
-    the user would not learn it); fill in the defaults of those that apply."""
+    the user would not learn it). Those left out stay None (summary.json's args keep what was
+    given); the job fills in DATA_DEFAULTS."""
     if (args.preset or "tiny") in VL_PRESETS:
         for name in ("data", "vocab_size", *DATA_DEFAULTS):
             if getattr(args, name) is not None:

@@ -211,7 +211,7 @@ def load_token_file(
             raise DataError(
                 f"{path}: size {size} bytes is not a multiple of {dtype.itemsize} ({bin_dtype}): "
                 + (
-                    f"pass --data-dtype {fits[0]} if it holds those"
+                    f"pass --data-dtype {fits[0]} if its ids are {fits[0]}"
                     if fits
                     else "no --data-dtype fits; the file is truncated or not raw token ids"
                 )

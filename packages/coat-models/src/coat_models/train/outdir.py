@@ -560,9 +560,9 @@ def _note_other_eval_batches(path: Path, lines: list[str], eval_batches: int, re
         was = "/".join(map(str, sorted(set(other.values()))))
         print(
             f"{PROG}: note: validation now averages {eval_batches} batch"
-            f"{'es' * (eval_batches != 1)} (--eval-batches); {path}'s evaluations at steps "
-            f"{steps} averaged {was}: their val losses are not comparable with this run's "
-            "(each eval record says its eval_batches)",
+            f"{'es' * (eval_batches != 1)} (--eval-batches); {path}'s evaluations at "
+            f"step{'s' * (len(other) != 1)} {steps} averaged {was} batches: their val losses "
+            "are not comparable with this run's (each eval record says its eval_batches)",
             file=sys.stderr,
         )
 

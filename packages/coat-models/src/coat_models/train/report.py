@@ -115,10 +115,11 @@ TENSORBOARD_HINT = (
 
 class MetricsLog:
     """A run's ``metrics.jsonl`` (one JSON record per line, tagged with the mode) and, with
-    ``tensorboard=True``, every number of a record as the TensorBoard scalar ``<type>/<name>``
-    in ``dir/tensorboard``. ``resume_step``: keep the records up to that step (a resumed run
-    rewrites what came after); ``reevaluated``: also drop the evaluation record of that step
-    (a run resumed at its last step evaluates again, with its own ``--eval-batches``).
+    ``tensorboard=True``, every number of a record but ``step`` and ``eval_batches`` as the
+    TensorBoard scalar ``<type>/<name>`` in ``dir/tensorboard``. ``resume_step``: keep the
+    records up to that step (a resumed run rewrites what came after); ``reevaluated``: also
+    drop the evaluation record of that step (a run resumed at its last step evaluates again,
+    with its own ``--eval-batches``).
     ``enabled=False`` (ranks other than 0) writes nothing."""
 
     def __init__(
