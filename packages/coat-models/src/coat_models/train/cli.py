@@ -341,8 +341,6 @@ def _check_data_options(args) -> None:
         "val_fraction": (args.data is not None, "a --data file"),
         "corpus_mib": (args.data is None, "the built-in corpus (no --data)"),
     }
-    # (left None where not given: summary.json's args keep the command line's values; the
-    # job fills in DATA_DEFAULTS)
     for name, (ok, what) in applies.items():
         if getattr(args, name) is not None and not ok:
             raise UsageError(f"--{name.replace('_', '-')} applies to {what} only: leave it out")

@@ -517,9 +517,7 @@ def resume_point(args, mode_dir: Path) -> Path | None:
     return found
 
 
-def note_lost_records(
-    mode_dir: Path, ckpt: Path, eval_batches: int | None = None, steps: int | None = None
-) -> None:
+def note_lost_records(mode_dir: Path, ckpt: Path, eval_batches: int, steps: int) -> None:
     """Say so when the mode's metrics file lacks training records of steps its own
     checkpoint ``ckpt`` has done (the file deleted or replaced): the loss curve would start
     late with no word; and when its evaluations averaged another number of batches than
@@ -543,12 +541,12 @@ def note_lost_records(
                 "loss curve lack them; the summary's numbers come from the checkpoint",
                 file=sys.stderr,
             )
-        if eval_batches is not None:
-            replaced = step if steps is not None and step >= steps else None
-            _note_other_eval_batches(path, kept, eval_batches, replaced)
+        _note_other_eval_batches(path, kept, eval_batches, step if step >= steps else None)
 
 
-def _note_other_eval_batches(path: Path, lines: list[str], eval_batches: int, replaced) -> None:
+def _note_other_eval_batches(
+    path: Path, lines: list[str], eval_batches: int, replaced: int | None
+) -> None:
     other = {}  # step -> batches, of the evaluations kept that averaged another number
     for line in lines:
         record = json.loads(line)
