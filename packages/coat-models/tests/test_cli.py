@@ -999,6 +999,8 @@ BAD_INPUTS = [
     (["--compare", "bf16,coat-optim", "--fp8-weight-cache"], "applies to modes with FP8 act"),
     # Path("") is the current directory: the run's files landed there
     (["--out", ""], "--out is empty: pass a directory"),
+    (["--out", "/"], "--out / is the file system's root: pass a directory of its own"),
+    (["--out", "/tmp/.."], "--out /tmp/.. is the file system's root"),
     (
         ["--mode", "coat", "--cuda-graphs", "--activation-checkpointing"],
         "runs neither with --fsdp nor with --activation-checkpointing",

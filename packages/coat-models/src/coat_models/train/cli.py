@@ -455,6 +455,10 @@ def _plan(args, strategy: str | None, device: torch.device) -> Plan:
             raise UsageError(TENSORBOARD_HINT) from None
     if not args.out.strip():  # Path("") is the current directory
         raise UsageError("--out is empty: pass a directory, e.g. --out runs/demo")
+    if Path(args.out).resolve() == Path(args.out).resolve().parent:  # the file system's root
+        # (as root, the run's .lock, reports and mode directories landed beside /etc and /usr)
+        raise UsageError(f"--out {args.out} is the file system's root: pass a directory of "
+                         "its own, e.g. --out runs/demo")  # fmt: skip
     if args.fp8_weight_cache and not any(MODES[m][0] for m in modes):
         raise UsageError(
             "--fp8-weight-cache applies to modes with FP8 activations (coat, coat-act): add "
