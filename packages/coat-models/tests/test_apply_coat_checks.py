@@ -429,3 +429,22 @@ def test_a_vision_language_model_that_is_not_llava_shaped_names_its_language_mod
                        r"language_model\)"):  # fmt: skip
         apply_coat(model)
     assert is_coat(apply_coat(model.model.language_model))
+
+
+def test_the_probe_does_not_judge_the_model_s_own_attention_kernel():
+    """torch 2.13's compiled CPU flex attention reads past the probe's 8 tokens without a mask
+    (its output differed call to call): a flex-attention Llama was refused as computing
+    something else. Both sides of the probe run SDPA; the model keeps its implementation."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def noisy(module, query, key, value, attention_mask, **kwargs):  # another answer each call
+        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return out + torch.randn_like(out), weights
+
+    AttentionInterface.register("coat_test_noisy", noisy)
+    model = tiny_llama(attn_implementation="coat_test_noisy")
+    assert is_coat(apply_coat(model))
+    assert model.config._attn_implementation == "coat_test_noisy"
+    assert all(layer.self_attn.config._attn_implementation == "coat_test_noisy"
+               for layer in model.model.layers)  # fmt: skip

@@ -424,10 +424,22 @@ def _layer_mismatch(
     # A copy of the rotary embedding: a dynamic one keeps state from the positions it saw.
     rotary = copy.deepcopy(base.rotary_emb)
     attn = layer.self_attn
-    records = getattr(attn.config, "_attn_implementation", None) == _PROBE_ATTENTION
+    impl = getattr(attn.config, "_attn_implementation", None)
+    # Which attention kernel runs is the model's choice, not something COAT changes, and some
+    # kernels give garbage on the probe's 8 tokens without a mask (torch 2.13's compiled CPU
+    # flex attention reads past them): both sides of the probe run the recording SDPA.
+    swap = impl not in (None, "sdpa", "eager", _PROBE_ATTENTION) and hasattr(
+        attn.config, "_attn_implementation_internal"
+    )
+    records = swap or impl == _PROBE_ATTENTION
     before = attn.__dict__.get(_ARGS, _ARGS)
     model_calls, coat_calls = [], []
     try:
+        if swap:
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(_PROBE_ATTENTION, _recording_attention)
+            attn.config._attn_implementation_internal = _PROBE_ATTENTION
         with _probing(layer, rotary):
             cos_sin = rotary(x, position_ids)
             with _recording(model_calls):
@@ -452,6 +464,8 @@ def _layer_mismatch(
                     attn_kwargs={"position_ids": position_ids},
                 )
     finally:
+        if swap:
+            attn.config._attn_implementation_internal = impl
         if before is _ARGS:
             attn.__dict__.pop(_ARGS, None)
         else:
