@@ -448,3 +448,8 @@ def test_the_probe_does_not_judge_the_model_s_own_attention_kernel():
     assert model.config._attn_implementation == "coat_test_noisy"
     assert all(layer.self_attn.config._attn_implementation == "coat_test_noisy"
                for layer in model.model.layers)  # fmt: skip
+    failing = tiny_llama(attn_implementation="coat_test_noisy")  # also when the probe raises
+    failing.model.layers[0].mlp.forward = lambda x: 1 / 0
+    with pytest.raises(TypeError, match="could not be probed .ZeroDivisionError"):
+        apply_coat(failing)
+    assert failing.config._attn_implementation == "coat_test_noisy"

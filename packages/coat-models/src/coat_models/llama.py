@@ -385,7 +385,9 @@ def _layer_mismatch(
     ``found`` gets its window and the attention's own tensors it passes (``_attention_args``:
     COAT passes the same; a Llama layer passes no window, whatever its config says;
     GraniteSWA passes its sinks), and other arguments COAT does not pass the same are a
-    problem."""
+    problem. The layer itself runs its model's attention when that is SDPA or eager, and the
+    recording SDPA in place of any other kernel (flex, flash, a Hub kernel), which records
+    there too: a kernel that cannot run here fails at the model's first forward instead."""
     params = list(layer.parameters())
     if any(type(p.data) is not torch.Tensor for p in params):
         return None
@@ -431,6 +433,7 @@ def _layer_mismatch(
     swap = impl not in (None, "sdpa", "eager", _PROBE_ATTENTION) and hasattr(
         attn.config, "_attn_implementation_internal"
     )
+    raw = getattr(attn.config, "_attn_implementation_internal", None)  # what comes back
     records = swap or impl == _PROBE_ATTENTION
     before = attn.__dict__.get(_ARGS, _ARGS)
     model_calls, coat_calls = [], []
@@ -465,7 +468,7 @@ def _layer_mismatch(
                 )
     finally:
         if swap:
-            attn.config._attn_implementation_internal = impl
+            attn.config._attn_implementation_internal = raw
         if before is _ARGS:
             attn.__dict__.pop(_ARGS, None)
         else:
