@@ -432,9 +432,10 @@ def test_a_vision_language_model_that_is_not_llava_shaped_names_its_language_mod
 
 
 def test_the_probe_does_not_judge_the_model_s_own_attention_kernel():
-    """torch 2.13's compiled CPU flex attention reads past the probe's 8 tokens without a mask
-    (its output differed call to call): a flex-attention Llama was refused as computing
-    something else. Both sides of the probe run SDPA; the model keeps its implementation."""
+    """torch 2.13's compiled CPU flex attention gives wrong values for the probe's 8 tokens
+    without a mask (NaN, or off by 0.02, call to call): a flex-attention Llama was refused as
+    computing something else. Both sides of the probe run SDPA; the model keeps its
+    implementation."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

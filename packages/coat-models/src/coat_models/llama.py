@@ -428,8 +428,9 @@ def _layer_mismatch(
     attn = layer.self_attn
     impl = getattr(attn.config, "_attn_implementation", None)
     # Which attention kernel runs is the model's choice, not something COAT changes, and some
-    # kernels give garbage on the probe's 8 tokens without a mask (torch 2.13's compiled CPU
-    # flex attention reads past them): both sides of the probe run the recording SDPA.
+    # kernels give wrong values on the probe's 8 tokens without a mask (torch 2.13's compiled
+    # CPU flex attention: NaN, or off by 0.02, call to call): both sides of the probe run the
+    # recording SDPA.
     swap = impl not in (None, "sdpa", "eager", _PROBE_ATTENTION) and hasattr(
         attn.config, "_attn_implementation_internal"
     )
