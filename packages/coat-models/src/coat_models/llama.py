@@ -440,9 +440,7 @@ def _layer_mismatch(
     model_calls, coat_calls = [], []
     try:
         if swap:
-            from transformers import AttentionInterface
-
-            AttentionInterface.register(_PROBE_ATTENTION, _recording_attention)
+            _register_probe_attention()
             attn.config._attn_implementation_internal = _PROBE_ATTENTION
         with _probing(layer, rotary):
             cos_sin = rotary(x, position_ids)
@@ -502,6 +500,13 @@ def _recording_attention(module, query, key, value, attention_mask, **kwargs):
     if _RECORDING is not None:
         _RECORDING.append(kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_probe_attention() -> None:
+    """Make ``_PROBE_ATTENTION`` a name transformers' attention lookup knows."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_PROBE_ATTENTION, _recording_attention)
 
 
 @contextlib.contextmanager
@@ -592,9 +597,7 @@ def _cpu_probe(base: nn.Module, layer: nn.Module):
             setattr(config, name, value)
         # Attention the CPU runs (a flash-attention config asked for its GPU kernels): SDPA,
         # recording what the layer's code passes to it.
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(_PROBE_ATTENTION, _recording_attention)
+        _register_probe_attention()
         config._attn_implementation = _PROBE_ATTENTION
         # The CPU generator's state is restored after the init below (its values are
         # replaced from ``gen``); no manual_seed: it would seed every GPU's generator too.
