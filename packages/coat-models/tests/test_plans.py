@@ -271,10 +271,61 @@ def test_a_plan_that_does_not_replay_the_record_is_refused(monkeypatch):
     monkeypatch.setattr(plans._Plan, "place", place_and_drop)
     eager, planned = pair("cpu", layers=1)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
-    assert_same(step(eager, ids, "cpu"), step(planned, ids, "cpu"))
-    assert launch_plan_replays(planned) == 0 and plans.launch_plan_eager_steps(planned) == 1
+    planned_step = step(planned, ids, "cpu")
     (why,) = launch_plan_refusals(planned)
     assert "did not reproduce the recorded step bit for bit" in why
+    assert launch_plan_replays(planned) == 0 and plans.launch_plan_eager_steps(planned) == 1
+    assert_same(step(eager, ids, "cpu"), planned_step)
+
+
+@INTERPRETED
+@pytest.mark.slow  # (Triton's interpreter: over 10 s)
+def test_the_check_sees_a_missed_write_where_memory_holds_the_recorded_values(monkeypatch):
+    """A missed kernel whose output memory already holds the values it would write (memory
+    a run of the same step left there, which the allocator may hand out again: the suite
+    failed that way once, after other tests had run the same tiny model) must not pass the
+    check: its replay starts from 0xFF bytes in every buffer the step allocates. Here a
+    complete replay keeps what its backward's allocations ended up holding; then the last
+    backward launch is dropped, and in the check's replay each of those allocations comes
+    back holding those values."""
+    replay_differs, held = plans._replay_differs, []
+
+    def check(plan, *args):
+        if held:
+            return replay_differs(plan, *args)
+        allocs = {i: s for i, s in enumerate(plan.bwd) if s is not None and s[0] == "alloc"}
+        made = []
+
+        def kept(func):
+            def alloc(*a, **k):
+                made.append(func(*a, **k))
+                return made[-1]
+
+            return alloc
+
+        for i, (kind, func, *rest) in allocs.items():
+            plan.bwd[i] = (kind, kept(func), *rest)
+        assert replay_differs(plan, *args) is None  # the complete plan reproduces its record
+        held[:] = [t.clone() for t in made]
+        values = iter(held)
+        for i, (kind, _, *rest) in allocs.items():
+            plan.bwd[i] = (kind, lambda *a, **k: next(values).clone(), *rest)
+        last = max(i for i, s in enumerate(plan.bwd) if s is not None and "launch" in s[0])
+        plan.bwd[last] = None
+        try:
+            return replay_differs(plan, *args)
+        finally:
+            for i, s in allocs.items():
+                plan.bwd[i] = s
+
+    monkeypatch.setattr(plans, "_replay_differs", check)
+    eager, planned = pair("cpu", layers=1)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
+    planned_step = step(planned, ids, "cpu")
+    (why,) = launch_plan_refusals(planned)
+    assert held and "did not reproduce the recorded step bit for bit" in why
+    assert launch_plan_replays(planned) == 0
+    assert_same(step(eager, ids, "cpu"), planned_step)
 
 
 @pytest.mark.parametrize(

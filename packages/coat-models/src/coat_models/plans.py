@@ -33,8 +33,10 @@ call a plan does not cover runs eagerly:
   (``retain_graph=True`` and a later forward) raises;
 * a record that reads a tensor from outside the step (a Python-side cache, a constant made
   before it), or that no replay on its own inputs reproduces bit for bit in 3 tries (a
-  kernel the record missed), is not turned into a plan: the layer stays eager at that key,
-  and ``launch_plan_refusals(model)`` says why. One equal replay suffices (a record's
+  kernel the record missed: each check starts from 0xFF bytes in all the memory the step
+  allocates, so a missed write shows even where that memory held the right values), is not
+  turned into a plan: the layer stays eager at that key, and ``launch_plan_refusals(model)``
+  says why. One equal replay suffices (a record's
   replays that differed first are counted in ``launch_plan_check_retries(model)``): CUDA's
   flash-attention backward adds dQ up with atomics unless deterministic algorithms are on,
   which can make one replay's input gradient differ; with them on, one replay is all.
@@ -302,10 +304,11 @@ class _Plan:
         self.fwd = self.bwd = None  # made by place()
         self.gen = 0  # forwards run; a backward checks that its own is the last
         self.pending = None  # weakref to the output of a forward whose backward has not run
+        self.poison = False  # fill each per-call allocation with 0xFF bytes (the check's replays)
 
     def place(self, scratch: torch.Tensor) -> None:
         """Make the static views on the arena and ``scratch`` and compile both directions."""
-        self.static = {}
+        self.scratch, self.static = scratch, {}
         for b, off in self.arena_offsets.items():
             self.static[b] = (self.arena, off)
         for b, off in self.scratch_offsets.items():
@@ -366,7 +369,7 @@ class _Plan:
         if func in _ALLOCS and not (set(produced) & self.per_call):
             return None  # placed by the plan
         return (
-            "op", func, self._getter(args, False),
+            "alloc" if func in _ALLOCS else "op", func, self._getter(args, False),
             {k: self._getter(v, False) for k, v in kwargs.items()}, produced, seq,
         )  # fmt: skip
 
@@ -426,7 +429,7 @@ class _Plan:
                 for i, b, delta, aligned in dynamic:
                     args[i] = self._pointer(env[b], delta, aligned)
                 run(*head, stream, function, packed, None, None, None, *args, *tail)
-            elif kind == "op":
+            elif kind == "op" or kind == "alloc":
                 _, func, args, kwargs, produced, seq = step
                 out = func(
                     *self._value(args, env), **{k: self._value(v, env) for k, v in kwargs.items()}
@@ -435,6 +438,9 @@ class _Plan:
                 for b, o in zip(produced, outs, strict=False):
                     if b is not None:
                         env[b] = o
+                if kind == "alloc" and self.poison:
+                    for o in outs:
+                        _fill_bytes(o)
             else:  # the interpreter: Triton's own launch path, on tensors
                 _, kernel, grid, meta, getters = step
                 launch(kernel, grid, *(self._value(g, env) for g in getters), **meta)
@@ -614,12 +620,25 @@ def _sdpa_switches() -> tuple:
 _CHECKS = 3  # replays of the record before a plan is refused (see _make_plan)
 
 
+def _fill_bytes(t: torch.Tensor) -> None:
+    """Every byte of ``t``'s storage set to 0xFF (NaN in each float format of a step)."""
+    torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).fill_(255)
+
+
 def _replay_differs(plan, inputs, stand_ins, grad, recorded, devices) -> str | None:
     """The first recorded result a replay of ``plan`` on the record's inputs does not
-    reproduce bit for bit, or None."""
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        out, saved = plan.forward(inputs, stand_ins)
-        got = {"out": out, **plan.backward(saved, grad)}
+    reproduce bit for bit, or None. Every buffer the step allocates starts as 0xFF bytes
+    (NaN): a write the plan misses shows even where that memory held the recorded values
+    (an allocation that reuses the record's freed memory, as the CPU's allocator may)."""
+    for buffer in (plan.arena, plan.scratch):
+        buffer.fill_(255)
+    plan.poison = True
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            out, saved = plan.forward(inputs, stand_ins)
+            got = {"out": out, **plan.backward(saved, grad)}
+    finally:
+        plan.poison = False
     for name, want in recorded.items():
         have = got.get(name)
         if (want is None) != (have is None) or (want is not None and not torch.equal(want, have)):
