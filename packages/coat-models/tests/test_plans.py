@@ -377,6 +377,44 @@ def test_a_replay_check_that_differs_once_is_tried_again(
         assert plans.launch_plan_check_retries(planned) == 0  # (the refusal says it)
 
 
+def test_the_check_takes_the_recorded_results_of_a_nondeterministic_op(monkeypatch):
+    """CUDA's attention backward adds dQ up with atomics: its results may differ in each
+    replay, and at 7B batch 2 x 2048 the check's 3 replays all differed, so the layer ran
+    eagerly. The check's replays take the recorded results of such an op. Here the CPU's
+    attention backward is treated as one and gives other results in every replay: the plan
+    is made at the first check, and the recorded results are dropped after it. The reference
+    kernels: no Triton launch is needed here."""
+    packet = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    monkeypatch.setattr(plans, "_NONDETERMINISTIC", frozenset({packet}))
+    place, made, calls = plans._Plan.place, [], []
+
+    def place_noisy(self, scratch):
+        place(self, scratch)
+        made.append(self)
+        for steps in (self.fwd, self.bwd):
+            for i, st in enumerate(steps):
+                if st is not None and st[0] == "nondet":
+                    kind, func, *rest = st
+
+                    def noisy(*args, func=func, **kwargs):
+                        calls.append(1)
+                        out = [o.clone() for o in func(*args, **kwargs)]
+                        out[0][(0,) * out[0].dim()] += len(calls)  # (another sum each run)
+                        return tuple(out)
+
+                    steps[i] = (kind, noisy, *rest)
+
+    monkeypatch.setattr(plans._Plan, "place", place_noisy)
+    _, planned = pair("cpu", layers=1, backend="reference")
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(9))
+    step(planned, ids, "cpu")
+    assert launch_plan_refusals(planned) == [] and launch_plan_replays(planned) == 1
+    assert plans.launch_plan_check_retries(planned) == 0
+    assert len(calls) == 2  # the nondeterministic op: once in the check, once in the step
+    (plan,) = made
+    assert plan.kept == {} and any(s[0] == "nondet" for s in plan.bwd if s is not None)
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_and_plans_exclude_each_other():
     model = apply_coat(tiny_llama().cuda(), config=config("cuda"))

@@ -36,10 +36,12 @@ call a plan does not cover runs eagerly:
   kernel the record missed: each check starts from 0xFF bytes in all the memory the step
   allocates, so a missed write shows even where that memory held the right values), is not
   turned into a plan: the layer stays eager at that key, and ``launch_plan_refusals(model)``
-  says why. One equal replay suffices (a record's
-  replays that differed first are counted in ``launch_plan_check_retries(model)``): CUDA's
-  flash-attention backward adds dQ up with atomics unless deterministic algorithms are on,
-  which can make one replay's input gradient differ; with them on, one replay is all.
+  says why. CUDA's attention backwards add dQ up with atomics, so their results may differ
+  from run to run: the check's replays take their recorded results (they are ATen ops the
+  plan calls again; no missed kernel hides in them). Any other nondeterministic kernel can
+  make one replay differ: one equal replay of up to 3 suffices (those that differed first are
+  counted in ``launch_plan_check_retries(model)``; with deterministic algorithms on, one
+  replay is all).
 
 The FP8 weight cache must be off (``FP8ActivationConfig(weight_cache=False)``): whether a
 weight is cast is a Python-side decision a record cannot hold. The arenas stay allocated
@@ -73,6 +75,19 @@ _ALLOCS = frozenset(
         aten.new_empty.default,
         aten.new_empty_strided.default,
     }
+)
+# Ops whose results may differ from run to run (CUDA's attention backwards add dQ up with
+# atomics): the check's replays take their recorded results (see _replay_differs).
+_NONDETERMINISTIC = frozenset(
+    getattr(aten, name)
+    for name in (
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention_backward",
+        "_flash_attention_backward",
+        "_efficient_attention_backward",
+    )
+    if hasattr(aten, name)
 )
 _ALIGN = 256  # arena offsets: the caching allocator's alignment (Triton specializes on 16)
 
@@ -121,6 +136,7 @@ class _Recorder(TorchDispatchMode):
         self.meta: list[tuple] = []  # the view its producer (or the caller) gave
         self.start: list[int] = []  # index of the op that made it, in its phase
         self.last: list[int] = []  # index of the last op of its phase that used it
+        self.kept: dict[tuple, list] = {}  # (phase, op index) -> a nondeterministic op's results
 
     def add(self, t: torch.Tensor, kind: str, phase: str) -> int:
         b = len(self.kind)
@@ -183,6 +199,10 @@ class _Recorder(TorchDispatchMode):
             else:
                 produced.append(None)  # in place, a view, or no data: no new buffer
         seq = isinstance(out, (list, tuple))
+        if func.overloadpacket in _NONDETERMINISTIC:
+            self.kept[(phase, len(self.program[phase]))] = [
+                o.clone() if isinstance(o, torch.Tensor) else None for o in outs
+            ]
         self.program[phase].append(("op", func, described, produced, seq))
         return out
 
@@ -304,7 +324,9 @@ class _Plan:
         self.fwd = self.bwd = None  # made by place()
         self.gen = 0  # forwards run; a backward checks that its own is the last
         self.pending = None  # weakref to the output of a forward whose backward has not run
-        self.poison = False  # fill each per-call allocation with 0xFF bytes (the check's replays)
+        # What the check's replays change (_replay_differs): each per-call allocation starts
+        # as 0xFF bytes, each nondeterministic op's results are the recorded ones (kept).
+        self.checking, self.kept = False, rec.kept
 
     def place(self, scratch: torch.Tensor) -> None:
         """Make the static views on the arena and ``scratch`` and compile both directions."""
@@ -313,8 +335,8 @@ class _Plan:
             self.static[b] = (self.arena, off)
         for b, off in self.scratch_offsets.items():
             self.static[b] = (scratch, off)
-        self.fwd = [self._compile(op) for op in self.program["fwd"]]
-        self.bwd = [self._compile(op) for op in self.program["bwd"]]
+        self.fwd = [self._compile(op, ("fwd", i)) for i, op in enumerate(self.program["fwd"])]
+        self.bwd = [self._compile(op, ("bwd", i)) for i, op in enumerate(self.program["bwd"])]
 
     # ---- argument getters: ("c", value) constant, ("v", buffer, meta) per call, ("s", ...)
     def _static_view(self, b: int, meta: tuple) -> torch.Tensor:
@@ -345,7 +367,7 @@ class _Plan:
             return ("s", d[1], parts)
         return ("c", d[1])
 
-    def _compile(self, op):
+    def _compile(self, op, at: tuple):
         if op[0] == "launch":
             _, kernel, grid, described, meta, launcher = op
             getters = [self._getter(d, True) for d in described]
@@ -368,9 +390,10 @@ class _Plan:
         _, func, (args, kwargs), produced, seq = op
         if func in _ALLOCS and not (set(produced) & self.per_call):
             return None  # placed by the plan
+        kind = "alloc" if func in _ALLOCS else "nondet" if at in self.kept else "op"
         return (
-            "alloc" if func in _ALLOCS else "op", func, self._getter(args, False),
-            {k: self._getter(v, False) for k, v in kwargs.items()}, produced, seq,
+            kind, func, self._getter(args, False),
+            {k: self._getter(v, False) for k, v in kwargs.items()}, produced, seq, at,
         )  # fmt: skip
 
     def _value(self, g, env):
@@ -429,8 +452,8 @@ class _Plan:
                 for i, b, delta, aligned in dynamic:
                     args[i] = self._pointer(env[b], delta, aligned)
                 run(*head, stream, function, packed, None, None, None, *args, *tail)
-            elif kind == "op" or kind == "alloc":
-                _, func, args, kwargs, produced, seq = step
+            elif kind == "op" or kind == "alloc" or kind == "nondet":
+                _, func, args, kwargs, produced, seq, at = step
                 out = func(
                     *self._value(args, env), **{k: self._value(v, env) for k, v in kwargs.items()}
                 )
@@ -438,9 +461,13 @@ class _Plan:
                 for b, o in zip(produced, outs, strict=False):
                     if b is not None:
                         env[b] = o
-                if kind == "alloc" and self.poison:
+                if self.checking and kind == "alloc":
                     for o in outs:
                         _fill_bytes(o)
+                elif self.checking and kind == "nondet":
+                    for o, kept in zip(outs, self.kept[at], strict=False):
+                        if kept is not None:
+                            o.copy_(kept)
             else:  # the interpreter: Triton's own launch path, on tensors
                 _, kernel, grid, meta, getters = step
                 launch(kernel, grid, *(self._value(g, env) for g in getters), **meta)
@@ -629,16 +656,19 @@ def _replay_differs(plan, inputs, stand_ins, grad, recorded, devices) -> str | N
     """The first recorded result a replay of ``plan`` on the record's inputs does not
     reproduce bit for bit, or None. Every buffer the step allocates starts as 0xFF bytes
     (NaN): a write the plan misses shows even where that memory held the recorded values
-    (an allocation that reuses the record's freed memory, as the CPU's allocator may)."""
+    (an allocation that reuses the record's freed memory, as the CPU's allocator may). The
+    nondeterministic ops (attention backwards) hand on their recorded results: they are ATen
+    ops the plan calls again, so no missed kernel hides in them, and their run-to-run
+    differences (CUDA's dQ atomics) would otherwise make every later result differ."""
     for buffer in (plan.arena, plan.scratch):
         buffer.fill_(255)
-    plan.poison = True
+    plan.checking = True
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             out, saved = plan.forward(inputs, stand_ins)
             got = {"out": out, **plan.backward(saved, grad)}
     finally:
-        plan.poison = False
+        plan.checking = False
     for name, want in recorded.items():
         have = got.get(name)
         if (want is None) != (have is None) or (want is not None and not torch.equal(want, have)):
@@ -681,17 +711,19 @@ def _make_plan(layer, state: dict, hidden, cos, sin, params):
     # The plan replays the recorded step on the same inputs, bit for bit, or it is not
     # used: a kernel that neither ATen nor fp8_quant's launch started (a C extension
     # writing a tensor the record saw allocated) would differ in every replay; one equal
-    # replay shows the plan reproduces its record. A nondeterministic kernel can make a
-    # single replay differ (CUDA's flash-attention backward adds dQ up with atomics unless
-    # deterministic algorithms are on), hence up to _CHECKS of them, counted in
-    # launch_plan_check_retries.
+    # replay shows the plan reproduces its record. A nondeterministic kernel other than
+    # those in _NONDETERMINISTIC (whose recorded results the check takes) can make a single
+    # replay differ, hence up to _CHECKS of them, counted in launch_plan_check_retries.
     checks = 1 if torch.are_deterministic_algorithms_enabled() else _CHECKS
-    for tries in range(1, checks + 1):
-        differs = _replay_differs(plan, inputs, stand_ins, grad, recorded, devices)
-        if differs is None:
-            state["retries"] += tries - 1
-            break
-    else:
+    try:
+        for tries in range(1, checks + 1):
+            differs = _replay_differs(plan, inputs, stand_ins, grad, recorded, devices)
+            if differs is None:
+                state["retries"] += tries - 1
+                break
+    finally:
+        plan.kept = {}  # (the recorded results: the check is done)
+    if differs is not None:
         raise _NoPlan(
             f"its replay did not reproduce the recorded step bit for bit ({differs} differs, "
             f"{checks} replay{'s' * (checks != 1)}): a kernel started outside ATen and "
