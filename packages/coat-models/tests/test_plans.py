@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 
 import pytest
 import torch
@@ -377,42 +378,57 @@ def test_a_replay_check_that_differs_once_is_tried_again(
         assert plans.launch_plan_check_retries(planned) == 0  # (the refusal says it)
 
 
-def test_the_check_takes_the_recorded_results_of_a_nondeterministic_op(monkeypatch):
+@pytest.mark.parametrize("upstream", [False, True], ids=["noisy op", "and its input wrong"])
+def test_the_check_takes_the_recorded_results_of_a_nondeterministic_op(monkeypatch, upstream):
     """CUDA's attention backward adds dQ up with atomics: its results may differ in each
-    replay, and at 7B batch 2 x 2048 the check's 3 replays all differed, so the layer ran
-    eagerly. The check's replays take the recorded results of such an op. Here the CPU's
-    attention backward is treated as one and gives other results in every replay: the plan
-    is made at the first check, and the recorded results are dropped after it. The reference
-    kernels: no Triton launch is needed here."""
+    replay, and a plan whose 3 check replays all differ is refused (the layer then runs
+    eagerly). The check's replays compare such an op's inputs with the recorded ones bit
+    for bit and take its recorded results. Here the CPU's attention backward is
+    treated as one and gives other results in every run: the plan is made at the first
+    check, and the recorded inputs and results are freed after it. With the op that writes
+    its incoming gradient also wrong in the plan's runs (as a missed kernel upstream would
+    make it), the plan is refused. The reference kernels: no Triton launch is needed here."""
     packet = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     monkeypatch.setattr(plans, "_NONDETERMINISTIC", frozenset({packet}))
-    place, made, calls = plans._Plan.place, [], []
+    place, made, calls, kept = plans._Plan.place, [], [], []
 
     def place_noisy(self, scratch):
         place(self, scratch)
         made.append(self)
-        for steps in (self.fwd, self.bwd):
-            for i, st in enumerate(steps):
-                if st is not None and st[0] == "nondet":
-                    kind, func, *rest = st
+        kept.extend(weakref.ref(t) for pair in self.kept.values() for t in pair[0] + pair[1])
+        for i, st in enumerate(self.bwd):
+            if st is None or st[0] != "nondet":
+                continue
+            kind, func, args, *rest = st
 
-                    def noisy(*args, func=func, **kwargs):
-                        calls.append(1)
-                        out = [o.clone() for o in func(*args, **kwargs)]
-                        out[0][(0,) * out[0].dim()] += len(calls)  # (another sum each run)
-                        return tuple(out)
+            def noisy(*args, func=func, **kwargs):
+                calls.append(1)
+                out = [o.clone() for o in func(*args, **kwargs)]
+                out[0][(0,) * out[0].dim()] += len(calls)  # (another sum each run)
+                return tuple(out)
 
-                    steps[i] = (kind, noisy, *rest)
+            self.bwd[i] = (kind, noisy, args, *rest)
+            if upstream:  # the op writing its incoming gradient (argument 0) doubles it
+                grad_out = args[2][0]
+                assert grad_out[0] == "v"  # (a per-call buffer: an op's output)
+                (j,) = [j for j, s in enumerate(self.bwd[:i]) if s and grad_out[1] in s[4]]
+                kind, func, *rest = self.bwd[j]
+                self.bwd[j] = (kind, lambda *a, func=func, **k: func(*a, **k) * 2, *rest)
 
     monkeypatch.setattr(plans._Plan, "place", place_noisy)
     _, planned = pair("cpu", layers=1, backend="reference")
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(9))
     step(planned, ids, "cpu")
-    assert launch_plan_refusals(planned) == [] and launch_plan_replays(planned) == 1
     assert plans.launch_plan_check_retries(planned) == 0
-    assert len(calls) == 2  # the nondeterministic op: once in the check, once in the step
     (plan,) = made
-    assert plan.kept == {} and any(s[0] == "nondet" for s in plan.bwd if s is not None)
+    assert plan.kept == {} and kept and all(ref() is None for ref in kept)
+    if upstream:
+        (why,) = launch_plan_refusals(planned)
+        assert "(an input of " in why and " differs, 3 replays)" in why
+        assert launch_plan_replays(planned) == 0
+    else:
+        assert launch_plan_refusals(planned) == [] and launch_plan_replays(planned) == 1
+        assert len(calls) == 2  # the nondeterministic op: once in the check, once in the step
 
 
 @pytest.mark.gpu

@@ -37,11 +37,11 @@ call a plan does not cover runs eagerly:
   allocates, so a missed write shows even where that memory held the right values), is not
   turned into a plan: the layer stays eager at that key, and ``launch_plan_refusals(model)``
   says why. CUDA's attention backwards add dQ up with atomics, so their results may differ
-  from run to run: the check's replays take their recorded results (they are ATen ops the
-  plan calls again; no missed kernel hides in them). Any other nondeterministic kernel can
-  make one replay differ: one equal replay of up to 3 suffices (those that differed first are
-  counted in ``launch_plan_check_retries(model)``; with deterministic algorithms on, one
-  replay is all).
+  from run to run: the check's replays compare their inputs with the recorded ones bit for
+  bit and take their recorded results (they are ATen ops the plan calls again; no missed
+  kernel hides in them). Any other nondeterministic kernel can make one replay differ: one
+  equal replay of up to 3 suffices (those that differed first are counted in
+  ``launch_plan_check_retries(model)``; with deterministic algorithms on, one replay is all).
 
 The FP8 weight cache must be off (``FP8ActivationConfig(weight_cache=False)``): whether a
 weight is cast is a Python-side decision a record cannot hold. The arenas stay allocated
@@ -136,7 +136,8 @@ class _Recorder(TorchDispatchMode):
         self.meta: list[tuple] = []  # the view its producer (or the caller) gave
         self.start: list[int] = []  # index of the op that made it, in its phase
         self.last: list[int] = []  # index of the last op of its phase that used it
-        self.kept: dict[tuple, list] = {}  # (phase, op index) -> a nondeterministic op's results
+        # (phase, op index) -> a nondeterministic op's tensor inputs and results (copies)
+        self.kept: dict[tuple, tuple[list, list]] = {}
 
     def add(self, t: torch.Tensor, kind: str, phase: str) -> int:
         b = len(self.kind)
@@ -200,9 +201,10 @@ class _Recorder(TorchDispatchMode):
                 produced.append(None)  # in place, a view, or no data: no new buffer
         seq = isinstance(out, (list, tuple))
         if func.overloadpacket in _NONDETERMINISTIC:
-            self.kept[(phase, len(self.program[phase]))] = [
-                o.clone() if isinstance(o, torch.Tensor) else None for o in outs
-            ]
+            self.kept[(phase, len(self.program[phase]))] = (
+                [a.clone() for a in _tensors((args, kwargs))],
+                [o.clone() if isinstance(o, torch.Tensor) else None for o in outs],
+            )
         self.program[phase].append(("op", func, described, produced, seq))
         return out
 
@@ -325,8 +327,9 @@ class _Plan:
         self.gen = 0  # forwards run; a backward checks that its own is the last
         self.pending = None  # weakref to the output of a forward whose backward has not run
         # What the check's replays change (_replay_differs): each per-call allocation starts
-        # as 0xFF bytes, each nondeterministic op's results are the recorded ones (kept).
-        self.checking, self.kept = False, rec.kept
+        # as 0xFF bytes; each nondeterministic op, given the recorded inputs (else the check
+        # notes it in ``diverged``), hands on the recorded results (kept).
+        self.checking, self.kept, self.diverged = False, rec.kept, None
 
     def place(self, scratch: torch.Tensor) -> None:
         """Make the static views on the arena and ``scratch`` and compile both directions."""
@@ -454,9 +457,9 @@ class _Plan:
                 run(*head, stream, function, packed, None, None, None, *args, *tail)
             elif kind == "op" or kind == "alloc" or kind == "nondet":
                 _, func, args, kwargs, produced, seq, at = step
-                out = func(
-                    *self._value(args, env), **{k: self._value(v, env) for k, v in kwargs.items()}
-                )
+                args = self._value(args, env)
+                kwargs = {k: self._value(v, env) for k, v in kwargs.items()}
+                out = func(*args, **kwargs)
                 outs = out if seq else (out,)
                 for b, o in zip(produced, outs, strict=False):
                     if b is not None:
@@ -465,7 +468,11 @@ class _Plan:
                     for o in outs:
                         _fill_bytes(o)
                 elif self.checking and kind == "nondet":
-                    for o, kept in zip(outs, self.kept[at], strict=False):
+                    inputs, results = self.kept[at]
+                    got = _tensors((args, kwargs))
+                    if len(got) != len(inputs) or not all(map(torch.equal, got, inputs)):
+                        self.diverged = self.diverged or f"an input of {func}"
+                    for o, kept in zip(outs, results, strict=False):
                         if kept is not None:
                             o.copy_(kept)
             else:  # the interpreter: Triton's own launch path, on tensors
@@ -647,6 +654,10 @@ def _sdpa_switches() -> tuple:
 _CHECKS = 3  # replays of the record before a plan is refused (see _make_plan)
 
 
+def _tensors(tree) -> list[torch.Tensor]:
+    return [x for x in torch.utils._pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
 def _fill_bytes(t: torch.Tensor) -> None:
     """Every byte of ``t``'s storage set to 0xFF (NaN in each float format of a step)."""
     torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).fill_(255)
@@ -659,16 +670,19 @@ def _replay_differs(plan, inputs, stand_ins, grad, recorded, devices) -> str | N
     (an allocation that reuses the record's freed memory, as the CPU's allocator may). The
     nondeterministic ops (attention backwards) hand on their recorded results: they are ATen
     ops the plan calls again, so no missed kernel hides in them, and their run-to-run
-    differences (CUDA's dQ atomics) would otherwise make every later result differ."""
+    differences (CUDA's dQ atomics) would otherwise make every later result differ; their
+    inputs must equal the recorded ones bit for bit (what feeds them is checked there)."""
     for buffer in (plan.arena, plan.scratch):
         buffer.fill_(255)
-    plan.checking = True
+    plan.checking, plan.diverged = True, None
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             out, saved = plan.forward(inputs, stand_ins)
             got = {"out": out, **plan.backward(saved, grad)}
     finally:
         plan.checking = False
+    if plan.diverged:
+        return plan.diverged
     for name, want in recorded.items():
         have = got.get(name)
         if (want is None) != (have is None) or (want is not None and not torch.equal(want, have)):
@@ -712,8 +726,9 @@ def _make_plan(layer, state: dict, hidden, cos, sin, params):
     # used: a kernel that neither ATen nor fp8_quant's launch started (a C extension
     # writing a tensor the record saw allocated) would differ in every replay; one equal
     # replay shows the plan reproduces its record. A nondeterministic kernel other than
-    # those in _NONDETERMINISTIC (whose recorded results the check takes) can make a single
-    # replay differ, hence up to _CHECKS of them, counted in launch_plan_check_retries.
+    # those in _NONDETERMINISTIC (whose inputs the check compares and whose recorded results
+    # it takes) can make a single replay differ, hence up to _CHECKS of them, counted in
+    # launch_plan_check_retries.
     checks = 1 if torch.are_deterministic_algorithms_enabled() else _CHECKS
     try:
         for tries in range(1, checks + 1):
@@ -722,7 +737,7 @@ def _make_plan(layer, state: dict, hidden, cos, sin, params):
                 state["retries"] += tries - 1
                 break
     finally:
-        plan.kept = {}  # (the recorded results: the check is done)
+        plan.kept.clear()  # (the recorded inputs and results, also the record's: check done)
     if differs is not None:
         raise _NoPlan(
             f"its replay did not reproduce the recorded step bit for bit ({differs} differs, "
