@@ -37,11 +37,12 @@ call a plan does not cover runs eagerly:
   allocates, so a missed write shows even where that memory held the right values), is not
   turned into a plan: the layer stays eager at that key, and ``launch_plan_refusals(model)``
   says why. CUDA's attention backwards add dQ up with atomics, so their results may differ
-  from run to run: the check's replays compare their inputs with the recorded ones bit for
-  bit and take their recorded results (they are ATen ops the plan calls again; no missed
-  kernel hides in them). Any other nondeterministic kernel can make one replay differ: one
-  equal replay of up to 3 suffices (those that differed first are counted in
-  ``launch_plan_check_retries(model)``; with deterministic algorithms on, one replay is all).
+  from run to run: the check's replays compare their floating-point inputs with the
+  recorded ones bit for bit and take their recorded results (they are ATen ops the plan
+  calls again; no missed kernel hides in them). Any other nondeterministic kernel can make
+  one replay differ: one equal replay of up to 3 suffices (those that differed first are
+  counted in ``launch_plan_check_retries(model)``; with deterministic algorithms on, one
+  replay is all).
 
 The FP8 weight cache must be off (``FP8ActivationConfig(weight_cache=False)``): whether a
 weight is cast is a Python-side decision a record cannot hold. The arenas stay allocated
@@ -77,7 +78,8 @@ _ALLOCS = frozenset(
     }
 )
 # Ops whose results may differ from run to run (CUDA's attention backwards add dQ up with
-# atomics): the check's replays take their recorded results (see _replay_differs).
+# atomics): the check's replays compare their inputs with the recorded ones and take their
+# recorded results (see _replay_differs).
 _NONDETERMINISTIC = frozenset(
     getattr(aten, name)
     for name in (
@@ -136,7 +138,7 @@ class _Recorder(TorchDispatchMode):
         self.meta: list[tuple] = []  # the view its producer (or the caller) gave
         self.start: list[int] = []  # index of the op that made it, in its phase
         self.last: list[int] = []  # index of the last op of its phase that used it
-        # (phase, op index) -> a nondeterministic op's tensor inputs and results (copies)
+        # (phase, op index) -> a nondeterministic op's float inputs and results (copies)
         self.kept: dict[tuple, tuple[list, list]] = {}
 
     def add(self, t: torch.Tensor, kind: str, phase: str) -> int:
@@ -202,7 +204,7 @@ class _Recorder(TorchDispatchMode):
         seq = isinstance(out, (list, tuple))
         if func.overloadpacket in _NONDETERMINISTIC:
             self.kept[(phase, len(self.program[phase]))] = (
-                [a.clone() for a in _tensors((args, kwargs))],
+                [a.clone() for a in _float_inputs((args, kwargs))],
                 [o.clone() if isinstance(o, torch.Tensor) else None for o in outs],
             )
         self.program[phase].append(("op", func, described, produced, seq))
@@ -469,7 +471,7 @@ class _Plan:
                         _fill_bytes(o)
                 elif self.checking and kind == "nondet":
                     inputs, results = self.kept[at]
-                    got = _tensors((args, kwargs))
+                    got = _float_inputs((args, kwargs))
                     if len(got) != len(inputs) or not all(map(torch.equal, got, inputs)):
                         self.diverged = self.diverged or f"an input of {func}"
                     for o, kept in zip(outs, results, strict=False):
@@ -654,8 +656,12 @@ def _sdpa_switches() -> tuple:
 _CHECKS = 3  # replays of the record before a plan is refused (see _make_plan)
 
 
-def _tensors(tree) -> list[torch.Tensor]:
-    return [x for x in torch.utils._pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+def _float_inputs(tree) -> list[torch.Tensor]:
+    """The floating-point tensors of an op's arguments: the data a nondeterministic op reads.
+    (Not its random-number state: without dropout, CUDA's attention leaves those tensors
+    unwritten, so they hold whatever the allocator hands out.)"""
+    leaves = torch.utils._pytree.tree_leaves(tree)
+    return [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
 
 
 def _fill_bytes(t: torch.Tensor) -> None:
@@ -671,7 +677,8 @@ def _replay_differs(plan, inputs, stand_ins, grad, recorded, devices) -> str | N
     nondeterministic ops (attention backwards) hand on their recorded results: they are ATen
     ops the plan calls again, so no missed kernel hides in them, and their run-to-run
     differences (CUDA's dQ atomics) would otherwise make every later result differ; their
-    inputs must equal the recorded ones bit for bit (what feeds them is checked there)."""
+    floating-point inputs must equal the recorded ones bit for bit (what feeds them is
+    checked there)."""
     for buffer in (plan.arena, plan.scratch):
         buffer.fill_(255)
     plan.checking, plan.diverged = True, None
