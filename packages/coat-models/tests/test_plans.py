@@ -283,9 +283,9 @@ def test_a_plan_that_does_not_replay_the_record_is_refused(monkeypatch):
 @pytest.mark.slow  # (Triton's interpreter: over 10 s)
 def test_the_check_sees_a_missed_write_where_memory_holds_the_recorded_values(monkeypatch):
     """A missed kernel whose output memory already holds the values it would write (memory
-    a run of the same step left there, which the allocator may hand out again: the suite
-    failed that way once, after other tests had run the same tiny model) must not pass the
-    check: its replay starts from 0xFF bytes in every buffer the step allocates. Here a
+    a run of the same step left there, as after other tests ran the same tiny model, which
+    the allocator may hand out again) must not pass the check: its replay starts from 0xFF
+    bytes in every buffer the step allocates. Here a
     complete replay keeps what its backward's allocations ended up holding; then the last
     backward launch is dropped, and in the check's replay each of those allocations comes
     back holding those values."""
@@ -382,8 +382,8 @@ def test_a_replay_check_that_differs_once_is_tried_again(
 def test_the_check_takes_the_recorded_results_of_a_nondeterministic_op(monkeypatch, upstream):
     """CUDA's attention backward adds dQ up with atomics: its results may differ in each
     replay, and a plan whose 3 check replays all differ is refused (the layer then runs
-    eagerly). The check's replays compare such an op's inputs with the recorded ones bit
-    for bit and take its recorded results. Here the CPU's attention backward is
+    eagerly). The check's replays compare such an op's floating-point inputs with the
+    recorded ones bit for bit and take its recorded results. Here the CPU's attention backward is
     treated as one and gives other results in every run: the plan is made at the first
     check, and the recorded inputs and results are freed after it. With the op that writes
     its incoming gradient also wrong in the plan's runs (as a missed kernel upstream would
