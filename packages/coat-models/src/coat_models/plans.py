@@ -444,7 +444,7 @@ class _Plan:
         return ptr
 
     def _run(self, steps, env: dict) -> None:
-        stream = None
+        stream, checking = None, self.checking
         if not self.interpreted:
             stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         for step in steps:
@@ -466,10 +466,10 @@ class _Plan:
                 for b, o in zip(produced, outs, strict=False):
                     if b is not None:
                         env[b] = o
-                if self.checking and kind == "alloc":
+                if checking and kind == "alloc":
                     for o in outs:
                         _fill_bytes(o)
-                elif self.checking and kind == "nondet":
+                elif checking and kind == "nondet":
                     inputs, results = self.kept[at]
                     got = _float_inputs((args, kwargs))
                     if len(got) != len(inputs) or not all(map(torch.equal, got, inputs)):
