@@ -78,8 +78,8 @@ _ALLOCS = frozenset(
     }
 )
 # Ops whose results may differ from run to run (CUDA's attention backwards add dQ up with
-# atomics): the check's replays compare their inputs with the recorded ones and take their
-# recorded results (see _replay_differs).
+# atomics): the check's replays compare their floating-point inputs with the recorded ones
+# and take their recorded results (see _replay_differs).
 _NONDETERMINISTIC = frozenset(
     getattr(aten, name)
     for name in (
