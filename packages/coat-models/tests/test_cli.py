@@ -731,6 +731,21 @@ def test_header_says_when_the_presets_warmup_spans_the_run(tmp_path, capsys):
     assert "; --model-dir's default LR warmup (100 steps) spans the run" in out.splitlines()[0]
 
 
+def test_a_one_step_run_inside_the_presets_warmup_says_it_trains_nothing(tmp_path, capsys):
+    """Warmup's first step has LR 0: with the preset's warmup, --steps 1 exited 0 with the
+    untrained weights as its model, its note saying only that the LR stays below --lr."""
+    args = [*FAST, "--steps", 1, "--eval-batches", 1, "--no-export", "--mode", "bf16"]
+    code, out, err = run([*args, "--out", tmp_path / "a"], capsys)
+    assert code == 0, err
+    note = "the preset's LR warmup (10 steps) spans the run: its one step has LR 0 and leaves "
+    assert note + "the weights as they were (set --warmup 0)" in out.splitlines()[0]
+    assert [r["lr"] for r in read_jsonl(tmp_path / "a/bf16/metrics.jsonl") if "lr" in r] == [0.0]
+    code, out, err = run([*args, "--warmup", 0, "--out", tmp_path / "b"], capsys)
+    assert code == 0, err
+    assert "LR warmup" not in out
+    assert [r["lr"] for r in read_jsonl(tmp_path / "b/bf16/metrics.jsonl") if "lr" in r] == [3e-3]
+
+
 def test_header_says_when_the_validation_split_is_shorter_than_eval_batches(tmp_path, capsys):
     ids = tmp_path / "ids.npy"
     np.save(ids, np.random.default_rng(0).integers(0, 256, 20_000, dtype=np.int64))

@@ -183,6 +183,18 @@ def _settings(args):
     return PRESETS.get(name) or VL_PRESETS[name], f"preset {name}"
 
 
+def _warmup_note(c0: TrainConfig, whose: str) -> str:
+    """The header's note when the default warmup (a preset's, --model-dir's) spans the run
+    (an explicit --warmup that does is refused). Warmup's LR is ``lr * s / warmup`` at 0-based
+    step ``s``: a one-step run's only step has LR 0 and changes no weight."""
+    if c0.warmup < c0.steps:
+        return ""
+    note = f"; {whose} LR warmup ({c0.warmup} steps) spans the run: "
+    if c0.steps == 1:
+        return note + "its one step has LR 0 and leaves the weights as they were (set --warmup 0)"
+    return note + "the LR stays below --lr (set --warmup)"
+
+
 def _train_config(args, defaults, mode: str, master: str, graphs: bool, plans: bool) -> TrainConfig:
     fields = {k: getattr(args, k) for k, _, _ in (*TRAIN_OPTIONS, *OUTPUT_OPTIONS)}
     fields["keep_checkpoints"] = args.keep_checkpoints
@@ -372,12 +384,7 @@ def run(args) -> int:
         + _val_note(job, c0)
         + ("; torch.compile on (each decoder layer)" if args.compile else "")
         + ("; layers stay gathered until backward" if args.reshard_after_forward is False else "")
-        + (
-            f"; {whose} LR warmup ({c0.warmup} steps) spans the run: the LR stays below --lr "
-            "(set --warmup)"
-            if c0.warmup >= c0.steps
-            else ""
-        ),
+        + _warmup_note(c0, whose),
         flush=True,
     )
     summaries, curves = [], {}
