@@ -22,9 +22,9 @@
 #                                (--launch-plans), bf16 vs coat in one process: Llama-2-7B at
 #                                micro-batch 1 x 4 and 2, torchao float8 + compile at 2 (carry
 #                                its wheel), coat at micro-batch 8 (best vs bf16's 2, same call),
-#                                the 125m preset; then one planned layer's host time at batch 1
-#                                and 2, and whether its step repeats its bits (bench_llama_layer
-#                                repeat); first a host probe.
+#                                the 125m preset; then one layer's host time at batch 1 and 2
+#                                (eager, planned, graphed), and whether its step repeats its
+#                                bits (bench_llama_layer repeat); first a host probe.
 #   scripts/gpu_bench.sh speed-compile 1 GPU, ~7 min. coat-train --compile against eager
 #                                (--no-cuda-graphs): bf16 vs coat in one process, both compiled
 #                                or both eager, at the 125m preset and Llama-2-7B micro-batch
@@ -193,7 +193,7 @@ speed-accum | speed-batch | speed-plans | speed-compile | speed-fsdp | speed-ddp
     train mb8_plans 100 "${L[@]}" --launch-plans --mode coat --batch-size 8 --steps 8 "${G[@]}"
     train s125_plans 100 --preset 125m --compare bf16,coat --steps 60 --eval-batches 2 \
       --no-progress --no-export --launch-plans
-    timeout 120 python3 $B/bench_llama_layer.py host --variants coat_planned,coat_graphed \
+    timeout 150 python3 $B/bench_llama_layer.py host --variants coat,coat_planned,coat_graphed \
       --batches 1,2 --out "$r/host.txt" > "$r/host.log" 2>&1
     # Does a layer step repeat its bits (a plan's check compares them)?
     timeout 90 python3 $B/bench_llama_layer.py repeat --batch 1 --out "$r/repeat.txt" \
