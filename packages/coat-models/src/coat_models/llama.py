@@ -370,6 +370,16 @@ def _attentions_asked() -> bool:
     return collected is not None and "attentions" in collected
 
 
+def _rope_positions(rotary: nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+    """The position ids ``rotary`` takes, as the model's own forward hands them: a multimodal
+    RoPE (``mrope_section``: Qwen2-VL's text model) gets them as ``(3, batch, seq)``, one row
+    per axis of its grid; transformers 5.17's raises for the plain ``(batch, seq)`` (later
+    versions expand them inside)."""
+    if getattr(rotary, "mrope_section", None) is not None and position_ids.ndim == 2:
+        return position_ids[None].expand(3, *position_ids.shape)
+    return position_ids
+
+
 @torch.no_grad()
 def _layer_mismatch(
     base: nn.Module, layer: nn.Module, stand_in: bool = True, found: dict | None = None
@@ -443,7 +453,7 @@ def _layer_mismatch(
             _register_probe_attention()
             attn.config._attn_implementation_internal = _PROBE_ATTENTION
         with _probing(layer, rotary):
-            cos_sin = rotary(x, position_ids)
+            cos_sin = rotary(x, _rope_positions(rotary, position_ids))
             with _recording(model_calls):
                 want = forward(
                     layer,

@@ -386,13 +386,18 @@ def training_cache_kwargs(model) -> dict[str, Callable]:
     class of their own (xLSTM read its states off NoKVCache, MiniMax refused it) or no
     attention layer to keep nothing for; none for RecurrentGemma, which resets the states
     its modules hold only when it makes its cache itself (given one, step 2 backpropagated
-    into step 1's freed graph)."""
+    into step 1's freed graph). ``cache_params`` (transformers 5.17's name of the cache of
+    xLSTM and the Mamba family, ``cache`` later) is a cache of the model's own."""
     params = inspect.signature(model.forward).parameters
     names = [n for n in ("cache", "past_key_values") if n in params]
-    if not names or hasattr(getattr(model, "base_model", None), "_setup_cache"):
+    own = "cache_params" in params
+    if not (names or own) or hasattr(getattr(model, "base_model", None), "_setup_cache"):
         return {}
     dynamic = getattr(type(model), "_supports_default_dynamic_cache", None)
-    make = None if dynamic is not None and not dynamic() else no_kv_cache(model.config)
+    if own or (dynamic is not None and not dynamic()):
+        make = None
+    else:
+        make = no_kv_cache(model.config)
     if make is not None:
         return {names[0]: make}
     takes = "use_cache" in params or any(
