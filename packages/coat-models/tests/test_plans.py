@@ -74,6 +74,35 @@ def test_planned_steps_are_the_eager_bits(device):
     assert launch_plan_replays(planned) == 2 * 2 and launch_plan_refusals(planned) == []
 
 
+def test_the_public_bindings_a_plan_calls_run_the_recorded_overloads():
+    """A plan calls some ops through their public bindings (faster to parse): each binding
+    bears the overload's name and gives what the overload gives for the arguments a record
+    holds (positional as the schema orders them, keyword-only ones as keywords)."""
+    aten = torch.ops.aten
+    for overload, binding in plans._PUBLIC.items():
+        assert overload._schema.name == f"aten::{binding.__name__}", (overload, binding)
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, 32, generator=gen), torch.randn(32, 16, generator=gen)
+    fa, fb = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
+    one, two = torch.tensor(1.0), torch.tensor(0.5)
+    kw = {"dtype": torch.bfloat16, "layout": torch.strided, "device": torch.device("cpu")}
+    calls = [
+        (aten.empty.memory_format, ([3, 5],), {**kw, "pin_memory": False}),
+        (aten.empty_strided.default, ([3, 5], [1, 3]), kw),
+        (aten.empty_like.default, (a,), {"memory_format": torch.preserve_format}),
+        (aten.zeros.default, ([3, 5],), kw),
+        (aten.amax.default, (a, [1], True), {}),
+        (aten.amax.default, (a,), {}),
+        (aten.mm.default, (a, b), {}),
+        (aten._scaled_mm.default, (fa, fb, one, two, None, None, torch.bfloat16, False), {}),
+    ]
+    for overload, args, kwargs in calls:
+        want, got = overload(*args, **kwargs), plans._PUBLIC[overload](*args, **kwargs)
+        assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+        if overload not in plans._ALLOCS:
+            assert torch.equal(got, want), overload
+
+
 def test_the_reference_kernels_are_planned_too():
     """COAT's plain-PyTorch path (the reference backend: no Triton; its weight maxima come
     from one _foreach_norm, which returns a list of tensors) is recorded and replayed with
