@@ -438,7 +438,7 @@ def test_the_check_takes_the_recorded_results_of_a_nondeterministic_op(monkeypat
 
             self.bwd[i] = (kind, noisy, args, *rest)
             if upstream:  # the op writing its incoming gradient (argument 0) doubles it
-                grad_out = args[2][0]
+                grad_out = dict(args[1])[0]  # (args: constants, per-call (index, getter))
                 assert grad_out[0] == "v"  # (a per-call buffer: an op's output)
                 (j,) = [j for j, s in enumerate(self.bwd[:i]) if s and grad_out[1] in s[4]]
                 kind, func, *rest = self.bwd[j]
@@ -466,3 +466,21 @@ def test_cuda_graphs_and_plans_exclude_each_other():
     enable_cuda_graphs(model)
     with pytest.raises(ValueError, match="CUDA graphs"):
         enable_launch_plans(model)
+
+
+def test_layer_params_are_named_parameters_in_order_each_once():
+    """The plans' (and graphs') parameter list, made each call without names, is
+    ``named_parameters()``'s: same order, a module reached twice and a parameter registered
+    twice counted once."""
+    from coat_models import graphs
+
+    model = tiny_llama(0, num_hidden_layers=2)
+    shared = model.model.layers[1]
+    shared.mlp.again = shared.self_attn.q_proj  # a module reached twice
+    shared.self_attn.tied = shared.mlp.up_proj.weight  # a parameter under a second name
+    shared.input_layernorm.weight = None  # (named_parameters skips None)
+    for layer in model.model.layers:
+        want = [p for _, p in layer.named_parameters()]
+        got = graphs._layer_params(layer)
+        assert len(got) == len(want) and all(a is b for a, b in zip(got, want, strict=True))
+    assert len(graphs._layer_params(shared)) == len(graphs._layer_params(model.model.layers[0])) - 1
