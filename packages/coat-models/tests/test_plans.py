@@ -72,6 +72,13 @@ def test_planned_steps_are_the_eager_bits(device):
         ids = torch.randint(0, 128, (batch, seq), generator=gen).to(device)
         assert_same(step(eager, ids, device, opt_e), step(planned, ids, device, opt_p))
     assert launch_plan_replays(planned) == 2 * 2 and launch_plan_refusals(planned) == []
+    # The kernels' zero-filled counters are the plan's own bytes, zeroed as a step starts:
+    # no zeros op is called again.
+    made = plans._STATES[planned]["plans"]
+    assert made and all(plan.zeroed.numel() > 0 for plan in made)
+    steps = [s for plan in made for s in plan.fwd + plan.bwd if s is not None]
+    calls = [s[7] for s in steps if s[0] in ("op", "alloc", "nondet")]
+    assert not set(calls) & plans._ZEROS
 
 
 def test_the_public_bindings_a_plan_calls_run_the_recorded_overloads():
@@ -274,7 +281,7 @@ def test_fsdp2_and_ddp_layers_replay_the_eager_bits(tmp_path, strategy):
             assert_same(*got)
         # (read through DDP's wrapper too; and dropped through it)
         assert launch_plan_replays(models[1]) == 2, launch_plan_refusals(models[1])
-        arenas = sum(p.arena.nbytes for p in plans._STATES[planned]["plans"])
+        arenas = sum(p.arena.nbytes + p.zeroed.nbytes for p in plans._STATES[planned]["plans"])
         scratch = sum(s.nbytes for s in plans._STATES[planned]["scratch"].values())
         assert arenas > 0 and scratch > 0
         assert plans.launch_plan_bytes(models[1]) == arenas + scratch
@@ -283,6 +290,18 @@ def test_fsdp2_and_ddp_layers_replay_the_eager_bits(tmp_path, strategy):
         assert plans.launch_plan_bytes(models[1]) == 0
     finally:
         dist.destroy_process_group()
+
+
+def assert_refused_and_eager(seed: int) -> None:
+    """One step of a one-layer model: its plan refused by the replay check, the layer run
+    eagerly with the eager model's bits."""
+    eager, planned = pair("cpu", layers=1)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(seed))
+    planned_step = step(planned, ids, "cpu")
+    (why,) = launch_plan_refusals(planned)
+    assert "did not reproduce the recorded step bit for bit" in why
+    assert launch_plan_replays(planned) == 0 and plans.launch_plan_eager_steps(planned) == 1
+    assert_same(step(eager, ids, "cpu"), planned_step)
 
 
 @INTERPRETED
@@ -299,13 +318,28 @@ def test_a_plan_that_does_not_replay_the_record_is_refused(monkeypatch):
         self.bwd[last] = None
 
     monkeypatch.setattr(plans._Plan, "place", place_and_drop)
-    eager, planned = pair("cpu", layers=1)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
-    planned_step = step(planned, ids, "cpu")
-    (why,) = launch_plan_refusals(planned)
-    assert "did not reproduce the recorded step bit for bit" in why
-    assert launch_plan_replays(planned) == 0 and plans.launch_plan_eager_steps(planned) == 1
-    assert_same(step(eager, ids, "cpu"), planned_step)
+    assert_refused_and_eager(seed=5)
+
+
+@INTERPRETED
+@pytest.mark.slow  # (Triton's interpreter: over 10 s)
+def test_a_plan_whose_counters_are_not_zeroed_is_refused(monkeypatch):
+    """The plan zeroes the kernels' counters (allocated by zeros in the eager step) with one
+    fill as each forward starts. A plan that skipped that fill would start from whatever the
+    bytes held: the check's replay starts them at 0x7F bytes (a large positive value, which a
+    maximum kept there does not hide, as it would -1), so it sees the difference and the
+    layer trains eagerly, with eager's bits."""
+    forward = plans._Plan.forward
+
+    def forward_without_the_fill(self, inputs, params):
+        zeroed, self.zeroed = self.zeroed, self.zeroed[:0]
+        try:
+            return forward(self, inputs, params)
+        finally:
+            self.zeroed = zeroed
+
+    monkeypatch.setattr(plans._Plan, "forward", forward_without_the_fill)
+    assert_refused_and_eager(seed=6)
 
 
 @INTERPRETED

@@ -12,11 +12,12 @@ order) and turns the record into a plan:
 
 * buffers the step allocates and does not hand out get fixed addresses: those backward reads
   in an arena of the layer's own, the others (temporaries of one direction) in one scratch
-  buffer per device, packed by lifetime; their views are made once;
-* views, detaches and those allocations are dropped; every other ATen op (the GEMMs,
-  attention and its backward, small reductions) is called again, the same overload with the
-  same arguments; each Triton launch goes straight to the compiled launcher that its eager
-  launch found, with the arguments' addresses;
+  buffer per device, packed by lifetime; their views are made once; the zero-filled ones
+  (the kernels' counters) get bytes of their own, zeroed by one fill as each forward starts;
+* views, detaches and those allocations (the zero-filled ones too) are dropped; every other
+  ATen op (the GEMMs, attention and its backward, small reductions) is called again, the
+  same overload with the same arguments; each Triton launch goes straight to the compiled
+  launcher that its eager launch found, with the arguments' addresses;
 * the layer input, RoPE tables, parameters and incoming gradient are the call's own tensors
   (their addresses may change between calls), as are the outputs of the ops called again;
   the output, input gradient and parameter gradients are fresh tensors each call.
@@ -34,7 +35,8 @@ call a plan does not cover runs eagerly:
 * a record that reads a tensor from outside the step (a Python-side cache, a constant made
   before it), or that no replay on its own inputs reproduces bit for bit in 3 tries (a
   kernel the record missed: each check starts from 0xFF bytes in all the memory the step
-  allocates, so a missed write shows even where that memory held the right values), is not
+  allocates, 0x7F in its zero-filled buffers, so a missed write or fill shows even where
+  that memory held the right values), is not
   turned into a plan: the layer stays eager at that key, and ``launch_plan_refusals(model)``
   says why. CUDA's attention backwards add dQ up with atomics, so their results may differ
   from run to run: the check's replays compare their floating-point inputs with the
@@ -110,6 +112,9 @@ _PUBLIC = {
     ),
     aten._scaled_dot_product_cudnn_attention.default: torch._scaled_dot_product_cudnn_attention,
 }
+# Ops that allocate a buffer of zeros (the kernels' counters and maxima): the plan places the
+# buffer itself and zeroes all of them with one fill at the start of the step.
+_ZEROS = frozenset({aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default})
 _ALIGN = 256  # arena offsets: the caching allocator's alignment (Triton specializes on 16)
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -150,7 +155,7 @@ class _Recorder(TorchDispatchMode):
         self.quiet = 0
         self.program: dict[str, list] = {"fwd": [], "bwd": []}
         self.by_ptr: dict[int, int] = {}
-        self.kind: list[str] = []  # "in", "op" or "alloc"
+        self.kind: list[str] = []  # "in", "op", "alloc" or "zeros"
         self.nbytes: list[int] = []
         self.first: list[str] = []  # the phase that made it ("in" for inputs)
         self.phases: list[set] = []  # the phases that read or write it
@@ -217,7 +222,8 @@ class _Recorder(TorchDispatchMode):
                 and ret.alias_info is None
                 and o.untyped_storage().nbytes()
             ):
-                produced.append(self.add(o, "alloc" if func in _ALLOCS else "op", phase))
+                kind = "alloc" if func in _ALLOCS else "zeros" if func in _ZEROS else "op"
+                produced.append(self.add(o, kind, phase))
             else:
                 produced.append(None)  # in place, a view, or no data: no new buffer
         seq = isinstance(out, (list, tuple))
@@ -321,7 +327,8 @@ class _Plan:
         self.meta = rec.meta
         escaped = {d[1] for d in escaping.values() if d is not None and d[0] == "t"}
         kind, phases = rec.kind, rec.phases
-        self.per_call = {b for b, k in enumerate(kind) if k != "alloc" or b in escaped}
+        placed = ("alloc", "zeros")
+        self.per_call = {b for b, k in enumerate(kind) if k not in placed or b in escaped}
         # What backward reads of the inputs and of forward's per-call buffers: saved by ctx.
         self.saved = sorted(
             b for b in self.per_call
@@ -329,9 +336,14 @@ class _Plan:
         )  # fmt: skip
         # The step's own buffers: those backward reads in the layer's arena, the others
         # (temporaries of one direction) in the shared scratch, packed by lifetime.
-        arena, scratch, spans = {}, {}, {}
+        # The zero-filled buffers get bytes of their own, all zeroed by one fill as each
+        # forward starts (those of the backward too: nothing else writes them in between).
+        arena, scratch, spans, zeroed = {}, {}, {}, {}
         for b, k in enumerate(kind):
-            if k != "alloc" or b in self.per_call:
+            if k not in placed or b in self.per_call:
+                continue
+            if k == "zeros":
+                zeroed[b] = rec.nbytes[b]
                 continue
             used = phases[b] | {rec.first[b]}
             if used == {rec.first[b]}:
@@ -343,6 +355,8 @@ class _Plan:
         self.arena_offsets, arena_total = _pack(arena, {b: (0, 0) for b in arena})
         self.scratch_offsets, self.scratch_bytes = _pack(scratch, spans)
         self.arena = torch.empty(arena_total, dtype=torch.uint8, device=device)
+        self.zeroed_offsets, zeroed_total = _pack(zeroed, {b: (0, 0) for b in zeroed})
+        self.zeroed = torch.empty(zeroed_total, dtype=torch.uint8, device=device)
         self.program = rec.program
         self.fwd = self.bwd = None  # made by place()
         self.gen = 0  # forwards run; a backward checks that its own is the last
@@ -357,6 +371,8 @@ class _Plan:
         self.scratch, self.static = scratch, {}
         for b, off in self.arena_offsets.items():
             self.static[b] = (self.arena, off)
+        for b, off in self.zeroed_offsets.items():
+            self.static[b] = (self.zeroed, off)
         for b, off in self.scratch_offsets.items():
             self.static[b] = (scratch, off)
         self.fwd = [self._compile(op, ("fwd", i)) for i, op in enumerate(self.program["fwd"])]
@@ -412,8 +428,8 @@ class _Plan:
             )  # fmt: skip
             return ("launch", run, function, packed, tail, head, template, dynamic)
         _, func, (args, kwargs), produced, seq = op
-        if func in _ALLOCS and not (set(produced) & self.per_call):
-            return None  # placed by the plan
+        if (func in _ALLOCS or func in _ZEROS) and not (set(produced) & self.per_call):
+            return None  # placed by the plan (and zeroed as the step starts)
         kind = "alloc" if func in _ALLOCS else "nondet" if at in self.kept else "op"
         # The arguments as a list of their constants with the per-call ones to fill in
         # (index, getter), the keywords as a dict of constants and per-call (name, getter).
@@ -533,6 +549,8 @@ class _Plan:
         env = {names[k]: t for k, t in inputs.items()}
         for i, p in enumerate(params):
             env[names[f"param{i}"]] = p
+        if self.zeroed.numel():
+            self.zeroed.zero_()
         with torch._C._DisableAutocast():  # (torch.autocast(enabled=False), 6x cheaper)
             self._run(self.fwd, env)
         return self._handed_out(self.out_getter, env), [env[b] for b in self.saved]
@@ -667,7 +685,7 @@ def launch_plan_bytes(model: nn.Module) -> int:
     """Bytes the launch plans of ``model`` (or of the models it wraps) keep allocated: every
     plan's arena (what its backward reads) and the shared scratch buffers."""
     return sum(
-        sum(plan.arena.nbytes for plan in state["plans"])
+        sum(plan.arena.nbytes + plan.zeroed.nbytes for plan in state["plans"])
         + sum(scratch.nbytes for scratch in state["scratch"].values())
         for state in _states(model)
     )
@@ -710,15 +728,19 @@ def _fill_bytes(t: torch.Tensor) -> None:
 def _replay_differs(plan, inputs, stand_ins, grad, recorded, devices) -> str | None:
     """The first recorded result a replay of ``plan`` on the record's inputs does not
     reproduce bit for bit, or None. Every buffer the step allocates starts as 0xFF bytes
-    (NaN): a write the plan misses shows even where that memory held the recorded values
-    (an allocation that reuses the record's freed memory, as the CPU's allocator may). The
-    nondeterministic ops (attention backwards) hand on their recorded results: they are ATen
-    ops the plan calls again, so no missed kernel hides in them, and their run-to-run
-    differences (CUDA's dQ atomics) would otherwise make every later result differ; their
-    floating-point inputs must equal the recorded ones bit for bit (what feeds them is
-    checked there)."""
+    (NaN; the zero-filled ones as 0x7F, below): a write the plan misses shows even where
+    that memory held the recorded values (an allocation that reuses the record's freed
+    memory, as the CPU's allocator may). The nondeterministic ops (attention backwards) hand
+    on their recorded results: they are ATen ops the plan calls again, so no missed kernel
+    hides in them, and their run-to-run differences (CUDA's dQ atomics) would otherwise make
+    every later result differ; their floating-point inputs must equal the recorded ones bit
+    for bit (what feeds them is checked there)."""
     for buffer in (plan.arena, plan.scratch):
         buffer.fill_(255)
+    # The zero-filled buffers (counters, maxima) at 0x7F bytes: a large positive value in
+    # each int and float format, which a sum or a maximum kept there shows if the plan's
+    # fill misses them (0xFF is -1 as an int: a maximum of non-negative values hides it).
+    plan.zeroed.fill_(0x7F)
     plan.checking, plan.diverged = True, None
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
