@@ -143,10 +143,10 @@ class _Recorder(TorchDispatchMode):
     """Describes every ATen op below autograd as it runs (and every Triton launch, through
     ``_recording_launches``), by the storages it reads and writes: no tensor of the step is
     kept alive by the record. Each storage is a buffer: an input (given per call), the output
-    of an op called again (per call), or allocated by the step (``"alloc"``: placed by the
-    plan, or per call where it is handed out). A storage freed and reused by a later
-    allocation is a new buffer from there on. Ops run inside a launch (the interpreter's own)
-    are not recorded."""
+    of an op called again (per call), or allocated by the step (``"alloc"``, and ``"zeros"``
+    for a zero-filled one: placed by the plan, or per call where it is handed out). A
+    storage freed and reused by a later allocation is a new buffer from there on. Ops run
+    inside a launch (the interpreter's own) are not recorded."""
 
     def __init__(self, interpreted: bool):
         super().__init__()
@@ -683,7 +683,8 @@ def launch_plan_check_retries(model: nn.Module) -> int:
 
 def launch_plan_bytes(model: nn.Module) -> int:
     """Bytes the launch plans of ``model`` (or of the models it wraps) keep allocated: every
-    plan's arena (what its backward reads) and the shared scratch buffers."""
+    plan's arena (what its backward reads) and zero-filled counters, and the shared scratch
+    buffers."""
     return sum(
         sum(plan.arena.nbytes + plan.zeroed.nbytes for plan in state["plans"])
         + sum(scratch.nbytes for scratch in state["scratch"].values())
@@ -740,6 +741,7 @@ def _replay_differs(plan, inputs, stand_ins, grad, recorded, devices) -> str | N
     # The zero-filled buffers (counters, maxima) at 0x7F bytes: a large positive value in
     # each int and float format, which a sum or a maximum kept there shows if the plan's
     # fill misses them (0xFF is -1 as an int: a maximum of non-negative values hides it).
+    # (A minimum kept there would hide it: no kernel of a COAT layer keeps one.)
     plan.zeroed.fill_(0x7F)
     plan.checking, plan.diverged = True, None
     try:
