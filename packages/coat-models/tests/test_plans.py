@@ -210,18 +210,32 @@ def test_a_backward_over_overwritten_activations_raises():
         first.backward()
 
 
-def test_an_attention_mask_runs_eagerly_with_the_same_bits():
+def test_attention_masks_are_planned_with_the_eager_bits():
+    """A padded batch's attention mask is an input of the plan, given per call as the hidden
+    states are: steps with other padding at the same shapes replay the plan (the mask's
+    values reach the attention kernels, not the step's Python), a step without a mask is a
+    plan of its own; every loss and gradient equals the eager model's bit for bit."""
     eager, planned = pair("cpu", layers=1, backend="reference")
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones(2, 8, dtype=torch.long)
-    mask[1, :3] = 0
-    assert_same(
-        step(eager, ids, "cpu", attention_mask=mask), step(planned, ids, "cpu", attention_mask=mask)
-    )
-    assert launch_plan_replays(planned) == 0 and plans.launch_plan_eager_steps(planned) == 1
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    opt_p = torch.optim.AdamW(planned.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(4)
+    for pad in [(0, 3), (5, 0), None, (2, 1)]:
+        ids = torch.randint(0, 128, (2, 8), generator=gen)
+        kwargs = {}
+        if pad is not None:
+            mask = torch.ones(2, 8, dtype=torch.long)
+            for row, n in enumerate(pad):
+                mask[row, :n] = 0  # (left padding)
+            kwargs["attention_mask"] = mask
+        assert_same(
+            step(eager, ids, "cpu", opt_e, **kwargs), step(planned, ids, "cpu", opt_p, **kwargs)
+        )
+    assert launch_plan_refusals(planned) == []
+    assert launch_plan_replays(planned) == 4 and plans.launch_plan_eager_steps(planned) == 0
+    assert len(plans._STATES[planned]["plans"]) == 2  # with a mask, without
     with torch.no_grad():  # evaluation is neither replayed nor counted as eager
-        planned(input_ids=ids)
-    assert plans.launch_plan_eager_steps(planned) == 1
+        planned(input_ids=ids, **kwargs)
+    assert launch_plan_replays(planned) == 4 and plans.launch_plan_eager_steps(planned) == 0
 
 
 def test_refusals():

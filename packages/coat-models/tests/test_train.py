@@ -883,7 +883,7 @@ def test_table_says_how_many_layer_steps_the_launch_plans_replayed():
     table = format_table(runs)
     assert "launch plans (coat): 1,024 of 1,024 layer steps replayed\n" in table + "\n"
     assert "launch plans (bf16)" not in table
-    runs[1]["launch_plan_eager_steps"] = 64  # (an attention mask, a refused plan...)
+    runs[1]["launch_plan_eager_steps"] = 64  # (a KV cache, a refused plan...)
     assert "launch plans (coat): 1,024 of 1,088 layer steps replayed\n" in format_table(runs) + "\n"
     runs[1]["launch_plan_refusals"] = ["LlamaDecoderLayer 0: why", "LlamaDecoderLayer 1: why"]
     assert (

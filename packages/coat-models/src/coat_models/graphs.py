@@ -64,20 +64,21 @@ _GRAPHED = "_coat_graphed"  # on each layer: the graphed callable, or None
 
 
 class _Body(nn.Module):
-    """``blocks.decoder_layer`` on ``(hidden, cos, sin)`` in the compute dtype, no mask, no
-    cache (the eager path's arguments for that case)."""
+    """``blocks.decoder_layer`` on ``(hidden, cos, sin)`` in the compute dtype, no cache,
+    with the attention ``mask`` given (launch plans; CUDA graphs record no mask): the eager
+    path's arguments for that case."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer
 
-    def forward(self, hidden, cos, sin):
+    def forward(self, hidden, cos, sin, mask=None):
         with torch.autocast(hidden.device.type, enabled=False):
             return blocks.decoder_layer(
                 self.layer.coat_ops,
                 self.layer,
                 hidden,
-                attention_mask=None,
+                attention_mask=mask,
                 position_embeddings=(cos, sin),
                 cache=None,
                 config=self.layer.coat_config,
@@ -102,9 +103,9 @@ class _LayerBody:
         self.body = _Body(layer)
         self.names = ["layer." + n for n, _ in layer.named_parameters()]
 
-    def __call__(self, hidden, cos, sin, *params):
+    def __call__(self, hidden, cos, sin, *params, mask=None):
         given = dict(zip(self.names, params, strict=True))
-        return torch.func.functional_call(self.body, given, (hidden, cos, sin))
+        return torch.func.functional_call(self.body, given, (hidden, cos, sin, mask))
 
 
 _PARAMS = "_coat_graph_params"  # on each layer: its parameters as the graphs take them

@@ -18,17 +18,19 @@ order) and turns the record into a plan:
   ATen op (the GEMMs, attention and its backward, small reductions) is called again, the
   same overload with the same arguments; each Triton launch goes straight to the compiled
   launcher that its eager launch found, with the arguments' addresses;
-* the layer input, RoPE tables, parameters and incoming gradient are the call's own tensors
-  (their addresses may change between calls), as are the outputs of the ops called again;
-  the output, input gradient and parameter gradients are fresh tensors each call.
+* the layer input, RoPE tables, attention mask (a padded batch's; a mask is part of the key,
+  so a step without one has a plan of its own), parameters and incoming gradient are the
+  call's own tensors (their addresses may change between calls), as are the outputs of the
+  ops called again; the output, input gradient and parameter gradients are fresh tensors
+  each call.
 
 Later calls at that key run the plan in one autograd node: the same kernels on the same
 arguments in the same order, so the eager path's bits (as under CUDA graphs, the layer
 output carries no FP8 hand-over; the next layer quantizes it itself, to the same bits). A
 call a plan does not cover runs eagerly:
 
-* an attention mask, a KV cache holding tokens, extra attention keywords, gradient
-  checkpointing, RoPE tables that require grad, ``torch.compile`` tracing;
+* a KV cache holding tokens, extra attention keywords, gradient checkpointing, RoPE tables
+  or an attention mask that require grad, ``torch.compile`` tracing;
 * a forward while the layer's previous planned forward still waits for its backward (the
   arena holds that step's saved activations); a backward whose arena was overwritten since
   (``retain_graph=True`` and a later forward) raises;
@@ -565,11 +567,15 @@ class _Plan:
 
 
 class _Replay(torch.autograd.Function):
-    """One planned layer step: ``(plan, hidden, cos, sin, *params) -> out``."""
+    """One planned layer step: ``(plan, hidden, cos, sin, mask, *params) -> out`` (``mask``:
+    the attention mask, or None)."""
 
     @staticmethod
-    def forward(ctx, plan, hidden, cos, sin, *params):
-        out, saved = plan.forward({"hidden": hidden, "cos": cos, "sin": sin}, params)
+    def forward(ctx, plan, hidden, cos, sin, mask, *params):
+        inputs = {"hidden": hidden, "cos": cos, "sin": sin}
+        if mask is not None:
+            inputs["mask"] = mask
+        out, saved = plan.forward(inputs, params)
         plan.gen += 1
         ctx.plan, ctx.gen, ctx.done = plan, plan.gen, False
         ctx.save_for_backward(*saved)
@@ -592,7 +598,7 @@ class _Replay(torch.autograd.Function):
             grad = grad.clone(memory_format=torch.contiguous_format)  # (fresh: aligned)
         grads = plan.backward(ctx.saved_tensors, grad)
         params = [grads.get(f"param{i}") for i in range(plan.n_params)]
-        return None, grads.get("hidden"), None, None, *params
+        return None, grads.get("hidden"), None, None, None, *params
 
 
 # ------------------------------------------------------------------------------ the layers
@@ -668,8 +674,9 @@ def launch_plan_replays(model: nn.Module) -> int:
 
 def launch_plan_eager_steps(model: nn.Module) -> int:
     """Training steps of COAT layers of ``model`` (or of the models it wraps) that ran eagerly
-    although plans were on (an attention mask, a refused plan, ...; see the module docstring).
-    Layer steps without gradients (evaluation) and under compile tracing are not counted."""
+    although plans were on (a KV cache holding tokens, a refused plan, ...; see the module
+    docstring). Layer steps without gradients (evaluation) and under compile tracing are not
+    counted."""
     return sum(state["eager"] for state in _states(model))
 
 
@@ -759,7 +766,7 @@ def _replay_differs(plan, inputs, stand_ins, grad, recorded, devices) -> str | N
     return None
 
 
-def _make_plan(layer, state: dict, hidden, cos, sin, params):
+def _make_plan(layer, state: dict, hidden, cos, sin, mask, params):
     from . import graphs
 
     body = graphs._LayerBody(layer)
@@ -770,6 +777,8 @@ def _make_plan(layer, state: dict, hidden, cos, sin, params):
     c, s = cos.detach(), sin.detach()
     devices = [h.device] if h.device.type == "cuda" else []
     inputs = {"hidden": h, "cos": c, "sin": s}
+    if mask is not None:
+        inputs["mask"] = mask.detach()
     # Making a plan leaves the random state as it was (the eager run's draws stay the same).
     # (from a generator of its own: the check below starts from the record's random state)
     gen = torch.Generator(device=h.device).manual_seed(0)
@@ -777,7 +786,7 @@ def _make_plan(layer, state: dict, hidden, cos, sin, params):
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         with torch.autocast(h.device.type, enabled=False):
             rec, names, escaping, recorded = _record(
-                lambda hidden, cos, sin: body(hidden, cos, sin, *stand_ins),
+                lambda hidden, cos, sin, mask=None: body(hidden, cos, sin, *stand_ins, mask=mask),
                 inputs, stand_ins, grad,
             )  # fmt: skip
     plan = _Plan(rec, names, escaping, h.device)
@@ -836,7 +845,12 @@ def _planned(layer, state, hidden, cos_sin, attention_mask, cache, kwargs, check
     """``run_planned`` for a training step: the plan's output, or None (eager)."""
     from . import graphs
 
-    if attention_mask is not None or checkpointing or not graphs._cache_unused(layer, cache):
+    if checkpointing or not graphs._cache_unused(layer, cache):
+        return None
+    mask = attention_mask  # (a tensor the step reads, given per call as the input is)
+    if mask is not None and (
+        not isinstance(mask, torch.Tensor) or mask.requires_grad or mask.device != hidden.device
+    ):
         return None
     if set(kwargs) - graphs._NEUTRAL_KWARGS or len(cos_sin) != 2:
         return None
@@ -846,7 +860,8 @@ def _planned(layer, state, hidden, cos_sin, attention_mask, cache, kwargs, check
     params = graphs._layer_params(layer)
     attn = layer.self_attn
     key = (
-        _tensor_key(hidden), _tensor_key(cos), _tensor_key(sin), layer.coat_config,
+        _tensor_key(hidden), _tensor_key(cos), _tensor_key(sin),
+        None if mask is None else _tensor_key(mask), layer.coat_config,
         id(layer.coat_ops), tuple(_tensor_key(p) for p in params),
         # What the recorded step's Python chose from: the attention's settings, SDPA's
         # backend switches, deterministic algorithms.
@@ -857,7 +872,7 @@ def _planned(layer, state, hidden, cos_sin, attention_mask, cache, kwargs, check
     plan = plans.get(key)
     if plan is None:
         try:
-            plan = _make_plan(layer, state, hidden, cos, sin, params)
+            plan = _make_plan(layer, state, hidden, cos, sin, mask, params)
         except (_NoPlan, torch.OutOfMemoryError) as e:
             why = str(e) if isinstance(e, _NoPlan) else "out of memory while making the plan"
             plan = why.splitlines()[0]
@@ -867,6 +882,6 @@ def _planned(layer, state, hidden, cos_sin, attention_mask, cache, kwargs, check
         return None
     if plan.pending is not None and plan.pending() is not None:
         return None  # the previous planned forward still waits for its backward
-    out = _Replay.apply(plan, hidden, cos, sin, *params)
+    out = _Replay.apply(plan, hidden, cos, sin, mask, *params)
     plan.pending = weakref.ref(out.grad_fn) if out.grad_fn is not None else None
     return out
