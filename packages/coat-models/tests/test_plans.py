@@ -238,6 +238,21 @@ def test_attention_masks_are_planned_with_the_eager_bits():
     assert launch_plan_replays(planned) == 4 and plans.launch_plan_eager_steps(planned) == 0
 
 
+def test_the_check_keeps_a_broadcast_input_at_its_own_size():
+    """The check keeps a copy of a nondeterministic op's inputs: an attention mask expanded
+    over the heads (stride 0, as SDPA's memory-efficient backward gets it) is kept at the
+    mask's own size, not once per head."""
+    mask = torch.randn(2, 1, 8, 8).expand(2, 32, 8, 8)
+    kept = plans._kept_copy(mask)
+    assert torch.equal(kept, mask) and kept.shape == mask.shape
+    assert kept.untyped_storage().nbytes() == 2 * 8 * 8 * 4
+    assert kept.untyped_storage().data_ptr() != mask.untyped_storage().data_ptr()
+    view = torch.randn(3, 4)[:, 1:3]  # (no broadcast dimension: a plain copy)
+    kept = plans._kept_copy(view)
+    assert torch.equal(kept, view)
+    assert kept.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="apply_coat"):
         enable_launch_plans(tiny_llama())

@@ -231,7 +231,7 @@ class _Recorder(TorchDispatchMode):
         seq = isinstance(out, (list, tuple))
         if func.overloadpacket in _NONDETERMINISTIC:
             self.kept[(phase, len(self.program[phase]))] = (
-                [a.clone() for a in _float_inputs((args, kwargs))],
+                [_kept_copy(a) for a in _float_inputs((args, kwargs))],
                 [o.clone() if isinstance(o, torch.Tensor) else None for o in outs],
             )
         self.program[phase].append(("op", func, described, produced, seq))
@@ -726,6 +726,16 @@ def _float_inputs(tree) -> list[torch.Tensor]:
     unwritten, so they hold whatever the allocator hands out.)"""
     leaves = torch.utils._pytree.tree_leaves(tree)
     return [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
+
+
+def _kept_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` that keeps its broadcast dimensions (stride 0) broadcast: an attention
+    mask expanded over the heads is kept at the mask's size, not H times it (what ``clone``
+    would make)."""
+    if all(st != 0 or n <= 1 for n, st in zip(t.shape, t.stride(), strict=True)):
+        return t.clone()
+    one = tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())
+    return t[one].clone().expand(t.shape)
 
 
 def _fill_bytes(t: torch.Tensor) -> None:
