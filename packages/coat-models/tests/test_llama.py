@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from coat_models import apply_coat, is_coat, linear_cross_entropy, revert_coat
+from coat_models import apply_coat, is_coat, linear_cross_entropy, llama, revert_coat
 from coat_models.testing import TINY_LLAMA as TINY
 from coat_models.testing import sqnr, tiny_llama
 from fp8_activations import handed_over
@@ -684,8 +684,6 @@ def test_autocast_layers_hand_over_in_the_compute_dtype(monkeypatch):
     """Under autocast with fp32 master weights a layer returns its output in fp32 but the
     next layer takes the bf16 output it was made from (its FP8 hand-over kept), and RoPE's
     cos and sin are converted once for all layers: the bits of converting every time."""
-    from coat_models import llama
-
     ref = tiny_llama(num_hidden_layers=3).train()
     ids = tokens()
     model = apply_coat(copy.deepcopy(ref)).train()
@@ -810,6 +808,61 @@ def test_padding_mask(impl, autocast):
         want, got = ref(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
     keep = mask.bool()
     assert sqnr(want[keep].float(), got[keep].float()) >= LOGITS_FLOOR_DB
+
+
+def test_pad_rows_that_see_no_key_see_themselves():
+    """A boolean mask's rows that see no key (left padding under a causal mask) see their own
+    position, every other row as given; with a cache's offset (more keys than queries) too;
+    made once per mask while it is unchanged."""
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    mask = causal[None, None].repeat(2, 1, 1, 1)
+    mask[0, :, :, :2] = False  # two pad positions: rows 0 and 1 see nothing
+    got = llama._rows_see_themselves(mask)
+    want = mask.clone()
+    want[0, 0, 0, 0] = want[0, 0, 1, 1] = True
+    assert torch.equal(got, want) and got.any(-1).all()
+    assert llama._rows_see_themselves(mask) is got  # (the next layer's call)
+    mask[1, 0, 5, 0] = False  # changed in place: made again
+    assert torch.equal(llama._rows_see_themselves(mask)[1], mask[1])
+    offset = torch.zeros(1, 1, 2, 5, dtype=torch.bool)  # queries at key positions 3 and 4
+    offset[0, 0, 1, :] = True
+    want = offset.clone()
+    want[0, 0, 0, 3] = True
+    assert torch.equal(llama._rows_see_themselves(offset), want)
+    floats = torch.zeros(1, 1, 2, 2)
+    assert llama._rows_see_themselves(floats) is floats and llama._rows_see_themselves(None) is None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_left_padded_steps_reach_attention_with_every_row_seeing_a_key(monkeypatch, device):
+    """A left-padded batch's training step: no query row of the mask SDPA gets sees nothing
+    (cuDNN's attention gives such rows NaN gradients: seen on an H100 with torch 2.11, the
+    tiny Llama at 64 tokens, plain transformers too); the gradients are finite, and the real
+    tokens' logits are the reference model's."""
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *args, **kwargs):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            seen.append(bool(attn_mask.any(-1).all()))
+        return sdpa(q, k, v, attn_mask, *args, **kwargs)
+
+    ref = tiny_llama().to(device).train()
+    model = apply_coat(copy.deepcopy(ref))
+    ids = tokens(batch=2, seq=64).to(device)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        logits = model(ids, attention_mask=mask).logits
+        want = ref(ids, attention_mask=mask).logits
+    seen = seen[: TINY["num_hidden_layers"]]  # (COAT's layers; the reference's spied after)
+    assert seen == [True] * TINY["num_hidden_layers"]
+    F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten()).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    keep = mask.bool()
+    assert sqnr(want[keep].float(), logits[keep].float()) >= LOGITS_FLOOR_DB
 
 
 def test_eval_and_generate_are_the_original_model():

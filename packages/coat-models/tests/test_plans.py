@@ -210,25 +210,29 @@ def test_a_backward_over_overwritten_activations_raises():
         first.backward()
 
 
-def test_attention_masks_are_planned_with_the_eager_bits():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_attention_masks_are_planned_with_the_eager_bits(device):
     """A padded batch's attention mask is an input of the plan, given per call as the hidden
     states are: steps with other padding at the same shapes replay the plan (the mask's
     values reach the attention kernels, not the step's Python), a step without a mask is a
-    plan of its own; every loss and gradient equals the eager model's bit for bit."""
-    eager, planned = pair("cpu", layers=1, backend="reference")
+    plan of its own; every loss and gradient equals the eager model's bit for bit. (On the
+    CPU COAT's reference kernels; on the GPU Triton's and SDPA's CUDA backends, at a size
+    where two eager runs agree.)"""
+    backend = "reference" if device == "cpu" else None
+    eager, planned = pair(device, layers=1, backend=backend)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     opt_p = torch.optim.AdamW(planned.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(4)
     for pad in [(0, 3), (5, 0), None, (2, 1)]:
-        ids = torch.randint(0, 128, (2, 8), generator=gen)
+        ids = torch.randint(0, 128, (2, 8), generator=gen).to(device)
         kwargs = {}
         if pad is not None:
             mask = torch.ones(2, 8, dtype=torch.long)
             for row, n in enumerate(pad):
                 mask[row, :n] = 0  # (left padding)
-            kwargs["attention_mask"] = mask
+            kwargs["attention_mask"] = mask.to(device)
         assert_same(
-            step(eager, ids, "cpu", opt_e, **kwargs), step(planned, ids, "cpu", opt_p, **kwargs)
+            step(eager, ids, device, opt_e, **kwargs), step(planned, ids, device, opt_p, **kwargs)
         )
     assert launch_plan_refusals(planned) == []
     assert launch_plan_replays(planned) == 4 and plans.launch_plan_eager_steps(planned) == 0

@@ -797,7 +797,7 @@ class _CoatDecoderLayer(_CoatMixin):
             compute = torch.get_autocast_dtype(device)
             hidden_states = _in_dtype(hidden_states, compute)
             cos_sin = tuple(_in_dtype(t, compute) for t in cos_sin)
-        mask = kwargs.pop("attention_mask", None)
+        mask = _rows_see_themselves(kwargs.pop("attention_mask", None))
         out = graphs.run_graphed(self, hidden_states, cos_sin, mask, cache, kwargs, checkpointing)
         if out is None:  # enable_launch_plans: the recorded step
             out = plans.run_planned(
@@ -844,6 +844,7 @@ class _CoatDecoderLayer(_CoatMixin):
 # output's FP8 hand-over for the norm kept) while neither has changed since. Copies of
 # tensors that need gradients are not remembered: a leaf's copy would hold the leaf through
 # autograd (a cycle the collector cannot see), and such inputs are converted once anyway.
+_OPENED = "_coat_rows_see_themselves"  # (_rows_see_themselves: the mask made from it)
 _CONVERTED = "_coat_converted"
 
 
@@ -859,6 +860,28 @@ def _to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return t.to(dtype)
     out = t.to(dtype)
     setattr(out, _CONVERTED, (t.dtype, out._version, t, t._version))
+    return out
+
+
+def _rows_see_themselves(mask):
+    """A boolean attention mask whose query rows that see no key (a left-padded batch's pad
+    positions under a causal mask) see their own position instead. CUDA's cuDNN attention
+    gives such rows NaN gradients (seen with torch 2.11 on an H100: the tiny Llama at 64
+    tokens, plain bf16 transformers too), which reach every weight; seeing themselves, pad
+    rows stay finite and see nothing later (no label leaks), and the other rows are unchanged.
+    Made once per mask (remembered on it while it is unchanged), not once per layer."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() < 2:
+        return mask
+    compiling = torch.compiler.is_compiling()
+    hit = None if compiling else getattr(mask, _OPENED, None)
+    if hit is not None and hit[0] == mask._version:
+        return hit[1]
+    q, k = mask.shape[-2:]
+    rows = torch.arange(q, device=mask.device) + (k - q)  # (a query's own key position)
+    own = torch.arange(k, device=mask.device) == rows[:, None]
+    out = mask | (own & ~mask.any(-1, keepdim=True))
+    if not compiling:
+        setattr(mask, _OPENED, (mask._version, out))
     return out
 
 
