@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import weakref
@@ -240,6 +241,38 @@ def test_attention_masks_are_planned_with_the_eager_bits(device):
     with torch.no_grad():  # evaluation is neither replayed nor counted as eager
         planned(input_ids=ids, **kwargs)
     assert launch_plan_replays(planned) == 4 and plans.launch_plan_eager_steps(planned) == 0
+
+
+def test_sdpa_priority_order_and_math_reduction_are_part_of_the_key():
+    """SDPA's backend priority order and whether its math backend may reduce in bf16 decide
+    the attention a step runs: a step under other settings gets a plan of its own (each the
+    eager bits), the first plan is used again when the settings come back."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    eager, planned = pair("cpu", layers=1, backend="reference")
+    gen = torch.Generator().manual_seed(5)
+    order = [SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION,
+             SDPBackend.CUDNN_ATTENTION]  # fmt: skip
+    low = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    settings = [
+        contextlib.nullcontext,
+        lambda: sdpa_kernel(order, set_priority=True),
+        contextlib.nullcontext,
+    ]
+    made = []
+    try:
+        for setting in [*settings, None]:
+            if setting is None:  # the math backend's reduction switched
+                torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(not low)
+                setting = contextlib.nullcontext
+            ids = torch.randint(0, 128, (2, 8), generator=gen)
+            with setting():
+                assert_same(step(eager, ids, "cpu"), step(planned, ids, "cpu"))
+            made.append(len(plans._STATES[planned]["plans"]))
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(low)
+    assert made == [1, 2, 2, 3]
+    assert launch_plan_replays(planned) == 4 and launch_plan_refusals(planned) == []
 
 
 def test_the_check_keeps_a_broadcast_input_at_its_own_size():

@@ -712,9 +712,28 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 
 
 def _sdpa_switches() -> tuple:
-    b = torch.backends.cuda
-    return (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(),
-            b.cudnn_sdp_enabled())  # fmt: skip
+    """What SDPA chooses its backend and the math backend's precision from: the backends'
+    switches, their priority order (``sdpa_kernel(..., set_priority=True)``) and whether the
+    math backend may reduce in fp16/bf16. (Called once per planned layer step: torch's own
+    getters, which the public ones wrap, take half the host time.)"""
+    return (_flash_on(), _efficient_on(), _math_on(), _cudnn_on(), _fa3_on(),
+            tuple(_sdpa_priority()), _math_reduces_low())  # fmt: skip
+
+
+# torch's SDPA getters: private in torch 2.11-2.13 (the public wrapper where one is missing;
+# the priority order and FA3's switch have none).
+_cuda = torch.backends.cuda
+_flash_on = getattr(torch._C, "_get_flash_sdp_enabled", _cuda.flash_sdp_enabled)
+_efficient_on = getattr(torch._C, "_get_mem_efficient_sdp_enabled", _cuda.mem_efficient_sdp_enabled)
+_math_on = getattr(torch._C, "_get_math_sdp_enabled", _cuda.math_sdp_enabled)
+_cudnn_on = getattr(torch._C, "_get_cudnn_sdp_enabled", _cuda.cudnn_sdp_enabled)
+_fa3_on = getattr(torch._C, "_get_fa3_sdp_enabled", lambda: False)
+_sdpa_priority = getattr(torch._C, "_get_sdp_priority_order", lambda: ())
+_math_reduces_low = getattr(
+    torch._C,
+    "_get_math_sdp_allow_fp16_bf16_reduction",
+    _cuda.fp16_bf16_reduction_math_sdp_allowed,
+)
 
 
 _CHECKS = 3  # replays of the record before a plan is refused (see _make_plan)
@@ -874,7 +893,7 @@ def _planned(layer, state, hidden, cos_sin, attention_mask, cache, kwargs, check
         None if mask is None else _tensor_key(mask), layer.coat_config,
         id(layer.coat_ops), tuple(_tensor_key(p) for p in params),
         # What the recorded step's Python chose from: the attention's settings, SDPA's
-        # backend switches, deterministic algorithms.
+        # backend choice and math precision (_sdpa_switches), deterministic algorithms.
         attn.config._attn_implementation, attn.training, attn.attention_dropout,
         _sdpa_switches(), torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
