@@ -19,6 +19,7 @@ from coat_models.testing import TINY_LLAMA as TINY
 from coat_models.testing import sqnr, tiny_llama
 from fp8_activations import handed_over
 from fp8_activations.ops import cached_weight_fp8
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 
@@ -810,27 +811,47 @@ def test_padding_mask(impl, autocast):
     assert sqnr(want[keep].float(), got[keep].float()) >= LOGITS_FLOOR_DB
 
 
-def test_pad_rows_that_see_no_key_see_themselves():
-    """A boolean mask's rows that see no key (left padding under a causal mask) see their own
-    position, every other row as given; with a cache's offset (more keys than queries) too;
-    made once per mask while it is unchanged."""
+def test_pad_rows_that_see_no_key_see_the_first_key():
+    """A 4D boolean mask's rows that see no key (left padding under a causal mask) see the
+    first key (never later than the query, with a cache's offset or a static cache's longer
+    mask too), every other row as given; broadcast dimensions stay broadcast; made once per
+    forward: the next layer takes it, the layer that made it makes it again (a write that
+    leaves the version as it was is seen then), as does a changed version; 2D, float and
+    inference-mode masks work."""
+    first, second = nn.Linear(1, 1), nn.Linear(1, 1)  # (two layers, by identity)
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
     mask = causal[None, None].repeat(2, 1, 1, 1)
     mask[0, :, :, :2] = False  # two pad positions: rows 0 and 1 see nothing
-    got = llama._rows_see_themselves(mask)
+    got = llama._rows_see_a_key(mask, first)
     want = mask.clone()
-    want[0, 0, 0, 0] = want[0, 0, 1, 1] = True
+    want[0, 0, :2, 0] = True
     assert torch.equal(got, want) and got.any(-1).all()
-    assert llama._rows_see_themselves(mask) is got  # (the next layer's call)
-    mask[1, 0, 5, 0] = False  # changed in place: made again
-    assert torch.equal(llama._rows_see_themselves(mask)[1], mask[1])
-    offset = torch.zeros(1, 1, 2, 5, dtype=torch.bool)  # queries at key positions 3 and 4
-    offset[0, 0, 1, :] = True
-    want = offset.clone()
-    want[0, 0, 0, 3] = True
-    assert torch.equal(llama._rows_see_themselves(offset), want)
-    floats = torch.zeros(1, 1, 2, 2)
-    assert llama._rows_see_themselves(floats) is floats and llama._rows_see_themselves(None) is None
+    assert llama._rows_see_a_key(mask, second) is got  # (the next layer)
+    again = llama._rows_see_a_key(mask, first)  # (the next forward)
+    assert again is not got and torch.equal(again, want)
+    mask.numpy()[1, 0, 5, :] = False  # (no version bump): row 5 of the second now sees nothing
+    want[1, 0, 5, :] = False
+    want[1, 0, 5, 0] = True
+    assert torch.equal(llama._rows_see_a_key(mask, first), want)
+    mask[1, 0, 4, 0] = False  # in place (a new version): made again in any layer
+    want[1, 0, 4, 0] = False
+    assert torch.equal(llama._rows_see_a_key(mask, second), want)
+    right = causal[None, None].repeat(2, 1, 1, 1)
+    right[1, :, :, 4:] = False  # right padding: every row sees a key, the mask is as given
+    assert torch.equal(llama._rows_see_a_key(right, first), right)
+    static = torch.zeros(1, 1, 2, 8, dtype=torch.bool)  # (2 queries, a static cache of 8)
+    static[0, 0, 1, :4] = True
+    want = static.clone()
+    want[0, 0, 0, 0] = True
+    assert torch.equal(llama._rows_see_a_key(static, first), want)
+    wide = causal[None, None].expand(3, 1, 6, 6)  # (one mask broadcast over the batch)
+    got = llama._rows_see_a_key(wide, first)
+    assert torch.equal(got, wide) and got.stride(0) == 0
+    with torch.inference_mode():
+        frozen = mask.clone()
+    assert llama._rows_see_a_key(frozen, first).any(-1).all()
+    for other in (mask[:, 0, 0], mask.float(), None):  # (2D: a flash-attention mask)
+        assert llama._rows_see_a_key(other, first) is other
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

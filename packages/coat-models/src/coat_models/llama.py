@@ -797,7 +797,7 @@ class _CoatDecoderLayer(_CoatMixin):
             compute = torch.get_autocast_dtype(device)
             hidden_states = _in_dtype(hidden_states, compute)
             cos_sin = tuple(_in_dtype(t, compute) for t in cos_sin)
-        mask = _rows_see_themselves(kwargs.pop("attention_mask", None))
+        mask = _rows_see_a_key(kwargs.pop("attention_mask", None), self)
         out = graphs.run_graphed(self, hidden_states, cos_sin, mask, cache, kwargs, checkpointing)
         if out is None:  # enable_launch_plans: the recorded step
             out = plans.run_planned(
@@ -844,7 +844,7 @@ class _CoatDecoderLayer(_CoatMixin):
 # output's FP8 hand-over for the norm kept) while neither has changed since. Copies of
 # tensors that need gradients are not remembered: a leaf's copy would hold the leaf through
 # autograd (a cycle the collector cannot see), and such inputs are converted once anyway.
-_OPENED = "_coat_rows_see_themselves"  # (_rows_see_themselves: the mask made from it)
+_OPENED = "_coat_rows_see_a_key"  # (_rows_see_a_key: the mask made from it)
 _CONVERTED = "_coat_converted"
 
 
@@ -863,25 +863,30 @@ def _to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _rows_see_themselves(mask):
-    """A boolean attention mask whose query rows that see no key (a left-padded batch's pad
-    positions under a causal mask) see their own position instead. CUDA's cuDNN attention
-    gives such rows NaN gradients (seen with torch 2.11 on an H100: the tiny Llama at 64
-    tokens, plain bf16 transformers too), which reach every weight; seeing themselves, pad
-    rows stay finite and see nothing later (no label leaks), and the other rows are unchanged.
-    Made once per mask (remembered on it while it is unchanged), not once per layer."""
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() < 2:
-        return mask
-    compiling = torch.compiler.is_compiling()
-    hit = None if compiling else getattr(mask, _OPENED, None)
-    if hit is not None and hit[0] == mask._version:
+def _rows_see_a_key(mask, layer: nn.Module):
+    """A 4D boolean attention mask whose query rows that see no key (a left-padded batch's
+    pad positions under a causal mask) see the first key. CUDA's cuDNN attention gives such
+    rows NaN gradients (seen with torch 2.11 on an H100: the tiny Llama at 64 tokens, plain
+    bf16 transformers too), which reach every weight. The first key is never later than the
+    query, with a cache of any kind too (no label leaks), and the other rows' attention is
+    unchanged; the pad rows' outputs change (from 0 on the backends that make them 0), and
+    with them the per-tensor FP8 scales they may set. Broadcast dimensions stay broadcast.
+    Made once per model forward: remembered on the mask for the next layers, made again when
+    the layer that made it sees the mask again (the next forward, or a recomputation) or its
+    version changed."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
+        return mask  # (a 2D flash-attention mask, a float or block mask: as given)
+    keep = not (torch.compiler.is_compiling() or mask.is_inference())
+    hit = getattr(mask, _OPENED, None) if keep else None
+    if hit is not None and hit[0] == mask._version and hit[2] != id(layer):
         return hit[1]
-    q, k = mask.shape[-2:]
-    rows = torch.arange(q, device=mask.device) + (k - q)  # (a query's own key position)
-    own = torch.arange(k, device=mask.device) == rows[:, None]
-    out = mask | (own & ~mask.any(-1, keepdim=True))
-    if not compiling:
-        setattr(mask, _OPENED, (mask._version, out))
+    one = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
+                for n, st in zip(mask.shape, mask.stride(), strict=True))  # fmt: skip
+    base = mask[one]  # (the mask without its broadcast dimensions)
+    first = torch.arange(base.shape[-1], device=mask.device) == 0
+    out = (base | (first & ~base.any(-1, keepdim=True))).expand(mask.shape)
+    if keep:
+        setattr(mask, _OPENED, (mask._version, out, id(layer)))
     return out
 
 
