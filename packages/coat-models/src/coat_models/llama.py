@@ -844,7 +844,6 @@ class _CoatDecoderLayer(_CoatMixin):
 # output's FP8 hand-over for the norm kept) while neither has changed since. Copies of
 # tensors that need gradients are not remembered: a leaf's copy would hold the leaf through
 # autograd (a cycle the collector cannot see), and such inputs are converted once anyway.
-_OPENED = "_coat_rows_see_a_key"  # (_rows_see_a_key: the mask made from it)
 _CONVERTED = "_coat_converted"
 
 
@@ -861,6 +860,9 @@ def _to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = t.to(dtype)
     setattr(out, _CONVERTED, (t.dtype, out._version, t, t._version))
     return out
+
+
+_OPENED = "_coat_rows_see_a_key"  # (on a mask: what _rows_see_a_key made from it)
 
 
 def _rows_see_a_key(mask, layer: nn.Module):
