@@ -882,9 +882,7 @@ def _rows_see_a_key(mask, layer: nn.Module):
     hit = getattr(mask, _OPENED, None) if keep else None
     if hit is not None and hit[0] == mask._version and hit[2] != id(layer):
         return hit[1]
-    one = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
-                for n, st in zip(mask.shape, mask.stride(), strict=True))  # fmt: skip
-    base = mask[one]  # (the mask without its broadcast dimensions)
+    base = plans._unbroadcast(mask)
     first = torch.arange(base.shape[-1], device=mask.device) == 0
     out = (base | (first & ~base.any(-1, keepdim=True))).expand(mask.shape)
     if keep:

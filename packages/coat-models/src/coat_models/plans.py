@@ -747,14 +747,19 @@ def _float_inputs(tree) -> list[torch.Tensor]:
     return [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
 
 
+def _unbroadcast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its broadcast dimensions (stride 0, kept at size 1): what
+    ``.expand(t.shape)`` makes ``t`` again."""
+    return t[tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())]
+
+
 def _kept_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` that keeps its broadcast dimensions (stride 0) broadcast: an attention
     mask expanded over the heads is kept at the mask's size, not H times it (what ``clone``
     would make)."""
     if all(st != 0 or n <= 1 for n, st in zip(t.shape, t.stride(), strict=True)):
         return t.clone()
-    one = tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())
-    return t[one].clone().expand(t.shape)
+    return _unbroadcast(t).clone().expand(t.shape)
 
 
 def _fill_bytes(t: torch.Tensor) -> None:
