@@ -290,6 +290,31 @@ def test_the_check_keeps_a_broadcast_input_at_its_own_size():
     assert kept.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
 
 
+def test_keys_past_the_cap_run_eagerly_with_one_warning():
+    """Batches at ever new lengths: a layer makes at most ``max_plans_per_layer`` plans (each
+    keeps an arena); steps at further lengths run eagerly, with the eager bits, one warning
+    and one refusal line per layer; the lengths that have plans still replay them."""
+    base = tiny_llama(0, num_hidden_layers=2)
+    eager = apply_coat(copy.deepcopy(base), config=config("cpu", "reference"))
+    planned = enable_launch_plans(
+        apply_coat(base, config=config("cpu", "reference")), max_plans_per_layer=2
+    )
+    gen = torch.Generator().manual_seed(6)
+    with pytest.warns(UserWarning, match="2 plans made .max_plans_per_layer=2") as caught:
+        for seq in [8, 12, 16, 20, 8, 12]:
+            ids = torch.randint(0, 128, (1, seq), generator=gen)
+            assert_same(step(eager, ids, "cpu"), step(planned, ids, "cpu"))
+    assert len([w for w in caught if "launch plans" in str(w.message)]) == 1
+    assert len(plans._STATES[planned]["plans"]) == 2 * 2
+    assert launch_plan_replays(planned) == 2 * 4  # seq 8 and 12, each twice, two layers
+    assert plans.launch_plan_eager_steps(planned) == 2 * 2  # seq 16 and 20
+    refusals = launch_plan_refusals(planned)
+    assert len(refusals) == 2 and all("calls at other keys" in r for r in refusals)
+    for bad, error in [(0, ValueError), (2.0, TypeError), (True, TypeError)]:
+        with pytest.raises(error, match="max_plans_per_layer"):
+            enable_launch_plans(planned, max_plans_per_layer=bad)
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="apply_coat"):
         enable_launch_plans(tiny_llama())

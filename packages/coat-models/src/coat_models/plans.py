@@ -31,6 +31,8 @@ call a plan does not cover runs eagerly:
 
 * a KV cache holding tokens, extra attention keywords, gradient checkpointing, RoPE tables
   or an attention mask that require grad, ``torch.compile`` tracing;
+* a key past the layer's ``max_plans_per_layer`` plans (8 by default; each keeps an arena):
+  the first such call warns and adds one refusal line per layer;
 * a forward while the layer's previous planned forward still waits for its backward (the
   arena holds that step's saved activations); a backward whose arena was overwritten since
   (``retain_graph=True`` and a later forward) raises;
@@ -61,6 +63,7 @@ interpreter) and on one GPU rank.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import torch
@@ -602,10 +605,19 @@ class _Replay(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------ the layers
-def enable_launch_plans(model: nn.Module) -> nn.Module:
+def enable_launch_plans(model: nn.Module, *, max_plans_per_layer: int = 8) -> nn.Module:
     """Let the COAT decoder layers of ``model`` (after ``apply_coat``, weight cache off) run
-    their training steps from launch plans (see the module docstring). Returns ``model``."""
+    their training steps from launch plans (see the module docstring). Returns ``model``.
+
+    Each layer makes at most ``max_plans_per_layer`` plans (each holds an arena); a call at a
+    further key (batches padded to ever new lengths, say) runs eagerly, and the first such
+    call warns and adds one refusal line per layer."""
     from . import graphs
+
+    if isinstance(max_plans_per_layer, bool) or not isinstance(max_plans_per_layer, int):
+        raise TypeError(f"max_plans_per_layer must be an int, got {max_plans_per_layer!r}")
+    if max_plans_per_layer < 1:
+        raise ValueError(f"max_plans_per_layer must be at least 1, got {max_plans_per_layer}")
 
     layers = graphs.replayable_layers(model, "enable_launch_plans", "launch plans")
     for layer in layers:
@@ -621,7 +633,8 @@ def enable_launch_plans(model: nn.Module) -> nn.Module:
         )
     disable_launch_plans(model)
     _STATES[model] = {
-        "scratch": {}, "plans": [], "refusals": [], "replays": 0, "eager": 0, "retries": 0
+        "scratch": {}, "plans": [], "refusals": [], "replays": 0, "eager": 0, "retries": 0,
+        "max_plans": max_plans_per_layer, "capped": set(),
     }  # fmt: skip
     for layer in layers:
         layer.__dict__["_coat_plan_owner"] = weakref.ref(model)
@@ -638,6 +651,7 @@ def drop_plans(layer: nn.Module) -> None:
         state = _STATES.get(ref()) if ref is not None and ref() is not None else None
         if state is not None:
             dropped = {id(p) for p in plans.values() if isinstance(p, _Plan)}
+            state["capped"].discard(id(layer))
             state["plans"] = [p for p in state["plans"] if id(p) not in dropped]
             used = {p.device for p in state["plans"]}
             for device in [d for d in state["scratch"] if d not in used]:
@@ -860,6 +874,26 @@ def _make_plan(layer, state: dict, hidden, cos, sin, mask, params):
     return plan
 
 
+def _capped(layer: nn.Module, state: dict) -> None:
+    """The first call of ``layer`` past its plans' cap: one refusal line (and one warning
+    for the model)."""
+    if id(layer) in state["capped"]:
+        return
+    n = state["max_plans"]
+    why = (
+        f"{type(layer).__name__} {layer.self_attn.layer_idx}: {n} plan{'s' * (n != 1)} made "
+        f"(max_plans_per_layer={n}): calls at other keys (shapes, mask, settings) run eagerly"
+    )
+    state["refusals"].append(why)
+    if not state["capped"]:
+        warnings.warn(
+            f"launch plans: {why}; pad batches to a few fixed lengths, or pass a larger "
+            "enable_launch_plans(max_plans_per_layer=) (each plan keeps an arena allocated)",
+            stacklevel=4,
+        )
+    state["capped"].add(id(layer))
+
+
 def run_planned(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
     """The layer's output from its launch plan, or None when this call runs eagerly."""
     ref = layer.__dict__.get("_coat_plan_owner")
@@ -904,6 +938,9 @@ def _planned(layer, state, hidden, cos_sin, attention_mask, cache, kwargs, check
     )  # fmt: skip
     plans = layer.__dict__[_PLANS]
     plan = plans.get(key)
+    if plan is None and sum(isinstance(p, _Plan) for p in plans.values()) >= state["max_plans"]:
+        _capped(layer, state)
+        return None  # (not remembered: the keys past the cap may be endless)
     if plan is None:
         try:
             plan = _make_plan(layer, state, hidden, cos, sin, mask, params)
