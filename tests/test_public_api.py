@@ -61,3 +61,23 @@ def test_star_import_gives_exactly_all(package):
     exec(f"from {package} import *", namespace)
     namespace.pop("__builtins__")
     assert set(namespace) == set(importlib.import_module(package).__all__)
+
+
+@pytest.mark.parametrize(
+    "where, name, keywords",
+    [
+        ("coat_models", "apply_coat", ["config", "module_filter_fn", "fused_loss"]),
+        ("coat_models", "create_optimizer", ["config"]),
+        ("coat_models.plans", "enable_launch_plans", ["max_plans_per_layer"]),
+        ("fp8_activations", "convert_to_fp8_activations", ["config", "module_filter_fn"]),
+    ],
+)
+def test_settings_of_the_entry_points_are_keyword_only(where, name, keywords):
+    """One grammar (torchao's ``convert_to_float8_training``): the model positionally, every
+    setting by keyword."""
+    import inspect
+
+    params = inspect.signature(getattr(importlib.import_module(where), name)).parameters
+    assert {k: params[k].kind for k in keywords} == dict.fromkeys(
+        keywords, inspect.Parameter.KEYWORD_ONLY
+    )

@@ -39,6 +39,7 @@ def create_optimizer(
     lr: float = 3e-4,
     weight_decay: float = 0.1,
     betas: tuple[float, float] = (0.9, 0.95),
+    *,
     config: CoatAdamWConfig | None = None,
     **kw,
 ) -> CoatAdamW:
