@@ -11,7 +11,7 @@ import torch
 import transformers
 from coat_models import apply_coat, is_coat, revert_coat
 from coat_models.testing import TINY_LLAMA as TINY
-from coat_models.testing import tiny_llama
+from coat_models.testing import tiny_causal_lm, tiny_llama
 from coat_models.vila import apply_coat_vlm, llava_tiny_config
 from torch import nn
 
@@ -314,13 +314,6 @@ def test_a_peft_model_without_layer_adapters_says_to_convert_first():
     assert is_coat(model)
 
 
-def _tiny(family: str, **overrides):
-    """A tiny model of ``family`` (``transformers.<family>Config`` / ``<family>ForCausalLM``)."""
-    config = getattr(transformers, f"{family}Config")(**{**TINY, **overrides})
-    torch.manual_seed(0)
-    return getattr(transformers, f"{family}ForCausalLM")(config)
-
-
 @pytest.mark.parametrize("family, overrides, layer", [
     ("Granite", {"residual_multiplier": 0.22}, 0),
     ("SmolLM3", {"num_hidden_layers": 4, "pad_token_id": 0, "bos_token_id": 1,
@@ -330,11 +323,11 @@ def test_a_bf16_model_is_probed_in_fp32(family, overrides, layer):
     """bf16 weights (from_pretrained's usual dtype) were probed in bf16, whose tolerance
     passed Granite's residual multiplier (layer updates 4.5x too large) and SmolLM3's layers
     without RoPE: both converted and trained silently wrong. Refused as in fp32."""
-    model = _tiny(family, **overrides).to(torch.bfloat16)
+    model = tiny_causal_lm(family, **overrides).to(torch.bfloat16)
     with pytest.raises(TypeError, match=f"layer {layer} .*computes something else"):
         apply_coat(model)
     assert not is_coat(model)
-    assert is_coat(apply_coat(_tiny("Llama").to(torch.bfloat16)))  # a Llama converts
+    assert is_coat(apply_coat(tiny_causal_lm("Llama").to(torch.bfloat16)))  # a Llama converts
 
 
 @pytest.mark.parametrize("family, overrides, layer", [
@@ -350,14 +343,14 @@ def test_an_fp32_model_with_zero_output_projections_is_probed_on_random_weights(
     are loaded) hid what the layer does inside them, and Granite's residual multiplier and
     SmolLM3's layers without RoPE converted and trained silently wrong (30 steps
     from zero init, loss 2.87 against the plain model's 0.089)."""
-    model = _tiny(family, **overrides)
+    model = tiny_causal_lm(family, **overrides)
     for block in model.model.layers:
         block.self_attn.o_proj.weight.data.zero_()
         block.mlp.down_proj.weight.data.zero_()
     with pytest.raises(TypeError, match=f"layer {layer} .*computes something else"):
         apply_coat(model)
     assert not is_coat(model)
-    llama = _tiny("Llama")
+    llama = tiny_causal_lm("Llama")
     for block in llama.model.layers:
         block.self_attn.o_proj.weight.data.zero_()
     assert is_coat(apply_coat(llama))
@@ -368,7 +361,7 @@ def test_apply_coat_leaves_the_random_generators_as_they_were(monkeypatch, dtype
     """The probe's stand-in layer was built after torch.manual_seed(0), which seeds every
     GPU's generator too (fork_rng restored the CPU's only): in a user's loop every seed got
     the same GPU randomness (dropout) after apply_coat."""
-    model = _tiny("Llama").to(dtype)
+    model = tiny_causal_lm("Llama").to(dtype)
     torch.manual_seed(1234)
     state = torch.get_rng_state()
     seeded = []
@@ -384,7 +377,7 @@ def test_a_layer_with_a_patched_module_forward_is_probed_as_it_is(index, dtype):
     layer: the fp32 stand-in of a bf16 layer is built from its class (a first fix of the
     bf16 probe accepted a norm computing something else), and layers of one class and
     settings shared the first one's probe (a patch on layer 1 was accepted)."""
-    model = _tiny("Llama").to(dtype)
+    model = tiny_causal_lm("Llama").to(dtype)
     norm = model.model.layers[index].post_attention_layernorm
     norm.forward = lambda x: (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)
                               + 1e-6) * 5 * norm.weight.float()).to(x.dtype)  # fmt: skip
@@ -397,15 +390,15 @@ def test_a_query_scale_that_grows_with_the_position_is_refused():
     first positions, so it converted and long-context training lost the scale. The probe
     also runs far positions."""
     with pytest.raises(TypeError, match="layer 0 .*computes something else"):
-        apply_coat(_tiny("Ministral3"))
+        apply_coat(tiny_causal_lm("Ministral3"))
 
 
 def test_dropout_the_layer_applies_in_training_is_refused():
     """The probe runs in eval mode: Seed-OSS's residual_dropout (0.1 by default) converted and
     trained without its dropout. Refused naming it; at 0 the model converts."""
     with pytest.raises(TypeError, match=r"residual_dropout = 0.1: the COAT path applies no "):
-        apply_coat(_tiny("SeedOss"))
-    assert is_coat(apply_coat(_tiny("SeedOss", residual_dropout=0.0)))
+        apply_coat(tiny_causal_lm("SeedOss"))
+    assert is_coat(apply_coat(tiny_causal_lm("SeedOss", residual_dropout=0.0)))
 
 
 def test_a_layer_the_probe_cannot_run_is_refused_as_unsupported():
@@ -414,7 +407,7 @@ def test_a_layer_the_probe_cannot_run_is_refused_as_unsupported():
     from coat_models.llama import UnsupportedModel
 
     with pytest.raises(UnsupportedModel, match=r"could not be probed \(TypeError: .*layer_type"):
-        apply_coat(_tiny("MiMoV2Flash"))
+        apply_coat(tiny_causal_lm("MiMoV2Flash"))
 
 
 def test_a_vision_language_model_that_is_not_llava_shaped_names_its_language_model():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import transformers
 from coat_models import apply_coat, is_coat, linear_cross_entropy, llama, revert_coat
 from coat_models.testing import TINY_LLAMA as TINY
-from coat_models.testing import sqnr, tiny_llama
+from coat_models.testing import sqnr, tiny_causal_lm, tiny_llama
 from fp8_activations import handed_over
 from fp8_activations.ops import cached_weight_fp8
 from torch import nn
@@ -1469,20 +1469,13 @@ def test_what_the_coat_path_would_skip_is_refused():
 
 
 # --------------------------------------------------------------- other Llama-shaped models
-def _tiny(family: str):
-    torch.manual_seed(0)
-    if family == "mistral":
-        return transformers.MistralForCausalLM(
-            transformers.MistralConfig(**TINY, sliding_window=32)
-        )
-    if family == "qwen2":  # q/k/v biases
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY))
-    raise ValueError(family)
-
-
-@pytest.mark.parametrize("family", ["mistral", "qwen2"])
-def test_other_llama_shaped_models(family):
-    ref = _tiny(family).train()
+@pytest.mark.parametrize(
+    "family, overrides",
+    [("Mistral", {"sliding_window": 32}), ("Qwen2", {})],  # (Qwen2: q/k/v biases)
+    ids=["mistral", "qwen2"],
+)
+def test_other_llama_shaped_models(family, overrides):
+    ref = tiny_causal_lm(family, **overrides).train()
     model = apply_coat(copy.deepcopy(ref)).train()
     ids = tokens()
     want_logits, want_grads = logits_and_grads(ref, ids)

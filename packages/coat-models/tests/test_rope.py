@@ -13,6 +13,7 @@ import torch
 import transformers
 from coat_models import blocks, reference
 from coat_models.ops import rope
+from coat_models.testing import tiny_causal_lm
 from fp8_activations import FP8ActivationConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_rope
 
@@ -212,26 +213,11 @@ def test_fusable_only_for_the_standard_rotate_half():
 
 
 # ----------------------------------------------------------------------- in the COAT layer
-TINY = dict(
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    attn_implementation="sdpa",
-)
-
-
 def _tiny(family, dtype):
-    torch.manual_seed(0)
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),  # q/k/v biases
-    }[family]
-    return model_cls(config_cls(**TINY)).to(DEVICE, dtype).train()
+    """One layer of the tiny shape; Qwen2's q/k/v have biases."""
+    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
+    model = tiny_causal_lm(name, vocab_size=64, num_hidden_layers=1, attn_implementation="sdpa")
+    return model.to(DEVICE, dtype).train()
 
 
 def _layer_step(model, ops, config, seed=1):

@@ -5,6 +5,7 @@ One definition of "a tiny Llama" that every test module (and the worker processe
 them spawn) imports; tests that need another shape pass overrides.
 
 >>> model = tiny_llama(seed=0, num_hidden_layers=1)
+>>> mistral = tiny_causal_lm("Mistral", sliding_window=32)
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ def tiny_llama(seed: int = 0, **overrides):
     config = tiny_llama_config(**overrides)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def tiny_causal_lm(family: str = "Llama", seed: int = 0, **overrides):
+    """A ``transformers.<family>ForCausalLM`` of ``<family>Config`` with ``TINY_LLAMA``'s
+    shape and ``overrides``, its weights drawn after ``torch.manual_seed(seed)``: the
+    Llama-shaped families (``"Mistral"``, ``"Qwen2"``...) and those ``apply_coat`` refuses.
+    The attention implementation is the config's default unless ``overrides`` name one."""
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(**{**TINY_LLAMA, **overrides})
+    torch.manual_seed(seed)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
 
 
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
