@@ -27,9 +27,6 @@ numbers to report: the profilers add overhead), run as a script:
     python packages/coat-models/benchmarks/bench_llama_layer.py kernels --out layer_profile.txt
     python packages/coat-models/benchmarks/bench_llama_layer.py host --variants coat --batches 1,4
     python packages/coat-models/benchmarks/bench_llama_layer.py ops
-    python packages/coat-models/benchmarks/bench_llama_layer.py attribute --batch 1
-    python packages/coat-models/benchmarks/bench_llama_layer.py launches --batch 1
-    python packages/coat-models/benchmarks/bench_llama_layer.py floor --batch 1
     python packages/coat-models/benchmarks/bench_llama_layer.py repeat --batch 1
 
 ``kernels``: GPU kernel time per kernel name under ``torch.profiler``, per variant (default:
@@ -40,15 +37,10 @@ batch, the host time to enqueue one fwd+bwd (no sync inside) against its wall ti
 reported. When host time >= GPU time the layer is host-bound: the GPU waits for Python.
 ``ops``: the host time of one call of each building block (allocations, a view, a tiny
 kernel, one fp8_quant quantization, ``torch._scaled_mm`` against ``torch.mm``, an autograd
-node), which times the per-layer counts give the layer's host time. ``attribute``: the COAT
-layer's host time as is, without its FP8 GEMM calls, without its Triton launches, and
-without both (each replaced by nothing: what remains is Python, autograd and allocations).
-``launches``: each Triton launch of one COAT layer step replayed alone: its host time
-through ``fp8_quant.ops.launch``, in Triton's compiled launcher, and computing its key.
-``floor``: one step's Triton launches and FP8 GEMMs replayed alone, against the step.
-``repeat``: how many of ``--rounds`` repeats of one COAT layer step (as launch plans run it)
-differ from the first, per output and gradient, and the same for SDPA's causal backward with
-deterministic algorithms off and on (a plan's check compares bits).
+node), which times the per-layer counts give the layer's host time. ``repeat``: how many of
+``--rounds`` repeats of one COAT layer step (as launch plans run it) differ from the first,
+per output and gradient, and the same for SDPA's causal backward with deterministic
+algorithms off and on (a plan's check compares bits).
 """
 
 from __future__ import annotations
@@ -435,214 +427,6 @@ def profile_ops() -> str:
     return "\n".join(lines)
 
 
-def _coat_fp32_layer(batch: int):
-    """``(reset, step)`` of a COAT layer with fp32 weights under bf16 autocast, as
-    coat-train runs it: ``reset(bump)`` drops the gradients (``bump``: and updates the
-    weights in place, as an optimizer step would: the next step casts them), ``step()`` is
-    one forward + backward."""
-    from coat_models import apply_coat
-
-    model = apply_coat(_model(torch.float32))
-    layer, params = model.layers[0], list(model.layers[0].parameters())
-    pos = model.rotary_emb(
-        torch.zeros(1, SEQ, HIDDEN, device=DEVICE), torch.arange(SEQ, device=DEVICE)[None]
-    )
-    x = torch.randn(batch, SEQ, HIDDEN, device=DEVICE, requires_grad=True)
-    grad = torch.randn_like(x)
-
-    def reset(bump: bool) -> None:
-        x.grad = None
-        for p in params:
-            p.grad = None
-        if bump:
-            _bump_versions(layer)
-
-    def step(model=model) -> None:  # keeps the model alive
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = layer(x, attention_mask=None, position_embeddings=pos)
-        out.backward(grad)
-
-    return reset, step
-
-
-def profile_launches(batch: int) -> str:
-    """Host microseconds of each Triton launch of one COAT layer step (weights cast), each
-    launch replayed alone in a loop: through ``fp8_quant.ops.launch`` as the ops call it,
-    through the compiled launcher it ends in (Triton's part), and the specialization key
-    (``_keys``) alone; the rest of ``launch`` is its cache lookup and the device and stream
-    queries."""
-    from fp8_quant.ops import _launch
-
-    reset, step = _coat_fp32_layer(batch)
-    for _ in range(3):
-        reset(True)
-        step()
-    torch.cuda.synchronize()
-    captured, real = [], _launch._dispatch
-
-    def capture(kernel, grid, args, meta, interpreting, cache):
-        captured.append((kernel, grid, args, dict(meta)))
-        real(kernel, grid, args, meta, interpreting, cache)
-
-    reset(True)
-    _launch._dispatch = capture
-    try:
-        step()
-    finally:
-        _launch._dispatch = real
-    torch.cuda.synchronize()
-    device = torch.cuda.current_device()
-    stream = torch.cuda.current_stream().cuda_stream
-    lines = [
-        f"== coat layer, batch {batch} x seq {SEQ}: {len(captured)} Triton launches in one "
-        "fwd+bwd (weights cast); host us per launch, replayed 100 times (median of 5)",
-        f"  {'kernel':34s} {'args':>4} {'launch':>8} {'launcher':>9} {'key':>6}",
-    ]
-    total = [0.0, 0.0, 0.0]
-    for kernel, grid, args, meta in captured:
-        row = _launch_us(_launch, kernel, grid, args, meta, device, stream)
-        total = [t + r for t, r in zip(total, row, strict=True)]
-        name = getattr(kernel, "fn", kernel).__name__
-        lines.append(f"  {name[:34]:34s} {len(args):4d} {row[0]:8.2f} {row[1]:9.2f} {row[2]:6.2f}")
-    lines.append(
-        f"  {'all':34s} {'':4s} {total[0]:8.1f} {total[1]:9.1f} {total[2]:6.1f}   "
-        f"(launch = launcher + key + lookup and queries)"
-    )
-    return "\n".join(lines)
-
-
-def _launch_us(_launch, kernel, grid, args, meta, device, stream) -> list[float]:
-    """Host us of one launch replayed: through ``launch``, in the compiled launcher its
-    cache entry holds, and computing its key."""
-    key, direct = _launch._keys(args)
-    site = (id(kernel), len(args), tuple(meta.items()), device)
-    run, function, packed, tail = _launch._CACHE[site][key]
-    g1, g2 = (list(grid[1:]) + [1, 1])[:2]
-    launcher_args = (grid[0], g1, g2, stream, function, packed, None, None, None, *direct, *tail)
-    return [
-        _host_us(lambda: _launch.launch(kernel, grid, *args, **meta), 100),
-        _host_us(lambda: run(*launcher_args), 100),
-        _host_us(lambda: _launch._keys(args), 100),
-    ]
-
-
-def profile_floor(batch: int, rounds: int) -> str:
-    """The host time a COAT layer step would take if it did nothing but start its kernels:
-    one step (weights cast) is recorded, its Triton launches (through the compiled launchers
-    their cache entries hold, with the recorded arguments) and its ``torch._scaled_mm`` calls
-    (the recorded tensors) are replayed in order, with no Python of the ops, no autograd and
-    no allocation besides the GEMMs' outputs; SDPA, RoPE's autograd and the other torch ops
-    are not in it. Against the layer's own host time in the same process: how far a design
-    that replays a recorded launch plan could go on this host (the outputs are garbage)."""
-    from fp8_quant.ops import _launch
-
-    reset, step = _coat_fp32_layer(batch)
-    for _ in range(3):
-        reset(True)
-        step()
-    torch.cuda.synchronize()
-    calls, real_dispatch, real_mm = [], _launch._dispatch, torch._scaled_mm
-    stream = torch.cuda.current_stream().cuda_stream
-
-    def capture(kernel, grid, args, meta, interpreting, cache):
-        real_dispatch(kernel, grid, args, meta, interpreting, cache)
-        key, direct = _launch._keys(args)
-        site = (id(kernel), len(args), tuple(meta.items()), torch._C._cuda_getDevice())
-        run, function, packed, tail = _launch._CACHE[site][key]  # (made by the warm-up)
-        g1, g2 = (list(grid[1:]) + [1, 1])[:2]
-        launcher = (grid[0], g1, g2, stream, function, packed, None, None, None, *direct, *tail)
-        calls.append(("launch", run, launcher, args))  # (args: keeps the tensors alive)
-
-    def mm(*args, **kwargs):
-        calls.append(("gemm", real_mm, args, kwargs))
-        return real_mm(*args, **kwargs)
-
-    reset(True)
-    _launch._dispatch, torch._scaled_mm = capture, mm
-    try:
-        step()
-    finally:
-        _launch._dispatch, torch._scaled_mm = real_dispatch, real_mm
-    torch.cuda.synchronize()
-
-    def replay(kinds=("launch", "gemm")):
-        for kind, fn, args, kwargs in calls:
-            if kind in kinds:
-                if kind == "launch":
-                    fn(*args)
-                else:
-                    fn(*args, **kwargs)
-
-    def host_ms(fn, prepare=lambda: None) -> tuple[float, float]:
-        host, wall = [], []
-        for i in range(rounds + 3):
-            prepare()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            if i >= 3:
-                host.append(t1 - t0)
-                wall.append(time.perf_counter() - t0)
-        return statistics.median(host) * 1e3, statistics.median(wall) * 1e3
-
-    n_launch = sum(kind == "launch" for kind, *_ in calls)
-    rows = [
-        ("the layer as is (weights cast)", host_ms(step, lambda: reset(True))),
-        (f"replay: {n_launch} launches + {len(calls) - n_launch} GEMMs", host_ms(replay)),
-        ("replay: the launches alone", host_ms(lambda: replay(("launch",)))),
-        ("replay: the GEMMs alone", host_ms(lambda: replay(("gemm",)))),
-    ]
-    lines = [f"== coat layer, batch {batch} x seq {SEQ}: host / wall ms (median of {rounds})"]
-    lines += [f"  {name:44s} {h:7.3f} / {w:7.3f}" for name, (h, w) in rows]
-    return "\n".join(lines)
-
-
-def profile_attribute(batch: int, rounds: int) -> str:
-    """Where a COAT layer's host time goes: its fwd+bwd host time (fp32 weights under bf16
-    autocast, as coat-train runs it), then the same with ``torch._scaled_mm`` answered by an
-    empty tensor, with every Triton launch skipped, and with both (the outputs are garbage;
-    only the host time counts), after an optimizer-like weight update (the weights are
-    cast) and without one (the weight cache's copies reused: later micro-batches)."""
-    from fp8_quant.ops import _launch
-
-    reset, step = _coat_fp32_layer(batch)
-
-    def host_ms(bump: bool) -> float:
-        times = []
-        for i in range(rounds + 3):
-            reset(bump)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            if i >= 3:
-                times.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-        return statistics.median(times) * 1e3
-
-    def empty_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, use_fast_accum=False):
-        return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-
-    real_mm, real_dispatch = torch._scaled_mm, _launch._dispatch
-    lines = [f"== coat layer, batch {batch} x seq {SEQ}: host ms of fwd+bwd (median of {rounds})"]
-    for bump, tag in ((True, "weights cast"), (False, "weight cache reused")):
-        row = {}
-        for name, mm, dispatch in (
-            ("as is", real_mm, real_dispatch),
-            ("no _scaled_mm", empty_mm, real_dispatch),
-            ("no launches", real_mm, lambda *a: None),
-            ("neither", empty_mm, lambda *a: None),
-        ):
-            torch._scaled_mm, _launch._dispatch = mm, dispatch
-            try:
-                row[name] = host_ms(bump)
-            finally:
-                torch._scaled_mm, _launch._dispatch = real_mm, real_dispatch
-        lines.append(f"  {tag:20s} " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
-    return "\n".join(lines)
-
-
 def profile_repeat(batch: int, rounds: int) -> str:
     """How often a step repeats its own bits: the same COAT layer step (fp32 weights, bf16
     autocast, weight cache off, as launch plans run it) ``rounds`` times on one input, each
@@ -722,34 +506,20 @@ def main(argv=None) -> int:
     h.add_argument("--rounds", type=int, default=10)
     h.add_argument("--top", type=int, default=45)
     o = sub.add_parser("ops", help="host time per call of a layer's building blocks")
-    a = sub.add_parser("attribute", help="layer host time with GEMMs and/or launches skipped")
-    a.add_argument("--batch", type=int, default=1)
-    a.add_argument("--rounds", type=int, default=30)
-    n = sub.add_parser("launches", help="host time of each Triton launch of a layer step")
-    n.add_argument("--batch", type=int, default=1)
-    f = sub.add_parser("floor", help="host time of a layer step's kernels replayed alone")
-    f.add_argument("--batch", type=int, default=1)
-    f.add_argument("--rounds", type=int, default=30)
     r = sub.add_parser("repeat", help="how often a layer step (and SDPA) repeats its bits")
     r.add_argument("--batch", type=int, default=1)
     r.add_argument("--rounds", type=int, default=20)
-    for s in (k, h, o, a, n, f, r):
+    for s in (k, h, o, r):
         s.add_argument("--out", help="also write the report here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_llama_layer: profiling needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.what in ("ops", "attribute", "launches", "floor", "repeat"):
+    if args.what in ("ops", "repeat"):
         if args.what == "repeat":
             report = profile_repeat(args.batch, args.rounds)
-        elif args.what == "ops":
-            report = profile_ops()
-        elif args.what == "attribute":
-            report = profile_attribute(args.batch, args.rounds)
-        elif args.what == "floor":
-            report = profile_floor(args.batch, args.rounds)
         else:
-            report = profile_launches(args.batch)
+            report = profile_ops()
         print(report, flush=True)
         if args.out:
             Path(args.out).write_text(report + "\n")
