@@ -16,11 +16,11 @@ import inspect
 import typing
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from fp8_activations import FP8ActivationConfig
+from fp8_activations.convert import FilterFn  # (module, fqn) -> bool, one contract
 from fp8_activations.ops import drop_cached_weight_fp8
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -1069,7 +1069,6 @@ def _is_set(name: str, value) -> bool:
 
 
 # ------------------------------------------------------------------------------ conversion
-FilterFn = Callable[[nn.Module, str], bool]
 
 
 def check_flags(**flags) -> None:
