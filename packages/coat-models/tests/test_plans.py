@@ -290,26 +290,45 @@ def test_the_check_keeps_a_broadcast_input_at_its_own_size():
     assert kept.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
 
 
-def test_keys_past_the_cap_run_eagerly_with_one_warning():
-    """Batches at ever new lengths: a layer makes at most ``max_plans_per_layer`` plans (each
-    keeps an arena); steps at further lengths run eagerly, with the eager bits, one warning
-    and one refusal line per layer; the lengths that have plans still replay them."""
+def test_keys_past_the_cap_run_eagerly_with_one_warning(monkeypatch):
+    """Batches at ever new lengths: a layer tries at most ``max_plans_per_layer`` keys (a
+    plan keeps an arena, a try records the step; a refused key counts too); steps at further
+    lengths run eagerly, with the eager bits, one warning (at the caller's line) and one
+    refusal line per layer, also after ``.to()`` dropped the plans; the lengths that have
+    plans still replay them."""
     base = tiny_llama(0, num_hidden_layers=2)
     eager = apply_coat(copy.deepcopy(base), config=config("cpu", "reference"))
     planned = enable_launch_plans(
-        apply_coat(base, config=config("cpu", "reference")), max_plans_per_layer=2
+        apply_coat(base, config=config("cpu", "reference")), max_plans_per_layer=3
     )
+    make = plans._make_plan
+    tried = []
+
+    def refuse_12(layer, state, hidden, *args):
+        tried.append(hidden.shape[1])
+        if hidden.shape[1] == 12:
+            raise plans._NoPlan("refused for the test")
+        return make(layer, state, hidden, *args)
+
+    monkeypatch.setattr(plans, "_make_plan", refuse_12)
     gen = torch.Generator().manual_seed(6)
-    with pytest.warns(UserWarning, match="2 plans made .max_plans_per_layer=2") as caught:
-        for seq in [8, 12, 16, 20, 8, 12]:
+    with pytest.warns(UserWarning, match="at its cap of 3 keys .max_plans_per_layer.") as caught:
+        for seq in [8, 12, 16, 20, 24, 8, 16, 12]:
             ids = torch.randint(0, 128, (1, seq), generator=gen)
             assert_same(step(eager, ids, "cpu"), step(planned, ids, "cpu"))
-    assert len([w for w in caught if "launch plans" in str(w.message)]) == 1
+    (warning,) = [w for w in caught if "launch plans" in str(w.message)]
+    assert warning.filename == __file__  # (step() above: the caller's line)
+    assert tried == [8, 8, 12, 12, 16, 16]  # (two layers; 20 and 24 not tried)
     assert len(plans._STATES[planned]["plans"]) == 2 * 2
-    assert launch_plan_replays(planned) == 2 * 4  # seq 8 and 12, each twice, two layers
-    assert plans.launch_plan_eager_steps(planned) == 2 * 2  # seq 16 and 20
-    refusals = launch_plan_refusals(planned)
-    assert len(refusals) == 2 and all("calls at other keys" in r for r in refusals)
+    assert launch_plan_replays(planned) == 2 * 4  # seq 8 and 16, each twice, two layers
+    assert plans.launch_plan_eager_steps(planned) == 2 * 4  # 12 (refused) twice, 20, 24
+    capped = [r for r in launch_plan_refusals(planned) if "at its cap" in r]
+    assert len(capped) == 2 and len(launch_plan_refusals(planned)) == 2 + 2
+    planned.to("cpu", torch.float32)  # (drops the plans: the next steps try again)
+    for seq in [28, 32, 36, 40]:
+        step(planned, torch.randint(0, 128, (1, seq), generator=gen), "cpu")
+    assert len(plans._STATES[planned]["plans"]) == 2 * 3
+    assert len([r for r in launch_plan_refusals(planned) if "at its cap" in r]) == 2
     for bad, error in [(0, ValueError), (2.0, TypeError), (True, TypeError)]:
         with pytest.raises(error, match="max_plans_per_layer"):
             enable_launch_plans(planned, max_plans_per_layer=bad)

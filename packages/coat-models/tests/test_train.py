@@ -887,8 +887,8 @@ def test_table_says_how_many_layer_steps_the_launch_plans_replayed():
     assert "launch plans (coat): 1,024 of 1,088 layer steps replayed\n" in format_table(runs) + "\n"
     runs[1]["launch_plan_refusals"] = ["LlamaDecoderLayer 0: why", "LlamaDecoderLayer 1: why"]
     assert (
-        "replayed; plans refused 2 times (a layer at a shape), e.g. LlamaDecoderLayer 0: why"
-        in (format_table(runs))
+        "replayed; plans refused 2 times (a layer at a key, or at its cap of keys), e.g. "
+        "LlamaDecoderLayer 0: why" in (format_table(runs))
     )
     runs[1]["launch_plan_check_retries"] = 2
     assert "; plan checks replayed a record 2 more times after a replay that differed" in (

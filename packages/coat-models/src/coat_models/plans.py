@@ -31,8 +31,8 @@ call a plan does not cover runs eagerly:
 
 * a KV cache holding tokens, extra attention keywords, gradient checkpointing, RoPE tables
   or an attention mask that require grad, ``torch.compile`` tracing;
-* a key past the layer's ``max_plans_per_layer`` plans (8 by default; each keeps an arena):
-  the first such call warns and adds one refusal line per layer;
+* a key past the ``max_plans_per_layer`` keys the layer tried (8 by default; each plan
+  keeps an arena): the first such call adds one refusal line per layer, and warns;
 * a forward while the layer's previous planned forward still waits for its backward (the
   arena holds that step's saved activations); a backward whose arena was overwritten since
   (``retain_graph=True`` and a later forward) raises;
@@ -63,6 +63,8 @@ interpreter) and on one GPU rank.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 import weakref
 
@@ -609,9 +611,10 @@ def enable_launch_plans(model: nn.Module, *, max_plans_per_layer: int = 8) -> nn
     """Let the COAT decoder layers of ``model`` (after ``apply_coat``, weight cache off) run
     their training steps from launch plans (see the module docstring). Returns ``model``.
 
-    Each layer makes at most ``max_plans_per_layer`` plans (each holds an arena); a call at a
-    further key (batches padded to ever new lengths, say) runs eagerly, and the first such
-    call warns and adds one refusal line per layer."""
+    Each layer tries at most ``max_plans_per_layer`` keys (each plan holds an arena; each try
+    records the step); a call at a further key (batches padded to ever new lengths, say) runs
+    eagerly, and the first such call of each layer adds one refusal line (and, for the
+    model, warns)."""
     from . import graphs
 
     if isinstance(max_plans_per_layer, bool) or not isinstance(max_plans_per_layer, int):
@@ -651,7 +654,6 @@ def drop_plans(layer: nn.Module) -> None:
         state = _STATES.get(ref()) if ref is not None and ref() is not None else None
         if state is not None:
             dropped = {id(p) for p in plans.values() if isinstance(p, _Plan)}
-            state["capped"].discard(id(layer))
             state["plans"] = [p for p in state["plans"] if id(p) not in dropped]
             used = {p.device for p in state["plans"]}
             for device in [d for d in state["scratch"] if d not in used]:
@@ -881,17 +883,31 @@ def _capped(layer: nn.Module, state: dict) -> None:
         return
     n = state["max_plans"]
     why = (
-        f"{type(layer).__name__} {layer.self_attn.layer_idx}: {n} plan{'s' * (n != 1)} made "
-        f"(max_plans_per_layer={n}): calls at other keys (shapes, mask, settings) run eagerly"
+        f"{type(layer).__name__} {layer.self_attn.layer_idx}: at its cap of {n} key"
+        f"{'s' * (n != 1)} (max_plans_per_layer): calls at other keys (shapes, mask, "
+        "settings) run eagerly"
     )
     state["refusals"].append(why)
     if not state["capped"]:
         warnings.warn(
             f"launch plans: {why}; pad batches to a few fixed lengths, or pass a larger "
             "enable_launch_plans(max_plans_per_layer=) (each plan keeps an arena allocated)",
-            stacklevel=4,
+            stacklevel=_callers_level(),
         )
     state["capped"].add(id(layer))
+
+
+def _callers_level() -> int:
+    """``warnings.warn``'s stacklevel, called from the function that calls this, of the first
+    frame outside coat_models, torch and transformers (the user's training step)."""
+    import transformers
+
+    packages = (torch, transformers, sys.modules[__package__])
+    ours = tuple(os.path.dirname(m.__file__) + os.sep for m in packages)
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(ours):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def run_planned(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
@@ -938,7 +954,7 @@ def _planned(layer, state, hidden, cos_sin, attention_mask, cache, kwargs, check
     )  # fmt: skip
     plans = layer.__dict__[_PLANS]
     plan = plans.get(key)
-    if plan is None and sum(isinstance(p, _Plan) for p in plans.values()) >= state["max_plans"]:
+    if plan is None and len(plans) >= state["max_plans"]:  # (refused keys count: each tried)
         _capped(layer, state)
         return None  # (not remembered: the keys past the cap may be endless)
     if plan is None:

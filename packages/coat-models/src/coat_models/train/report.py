@@ -382,7 +382,8 @@ def format_table(summaries: list[dict]) -> str:
         if refused:
             n = len(refused)
             line += (
-                f"; plans refused {n} time{'s' * (n != 1)} (a layer at a shape), e.g. {refused[0]}"
+                f"; plans refused {n} time{'s' * (n != 1)} (a layer at a key, or at its cap of "
+                f"keys), e.g. {refused[0]}"
             )
         notes.append(line)
     if world > 1:

@@ -901,7 +901,8 @@ class Trainer:
             "launch_plan_replays": plan_replays,
             # Layer steps that ran eagerly with plans on (an attention mask, a refusal...).
             "launch_plan_eager_steps": plan_eager,
-            # Why layers ran eagerly at a key (one line per layer and key).
+            # Why layers ran eagerly at a key (one line per layer and key; one per layer
+            # at its cap of keys).
             "launch_plan_refusals": plan_refusals,
             # Replays the plans' checks took beyond each plan's first (this process only).
             "launch_plan_check_retries": launch_plan_check_retries(self.model),
