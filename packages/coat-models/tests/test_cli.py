@@ -248,6 +248,7 @@ def test_compile_with_gradient_accumulation_reads_the_weight_cache(tmp_path, cap
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_tiny_preset_learns_quickly(tmp_path, capsys):
     """The demo's preset and batch at half its sequence length (64 tokens, half the time): a
     clear drop of the loss in 30 CPU steps."""
@@ -518,6 +519,7 @@ def _signalled(mode: str, sig, count=2, gap=0.3) -> tuple:
         ("SIGINT", "native-forked"),
     ],
 )
+@pytest.mark.slow
 def test_a_second_signal_stops_a_run_stuck_in_one_native_operation(name, mode):
     """Python runs a signal's handler between bytecodes only: inside one long torch operation
     Ctrl-C waited for it to end (a helper's CLI probe: minutes). Two signals Python has not
@@ -1605,6 +1607,7 @@ def test_a_refused_resume_into_a_new_out_leaves_no_directory(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "no-manifest", "empty-step", "metrics"])
+@pytest.mark.slow
 def test_compare_resume_with_a_broken_later_checkpoint_changes_nothing(tmp_path, capsys, damage):
     """A later mode's newest checkpoint that cannot be resumed (a truncated file, a lost
     manifest, an empty step directory, a broken metrics line) is refused before the first

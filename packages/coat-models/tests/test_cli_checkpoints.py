@@ -206,6 +206,7 @@ def test_killed_at_each_stage_of_save_and_prune_resumes_bit_identically(runs, tm
         assert names(ckpts) == ["step_0000006"], out
 
 
+@pytest.mark.slow
 def test_resume_from_an_older_checkpoint_supersedes_later_ones(runs, tmp_path):
     """After resuming from step 2, the step 4 this run writes is the newest checkpoint, not
     the earlier run's step 6: pruning keeps it, and --resume continues from it."""
@@ -224,6 +225,7 @@ def test_resume_from_an_older_checkpoint_supersedes_later_ones(runs, tmp_path):
     assert records(out) == records(runs / "ref")
 
 
+@pytest.mark.slow
 def test_plain_resume_after_an_interrupted_resume_of_an_older_checkpoint_returns_to_it(
     runs, tmp_path
 ):
@@ -257,6 +259,7 @@ def test_a_resume_from_an_older_checkpoint_drops_the_replaced_runs_summary_and_m
 
 
 @pytest.mark.parametrize("how", ["link", "copy"])
+@pytest.mark.slow
 def test_a_resume_of_an_older_checkpoint_by_link_or_copy_supersedes_too(runs, tmp_path, how):
     """Through a link to it, the replaced run's summary and model went but the
     checkpoint was not made the newest (a plain --resume after an interrupt took step 6,
@@ -655,6 +658,7 @@ def test_resume_of_a_folder_of_another_out_names_that_out(runs, tmp_path, above)
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
 def test_resume_with_modes_the_out_has_no_checkpoint_of_names_those_it_has(runs, tmp_path):
     """Plain --resume of another mode than the run in --out trained: refused, naming the
     modes to continue (it trained coat from step 0 and replaced the report in --out with

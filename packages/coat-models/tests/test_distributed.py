@@ -457,6 +457,7 @@ def test_parameters_without_gradient_on_a_rank(runs):
         assert torch.equal(bits(loaded[key]), bits(value)), key
 
 
+@pytest.mark.slow
 def test_weights_alone_load_from_a_checkpoint_with_optimizer_state(runs):
     """``load_checkpoint(path, model)`` without an optimizer loads the weights of a checkpoint
     that holds optimizer state too, the same as with one (every ``optim.*`` key was reported

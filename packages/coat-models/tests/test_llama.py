@@ -358,6 +358,7 @@ def test_compiled_training_forward_keeps_a_cache_that_holds_tokens():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_compiled_layers_evaluate_and_generate_eagerly():
     """Only training forwards run compiled: eval and generate fill the KV cache, indexed by
     the layer's number, which traced would make a graph per layer and, past dynamo's
@@ -408,6 +409,7 @@ def test_compiled_layers_record_hidden_states_and_refuse_attentions():
         torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_a_whole_compiled_model_still_refuses_attentions_in_training():
     """compile_layers' eager check lets the traced one skip the attention recorder; under
     torch.compile(model), which checks nothing eagerly, output_attentions=True must still
@@ -421,6 +423,7 @@ def test_a_whole_compiled_model_still_refuses_attentions_in_training():
         torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_compiled_layers_past_the_recompile_limit_say_why():
     """A ninth sequence length raised dynamo's FailOnRecompileLimitHit (fullgraph=True),
     naming neither lengths nor a remedy. The limit is lowered from dynamo's 8 to 2 here
@@ -442,6 +445,7 @@ def test_compiled_layers_past_the_recompile_limit_say_why():
 
 
 @pytest.mark.parametrize("change", ["apply_coat", "revert_coat"])
+@pytest.mark.slow
 def test_compiled_layers_follow_a_later_conversion(change):
     """A layer converted (``apply_coat``) or reverted (``revert_coat``) after
     ``compile_layers`` runs its new class's forward, compiled, as eager does: the compiled
@@ -474,6 +478,7 @@ def test_compiled_layers_follow_a_later_conversion(change):
 
 
 @pytest.mark.parametrize("order", ["checkpointing first", "compile first"])
+@pytest.mark.slow
 def test_compiled_layers_under_activation_checkpointing(order):
     """compile_layers with transformers' activation checkpointing, enabled before or after:
     each layer's compiled forward runs inside torch.utils.checkpoint (transformers >= 5.2x
@@ -524,6 +529,7 @@ def test_compiled_layers_under_activation_checkpointing(order):
 
 
 @pytest.mark.parametrize("coat", [True, False])
+@pytest.mark.slow
 def test_copies_of_compiled_layers_run_their_own_weights(coat):
     """A compiled model copied (``copy.deepcopy``, ``torch.save`` + ``torch.load``) computes
     with the copy's weights, compiled again: the copy's compiled forward was the original's,
@@ -561,6 +567,7 @@ def test_copies_of_compiled_layers_run_their_own_weights(coat):
 
 @pytest.mark.parametrize("coat", [True, False])
 @pytest.mark.parametrize("own", ["method", "partial"])
+@pytest.mark.slow
 def test_copies_of_compiled_layers_with_their_own_forward(coat, own):
     """A layer whose forward was set on the instance before ``compile_layers`` (a bound
     method, a ``functools.partial`` of the layer: what hooks such as accelerate's set) keeps
@@ -1661,6 +1668,7 @@ def test_a_float64_model_trains_as_a_float32_one():
     assert grads[1].dtype == torch.float64 and sqnr(grads[1], grads[0]) > 60
 
 
+@pytest.mark.slow
 def test_50_steps_track_fp32_adamw():
     stream = token_stream(50)
     ref = tiny_llama()

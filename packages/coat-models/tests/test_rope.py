@@ -277,6 +277,7 @@ def test_layer_with_fused_rope_gives_the_same_bits(family, dtype, monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_coat_layer_with_fused_rope_gives_the_same_bits(monkeypatch):
     """The FP8 op set (Triton kernels throughout): with and without the fused RoPE."""
     model = _tiny("llama", torch.bfloat16)

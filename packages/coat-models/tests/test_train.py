@@ -612,6 +612,7 @@ def _host_reads_during_fit(trainer, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["bf16", "coat-act"])
+@pytest.mark.slow
 def test_trainer_reads_the_device_only_at_log_points(tmp_path, monkeypatch, mode):
     """40 steps, --log-every 10: the host reads tensor values only when it reads the queued
     steps (first step, every 10 steps, the progress line's every 4th, the last, and around
@@ -1058,6 +1059,7 @@ def test_non_finite_weights_after_the_last_step_end_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["bf16", "coat-act"])
+@pytest.mark.slow
 def test_breakdown_of_the_counted_steps_equals_counting_every_step(tmp_path, mode):
     """fit counts memory on the first timed step and the last only; its breakdown is the one
     of counting every step (steps 2-N have the same tensors; step 1 has no optimizer state
@@ -1267,6 +1269,7 @@ def test_run_on_cuda_resolves_graphs_and_cache_per_mode(tmp_path, monkeypatch, a
     assert args.cuda_graphs is given
 
 
+@pytest.mark.slow
 def test_summary_says_whether_the_graphs_replayed(tmp_path, monkeypatch):
     """``summary()['cuda_graphs']``: asked for and replayed (a layer that only ever ran
     eagerly, e.g. under an attention mask, does not count); kept in the checkpoint's totals,
@@ -1454,6 +1457,7 @@ def test_fit_on_a_gpu_freezes_the_heap_while_training(tmp_path, monkeypatch):
     assert len(frozen) == 4 and min(frozen) > before + 1000 and after == 0
 
 
+@pytest.mark.slow
 def test_a_cpu_run_frees_its_tensors_without_the_collector(tmp_path):
     """coat-train collects no garbage between modes on the CPU: no reference cycle may hold a
     mode's tensors (model, optimizer state, batches) once its trainer is closed."""
@@ -1482,6 +1486,7 @@ def test_a_cpu_run_frees_its_tensors_without_the_collector(tmp_path):
     assert held == [], [tuple(t.shape) for t in held[:8]]
 
 
+@pytest.mark.slow
 def test_coat_train_collects_between_modes_under_fsdp_on_the_cpu(tmp_path, monkeypatch):
     """FSDP2's state holds a mode's tensors in reference cycles: under --fsdp, coat-train
     collects between modes on the CPU too, and the first mode's tensors are gone then."""

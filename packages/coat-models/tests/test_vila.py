@@ -332,6 +332,7 @@ def test_bf16_master_keeps_the_buffers_from_pretrained_rebuilds():
         assert b.dtype == buffers[name].dtype and torch.equal(b, buffers[name]), name
 
 
+@pytest.mark.slow
 def test_trainer_learns_llava_and_writes_the_cli_records(bf16_run):
     summary, losses, out = bf16_run
     # The captions' template is learnt first: from ~ln(320) = 5.8 to under half of it (2.42
@@ -348,6 +349,7 @@ def test_trainer_learns_llava_and_writes_the_cli_records(bf16_run):
     assert evals[-1]["val_caption_acc"] == summary["val_caption_acc"]
 
 
+@pytest.mark.slow
 def test_compile_layers_compiles_the_language_model_and_leaves_the_tower_eager():
     """compile_layers on a LLaVA model: the LM's decoder layers are compiled (one graph) and
     give eager's loss and gradients; the vision tower's layers stay eager (transformers

@@ -162,6 +162,7 @@ def test_a_cast_serves_one_forward_of_the_weights_it_was_made_from():
 
 
 @pytest.mark.parametrize("cache", [True, False], ids=["cache", "on-the-fly"])
+@pytest.mark.slow
 def test_traced_casts_forward_in_one_launch_same_bits(cache, monkeypatch):
     """Under ``torch.compile`` (aot_eager: the traced ops as they are) ``cast_weights`` casts
     forward's copies of all the weights in one launch inside the graph and backward re-casts

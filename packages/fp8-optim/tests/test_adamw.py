@@ -77,6 +77,7 @@ def test_kernel_matches_reference_options(needs_triton, h, make_pair, name):
     h.assert_same_state(oa, pa, ob, pb)
 
 
+@pytest.mark.slow
 def test_kernel_matches_reference_many_steps(needs_triton, h, make_pair):
     # 30 steps, checked every 10: errors would compound through the quantized states.
     (pa, oa), (pb, ob) = make_pair("reference", "triton", shapes=((37, 41), (300,)))

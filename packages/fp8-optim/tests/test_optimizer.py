@@ -310,6 +310,7 @@ def _train(make_opt, dtype=torch.float32, steps=100):
     return torch.tensor(losses)
 
 
+@pytest.mark.slow
 def test_small_model_trains_like_adamw():
     # MLP 32-128-128-1 regression, lr 1e-3, 100 steps, full-data loss after every step.
     # Measured max deviation from fp32 AdamW: FP8 states 0.04%, bf16 params + stochastic
@@ -1728,6 +1729,7 @@ print("ok", m.v.to_local()[0].item())
 """
 
 
+@pytest.mark.slow
 def test_a_sharded_parameter_without_elements_but_with_rows():
     """FSDP2 shards a 4 x 0 parameter as 0 x 0 on every rank: CoatAdamW refused to be built
     ("rank 0 of 2 holds 0 rows of 4, expected 2"), where torch's AdamW takes it. Rank 0 of
