@@ -32,9 +32,12 @@ numbers to report: the profilers add overhead), run as a script:
 ``kernels``: GPU kernel time per kernel name under ``torch.profiler``, per variant (default:
 coat, bf16_eager; torchao_float8_compile when torchao imports). ``host``: per variant and
 batch, the host time to enqueue one fwd+bwd (no sync inside) against its wall time (enqueue
-+ synchronize), ``cProfile``'s top functions over a few rounds, and one round under
-``torch.cuda.set_sync_debug_mode("warn")`` so that any hidden host-device synchronization is
-reported. When host time >= GPU time the layer is host-bound: the GPU waits for Python.
++ synchronize), the memory a step keeps between steps beyond weights, gradients and inputs (a
+weight cache, a plan's arena, the graphs' pool) and its peak above that (``--padded N``: with
+a boolean padding mask whose first sequence has N padded positions), ``cProfile``'s top
+functions over a few rounds, and one round under ``torch.cuda.set_sync_debug_mode("warn")``
+so that any hidden host-device synchronization is reported. When host time >= GPU time the
+layer is host-bound: the GPU waits for Python.
 ``ops``: the host time of one call of each building block (allocations, a view, a tiny
 kernel, one fp8_quant quantization, ``torch._scaled_mm`` against ``torch.mm``, an autograd
 node), which times the per-layer counts give the layer's host time. ``repeat``: how many of
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import cProfile
+import gc
 import importlib.util
 import io
 import json
@@ -120,10 +124,10 @@ def _layer(variant: str):
     elif variant.endswith("cudagraphs"):
         run = torch.compile(layer, mode="reduce-overhead")
 
-    def forward(x, model=model):  # keeps the model alive: enable_cuda_graphs' state is on it
+    def forward(x, mask=None, model=model):  # keeps the model alive (graphs' state is on it)
         if variant.endswith("cudagraphs"):
             torch.compiler.cudagraph_mark_step_begin()  # a new training step each call
-        return run(x, attention_mask=None, position_embeddings=pos)
+        return run(x, attention_mask=mask, position_embeddings=pos)
 
     return forward, layer, pos
 
@@ -283,11 +287,26 @@ def profile_kernels(variant: str, rounds: int = 5) -> str:
     return "\n".join(lines)
 
 
-def profile_host(variant: str, batch: int, rounds: int, top: int) -> str:
-    """Host enqueue vs wall time, host-device syncs and cProfile's top functions."""
+def padding_mask(batch: int, padded: int) -> torch.Tensor | None:
+    """The boolean 4D causal mask of a left-padded batch: the first sequence's first
+    ``padded`` positions are padding (no query sees them); None for ``padded=0``."""
+    if not padded:
+        return None
+    q = torch.arange(SEQ, device=DEVICE)
+    mask = (q[None, :] <= q[:, None]).expand(batch, 1, SEQ, SEQ).clone()
+    mask[0, :, :, :padded] = False
+    return mask
+
+
+def profile_host(variant: str, batch: int, rounds: int, top: int, padded: int = 0) -> str:
+    """Host enqueue vs wall time, the peak memory of the timed steps, host-device syncs and
+    cProfile's top functions."""
+    gc.collect()  # (the previous variant's model, kept by reference cycles)
+    torch.cuda.empty_cache()
     forward, layer, _ = _layer(variant)
     x = torch.randn(batch, SEQ, HIDDEN, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
+    mask = padding_mask(batch, padded)
 
     def step():
         x.grad = None
@@ -295,15 +314,26 @@ def profile_host(variant: str, batch: int, rounds: int, top: int) -> str:
             p.grad = None
         if variant.startswith("coat"):
             _bump_versions(layer)  # as an optimizer step would: weights are re-cast
-        forward(x).backward(grad)
+        forward(x, mask).backward(grad)
 
     from layer_host_trees import host_wall  # (this folder: run as a script)
 
-    host, wall = host_wall(step, rounds, warmup=3)
+    step()  # (a plan or graph is made at the first step: its memory stays, as in training)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    host, wall = host_wall(step, rounds, warmup=2)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    # What the step keeps besides weights, gradients, inputs and mask: a weight cache, a plan's
+    # arena, the graphs' pool.
+    tensors = [x, x.grad, grad, mask, *layer.parameters(), *(p.grad for p in layer.parameters())]
+    held = (base - sum(t.nbytes for t in tensors if t is not None)) / 2**20
     host_ms, wall_ms = statistics.median(host) * 1e3, statistics.median(wall) * 1e3
+    shape = f"batch {batch} x seq {SEQ}" + (f", {padded} padded" if padded else "")
     lines = [
-        f"== {variant}, batch {batch} x seq {SEQ}: host enqueue {host_ms:.3f} ms,"
-        f" wall {wall_ms:.3f} ms (medians of {rounds})"
+        f"== {variant}, {shape}: host enqueue {host_ms:.3f} ms, wall {wall_ms:.3f} ms (medians"
+        f" of {rounds}); memory held between steps beyond weights and inputs {held:,.0f} MiB,"
+        f" a step's peak above that {peak:,.0f} MiB"
     ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -494,7 +524,7 @@ def profile_repeat(batch: int, rounds: int) -> str:
 
 def main(argv=None) -> int:
     """Profiles of the layer benchmarked above (diagnostics, not the numbers to report)."""
-    from coat_models.train.args import OneLineParser  # its subparsers are of its class too
+    from coat_models.train.args import OneLineParser, int_in  # (its subparsers: its class)
 
     p = OneLineParser(description="Profile one Llama-2-7B decoder layer (GPU).")
     sub = p.add_subparsers(dest="what", required=True)
@@ -505,6 +535,8 @@ def main(argv=None) -> int:
     h.add_argument("--batches", default="1,4")
     h.add_argument("--rounds", type=int, default=10)
     h.add_argument("--top", type=int, default=45)
+    pad_help = "a boolean padding mask: the first sequence's first N positions padded"
+    h.add_argument("--padded", type=int_in(0, SEQ - 1), default=0, metavar="N", help=pad_help)
     o = sub.add_parser("ops", help="host time per call of a layer's building blocks")
     r = sub.add_parser("repeat", help="how often a layer step (and SDPA) repeats its bits")
     r.add_argument("--batch", type=int, default=1)
@@ -535,7 +567,7 @@ def main(argv=None) -> int:
         if args.what == "kernels":
             runs = [lambda v=v: profile_kernels(v)]
         else:
-            runs = [lambda v=v, b=int(b): profile_host(v, b, args.rounds, args.top)
+            runs = [lambda v=v, b=int(b): profile_host(v, b, args.rounds, args.top, args.padded)
                     for b in args.batches.split(",")]  # fmt: skip
         for run in runs:
             parts.append(run())
