@@ -717,7 +717,7 @@ def launch_plan_bytes(model: nn.Module) -> int:
 
 def launch_plan_refusals(model: nn.Module) -> list[str]:
     """Why layers of ``model`` (or of the models it wraps) stayed eager at a key (one line
-    per layer and key)."""
+    per layer and key; one per layer at its cap of keys, ``max_plans_per_layer``)."""
     return [why for state in _states(model) for why in state["refusals"]]
 
 
