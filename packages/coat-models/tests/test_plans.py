@@ -176,11 +176,41 @@ def test_moving_the_model_records_again():
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(8))
     assert_same(step(eager, ids, "cpu"), step(planned, ids, "cpu"))
     layer = planned.model.layers[0]
-    assert len(vars(layer)["_coat_launch_plans"]) == 1
+    assert len(plans._LAYERS[layer]["plans"]) == 1
     planned.float()
-    assert vars(layer)["_coat_launch_plans"] == {} and plans._STATES[planned]["plans"] == []
+    assert plans._LAYERS[layer]["plans"] == {} and plans._STATES[planned]["plans"] == []
     assert_same(step(eager, ids, "cpu"), step(planned, ids, "cpu"))
     assert launch_plan_replays(planned) == 2
+
+
+def test_a_planned_model_saves_and_copies_without_its_plans():
+    """``torch.save(model)`` and ``copy.deepcopy`` of a planned model work; what they give
+    back has no plans (the arenas and records stay with the original): it trains eagerly,
+    with the same bits, until ``enable_launch_plans`` is called on it, and its steps are
+    not counted on the original."""
+    import io
+
+    eager, planned = pair("cpu", layers=1, backend="reference")
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(9))
+
+    def fresh_step(model):  # (gradients from None: a copy keeps the original's .grad)
+        for p in model.parameters():
+            p.grad = None
+        return step(model, ids, "cpu")
+
+    assert_same(fresh_step(eager), fresh_step(planned))
+    buffer = io.BytesIO()
+    torch.save(planned, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)  # (the bytes written just above)
+    for other in (copy.deepcopy(planned), loaded):
+        assert launch_plan_replays(other) == 0
+        assert not any(m in plans._LAYERS for m in other.modules())
+        assert_same(fresh_step(eager), fresh_step(other))
+        assert launch_plan_replays(planned) == 1 and plans.launch_plan_eager_steps(planned) == 0
+    copied = enable_launch_plans(copy.deepcopy(planned))
+    assert_same(fresh_step(eager), fresh_step(copied))
+    assert launch_plan_replays(copied) == 1 and launch_plan_replays(planned) == 1
 
 
 def test_a_second_forward_before_the_backward_runs_eagerly():
@@ -350,7 +380,7 @@ def test_refusals():
     assert launch_plan_replays(model) == 0
     ids = torch.randint(0, 128, (1, 8))
     step(model, ids, "cpu")  # eager again: nothing recorded
-    assert not any("_coat_launch_plans" in vars(m) for m in model.modules())
+    assert not any(m in plans._LAYERS for m in model.modules())
 
 
 @INTERPRETED

@@ -35,7 +35,8 @@ call a plan does not cover runs eagerly:
   keeps an arena): the first such call adds one refusal line per layer, and warns;
 * a forward while the layer's previous planned forward still waits for its backward (the
   arena holds that step's saved activations); a backward whose arena was overwritten since
-  (``retain_graph=True`` and a later forward) raises;
+  (``retain_graph=True`` and a later forward) raises, as does a second backward of one
+  planned step (``retain_graph=True``);
 * a record that reads a tensor from outside the step (a Python-side cache, a constant made
   before it), or that no replay on its own inputs reproduces bit for bit in 3 tries (a
   kernel the record missed: each check starts from 0xFF bytes in all the memory the step
@@ -49,6 +50,9 @@ call a plan does not cover runs eagerly:
   one replay differ: one equal replay of up to 3 suffices (those that differed first are
   counted in ``launch_plan_check_retries(model)``; with deterministic algorithms on, one
   replay is all).
+
+The plans are kept off the layers: ``torch.save(model)`` and ``copy.deepcopy(model)`` give
+a model without them, which runs eagerly until ``enable_launch_plans`` is called on it.
 
 The FP8 weight cache must be off (``FP8ActivationConfig(weight_cache=False)``): whether a
 weight is cast is a Python-side decision a record cannot hold. The arenas stay allocated
@@ -125,7 +129,11 @@ _ZEROS = frozenset({aten.zeros.default, aten.new_zeros.default, aten.zeros_like.
 _ALIGN = 256  # arena offsets: the caching allocator's alignment (Triton specializes on 16)
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PLANS = "_coat_launch_plans"  # on each layer: key -> _Plan or the reason there is none
+# Each planned layer's plans, kept off the layer (not pickled, not deep-copied with it: a copy
+# of a planned model runs eagerly until plans are enabled on it): layer -> {"owner": a weak
+# reference to the model whose state counts its steps, "plans": key -> _Plan or the reason
+# there is none}.
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _NoPlan(Exception):
@@ -640,18 +648,18 @@ def enable_launch_plans(model: nn.Module, *, max_plans_per_layer: int = 8) -> nn
         "max_plans": max_plans_per_layer, "capped": set(),
     }  # fmt: skip
     for layer in layers:
-        layer.__dict__["_coat_plan_owner"] = weakref.ref(model)
-        layer.__dict__[_PLANS] = {}
+        _LAYERS[layer] = {"owner": weakref.ref(model), "plans": {}}
     return model
 
 
 def drop_plans(layer: nn.Module) -> None:
     """Forget ``layer``'s plans (``.to()``, ``.cuda()``...: their arenas and recorded
     addresses belong to the old tensors); the next planned call records again."""
-    plans = layer.__dict__.get(_PLANS)
+    entry = _LAYERS.get(layer)
+    plans = None if entry is None else entry["plans"]
     if plans:
-        ref = layer.__dict__.get("_coat_plan_owner")
-        state = _STATES.get(ref()) if ref is not None and ref() is not None else None
+        owner = entry["owner"]()
+        state = None if owner is None else _STATES.get(owner)
         if state is not None:
             dropped = {id(p) for p in plans.values() if isinstance(p, _Plan)}
             state["plans"] = [p for p in state["plans"] if id(p) not in dropped]
@@ -669,8 +677,7 @@ def disable_launch_plans(model: nn.Module) -> nn.Module:
     for m in model.modules():
         _STATES.pop(m, None)
     for layer in graphs._coat_layers(model):
-        layer.__dict__.pop("_coat_plan_owner", None)
-        layer.__dict__.pop(_PLANS, None)
+        _LAYERS.pop(layer, None)
     return model
 
 
@@ -899,11 +906,11 @@ def _capped(layer: nn.Module, state: dict) -> None:
 
 def _callers_level() -> int:
     """``warnings.warn``'s stacklevel, called from the function that calls this, of the first
-    frame outside coat_models, torch and transformers (the user's training step)."""
-    import transformers
-
-    packages = (torch, transformers, sys.modules[__package__])
-    ours = tuple(os.path.dirname(m.__file__) + os.sep for m in packages)
+    frame outside the libraries a training step runs through (the user's line)."""
+    names = ("torch", "transformers", "accelerate", "peft", "fp8_activations", "fp8_quant",
+             __package__)  # fmt: skip
+    packages = [sys.modules.get(name) for name in names]
+    ours = tuple(os.path.dirname(m.__file__) + os.sep for m in packages if m and m.__file__)
     frame, level = sys._getframe(2), 2
     while frame is not None and frame.f_code.co_filename.startswith(ours):
         frame, level = frame.f_back, level + 1
@@ -912,12 +919,13 @@ def _callers_level() -> int:
 
 def run_planned(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
     """The layer's output from its launch plan, or None when this call runs eagerly."""
-    ref = layer.__dict__.get("_coat_plan_owner")
-    owner = None if ref is None else ref()
+    entry = _LAYERS.get(layer)
+    owner = None if entry is None else entry["owner"]()
     state = None if owner is None else _STATES.get(owner)
     if state is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return None
-    out = _planned(layer, state, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing)
+    out = _planned(entry["plans"], layer, state, hidden, cos_sin, attention_mask, cache, kwargs,
+                   checkpointing)  # fmt: skip
     if out is None:  # a training step a plan did not cover
         state["eager"] += 1
     else:
@@ -925,7 +933,7 @@ def run_planned(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs
     return out
 
 
-def _planned(layer, state, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
+def _planned(plans, layer, state, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
     """``run_planned`` for a training step: the plan's output, or None (eager)."""
     from . import graphs
 
@@ -952,7 +960,6 @@ def _planned(layer, state, hidden, cos_sin, attention_mask, cache, kwargs, check
         attn.config._attn_implementation, attn.training, attn.attention_dropout,
         _sdpa_switches(), torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
-    plans = layer.__dict__[_PLANS]
     plan = plans.get(key)
     if plan is None and len(plans) >= state["max_plans"]:  # (refused keys count: each tried)
         _capped(layer, state)
