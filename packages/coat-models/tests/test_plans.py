@@ -176,9 +176,9 @@ def test_moving_the_model_records_again():
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(8))
     assert_same(step(eager, ids, "cpu"), step(planned, ids, "cpu"))
     layer = planned.model.layers[0]
-    assert len(plans._LAYERS[layer]["plans"]) == 1
+    assert len(vars(layer)["_coat_launch_plans"]) == 1
     planned.float()
-    assert plans._LAYERS[layer]["plans"] == {} and plans._STATES[planned]["plans"] == []
+    assert vars(layer)["_coat_launch_plans"] == {} and plans._STATES[planned]["plans"] == []
     assert_same(step(eager, ids, "cpu"), step(planned, ids, "cpu"))
     assert launch_plan_replays(planned) == 2
 
@@ -205,7 +205,7 @@ def test_a_planned_model_saves_and_copies_without_its_plans():
     loaded = torch.load(buffer, weights_only=False)  # (the bytes written just above)
     for other in (copy.deepcopy(planned), loaded):
         assert launch_plan_replays(other) == 0
-        assert not any(m in plans._LAYERS for m in other.modules())
+        assert not any(set(plans.LAYER_KEYS) & set(vars(m)) for m in other.modules())
         assert_same(fresh_step(eager), fresh_step(other))
         assert launch_plan_replays(planned) == 1 and plans.launch_plan_eager_steps(planned) == 0
     copied = enable_launch_plans(copy.deepcopy(planned))
@@ -380,7 +380,7 @@ def test_refusals():
     assert launch_plan_replays(model) == 0
     ids = torch.randint(0, 128, (1, 8))
     step(model, ids, "cpu")  # eager again: nothing recorded
-    assert not any(m in plans._LAYERS for m in model.modules())
+    assert not any(set(plans.LAYER_KEYS) & set(vars(m)) for m in model.modules())
 
 
 @INTERPRETED

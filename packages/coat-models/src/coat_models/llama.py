@@ -723,12 +723,14 @@ class _CoatMixin:
     def __reduce_ex__(self, protocol):
         # Pickle finds classes by name, and the COAT subclass carries the original's name:
         # rebuild the original class, then convert again (torch.save(model), deepcopy).
-        # Without CUDA graphs (they belong to this model's tensors; a copy records its own).
+        # Without CUDA graphs or launch plans (they belong to this model's tensors; a copy
+        # records its own once they are enabled on it).
         # The state goes in pickle's state slot, restored once the module exists: pickle
         # and deepcopy then resolve what refers back to the module (a compiled layer's
         # CompiledForward, a forward set on the instance) to the copy; as an argument of
         # _unpickle it was copied before the module existed (a second copy of it, or no end).
-        state = {k: v for k, v in self.__dict__.items() if k not in graphs.LAYER_KEYS}
+        dropped = (*graphs.LAYER_KEYS, *plans.LAYER_KEYS)
+        state = {k: v for k, v in self.__dict__.items() if k not in dropped}
         return _unpickle, (type(self)._coat_original_class, type(self)._coat_mixin), state
 
 

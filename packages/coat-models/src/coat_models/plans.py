@@ -51,8 +51,9 @@ call a plan does not cover runs eagerly:
   counted in ``launch_plan_check_retries(model)``; with deterministic algorithms on, one
   replay is all).
 
-The plans are kept off the layers: ``torch.save(model)`` and ``copy.deepcopy(model)`` give
-a model without them, which runs eagerly until ``enable_launch_plans`` is called on it.
+``torch.save(model)`` and ``copy.deepcopy(model)`` give a model without plans (the COAT
+layers' pickling leaves them out), which runs eagerly until ``enable_launch_plans`` is called
+on it.
 
 The FP8 weight cache must be off (``FP8ActivationConfig(weight_cache=False)``): whether a
 weight is cast is a Python-side decision a record cannot hold. The arenas stay allocated
@@ -129,11 +130,12 @@ _ZEROS = frozenset({aten.zeros.default, aten.new_zeros.default, aten.zeros_like.
 _ALIGN = 256  # arena offsets: the caching allocator's alignment (Triton specializes on 16)
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Each planned layer's plans, kept off the layer (not pickled, not deep-copied with it: a copy
-# of a planned model runs eagerly until plans are enabled on it): layer -> {"owner": a weak
-# reference to the model whose state counts its steps, "plans": key -> _Plan or the reason
-# there is none}.
-_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLANS = "_coat_launch_plans"  # on each layer: key -> _Plan or the reason there is none
+_OWNER = "_coat_plan_owner"  # on each layer: a weak reference to the model its state is on
+# What a layer holds for its plans: not copied by pickling or deepcopy (the COAT layer's
+# __reduce_ex__ leaves these out, as graphs.LAYER_KEYS): a copy runs eagerly until plans are
+# enabled on it.
+LAYER_KEYS = (_PLANS, _OWNER)
 
 
 class _NoPlan(Exception):
@@ -648,18 +650,19 @@ def enable_launch_plans(model: nn.Module, *, max_plans_per_layer: int = 8) -> nn
         "max_plans": max_plans_per_layer, "capped": set(),
     }  # fmt: skip
     for layer in layers:
-        _LAYERS[layer] = {"owner": weakref.ref(model), "plans": {}}
+        # In __dict__, not as attributes: nn.Module would register the model as a child.
+        layer.__dict__[_OWNER] = weakref.ref(model)
+        layer.__dict__[_PLANS] = {}
     return model
 
 
 def drop_plans(layer: nn.Module) -> None:
     """Forget ``layer``'s plans (``.to()``, ``.cuda()``...: their arenas and recorded
     addresses belong to the old tensors); the next planned call records again."""
-    entry = _LAYERS.get(layer)
-    plans = None if entry is None else entry["plans"]
+    plans = layer.__dict__.get(_PLANS)
     if plans:
-        owner = entry["owner"]()
-        state = None if owner is None else _STATES.get(owner)
+        ref = layer.__dict__.get(_OWNER)
+        state = _STATES.get(ref()) if ref is not None and ref() is not None else None
         if state is not None:
             dropped = {id(p) for p in plans.values() if isinstance(p, _Plan)}
             state["plans"] = [p for p in state["plans"] if id(p) not in dropped]
@@ -677,7 +680,8 @@ def disable_launch_plans(model: nn.Module) -> nn.Module:
     for m in model.modules():
         _STATES.pop(m, None)
     for layer in graphs._coat_layers(model):
-        _LAYERS.pop(layer, None)
+        for key in LAYER_KEYS:
+            layer.__dict__.pop(key, None)
     return model
 
 
@@ -919,13 +923,12 @@ def _callers_level() -> int:
 
 def run_planned(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
     """The layer's output from its launch plan, or None when this call runs eagerly."""
-    entry = _LAYERS.get(layer)
-    owner = None if entry is None else entry["owner"]()
+    ref = layer.__dict__.get(_OWNER)
+    owner = None if ref is None else ref()
     state = None if owner is None else _STATES.get(owner)
     if state is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return None
-    out = _planned(entry["plans"], layer, state, hidden, cos_sin, attention_mask, cache, kwargs,
-                   checkpointing)  # fmt: skip
+    out = _planned(layer, state, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing)
     if out is None:  # a training step a plan did not cover
         state["eager"] += 1
     else:
@@ -933,7 +936,7 @@ def run_planned(layer: nn.Module, hidden, cos_sin, attention_mask, cache, kwargs
     return out
 
 
-def _planned(plans, layer, state, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
+def _planned(layer, state, hidden, cos_sin, attention_mask, cache, kwargs, checkpointing):
     """``run_planned`` for a training step: the plan's output, or None (eager)."""
     from . import graphs
 
@@ -960,6 +963,7 @@ def _planned(plans, layer, state, hidden, cos_sin, attention_mask, cache, kwargs
         attn.config._attn_implementation, attn.training, attn.attention_dropout,
         _sdpa_switches(), torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
+    plans = layer.__dict__[_PLANS]
     plan = plans.get(key)
     if plan is None and len(plans) >= state["max_plans"]:  # (refused keys count: each tried)
         _capped(layer, state)
